@@ -1,0 +1,1 @@
+"""The nanoserve command line: argument parsing and printing over the engine core."""
