@@ -1,0 +1,27 @@
+"""nanoserve: a small, readable LLM inference engine.
+
+`from nanoserve import LLM, SamplingParams`. The heavy names are imported lazily, so the
+torch-free modules (the scheduler, the block pool, the sampling parameters) stay importable
+without pulling in torch.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "nanoserve.llm",
+    "Completion": "nanoserve.llm",
+    "Engine": "nanoserve.engine",
+    "EngineConfig": "nanoserve.config",
+    "SamplingParams": "nanoserve.sampling_params",
+    "RequestOutput": "nanoserve.output",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'nanoserve' has no attribute {name!r}")

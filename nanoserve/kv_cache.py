@@ -1,0 +1,51 @@
+"""The KV cache tensors: one K and one V tensor per layer, addressed by (block, offset).
+
+Shape [num_blocks, block_size, num_kv_heads, head_dim] per layer, so writing one token's
+K/V is one contiguous row, and a request's context is gathered through its block table.
+Which block belongs to whom is `block_pool`'s business, not this module's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.config import ModelConfig
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_bytes
+    return per_token * block_size
+
+
+def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                          budget_bytes: int) -> int:
+    return max(1, budget_bytes // bytes_per_block(config, block_size, dtype))
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Zeros, not empty: attention multiplies masked (zero-probability) slots by these
+        # values, and 0 * NaN from uninitialized memory would poison a whole row.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V at flat slots (block_id * block_size + offset)."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of whole block tables: [seqs, blocks * block_size, kv_heads, head_dim]."""
+        seqs, blocks = block_tables.shape
+        k = self.k[layer][block_tables].view(seqs, blocks * self.block_size, *self.k[layer].shape[2:])
+        v = self.v[layer][block_tables].view(seqs, blocks * self.block_size, *self.v[layer].shape[2:])
+        return k, v

@@ -1,0 +1,254 @@
+"""The Llama-family forward pass over a flat batch of tokens from many sequences.
+
+Owns: token embedding, RMSNorm, rotary embeddings (with Llama-3 `rope_scaling`), grouped-query
+attention over the paged KV cache, the SwiGLU MLP, and a tied or untied output head.
+Knows nothing of requests, sampling or HTTP: a `ForwardBatch` says which rows are which.
+
+Rows are grouped for attention: all single-token (decode) rows form one group, each prefill
+chunk is a group of its own. Every group reads its context through block tables.
+
+Two kernels for the operations that mix rows (matrix multiplies and attention):
+- plain: torch's own, fastest; but a row's low bits depend on how many rows share the call.
+- batch-invariant: every such operation runs on fixed-shape tiles and reduces in a fixed
+  order, so a row's result is bit-identical alone, in any batch and at any position, and the
+  same whether it was computed in a prefill chunk or a decode step (so preemption by
+  recompute cannot change a token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import ModelConfig
+from nanoserve.kv_cache import KVCache
+
+# Row tile of the batch-invariant kernels: CPU GEMMs give the same bits for every row of a
+# 16-row call, while 1 row and 2..15 rows each take other code paths.
+ROW_TILE = 16
+# Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
+# pieces and the pieces are summed in order, so zero-padded context never moves a bit.
+CONTEXT_CHUNK = 64
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Rows that attend together: `num_seqs` sequences with `rows_per_seq` query rows each."""
+
+    row_start: int  # first row of this group in the flat batch
+    num_seqs: int
+    rows_per_seq: int
+    positions: torch.Tensor  # [num_seqs, rows_per_seq] absolute position of each query row
+    block_tables: torch.Tensor  # [num_seqs, num_blocks] cache blocks of each sequence
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    slot_mapping: torch.Tensor  # [rows] flat cache slot of each row's K/V
+    groups: list[AttentionGroup]
+    logits_rows: torch.Tensor  # [n] rows whose next-token logits are wanted
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections stacked: one GEMM instead of three
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up stacked
+    down: torch.Tensor
+
+
+@dataclass(slots=True)
+class LlamaWeights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+    @classmethod
+    def from_hf_state_dict(cls, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> LlamaWeights:
+        def layer(i: int) -> LayerWeights:
+            p = f"model.layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            return LayerWeights(
+                input_norm=tensors[p + "input_layernorm.weight"],
+                qkv=torch.cat([tensors[attn + f"{x}_proj.weight"] for x in "qkv"]),
+                o=tensors[attn + "o_proj.weight"],
+                post_norm=tensors[p + "post_attention_layernorm.weight"],
+                gate_up=torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]]),
+                down=tensors[mlp + "down_proj.weight"],
+            )
+
+        embed = tensors["model.embed_tokens.weight"]
+        lm_head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+        return cls(embed, [layer(i) for i in range(config.num_layers)],
+                   tensors["model.norm.weight"], lm_head)
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> LlamaWeights:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        tied = self.lm_head is self.embed
+        embed = move(self.embed)
+        layers = [LayerWeights(*(move(t) for t in (w.input_norm, w.qkv, w.o, w.post_norm,
+                                                   w.gate_up, w.down))) for w in self.layers]
+        return LlamaWeights(embed, layers, move(self.norm), embed if tied else move(self.lm_head))
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary frequencies, with Llama-3 scaling (long wavelengths stretched) when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear` on ROW_TILE-row tiles: one GEMM code path for every row, whatever the batch."""
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
+    return torch.cat([F.linear(tile, weight) for tile in padded.split(ROW_TILE)])[:rows]
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [s, kv_heads, rows, d], k/v [s, kv_heads, ctx, d], mask [s, 1, rows, ctx] bool."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention whose every row is computed the same way whatever its neighbours.
+
+    Query rows go in ROW_TILE tiles and the context in CONTEXT_CHUNK pieces, so each matrix
+    multiply has one fixed shape; the softmax runs along contiguous rows, and the per-chunk
+    P@V partials are summed in chunk order by a cumulative sum. Extra padding rows or chunks
+    add exact zeros, so they change nothing.
+    """
+    seqs, heads, rows, dim = q.shape
+    ctx = k.shape[2]
+    row_pad, ctx_pad = -rows % ROW_TILE, -ctx % CONTEXT_CHUNK
+    q = F.pad(q * scale, (0, 0, 0, row_pad)).view(seqs, heads, -1, 1, ROW_TILE, dim)
+    k = F.pad(k, (0, 0, 0, ctx_pad)).view(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
+    v = F.pad(v, (0, 0, 0, ctx_pad)).view(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
+    mask = F.pad(mask, (0, ctx_pad, 0, row_pad)).view(seqs, 1, -1, 1, ROW_TILE, ctx + ctx_pad)
+    tiles, chunks = q.shape[2], k.shape[3]
+    scores = (q @ k.transpose(-1, -2))  # [s, h, tiles, chunks, ROW_TILE, CHUNK]
+    scores = scores.transpose(3, 4).reshape(seqs, heads, tiles, ROW_TILE, chunks * CONTEXT_CHUNK)
+    scores = scores.masked_fill(~mask.squeeze(3), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows have no valid slot
+    probs = probs.view(seqs, heads, tiles, ROW_TILE, chunks, CONTEXT_CHUNK).transpose(3, 4)
+    partials = probs @ v  # [s, h, tiles, chunks, ROW_TILE, dim]
+    out = partials.cumsum(dim=3)[:, :, :, -1]
+    return out.reshape(seqs, heads, tiles * ROW_TILE, dim)[:, :, :rows]
+
+
+class Llama:
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
+                 max_positions: int | None = None) -> None:
+        self.config = config
+        self.weights = weights
+        self.batch_invariant = batch_invariant
+        self.linear = tiled_linear if batch_invariant else F.linear
+        self.attention = tiled_attention if batch_invariant else plain_attention
+        device = weights.embed.device
+        positions = torch.arange(max_positions or config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(positions, rope_inv_freq(config))
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self.rope_cos = angles.cos().to(device=device, dtype=weights.embed.dtype)
+        self.rope_sin = angles.sin().to(device=device, dtype=weights.embed.dtype)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`."""
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        masks = [self._group_mask(group, kv_cache.block_size) for group in batch.groups]
+        hidden = F.embedding(batch.input_ids, self.weights.embed)
+        for index, layer in enumerate(self.weights.layers):
+            normed = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
+            hidden = hidden + self._attention_block(index, layer, normed, cos, sin, batch, masks, kv_cache)
+            normed = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
+            hidden = hidden + self._mlp(layer, normed)
+        last = rms_norm(hidden[batch.logits_rows], self.weights.norm, self.config.rms_norm_eps)
+        return self.linear(last, self.weights.lm_head).float()
+
+    def _attention_block(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, batch: ForwardBatch, masks: list[torch.Tensor],
+                         kv_cache: KVCache) -> torch.Tensor:
+        cfg = self.config
+        qkv = self.linear(x, layer.qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kv_cache.write(index, batch.slot_mapping, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
+        out = torch.empty_like(q)
+        for group, mask in zip(batch.groups, masks, strict=True):
+            rows = slice(group.row_start, group.row_start + group.num_seqs * group.rows_per_seq)
+            out[rows] = self._attend_group(index, group, q[rows], mask, kv_cache)
+        return self.linear(out.view(-1, self.q_size), layer.o)
+
+    def _attend_group(self, index: int, group: AttentionGroup, q: torch.Tensor, mask: torch.Tensor,
+                      kv_cache: KVCache) -> torch.Tensor:
+        """q [seqs*rows, heads, d] -> same shape; query heads folded onto their shared K/V head."""
+        cfg = self.config
+        seqs, rows = group.num_seqs, group.rows_per_seq
+        per_kv = cfg.num_heads // cfg.num_kv_heads
+        k, v = kv_cache.gather(index, group.block_tables)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [seqs, kv_heads, ctx, d]
+        q = q.view(seqs, rows, cfg.num_kv_heads, per_kv, cfg.head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(seqs, cfg.num_kv_heads, per_kv * rows, cfg.head_dim)
+        out = self.attention(q, k, v, mask, self.scale)
+        out = out.view(seqs, cfg.num_kv_heads, per_kv, rows, cfg.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(seqs * rows, cfg.num_heads, cfg.head_dim)
+
+    def _group_mask(self, group: AttentionGroup, block_size: int) -> torch.Tensor:
+        """[seqs, 1, heads_per_kv * rows, ctx]: a query row sees the context up to its position."""
+        ctx = group.block_tables.shape[1] * block_size
+        slots = torch.arange(ctx, device=group.positions.device)
+        visible = slots.view(1, 1, ctx) <= group.positions.unsqueeze(-1)  # [seqs, rows, ctx]
+        per_kv = self.config.num_heads // self.config.num_kv_heads
+        return visible.unsqueeze(1).repeat(1, per_kv, 1, 1).view(group.num_seqs, 1, -1, ctx)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return self._swiglu(layer, x)
+        # Whole MLP per tile, so SiLU's vectorized/scalar split never depends on the batch.
+        rows = x.shape[0]
+        padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
+        return torch.cat([self._swiglu(layer, tile) for tile in padded.split(ROW_TILE)])[:rows]
+
+    def _swiglu(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down)

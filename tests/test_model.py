@@ -1,0 +1,178 @@
+"""The forward pass: equal to a plain dense causal forward, and batch-invariant when asked.
+
+These build a small random Llama in memory (no tokenizer needed) and drive `Llama.forward`
+directly with hand-made batches, so each property is pinned at the model's own boundary.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import ModelConfig
+from nanoserve.kv_cache import KVCache
+from nanoserve.model import AttentionGroup, ForwardBatch, Llama, LlamaWeights, rope_inv_freq
+
+BLOCK = 4
+CONFIG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True)
+
+
+def random_weights(config=CONFIG, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+              "mlp.down_proj": (h, i)}
+    tensors = {"model.embed_tokens.weight": torch.randn(config.vocab_size, h, generator=g) * 0.5,
+               "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}."
+        for name, shape in shapes.items():
+            tensors[f"{prefix}{name}.weight"] = torch.randn(*shape, generator=g) * 0.1
+        tensors[prefix + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+        tensors[prefix + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    return LlamaWeights.from_hf_state_dict(config, tensors)
+
+
+WEIGHTS = random_weights()
+
+
+def dense_forward(token_ids):
+    """An independent textbook forward: full causal attention, K/V heads repeated, no cache."""
+    x = WEIGHTS.embed[torch.tensor(token_ids)]
+    n = len(token_ids)
+    angles = torch.outer(torch.arange(n, dtype=torch.float64), rope_inv_freq(CONFIG))
+    cos, sin = torch.cat([angles, angles], -1).cos().float(), torch.cat([angles, angles], -1).sin().float()
+
+    def norm(t, w):
+        return w * (t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + CONFIG.rms_norm_eps))
+
+    def rope(t):
+        half = t.shape[-1] // 2
+        rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
+        return t * cos[:, None] + rotated * sin[:, None]
+
+    heads, kv_heads, d = CONFIG.num_heads, CONFIG.num_kv_heads, CONFIG.head_dim
+    for layer in WEIGHTS.layers:
+        q, k, v = (norm(x, layer.input_norm) @ layer.qkv.T).split([heads * d, kv_heads * d, kv_heads * d], -1)
+        q, k = rope(q.view(n, heads, d)), rope(k.view(n, kv_heads, d))
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.view(n, kv_heads, d).repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        x = x + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1) @ layer.o.T
+        gate, up = (norm(x, layer.post_norm) @ layer.gate_up.T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ layer.down.T
+    return norm(x, WEIGHTS.norm) @ WEIGHTS.lm_head.T
+
+
+class Cache:
+    """A KV cache plus a trivial block allocator for hand-made batches."""
+
+    def __init__(self):
+        self.kv = KVCache(CONFIG, 128, BLOCK, torch.float32, torch.device("cpu"))
+        self.next_block = 0
+        self.tables: dict[str, list[int]] = {}
+
+    def blocks(self, seq, num_tokens):
+        table = self.tables.setdefault(seq, [])
+        while len(table) * BLOCK < num_tokens:
+            table.append(self.next_block)
+            self.next_block += 1
+        return table
+
+
+def step(model, cache, chunks):
+    """chunks: (seq, token_ids, start). Decodes (1 token) first as one group, then prefills."""
+    chunks = sorted(chunks, key=lambda c: len(c[1]) > 1)
+    ids, positions, slots, groups, last_rows = [], [], [], [], []
+    decodes = [c for c in chunks if len(c[1]) == 1]
+    units = ([decodes] if decodes else []) + [[c] for c in chunks if len(c[1]) > 1]
+    for unit in units:
+        row_start = len(ids)
+        tables = []
+        for seq, tokens, start in unit:
+            table = cache.blocks(seq, start + len(tokens))
+            tables.append(table)
+            for p, token in enumerate(tokens, start):
+                ids.append(token)
+                positions.append(p)
+                slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
+            last_rows.append(len(ids) - 1)
+        width = max(len(t) for t in tables)
+        groups.append(AttentionGroup(
+            row_start, len(unit), len(unit[0][1]),
+            torch.tensor([list(range(s, s + len(t))) for _, t, s in unit]),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables])))
+    batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), groups,
+                         torch.tensor(last_rows))
+    logits = model.forward(batch, cache.kv)
+    return {seq: logits[i] for i, (seq, _, _) in enumerate(c for unit in units for c in unit)}
+
+
+PROMPT_A = [(7 * i + 3) % 300 for i in range(13)]
+PROMPT_B = [(11 * i + 5) % 300 for i in range(37)]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_prefill_and_decode_match_a_dense_causal_forward(batch_invariant):
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
+    cache = Cache()
+    prefill = step(model, cache, [("a", PROMPT_A[:-1], 0)])
+    torch.testing.assert_close(prefill["a"], dense_forward(PROMPT_A[:-1])[-1], atol=1e-4, rtol=1e-4)
+    decode = step(model, cache, [("a", PROMPT_A[-1:], len(PROMPT_A) - 1)])
+    torch.testing.assert_close(decode["a"], dense_forward(PROMPT_A)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch():
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=True)
+    alone = step(model, Cache(), [("a", PROMPT_A, 0)])["a"]
+    for others in (1, 3, 17):
+        cache = Cache()
+        crowd = [(f"n{i}", PROMPT_B[: 5 + 2 * i], 0) for i in range(others)]
+        crowd.insert(others // 2, ("a", PROMPT_A, 0))
+        assert torch.equal(step(model, cache, crowd)["a"], alone)
+
+
+def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit():
+    """What preemption by recompute relies on: K/V from decode steps equal a re-prefill."""
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=True)
+    incremental, neighbours = Cache(), [("b", PROMPT_B, 0)]
+    step(model, incremental, [("a", PROMPT_A[:5], 0), *neighbours])
+    for p in range(5, len(PROMPT_A)):  # decode the rest one token at a time beside a neighbour
+        logits = step(model, incremental, [("a", PROMPT_A[p:p + 1], p), ("b", [p], len(PROMPT_B) + p - 5)])
+    recomputed = step(model, Cache(), [("a", PROMPT_A, 0)])["a"]
+    assert torch.equal(logits["a"], recomputed)
+
+
+def test_plain_kernels_are_not_batch_invariant_on_this_machine():
+    """Why the batch-invariant switch exists: if this ever passes, the switch may be unneeded."""
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=False)
+    alone = step(model, Cache(), [("a", PROMPT_A, 0)])["a"]
+    crowd = [(f"n{i}", PROMPT_B[: 5 + i], 0) for i in range(17)] + [("a", PROMPT_A, 0)]
+    if torch.equal(step(model, Cache(), crowd)["a"], alone):
+        pytest.skip("plain kernels happened to be batch-invariant on this CPU/BLAS")
+    assert not torch.equal(step(model, Cache(), crowd)["a"], alone)
+
+
+def test_llama3_rope_scaling_stretches_long_wavelengths_and_keeps_short_ones():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    plain_cfg = ModelConfig(vocab_size=10, hidden_size=128, intermediate_size=8, num_layers=1, num_heads=2,
+                            num_kv_heads=1, head_dim=64, max_position_embeddings=16, rms_norm_eps=1e-5,
+                            rope_theta=500000.0, rope_scaling=None, tie_word_embeddings=True)
+    scaled_cfg = ModelConfig(**{**{f: getattr(plain_cfg, f) for f in plain_cfg.__slots__},
+                                "rope_scaling": scaling})
+    plain, scaled = rope_inv_freq(plain_cfg), rope_inv_freq(scaled_cfg)
+    wavelength = 2 * math.pi / plain
+    short = wavelength < 8192 / 4.0
+    long = wavelength > 8192 / 1.0
+    assert short.any() and long.any()
+    assert torch.equal(scaled[short], plain[short])
+    torch.testing.assert_close(scaled[long], plain[long] / 8.0)
+    middle = ~short & ~long
+    assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8.0)).all()
