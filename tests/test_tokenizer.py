@@ -1,0 +1,285 @@
+"""Tokenizer, chat templates, streaming detokenization and stop strings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoserve.errors import InvalidRequestError
+from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+ROCKET = "🚀"
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+def _copy_with(src: Path, dst: Path, file_name: str, **changes: object) -> Path:
+    """A copy of checkpoint `src` whose JSON file `file_name` has `changes` applied."""
+    shutil.copytree(src, dst)
+    config_path = dst / file_name
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config_path.write_text(json.dumps(config | changes))
+    return dst
+
+
+def _with_template(tokenizer: Tokenizer, template: str | None) -> Tokenizer:
+    return Tokenizer(
+        tokenizer.backend,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        chat_template=template,
+    )
+
+
+# ---- Tokenizer ----------------------------------------------------------------------------
+
+
+@given(text=st.text(max_size=60))
+@settings(max_examples=80, deadline=None)
+def test_decode_inverts_encode(tiny_tokenizer, text):
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
+
+
+def test_special_tokens_in_text_encode_to_their_ids(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == tiny_tokenizer.bos_token_id == 1
+    assert ids[-1] == tiny_tokenizer.eos_token_id == 2
+    assert tiny_tokenizer.decode(ids) == "user\nhi"
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_encode_adds_bos_only_when_config_says_so(tiny_model_dir, tiny_tokenizer, tmp_path):
+    assert tiny_tokenizer.encode("hello")[0] != tiny_tokenizer.bos_token_id
+    with_bos = _copy_with(tiny_model_dir, tmp_path / "m", "tokenizer_config.json", add_bos_token=True)
+    tokenizer = Tokenizer.from_dir(with_bos)
+    assert tokenizer.encode("hello") == [tokenizer.bos_token_id, *tiny_tokenizer.encode("hello")]
+    assert tokenizer.encode("hello", add_bos=False) == tiny_tokenizer.encode("hello")
+
+
+def test_eos_token_ids_unite_tokenizer_and_generation_config(tiny_model_dir, tmp_path):
+    model_dir = _copy_with(tiny_model_dir, tmp_path / "m", "generation_config.json", eos_token_id=[0, 2])
+    assert Tokenizer.from_dir(model_dir).eos_token_ids == frozenset({0, 2})
+
+
+def test_vocab_size_counts_added_tokens(tiny_tokenizer):
+    assert tiny_tokenizer.vocab_size == 384
+    assert tiny_tokenizer.id_to_token(2) == "<|im_end|>"
+
+
+def test_chat_template_renders_chatml(tiny_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tiny_tokenizer.apply_chat_template(messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert not tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=False).endswith(
+        "assistant\n"
+    )
+
+
+def test_chat_template_trims_blocks_like_hf(tiny_tokenizer):
+    template = "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ m.content }};\n"
+    template += "    {% endif %}\n{% endfor %}"
+    tokenizer = _with_template(tiny_tokenizer, template)
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert tokenizer.apply_chat_template(messages) == "a;\nb;\n"
+
+
+def test_chat_template_sees_bos_and_eos_and_plain_tojson(tiny_tokenizer):
+    template = "{{ bos_token }}{{ messages[0] | tojson }}{{ eos_token }}"
+    tokenizer = _with_template(tiny_tokenizer, template)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "<b>&"}])
+    assert rendered == '<|im_start|>{"role": "user", "content": "<b>&"}<|im_end|>'
+
+
+def test_model_without_chat_template_is_an_invalid_request(tiny_tokenizer):
+    tokenizer = _with_template(tiny_tokenizer, None)
+    with pytest.raises(InvalidRequestError, match="no chat template") as caught:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert caught.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hello",
+        ["hello"],
+        [{"content": "no role"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": 3}],
+    ],
+)
+def test_malformed_messages_are_invalid_requests(tiny_tokenizer, messages):
+    with pytest.raises(InvalidRequestError) as caught:
+        tiny_tokenizer.apply_chat_template(messages)
+    assert caught.value.param == "messages"
+
+
+def test_template_raise_exception_is_an_invalid_request(tiny_tokenizer):
+    template = "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    tokenizer = _with_template(tiny_tokenizer, template)
+    with pytest.raises(InvalidRequestError, match="user first"):
+        tokenizer.apply_chat_template([{"role": "assistant", "content": "hi"}])
+
+
+# ---- IncrementalDetokenizer -------------------------------------------------------------
+
+
+def _stream(tokenizer: Tokenizer, chunks: list[list[int]]) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    return [detokenizer.push(chunk) for chunk in chunks] + [detokenizer.flush()]
+
+
+@st.composite
+def _chunked_ids(draw: st.DrawFn) -> list[list[int]]:
+    ids = draw(st.lists(st.integers(0, 383), max_size=40))
+    cuts = sorted(draw(st.lists(st.integers(0, len(ids)), max_size=8)))
+    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+
+
+@given(chunks=_chunked_ids())
+@settings(max_examples=150, deadline=None)
+def test_streamed_text_concatenates_to_the_full_decode(tiny_tokenizer, chunks):
+    all_ids = [i for chunk in chunks for i in chunk]
+    assert "".join(_stream(tiny_tokenizer, chunks)) == tiny_tokenizer.decode(all_ids)
+
+
+@given(text=st.text(max_size=40))
+@settings(max_examples=80, deadline=None)
+def test_streaming_valid_text_never_emits_a_partial_character(tiny_tokenizer, text):
+    ids = tiny_tokenizer.encode(text)
+    deltas = _stream(tiny_tokenizer, [[i] for i in ids])
+    if REPLACEMENT_CHAR not in text:
+        assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+    assert "".join(deltas) == text
+
+
+def test_emoji_split_across_tokens_is_held_until_whole(tiny_tokenizer):
+    ids = tiny_tokenizer.encode(ROCKET)
+    assert len(ids) > 1  # its four UTF-8 bytes span several byte-level tokens
+    deltas = _stream(tiny_tokenizer, [[i] for i in ids])
+    assert deltas == [""] * (len(ids) - 1) + [ROCKET, ""]
+
+
+def test_detokenizer_decodes_a_bounded_window(tiny_tokenizer):
+    ids = tiny_tokenizer.encode(" ".join(["The quick brown fox 🚀 jumps."] * 40))
+
+    class WindowLimit(Tokenizer):
+        def decode(self, token_ids, skip_special_tokens=True):
+            if len(token_ids) > 16:
+                raise AssertionError(f"decoded {len(token_ids)} tokens for one push")
+            return super().decode(token_ids, skip_special_tokens)
+
+    limited = WindowLimit(tiny_tokenizer.backend)
+    assert "".join(_stream(limited, [[i] for i in ids])) == tiny_tokenizer.decode(ids)
+
+
+# ---- StopStringMatcher --------------------------------------------------------------------
+
+
+def _feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
+    emitted = []
+    for piece in pieces:
+        text, stopped = matcher.feed(piece)
+        emitted.append(text)
+        if stopped:
+            return "".join(emitted), True
+    return "".join(emitted) + matcher.flush(), False
+
+
+@st.composite
+def _split(draw: st.DrawFn, text: str) -> list[str]:
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@given(
+    data=st.data(),
+    text=st.text("abc<>", max_size=30),
+    stops=st.lists(st.text("abc<>", min_size=1, max_size=4), min_size=1, max_size=3),
+)
+@settings(max_examples=200, deadline=None)
+def test_matcher_emits_exactly_the_text_before_the_first_stop(data, text, stops):
+    pieces = data.draw(_split(text))
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    emitted, stopped = _feed_all(StopStringMatcher(stops), pieces)
+    assert stopped == (first is not None)
+    assert emitted == (text if first is None else text[:first])
+
+
+def test_matcher_holds_back_a_possible_stop_prefix():
+    matcher = StopStringMatcher(["</end>"])
+    assert matcher.feed("hello </e") == ("hello ", False)
+    assert matcher.feed("x") == ("</ex", False)
+    assert matcher.feed("</en") == ("", False)
+    assert matcher.flush() == "</en"
+
+
+def test_matcher_names_the_stop_it_hit_and_stays_stopped():
+    matcher = StopStringMatcher(["STOP", "END"])
+    assert matcher.feed("abcEN") == ("abc", False)
+    assert matcher.feed("D and more") == ("", True)
+    assert matcher.matched == "END"
+    assert matcher.feed("later") == ("", True)
+
+
+def test_matcher_without_stop_strings_passes_text_through():
+    matcher = StopStringMatcher([])
+    assert matcher.feed("anything") == ("anything", False)
+    assert matcher.flush() == ""
+
+
+# ---- the real tokenizer -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(default_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.mark.real_model
+def test_real_tokenizer_matches_reference_prompt_ids(smollm2_tokenizer, reference):
+    for case in reference.cases:
+        text = case["rendered"] if case["messages"] else case["prompt"]
+        assert smollm2_tokenizer.encode(text) == case["prompt_ids"], text
+
+
+@pytest.mark.real_model
+def test_real_chat_template_renders_reference(smollm2_tokenizer, reference):
+    for case in reference.cases:
+        if case["messages"]:
+            assert smollm2_tokenizer.apply_chat_template(case["messages"]) == case["rendered"]
+
+
+@pytest.mark.real_model
+def test_real_greedy_ids_decode_to_reference_text(smollm2_tokenizer, reference):
+    for case in reference.cases:
+        text = smollm2_tokenizer.decode(case["greedy_ids"], skip_special_tokens=False)
+        assert text == case["greedy_text"]
+
+
+@pytest.mark.real_model
+def test_real_emoji_stream_never_emits_replacement_char(smollm2_tokenizer, reference):
+    case = next(c for c in reference.cases if c["prompt"] and ROCKET in c["prompt"])
+    ids = case["prompt_ids"] + case["greedy_ids"]
+    deltas = _stream(smollm2_tokenizer, [[i] for i in ids])
+    assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+    assert "".join(deltas) == smollm2_tokenizer.decode(ids)
+    assert ROCKET in deltas
+
+
+@pytest.mark.real_model
+def test_real_special_ids(smollm2_tokenizer):
+    assert smollm2_tokenizer.vocab_size == 49152
+    assert smollm2_tokenizer.bos_token_id == 1
+    assert smollm2_tokenizer.eos_token_ids == frozenset({2})
+    assert not smollm2_tokenizer.add_bos_token
