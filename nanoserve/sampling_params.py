@@ -1,0 +1,176 @@
+"""What a request asks of the sampler, validated once, on construction.
+
+Owns: `SamplingParams`, a frozen record whose every field is checked in `__post_init__`, so a
+bad value is refused (an `InvalidRequestError` naming the field, the value and the allowed
+range) before the engine spends a step on it. Containers are normalized to tuples so the
+record stays hashable. Refuses: importing torch (the scheduler imports this module and is
+tested torch-free) and anything that needs the model, except `validate_for_vocab`, which the
+engine calls once it knows the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from nanoserve.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63  # seeds live in int64 tensors on the device
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+
+
+def _refuse(param: str, value: object, allowed: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param} must be {allowed}; got {value!r}", param=param)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `top_k=True` is a mistake, not a 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _check_int(param: str, value: object, low: int, high: int | None, allowed: str) -> None:
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise _refuse(param, value, allowed)
+
+
+def _check_float(param: str, value: object, ok: bool, allowed: str) -> None:
+    # `ok` is evaluated by the caller with `not (...)`-free comparisons, so NaN fails it.
+    if not _is_number(value) or not math.isfinite(value) or not ok:
+        raise _refuse(param, value, allowed)
+
+
+def _in_range(value: object, low: float, high: float, *, open_low: bool = False) -> bool:
+    if not _is_number(value):
+        return False
+    return (low < value if open_low else low <= value) and value <= high
+
+
+def _token_ids(param: str, value: object) -> tuple[int, ...]:
+    items = tuple(value) if isinstance(value, Iterable) and not isinstance(value, str) else None
+    if items is None or not all(_is_int(item) and item >= 0 for item in items):
+        raise _refuse(param, value, "a list of non-negative integer token ids")
+    return items
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Iterable) or isinstance(items, Mapping):
+        raise _refuse("stop", value, "a string or a list of strings")
+    items = tuple(items)
+    if not all(isinstance(item, str) and item for item in items):
+        raise _refuse("stop", value, "a string or a list of non-empty strings")
+    return items
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    pairs = value.items() if isinstance(value, Mapping) else value
+    allowed = f"a map of token id to a bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
+    if not isinstance(pairs, Iterable) or isinstance(pairs, str):
+        raise _refuse("logit_bias", value, allowed)
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        token, amount = _bias_pair(pair, value, allowed)
+        if token in bias:
+            raise _refuse("logit_bias", value, allowed + " with each token id once")
+        bias[token] = amount
+    return tuple(sorted(bias.items()))  # sorted: equal maps make equal (and hashable) params
+
+
+def _bias_pair(pair: object, whole: object, allowed: str) -> tuple[int, float]:
+    if not isinstance(pair, tuple | list) or len(pair) != 2:
+        raise _refuse("logit_bias", whole, allowed)
+    token, amount = pair
+    if not _is_int(token) or token < 0:
+        raise _refuse("logit_bias", whole, allowed + " (token ids are non-negative integers)")
+    if not _in_range(amount, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT) or not math.isfinite(amount):
+        raise _refuse("logit_bias", whole, allowed)
+    return token, float(amount)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
+    the min_tokens mask, temperature, then top_k, top_p and min_p. `is_greedy` requests take
+    the argmax and consume no randomness.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        self._check_lengths()
+        self._check_filters()
+        self._check_penalties()
+        self._check_rest()
+
+    def _check_lengths(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1, None, "an integer >= 1")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
+                   f"an integer in [0, max_tokens={self.max_tokens}]")
+
+    def _check_filters(self) -> None:
+        _check_float("temperature", self.temperature,
+                     _in_range(self.temperature, 0.0, math.inf), "a finite number >= 0")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise _refuse("top_k", self.top_k, "-1 (no limit) or an integer >= 1")
+        _check_float("top_p", self.top_p, _in_range(self.top_p, 0.0, 1.0, open_low=True),
+                     "a number in (0, 1]")
+        _check_float("min_p", self.min_p, _in_range(self.min_p, 0.0, 1.0), "a number in [0, 1]")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value, _in_range(value, -PENALTY_LIMIT, PENALTY_LIMIT),
+                         f"a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+        _check_float("repetition_penalty", self.repetition_penalty,
+                     _in_range(self.repetition_penalty, 0.0, PENALTY_LIMIT, open_low=True),
+                     f"a number in (0, {PENALTY_LIMIT:g}]")
+
+    def _check_rest(self) -> None:
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED - 1, "null or an integer in [0, 2**63)")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+                       f"null or an integer in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise _refuse("ignore_eos", self.ignore_eos, "true or false")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy requests take the argmax: temperature 0 or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model cannot produce (called once the model is known)."""
+        allowed = f"token ids in [0, {vocab_size})"
+        bad_bias = [token for token, _ in self.logit_bias if token >= vocab_size]
+        if bad_bias:
+            raise _refuse("logit_bias", dict(self.logit_bias), f"{allowed}; {bad_bias} are not")
+        bad_stop = [token for token in self.stop_token_ids if token >= vocab_size]
+        if bad_stop:
+            raise _refuse("stop_token_ids", self.stop_token_ids, f"{allowed}; {bad_stop} are not")
