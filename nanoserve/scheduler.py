@@ -1,0 +1,174 @@
+"""The scheduler: which requests run this step, and how many tokens of each.
+
+Plain Python over integers (no torch), so every rule is testable in isolation.
+
+Policy, in order, each step:
+1. Running requests first, oldest first: each gets its remaining uncomputed tokens (one for a
+   decode, a chunk for a prefill) as long as the token budget lasts. When the pool has no block
+   for one of them, the newest running request is preempted by recompute: its blocks are freed,
+   its tokens kept, and it goes back to the front of the waiting queue.
+2. Then waiting requests, first come first served, while the budget, `max_num_seqs` and the
+   free blocks allow. A long prompt is split across steps (chunked prefill), so it never
+   stalls the decodes already running. Nothing is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.block_pool import BlockPool
+from nanoserve.errors import InvalidRequestError
+from nanoserve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at position `start`, computed this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the newest token, so its last row yields a new token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt plus output) one request may ever hold."""
+        return min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, at admission, a request that could never finish: waiting would be forever."""
+        limit = self.max_request_tokens
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens; this engine holds at most "
+                f"{limit} tokens per request (prompt plus output)",
+                param="prompt",
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
+                f"{num_prompt_tokens + max_tokens}, over this engine's limit of {limit} tokens "
+                f"per request; lower max_tokens to at most {limit - num_prompt_tokens}",
+                param="max_tokens",
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(len(request.prompt_ids), request.params.max_tokens)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if not self._reserve_or_preempt(request, num_tokens, out):
+                continue
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return budget
+
+    def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make room for `num_tokens` more tokens of `request`, preempting the newest others."""
+        while not self._reserve(request, request.num_computed_tokens + num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + num_tokens):
+                break  # FCFS: no one overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        missing = self.pool.blocks_for_tokens(num_tokens) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if not self.pool.can_allocate(missing):
+            return False
+        request.block_ids.extend(self.pool.allocate(missing))
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length or aborted) wherever it is; its blocks free at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = status

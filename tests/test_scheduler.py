@@ -1,0 +1,144 @@
+"""Scheduler rules, pinned on plain integers: budgets, chunked prefill, preemption, abort."""
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoserve.block_pool import BlockPool
+from nanoserve.errors import InvalidRequestError
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256):
+    pool = BlockPool(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_len), pool)
+
+
+def make_request(rid, prompt_len, max_tokens=8):
+    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=0)
+
+
+def run_step(scheduler, finished_after=None):
+    """Pretend to run the planned step: advance computed tokens, append one sampled token."""
+    plan = scheduler.schedule()
+    for chunk in plan.chunks:
+        chunk.request.num_computed_tokens += chunk.num_tokens
+        if chunk.samples:
+            chunk.request.output_ids.append(7)
+            if len(chunk.request.output_ids) >= chunk.request.params.max_tokens:
+                scheduler.finish(chunk.request, RequestStatus.FINISHED_LENGTH)
+    return plan
+
+
+def test_scheduler_module_does_not_import_torch():
+    code = "import sys, nanoserve.scheduler, nanoserve.block_pool; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_long_prompt_is_chunked_and_running_decodes_keep_going():
+    scheduler = make_scheduler(max_tokens_per_step=16)
+    short = make_request("short", 3, max_tokens=20)
+    scheduler.add(short)
+    run_step(scheduler)  # short: prefill, first token
+    long = make_request("long", 40)
+    scheduler.add(long)
+    plan = run_step(scheduler)
+    sizes = {c.request.request_id: c.num_tokens for c in plan.chunks}
+    assert sizes == {"short": 1, "long": 15}  # the decode first, then what the budget leaves
+    plan = run_step(scheduler)
+    assert {c.request.request_id: c.num_tokens for c in plan.chunks} == {"short": 1, "long": 15}
+
+
+def test_admission_is_first_come_first_served_and_capped_by_max_num_seqs():
+    scheduler = make_scheduler(max_num_seqs=2, max_tokens_per_step=100)
+    for i in range(4):
+        scheduler.add(make_request(i, 5))
+    plan = scheduler.schedule()
+    assert [c.request.request_id for c in plan.chunks] == ["0", "1"]
+
+
+def test_request_that_can_never_fit_is_refused_at_admission():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_len=256)  # pool holds 16 tokens
+    with pytest.raises(InvalidRequestError) as err:
+        scheduler.add(make_request("big", 20))
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        scheduler.add(make_request("long-output", 10, max_tokens=10))
+    assert err.value.param == "max_tokens"
+    assert not scheduler.has_unfinished()
+
+
+def test_out_of_blocks_preempts_the_newest_request_which_keeps_its_tokens():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_tokens_per_step=64)
+    old, new = make_request("old", 8, max_tokens=12), make_request("new", 8, max_tokens=12)
+    scheduler.add(old)
+    scheduler.add(new)
+    preempted = []
+    for _ in range(30):
+        if not scheduler.has_unfinished():
+            break
+        plan = run_step(scheduler)
+        preempted += plan.preempted
+    assert new in preempted and old not in preempted
+    assert len(old.output_ids) == 12 and len(new.output_ids) == 12
+    assert scheduler.pool.is_completely_free
+
+
+def test_abort_frees_blocks_at_once_wherever_the_request_is():
+    scheduler = make_scheduler(max_num_seqs=1)
+    running, queued = make_request("r", 9), make_request("q", 9)
+    scheduler.add(running)
+    scheduler.add(queued)
+    scheduler.schedule()
+    assert running.block_ids and not queued.block_ids
+    scheduler.finish(queued, RequestStatus.FINISHED_ABORTED)
+    scheduler.finish(running, RequestStatus.FINISHED_ABORTED)
+    assert scheduler.pool.is_completely_free and not scheduler.has_unfinished()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
+                  st.integers(1, 30), st.integers(1, 12)),
+        max_size=80,
+    ),
+    st.integers(6, 40),
+)
+def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks):
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=24)
+    live: list[Request] = []
+    for i, (op, size, max_tokens) in enumerate(ops):
+        if op == "add":
+            request = make_request(i, size, max_tokens)
+            try:
+                scheduler.add(request)
+                live.append(request)
+            except InvalidRequestError:
+                assert size + max_tokens > scheduler.max_request_tokens
+        elif op == "abort" and live:
+            request = live.pop(size % len(live))
+            if not request.status.is_finished:
+                scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        else:
+            plan = run_step(scheduler)
+            assert plan.num_batched_tokens <= 24
+            assert len(scheduler.running) <= 4
+            ids = [c.request.request_id for c in plan.chunks]
+            assert len(ids) == len(set(ids))
+        held = [b for r in scheduler.running for b in r.block_ids]
+        assert len(held) == len(set(held)), "a block is held twice"
+        assert scheduler.pool.num_free_blocks == num_blocks - len(held)
+        assert all(not r.block_ids for r in scheduler.waiting)
+    for _ in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        run_step(scheduler)
+    assert not scheduler.has_unfinished(), "some request never finished"
+    assert scheduler.pool.is_completely_free
