@@ -1,0 +1,366 @@
+"""Per-request sampling for a whole step in one vectorized pass over the [rows, vocab] logits.
+
+Owns: `SamplingRow` (what the engine knows about one row), `SamplingBatch` (those rows as
+per-row parameter tensors on the device, built once per step), `BatchedSampler` (logits to
+token ids, and logprobs when asked) and `uniform_from_counter`, the one source of randomness.
+
+Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
+frequency and presence penalties (counts of generated tokens), then logit_bias, then the
+min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`),
+then temperature, top_k, top_p and min_p. Greedy rows (temperature 0, or below
+`MIN_TEMPERATURE`, or top_k 1) take the first argmax and never call `uniform_from_counter`.
+
+How a sampled row draws: every filter is a threshold on the row's softmax probabilities p, so
+the kept set is {p >= threshold} (ties at the threshold are all kept, and the argmax always
+is). Kept probabilities become integers (p * 2**MASS_BITS, exact in int64), their running sum
+is taken in vocabulary order and one uniform, a pure function of (seed, position) computed on
+the device (`uniform_from_counter`), picks the first token whose running sum passes
+`u * total`. Integer sums are exact in any order, so nothing depends on how a device splits a
+reduction: a row gives bit-identically the same token and logprobs in any batch, at any index,
+beside any neighbours, which is what makes batching and preemption invisible to a seeded
+request.
+
+How top_k and top_p avoid a full sort: top_k reads the k-th largest p from one `torch.topk` of
+the largest k any row asked. top_p on top of top_k finds its cut inside that window. top_p
+alone (no top_k) finds its cut with a three-pass radix select over the bits of p, counting
+integer mass per bucket (`scatter_add`): O(vocab) per pass, exact, no sort. A cheap
+"does the top-64 window already cover top_p?" check cannot skip the exact path without
+reading the answer back to the host, so such rows always pay for the radix select.
+
+Refuses: reading anything back to the host (no .item(), .tolist(), bool(tensor) or
+data-dependent shapes: the step's one readback belongs to the output processor), keeping
+random-generator state per request, and Python loops over rows while sampling (`build` loops
+over rows on the host, once per step, to upload their parameters).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from nanoserve.sampling_params import SamplingParams
+
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
+MASS_BITS = 60  # p * 2**60 is exact in float32 and sums of softmax mass stay below 2**63
+ARGMAX_GROUP = 64  # the two-level argmax reads group maxima first: 4x faster than argmax on CPU
+# Radix passes over the 31 bits of a non-negative float32: (shift, digit width), high bits first.
+RADIX_PASSES = ((21, 10), (11, 10), (0, 11))
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(value: int) -> int:
+    """The int64 with the same bits as an unsigned 64-bit constant (torch has no uint64 math)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN_GAMMA = _signed64(0x9E3779B97F4A7C15)  # SplitMix64's increment
+_MIX_1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX_2 = _signed64(0x94D049BB133111EB)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """One row of a step, built by the engine."""
+
+    params: SamplingParams
+    seed: int  # resolved per request at admission (random if the user gave none)
+    position: int  # index of the token being generated in this request's output (0 first)
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]  # tokens generated so far
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """One step's picks, still on the device; the output processor reads them back once."""
+
+    token_ids: Tensor  # [rows] int64
+    logprobs: Tensor | None  # [rows] float32, log_softmax of the raw logits, if any row asked
+    top_ids: Tensor | None  # [rows, N] int64, N = the most alternatives any row asked (N >= 1)
+    top_logprobs: Tensor | None  # [rows, N] float32, highest first, ties by token id
+
+
+@dataclass(frozen=True, slots=True)
+class LogitEdits:
+    """Penalties and logit_bias as one list of (row, token) cells, each touched once."""
+
+    rows: Tensor  # [E] int64
+    cols: Tensor  # [E] int64
+    repetition: Tensor  # [E] float32, 1.0 where the token was neither in prompt nor output
+    frequency: Tensor  # [E] float32, frequency_penalty * count of the token in the output
+    presence: Tensor  # [E] float32, presence_penalty where the token is in the output
+    bias: Tensor  # [E] float32
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step as tensors on the device.
+
+    The host-side fields (`window`, `any_sampled`, ...) come from the parameters alone, never
+    from the logits, so deciding which stages run needs no readback. A stage that runs for a
+    row that does not use it leaves that row's result bit-identical (x / 1, x - 0, max(t, 0)).
+    """
+
+    vocab_size: int
+    greedy: Tensor  # [rows] bool
+    any_sampled: bool
+    temperature: Tensor | None  # [rows] float32 (1 for greedy rows); None: every one is 1
+    top_k: Tensor  # [rows] int64, 0 where the row keeps every token
+    window: int  # width of the top_k window: the largest top_k of a sampled row, 0 if none
+    top_p: Tensor  # [rows] float64, 1 where the row keeps every token
+    window_top_p: Tensor | None  # [rows] bool: top_p < 1 with a top_k (cut inside the window)
+    nucleus_rows: Tensor | None  # [n] int64: top_p < 1 without top_k (radix select)
+    min_p: Tensor  # [rows] float32
+    seed: Tensor  # [rows] int64
+    position: Tensor  # [rows] int64
+    edits: LogitEdits | None
+    masked: tuple[Tensor, Tensor] | None  # (rows, cols) forced to -inf by min_tokens
+    want_logprobs: bool
+    num_top_logprobs: int
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], *, vocab_size: int,
+              eos_token_ids: Collection[int], device: torch.device | str) -> SamplingBatch:
+        greedy = [_is_greedy(row.params) for row in rows]
+        top_k = [_top_k(row.params, vocab_size, g) for row, g in zip(rows, greedy, strict=True)]
+        top_p = [1.0 if g else row.params.top_p for row, g in zip(rows, greedy, strict=True)]
+        temps = [1.0 if g else row.params.temperature for row, g in zip(rows, greedy, strict=True)]
+        asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+
+        def upload(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        in_window = [k > 0 and p < 1 for k, p in zip(top_k, top_p, strict=True)]
+        nucleus = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k == 0 and p < 1]
+        return cls(
+            vocab_size=vocab_size,
+            greedy=upload(greedy, torch.bool),
+            any_sampled=not all(greedy),
+            temperature=upload(temps, torch.float32) if any(t != 1 for t in temps) else None,
+            top_k=upload(top_k, torch.int64),
+            window=max(top_k, default=0),
+            top_p=upload(top_p, torch.float64),
+            window_top_p=upload(in_window, torch.bool) if any(in_window) else None,
+            nucleus_rows=upload(nucleus, torch.int64) if nucleus else None,
+            min_p=upload([0.0 if g else row.params.min_p
+                          for row, g in zip(rows, greedy, strict=True)], torch.float32),
+            seed=upload([row.seed for row in rows], torch.int64),
+            position=upload([row.position for row in rows], torch.int64),
+            edits=_edits(rows, vocab_size, device),
+            masked=_min_tokens_mask(rows, vocab_size, eos_token_ids, device),
+            want_logprobs=bool(asked),
+            num_top_logprobs=max(asked, default=0),
+        )
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy or params.temperature < MIN_TEMPERATURE
+
+
+def _top_k(params: SamplingParams, vocab_size: int, greedy: bool) -> int:
+    # top_k >= vocab keeps everything: no filter, so the row never needs the window.
+    return params.top_k if not greedy and 0 < params.top_k < vocab_size else 0
+
+
+def _row_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float, float, float, float]]:
+    params = row.params
+    counts = Counter(row.output_ids) if params.frequency_penalty or params.presence_penalty else {}
+    seen = set(row.prompt_ids) | set(row.output_ids) if params.repetition_penalty != 1 else set()
+    bias = dict(params.logit_bias)
+    cells = sorted(token for token in seen | counts.keys() | bias.keys() if 0 <= token < vocab_size)
+    return [(token,
+             params.repetition_penalty if token in seen else 1.0,
+             params.frequency_penalty * counts.get(token, 0),
+             params.presence_penalty if counts.get(token, 0) else 0.0,
+             bias.get(token, 0.0)) for token in cells]
+
+
+def _edits(rows: Sequence[SamplingRow], vocab_size: int, device) -> LogitEdits | None:
+    cells = [(i, *cell) for i, row in enumerate(rows) for cell in _row_edits(row, vocab_size)]
+    if not cells:
+        return None
+    row_ids, cols, repetition, frequency, presence, bias = zip(*cells, strict=True)
+    longs = torch.tensor([row_ids, cols], dtype=torch.int64, device=device)
+    floats = torch.tensor([repetition, frequency, presence, bias], dtype=torch.float32, device=device)
+    return LogitEdits(longs[0], longs[1], *floats)
+
+
+def _min_tokens_mask(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],
+                     device) -> tuple[Tensor, Tensor] | None:
+    cells = []
+    for i, row in enumerate(rows):
+        if row.position < row.params.min_tokens:
+            # Only ids that would stop the request: with ignore_eos, eos is an ordinary token.
+            stops = set(row.params.stop_token_ids) | (set() if row.params.ignore_eos else set(eos_token_ids))
+            cells += [(i, token) for token in sorted(stops) if 0 <= token < vocab_size]
+    if not cells:
+        return None
+    both = torch.tensor(cells, dtype=torch.int64, device=device).T
+    return both[0], both[1]
+
+
+class BatchedSampler:
+    """Logits [rows, vocab] to one token per row, in one pass with no readback."""
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SampledTokens:
+        raw = logits.float().contiguous()  # bf16 rows are widened; contiguous rows stay row-local
+        edited = _apply_edits(raw, batch)
+        token_ids = _argmax(edited)
+        if batch.any_sampled:
+            token_ids = torch.where(batch.greedy, token_ids, _sample(edited, batch))
+        return _with_logprobs(raw, token_ids, batch)
+
+
+def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    if batch.edits is None and batch.masked is None:
+        return logits
+    edited = logits.clone()  # the raw logits stay untouched: logprobs are read from them
+    if batch.edits is not None:
+        e = batch.edits
+        cells = edited[e.rows, e.cols]
+        cells = torch.where(cells > 0, cells / e.repetition, cells * e.repetition)
+        edited.index_put_((e.rows, e.cols), cells - e.frequency - e.presence + e.bias)
+    if batch.masked is not None:
+        edited.index_put_(batch.masked, torch.tensor(float("-inf"), device=edited.device))
+    return edited
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """The first index of each row's maximum, reading group maxima first."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_GROUP:
+        return logits.argmax(-1)
+    groups = logits.view(rows, vocab // ARGMAX_GROUP, ARGMAX_GROUP)
+    best = groups.amax(-1).argmax(-1)  # the first group holding the maximum
+    inside = groups.gather(1, best.view(rows, 1, 1).expand(rows, 1, ARGMAX_GROUP)).squeeze(1)
+    return best * ARGMAX_GROUP + inside.argmax(-1)
+
+
+def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    scaled = logits if batch.temperature is None else logits / batch.temperature[:, None]
+    # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
+    probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
+    threshold = _thresholds(probs, batch)
+    kept = _mass(probs * (probs >= threshold[:, None]))
+    running = kept.cumsum(-1)
+    total = running[:, -1]
+    u = uniform_from_counter(batch.seed, batch.position)
+    target = torch.minimum((u * total.double()).long(), total - 1)  # floor: both are >= 0
+    return torch.searchsorted(running, target[:, None], right=True).squeeze(1)
+
+
+def _mass(probs: Tensor) -> Tensor:
+    """Probabilities as exact integers: scaling by a power of two rounds nothing."""
+    return (probs * 2.0**MASS_BITS).long()
+
+
+def _thresholds(probs: Tensor, batch: SamplingBatch) -> Tensor:
+    """Each row's smallest kept probability: the largest of its top_k, top_p and min_p cuts."""
+    threshold = batch.min_p * probs.amax(-1)
+    if batch.window:
+        window = probs.topk(batch.window, dim=-1).values  # sorted, largest first
+        kth = window.gather(1, (batch.top_k - 1).clamp(min=0)[:, None]).squeeze(1)
+        kth = kth * (batch.top_k > 0)
+        threshold = torch.maximum(threshold, kth)
+        if batch.window_top_p is not None:
+            cut = _top_p_in_window(probs, window, kth, batch.top_p)
+            threshold = torch.maximum(threshold, cut * batch.window_top_p)
+    if batch.nucleus_rows is not None:
+        rows = batch.nucleus_rows
+        cut = _top_p_by_radix(probs.index_select(0, rows), batch.top_p.index_select(0, rows))
+        threshold = threshold.index_put((rows,), torch.maximum(threshold.index_select(0, rows), cut))
+    return threshold
+
+
+def _mass_needed(top_p: Tensor, total: Tensor) -> Tensor:
+    """The integer mass the kept set must reach: ceil(top_p * total), at least 1."""
+    return torch.minimum(torch.ceil(top_p * total.double()).long(), total).clamp(min=1)
+
+
+def _top_p_in_window(probs: Tensor, window: Tensor, kth: Tensor, top_p: Tensor) -> Tensor:
+    """top_p after top_k: the cut lies inside the window, whose order is largest first."""
+    window_mass = _mass(window)
+    # Tokens tied with the k-th may sit outside the window; they are kept, so count them all.
+    ties = (probs == kth[:, None]).sum(-1)
+    above = (window_mass * (window > kth[:, None])).sum(-1)
+    total = above + ties * _mass(kth)
+    need = _mass_needed(top_p, total)
+    first = torch.searchsorted(window_mass.cumsum(-1), need[:, None]).clamp(max=window.shape[1] - 1)
+    return torch.maximum(window.gather(1, first).squeeze(1), kth)
+
+
+def _top_p_by_radix(probs: Tensor, top_p: Tensor) -> Tensor:
+    """The largest p whose {probs >= p} holds top_p of the mass: a radix select, no sort.
+
+    Non-negative float32s order like their bits, so three passes over 10, 10 and 11 bits of
+    those bits, each summing integer mass per bucket, find the cut exactly.
+    """
+    mass = _mass(probs)
+    total = mass.sum(-1)
+    spare = total - _mass_needed(top_p, total)  # mass the kept set may leave out, below the cut
+    bits = probs.view(torch.int32)
+    prefix = torch.zeros_like(total)
+    for shift, width in RADIX_PASSES:
+        prefix = _radix_pass(bits, mass, spare, prefix, shift, width)
+    return prefix.to(torch.int32).view(torch.float32)
+
+
+def _radix_pass(bits: Tensor, mass: Tensor, spare: Tensor, prefix: Tensor, shift: int,
+                width: int) -> Tensor:
+    buckets = 1 << width
+    digit = (bits >> shift).long() - (prefix << width)[:, None]
+    # Slot 0 gathers everything below the chosen prefix, slot buckets + 1 everything above it.
+    slot = digit.clamp_(-1, buckets).add_(1)
+    hist = torch.zeros(bits.shape[0], buckets + 2, dtype=torch.int64, device=bits.device)
+    # under[d]: the mass below the region plus that of digits < d, rising with d. The mass
+    # above the region is under `need`, so under[buckets] and beyond never fit in `spare`.
+    under = hist.scatter_add_(1, slot, mass).cumsum(-1)
+    # The cut's digit is the largest d whose mass strictly under it fits in `spare`.
+    fitting = torch.searchsorted(under, spare[:, None], right=True).squeeze(1)
+    return (prefix << width) | (fitting - 1)
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical shift of int64 bits: torch's >> is arithmetic, so mask the copied sign bits."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    """SplitMix64's finalizer on int64 tensors (multiplication wraps like uint64)."""
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    return z ^ _shift_right(z, 31)
+
+
+def uniform_from_counter(seed: Tensor, position: Tensor) -> Tensor:
+    """float64 in [0, 1): output number `position` of SplitMix64 seeded with `seed`.
+
+    A pure function of (seed, position), computed on the device: no generator state, so a row
+    draws the same number whatever batch it is in and however often it was preempted.
+    """
+    state = seed + (position + 1) * _GOLDEN_GAMMA
+    return _shift_right(_mix64(state), 11).double() * 2.0**-53
+
+
+def _with_logprobs(raw: Tensor, token_ids: Tensor, batch: SamplingBatch) -> SampledTokens:
+    if not batch.want_logprobs:
+        return SampledTokens(token_ids, None, None, None)
+    # From the model's own logits, before penalties and temperature (as OpenAI and vLLM report).
+    # A row whose every logit is -inf has no distribution: its logprobs are -inf, not NaN.
+    logprobs = torch.log_softmax(raw, dim=-1).nan_to_num_(nan=-torch.inf, neginf=-torch.inf)
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    if batch.num_top_logprobs == 0:
+        return SampledTokens(token_ids, chosen, None, None)
+    top_logprobs, top_ids = logprobs.topk(batch.num_top_logprobs, dim=-1)
+    # topk leaves the order of tied values to the device; list ties by token id.
+    by_id = top_ids.argsort(dim=-1)
+    top_ids, top_logprobs = top_ids.gather(1, by_id), top_logprobs.gather(1, by_id)
+    by_value = top_logprobs.sort(dim=-1, descending=True, stable=True).indices
+    return SampledTokens(token_ids, chosen, top_ids.gather(1, by_value), top_logprobs.gather(1, by_value))
+
+
+__all__ = ["BatchedSampler", "SampledTokens", "SamplingBatch", "SamplingRow", "uniform_from_counter"]

@@ -1,0 +1,331 @@
+"""The batched sampler: row-invariant, seeded, greedy without randomness, no readback."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoserve import sampler as sampler_module
+from nanoserve.sampler import (
+    BatchedSampler,
+    SampledTokens,
+    SamplingBatch,
+    SamplingRow,
+    uniform_from_counter,
+)
+from nanoserve.sampling_params import SamplingParams
+
+VOCAB = 2048
+EOS = 2
+
+
+def rows_of(params: Sequence[SamplingParams], *, seeds: Sequence[int] | None = None,
+            positions: Sequence[int] | None = None, prompt: Sequence[int] = (5, 6, 7),
+            outputs: Sequence[Sequence[int]] | None = None) -> list[SamplingRow]:
+    n = len(params)
+    seeds = seeds if seeds is not None else range(n)
+    positions = positions if positions is not None else [0] * n
+    outputs = outputs if outputs is not None else [[]] * n
+    return [SamplingRow(p, seed=s, position=pos, prompt_ids=prompt, output_ids=out)
+            for p, s, pos, out in zip(params, seeds, positions, outputs, strict=True)]
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos: Sequence[int] = (EOS,)) -> SampledTokens:
+    batch = SamplingBatch.build(rows, vocab_size=logits.shape[-1], eos_token_ids=eos, device="cpu")
+    return BatchedSampler()(logits, batch)
+
+
+def random_logits(rows: int, vocab: int = VOCAB, *, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+params_strategy = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([-1, 1, 5, 40]),
+    top_p=st.sampled_from([1.0, 0.95, 0.6]),
+    min_p=st.sampled_from([0.0, 0.05]),
+    logprobs=st.sampled_from([None, 0, 3, 7]),
+    repetition_penalty=st.sampled_from([1.0, 1.3]),
+    frequency_penalty=st.sampled_from([0.0, 0.7]),
+    presence_penalty=st.sampled_from([0.0, -0.5]),
+    logit_bias=st.sampled_from([{}, {3: 4.0, 9: -50.0}]),
+    min_tokens=st.sampled_from([0, 3]),
+    max_tokens=st.just(16),
+)
+
+
+def row_strategy(vocab: int) -> st.SearchStrategy[SamplingRow]:
+    ids = st.lists(st.integers(0, vocab - 1), max_size=12)
+    return st.builds(SamplingRow, params=params_strategy, seed=st.integers(0, 2**63 - 1),
+                     position=st.integers(0, 6), prompt_ids=ids, output_ids=ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), vocab=st.sampled_from([VOCAB, 1000]), size=st.integers(1, 33),
+       bf16_ties=st.booleans(), logits_seed=st.integers(0, 2**31))
+def test_a_row_in_any_batch_gives_bit_identically_its_solo_token_and_logprobs(
+        data, vocab, size, bf16_ties, logits_seed):
+    rows = data.draw(st.lists(row_strategy(vocab), min_size=size, max_size=size))
+    index = data.draw(st.integers(0, size - 1))
+    logits = random_logits(size, vocab, seed=logits_seed)
+    if bf16_ties:  # real models emit bf16 logits: many exact ties
+        logits = logits.bfloat16().float()
+    crowd = sample(logits, rows)
+    alone = sample(logits[index:index + 1].clone(), rows[index:index + 1])
+    assert crowd.token_ids[index].item() == alone.token_ids[0].item()
+    if rows[index].params.logprobs is not None:
+        assert torch.equal(crowd.logprobs[index], alone.logprobs[0])
+        asked = rows[index].params.logprobs
+        if asked:
+            assert torch.equal(crowd.top_ids[index, :asked], alone.top_ids[0, :asked])
+            assert torch.equal(crowd.top_logprobs[index, :asked], alone.top_logprobs[0, :asked])
+
+
+def test_top_k_one_at_temperature_1_7_equals_greedy():
+    logits = random_logits(16)
+    top1 = sample(logits, rows_of([SamplingParams(temperature=1.7, top_k=1)] * 16))
+    greedy = sample(logits, rows_of([SamplingParams(temperature=0)] * 16))
+    assert torch.equal(top1.token_ids, greedy.token_ids)
+
+
+def test_temperature_zero_takes_the_first_argmax_even_among_ties():
+    logits = random_logits(8).bfloat16().float()
+    logits[3, [10, 700, 1500]] = 100.0  # a three-way tie: the lowest id wins
+    picked = sample(logits, rows_of([SamplingParams(temperature=0)] * 8)).token_ids
+    assert torch.equal(picked, logits.argmax(-1))
+    assert picked[3].item() == 10
+
+
+def test_an_all_greedy_batch_never_draws_a_uniform(monkeypatch):
+    def no_randomness(*_):
+        raise AssertionError("a greedy row consumed randomness")
+
+    monkeypatch.setattr(sampler_module, "uniform_from_counter", no_randomness)
+    greedy = [SamplingParams(temperature=0), SamplingParams(top_k=1, logprobs=2),
+              SamplingParams(temperature=1e-7, repetition_penalty=1.5)]
+    sample(random_logits(3), rows_of(greedy))
+
+
+def test_a_greedy_neighbour_does_not_change_seeded_rows():
+    logits = random_logits(4)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9)
+    mixed = sample(logits, rows_of([seeded, SamplingParams(temperature=0), seeded, seeded],
+                                   seeds=[7, 8, 9, 10]))
+    alone = sample(logits[[0, 2, 3]], rows_of([seeded] * 3, seeds=[7, 9, 10]))
+    assert torch.equal(mixed.token_ids[[0, 2, 3]], alone.token_ids)
+
+
+def test_the_same_seed_and_position_give_the_same_token():
+    logits = random_logits(1, seed=3).expand(12, -1).contiguous()
+    params = [SamplingParams(temperature=1.0)] * 12
+    first = sample(logits, rows_of(params, seeds=[42] * 12, positions=[5] * 12)).token_ids
+    assert len(set(first.tolist())) == 1
+    again = sample(logits, rows_of(params, seeds=[42] * 12, positions=[5] * 12)).token_ids
+    assert torch.equal(first, again)
+
+
+def test_successive_positions_draw_independently_on_a_flat_distribution():
+    flat = torch.zeros(20, VOCAB)
+    draws = sample(flat, rows_of([SamplingParams()] * 20, seeds=[42] * 20,
+                                 positions=range(20))).token_ids.tolist()
+    assert len(set(draws)) > 15  # re-seeding with the seed alone would give one token 20 times
+
+
+def splitmix64(seed: int, count: int) -> list[int]:
+    """The reference generator, in plain Python integers."""
+    mask, state, out = (1 << 64) - 1, seed, []
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42, 2**62 + 12345, 2**63 - 1])
+def test_the_uniform_is_the_position_th_output_of_splitmix64(seed):
+    expected = [(value >> 11) * 2.0**-53 for value in splitmix64(seed, 50)]
+    got = uniform_from_counter(torch.full((50,), seed), torch.arange(50))
+    assert got.dtype == torch.float64
+    assert got.tolist() == expected
+
+
+def reference_probs(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = -1,
+                    top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The filtered, renormalized softmax, the slow way: float64 and a full sort."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    ordered = probs.sort(descending=True).values
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep &= probs >= ordered[top_k - 1]
+    if top_p < 1:
+        kept = ordered * (ordered >= ordered[top_k - 1] if top_k > 0 else 1)
+        running = (kept / kept.sum()).cumsum(0)
+        cut = ordered[int((running < top_p).sum())]
+        keep &= probs >= cut
+    keep &= probs >= min_p * probs.max()
+    filtered = probs * keep
+    return filtered / filtered.sum()
+
+
+def empirical(logits_row: torch.Tensor, params: SamplingParams, draws: int = 8000) -> torch.Tensor:
+    """Frequencies of `draws` tokens drawn with seeds 0..draws-1: fixed, so it cannot flake."""
+    counts = Counter()
+    for start in range(0, draws, 1000):
+        logits = logits_row.expand(1000, -1).contiguous()
+        rows = rows_of([params] * 1000, seeds=range(start, start + 1000))
+        counts.update(sample(logits, rows).token_ids.tolist())
+    freq = torch.zeros(logits_row.shape[-1], dtype=torch.float64)
+    for token, count in counts.items():
+        freq[token] = count / draws
+    return freq
+
+
+# A peaked, LM-like row: a few likely tokens, then a long power-law tail, shuffled over ids.
+PEAKED = torch.log(1.0 / torch.arange(1, 257, dtype=torch.float64) ** 1.3)[
+    torch.randperm(256, generator=torch.Generator().manual_seed(1))].float()
+
+
+@pytest.mark.parametrize("filters", [
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_k": 12},
+    {"temperature": 1.0, "top_p": 0.6},
+    {"temperature": 0.8, "top_p": 0.85},
+    {"temperature": 1.2, "min_p": 0.05},
+    {"temperature": 1.0, "top_k": 30, "top_p": 0.7},
+], ids=str)
+def test_draws_follow_the_filtered_renormalized_softmax(filters):
+    expected = reference_probs(PEAKED, **filters)
+    got = empirical(PEAKED, SamplingParams(**filters))
+    assert torch.all(got[expected == 0] == 0), "drew a token the filters remove"
+    total_variation = 0.5 * (got - expected).abs().sum().item()
+    assert total_variation < 0.04
+
+
+def test_top_p_cut_by_radix_select_equals_the_full_sort_cut():
+    logits = torch.cat([random_logits(24, seed=5), random_logits(8, seed=6).bfloat16().float(),
+                        torch.zeros(2, VOCAB)])
+    top_p = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.97, 0.999] * 5 + [0.5] * 4, dtype=torch.float64)
+    probs = torch.softmax(logits, -1)
+    cut = sampler_module._top_p_by_radix(probs, top_p)
+    for row in range(logits.shape[0]):
+        mass = sampler_module._mass(probs[row])
+        ordered = mass.sort(descending=True).values
+        need = max(1, min(int(torch.ceil(top_p[row] * mass.sum().double())), int(mass.sum())))
+        crossing = int((ordered.cumsum(0) < need).sum())
+        assert sampler_module._mass(cut[row]).item() == ordered[crossing].item()
+        assert (probs[row] >= cut[row]).sum() >= 1
+
+
+def test_masked_tokens_are_never_drawn_and_nothing_is_nan():
+    logits = random_logits(6)
+    logits[:, 100:] = -torch.inf  # only ids 0..99 are allowed
+    logits[5] = -torch.inf  # nothing allowed at all
+    params = [SamplingParams(temperature=2.0), SamplingParams(top_p=1e-6),
+              SamplingParams(min_p=1.0), SamplingParams(top_k=500, top_p=0.999),
+              SamplingParams(temperature=5.0, logprobs=3), SamplingParams(top_p=0.5, logprobs=2)]
+    for seed in range(30):
+        out = sample(logits, rows_of(params, seeds=[seed] * 6))
+        assert torch.all(out.token_ids[:5] < 100)
+        assert 0 <= out.token_ids[5].item() < VOCAB
+        assert not torch.isnan(out.logprobs).any() and not torch.isnan(out.top_logprobs).any()
+    best = logits[:4].argmax(-1)
+    narrow = sample(logits[1:3], rows_of(params[1:3])).token_ids
+    assert torch.equal(narrow, best[1:3]), "a filter that keeps nothing still keeps the argmax"
+
+
+def greedy_pick(logits: torch.Tensor, **fields: object) -> int:
+    outputs = [fields.pop("output_ids", [])]
+    prompt = fields.pop("prompt_ids", (5,))
+    return sample(logits, rows_of([SamplingParams(temperature=0, **fields)], prompt=prompt,
+                                  outputs=outputs)).token_ids.item()
+
+
+def test_penalties_and_logit_bias_move_the_distribution_the_right_way():
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 10], logits[0, 11], logits[0, 12] = 4.0, 3.0, -1.0
+    assert greedy_pick(logits) == 10
+    assert greedy_pick(logits, logit_bias={10: -2.0}) == 11
+    assert greedy_pick(logits, logit_bias={12: 6.0}) == 12
+    assert greedy_pick(logits, repetition_penalty=1.5, prompt_ids=[10]) == 11  # 4 / 1.5 < 3
+    assert greedy_pick(logits, repetition_penalty=1.2, prompt_ids=[10]) == 10  # 4 / 1.2 > 3
+    assert greedy_pick(logits, frequency_penalty=0.4, output_ids=[10, 10, 10]) == 11
+    assert greedy_pick(logits, frequency_penalty=0.4, output_ids=[10, 10]) == 10
+    assert greedy_pick(logits, presence_penalty=1.5, output_ids=[10, 10]) == 11
+    assert greedy_pick(logits, presence_penalty=-2.0, output_ids=[11]) == 11
+    negative = torch.full((1, VOCAB), -9.0)
+    negative[0, 20], negative[0, 21] = -1.0, -1.1
+    assert greedy_pick(negative, repetition_penalty=1.2, prompt_ids=[20]) == 21  # -1 * 1.2 < -1.1
+
+
+def test_frequency_penalty_lowers_the_share_of_a_repeated_token():
+    logits = torch.zeros(1, 8)
+    plain = empirical(logits[0], SamplingParams(), draws=4000)
+    params = SamplingParams(frequency_penalty=0.5)
+    counts = Counter()
+    rows = rows_of([params] * 4000, seeds=range(4000), outputs=[[3, 3]] * 4000)
+    counts.update(sample(logits.expand(4000, -1).contiguous(), rows).token_ids.tolist())
+    assert counts[3] / 4000 < plain[3].item() - 0.05
+
+
+def test_min_tokens_masks_the_stop_ids_until_it_is_reached():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 99] = 50.0, 40.0
+    assert greedy_pick(logits, min_tokens=0) == EOS
+    early = sample(logits, rows_of([SamplingParams(temperature=0, min_tokens=2)], positions=[1]))
+    assert early.token_ids.item() == 99
+    reached = sample(logits, rows_of([SamplingParams(temperature=0, min_tokens=2)], positions=[2]))
+    assert reached.token_ids.item() == EOS
+    stop_id = sample(logits, rows_of([SamplingParams(temperature=0, min_tokens=2, ignore_eos=True,
+                                                     stop_token_ids=[99])], positions=[0]))
+    assert stop_id.token_ids.item() == EOS  # ignore_eos: eos is no stop, 99 is
+
+
+def test_logprobs_are_read_from_the_raw_logits_before_any_filter():
+    logits = random_logits(3)
+    params = [SamplingParams(temperature=0.3, top_k=4, logprobs=5, repetition_penalty=1.8),
+              SamplingParams(temperature=0, logprobs=0, logit_bias={7: 30.0}),
+              SamplingParams(temperature=1.0)]
+    out = sample(logits, rows_of(params, prompt=range(50)))
+    expected = torch.log_softmax(logits, -1)
+    assert torch.equal(out.logprobs, expected.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_ids.shape == (3, 5)
+    assert torch.equal(out.top_logprobs, expected.topk(5, -1).values)
+    assert out.token_ids[1].item() == 7
+
+
+def test_bf16_logits_sample_like_their_float32_widening():
+    logits = random_logits(5).bfloat16()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, logprobs=2)] * 5
+    as_bf16 = sample(logits, rows_of(params))
+    as_f32 = sample(logits.float(), rows_of(params))
+    assert torch.equal(as_bf16.token_ids, as_f32.token_ids)
+    assert torch.equal(as_bf16.logprobs, as_f32.logprobs)
+
+
+def test_the_sampler_reads_nothing_back_to_the_host(monkeypatch):
+    logits = random_logits(8).bfloat16()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9, logprobs=4),
+              SamplingParams(top_k=20, top_p=0.8), SamplingParams(min_p=0.1, seed=3),
+              SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+                             logit_bias={4: 2.0}, min_tokens=4, logprobs=0),
+              SamplingParams(top_k=1), SamplingParams(temperature=1.5),
+              SamplingParams(top_k=3000, top_p=0.5)]
+    batch = SamplingBatch.build(rows_of(params, outputs=[[1, 2, 2]] * 8), vocab_size=VOCAB,
+                                eos_token_ids=[EOS], device="cpu")
+
+    def readback(*_args, **_kwargs):
+        raise AssertionError("the sampler read a tensor back to the host")
+
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, readback)
+    monkeypatch.setattr(torch, "nonzero", readback)
+    out = BatchedSampler()(logits, batch)
+    monkeypatch.undo()
+    assert out.token_ids.shape == (8,) and out.top_ids.shape == (8, 4)
