@@ -1,0 +1,83 @@
+"""`nanoserve generate`: stream one completion to stdout, then a one-line summary to stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from cli import options
+from cli.app import app
+from nanoserve.errors import NanoserveError
+from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.llm import LLM
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt (with --chat: the user message).")],
+    model: options.Model = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; -1 keeps all.")] = -1,
+    top_p: Annotated[float, typer.Option(
+        help="Keep the smallest set with this much probability, in (0, 1].")] = 1.0,
+    min_p: Annotated[float, typer.Option(
+        help="Drop tokens below min_p x the top probability, in [0, 1].")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Same seed, same text.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop before this string (repeatable).")] = None,
+    stop_token_id: Annotated[list[int] | None, typer.Option(
+        help="Stop at this token id (repeatable).")] = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    dtype: options.Dtype = "auto",
+    device: options.Device = None,
+    batch_invariant: options.BatchInvariant = False,
+    max_model_len: options.MaxModelLen = None,
+) -> None:
+    """Stream one completion of PROMPT from the model."""
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop or ()),
+                                stop_token_ids=tuple(stop_token_id or ()))
+    except NanoserveError as error:
+        options.fail_for(error)
+    config = options.engine_config(model=model, dtype=dtype, device=device,
+                                   max_num_seqs=1, max_model_len=max_model_len,
+                                   batch_invariant=batch_invariant)
+    try:
+        from nanoserve.llm import LLM
+
+        llm = LLM.from_config(config)
+        _stream(llm, _chat_prompt_ids(llm, prompt) if chat else prompt, params)
+    except NanoserveError as error:
+        options.fail_for(error)
+
+
+def _chat_prompt_ids(llm: LLM, message: str) -> list[int]:
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": message}])
+    return llm.tokenizer.encode(rendered, add_bos=False)  # the template writes BOS if it wants one
+
+
+def _stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> None:
+    start = time.perf_counter()
+    first_token_s = None
+    num_prompt = num_output = 0
+    for output in llm.stream(prompt, params):
+        if first_token_s is None:
+            first_token_s = time.perf_counter() - start
+        sys.stdout.write(output.text)
+        sys.stdout.flush()
+        num_prompt, num_output = output.num_prompt_tokens, output.num_output_tokens
+    elapsed_s = time.perf_counter() - start
+    decode_s = elapsed_s - (first_token_s or 0.0)
+    decode_rate = (num_output - 1) / decode_s if num_output > 1 and decode_s > 0 else 0.0
+    sys.stdout.write("\n")
+    print(f"prompt {num_prompt} tokens, generated {num_output} tokens, "
+          f"{decode_rate:.1f} tokens/s decode, time to first token {1000 * (first_token_s or 0):.0f} ms",
+          file=sys.stderr)
+

@@ -1,0 +1,66 @@
+"""Options shared by the commands that start an engine, and turning them into an EngineConfig.
+
+Declared once here so `generate`, `serve` and `bench` spell and check them the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, NoReturn
+
+import typer
+
+from nanoserve.config import EngineConfig
+from nanoserve.errors import InvalidRequestError, NanoserveError
+
+Model = Annotated[str | None, typer.Option(
+    "--model", "-m", help="Hugging Face model directory or .gguf file; default: SmolLM2-135M-Instruct.")]
+Dtype = Annotated[str, typer.Option(
+    help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).")]
+Device = Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda when available.")]
+MaxNumSeqs = Annotated[int, typer.Option(min=1, help="Most requests in one step.")]
+MaxBatchedTokens = Annotated[int, typer.Option(
+    min=1, help="Token budget of one step (prefill chunks + decodes).")]
+MaxModelLen = Annotated[int | None, typer.Option(min=2, help="Context length limit; default: the model's.")]
+KvCacheGb = Annotated[float | None, typer.Option(
+    min=0.001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
+BlockSize = Annotated[int, typer.Option(min=1, max=1024, help="Tokens per KV cache block.")]
+BatchInvariant = Annotated[bool, typer.Option(
+    "--batch-invariant/--no-batch-invariant",
+    help="Fixed-shape kernels: a request's tokens never depend on its neighbours (slower at small batches).")]
+
+# Maps a SamplingParams / engine field to the command-line option that sets it.
+FIELD_TO_OPTION = {
+    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
+    "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop": "--stop",
+    "stop_token_ids": "--stop-token-id", "dtype": "--dtype", "device": "--device",
+    "prompt": "PROMPT", "messages": "--chat", "min_tokens": "--min-tokens",
+    "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty", "logprobs": "--logprobs",
+}
+
+
+def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_seqs: int = 32,
+                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                  kv_cache_gb: float | None = None, block_size: int = 16,
+                  batch_invariant: bool = False) -> EngineConfig:
+    if dtype not in ("float32", "bfloat16", "float16", "auto"):
+        fail(f"--dtype must be one of float32, bfloat16, float16, auto; got {dtype!r}")
+    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda; got {device!r}")
+    return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                        batch_invariant=batch_invariant)
+
+
+def fail(message: str) -> NoReturn:
+    """Exit with status 2 and a one-line message: the usage-error convention, no traceback."""
+    typer.secho(f"Error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code=2)
+
+
+def fail_for(error: NanoserveError) -> NoReturn:
+    if isinstance(error, InvalidRequestError) and error.param:
+        option = FIELD_TO_OPTION.get(error.param, f"--{error.param.replace('_', '-')}")
+        fail(f"invalid value for {option}: {error.message}")
+    fail(f"--model: {error}" if not isinstance(error, InvalidRequestError) else str(error))

@@ -1,0 +1,266 @@
+"""The step loop: add_request / step / abort, and `LLM`, the offline and streaming front.
+
+Each step: schedule -> prepare -> forward and sample -> one readback -> stop rules and text.
+Everything a step costs is timed per phase in `EngineStats`, so `profile` can show it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.block_pool import BlockPool
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.default_model import resolve_model_dir
+from nanoserve.errors import InvalidRequestError
+from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from nanoserve.model_runner import ModelRunner
+from nanoserve.output import OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights import load_llama
+
+log = logging.getLogger("nanoserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PHASES = ("schedule", "prepare", "forward", "collect")
+# Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
+# everything else, so a fraction of free memory alone would make start-up slow and greedy.
+CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start; per-phase seconds summed over steps."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.phase_s.values())
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device 'cuda' asked for, but torch sees no CUDA GPU", param="device")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise InvalidRequestError(f"dtype {name!r} is not one of {sorted(DTYPES)} or 'auto'", param="dtype")
+    return DTYPES[name]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        model_config = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.model = load_llama(self.model_dir, dtype=self.dtype, device=self.device,
+                                batch_invariant=config.batch_invariant, max_positions=self.max_model_len)
+        self.model_config = self.model.config
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.pool,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
+                                  device=self.device)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.readbacks = ReadbackCounter()
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        # Profiling only: wait for the GPU at each phase's end so its time lands in that phase.
+        self.sync_phases = False
+        self._ids = itertools.count()
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s)", num_blocks,
+                 config.block_size, num_blocks * config.block_size, self.kv_cache.nbytes / 2**30,
+                 str(self.dtype).removeprefix("torch."), self.device)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        budget = (cfg.kv_cache_gb * 2**30 if cfg.kv_cache_gb is not None
+                  else cfg.kv_cache_fraction * available_memory_bytes(self.device))
+        if cfg.kv_cache_gb is None and self.device.type == "cpu":
+            budget = min(budget, CPU_DEFAULT_KV_CACHE_BYTES)
+        # No point holding more than every sequence at full length could use.
+        useful = cfg.max_num_seqs * self.max_model_len
+        per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        wanted = min(int(budget), -(-useful // cfg.block_size) * per_block)
+        return num_blocks_for_budget(self.model_config, cfg.block_size, self.dtype, wanted)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
+                    param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every check a request must pass, before it costs the engine anything."""
+        params.validate_for_vocab(self.vocab_size)
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt_ids = self.encode_prompt(prompt)
+        self.check_request(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(request_id, prompt_ids, params, seed)
+        self.scheduler.add(request)
+        self.outputs.add(request)
+        self.requests[request_id] = request
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.outputs.drop(request_id)
+        return self.outputs.aborted(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        timer = PhaseTimer(self.stats.phase_s, sync_cuda=self.sync_phases)
+        with timer("schedule"):
+            plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        with timer("prepare"):
+            prepared = self.runner.prepare(plan.chunks)
+        with timer("forward"):
+            token_batch = self.runner.execute(prepared)
+            for chunk in plan.chunks:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+        with timer("collect"):
+            outputs = self._collect(token_batch) if token_batch is not None else []
+        self._count_step(plan)
+        return outputs
+
+    def _collect(self, token_batch: TokenBatch) -> list[RequestOutput]:
+        host = token_batch.to_host(self.readbacks)
+        outputs = []
+        for request_id, token_id, logprob in zip(host.request_ids, host.token_ids, host.logprobs,
+                                                 strict=True):
+            request = self.requests[request_id]
+            output = self.outputs.append(request, token_id, logprob)
+            if output.finished:
+                self._finish(request, RequestStatus(output.finish_reason))
+            outputs.append(output)
+        self.stats.generation_tokens += len(outputs)
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.outputs.drop(request.request_id)
+        del self.requests[request.request_id]
+
+    def _count_step(self, plan: SchedulerOutput) -> None:
+        self.stats.steps += 1
+        self.stats.prompt_tokens += sum(
+            max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
+            for c in plan.chunks)
+        if all(chunk.num_tokens == 1 for chunk in plan.chunks):
+            self.stats.decode_steps += 1
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompts: Sequence[str | Sequence[int]]) -> torch.Tensor:
+        """Last-position float32 logits of each prompt, computed alone (for parity and benches)."""
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logits runs each prompt alone; the engine has requests in flight")
+        rows = []
+        for prompt in prompts:
+            request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            request = self.requests[request_id]
+            captured = self._run_prefill_capturing_logits(request)
+            self.abort(request_id)
+            rows.append(captured)
+        return torch.stack(rows)
+
+    def _run_prefill_capturing_logits(self, request: Request) -> torch.Tensor:
+        while True:
+            plan = self.scheduler.schedule()
+            prepared = self.runner.prepare(plan.chunks)
+            logits = self.model.forward(prepared.batch, self.kv_cache)
+            for chunk in plan.chunks:
+                chunk.request.num_computed_tokens += chunk.num_tokens
+            if request.num_uncomputed_tokens == 0:
+                return logits[-1].float().cpu()
+
+
+class PhaseTimer:
+    """Adds each phase's wall time to a dict; on CUDA waits for the device so time lands right."""
+
+    def __init__(self, sink: dict[str, float], *, sync_cuda: bool) -> None:
+        self.sink = sink
+        self.sync = sync_cuda
+        self._phase = ""
+        self._start = 0.0
+
+    def __call__(self, phase: str) -> PhaseTimer:
+        self._phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.sink[self._phase] += time.perf_counter() - self._start

@@ -1,0 +1,152 @@
+"""From sampled tokens on the device to what callers see: one readback per step.
+
+Owns: `TokenBatch` (the step's sampled tokens, still on the device, and the request owning
+each row), the readback counter, the stop rules (EOS, stop token ids, stop strings,
+max_tokens), incremental detokenization, and `RequestOutput`, the record a caller receives.
+Refuses: reading a tensor back more than once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.request import Request, RequestStatus
+from nanoserve.sampler import SampledTokens
+from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the top-N alternatives, most likely first
+
+
+@dataclass(slots=True)
+class HostTokens:
+    """One step's sampled tokens after the readback: plain Python, one entry per row."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class ReadbackCounter:
+    """Counts device-to-host transfers, so 'one readback per step' is a measured figure."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def read(self, tensor: torch.Tensor) -> list:
+        self.count += 1
+        return tensor.tolist()
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """A step's sampled tokens on the device, and the request id of each row."""
+
+    sampled: SampledTokens
+    request_ids: list[str]
+
+    def to_host(self, readbacks: ReadbackCounter) -> HostTokens:
+        """Bring tokens (and logprobs, if any row asked) back in exactly one transfer."""
+        s = self.sampled
+        if s.logprobs is None:
+            return HostTokens(self.request_ids, readbacks.read(s.token_ids),
+                              [None] * len(self.request_ids))
+        # Token ids are exact in float32 below 2**24, far above any vocabulary.
+        parts = [s.token_ids.unsqueeze(1).float(), s.logprobs.unsqueeze(1).float()]
+        if s.top_ids is not None:
+            parts += [s.top_ids.float(), s.top_logprobs.float()]
+        rows = readbacks.read(torch.cat(parts, dim=1))
+        n = s.top_ids.shape[1] if s.top_ids is not None else 0
+        tokens = [int(row[0]) for row in rows]
+        logprobs = [
+            TokenLogprob(int(row[0]), row[1], tuple(zip(map(int, row[2:2 + n]), row[2 + n:], strict=True)))
+            for row in rows
+        ]
+        return HostTokens(self.request_ids, tokens, logprobs)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: a text delta and the tokens behind it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: str | int | None  # the stop string or stop token id that matched
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class OutputState:
+    """Per-request text state: the detokenizer and the stop-string matcher."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    stop_token_ids: frozenset[int]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, OutputState] = {}
+
+    def add(self, request: Request) -> None:
+        params = request.params
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.eos_token_ids
+        self.states[request.request_id] = OutputState(
+            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop), stop_ids
+        )
+
+    def drop(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Add one sampled token to `request`, apply the stop rules, return the delta."""
+        state = self.states[request.request_id]
+        request.output_ids.append(token_id)
+        text, status, stop_reason = self._advance(request, state, token_id)
+        return RequestOutput(
+            request_id=request.request_id,
+            text=text,
+            token_ids=[token_id],
+            logprobs=[logprob] if logprob is not None else None,
+            finished=status is not None,
+            finish_reason=status.value if status is not None else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=len(request.output_ids),
+        )
+
+    def _advance(self, request: Request, state: OutputState,
+                 token_id: int) -> tuple[str, RequestStatus | None, str | int | None]:
+        """Stop rules, in order: stop token (EOS unless ignored), stop string, max_tokens."""
+        params = request.params
+        past_min_tokens = len(request.output_ids) > params.min_tokens
+        if token_id in state.stop_token_ids and past_min_tokens:
+            return state.stop_matcher.flush(), RequestStatus.FINISHED_STOPPED, token_id
+        text = state.detokenizer.push([token_id])
+        if len(request.output_ids) >= params.max_tokens:
+            text += state.detokenizer.flush()  # release a held-back partial character
+        if past_min_tokens:
+            text, stopped = state.stop_matcher.feed(text)
+            if stopped:
+                return text, RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
+        if len(request.output_ids) >= params.max_tokens:
+            return text + state.stop_matcher.flush(), RequestStatus.FINISHED_LENGTH, None
+        return text, None, None
+
+    def aborted(self, request: Request) -> RequestOutput:
+        return RequestOutput(request.request_id, "", [], None, True, "abort", None,
+                             len(request.prompt_ids), len(request.output_ids))

@@ -1,0 +1,66 @@
+"""Loading a Hugging Face style checkpoint directory into a `Llama`.
+
+Reads config.json and one or sharded safetensors files. GGUF files and the default model are
+first converted into such a directory (`gguf_import`, `default_model`), so this is the one
+place weights enter the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nanoserve.config import ModelConfig
+from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.model import Llama, LlamaWeights
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+    raw = json.loads(path.read_text())
+    architectures = set(raw.get("architectures") or [])
+    if raw.get("model_type") != "llama" and not architectures & SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{model_dir}: model_type {raw.get('model_type')!r} / architectures "
+            f"{sorted(architectures)} is not supported; nanoserve runs Llama-family models"
+        )
+    return ModelConfig.from_hf_dict(raw)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise ModelNotFoundError(f"{model_dir} has no .safetensors weights")
+    return found
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+               batch_invariant: bool = False, max_positions: int | None = None) -> Llama:
+    config = read_config(model_dir)
+    tensors = load_state_dict(model_dir)
+    missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in tensors]
+    if missing:
+        raise UnsupportedModelError(f"{model_dir}: missing tensors {missing}")
+    weights = LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+    return Llama(config, weights, batch_invariant=batch_invariant, max_positions=max_positions)

@@ -1,0 +1,156 @@
+"""The engine end to end: stop rules, streaming, readbacks, invariance in a crowd, preemption."""
+
+import pytest
+import torch
+
+from nanoserve.errors import InvalidRequestError
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", device="cpu", batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def real(default_model_dir):
+    return LLM(str(default_model_dir), dtype="float32", device="cpu", batch_invariant=True)
+
+
+def solo(llm, prompt, params):
+    return llm.generate([prompt], params)[0]
+
+
+def test_max_tokens_ends_with_length_and_frees_every_block(tiny):
+    completion = solo(tiny, "hello world", GREEDY)
+    assert len(completion.token_ids) == 12 and completion.finish_reason == "length"
+    assert tiny.engine.pool.is_completely_free
+
+
+def test_stop_token_id_ends_the_request_without_its_text(tiny):
+    first = solo(tiny, "hello world", GREEDY).token_ids
+    stop_id = first[3]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_id,))
+    completion = solo(tiny, "hello world", params)
+    cut = first.index(stop_id)
+    assert completion.token_ids == first[: cut + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_id
+    assert completion.text == tiny.tokenizer.decode(first[:cut])
+
+
+def test_stop_string_is_not_emitted_and_text_before_it_is(tiny):
+    full = solo(tiny, "the quick brown", GREEDY).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    if not stop.strip():
+        pytest.skip(f"the tiny model's text {full!r} has no printable stop string there")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    completion = solo(tiny, "the quick brown", params)
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.text == full[: full.index(stop)]
+
+
+def test_streamed_text_equals_collected_text_and_has_no_broken_characters(real):
+    prompt = "Ünïcödé and emoji 🚀 test:"
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    deltas = [out.text for out in real.stream(prompt, params)]
+    assert "".join(deltas) == solo(real, prompt, params).text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_abandoned_stream_aborts_and_frees_its_blocks(tiny):
+    stream = tiny.stream("hello", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not tiny.engine.has_unfinished() and tiny.engine.pool.is_completely_free
+
+
+def test_exactly_one_readback_per_sampling_step(tiny):
+    engine = tiny.engine
+    before_reads, before_steps = engine.readbacks.count, engine.stats.steps
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, logprobs=3, ignore_eos=True)
+    tiny.generate(["a b c", "hello there friend", "x"], [GREEDY, params, GREEDY])
+    assert engine.readbacks.count - before_reads == engine.stats.steps - before_steps
+
+
+def test_logprobs_report_the_chosen_token_and_n_alternatives(tiny):
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    completion = solo(tiny, "hello", params)
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert entry.token_id == token_id and len(entry.top) == 3
+        assert entry.top[0][0] == token_id  # greedy picks the most likely token
+        assert entry.logprob <= 0.0 and entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+
+
+def test_same_seed_same_text_and_temperature_zero_is_greedy(real):
+    prompt = "Once upon a time"
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=123)
+    assert solo(real, prompt, seeded).token_ids == solo(real, prompt, seeded).token_ids
+    greedy = solo(real, prompt, SamplingParams(max_tokens=16, temperature=0.0))
+    top_k_1 = solo(real, prompt, SamplingParams(max_tokens=16, temperature=1.7, top_k=1, seed=5))
+    assert top_k_1.token_ids == greedy.token_ids
+
+
+def test_different_seeds_at_high_temperature_give_different_text(real):
+    texts = {solo(real, "My favourite food is", SamplingParams(max_tokens=12, temperature=2.0, seed=s)).text
+             for s in range(4)}
+    assert len(texts) > 1
+
+
+def test_greedy_and_seeded_outputs_in_a_staggered_crowd_of_16_equal_their_solo_runs(real):
+    engine = real.engine
+    prompts = [" ".join(["word"] * (3 + 5 * i)) + f" story {i}:" for i in range(16)]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(16)]
+    alone = [solo(real, p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
+    ids, outputs = {}, {}
+    for i in range(16):  # a new arrival every step, while earlier ones decode
+        ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    crowd = [None] * 16
+    for request_id, i in ids.items():
+        crowd[i] = outputs[request_id]
+    assert crowd == alone
+    assert engine.pool.is_completely_free
+
+
+def test_preemption_by_recompute_changes_no_token(tiny_model_dir):
+    prompts = [f"request {i}:" + " hi" * i for i in range(8)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 1.1, seed=i, ignore_eos=True)
+              for i in range(8)]
+    roomy = LLM(str(tiny_model_dir), device="cpu", batch_invariant=True)
+    cramped = LLM(str(tiny_model_dir), device="cpu", batch_invariant=True, num_kv_blocks=14, block_size=4)
+    expected = [c.token_ids for c in roomy.generate(prompts, params)]
+    got = [c.token_ids for c in cramped.generate(prompts, params)]
+    assert cramped.engine.scheduler.num_preemptions >= 3, "the pool was not small enough to preempt"
+    assert roomy.engine.scheduler.num_preemptions == 0
+    assert got == expected
+    assert cramped.engine.pool.is_completely_free
+
+
+def test_bad_requests_are_refused_before_any_engine_work(tiny):
+    engine = tiny.engine
+    steps = engine.stats.steps
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("hi", SamplingParams(logit_bias={10**6: 1.0}))
+    assert err.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("hi " * 5000, SamplingParams(max_tokens=4))
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("", SamplingParams())
+    assert err.value.param == "prompt"
+    assert engine.stats.steps == steps and not engine.has_unfinished()
+
+
+def test_prompt_logits_equal_the_first_generated_tokens_logits(tiny):
+    logits = tiny.prompt_logits(["hello world"])
+    greedy = solo(tiny, "hello world", SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert greedy.token_ids == [int(torch.argmax(logits[0]))]
