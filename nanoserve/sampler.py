@@ -107,6 +107,7 @@ class SamplingBatch:
 
     vocab_size: int
     greedy: Tensor  # [rows] bool
+    any_greedy: bool
     any_sampled: bool
     temperature: Tensor | None  # [rows] float32 (1 for greedy rows); None: every one is 1
     top_k: Tensor  # [rows] int64, 0 where the row keeps every token
@@ -139,6 +140,7 @@ class SamplingBatch:
         return cls(
             vocab_size=vocab_size,
             greedy=upload(greedy, torch.bool),
+            any_greedy=any(greedy),
             any_sampled=not all(greedy),
             temperature=upload(temps, torch.float32) if any(t != 1 for t in temps) else None,
             top_k=upload(top_k, torch.int64),
@@ -208,11 +210,16 @@ class BatchedSampler:
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SampledTokens:
         raw = logits.float().contiguous()  # bf16 rows are widened; contiguous rows stay row-local
-        edited = _apply_edits(raw, batch)
-        token_ids = _argmax(edited)
-        if batch.any_sampled:
-            token_ids = torch.where(batch.greedy, token_ids, _sample(edited, batch))
-        return _with_logprobs(raw, token_ids, batch)
+        return _with_logprobs(raw, _pick(_apply_edits(raw, batch), batch), batch)
+
+
+def _pick(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    if not batch.any_sampled:
+        return _argmax(logits)
+    sampled = _sample(logits, batch)
+    if not batch.any_greedy:
+        return sampled
+    return torch.where(batch.greedy, _argmax(logits), sampled)
 
 
 def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -312,9 +319,11 @@ def _top_p_by_radix(probs: Tensor, top_p: Tensor) -> Tensor:
 def _radix_pass(bits: Tensor, mass: Tensor, spare: Tensor, prefix: Tensor, shift: int,
                 width: int) -> Tensor:
     buckets = 1 << width
-    digit = (bits >> shift).long() - (prefix << width)[:, None]
+    digit = bits >> shift  # int32 until the scatter: half the bytes of int64
+    if shift + width < 31:  # the top pass has no prefix yet: every digit is in range
+        digit = digit - (prefix << width).to(torch.int32)[:, None]
     # Slot 0 gathers everything below the chosen prefix, slot buckets + 1 everything above it.
-    slot = digit.clamp_(-1, buckets).add_(1)
+    slot = digit.clamp_(-1, buckets).add_(1).long()
     hist = torch.zeros(bits.shape[0], buckets + 2, dtype=torch.int64, device=bits.device)
     # under[d]: the mass below the region plus that of digits < d, rising with d. The mass
     # above the region is under `need`, so under[buckets] and beyond never fit in `spare`.
