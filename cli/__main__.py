@@ -1,0 +1,5 @@
+"""`python -m cli`: the same app as the `nanoserve` console script."""
+
+from cli.main import app
+
+app()

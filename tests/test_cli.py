@@ -1,0 +1,75 @@
+"""`nanoserve generate` as a user meets it: streamed text, a summary line, exit 2 on bad input."""
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+
+
+def generate(*args):
+    return runner.invoke(app, ["generate", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--top-k", "0"], "--top-k"),
+        (["--min-p", "2"], "--min-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_option_exits_2_naming_the_option_without_a_traceback(args, option, tiny_model_dir):
+    result = generate("hi", "--model", str(tiny_model_dir), *args)
+    assert result.exit_code == 2, result.output
+    assert option in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unreadable_model_path_exits_2_naming_the_model_option(tmp_path):
+    result = generate("hi", "--model", str(tmp_path / "missing"))
+    assert result.exit_code == 2 and "--model" in result.output
+
+
+def test_gguf_of_an_unsupported_architecture_exits_2(tmp_path, tiny_model_dir):
+    from tiny_model import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "gpt2.gguf", tiny_model_dir, architecture="gpt2")
+    result = generate("hi", "--model", str(path))
+    assert result.exit_code == 2 and "gpt2" in result.output and "Traceback" not in result.output
+
+
+def test_generate_streams_the_same_text_as_the_library_and_prints_a_summary(tiny_model_dir):
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    expected = LLM(str(tiny_model_dir)).generate(
+        ["hello"], SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    # A real process, so stdout and stderr stay apart as a shell user sees them.
+    cmd = [sys.executable, "-m", "cli", "generate", "hello", "--model", str(tiny_model_dir),
+           "--max-tokens", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout == expected + "\n"
+    assert "prompt" in done.stderr and "tokens/s" in done.stderr and "time to first token" in done.stderr
+
+
+def test_chat_wraps_the_prompt_in_the_models_template(tiny_model_dir):
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_model_dir))
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    chat = llm.chat([{"role": "user", "content": "hello"}], params)
+    plain = llm.generate(["hello"], params)[0]
+    assert chat.prompt_token_ids != plain.prompt_token_ids
+    result = generate("hello", "--model", str(tiny_model_dir), "--chat", "--max-tokens", "6")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == chat.text + "\n"
