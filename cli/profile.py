@@ -1,0 +1,121 @@
+"""`nanoserve profile`: what each phase of a decode step costs, over batch sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import options
+from cli.app import app
+from cli.bench import checked
+
+DEFAULT_OUT = Path("results/profile.csv")
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    from nanoserve.bench.offline import parse_int_list
+
+    return parse_int_list(text, minimum=1)
+
+
+def _mix(text: str) -> str:
+    from nanoserve.bench.offline import PARAM_MIXES
+
+    if text not in PARAM_MIXES:
+        raise ValueError(f"{text!r} is not one of {', '.join(PARAM_MIXES)}")
+    return text
+
+
+def _dtype(text: str) -> str:
+    from nanoserve.bench.offline import DTYPES
+
+    if text not in DTYPES:
+        raise ValueError(f"{text!r} is not one of {', '.join(DTYPES)}")
+    return text
+
+
+BatchSizes = Annotated[str, typer.Option(
+    callback=checked(_batch_sizes), metavar="N,N,...", help="Requests decoding together.")]
+Dtype = Annotated[str, typer.Option(callback=checked(_dtype), help="float32, bfloat16 or float16.")]
+
+
+@app.command()
+def profile(
+    batch_sizes: BatchSizes = "1,2,4,8,16",
+    input_len: Annotated[int, typer.Option(min=1, help="Prompt length in tokens.")] = 32,
+    output_len: Annotated[int, typer.Option(min=2, help="Tokens generated per request.")] = 64,
+    params: Annotated[str, typer.Option(
+        callback=checked(_mix), help="Sampling mix: greedy, top_p, top_k or mixed.")] = "greedy",
+    dtype: Dtype = "float32",
+    batch_invariant: options.BatchInvariant = False,
+    model: options.Model = None,
+    device: options.Device = None,
+    out: Annotated[Path, typer.Option(help="CSV to write; the chart goes beside it as .png.")] = DEFAULT_OUT,
+    trace: Annotated[Path | None, typer.Option(
+        help="Also write a torch.profiler Chrome trace (a few steps per batch size) here.")] = None,
+    chart: Annotated[bool, typer.Option("--chart/--no-chart", help="Write the stacked bar chart.")] = True,
+) -> None:
+    """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect)."""
+    from nanoserve.bench.profile import ProfileSpec
+
+    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
+        options.fail(f"--device must be cpu or cuda; got {device!r}")
+    spec = ProfileSpec(batch_sizes=batch_sizes, input_len=input_len, output_len=output_len, params=params,
+                       dtype=dtype, batch_invariant=batch_invariant, model=model, device=device,
+                       trace_path=trace)
+    run_profile(spec, out, chart=chart)
+
+
+def run_profile(spec, out: Path, *, chart: bool) -> None:
+    from rich.console import Console
+
+    from nanoserve.bench import charts
+    from nanoserve.bench.hardware import describe_machine
+    from nanoserve.bench.profile import build_engine, profile_engine
+    from nanoserve.errors import NanoserveError
+
+    console = Console(stderr=True)
+    try:
+        with console.status("loading the engine"):
+            engine = build_engine(spec)
+        with console.status("profiling") as status:
+            def progress(batch_size: int, done: int, total: int) -> None:
+                status.update(f"profiling batch size {batch_size} ({done}/{total})")
+
+            frame = profile_engine(engine, spec, progress)
+    except NanoserveError as error:
+        options.fail(str(error))
+    machine = describe_machine(engine.device)
+    frame = frame.assign(**machine.columns())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out, index=False, float_format="%.6g")
+    Console().print(profile_table(frame, machine.label))
+    console.print(f"wrote {out}")
+    if spec.trace_path is not None:
+        console.print(f"wrote {spec.trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+    if chart:
+        kernels = ", batch-invariant" if spec.batch_invariant else ""
+        title = (f"nanoserve decode step by phase: {spec.dtype}{kernels}, {spec.params}, "
+                 f"prompt {spec.input_len}, {spec.output_len} new tokens\n{machine.label}")
+        console.print(f"wrote {charts.phase_chart(frame, out.with_suffix('.png'), title=title)}")
+
+
+def profile_table(frame, title: str):
+    from rich.table import Table
+
+    from nanoserve.bench.profile import PHASES
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("batch", justify="right")
+    table.add_column("step ms", justify="right")
+    for phase in PHASES:
+        table.add_column(f"{phase} ms (rb)", justify="right")
+    table.add_column("other ms", justify="right")
+    table.add_column("tok/s", justify="right")
+    for row in frame.itertuples():
+        phases = [f"{getattr(row, f'{p}_ms'):.2f} ({getattr(row, f'{p}_readbacks'):.0f})" for p in PHASES]
+        table.add_row(str(row.batch_size), f"{row.step_ms:.2f}", *phases, f"{row.other_ms:.2f}",
+                      f"{row.decode_tokens_per_s:.1f}")
+    return table

@@ -1,0 +1,95 @@
+"""PNG charts of the bench and profile CSVs (matplotlib, Agg: no display needed).
+
+Owns: tokens/s against slots (one line per sampling mix, the baseline dashed in the same
+colour, the roofline dotted), and the stacked per-phase cost of a decode step per batch size.
+Refuses: computing figures; it draws the columns `offline` and `profile` wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+PHASE_COLOURS = {"schedule": "#4c72b0", "prepare": "#dd8452", "forward": "#55a868",
+                 "sample": "#c44e52", "collect": "#8172b3", "other": "#937860"}
+
+
+def _series_label(row: pd.Series, *, many_dtypes: bool, many_kernels: bool) -> str:
+    label = str(row.params)
+    if many_dtypes:
+        label += f" {row.dtype}"
+    if many_kernels and row.batch_invariant:
+        label += " batch-invariant"
+    return label
+
+
+def throughput_chart(frame: pd.DataFrame, path: Path, *, title: str) -> Path:
+    """Output tokens/s against concurrent requests, read against the baseline and the roofline."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ours = frame[frame.engine == "nanoserve"]
+    many_dtypes, many_kernels = ours.dtype.nunique() > 1, ours.batch_invariant.nunique() > 1
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour_of: dict[str, str] = {}
+    for (mix, dtype, invariant), group in ours.groupby(["params", "dtype", "batch_invariant"], sort=False):
+        label = _series_label(group.iloc[0], many_dtypes=many_dtypes, many_kernels=many_kernels)
+        colour = colour_of.setdefault(f"{mix} {dtype}", colours[len(colour_of) % len(colours)])
+        group = group.sort_values("slots")
+        ax.plot(group.slots, group.output_tokens_per_s, marker="o", color=colour,
+                linestyle="-." if invariant else "-", label=f"nanoserve {label}")
+    for (engine, mix, dtype), group in frame[frame.engine != "nanoserve"].groupby(
+            ["engine", "params", "dtype"], sort=False):
+        colour = colour_of.get(f"{mix} {dtype}", "grey")
+        group = group.sort_values("slots")
+        suffix = f" {dtype}" if many_dtypes else ""
+        ax.plot(group.slots, group.output_tokens_per_s, marker="s", linestyle="--", color=colour,
+                alpha=0.8, label=f"{engine} {mix}{suffix}")
+    if "roofline_decode_tokens_per_s" in ours:
+        roof = ours.groupby("slots").roofline_decode_tokens_per_s.max().sort_index()
+        ax.plot(roof.index, roof.values, linestyle=":", color="black",
+                label="roofline (measured bandwidth, GEMM peak)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    slots = sorted(frame.slots.unique())
+    ax.set_xticks(slots, [str(s) for s in slots])
+    ax.set_xlabel("concurrent requests (slots)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, path)
+
+
+def phase_chart(frame: pd.DataFrame, path: Path, *, title: str) -> Path:
+    """Stacked milliseconds per decode step, one bar per batch size, one band per phase."""
+    phases = [p for p in PHASE_COLOURS if f"{p}_ms" in frame]
+    frame = frame.sort_values("batch_size")
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    positions = range(len(frame))
+    bottom = [0.0] * len(frame)
+    for phase in phases:
+        values = frame[f"{phase}_ms"].fillna(0.0).tolist()
+        ax.bar(positions, values, bottom=bottom, color=PHASE_COLOURS[phase], label=phase)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, (top, rate) in enumerate(zip(bottom, frame.decode_tokens_per_s, strict=True)):
+        ax.annotate(f"{rate:.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(positions), [str(b) for b in frame.batch_size])
+    ax.set_xlabel("decode batch size (requests in the step)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

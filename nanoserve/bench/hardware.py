@@ -1,0 +1,213 @@
+"""The machine a measurement ran on, and what its memory and arithmetic can reach.
+
+Owns: a description of the machine (CPU model, cores, torch version and threads, device),
+the git commit of the code measured, a read-bandwidth probe (`torch.mv` over a ~512 MB
+float32 matrix, as in shared/ANCHORS.md), a GEMM FLOP/s probe, and per-config peak memory.
+Each probe runs for about a second, so it can run beside the measurement it calibrates.
+Refuses: quoting figures from elsewhere; every limit here is measured in the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import resource
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# The shape of the GEMM probe: SmolLM2-135M's hidden size against a wide stacked weight.
+GEMM_IN_FEATURES, GEMM_OUT_FEATURES = 576, 12288
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """Where a run happened, as columns every results row carries."""
+
+    cpu_model: str
+    cpu_flags: str  # the vector extensions that decide GEMM speed (avx512, amx...)
+    cores: int
+    threads: int
+    memory_gib: float
+    torch_version: str
+    device: str
+    device_name: str
+    git_commit: str
+    timestamp: str
+
+    def columns(self) -> dict[str, object]:
+        return asdict(self)
+
+    @property
+    def label(self) -> str:
+        """One line naming the machine, for chart titles and terminal headers."""
+        where = self.device_name if self.device != "cpu" else self.cpu_model
+        return f"{where}, {self.cores} cores, {self.threads} threads, torch {self.torch_version}"
+
+
+def describe_machine(device: torch.device | str = "cpu") -> Machine:
+    device = torch.device(device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    return Machine(
+        cpu_model=cpu_model(),
+        cpu_flags=" ".join(vector_flags()),
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        threads=torch.get_num_threads(),
+        memory_gib=round(total_memory_bytes() / 2**30, 1),
+        torch_version=torch.__version__,
+        device=str(device),
+        device_name=device_name,
+        git_commit=git_commit(),
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _cpuinfo() -> dict[str, str]:
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def vector_flags() -> list[str]:
+    flags = set(_cpuinfo().get("flags", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+    return [flag for flag in wanted if flag in flags]
+
+
+def total_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def git_commit() -> str:
+    """The commit measured, with '+dirty' when the working tree differs from it."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_seconds(run: Callable[[], object], device: torch.device, *, budget_s: float = 1.0,
+                 min_trials: int = 3) -> float:
+    """Shortest wall time of `run` over about `budget_s`: the least disturbed trial on a shared box."""
+    run()  # the first call pays for allocation and kernel selection
+    _synchronize(device)
+    best = float("inf")
+    trials = 0
+    deadline = time.perf_counter() + budget_s
+    while trials < min_trials or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        run()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+        trials += 1
+    return best
+
+
+def read_bandwidth_gbs(device: torch.device | str = "cpu", *, nbytes: int = 512 << 20,
+                       dtype: torch.dtype = torch.float32, budget_s: float = 1.0) -> float:
+    """GB/s (1e9 bytes) that a matrix-vector product streams: the bound of a decode step."""
+    device = torch.device(device)
+    cols = 4096
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows = max(1, nbytes // (cols * element))
+    matrix = torch.randn(rows, cols, device=device).to(dtype)
+    vector = torch.randn(cols, device=device).to(dtype)
+    seconds = best_seconds(lambda: torch.mv(matrix, vector), device, budget_s=budget_s)
+    return matrix.numel() * element / seconds / 1e9
+
+
+def gemm_gflops(rows: int, device: torch.device | str = "cpu", *, dtype: torch.dtype = torch.float32,
+                budget_s: float = 0.5) -> float:
+    """GFLOP/s of `F.linear` with `rows` activations against a 576 x 12288 weight."""
+    device = torch.device(device)
+    weight = torch.randn(GEMM_OUT_FEATURES, GEMM_IN_FEATURES, device=device).to(dtype)
+    x = torch.randn(rows, GEMM_IN_FEATURES, device=device).to(dtype)
+    seconds = best_seconds(lambda: F.linear(x, weight), device, budget_s=budget_s)
+    return 2.0 * rows * GEMM_IN_FEATURES * GEMM_OUT_FEATURES / seconds / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareLimits:
+    """What this machine reached in the probes, for reading a measurement against its roofline."""
+
+    read_gbs: float  # float32 matrix-vector streaming
+    peak_gflops: float  # GEMM at 512 rows in the measured dtype
+    gflops_by_rows: dict[int, float]  # GEMM at each batch size a sweep runs
+
+    def columns(self) -> dict[str, object]:
+        return {"measured_read_gbs": round(self.read_gbs, 2),
+                "measured_peak_gflops": round(self.peak_gflops, 1)}
+
+    def decode_roofline_step_s(self, *, weight_bytes: float, flops_per_step: float) -> float:
+        """Least time a decode step can take: streaming the weights once, or the arithmetic."""
+        return max(weight_bytes / (self.read_gbs * 1e9), flops_per_step / (self.peak_gflops * 1e9))
+
+
+def probe_limits(device: torch.device | str = "cpu", *, dtype: torch.dtype = torch.float32,
+                 rows: tuple[int, ...] = ()) -> HardwareLimits:
+    """Measure bandwidth and GEMM throughput now, in this process (a few seconds in all)."""
+    return HardwareLimits(
+        read_gbs=read_bandwidth_gbs(device),
+        peak_gflops=gemm_gflops(512, device, dtype=dtype),
+        gflops_by_rows={r: gemm_gflops(r, device, dtype=dtype, budget_s=0.25) for r in rows},
+    )
+
+
+class PeakMemory:
+    """Peak memory of the process over a stretch of work: resident set on CPU, allocated on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        # Writing 5 to clear_refs resets VmHWM (Linux >= 4.0); without it the peak is the process's.
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def peak_mib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,478 @@
+"""The offline bench: synthetic workloads, a closed-loop driver with N slots, per-config metrics.
+
+Owns: prompts of exactly `input_len` token ids, the sampling mixes (greedy, top_p, top_k and
+mixed per row), driving `Engine.step` with at most `slots` requests in flight (a finished one
+is replaced by the next waiting one), the timers behind every figure (tokens/s, requests/s,
+time to first token, time per output token, decode step time, readbacks per step, peak
+memory), the roofline columns (achieved GB/s and GFLOP/s against the probes of
+`hardware`), and Hugging Face transformers' `generate` on the same workload, in the same run.
+Refuses: printing, progress bars and file formats (the CLI and `charts` do those).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from nanoserve.bench.hardware import HardwareLimits, Machine, PeakMemory, describe_machine, probe_limits
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.sampling_params import SamplingParams
+
+# Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
+SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {
+    "greedy": {"temperature": 0.0},
+    "top_p": {"temperature": 0.8, "top_p": 0.9},
+    "top_k": {"temperature": 0.8, "top_k": 50},
+}
+PARAM_MIXES = (*SAMPLING_SETTINGS, "mixed")  # mixed: rows cycle greedy, top_p, top_k
+BASELINES = ("transformers",)
+DTYPES = ("float32", "bfloat16", "float16")
+SEED_BASE = 1234
+
+
+def row_settings(mix: str, row: int) -> dict[str, float | int]:
+    """The sampling settings of request `row` in mix `mix`."""
+    if mix == "mixed":
+        return SAMPLING_SETTINGS[("greedy", "top_p", "top_k")[row % 3]]
+    return SAMPLING_SETTINGS[mix]
+
+
+def sampling_params(mix: str, row: int, output_len: int) -> SamplingParams:
+    settings = row_settings(mix, row)
+    seed = SEED_BASE + row if settings["temperature"] > 0 else None
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, seed=seed, **settings)
+
+
+def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of exactly `input_len` ids, drawn clear of the low (special) ids."""
+    low = min(100, vocab_size // 4)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, vocab_size, (count, input_len), generator=generator)
+    return ids.tolist()
+
+
+def kv_blocks_for(num_seqs: int, max_len: int, block_size: int = 16) -> int:
+    """A KV pool that holds every slot at full length: the bench measures batching, not preemption.
+
+    Sized per sequence, since each rounds up to whole blocks (the engine's default sizes the pool
+    from the sum of the lengths, which can fit fewer sequences than `max_num_seqs`).
+    """
+    return num_seqs * -(-max_len // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    input_len: int = 32
+    output_len: int = 64
+    num_requests: int | None = None  # None: as many as slots, all in flight at once
+    warmup: int = 1  # untimed short runs before the timed ones, per config
+    repeat: int = 1  # timed runs per config; the run with the median tokens/s is kept
+
+    def requests_for(self, slots: int) -> int:
+        return self.num_requests or slots
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One row of a sweep: which engine, how many slots, which sampling mix, which precision."""
+
+    engine: str  # "nanoserve" or a baseline's name
+    slots: int
+    params: str
+    dtype: str
+    batch_invariant: bool = False
+
+    @property
+    def label(self) -> str:
+        kernels = ", batch-invariant" if self.batch_invariant else ""
+        return f"{self.engine} {self.dtype}{kernels}: {self.slots} slots, {self.params}"
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    added_s: float
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepRecord:
+    seconds: float
+    rows: int
+    is_decode: bool
+    readbacks: int
+    flops: float  # forward FLOPs of the rows, at each row's context length
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """Everything one timed run of one config saw."""
+
+    elapsed_s: float
+    requests: list[RequestTimes]
+    steps: list[StepRecord] = field(default_factory=list)
+    peak_memory_mib: float = float("nan")
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+def _percentiles(prefix: str, values_s: Sequence[float]) -> dict[str, float]:
+    if not values_s:
+        return {f"{prefix}_{name}_ms": float("nan") for name in ("mean", "median", "p99")}
+    ms = sorted(1000 * v for v in values_s)
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+    return {f"{prefix}_mean_ms": statistics.fmean(ms), f"{prefix}_median_ms": statistics.median(ms),
+            f"{prefix}_p99_ms": p99}
+
+
+def request_metrics(run: RunRecord) -> dict[str, float]:
+    """Throughput and latency figures every engine's run can give."""
+    ttft = [r.first_token_s - r.added_s for r in run.requests if r.first_token_s is not None]
+    tpot = [(r.finished_s - r.first_token_s) / (r.num_tokens - 1) for r in run.requests
+            if r.finished_s is not None and r.first_token_s is not None and r.num_tokens > 1]
+    return {
+        "num_requests": len(run.requests),
+        "output_tokens": run.output_tokens,
+        "elapsed_s": run.elapsed_s,
+        "output_tokens_per_s": run.tokens_per_s,
+        "requests_per_s": len(run.requests) / run.elapsed_s,
+        **_percentiles("ttft", ttft),
+        **_percentiles("tpot", tpot),
+        "peak_memory_mib": run.peak_memory_mib,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What a decode step must read and compute, from the model's shape and precision."""
+
+    weight_bytes: float
+    flops_per_token_at: Callable[[int], float]
+
+    @classmethod
+    def of(cls, model_config: ModelConfig, dtype: torch.dtype) -> ModelCost:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return cls(model_config.matmul_params * element, model_config.flops_per_token)
+
+
+def step_metrics(run: RunRecord, cost: ModelCost, limits: HardwareLimits) -> dict[str, float]:
+    """Decode-step figures read against the roofline: achieved GB/s and GFLOP/s beside the limits."""
+    decodes = [s for s in run.steps if s.is_decode]
+    all_readbacks = sum(s.readbacks for s in run.steps)
+    metrics: dict[str, float] = {
+        "steps": len(run.steps),
+        "decode_steps": len(decodes),
+        "readbacks_per_step": all_readbacks / len(run.steps) if run.steps else float("nan"),
+    }
+    if not decodes:
+        return metrics
+    decode_s = sum(s.seconds for s in decodes)
+    rows = sum(s.rows for s in decodes)
+    batch = rows / len(decodes)
+    flops_per_step = sum(s.flops for s in decodes) / len(decodes)
+    memory_limit_s = cost.weight_bytes / (limits.read_gbs * 1e9)
+    compute_limit_s = flops_per_step / (limits.peak_gflops * 1e9)
+    step_s = decode_s / len(decodes)
+    return metrics | {
+        "readbacks_per_decode_step": sum(s.readbacks for s in decodes) / len(decodes),
+        "mean_decode_batch": batch,
+        "decode_step_ms": 1000 * step_s,
+        "decode_step_median_ms": 1000 * statistics.median(s.seconds for s in decodes),
+        "decode_tokens_per_s": rows / decode_s,
+        "achieved_read_gbs": cost.weight_bytes * len(decodes) / decode_s / 1e9,
+        "achieved_gflops": sum(s.flops for s in decodes) / decode_s / 1e9,
+        "memory_limit_step_ms": 1000 * memory_limit_s,
+        "compute_limit_step_ms": 1000 * compute_limit_s,
+        "roofline_decode_tokens_per_s": batch / max(memory_limit_s, compute_limit_s),
+        "roofline_fraction": max(memory_limit_s, compute_limit_s) / step_s,
+        "bandwidth_fraction": cost.weight_bytes / step_s / (limits.read_gbs * 1e9),
+    }
+
+
+class EngineRunner:
+    """Drives one nanoserve `Engine` through a workload with at most `slots` requests in flight."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from nanoserve.engine import Engine
+
+        self.engine = Engine(config)
+        self.cost = ModelCost.of(self.engine.model_config, self.engine.dtype)
+        self.peak = PeakMemory(self.engine.device)
+
+    def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], slots: int) -> RunRecord:
+        engine = self.engine
+        waiting = list(zip(prompts, params, strict=True))[::-1]
+        times: dict[str, RequestTimes] = {}
+        self.peak.reset()
+        start = time.perf_counter()
+        for _ in range(min(slots, len(waiting))):
+            self._admit(waiting.pop(), times)
+        steps = []
+        while engine.has_unfinished():
+            step, finished = self._step(times)
+            steps.append(step)
+            for _ in range(min(finished, len(waiting))):
+                self._admit(waiting.pop(), times)
+        elapsed = time.perf_counter() - start
+        return RunRecord(elapsed, list(times.values()), steps, self.peak.peak_mib())
+
+    def _admit(self, item: tuple[list[int], SamplingParams], times: dict[str, RequestTimes]) -> None:
+        added = time.perf_counter()
+        times[self.engine.add_request(*item)] = RequestTimes(added)
+
+    def _step(self, times: dict[str, RequestTimes]) -> tuple[StepRecord, int]:
+        engine = self.engine
+        readbacks, decode_steps = engine.readbacks.count, engine.stats.decode_steps
+        start = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        finished = flops = 0
+        for output in outputs:
+            record = times[output.request_id]
+            record.num_tokens += len(output.token_ids)
+            if record.first_token_s is None:
+                record.first_token_s = now
+            if output.finished:
+                record.finished_s = now
+                finished += 1
+            flops += self.cost.flops_per_token_at(output.num_prompt_tokens + output.num_output_tokens - 1)
+        step = StepRecord(now - start, len(outputs), engine.stats.decode_steps > decode_steps,
+                          engine.readbacks.count - readbacks, flops)
+        return step, finished
+
+
+class TransformersRunner:
+    """Hugging Face transformers' static-batch `generate` on the same model directory and workload."""
+
+    def __init__(self, model_dir: Path, dtype: str, device: torch.device) -> None:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as err:
+            raise RuntimeError(
+                "--baseline transformers needs Hugging Face transformers: pip install -e '.[baseline]'"
+            ) from err
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
+        self.pad_token_id = self.model.config.eos_token_id
+        if isinstance(self.pad_token_id, list):
+            self.pad_token_id = self.pad_token_id[0]
+        self.peak = PeakMemory(device)
+
+    def supports(self, mix: str) -> bool:
+        return mix in SAMPLING_SETTINGS  # generate takes one setting per batch: no per-row mix
+
+    def run(self, prompts: Sequence[list[int]], mix: str, output_len: int, slots: int) -> RunRecord:
+        """Batches of `slots` prompts, one `generate` each, every request held to `output_len` tokens."""
+        self.peak.reset()
+        requests = []
+        start = time.perf_counter()
+        for first in range(0, len(prompts), slots):
+            batch = torch.tensor(prompts[first:first + slots], device=self.device)
+            added = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(batch, attention_mask=torch.ones_like(batch),
+                                          **self._generate_kwargs(mix, output_len))
+            done = time.perf_counter()
+            new_tokens = out.shape[1] - batch.shape[1]
+            requests += [RequestTimes(added, None, done, new_tokens) for _ in range(batch.shape[0])]
+        return RunRecord(time.perf_counter() - start, requests, [], self.peak.peak_mib())
+
+    def _generate_kwargs(self, mix: str, output_len: int) -> dict[str, object]:
+        settings = SAMPLING_SETTINGS[mix]
+        kwargs: dict[str, object] = {"max_new_tokens": output_len, "min_new_tokens": output_len,
+                                     "pad_token_id": self.pad_token_id}
+        if settings["temperature"] == 0:
+            return kwargs | {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        torch.manual_seed(SEED_BASE)
+        # top_k=0 and top_p=1.0 switch those filters off (transformers' own default is top_k=50).
+        return kwargs | {"do_sample": True, "temperature": settings["temperature"],
+                         "top_p": settings.get("top_p", 1.0), "top_k": settings.get("top_k", 0)}
+
+
+@dataclass(frozen=True, slots=True)
+class SweepSpec:
+    """A whole sweep: the cross product of these, each config run side by side with its baseline."""
+
+    slots: tuple[int, ...] = (1, 2, 4, 8)
+    params: tuple[str, ...] = ("greedy",)
+    dtypes: tuple[str, ...] = ("float32",)
+    batch_invariant: tuple[bool, ...] = (False,)
+    baseline: str | None = None
+    workload: Workload = Workload()
+    model: str | None = None
+    device: str | None = None
+
+    def configs(self) -> list[BenchConfig]:
+        """Interleaved, so a config and its baseline run next to each other in time."""
+        configs = []
+        for dtype, mix, slots in itertools.product(self.dtypes, self.params, self.slots):
+            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv) for inv in self.batch_invariant]
+            if self.baseline and mix in SAMPLING_SETTINGS:
+                configs.append(BenchConfig(self.baseline, slots, mix, dtype))
+        return configs
+
+
+@dataclass
+class SweepResult:
+    machine: Machine
+    limits: HardwareLimits
+    frame: pd.DataFrame  # one row per config
+
+
+ProgressCallback = Callable[[BenchConfig, int, int], None]
+
+
+class Sweep:
+    """Runs a `SweepSpec`: loads each engine once, probes the hardware, then every config in order."""
+
+    def __init__(self, spec: SweepSpec) -> None:
+        self.spec = spec
+        self._engines: dict[tuple[str, bool], EngineRunner] = {}
+        self._baselines: dict[str, TransformersRunner] = {}
+
+    def engine(self, dtype: str, batch_invariant: bool) -> EngineRunner:
+        key = (dtype, batch_invariant)
+        if key not in self._engines:
+            w = self.spec.workload
+            max_len = w.input_len + w.output_len + 1
+            self._engines[key] = EngineRunner(EngineConfig(
+                model=self.spec.model, dtype=dtype, device=self.spec.device,
+                max_num_seqs=max(self.spec.slots), max_model_len=max_len,
+                num_kv_blocks=kv_blocks_for(max(self.spec.slots), max_len),
+                max_num_batched_tokens=max(512, w.input_len * max(self.spec.slots)),
+                batch_invariant=batch_invariant))
+        return self._engines[key]
+
+    def baseline(self, dtype: str) -> TransformersRunner:
+        if dtype not in self._baselines:
+            any_engine = next(iter(self._engines.values()))
+            self._baselines[dtype] = TransformersRunner(any_engine.engine.model_dir, dtype,
+                                                        any_engine.engine.device)
+        return self._baselines[dtype]
+
+    def run(self, progress: ProgressCallback | None = None) -> SweepResult:
+        configs = self.spec.configs()
+        for config in configs:  # load everything before timing anything
+            if config.engine == "nanoserve":
+                self.engine(config.dtype, config.batch_invariant)
+        for config in configs:
+            if config.engine != "nanoserve":
+                self.baseline(config.dtype)
+        device = next(iter(self._engines.values())).engine.device
+        machine = describe_machine(device)
+        limits = probe_limits(device, dtype=getattr(torch, self.spec.dtypes[0]), rows=self.spec.slots)
+        rows = []
+        for index, config in enumerate(configs):
+            if progress:
+                progress(config, index, len(configs))
+            rows.append(self.run_config(config, limits))
+        if progress:
+            progress(configs[-1], len(configs), len(configs))
+        frame = add_ratios(pd.DataFrame(rows))
+        frame = frame.assign(**machine.columns(), **limits.columns())
+        return SweepResult(machine, limits, frame)
+
+    def run_config(self, config: BenchConfig, limits: HardwareLimits) -> dict[str, object]:
+        w = self.spec.workload
+        count = w.requests_for(config.slots)
+        prompts = synthetic_prompts(count, w.input_len, self._vocab_size())
+        warm_prompts = synthetic_prompts(config.slots, w.input_len, self._vocab_size(), seed=1)
+        warm_len = min(8, w.output_len)
+        if config.engine == "nanoserve":
+            runner = self.engine(config.dtype, config.batch_invariant)
+            params = [sampling_params(config.params, i, w.output_len) for i in range(count)]
+            warm_params = [sampling_params(config.params, i, warm_len) for i in range(config.slots)]
+            for _ in range(w.warmup):
+                runner.run(warm_prompts, warm_params, config.slots)
+            runs = [runner.run(prompts, params, config.slots) for _ in range(w.repeat)]
+            run = _median_run(runs)
+            figures = request_metrics(run) | step_metrics(run, runner.cost, limits)
+        else:
+            baseline = self.baseline(config.dtype)
+            for _ in range(w.warmup):
+                baseline.run(warm_prompts, config.params, warm_len, config.slots)
+            runs = [baseline.run(prompts, config.params, w.output_len, config.slots) for _ in range(w.repeat)]
+            run = _median_run(runs)
+            figures = request_metrics(run)
+        return {
+            "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
+            "batch_invariant": config.batch_invariant, "input_len": w.input_len,
+            "output_len": w.output_len, "repeat": w.repeat,
+            "tokens_per_s_runs": " ".join(f"{r.tokens_per_s:.2f}" for r in runs),
+            "gemm_gflops_at_slots": limits.gflops_by_rows.get(config.slots, float("nan")),
+            **figures,
+        }
+
+    def _vocab_size(self) -> int:
+        return next(iter(self._engines.values())).engine.vocab_size
+
+
+def _median_run(runs: Sequence[RunRecord]) -> RunRecord:
+    return sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2]
+
+
+KEY = ["slots", "params", "dtype"]
+
+
+def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
+    """Side-by-side ratios: nanoserve over the baseline, and batch-invariant over plain kernels."""
+    frame = frame.copy()
+    plain_rows = (frame.engine == "nanoserve") & ~frame.batch_invariant.astype(bool)
+    frame["ratio_to_baseline"] = _ratio(frame, frame.engine != "nanoserve")
+    frame.loc[frame.engine != "nanoserve", "ratio_to_baseline"] = float("nan")
+    frame["ratio_to_plain_kernels"] = _ratio(frame, plain_rows)
+    frame.loc[frame.engine != "nanoserve", "ratio_to_plain_kernels"] = float("nan")
+    return frame
+
+
+def _ratio(frame: pd.DataFrame, reference_rows: pd.Series) -> pd.Series:
+    reference = frame[reference_rows].set_index(KEY)["output_tokens_per_s"]
+    reference = reference[~reference.index.duplicated()]
+    keys = pd.MultiIndex.from_frame(frame[KEY])
+    return pd.Series(frame.output_tokens_per_s.to_numpy() / reference.reindex(keys).to_numpy(),
+                     index=frame.index)
+
+
+def parse_int_list(text: str, *, minimum: int = 1) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); ValueError naming the bad item."""
+    values = []
+    for item in _items(text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"{item!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"{value} is below {minimum}")
+        values.append(value)
+    return tuple(values)
+
+
+def parse_choice_list(text: str, choices: Iterable[str]) -> tuple[str, ...]:
+    choices = tuple(choices)
+    values = _items(text)
+    bad = [v for v in values if v not in choices]
+    if bad:
+        raise ValueError(f"{', '.join(map(repr, bad))} not among {', '.join(choices)}")
+    return values
+
+
+def _items(text: str) -> tuple[str, ...]:
+    items = tuple(item.strip() for item in text.split(","))
+    if not items or any(not item for item in items):
+        raise ValueError(f"{text!r} is not a comma-separated list")
+    return items

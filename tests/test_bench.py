@@ -1,0 +1,170 @@
+"""bench, profile and the CI check on the tiny model: columns, readbacks, charts, usage errors.
+
+Timings are never asserted here; the hardware probes are replaced by fixed limits so the
+tests stay fast (the probes themselves are exercised in one test with a tiny budget).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import cli.bench
+import cli.profile  # noqa: F401  (registers the command)
+from cli.app import app
+from nanoserve.bench import ci_check, hardware, offline
+from nanoserve.bench.hardware import HardwareLimits
+
+FIXED_LIMITS = HardwareLimits(read_gbs=20.0, peak_gflops=100.0, gflops_by_rows={1: 10.0, 2: 20.0})
+BENCH_COLUMNS = {
+    "engine", "slots", "params", "dtype", "batch_invariant", "output_tokens_per_s", "requests_per_s",
+    "ttft_mean_ms", "ttft_median_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_median_ms", "tpot_p99_ms",
+    "decode_step_ms", "readbacks_per_step", "readbacks_per_decode_step", "peak_memory_mib",
+    "achieved_read_gbs", "achieved_gflops", "memory_limit_step_ms", "compute_limit_step_ms",
+    "roofline_fraction", "ratio_to_baseline", "ratio_to_plain_kernels", "cpu_model", "cores",
+    "threads", "torch_version", "device", "git_commit", "timestamp", "measured_read_gbs",
+}
+PROFILE_PHASES = ("schedule", "prepare", "forward", "sample", "collect")
+
+
+@pytest.fixture(autouse=True)
+def fixed_limits(monkeypatch):
+    monkeypatch.setattr(offline, "probe_limits", lambda *args, **kwargs: FIXED_LIMITS)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_bench_writes_one_row_per_config_with_every_column_and_a_chart(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.csv"
+    result = invoke("bench", "--model", str(tiny_model_dir), "--slots", "1,2", "--params", "greedy,mixed",
+                    "--input-len", "5", "--output-len", "4", "--batch-invariant", "off,on",
+                    "--device", "cpu", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(out)
+    assert set(frame.columns) >= BENCH_COLUMNS
+    assert len(frame) == 2 * 2 * 2
+    assert (frame.output_tokens == frame.slots * 4).all()
+    assert (frame.readbacks_per_decode_step == 1).all()
+    assert (frame[~frame.batch_invariant].ratio_to_plain_kernels == 1).all()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_request_beyond_the_slots_waits_for_one_to_finish(tiny_model_dir):
+    spec = offline.SweepSpec(slots=(2,), model=str(tiny_model_dir), device="cpu",
+                             workload=offline.Workload(input_len=3, output_len=3, num_requests=5, warmup=0))
+    frame = offline.Sweep(spec).run().frame
+    row = frame.iloc[0]
+    assert row.num_requests == 5 and row.output_tokens == 15
+    assert row.mean_decode_batch <= 2
+
+
+def test_sampling_mixes_cycle_per_row_and_seed_only_sampled_rows():
+    rows = [offline.sampling_params("mixed", i, 8) for i in range(3)]
+    assert [p.temperature for p in rows] == [0.0, 0.8, 0.8]
+    assert rows[0].seed is None and rows[1].top_p == 0.9 and rows[2].top_k == 50
+    assert all(p.ignore_eos and p.max_tokens == 8 for p in rows)
+
+
+def test_synthetic_prompts_have_exactly_the_asked_length_and_are_reproducible():
+    prompts = offline.synthetic_prompts(3, 7, vocab_size=384)
+    assert [len(p) for p in prompts] == [7, 7, 7]
+    assert prompts == offline.synthetic_prompts(3, 7, vocab_size=384)
+    assert all(0 <= t < 384 for p in prompts for t in p)
+
+
+def test_ratios_pair_each_row_with_its_baseline_and_its_plain_kernels():
+    frame = pd.DataFrame({
+        "engine": ["nanoserve", "nanoserve", "transformers"], "slots": [4, 4, 4],
+        "params": ["greedy"] * 3, "dtype": ["float32"] * 3, "batch_invariant": [False, True, False],
+        "output_tokens_per_s": [200.0, 100.0, 50.0]})
+    ratios = offline.add_ratios(frame)
+    assert ratios.ratio_to_baseline.tolist()[:2] == [4.0, 2.0]
+    assert ratios.ratio_to_plain_kernels.tolist()[:2] == [1.0, 0.5]
+    assert ratios.iloc[2].isna()[["ratio_to_baseline", "ratio_to_plain_kernels"]].all()
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--slots", "0,x"], "--slots"),
+    (["--slots", "1,x"], "--slots"),
+    (["--params", "greedy,nucleus"], "--params"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--batch-invariant", "maybe"], "--batch-invariant"),
+    (["--baseline", "vllm"], "--baseline"),
+    (["--output-len", "0"], "--output-len"),
+])
+def test_bad_bench_options_exit_2_naming_the_option(args, option):
+    result = invoke("bench", *args)
+    assert result.exit_code == 2
+    assert option in result.output
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--batch-sizes", "2,zero"], "--batch-sizes"),
+    (["--params", "nucleus"], "--params"),
+    (["--dtype", "int4"], "--dtype"),
+])
+def test_bad_profile_options_exit_2_naming_the_option(args, option):
+    result = invoke("profile", *args)
+    assert result.exit_code == 2
+    assert option in result.output
+
+
+def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collect(tiny_model_dir, tmp_path):
+    out, trace = tmp_path / "profile.csv", tmp_path / "trace.json"
+    result = invoke("profile", "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--input-len", "4",
+                    "--output-len", "4", "--device", "cpu", "--out", str(out), "--trace", str(trace))
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(out)
+    assert frame.batch_size.tolist() == [1, 3]
+    assert (frame.mean_rows == frame.batch_size).all()
+    for phase in PROFILE_PHASES:
+        assert (frame[f"{phase}_ms"] >= 0).all()
+    assert (frame.collect_readbacks == 1).all() and (frame.readbacks_per_step == 1).all()
+    assert (frame[[f"{p}_readbacks" for p in PROFILE_PHASES if p != "collect"]] == 0).all().all()
+    assert "nanoserve.forward" in trace.read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_profile_leaves_the_engine_as_it_found_it(tiny_model_dir):
+    from nanoserve.bench.profile import PhaseProbe, ProfileSpec, build_engine
+
+    engine = build_engine(ProfileSpec(batch_sizes=(1,), model=str(tiny_model_dir), device="cpu"))
+    sampler, schedule = engine.runner.sampler, engine.scheduler.schedule
+    with PhaseProbe(engine).installed():
+        assert engine.runner.sampler is not sampler
+    assert engine.runner.sampler is sampler and engine.scheduler.schedule == schedule
+    assert "_collect" not in vars(engine) and "execute" not in vars(engine.runner)
+
+
+def test_ci_check_passes_above_its_floors_and_fails_below_them(tiny_model_dir, tmp_path, capsys):
+    def thresholds(floor: float) -> str:
+        path = tmp_path / f"floor_{floor}.json"
+        workload = {"slots": 2, "dtype": "float32", "input_len": 3, "output_len": 3, "warmup": 0, "repeat": 1}
+        path.write_text(json.dumps({"workload": workload, "floors": {"batched_over_single": floor}}))
+        return str(path)
+
+    assert ci_check.main(["--thresholds", thresholds(0.0), "--model", str(tiny_model_dir)]) == 0
+    assert capsys.readouterr().out.strip().endswith("floors from floor_0.0.json)")
+    assert ci_check.main(["--thresholds", thresholds(1e9), "--model", str(tiny_model_dir)]) == 1
+    assert "FAIL batched_over_single" in capsys.readouterr().out
+
+
+def test_committed_ci_thresholds_name_a_workload_and_positive_floors():
+    thresholds = ci_check.load_thresholds(ci_check.THRESHOLDS_PATH)
+    assert thresholds["workload"]["slots"] > 1
+    assert set(thresholds["floors"]) <= {"batched_over_single", "over_transformers"}
+    assert all(floor > 0 for floor in thresholds["floors"].values())
+
+
+def test_machine_description_and_probes_give_plausible_figures():
+    machine = hardware.describe_machine("cpu")
+    assert machine.cores >= 1 and machine.threads >= 1 and machine.torch_version == torch.__version__
+    assert machine.git_commit and machine.timestamp
+    assert hardware.read_bandwidth_gbs(nbytes=8 << 20, budget_s=0.01) > 0
+    assert hardware.gemm_gflops(4, budget_s=0.01) > 0
