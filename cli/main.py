@@ -1,6 +1,6 @@
 """The `nanoserve` console script: the shared app with every command module registered."""
 
-from cli import generate  # noqa: F401  (registers the command)
+from cli import bench, generate, profile  # noqa: F401  (registers the commands)
 from cli.app import app
 
 __all__ = ["app"]
