@@ -1,0 +1,242 @@
+"""The syncbench: what one sampling step costs, the batched sampler against a per-row loop.
+
+Owns: the sampling mixes of the sweep, a [rows, vocab] logits batch made from one row, the
+per-row loop a naive engine would run (kept here as the baseline only: each row's filters in
+plain torch with a full sort for top_p, `torch.multinomial` with its own `torch.Generator`,
+one `.item()` per row), the timing of both in the same run, readbacks counted per step, and
+the CSV and PNG written to results/. Refuses: asserting timings and printing (the CLI does).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+from torch import Tensor
+
+from nanoserve.bench.hardware import describe_machine
+from nanoserve.sampler import BatchedSampler, SamplingBatch, SamplingRow
+from nanoserve.sampling_params import SamplingParams
+
+ROWS = (1, 2, 4, 8, 16, 32)
+# Settings shared with the offline bench's mixes; "mixed" cycles through MIXED_CYCLE per row.
+SETTINGS: dict[str, SamplingParams] = {
+    "greedy": SamplingParams(temperature=0.0),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.9),
+    "top_k": SamplingParams(temperature=0.8, top_k=50),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.05),
+    "penalties": SamplingParams(temperature=0.7, repetition_penalty=1.1, frequency_penalty=0.3,
+                                presence_penalty=0.2),
+}
+MIXED_CYCLE = ("greedy", "top_p", "top_k", "min_p", "penalties")
+MIXES = ("greedy", "top_p", "top_k", "mixed")
+PERTURBATION = 0.05  # per-row noise on the logits, in logits: rows differ, the shape stays
+HISTORY = 24  # prompt and generated tokens per row, for the penalties
+
+
+def params_for(mix: str, row: int) -> SamplingParams:
+    """The sampling parameters of `row` in `mix`."""
+    return SETTINGS[MIXED_CYCLE[row % len(MIXED_CYCLE)] if mix == "mixed" else mix]
+
+
+def synthetic_logits_row(vocab: int = 49152, *, seed: int = 0) -> Tensor:
+    """An LM-shaped row (synthetic): a Zipf-like power law over shuffled ids, plus noise."""
+    generator = torch.Generator().manual_seed(seed)
+    rank = torch.randperm(vocab, generator=generator).float() + 1
+    return -1.2 * torch.log(rank) + 0.3 * torch.randn(vocab, generator=generator) + 8.0
+
+
+def batch_logits(logits_row: Tensor, rows: int, *, seed: int = 0) -> Tensor:
+    """`rows` copies of one row, each nudged by small noise so that rows differ."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(rows, logits_row.shape[-1], generator=generator) * PERTURBATION
+    return (logits_row.float().cpu() + noise).to(logits_row.device)
+
+
+def sampling_rows(mix: str, rows: int, vocab: int) -> list[SamplingRow]:
+    history = [(row * 7919 + i * 104729) % vocab for row in range(rows) for i in range(HISTORY)]
+    return [SamplingRow(params_for(mix, row), seed=1234 + row, position=HISTORY // 2,
+                        prompt_ids=history[row * HISTORY:row * HISTORY + HISTORY // 2],
+                        output_ids=history[row * HISTORY + HISTORY // 2:(row + 1) * HISTORY])
+            for row in range(rows)]
+
+
+class ReadbackCounter:
+    """Counts Tensor.tolist and Tensor.item calls while active: the host readbacks of a step."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+
+        def wrap(original: Callable) -> Callable:
+            def counted(tensor: Tensor, *args: object) -> object:
+                self.count += 1
+                return original(tensor, *args)
+            return counted
+
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, wrap(original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+
+
+def _per_row_filters(logits: Tensor, row: SamplingRow) -> Tensor:
+    """One row's filters the way a naive engine writes them: a full sort for top_p."""
+    p = row.params
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted({*row.prompt_ids, *row.output_ids}), device=logits.device)
+        cells = logits[seen]
+        logits[seen] = torch.where(cells > 0, cells / p.repetition_penalty, cells * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        counts = torch.bincount(torch.tensor(list(row.output_ids), device=logits.device),
+                                minlength=logits.shape[-1]).float()
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], -torch.inf)
+    if p.top_p < 1:
+        ordered, order = torch.sort(logits, descending=True)
+        probs = ordered.softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p
+        logits = logits.scatter(0, order, ordered.masked_fill(drop, -torch.inf))
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), -torch.inf)
+    return logits
+
+
+def per_row_step(logits: Tensor, rows: Sequence[SamplingRow],
+                 generators: Sequence[torch.Generator]) -> list[int]:
+    """The baseline: a Python loop over rows, one draw and one readback each."""
+    tokens = []
+    for i, row in enumerate(rows):
+        if row.params.is_greedy:
+            tokens.append(logits[i].argmax().item())
+            continue
+        probs = _per_row_filters(logits[i].float().clone(), row).softmax(-1)
+        tokens.append(torch.multinomial(probs, 1, generator=generators[i]).item())
+    return tokens
+
+
+def batched_step(logits: Tensor, rows: Sequence[SamplingRow], sampler: BatchedSampler) -> list[int]:
+    """The engine: build the step's batch, one vectorized pass, one readback."""
+    batch = SamplingBatch.build(rows, vocab_size=logits.shape[-1], eos_token_ids=(),
+                                device=logits.device)
+    return sampler(logits, batch).token_ids.tolist()
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Wall times and readbacks of one way of sampling, over the timed steps."""
+
+    times_s: list[float] = field(default_factory=list)
+    counter: ReadbackCounter = field(default_factory=ReadbackCounter)
+
+    def time(self, step: Callable[[], object], device: torch.device) -> None:
+        with self.counter.counting():
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.times_s.append(time.perf_counter() - start)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_s) * 1e3
+
+    @property
+    def readbacks_per_step(self) -> float:
+        return self.counter.count / len(self.times_s)
+
+
+def _measure(logits: Tensor, mix: str, *, repeat: int, warmup: int) -> dict[str, object]:
+    rows = sampling_rows(mix, logits.shape[0], logits.shape[1])
+    generators = [torch.Generator(logits.device).manual_seed(row.seed) for row in rows]
+    sampler = BatchedSampler()
+    steps = {"engine": lambda: batched_step(logits, rows, sampler),
+             "baseline": lambda: per_row_step(logits, rows, generators)}
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times = {who: StepTimes() for who in steps}
+    for _ in range(repeat):  # interleaved, so both see the same load on a shared machine
+        for who, step in steps.items():
+            times[who].time(step, logits.device)
+    engine, baseline = times["engine"], times["baseline"]
+    return {"rows": logits.shape[0], "mix": mix, "vocab": logits.shape[1],
+            "engine_ms": engine.median_ms, "baseline_ms": baseline.median_ms,
+            "speedup": baseline.median_ms / engine.median_ms,
+            "engine_readbacks_per_step": engine.readbacks_per_step,
+            "baseline_readbacks_per_step": baseline.readbacks_per_step}
+
+
+def run_syncbench(logits_row: Tensor, rows_list: Sequence[int] = ROWS,
+                  mixes: Sequence[str] = MIXES, repeat: int = 20, warmup: int = 3, *,
+                  logits_source: str = "synthetic") -> pd.DataFrame:
+    """Time a sampling step for every rows x mix: the batched sampler and the per-row loop.
+
+    `logits_row` is one [vocab] row (from the model, or `synthetic_logits_row`); each step
+    samples from it stacked `rows` times with small per-row noise, on its device.
+    """
+    records = []
+    for rows in rows_list:
+        logits = batch_logits(logits_row, rows)
+        records += [_measure(logits, mix, repeat=repeat, warmup=warmup) for mix in mixes]
+    frame = pd.DataFrame.from_records(records)
+    greedy = frame[frame.mix == "greedy"].set_index("rows")
+    for who in ("engine", "baseline"):
+        frame[f"{who}_vs_greedy"] = frame[f"{who}_ms"] / frame.rows.map(greedy[f"{who}_ms"])
+    machine = describe_machine(logits_row.device).columns()
+    return frame.assign(logits_source=logits_source, dtype=str(logits_row.dtype).removeprefix("torch."),
+                        repeat=repeat, warmup=warmup, **machine)
+
+
+def write_syncbench_outputs(frame: pd.DataFrame, out_dir: Path) -> tuple[Path, Path]:
+    """Write results/syncbench.csv and results/syncbench.png; return both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = out_dir / "syncbench.csv", out_dir / "syncbench.png"
+    frame.to_csv(csv_path, index=False)
+    _chart(frame, png_path)
+    return csv_path, png_path
+
+
+def _chart(frame: pd.DataFrame, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for colour, (mix, group) in zip(colours, frame.groupby("mix", sort=False), strict=False):
+        group = group.sort_values("rows")
+        ax.plot(group.rows, group.engine_ms, marker="o", color=colour, label=f"batched sampler, {mix}")
+        ax.plot(group.rows, group.baseline_ms, marker="s", linestyle="--", color=colour, alpha=0.8,
+                label=f"per-row loop, {mix}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    rows = sorted(frame.rows.unique())
+    ax.set_xticks(rows, [str(r) for r in rows])
+    ax.set_xlabel("rows in the step")
+    ax.set_ylabel("ms per sampling step (median, incl. readback)")
+    first = frame.iloc[0]
+    ax.set_title(f"syncbench: vocab {first.vocab}, {first.logits_source} logits, {first.dtype}\n"
+                 f"{first.cpu_model if first.device == 'cpu' else first.device_name}, "
+                 f"{first.threads} threads, torch {first.torch_version}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,82 @@
+"""The syncbench sweep: its columns, its readback counts, its files and its command line."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import typer
+from click.testing import CliRunner
+
+import cli.syncbench
+from cli.app import app
+from nanoserve.bench.syncbench import (
+    MIXES,
+    batch_logits,
+    run_syncbench,
+    synthetic_logits_row,
+    write_syncbench_outputs,
+)
+
+COLUMNS = {"rows", "mix", "vocab", "engine_ms", "baseline_ms", "speedup", "engine_readbacks_per_step",
+           "baseline_readbacks_per_step", "engine_vs_greedy", "baseline_vs_greedy", "logits_source",
+           "cpu_model", "cores", "torch_version", "device", "dtype", "timestamp", "git_commit"}
+
+
+@pytest.fixture(scope="module")
+def frame() -> pd.DataFrame:
+    return run_syncbench(synthetic_logits_row(512), rows_list=(1, 3), repeat=2, warmup=1)
+
+
+def test_one_row_per_rows_and_mix_with_the_machine_columns(frame):
+    assert set(frame.columns) >= COLUMNS
+    assert sorted(zip(frame.rows, frame.mix, strict=True)) == sorted((r, m) for r in (1, 3) for m in MIXES)
+    assert (frame.engine_ms > 0).all() and (frame.baseline_ms > 0).all()
+    assert (frame[frame.mix == "greedy"].engine_vs_greedy == 1).all()
+
+
+def test_the_engine_reads_back_once_per_step_and_the_loop_once_per_row(frame):
+    assert (frame.engine_readbacks_per_step == 1).all()
+    assert (frame.baseline_readbacks_per_step == frame.rows).all()
+
+
+def test_outputs_are_a_csv_and_a_png(frame, tmp_path):
+    csv_path, png_path = write_syncbench_outputs(frame, tmp_path / "results")
+    assert set(pd.read_csv(csv_path).columns) == set(frame.columns)
+    assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rows_of_a_step_differ_but_keep_the_row_shape():
+    row = synthetic_logits_row(1024)
+    logits = batch_logits(row, 4)
+    assert logits.shape == (4, 1024)
+    assert not torch.equal(logits[0], logits[1])
+    assert (logits - row).abs().max() < 1.0
+
+
+runner = CliRunner(env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})  # one-line error messages
+# The group, not the app: alone in a test process, a one-command Typer app drops the name.
+nanoserve = typer.main.get_group(app)
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--rows", "1,x"], "--rows"), (["--rows", "0"], "--rows"), (["--rows", ""], "--rows"),
+    (["--mixes", "greedy,nucleus"], "--mixes"), (["--repeat", "0"], "--repeat"),
+    (["--warmup", "-1"], "--warmup"),
+])
+def test_bad_options_exit_with_status_2_naming_the_option(args, option, monkeypatch):
+    def no_model(_model):
+        raise AssertionError("loaded a model before checking the options")
+
+    monkeypatch.setattr(cli.syncbench, "model_logits_row", no_model)
+    result = runner.invoke(nanoserve, ["syncbench", *args])
+    assert result.exit_code == 2
+    assert option in result.output
+
+
+def test_the_command_writes_both_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.syncbench, "model_logits_row", lambda _model: synthetic_logits_row(256))
+    result = runner.invoke(nanoserve, ["syncbench", "--rows", "2", "--mixes", "greedy,top_p", "--repeat", "1",
+                                 "--warmup", "0", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "syncbench.csv").exists() and (tmp_path / "syncbench.png").exists()
