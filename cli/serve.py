@@ -1,0 +1,115 @@
+"""`nanoserve serve`: the OpenAI-compatible HTTP server on uvicorn.
+
+Binds 127.0.0.1 unless told otherwise. The model loads on the engine thread after the socket
+is up, so /health answers 503 until it is ready. SIGTERM (or Ctrl-C) stops accepting
+connections, lets in-flight requests finish for at most --drain-s seconds, then exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from cli import options
+from cli.app import app
+from nanoserve.config import EngineConfig
+from nanoserve.errors import NanoserveError
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from nanoserve.engine import Engine
+
+API_KEY_ENV = "NANOSERVE_API_KEY"
+
+
+@app.command()
+def serve(
+    model: options.Model = None,
+    host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        help="Name clients send as `model` (repeatable; the first is listed). Default: the model "
+             "directory's name.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar=API_KEY_ENV, help=f"Require 'Authorization: Bearer KEY' on /v1 (or set ${API_KEY_ENV}).")]
+    = None,
+    dtype: options.Dtype = "auto",
+    device: options.Device = None,
+    max_num_seqs: options.MaxNumSeqs = 32,
+    max_num_batched_tokens: options.MaxBatchedTokens = 512,
+    max_model_len: options.MaxModelLen = None,
+    kv_cache_gb: options.KvCacheGb = None,
+    block_size: options.BlockSize = 16,
+    batch_invariant: options.BatchInvariant = False,
+    max_tokens_limit: Annotated[int | None, typer.Option(
+        min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
+    max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
+    max_prompts: Annotated[int, typer.Option(min=1, help="Most prompts in one completions batch.")] = 64,
+    max_top_logprobs: Annotated[int, typer.Option(min=0, max=20, help="Most top logprobs per token.")] = 20,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body accepted.")] = 1 << 20,
+    max_waiting: Annotated[int, typer.Option(
+        min=0, help="Sequences that may queue beyond the running batch; over it: 503 + Retry-After.")] = 256,
+    drain_s: Annotated[float, typer.Option(
+        min=0.0, help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")] = 30.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve the model over OpenAI's completions and chat completions API."""
+    import uvicorn
+
+    from nanoserve.default_model import resolve_model_dir
+    from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
+
+    config = options.engine_config(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+                                   block_size=block_size, batch_invariant=batch_invariant)
+    try:
+        model_dir = resolve_model_dir(model)
+    except NanoserveError as error:
+        options.fail_for(error)
+    names = list(served_model_name or [model_dir.name])
+    aliases = (model,) if model else ()
+    limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
+                          max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
+                          max_waiting=max_waiting)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_app = build_app(lambda: _build_engine(config, str(model_dir)), model_names=names,
+                           aliases=aliases, api_key=api_key or None, limits=limits)
+    uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
+                                    timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False)
+    server = _draining_server(uvicorn_config, server_app, drain_s)
+    # uvicorn re-raises the signal it caught once it has drained; make that a no-op so the
+    # process leaves through the normal exit path with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+
+
+def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float) -> uvicorn.Server:
+    """uvicorn, plus: the first SIGTERM or SIGINT starts the app's bounded drain."""
+    import uvicorn
+
+    from nanoserve.server.app import start_drain
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                start_drain(server_app, drain_s)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
+
+
+def _build_engine(config: EngineConfig, model_dir: str) -> Engine:
+    from nanoserve.engine import Engine
+
+    return Engine(dataclasses.replace(config, model=model_dir))

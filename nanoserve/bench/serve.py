@@ -1,0 +1,294 @@
+"""The online bench: streaming clients against an OpenAI-compatible server, and the same
+workload on the offline engine in the same run.
+
+Owns: the text workload (prompts of `input_len` words drawn with a seed), the client (httpx
+async streaming of /v1/completions with usage; Poisson arrivals or all at once; at most
+`max_concurrency` requests in flight), vLLM `bench serve`'s metrics under its key names
+(`mean_ttft_ms`, `median_tpot_ms`, `p99_itl_ms`, `output_throughput`, `request_throughput`,
+`completed`, `failed`, ...), starting a `nanoserve serve` process on a loopback port when asked,
+and the offline figure: the same prompts and parameters through one in-process engine with
+the same number of requests in flight.
+Refuses: printing and file formats beyond one CSV (the CLI does those); asserting timings.
+
+Definitions (vLLM's): TTFT is from sending the request to its first streamed token; ITL is
+the time between consecutive streamed chunks; TPOT is (E2EL - TTFT) / (output tokens - 1);
+E2EL is from sending to the last byte; throughputs divide by the wall time of the whole pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# Common English words: with SmolLM2's tokenizer nearly every " word" is one token.
+WORDS_TEXT = """
+time year people way day man thing woman life child world school state family student group
+country problem hand part place case week company system program question work government
+number night point home water room mother area money story fact month lot right study book
+eye job word business issue side kind head house service friend father power hour game line
+end member law car city community name president team minute idea kid body information back
+parent face others level office door health person art war history party result change
+morning reason research girl guy moment air teacher force education good new first last long
+great little own other old right big high different small large next early young important
+few public bad same able make know take see come think look want give use find tell ask
+seem feel try leave call keep let begin show hear play run move live believe hold bring
+"""
+WORDS = tuple(WORDS_TEXT.split())
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_prompts: int
+    input_len: int  # words; the server's usage reports the tokens
+    output_len: int
+    seed: int = 0
+
+    def prompts(self) -> list[str]:
+        rng = random.Random(self.seed)
+        return [" ".join(rng.choice(WORDS) for _ in range(self.input_len)) for _ in range(self.num_prompts)]
+
+
+@dataclass(slots=True)
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    e2el_s: float = 0.0
+
+
+# -- the client -----------------------------------------------------------------------------------
+
+async def send_request(client: httpx.AsyncClient, model: str, prompt: str, output_len: int) -> RequestResult:
+    """One streaming completion, timed chunk by chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error event")
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+        result.e2el_s = time.perf_counter() - start
+        result.success = result.output_tokens > 0
+        if not result.success:
+            result.error = "no usage chunk"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+def arrival_gaps(count: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait before each request: Poisson arrivals, or none for an infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    return [rng.expovariate(request_rate) for _ in range(count)]
+
+
+async def run_clients(base_url: str, model: str, prompts: Sequence[str], output_len: int, *,
+                      request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
+                      api_key: str | None = None, timeout_s: float = 600.0
+                      ) -> tuple[list[RequestResult], float]:
+    """Send every prompt; return each result and the wall time of the whole pass."""
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connections = httpx.Limits(max_connections=max_concurrency or len(prompts),
+                               max_keepalive_connections=None)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=connections,
+                                 headers=headers) as client:
+        async def one(prompt: str) -> RequestResult:
+            async with limit:
+                return await send_request(client, model, prompt, output_len)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, arrival_gaps(len(prompts), request_rate, seed), strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(prompt)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def served_model_name(base_url: str, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30, headers=headers) as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, float | int]:
+    """vLLM `bench serve`'s figures, under its key names."""
+    done = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    samples = {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl_s],
+        "e2el": [r.e2el_s for r in done],
+    }
+    metrics: dict[str, float | int] = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+    }
+    for name in PERCENTILE_METRICS:
+        metrics |= percentiles_ms(name, samples[name])
+    return metrics
+
+
+def percentiles_ms(name: str, values_s: Sequence[float]) -> dict[str, float]:
+    if not values_s:
+        return {f"{kind}_{name}_ms": math.nan for kind in ("mean", "median", "std", "p99")}
+    ms = sorted(1000 * value for value in values_s)
+    return {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
+            f"std_{name}_ms": statistics.pstdev(ms), f"p99_{name}_ms": percentile(ms, 99)}
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    position = (len(sorted_values) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+# -- the offline engine on the same workload ------------------------------------------------------
+
+def run_offline(engine_options: dict, prompts: Sequence[str], output_len: int,
+                concurrency: int) -> dict[str, float | int]:
+    """The same prompts and parameters through `LLM`'s engine in this process, keeping
+    `concurrency` requests in flight (a finished one is replaced at once, as a client would),
+    timed the way the client times the server."""
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    llm = LLM(**{**engine_options, "max_num_seqs": concurrency})
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    engine = llm.engine
+    queue = list(prompts)[::-1]
+    sent: dict[str, float] = {}
+    results: dict[str, RequestResult] = {}
+    last: dict[str, float] = {}
+    start = time.perf_counter()
+
+    def admit() -> None:
+        request_id = engine.add_request(queue.pop(), params)
+        sent[request_id] = time.perf_counter()
+        results[request_id] = RequestResult()
+
+    for _ in range(min(concurrency, len(queue))):
+        admit()
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            result = results[output.request_id]
+            if result.ttft_s == 0.0:
+                result.ttft_s = now - sent[output.request_id]
+            else:
+                result.itl_s.append(now - last[output.request_id])
+            last[output.request_id] = now
+            result.output_tokens = output.num_output_tokens
+            result.prompt_tokens = output.num_prompt_tokens
+            if output.finished:
+                result.e2el_s = now - sent[output.request_id]
+                result.success = True
+                if queue:
+                    admit()
+    return summarize(list(results.values()), time.perf_counter() - start)
+
+
+# -- a server to measure --------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launched_server(serve_args: Sequence[str], *, log_path: Path, ready_timeout_s: float = 600.0
+                    ) -> Iterator[str]:
+    """`nanoserve serve` in a child process on a free loopback port; yields its base URL and
+    stops it with SIGTERM (then SIGKILL) on the way out."""
+    port = free_port()
+    command = [sys.executable, "-c", "import cli.serve; from cli.main import app; app()", "serve",
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *serve_args]
+    base_url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(base_url, process, log_path, ready_timeout_s)
+        yield base_url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+def wait_ready(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}: "
+                               f"{log_path.read_text(errors='replace')[-2000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
+        time.sleep(0.2)

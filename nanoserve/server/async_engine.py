@@ -1,0 +1,228 @@
+"""The engine loop thread: runs the synchronous `Engine` off the event loop.
+
+Owns: one thread that builds the engine (so the server answers 503 while it loads) and then
+steps it while there is work, sleeping on a condition when there is none; a command queue
+(add, abort, stop) that is the only way the event loop touches the engine; per-request
+`asyncio.Queue`s fed by one `loop.call_soon_threadsafe` per step; the health flag, cleared
+if the loop dies, which fails every open stream; and the engine snapshot for /metrics.
+Refuses: HTTP, and any engine call from the event loop thread (the engine is not thread-safe).
+The only engine reads allowed elsewhere are `encode_prompt` / `check_request` / the tokenizer,
+which read configuration only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nanoserve.server.metrics import EngineSnapshot
+
+if TYPE_CHECKING:
+    from nanoserve.engine import Engine
+    from nanoserve.output import RequestOutput
+    from nanoserve.sampling_params import SamplingParams
+
+log = logging.getLogger("nanoserve.server")
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is still loading, has died, or is shutting down."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Bridges the event loop and the engine thread. Public methods run on the event loop."""
+
+    def __init__(self, build_engine: Callable[[], Engine], loop: asyncio.AbstractEventLoop) -> None:
+        self._build_engine = build_engine
+        self._loop = loop
+        self._commands: deque[_Add | _Abort] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._draining = False
+        self._queues: dict[str, asyncio.Queue] = {}  # event loop only
+        self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+        self.engine: Engine | None = None
+        self.ready = False
+        self.dead: BaseException | None = None
+        self.snapshot = EngineSnapshot()
+
+    # -- event loop side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def healthy(self) -> bool:
+        return (self.ready and self.dead is None and self._thread.is_alive() and not self._stopping
+                and not self._draining)
+
+    @property
+    def status(self) -> str:
+        if self.healthy:
+            return "ok"
+        if self.dead is not None or (self.ready and not self._thread.is_alive()):
+            return "dead"
+        return "loading" if not self.ready else "draining"
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences handed to the engine and not yet finished or aborted."""
+        return len(self._queues)
+
+    def check_available(self) -> None:
+        if self.dead is not None:
+            raise EngineUnavailableError(f"the engine loop has died: {self.dead!r}")
+        if self._stopping or self._draining:
+            raise EngineUnavailableError("the server is shutting down")
+        if not self.ready:
+            raise EngineUnavailableError("the model is still loading")
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+            queue: asyncio.Queue) -> None:
+        """Queue a sequence; its outputs (or an exception) arrive on `queue`."""
+        self.check_available()
+        self._queues[request_id] = queue
+        self._send(_Add(request_id, prompt_ids, params))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a sequence (its reader is gone): no more outputs, its blocks freed at once."""
+        if self._queues.pop(request_id, None) is not None:
+            self._send(_Abort(request_id))
+
+    def drain(self, deadline_s: float) -> None:
+        """Refuse new work; what is still running after `deadline_s` fails with an error."""
+        self._draining = True
+        self._loop.call_later(deadline_s, self.cancel_all, EngineUnavailableError(
+            f"the server is shutting down and the request did not finish within {deadline_s:g} s"))
+
+    def cancel_all(self, error: BaseException) -> None:
+        """Fail every open sequence with `error` and abort it in the engine."""
+        request_ids = list(self._queues)
+        self._fail_all(error)
+        for request_id in request_ids:
+            self._send(_Abort(request_id))
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort what is left, stop the thread and wait for it (bounded)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
+
+    def _send(self, command: _Add | _Abort) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def _deliver(self, outputs: list[RequestOutput | tuple[str, BaseException]]) -> None:
+        for item in outputs:
+            if isinstance(item, tuple):
+                queue = self._queues.pop(item[0], None)
+                if queue is not None:
+                    queue.put_nowait(item[1])
+                continue
+            queue = self._queues.get(item.request_id)
+            if queue is None:
+                continue  # aborted by its reader while this step ran
+            if item.finished:
+                del self._queues[item.request_id]
+            queue.put_nowait(item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(error)
+
+    # -- engine thread side -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._build_engine()
+            self._publish_snapshot()
+            self.ready = True
+            log.info("engine ready")
+            while self._loop_once():
+                pass
+            self._abort_all()
+        except BaseException as error:  # the loop is dead: say so, fail every stream
+            log.exception("the engine loop died")
+            self.dead = error
+            self._call_soon(self._fail_all, EngineUnavailableError(f"the engine loop died: {error!r}"))
+
+    def _loop_once(self) -> bool:
+        """Apply pending commands, run one step if there is work; False once told to stop."""
+        engine = self.engine
+        with self._wake:
+            while not self._commands and not engine.has_unfinished() and not self._stopping:
+                self._wake.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+            stopping = self._stopping
+        if stopping:
+            return False
+        delivered: list[RequestOutput | tuple[str, BaseException]] = self._apply(commands)
+        if engine.has_unfinished():
+            delivered += engine.step()
+        self._publish_snapshot()
+        if delivered:
+            self._call_soon(self._deliver, delivered)
+        return True
+
+    def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
+        rejected = []
+        for command in commands:
+            if isinstance(command, _Abort):
+                self.engine.abort(command.request_id)
+                continue
+            try:
+                self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+            except Exception as error:  # checked before; a late refusal only fails this request
+                rejected.append((command.request_id, error))
+        return rejected
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self._publish_snapshot()
+
+    def _publish_snapshot(self) -> None:
+        engine = self.engine
+        pool = engine.pool
+        self.snapshot = EngineSnapshot(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            kv_cache_usage=pool.usage,
+            kv_free_blocks=pool.num_free_blocks,
+            kv_total_blocks=pool.num_blocks,
+            preemptions=engine.scheduler.num_preemptions,
+            prompt_tokens=engine.stats.prompt_tokens,
+            generation_tokens=engine.stats.generation_tokens,
+            steps=engine.stats.steps,
+        )
+
+    def _call_soon(self, callback: Callable, *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read
+            self._loop.call_soon_threadsafe(callback, *args)

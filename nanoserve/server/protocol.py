@@ -1,0 +1,252 @@
+"""OpenAI's completions and chat completions protocol: request models and response bodies.
+
+Owns: the pydantic request models (unknown fields tolerated, types checked strictly from
+JSON, so `"n": "2"` is a 400 rather than a guess), the list of accepted-but-unsupported
+fields that would change output (refused by name, never silently ignored), and the small
+functions that build response, chunk and usage bodies as plain dicts (the streaming hot path
+does not pay for a pydantic model per token).
+Refuses: range checks of sampling values; `SamplingParams` is the one place those live.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from nanoserve.output import TokenLogprob
+    from nanoserve.tokenizer import Tokenizer
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields both endpoints share: OpenAI's, then vLLM's extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field set to a value this server cannot honour."""
+        if self.echo:
+            return "echo", "echo is not supported: the response never repeats the prompt"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is not supported (only best_of equal to n)"
+        return None
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        if self.functions:
+            return "functions", "function calling is not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calling is not supported"
+        if self.function_call not in (None, "none", "auto"):
+            return "function_call", "function calling is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format {\"type\": \"text\"} is supported"
+        return None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template wants them: role and text content."""
+        return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages)]
+
+
+class UnsupportedContentError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _text_of(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise UnsupportedContentError(
+                f"content parts of type {part.type!r} are not supported (text only)",
+                param=f"messages[{index}].content[{j}]")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+# -- response bodies ----------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: Literal["completion", "chat"], request_id: str, model: str, created: int,
+             *, chunk: bool) -> dict[str, Any]:
+    objects = {("completion", False): "text_completion", ("completion", True): "text_completion",
+               ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
+    return {"id": request_id, "object": objects[kind, chunk], "created": created, "model": model}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta_choice(index: int, delta: dict[str, str], logprobs: dict | None,
+                      finish_reason: str | None, stop_reason: str | int | None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def model_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
+         "root": names[0], "max_model_len": max_model_len} for name in names]}
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# -- logprobs -----------------------------------------------------------------------------------
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+BYTE_LEVEL = _byte_level_decoder()
+
+
+class TokenText:
+    """Each token id's text and raw bytes, cached: logprobs name tokens one at a time."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.text = lru_cache(maxsize=1 << 16)(self._text)
+        self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> list[int]:
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return [int(piece[3:5], 16)]  # sentencepiece byte fallback
+        if piece and all(char in BYTE_LEVEL for char in piece):
+            return [BYTE_LEVEL[char] for char in piece]
+        return list(self._text(token_id).encode())
+
+
+def clamp_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], names: TokenText, text_offset: int) -> dict:
+    """OpenAI's legacy completions format; offsets continue from `text_offset`."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        token = names.text(entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(clamp_logprob(entry.logprob))
+        top = {names.text(token_id): clamp_logprob(logprob) for token_id, logprob in entry.top}
+        top.setdefault(token, clamp_logprob(entry.logprob))
+        top_logprobs.append(top)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], names: TokenText) -> dict:
+    """Chat format: one record per token with its bytes and its top alternatives."""
+    def record(token_id: int, logprob: float) -> dict:
+        return {"token": names.text(token_id), "logprob": clamp_logprob(logprob),
+                "bytes": names.bytes(token_id)}
+
+    return {"content": [
+        {**record(entry.token_id, entry.logprob),
+         "top_logprobs": [record(token_id, logprob) for token_id, logprob in entry.top]}
+        for entry in entries]}

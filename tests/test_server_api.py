@@ -1,0 +1,544 @@
+"""The server's API on the tiny model, over a real loopback socket in this process.
+
+Every endpoint, the error shapes and statuses, auth, limits, SSE framing, include_usage, n,
+logprobs, and that a client hanging up frees its blocks. The server runs in a thread
+(`BackgroundServer`) so the tests can look at the engine's pool after each one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.app import BackgroundServer, ServerLimits, build_app
+
+MODEL = "tiny"
+LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8)
+
+
+@dataclass
+class Served:
+    base_url: str
+    app: object
+
+    @property
+    def async_engine(self):
+        return self.app.state.server.async_engine
+
+    @property
+    def engine(self) -> Engine:
+        return self.async_engine.engine
+
+
+def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{base_url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the server never became healthy"
+        time.sleep(0.05)
+
+
+def wait_idle(served: Served, timeout_s: float = 10.0) -> None:
+    """Every sequence finished or aborted and the pool completely free, as /metrics says too."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snapshot = served.async_engine.snapshot
+        if (served.async_engine.num_in_flight == 0 and snapshot.running == 0 and snapshot.waiting == 0
+                and snapshot.kv_cache_usage == 0.0 and served.engine.pool.is_completely_free):
+            return
+        assert time.monotonic() < deadline, f"not idle: {snapshot}"
+        time.sleep(0.02)
+
+
+def tiny_engine(model_dir, **overrides) -> Engine:
+    options = {"model": str(model_dir), "num_kv_blocks": 96, "max_num_seqs": 8, **overrides}
+    return Engine(EngineConfig(**options))
+
+
+def hold_engine_steps(engine: Engine) -> threading.Event:
+    """Make every engine step wait (at most 5 s) until the returned event is set."""
+    gate = threading.Event()
+    step = engine.step
+
+    def held_step():
+        gate.wait(5)
+        return step()
+
+    engine.step = held_step
+    return gate
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir) -> Iterator[Served]:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL], aliases=("tiny-alias",),
+                    limits=LIMITS)
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        yield Served(server.base_url, app)
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.base_url, timeout=30) as http:
+        yield http
+    wait_idle(served)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), num_kv_blocks=96)
+
+
+def events_of(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    text = response.text
+    assert text.endswith("\n\n")
+    blocks = text[:-2].split("\n\n")
+    assert all(block.startswith("data: ") and "\n" not in block for block in blocks), blocks
+    return [block.removeprefix("data: ") for block in blocks]
+
+
+def chunks_of(response: httpx.Response) -> list[dict]:
+    events = events_of(response)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return [json.loads(event) for event in events[:-1]]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+# -- plain endpoints ------------------------------------------------------------------------------
+
+def test_health_models_and_metrics(client: httpx.Client) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    metrics = client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    for name in ("nanoserve_time_to_first_token_seconds_bucket", "nanoserve_inter_token_latency_seconds_sum",
+                 "nanoserve_e2e_request_latency_seconds_count", "nanoserve_requests_running",
+                 "nanoserve_requests_waiting", "nanoserve_kv_cache_usage_ratio",
+                 "nanoserve_num_preemptions_total", "nanoserve_prompt_tokens_total",
+                 "nanoserve_generation_tokens_total"):
+        assert name in metrics.text
+
+
+def test_health_is_503_while_the_model_loads(tiny_model_dir) -> None:
+    release = threading.Event()
+
+    def slow_engine() -> Engine:
+        release.wait(30)
+        return tiny_engine(tiny_model_dir)
+
+    app = build_app(slow_engine, model_names=[MODEL])
+    with BackgroundServer(app) as server:
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
+        loading = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert_error(loading, 503, None)
+        assert loading.headers["retry-after"] == "1"
+        release.set()
+        wait_healthy(server.base_url)
+
+
+def test_metrics_count_latencies_and_end_idle(served: Served, client: httpx.Client) -> None:
+    client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    wait_idle(served)
+    text = client.get("/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#") and "_bucket" not in line}
+    assert values["nanoserve_time_to_first_token_seconds_count"] >= 1
+    assert values["nanoserve_inter_token_latency_seconds_count"] >= 3
+    assert values["nanoserve_generation_tokens_total"] >= 4
+    assert values["nanoserve_requests_running"] == 0
+    assert values["nanoserve_kv_cache_usage_ratio"] == 0
+
+
+# -- completions ----------------------------------------------------------------------------------
+
+def test_unary_completion_matches_the_offline_engine(client: httpx.Client, offline: LLM) -> None:
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["object"] == "text_completion" and data["model"] == MODEL and data["id"].startswith("cmpl-")
+    [choice] = data["choices"]
+    expected = offline.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=0))[0]
+    assert choice["text"] == expected.text
+    assert choice["finish_reason"] == "length" == expected.finish_reason
+    prompt_tokens = len(expected.prompt_token_ids)
+    assert data["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12,
+                             "total_tokens": prompt_tokens + 12}
+
+
+def test_model_alias_and_missing_model_are_accepted(client: httpx.Client) -> None:
+    for body in ({"model": "tiny-alias"}, {}):
+        response = client.post("/v1/completions", json={**body, "prompt": "Hi", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+
+
+def test_token_id_prompt_and_batch_of_prompts_with_n(client: httpx.Client, offline: LLM) -> None:
+    ids = offline.tokenizer.encode("Once upon a time")
+    single = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "temperature": 0}).json()
+    batch = client.post("/v1/completions", json={
+        "prompt": ["The dog", "Once upon a time"], "n": 2, "max_tokens": 5, "temperature": 0}).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert batch["choices"][2]["text"] == batch["choices"][3]["text"] == single["choices"][0]["text"]
+    prompt_tokens = len(offline.tokenizer.encode("The dog")) + len(ids)
+    assert batch["usage"]["prompt_tokens"] == prompt_tokens
+    assert batch["usage"]["completion_tokens"] == 20
+
+
+def test_n_choices_with_a_seed_differ_and_reproduce_as_seed_plus_i(client: httpx.Client) -> None:
+    body = {"prompt": "Water boils at", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}
+    first = client.post("/v1/completions", json=body).json()
+    again = client.post("/v1/completions", json=body).json()
+    texts = [c["text"] for c in first["choices"]]
+    assert texts == [c["text"] for c in again["choices"]]
+    assert len(set(texts)) > 1
+    solo = client.post("/v1/completions", json={**body, "n": 1, "seed": 9}).json()
+    assert solo["choices"][0]["text"] == texts[2]
+
+
+def test_stop_string_ends_the_choice_before_it(client: httpx.Client) -> None:
+    base = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    full = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = client.post("/v1/completions", json={**base, "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["stop_reason"] == stop
+    assert cut["text"] == full[: full.index(stop)]
+
+
+def test_max_tokens_absent_runs_to_the_server_limit(client: httpx.Client) -> None:
+    data = client.post("/v1/completions", json={"prompt": "Hi", "temperature": 0, "ignore_eos": True}).json()
+    assert data["usage"]["completion_tokens"] == LIMITS.max_tokens
+    assert data["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_logprobs_in_the_legacy_format(client: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 6
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"],
+                                   strict=True):
+        assert logprob <= 0 and 1 <= len(top) <= 4
+        assert top[token] == logprob
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen token is the best
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+def test_unary_chat_uses_the_chat_template(client: httpx.Client, offline: LLM) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    response = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_completion_tokens": 10, "temperature": 0})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
+    [choice] = data["choices"]
+    prompt = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(messages), add_bos=False)
+    expected = offline.generate(prompt, SamplingParams(max_tokens=10, temperature=0))[0]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["finish_reason"] == expected.finish_reason
+    assert data["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_chat_text_content_parts_are_joined(client: httpx.Client) -> None:
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo!"}]
+    plain = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6, "temperature": 0}
+    split = {**plain, "messages": [{"role": "user", "content": parts}]}
+    assert (client.post("/v1/chat/completions", json=plain).json()["choices"]
+            == client.post("/v1/chat/completions", json=split).json()["choices"])
+
+
+def test_chat_logprobs_name_tokens_with_bytes(client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 2
+        assert all(0 <= b < 256 for b in entry["bytes"])
+    joined = b"".join(bytes(entry["bytes"]) for entry in content)
+    assert joined.decode("utf-8", errors="replace") == choice["message"]["content"]
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+def test_streamed_completion_equals_unary_and_ends_with_usage(client: httpx.Client) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}
+    unary = client.post("/v1/completions", json=body).json()
+    streamed = client.post("/v1/completions", json={**body, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = chunks_of(streamed)
+    *content, last = chunks
+    assert last["choices"] == [] and last["usage"] == unary["usage"]
+    assert all(chunk["usage"] is None and chunk["object"] == "text_completion" for chunk in content)
+    assert "".join(c["choices"][0]["text"] for c in content) == unary["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in content][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in content[:-1])
+
+
+def test_streamed_chat_starts_with_the_role_and_carries_n_choices(client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "n": 2, "seed": 3,
+            "temperature": 0.9, "stream": True}
+    chunks = chunks_of(client.post("/v1/chat/completions", json=body))
+    assert all(chunk["object"] == "chat.completion.chunk" and "usage" not in chunk for chunk in chunks)
+    assert {c["choices"][0]["index"]: c["choices"][0]["delta"] for c in chunks[:2]} == {
+        0: {"role": "assistant", "content": ""}, 1: {"role": "assistant", "content": ""}}
+    texts = {0: "", 1: ""}
+    finish = {}
+    for chunk in chunks[2:]:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert set(finish) == {0, 1}
+    unary = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    assert [c["message"]["content"] for c in unary["choices"]] == [texts[0], texts[1]]
+
+
+def test_streamed_logprobs_offsets_continue_across_chunks(client: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "logprobs": 1, "stream": True}
+    chunks = chunks_of(client.post("/v1/completions", json=body))
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == 6
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+
+
+# -- disconnects ----------------------------------------------------------------------------------
+
+def test_a_client_hanging_up_mid_stream_frees_its_blocks(served: Served, client: httpx.Client) -> None:
+    engine = served.engine
+    before = engine.stats.generation_tokens
+    body = {"prompt": "Hello", "max_tokens": LIMITS.max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    step = engine.step
+    engine.step = lambda: time.sleep(0.02) or step()  # 48 tokens take a second; hanging up takes less
+    try:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        wait_idle(served)
+    finally:
+        engine.step = step
+    assert engine.stats.generation_tokens - before < LIMITS.max_tokens
+
+
+def test_a_client_hanging_up_on_a_unary_request_frees_its_blocks(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        served = Served(server.base_url, app)
+        engine = served.engine
+        gate = hold_engine_steps(engine)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base_url}/v1/completions", timeout=0.5,
+                       json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True})
+        gate.set()
+        wait_idle(served)
+        assert engine.stats.generation_tokens < 200
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": "2"}, "n"),
+    ({"prompt": "x", "n": LIMITS.max_n + 1}, "n"),
+    ({"prompt": "x", "max_tokens": LIMITS.max_tokens + 1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt[1]"),
+    ({"prompt": [5, 99999]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": ["a"] * (LIMITS.max_prompts + 1)}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_completion_validation_failures_are_400_naming_the_field(served: Served, client: httpx.Client,
+                                                                  body: dict, param: str) -> None:
+    steps = served.engine.stats.steps
+    assert_error(client.post("/v1/completions", json=body), 400, param)
+    assert served.engine.stats.steps == steps  # refused before any engine work
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_chat_validation_failures_are_400_naming_the_field(client: httpx.Client, body: dict,
+                                                           param: str) -> None:
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_malformed_json_and_non_object_bodies_are_400(client: httpx.Client) -> None:
+    for raw in (b"{bad", b"", b"[1, 2]", b'"prompt"', b"\xff\xfe"):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert_error(client.post(path, content=raw), 400, "body")
+
+
+def test_context_overflow_is_400_before_engine_work(served: Served, client: httpx.Client) -> None:
+    steps = served.engine.stats.steps
+    limit = served.engine.scheduler.max_request_tokens
+    long_prompt = [5] * limit
+    assert_error(client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1}), 400, "prompt")
+    near = [5] * (limit - 4)
+    assert_error(client.post("/v1/completions", json={"prompt": near, "max_tokens": 8}), 400, "max_tokens")
+    assert served.engine.stats.steps == steps
+
+
+def test_unknown_fields_are_tolerated(client: httpx.Client) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "frobnicate": {"a": [1]}, "user": "me", "metadata": None}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_unknown_model_is_404(client: httpx.Client) -> None:
+    response = client.post("/v1/chat/completions",
+                           json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
+    error = assert_error(response, 404, "model", code="model_not_found")
+    assert "gpt-9" in error["message"]
+
+
+def test_oversized_body_is_413(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x" * (LIMITS.max_body_bytes + 1)})
+    assert_error(response, 413, "body")
+
+
+def test_unknown_route_and_wrong_method_keep_the_error_shape(client: httpx.Client) -> None:
+    assert_error(client.get("/v1/nothing"), 404, None)
+    assert_error(client.get("/v1/completions"), 405, None)
+
+
+def test_over_the_queue_limit_is_503_with_retry_after(tiny_model_dir) -> None:
+    limits = ServerLimits(max_waiting=0, max_tokens=400)
+    app = build_app(lambda: tiny_engine(tiny_model_dir, max_num_seqs=1), model_names=[MODEL], limits=limits)
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        served = Served(server.base_url, app)
+        gate = hold_engine_steps(served.engine)
+        body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30):
+            second = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            assert_error(second, 503, None)
+            assert second.headers["retry-after"] == "1"
+            gate.set()
+        wait_idle(served)
+        assert httpx.post(f"{server.base_url}/v1/completions",
+                          json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+def test_api_key_guards_v1_only(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL], api_key="sesame")
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        url = f"{server.base_url}/v1/completions"
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert_error(httpx.post(url, json=body), 401, None, code="invalid_api_key")
+        assert_error(httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}), 401, None)
+        assert_error(httpx.get(f"{server.base_url}/v1/models"), 401, None)
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+        assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+
+
+def test_an_engine_error_mid_stream_is_an_error_event_then_done(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        engine = app.state.server.async_engine.engine
+        step = engine.step
+        calls = {"n": 0}
+
+        def failing_step():
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise RuntimeError("boom")
+            return step()
+
+        engine.step = failing_step
+        body = {"prompt": "Hi", "max_tokens": 20, "ignore_eos": True, "stream": True}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+        events = events_of(response)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable" and "boom" in error["message"]
+        assert len(events) >= 3  # some tokens came before the failure
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
+        assert_error(httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "a"}), 503, None)
+
+
+# -- the online bench client ----------------------------------------------------------------------
+
+def test_bench_client_counts_every_streamed_token(served: Served) -> None:
+    import asyncio
+
+    from nanoserve.bench.serve import Workload, run_clients, summarize
+
+    prompts = Workload(num_prompts=6, input_len=4, output_len=5, seed=1).prompts()
+    results, duration_s = asyncio.run(run_clients(served.base_url, MODEL, prompts, 5, max_concurrency=3))
+    metrics = summarize(results, duration_s)
+    assert metrics["completed"] == 6 and metrics["failed"] == 0
+    assert metrics["total_output_tokens"] == 30
+    assert all(len(r.itl_s) <= 4 for r in results)
+    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "median_e2el_ms", "output_throughput",
+                "request_throughput"):
+        assert metrics[key] > 0, key
+    wait_idle(served)
