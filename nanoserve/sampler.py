@@ -12,13 +12,14 @@ then temperature, top_k, top_p and min_p. Greedy rows (temperature 0, or below
 
 How a sampled row draws: every filter is a threshold on the row's softmax probabilities p, so
 the kept set is {p >= threshold} (ties at the threshold are all kept, and the argmax always
-is). Kept probabilities become integers (p * 2**MASS_BITS, exact in int64), their running sum
-is taken in vocabulary order and one uniform, a pure function of (seed, position) computed on
-the device (`uniform_from_counter`), picks the first token whose running sum passes
-`u * total`. Integer sums are exact in any order, so nothing depends on how a device splits a
-reduction: a row gives bit-identically the same token and logprobs in any batch, at any index,
-beside any neighbours, which is what makes batching and preemption invisible to a seeded
-request.
+is). Kept probabilities become integers (p * 2**MASS_BITS, exact in int64; a token below
+2**-60 is never drawn), and one uniform, a pure function of (seed, position) computed on the
+device (`uniform_from_counter`), picks the first token in vocabulary order whose running sum
+passes `u * total` (group sums of 64 first, then inside the chosen group). The only float
+reductions are softmax and log_softmax, whose kernels work row by row on CPU and CUDA; every
+sum after them is over integers, exact in any order. So a row gives bit-identically the same
+token and logprobs in any batch, at any index, beside any neighbours, which is what makes
+batching and preemption invisible to a seeded request.
 
 How top_k and top_p avoid a full sort: top_k reads the k-th largest p from one `torch.topk` of
 the largest k any row asked. top_p on top of top_k finds its cut inside that window. top_p
@@ -46,11 +47,11 @@ from nanoserve.sampling_params import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 MASS_BITS = 60  # p * 2**60 is exact in float32 and sums of softmax mass stay below 2**63
-ARGMAX_GROUP = 64  # the two-level argmax reads group maxima first: 4x faster than argmax on CPU
+# Two-level argmax and draw: read per-group maxima or sums first, then one group. The argmax
+# is 4x faster than torch.argmax on CPU, and the draw needs no [rows, vocab] running sum.
+GROUP = 64
 # Radix passes over the 31 bits of a non-negative float32: (shift, digit width), high bits first.
 RADIX_PASSES = ((21, 10), (11, 10), (0, 11))
-
-_MASK64 = (1 << 64) - 1
 
 
 def _signed64(value: int) -> int:
@@ -114,7 +115,8 @@ class SamplingBatch:
     window: int  # width of the top_k window: the largest top_k of a sampled row, 0 if none
     top_p: Tensor  # [rows] float64, 1 where the row keeps every token
     window_top_p: Tensor | None  # [rows] bool: top_p < 1 with a top_k (cut inside the window)
-    nucleus_rows: Tensor | None  # [n] int64: top_p < 1 without top_k (radix select)
+    any_nucleus: bool  # some row has top_p < 1 without top_k: it needs the radix select
+    nucleus_rows: Tensor | None  # [n] int64, those rows; None when every row is one
     min_p: Tensor  # [rows] float32
     seed: Tensor  # [rows] int64
     position: Tensor  # [rows] int64
@@ -147,7 +149,8 @@ class SamplingBatch:
             window=max(top_k, default=0),
             top_p=upload(top_p, torch.float64),
             window_top_p=upload(in_window, torch.bool) if any(in_window) else None,
-            nucleus_rows=upload(nucleus, torch.int64) if nucleus else None,
+            any_nucleus=bool(nucleus),
+            nucleus_rows=upload(nucleus, torch.int64) if 0 < len(nucleus) < len(rows) else None,
             min_p=upload([0.0 if g else row.params.min_p
                           for row, g in zip(rows, greedy, strict=True)], torch.float32),
             seed=upload([row.seed for row in rows], torch.int64),
@@ -181,7 +184,7 @@ def _row_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float, floa
              bias.get(token, 0.0)) for token in cells]
 
 
-def _edits(rows: Sequence[SamplingRow], vocab_size: int, device) -> LogitEdits | None:
+def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> LogitEdits | None:
     cells = [(i, *cell) for i, row in enumerate(rows) for cell in _row_edits(row, vocab_size)]
     if not cells:
         return None
@@ -192,7 +195,7 @@ def _edits(rows: Sequence[SamplingRow], vocab_size: int, device) -> LogitEdits |
 
 
 def _min_tokens_mask(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],
-                     device) -> tuple[Tensor, Tensor] | None:
+                     device: torch.device | str) -> tuple[Tensor, Tensor] | None:
     cells = []
     for i, row in enumerate(rows):
         if row.position < row.params.min_tokens:
@@ -239,25 +242,37 @@ def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
 def _argmax(logits: Tensor) -> Tensor:
     """The first index of each row's maximum, reading group maxima first."""
     rows, vocab = logits.shape
-    if vocab % ARGMAX_GROUP:
+    if vocab % GROUP:
         return logits.argmax(-1)
-    groups = logits.view(rows, vocab // ARGMAX_GROUP, ARGMAX_GROUP)
+    groups = logits.view(rows, vocab // GROUP, GROUP)
     best = groups.amax(-1).argmax(-1)  # the first group holding the maximum
-    inside = groups.gather(1, best.view(rows, 1, 1).expand(rows, 1, ARGMAX_GROUP)).squeeze(1)
-    return best * ARGMAX_GROUP + inside.argmax(-1)
+    inside = groups.gather(1, best.view(rows, 1, 1).expand(rows, 1, GROUP)).squeeze(1)
+    return best * GROUP + inside.argmax(-1)
 
 
 def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     scaled = logits if batch.temperature is None else logits / batch.temperature[:, None]
     # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
     probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
-    threshold = _thresholds(probs, batch)
-    kept = _mass(probs * (probs >= threshold[:, None]))
-    running = kept.cumsum(-1)
+    mass = _mass(probs)
+    kept = torch.where(probs >= _thresholds(probs, mass, batch)[:, None], mass, 0)
+    return _draw(kept, uniform_from_counter(batch.seed, batch.position))
+
+
+def _draw(kept: Tensor, u: Tensor) -> Tensor:
+    """The first token whose running kept mass passes u * total, group sums first."""
+    rows, vocab = kept.shape
+    width = GROUP if vocab % GROUP == 0 else vocab
+    groups = kept.view(rows, vocab // width, width)
+    sums = groups.sum(-1)
+    running = sums.cumsum(-1)
     total = running[:, -1]
-    u = uniform_from_counter(batch.seed, batch.position)
     target = torch.minimum((u * total.double()).long(), total - 1)  # floor: both are >= 0
-    return torch.searchsorted(running, target[:, None], right=True).squeeze(1)
+    group = torch.searchsorted(running, target[:, None], right=True)  # [rows, 1]
+    before = (running - sums).gather(1, group).squeeze(1)
+    inside = groups.gather(1, group[:, :, None].expand(rows, 1, width)).squeeze(1).cumsum(-1)
+    offset = torch.searchsorted(inside, (target - before)[:, None], right=True)
+    return (group * width + offset).squeeze(1)
 
 
 def _mass(probs: Tensor) -> Tensor:
@@ -265,7 +280,7 @@ def _mass(probs: Tensor) -> Tensor:
     return (probs * 2.0**MASS_BITS).long()
 
 
-def _thresholds(probs: Tensor, batch: SamplingBatch) -> Tensor:
+def _thresholds(probs: Tensor, mass: Tensor, batch: SamplingBatch) -> Tensor:
     """Each row's smallest kept probability: the largest of its top_k, top_p and min_p cuts."""
     threshold = batch.min_p * probs.amax(-1)
     if batch.window:
@@ -276,9 +291,12 @@ def _thresholds(probs: Tensor, batch: SamplingBatch) -> Tensor:
         if batch.window_top_p is not None:
             cut = _top_p_in_window(probs, window, kth, batch.top_p)
             threshold = torch.maximum(threshold, cut * batch.window_top_p)
-    if batch.nucleus_rows is not None:
+    if batch.any_nucleus and batch.nucleus_rows is None:
+        threshold = torch.maximum(threshold, _top_p_by_radix(probs, mass, batch.top_p))
+    elif batch.any_nucleus:
         rows = batch.nucleus_rows
-        cut = _top_p_by_radix(probs.index_select(0, rows), batch.top_p.index_select(0, rows))
+        cut = _top_p_by_radix(probs.index_select(0, rows), mass.index_select(0, rows),
+                              batch.top_p.index_select(0, rows))
         threshold = threshold.index_put((rows,), torch.maximum(threshold.index_select(0, rows), cut))
     return threshold
 
@@ -300,13 +318,12 @@ def _top_p_in_window(probs: Tensor, window: Tensor, kth: Tensor, top_p: Tensor) 
     return torch.maximum(window.gather(1, first).squeeze(1), kth)
 
 
-def _top_p_by_radix(probs: Tensor, top_p: Tensor) -> Tensor:
+def _top_p_by_radix(probs: Tensor, mass: Tensor, top_p: Tensor) -> Tensor:
     """The largest p whose {probs >= p} holds top_p of the mass: a radix select, no sort.
 
     Non-negative float32s order like their bits, so three passes over 10, 10 and 11 bits of
     those bits, each summing integer mass per bucket, find the cut exactly.
     """
-    mass = _mass(probs)
     total = mass.sum(-1)
     spare = total - _mass_needed(top_p, total)  # mass the kept set may leave out, below the cut
     bits = probs.view(torch.int32)

@@ -213,7 +213,7 @@ def test_top_p_cut_by_radix_select_equals_the_full_sort_cut():
                         torch.zeros(2, VOCAB)])
     top_p = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.97, 0.999] * 5 + [0.5] * 4, dtype=torch.float64)
     probs = torch.softmax(logits, -1)
-    cut = sampler_module._top_p_by_radix(probs, top_p)
+    cut = sampler_module._top_p_by_radix(probs, sampler_module._mass(probs), top_p)
     for row in range(logits.shape[0]):
         mass = sampler_module._mass(probs[row])
         ordered = mass.sort(descending=True).values
