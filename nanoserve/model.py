@@ -119,14 +119,19 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # Half precision: normalize in float32 like the reference implementation, then scale.
+    return F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype) * weight
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the Hugging Face (rotate_half) layout: x*cos + rotate_half(x)*sin.
+
+    rotate_half(x) = cat(-x2, x1) is a roll by half the head with the sign folded into the sin
+    table, so the rotation is four exact elementwise ops, bit-identical to the textbook form.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -180,9 +185,9 @@ class Llama:
         device = weights.embed.device
         positions = torch.arange(max_positions or config.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(config))
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self.rope_cos = angles.cos().to(device=device, dtype=weights.embed.dtype)
-        self.rope_sin = angles.sin().to(device=device, dtype=weights.embed.dtype)
+        dtype = weights.embed.dtype
+        self.rope_cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device=device, dtype=dtype)
+        self.rope_signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
@@ -191,7 +196,7 @@ class Llama:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`."""
         cos = self.rope_cos[batch.positions].unsqueeze(1)
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
         masks = [self._group_mask(group, kv_cache.block_size) for group in batch.groups]
         hidden = F.embedding(batch.input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):
@@ -207,17 +212,20 @@ class Llama:
                          kv_cache: KVCache) -> torch.Tensor:
         cfg = self.config
         qkv = self.linear(x, layer.qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        kv_cache.write(index, batch.slot_mapping, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim))
-        out = torch.empty_like(q)
-        for group, mask in zip(batch.groups, masks, strict=True):
-            rows = slice(group.row_start, group.row_start + group.num_seqs * group.rows_per_seq)
-            out[rows] = self._attend_group(index, group, q[rows], mask, kv_cache)
-        return self.linear(out.view(-1, self.q_size), layer.o)
+        # q and k rotate together: one pass over [rows, heads + kv_heads, head_dim].
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
+                                                                  cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        kv_cache.write(index, batch.slot_mapping, k, v)
+        if len(batch.groups) == 1:  # the common decode step: no need to stitch groups together
+            out = self._attend_group(index, batch.groups[0], q, masks[0], kv_cache)
+        else:
+            out = torch.empty_like(q)
+            for group, mask in zip(batch.groups, masks, strict=True):
+                rows = slice(group.row_start, group.row_start + group.num_seqs * group.rows_per_seq)
+                out[rows] = self._attend_group(index, group, q[rows], mask, kv_cache)
+        return self.linear(out.reshape(-1, self.q_size), layer.o)
 
     def _attend_group(self, index: int, group: AttentionGroup, q: torch.Tensor, mask: torch.Tensor,
                       kv_cache: KVCache) -> torch.Tensor:

@@ -5,7 +5,6 @@ logits within 1e-3 of the reference, and greedy decoding token for token, EOS in
 """
 
 import pytest
-import torch
 
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -35,10 +34,18 @@ def test_greedy_decoding_reproduces_the_reference_token_for_token(llm, reference
         assert completion.finish_reason == expected_finish
 
 
+BF16_LOGIT_TOLERANCE = 1.0  # bfloat16 keeps 8 bits of mantissa; logits here reach ~30
+
+
 def test_bfloat16_stays_close_to_the_float32_reference(default_model_dir, reference):
-    """bfloat16 weights lose precision; the top token should survive on these prompts."""
+    """bfloat16 logits stay within a tolerance, so its top token is one the reference nearly ties.
+
+    (Case 7's reference top two differ by 0.08: a bfloat16 run may pick either.)
+    """
     llm = LLM(str(default_model_dir), dtype="bfloat16", device="cpu")
     logits = llm.prompt_logits([case["prompt_ids"] for case in reference.cases])
     for i, row in enumerate(logits):
-        assert row.argmax().item() == reference.logits[f"last_logits_{i}"].argmax().item()
-        assert torch.isfinite(row).all()
+        expected = reference.logits[f"last_logits_{i}"]
+        assert (row - expected).abs().max().item() < BF16_LOGIT_TOLERANCE, f"case {i}"
+        near_top = expected >= expected.max() - 2 * BF16_LOGIT_TOLERANCE
+        assert near_top[row.argmax()], f"case {i}: bfloat16 picks a token far from the reference top"
