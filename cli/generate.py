@@ -38,6 +38,7 @@ def generate(
     device: options.Device = None,
     batch_invariant: options.BatchInvariant = False,
     max_model_len: options.MaxModelLen = None,
+    kv_cache_gb: options.KvCacheGb = None,
 ) -> None:
     """Stream one completion of PROMPT from the model."""
     try:
@@ -48,11 +49,12 @@ def generate(
         options.fail_for(error)
     config = options.engine_config(model=model, dtype=dtype, device=device,
                                    max_num_seqs=1, max_model_len=max_model_len,
-                                   batch_invariant=batch_invariant)
+                                   kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant)
     try:
         from nanoserve.llm import LLM
 
         llm = LLM.from_config(config)
+        print(llm.engine.kv_cache_summary, file=sys.stderr)
         _stream(llm, _chat_prompt_ids(llm, prompt) if chat else prompt, params)
     except NanoserveError as error:
         options.fail_for(error)

@@ -108,9 +108,7 @@ class Engine:
         # Profiling only: wait for the GPU at each phase's end so its time lands in that phase.
         self.sync_phases = False
         self._ids = itertools.count()
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s)", num_blocks,
-                 config.block_size, num_blocks * config.block_size, self.kv_cache.nbytes / 2**30,
-                 str(self.dtype).removeprefix("torch."), self.device)
+        log.info(self.kv_cache_summary)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -125,6 +123,13 @@ class Engine:
         per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
         wanted = min(int(budget), -(-useful // cfg.block_size) * per_block)
         return num_blocks_for_budget(self.model_config, cfg.block_size, self.dtype, wanted)
+
+    @property
+    def kv_cache_summary(self) -> str:
+        blocks, size = self.kv_cache.num_blocks, self.kv_cache.block_size
+        return (f"KV cache: {blocks} blocks x {size} tokens = {blocks * size} tokens "
+                f"({self.kv_cache.nbytes / 2**30:.2f} GiB, {str(self.dtype).removeprefix('torch.')} "
+                f"on {self.device})")
 
     @property
     def vocab_size(self) -> int:

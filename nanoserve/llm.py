@@ -7,10 +7,12 @@ server and `nanoserve generate` use: there is one decode path in the project.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from rich.console import Console
 from rich.progress import Progress
 
 from nanoserve.config import EngineConfig
@@ -59,8 +61,13 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 progress: bool = False) -> list[Completion]:
-        """Run every prompt to completion; results in prompt order."""
+                 progress: bool | None = None) -> list[Completion]:
+        """Run every prompt to completion; results in prompt order.
+
+        `progress` shows a rich progress bar; by default only when stderr is a terminal.
+        """
+        if progress is None:
+            progress = sys.stderr.isatty()
         prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
         params_list = _params_per_prompt(params, len(prompts))
         engine = self.engine
@@ -68,7 +75,7 @@ class LLM:
         for prompt, prompt_params in zip(prompts, params_list, strict=True):
             request_id = engine.add_request(prompt, prompt_params)
             completions[request_id] = Completion(request_id, engine.requests[request_id].prompt_ids)
-        with Progress(disable=not progress, transient=True) as bar:
+        with Progress(disable=not progress, transient=True, console=Console(stderr=True)) as bar:
             task = bar.add_task("generating", total=len(prompts))
             while engine.has_unfinished():
                 for output in engine.step():
