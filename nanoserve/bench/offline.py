@@ -12,6 +12,7 @@ Refuses: printing, progress bars and file formats (the CLI and `charts` do those
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -377,38 +378,45 @@ class Sweep:
         machine = describe_machine(device)
         limits = probe_limits(device, dtype=getattr(torch, self.spec.dtypes[0]), rows=self.spec.slots)
         rows = []
-        for index, config in enumerate(configs):
+        for group in _side_by_side(configs):
             if progress:
-                progress(config, index, len(configs))
-            rows.append(self.run_config(config, limits))
+                progress(group[0], len(rows), len(configs))
+            rows += self.run_group(group, limits)
         if progress:
             progress(configs[-1], len(configs), len(configs))
         frame = add_ratios(pd.DataFrame(rows))
         frame = frame.assign(**machine.columns(), **limits.columns())
         return SweepResult(machine, limits, frame)
 
-    def run_config(self, config: BenchConfig, limits: HardwareLimits) -> dict[str, object]:
+    def run_group(self, group: list[BenchConfig], limits: HardwareLimits) -> list[dict[str, object]]:
+        """Configs compared with each other, warmed up, then timed in turns (A B A B, not A A B B),
+        so a burst of load from elsewhere on the machine falls on both sides of a ratio."""
         w = self.spec.workload
-        count = w.requests_for(config.slots)
-        prompts = synthetic_prompts(count, w.input_len, self._vocab_size())
-        warm_prompts = synthetic_prompts(config.slots, w.input_len, self._vocab_size(), seed=1)
-        warm_len = min(8, w.output_len)
+        slots = group[0].slots
+        warm_prompts = synthetic_prompts(slots, w.input_len, self._vocab_size(), seed=1)
+        prompts = synthetic_prompts(w.requests_for(slots), w.input_len, self._vocab_size())
+        load_avg = os.getloadavg()[0]
+        for _ in range(w.warmup):
+            for config in group:
+                self.run_once(config, warm_prompts, min(8, w.output_len))
+        runs: dict[BenchConfig, list[RunRecord]] = {config: [] for config in group}
+        for _ in range(w.repeat):
+            for config in group:
+                runs[config].append(self.run_once(config, prompts, w.output_len))
+        return [self.row(config, runs[config], limits) | {"load_avg_1m": load_avg} for config in group]
+
+    def run_once(self, config: BenchConfig, prompts: list[list[int]], output_len: int) -> RunRecord:
+        if config.engine != "nanoserve":
+            return self.baseline(config.dtype).run(prompts, config.params, output_len, config.slots)
+        params = [sampling_params(config.params, i, output_len) for i in range(len(prompts))]
+        return self.engine(config.dtype, config.batch_invariant).run(prompts, params, config.slots)
+
+    def row(self, config: BenchConfig, runs: list[RunRecord], limits: HardwareLimits) -> dict[str, object]:
+        w = self.spec.workload
+        run = _median_run(runs)
+        figures = request_metrics(run)
         if config.engine == "nanoserve":
-            runner = self.engine(config.dtype, config.batch_invariant)
-            params = [sampling_params(config.params, i, w.output_len) for i in range(count)]
-            warm_params = [sampling_params(config.params, i, warm_len) for i in range(config.slots)]
-            for _ in range(w.warmup):
-                runner.run(warm_prompts, warm_params, config.slots)
-            runs = [runner.run(prompts, params, config.slots) for _ in range(w.repeat)]
-            run = _median_run(runs)
-            figures = request_metrics(run) | step_metrics(run, runner.cost, limits)
-        else:
-            baseline = self.baseline(config.dtype)
-            for _ in range(w.warmup):
-                baseline.run(warm_prompts, config.params, warm_len, config.slots)
-            runs = [baseline.run(prompts, config.params, w.output_len, config.slots) for _ in range(w.repeat)]
-            run = _median_run(runs)
-            figures = request_metrics(run)
+            figures |= step_metrics(run, self.engine(config.dtype, config.batch_invariant).cost, limits)
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
             "batch_invariant": config.batch_invariant, "input_len": w.input_len,
@@ -420,6 +428,11 @@ class Sweep:
 
     def _vocab_size(self) -> int:
         return next(iter(self._engines.values())).engine.vocab_size
+
+
+def _side_by_side(configs: list[BenchConfig]) -> list[list[BenchConfig]]:
+    """Consecutive configs sharing slots, params and dtype: the ones whose ratios are reported."""
+    return [list(g) for _, g in itertools.groupby(configs, key=lambda c: (c.slots, c.params, c.dtype))]
 
 
 def _median_run(runs: Sequence[RunRecord]) -> RunRecord:
