@@ -17,7 +17,8 @@ def tiny(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def real(default_model_dir):
-    return LLM(str(default_model_dir), dtype="float32", device="cpu", batch_invariant=True)
+    return LLM(str(default_model_dir), dtype="float32", device="cpu", batch_invariant=True,
+               kv_cache_gb=0.25)
 
 
 def solo(llm, prompt, params):

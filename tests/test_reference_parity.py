@@ -14,7 +14,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    return LLM(str(default_model_dir), dtype="float32", device="cpu")
+    return LLM(str(default_model_dir), dtype="float32", device="cpu", kv_cache_gb=0.25)
 
 
 def test_last_position_logits_match_the_reference_within_1e_3(llm, reference):
@@ -42,7 +42,7 @@ def test_bfloat16_stays_close_to_the_float32_reference(default_model_dir, refere
 
     (Case 7's reference top two differ by 0.08: a bfloat16 run may pick either.)
     """
-    llm = LLM(str(default_model_dir), dtype="bfloat16", device="cpu")
+    llm = LLM(str(default_model_dir), dtype="bfloat16", device="cpu", kv_cache_gb=0.25)
     logits = llm.prompt_logits([case["prompt_ids"] for case in reference.cases])
     for i, row in enumerate(logits):
         expected = reference.logits[f"last_logits_{i}"]
