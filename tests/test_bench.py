@@ -89,6 +89,14 @@ def test_ratios_pair_each_row_with_its_baseline_and_its_plain_kernels():
     assert ratios.iloc[2].isna()[["ratio_to_baseline", "ratio_to_plain_kernels"]].all()
 
 
+def test_a_paired_ratio_is_the_median_of_the_ratios_of_runs_timed_in_the_same_turn():
+    frame = pd.DataFrame({
+        "engine": ["nanoserve", "transformers"], "slots": [2, 2], "params": ["greedy"] * 2,
+        "dtype": ["float32"] * 2, "batch_invariant": [False, False], "output_tokens_per_s": [20.0, 10.0],
+        "tokens_per_s_runs": ["10 20 30", "5 20 10"]})
+    assert offline.add_ratios(frame).ratio_to_baseline[0] == 2.0  # turns: 2, 1, 3
+
+
 @pytest.mark.parametrize(("args", "option"), [
     (["--slots", "0,x"], "--slots"),
     (["--slots", "1,x"], "--slots"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from nanoserve.bench.hardware import REPO_ROOT
-from nanoserve.bench.offline import Sweep, SweepSpec, Workload
+from nanoserve.bench.offline import Sweep, SweepSpec, Workload, paired_ratio
 
 THRESHOLDS_PATH = REPO_ROOT / "results" / "ci_thresholds.json"
 
@@ -55,7 +55,7 @@ def spec_from(thresholds: dict, model: str | None, *, with_baseline: bool) -> Sw
 
 def measured_ratios(frame: pd.DataFrame, slots: int) -> dict[str, float]:
     ours = frame[frame.engine == "nanoserve"].set_index("slots")
-    ratios = {"batched_over_single": ours.output_tokens_per_s[slots] / ours.output_tokens_per_s[1]}
+    ratios = {"batched_over_single": paired_ratio(ours.loc[slots], ours.loc[1])}
     if "transformers" in set(frame.engine):
         ratios["over_transformers"] = float(ours.ratio_to_baseline[slots])
     return ratios

@@ -266,6 +266,9 @@ class TransformersRunner:
             raise RuntimeError(
                 "--baseline transformers needs Hugging Face transformers: pip install -e '.[baseline]'"
             ) from err
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
@@ -454,11 +457,26 @@ def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _ratio(frame: pd.DataFrame, reference_rows: pd.Series) -> pd.Series:
-    reference = frame[reference_rows].set_index(KEY)["output_tokens_per_s"]
-    reference = reference[~reference.index.duplicated()]
-    keys = pd.MultiIndex.from_frame(frame[KEY])
-    return pd.Series(frame.output_tokens_per_s.to_numpy() / reference.reindex(keys).to_numpy(),
-                     index=frame.index)
+    reference = frame[reference_rows].drop_duplicates(KEY).set_index(KEY)
+    ratios = []
+    for row in frame.itertuples(index=False):
+        key = tuple(getattr(row, k) for k in KEY)
+        ratios.append(paired_ratio(row, reference.loc[key]) if key in reference.index else float("nan"))
+    return pd.Series(ratios, index=frame.index, dtype=float)
+
+
+def paired_ratio(row: object, reference: object) -> float:
+    """Median over repeats of (this run / the reference's run of the same turn), which cancels a
+    load burst that hit both; the ratio of the two medians when the runs are not recorded."""
+    ours, theirs = _runs(row), _runs(reference)
+    if ours and len(ours) == len(theirs):
+        return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    return row.output_tokens_per_s / reference.output_tokens_per_s
+
+
+def _runs(row: object) -> list[float]:
+    text = getattr(row, "tokens_per_s_runs", None)
+    return [float(v) for v in text.split()] if isinstance(text, str) and text else []
 
 
 def parse_int_list(text: str, *, minimum: int = 1) -> tuple[int, ...]:
