@@ -20,7 +20,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.app import BackgroundServer, ServerLimits, build_app
+from nanoserve.server.app import BackgroundServer, ServerLimits, build_app, start_drain
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8)
@@ -225,6 +225,18 @@ def test_stop_string_ends_the_choice_before_it(client: httpx.Client) -> None:
     assert cut["finish_reason"] == "stop"
     assert cut["stop_reason"] == stop
     assert cut["text"] == full[: full.index(stop)]
+
+
+def test_stop_token_id_is_named_and_eos_is_not(client: httpx.Client, offline: LLM) -> None:
+    greedy = offline.generate("Hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    stop_id = greedy.token_ids[2]
+    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    cut = client.post("/v1/completions", json={**body, "stop_token_ids": [stop_id]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["choices"][0]["stop_reason"] == stop_id
+    [eos] = offline.tokenizer.eos_token_ids
+    forced = client.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 8, "temperature": 0,
+                                                  "logit_bias": {str(eos): 100}}).json()["choices"][0]
+    assert forced["finish_reason"] == "stop" and forced["stop_reason"] is None and forced["text"] == ""
 
 
 def test_max_tokens_absent_runs_to_the_server_limit(client: httpx.Client) -> None:
@@ -483,6 +495,28 @@ def test_over_the_queue_limit_is_503_with_retry_after(tiny_model_dir) -> None:
         wait_idle(served)
         assert httpx.post(f"{server.base_url}/v1/completions",
                           json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+        never_fits = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "n": 2})
+        assert_error(never_fits, 400, "n")
+
+
+def test_drain_refuses_new_work_and_ends_what_is_left_with_an_error_event(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        served = Served(server.base_url, app)
+        gate = hold_engine_steps(served.engine)
+        body = {"prompt": "Hi", "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+            while served.async_engine.num_in_flight == 0:
+                time.sleep(0.01)
+            start_drain(app, 0.2)
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+        assert events[-1] == "[DONE]"
+        assert "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert httpx.get(f"{server.base_url}/health").json() == {"status": "draining"}
+        assert_error(httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "a"}), 503, None)
+        gate.set()
+        wait_idle(served)
 
 
 def test_api_key_guards_v1_only(tiny_model_dir) -> None:

@@ -259,6 +259,9 @@ def _unavailable(message: str, limits: ServerLimits) -> APIError:
 def _check_capacity(state: ServerState, num_sequences: int) -> None:
     engine = state.async_engine
     capacity = state.engine.config.max_num_seqs + state.limits.max_waiting
+    if num_sequences > capacity:
+        raise bad_request(f"this request asks for {num_sequences} sequences (prompts x n); this server "
+                          f"holds at most {capacity} at a time", "n")
     if engine.num_in_flight + num_sequences > capacity:
         raise _unavailable(f"the server is at capacity ({capacity} sequences in flight); retry shortly",
                            state.limits)
@@ -423,6 +426,7 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    stop_token_ids: tuple[int, ...] = ()
     last_s: float = 0.0
     text_offset: int = 0
 
@@ -447,7 +451,8 @@ class Generation:
               request_id: str) -> Generation:
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{seq.index}" for seq in plan]
-        choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids))
+        choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
+                                  stop_token_ids=seq.params.stop_token_ids)
                    for seq_id, seq in zip(ids, plan, strict=True)}
         generation = cls(state, request_id, arrival_s, queue, choices)
         for seq_id, seq in zip(ids, plan, strict=True):
@@ -491,6 +496,8 @@ class Generation:
                 self.error = EngineUnavailableError("the request was aborted by the server")
                 return
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+            if isinstance(output.stop_reason, int) and output.stop_reason not in choice.stop_token_ids:
+                choice.stop_reason = None  # EOS, as vLLM reports it; a stop_token_ids hit names its id
             metrics.e2e.observe(now - self.arrival_s)
             metrics.finished[output.finish_reason] += 1
 
