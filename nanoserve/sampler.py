@@ -98,28 +98,71 @@ class LogitEdits:
 
 
 @dataclass(frozen=True, slots=True)
+class DrawParams:
+    """The parameters of the rows that draw (not greedy), one entry per such row.
+
+    Every stage runs only over the rows that use it: `rows`, `window_rows` and `nucleus_rows`
+    pick them (None: all of them, no gather). They come from the parameters alone, never from
+    the logits, so choosing them needs no readback, and a row's result never depends on which
+    other rows shared a stage.
+    """
+
+    rows: Tensor | None  # [n] int64, the drawing rows' places in the step
+    temperature: Tensor | None  # [n] float32; None when every one is 1
+    min_p: Tensor  # [n] float32
+    top_p: Tensor  # [n] float64, 1 where the row keeps every token
+    seed: Tensor  # [n] int64
+    position: Tensor  # [n] int64
+    window: int  # width of the top_k window: the largest top_k asked, 0 if none
+    window_rows: Tensor | None  # [w] int64 into the n: rows with a top_k
+    top_k: Tensor | None  # [w] int64
+    window_top_p: Tensor | None  # [w] bool: top_p < 1 too, so the cut lies inside the window
+    any_nucleus: bool  # some row has top_p < 1 without top_k: the radix select runs
+    nucleus_rows: Tensor | None  # [m] int64 into the n, those rows; None when all n are
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], drawing: list[int], vocab_size: int,
+              device: torch.device | str) -> DrawParams:
+        params = [rows[i].params for i in drawing]
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # >= vocab: no cut
+        windowed = [i for i, k in enumerate(top_k) if k]
+        nucleus = [i for i, (k, p) in enumerate(zip(top_k, params, strict=True)) if not k and p.top_p < 1]
+
+        def upload(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def subset(chosen: list[int], out_of: int) -> Tensor | None:
+            return None if len(chosen) == out_of else upload(chosen, torch.int64)
+
+        return cls(
+            rows=subset(drawing, len(rows)),
+            temperature=upload(temps, torch.float32) if any(t != 1 for t in temps) else None,
+            min_p=upload([p.min_p for p in params], torch.float32),
+            top_p=upload([p.top_p for p in params], torch.float64),
+            seed=upload([rows[i].seed for i in drawing], torch.int64),
+            position=upload([rows[i].position for i in drawing], torch.int64),
+            window=max(top_k),
+            window_rows=subset(windowed, len(params)) if windowed else None,
+            top_k=upload([top_k[i] for i in windowed], torch.int64) if windowed else None,
+            window_top_p=(upload([params[i].top_p < 1 for i in windowed], torch.bool)
+                          if any(params[i].top_p < 1 for i in windowed) else None),
+            any_nucleus=bool(nucleus),
+            nucleus_rows=subset(nucleus, len(params)) if nucleus else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingBatch:
     """Per-row sampling parameters of one step as tensors on the device.
 
-    The host-side fields (`window`, `any_sampled`, ...) come from the parameters alone, never
-    from the logits, so deciding which stages run needs no readback. A stage that runs for a
-    row that does not use it leaves that row's result bit-identical (x / 1, x - 0, max(t, 0)).
+    The host-side fields come from the parameters alone, never from the logits, so deciding
+    which stages run needs no readback.
     """
 
     vocab_size: int
-    greedy: Tensor  # [rows] bool
     any_greedy: bool
-    any_sampled: bool
-    temperature: Tensor | None  # [rows] float32 (1 for greedy rows); None: every one is 1
-    top_k: Tensor  # [rows] int64, 0 where the row keeps every token
-    window: int  # width of the top_k window: the largest top_k of a sampled row, 0 if none
-    top_p: Tensor  # [rows] float64, 1 where the row keeps every token
-    window_top_p: Tensor | None  # [rows] bool: top_p < 1 with a top_k (cut inside the window)
-    any_nucleus: bool  # some row has top_p < 1 without top_k: it needs the radix select
-    nucleus_rows: Tensor | None  # [n] int64, those rows; None when every row is one
-    min_p: Tensor  # [rows] float32
-    seed: Tensor  # [rows] int64
-    position: Tensor  # [rows] int64
+    draw: DrawParams | None  # None when every row is greedy
     edits: LogitEdits | None
     masked: tuple[Tensor, Tensor] | None  # (rows, cols) forced to -inf by min_tokens
     want_logprobs: bool
@@ -128,33 +171,12 @@ class SamplingBatch:
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], *, vocab_size: int,
               eos_token_ids: Collection[int], device: torch.device | str) -> SamplingBatch:
-        greedy = [_is_greedy(row.params) for row in rows]
-        top_k = [_top_k(row.params, vocab_size, g) for row, g in zip(rows, greedy, strict=True)]
-        top_p = [1.0 if g else row.params.top_p for row, g in zip(rows, greedy, strict=True)]
-        temps = [1.0 if g else row.params.temperature for row, g in zip(rows, greedy, strict=True)]
+        drawing = [i for i, row in enumerate(rows) if not _is_greedy(row.params)]
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
-
-        def upload(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        in_window = [k > 0 and p < 1 for k, p in zip(top_k, top_p, strict=True)]
-        nucleus = [i for i, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if k == 0 and p < 1]
         return cls(
             vocab_size=vocab_size,
-            greedy=upload(greedy, torch.bool),
-            any_greedy=any(greedy),
-            any_sampled=not all(greedy),
-            temperature=upload(temps, torch.float32) if any(t != 1 for t in temps) else None,
-            top_k=upload(top_k, torch.int64),
-            window=max(top_k, default=0),
-            top_p=upload(top_p, torch.float64),
-            window_top_p=upload(in_window, torch.bool) if any(in_window) else None,
-            any_nucleus=bool(nucleus),
-            nucleus_rows=upload(nucleus, torch.int64) if 0 < len(nucleus) < len(rows) else None,
-            min_p=upload([0.0 if g else row.params.min_p
-                          for row, g in zip(rows, greedy, strict=True)], torch.float32),
-            seed=upload([row.seed for row in rows], torch.int64),
-            position=upload([row.position for row in rows], torch.int64),
+            any_greedy=len(drawing) < len(rows),
+            draw=DrawParams.build(rows, drawing, vocab_size, device) if drawing else None,
             edits=_edits(rows, vocab_size, device),
             masked=_min_tokens_mask(rows, vocab_size, eos_token_ids, device),
             want_logprobs=bool(asked),
@@ -164,11 +186,6 @@ class SamplingBatch:
 
 def _is_greedy(params: SamplingParams) -> bool:
     return params.is_greedy or params.temperature < MIN_TEMPERATURE
-
-
-def _top_k(params: SamplingParams, vocab_size: int, greedy: bool) -> int:
-    # top_k >= vocab keeps everything: no filter, so the row never needs the window.
-    return params.top_k if not greedy and 0 < params.top_k < vocab_size else 0
 
 
 def _row_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float, float, float, float]]:
@@ -217,12 +234,25 @@ class BatchedSampler:
 
 
 def _pick(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    if not batch.any_sampled:
+    draw = batch.draw
+    if draw is None:
         return _argmax(logits)
-    sampled = _sample(logits, batch)
+    sampled = _sample(_rows(logits, draw.rows), draw)
     if not batch.any_greedy:
         return sampled
-    return torch.where(batch.greedy, _argmax(logits), sampled)
+    return _argmax(logits).index_copy(0, draw.rows, sampled)
+
+
+def _rows(tensor: Tensor, rows: Tensor | None) -> Tensor:
+    """The given rows of `tensor`; all of them (no copy) when `rows` is None."""
+    return tensor if rows is None else tensor.index_select(0, rows)
+
+
+def _raise_rows(values: Tensor, rows: Tensor | None, floor: Tensor) -> Tensor:
+    """`values` raised to at least `floor` on the given rows (all rows when None)."""
+    if rows is None:
+        return torch.maximum(values, floor)
+    return values.index_put((rows,), torch.maximum(values.index_select(0, rows), floor))
 
 
 def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -250,13 +280,12 @@ def _argmax(logits: Tensor) -> Tensor:
     return best * GROUP + inside.argmax(-1)
 
 
-def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    scaled = logits if batch.temperature is None else logits / batch.temperature[:, None]
+def _sample(logits: Tensor, draw: DrawParams) -> Tensor:
+    scaled = logits if draw.temperature is None else logits / draw.temperature[:, None]
     # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
     probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
-    mass = _mass(probs)
-    kept = torch.where(probs >= _thresholds(probs, mass, batch)[:, None], mass, 0)
-    return _draw(kept, uniform_from_counter(batch.seed, batch.position))
+    kept = torch.where(probs >= _thresholds(probs, draw)[:, None], probs, 0.0)
+    return _draw(_mass(kept), uniform_from_counter(draw.seed, draw.position))
 
 
 def _draw(kept: Tensor, u: Tensor) -> Tensor:
@@ -280,25 +309,27 @@ def _mass(probs: Tensor) -> Tensor:
     return (probs * 2.0**MASS_BITS).long()
 
 
-def _thresholds(probs: Tensor, mass: Tensor, batch: SamplingBatch) -> Tensor:
+def _thresholds(probs: Tensor, draw: DrawParams) -> Tensor:
     """Each row's smallest kept probability: the largest of its top_k, top_p and min_p cuts."""
-    threshold = batch.min_p * probs.amax(-1)
-    if batch.window:
-        window = probs.topk(batch.window, dim=-1).values  # sorted, largest first
-        kth = window.gather(1, (batch.top_k - 1).clamp(min=0)[:, None]).squeeze(1)
-        kth = kth * (batch.top_k > 0)
-        threshold = torch.maximum(threshold, kth)
-        if batch.window_top_p is not None:
-            cut = _top_p_in_window(probs, window, kth, batch.top_p)
-            threshold = torch.maximum(threshold, cut * batch.window_top_p)
-    if batch.any_nucleus and batch.nucleus_rows is None:
-        threshold = torch.maximum(threshold, _top_p_by_radix(probs, mass, batch.top_p))
-    elif batch.any_nucleus:
-        rows = batch.nucleus_rows
-        cut = _top_p_by_radix(probs.index_select(0, rows), mass.index_select(0, rows),
-                              batch.top_p.index_select(0, rows))
-        threshold = threshold.index_put((rows,), torch.maximum(threshold.index_select(0, rows), cut))
+    threshold = draw.min_p * probs.amax(-1)
+    if draw.top_k is not None:
+        threshold = _raise_rows(threshold, draw.window_rows,
+                                _top_k_cut(_rows(probs, draw.window_rows), draw))
+    if draw.any_nucleus:
+        nucleus = _rows(probs, draw.nucleus_rows)
+        cut = _top_p_by_radix(nucleus, _mass(nucleus), _rows(draw.top_p, draw.nucleus_rows))
+        threshold = _raise_rows(threshold, draw.nucleus_rows, cut)
     return threshold
+
+
+def _top_k_cut(probs: Tensor, draw: DrawParams) -> Tensor:
+    """The k-th largest p of each windowed row, raised to its top_p cut where it has one."""
+    window = probs.topk(draw.window, dim=-1).values  # sorted, largest first
+    kth = window.gather(1, (draw.top_k - 1)[:, None]).squeeze(1)
+    if draw.window_top_p is None:
+        return kth
+    top_p = _rows(draw.top_p, draw.window_rows)
+    return torch.maximum(kth, _top_p_in_window(probs, window, kth, top_p) * draw.window_top_p)
 
 
 def _mass_needed(top_p: Tensor, total: Tensor) -> Tensor:
