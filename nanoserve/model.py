@@ -157,17 +157,20 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     add exact zeros, so they change nothing.
     """
     seqs, heads, rows, dim = q.shape
+    row_pad, ctx_pad = -rows % ROW_TILE, -k.shape[2] % CONTEXT_CHUNK
+    if ctx_pad:  # the runner aligns block tables to CONTEXT_CHUNK, so this is the rare case
+        k, v = F.pad(k, (0, 0, 0, ctx_pad)), F.pad(v, (0, 0, 0, ctx_pad))
+        mask = F.pad(mask, (0, ctx_pad), value=False)
     ctx = k.shape[2]
-    row_pad, ctx_pad = -rows % ROW_TILE, -ctx % CONTEXT_CHUNK
+    # Padding query rows see every slot, so their softmax stays finite; they are dropped.
+    mask = F.pad(mask, (0, 0, 0, row_pad), value=True).view(seqs, 1, -1, ROW_TILE, ctx)
     q = F.pad(q * scale, (0, 0, 0, row_pad)).view(seqs, heads, -1, 1, ROW_TILE, dim)
-    k = F.pad(k, (0, 0, 0, ctx_pad)).view(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
-    v = F.pad(v, (0, 0, 0, ctx_pad)).view(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
-    mask = F.pad(mask, (0, ctx_pad, 0, row_pad)).view(seqs, 1, -1, 1, ROW_TILE, ctx + ctx_pad)
+    k = k.reshape(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
+    v = v.reshape(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
     tiles, chunks = q.shape[2], k.shape[3]
-    scores = (q @ k.transpose(-1, -2))  # [s, h, tiles, chunks, ROW_TILE, CHUNK]
-    scores = scores.transpose(3, 4).reshape(seqs, heads, tiles, ROW_TILE, chunks * CONTEXT_CHUNK)
-    scores = scores.masked_fill(~mask.squeeze(3), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows have no valid slot
+    scores = q @ k.transpose(-1, -2)  # [s, h, tiles, chunks, ROW_TILE, CHUNK]
+    scores = scores.transpose(3, 4).reshape(seqs, heads, tiles, ROW_TILE, ctx)
+    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
     probs = probs.view(seqs, heads, tiles, ROW_TILE, chunks, CONTEXT_CHUNK).transpose(3, 4)
     partials = probs @ v  # [s, h, tiles, chunks, ROW_TILE, dim]
     out = partials.cumsum(dim=3)[:, :, :, -1]
@@ -182,6 +185,8 @@ class Llama:
         self.batch_invariant = batch_invariant
         self.linear = tiled_linear if batch_invariant else F.linear
         self.attention = tiled_attention if batch_invariant else plain_attention
+        # Context lengths the attention kernel wants block tables padded to (in tokens).
+        self.context_alignment = CONTEXT_CHUNK if batch_invariant else 1
         device = weights.embed.device
         positions = torch.arange(max_positions or config.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(config))

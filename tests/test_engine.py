@@ -17,6 +17,12 @@ def tiny(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def real(default_model_dir):
+    return LLM(str(default_model_dir), dtype="float32", device="cpu", kv_cache_gb=0.25)
+
+
+@pytest.fixture(scope="module")
+def real_invariant(default_model_dir):
+    """Batch-invariant kernels: what makes 'a crowd equals solo runs' exact, not most of the time."""
     return LLM(str(default_model_dir), dtype="float32", device="cpu", batch_invariant=True,
                kv_cache_gb=0.25)
 
@@ -100,9 +106,10 @@ def test_different_seeds_at_high_temperature_give_different_text(real):
     assert len(texts) > 1
 
 
-def test_greedy_and_seeded_outputs_in_a_staggered_crowd_of_16_equal_their_solo_runs(real):
+def test_greedy_and_seeded_outputs_in_a_staggered_crowd_of_16_equal_their_solo_runs(real_invariant):
+    real = real_invariant
     engine = real.engine
-    prompts = [" ".join(["word"] * (3 + 5 * i)) + f" story {i}:" for i in range(16)]
+    prompts = [" ".join(["word"] * (1 + 3 * i)) + f" story {i}:" for i in range(16)]
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
               SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
               for i in range(16)]
