@@ -284,8 +284,11 @@ def _sample(logits: Tensor, draw: DrawParams) -> Tensor:
     scaled = logits if draw.temperature is None else logits / draw.temperature[:, None]
     # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
     probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
-    kept = torch.where(probs >= _thresholds(probs, draw)[:, None], probs, 0.0)
-    return _draw(_mass(kept), uniform_from_counter(draw.seed, draw.position))
+    keep = probs >= _thresholds(probs, draw)[:, None]
+    # In place from here: probs is this function's own tensor, and fresh [rows, vocab] buffers
+    # cost page faults on CPU.
+    kept = probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
+    return _draw(kept, uniform_from_counter(draw.seed, draw.position))
 
 
 def _draw(kept: Tensor, u: Tensor) -> Tensor:
@@ -358,24 +361,24 @@ def _top_p_by_radix(probs: Tensor, mass: Tensor, top_p: Tensor) -> Tensor:
     total = mass.sum(-1)
     spare = total - _mass_needed(top_p, total)  # mass the kept set may leave out, below the cut
     bits = probs.view(torch.int32)
+    # Two scratch buffers for every pass: fresh [rows, vocab] tensors cost page faults on CPU.
+    digits, slots = torch.empty_like(bits), torch.empty_like(mass)
     prefix = torch.zeros_like(total)
     for shift, width in RADIX_PASSES:
-        prefix = _radix_pass(bits, mass, spare, prefix, shift, width)
+        torch.bitwise_right_shift(bits, shift, out=digits)  # int32: half the bytes of int64
+        if shift + width < 31:  # the top pass has no prefix yet: every digit is in range
+            digits.sub_((prefix << width).to(torch.int32)[:, None])
+        # Slot 0 gathers everything below the chosen prefix, slot 2**width + 1 all above it.
+        slots.copy_(digits.clamp_(-1, 1 << width).add_(1))
+        prefix = _radix_digit(slots, mass, spare, prefix, width)
     return prefix.to(torch.int32).view(torch.float32)
 
 
-def _radix_pass(bits: Tensor, mass: Tensor, spare: Tensor, prefix: Tensor, shift: int,
-                width: int) -> Tensor:
-    buckets = 1 << width
-    digit = bits >> shift  # int32 until the scatter: half the bytes of int64
-    if shift + width < 31:  # the top pass has no prefix yet: every digit is in range
-        digit = digit - (prefix << width).to(torch.int32)[:, None]
-    # Slot 0 gathers everything below the chosen prefix, slot buckets + 1 everything above it.
-    slot = digit.clamp_(-1, buckets).add_(1).long()
-    hist = torch.zeros(bits.shape[0], buckets + 2, dtype=torch.int64, device=bits.device)
+def _radix_digit(slots: Tensor, mass: Tensor, spare: Tensor, prefix: Tensor, width: int) -> Tensor:
+    hist = torch.zeros(slots.shape[0], (1 << width) + 2, dtype=torch.int64, device=slots.device)
     # under[d]: the mass below the region plus that of digits < d, rising with d. The mass
-    # above the region is under `need`, so under[buckets] and beyond never fit in `spare`.
-    under = hist.scatter_add_(1, slot, mass).cumsum(-1)
+    # above the region is under `need`, so under[2**width] and beyond never fit in `spare`.
+    under = hist.scatter_add_(1, slots, mass).cumsum(-1)
     # The cut's digit is the largest d whose mass strictly under it fits in `spare`.
     fitting = torch.searchsorted(under, spare[:, None], right=True).squeeze(1)
     return (prefix << width) | (fitting - 1)
