@@ -232,7 +232,7 @@ def _chart(frame: pd.DataFrame, path: Path) -> None:
     ax.set_xlabel("rows in the step")
     ax.set_ylabel("ms per sampling step (median, incl. readback)")
     first = frame.iloc[0]
-    ax.set_title(f"syncbench: vocab {first.vocab}, {first.logits_source} logits, {first.dtype}\n"
+    ax.set_title(f"syncbench: vocab {first.vocab}, {first.logits_source} logits, {first['dtype']}\n"
                  f"{first.cpu_model if first.device == 'cpu' else first.device_name}, "
                  f"{first.threads} threads, torch {first.torch_version}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
