@@ -1,16 +1,18 @@
 """`nanoserve bench serve`: streaming clients against a server, beside the offline engine.
 
 Against a running server (`--base-url`) or one it starts itself (`--launch`, the default model
-or `--launch-model`, on a free loopback port). One pass per `--max-concurrency` value; with
-`--offline` (needs `--launch`) the same prompts and parameters also run through the engine in
-this process with as many requests in flight, after the server has stopped. Prints a table
-and writes `serve.csv` (vLLM `bench serve` key names, plus the machine) to `--out-dir`.
+or `--launch-model`, on a free loopback port). One pass per `--max-concurrency` value, repeated
+`--turns` times; with `--offline` (needs `--launch`) each server pass is followed by the same
+prompts and parameters through an engine in this process with as many requests in flight (it
+idles while the server runs, so the two never share the CPU). Prints a table and the median
+server/offline ratio, and writes `serve.csv` (vLLM `bench serve` key names, plus the machine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -56,6 +58,8 @@ def bench_serve(
         help="With --launch: also run the workload on the offline engine in this process.")] = False,
     api_key: Annotated[str | None, typer.Option(
         envvar=API_KEY_ENV, help="Bearer token, if the server wants one.")] = None,
+    turns: Annotated[int, typer.Option(
+        min=1, help="Repeat every pass; with --offline each turn pairs a server and an offline pass.")] = 1,
 ) -> None:
     """Measure a server with streaming clients: TTFT, TPOT, ITL, E2EL and throughput."""
     from nanoserve.bench import serve as bench
@@ -65,43 +69,54 @@ def bench_serve(
         raise typer.BadParameter("give exactly one of --base-url and --launch", param_hint="--base-url")
     if offline and not launch:
         raise typer.BadParameter("--offline needs --launch (the same model in both)", param_hint="--offline")
-    workloads = {c: bench.Workload(num_prompts or max(8, 4 * c), input_len, output_len, seed)
-                 for c in concurrencies}
+    workloads = [bench.Workload(num_prompts or max(8, 4 * c), input_len, output_len, seed)
+                 for c in concurrencies]
+    pass_options = PassOptions(model, request_rate, seed, api_key)
+    if not launch:
+        rows = [_server_pass(bench, base_url, pass_options, c, workload, turn) for turn in range(turns)
+                for c, workload in zip(concurrencies, workloads, strict=True)]
+        _write(rows, out_dir / "serve.csv")
+        return
+    # The offline engine loads first and idles while the server runs: the two never overlap.
+    runner = bench.OfflineRunner({"model": launch_model, "max_model_len": max_model_len,
+                                  "max_num_seqs": max(concurrencies)}) if offline else None
+    serve_args = [*(["--model", launch_model] if launch_model else []),
+                  "--max-model-len", str(max_model_len), "--max-num-seqs", str(max(concurrencies))]
     rows = []
-    if launch:
-        serve_args = [*(["--model", launch_model] if launch_model else []),
-                      "--max-model-len", str(max_model_len), "--max-num-seqs", str(max(concurrencies))]
-        with bench.launched_server(serve_args, log_path=out_dir / "serve.log") as url:
-            rows += _server_passes(bench, url, model, workloads, request_rate, seed, api_key)
-    else:
-        rows += _server_passes(bench, base_url, model, workloads, request_rate, seed, api_key)
-    if offline:
-        options = {"model": launch_model, "max_model_len": max_model_len}
-        for concurrency, workload in workloads.items():
-            typer.echo(f"offline engine, {concurrency} in flight ...", err=True)
-            metrics = bench.run_offline(options, workload.prompts(), output_len, concurrency)
-            rows.append({"mode": "offline", "max_concurrency": concurrency, **_workload_columns(workload),
-                         **metrics})
+    with bench.launched_server(serve_args, log_path=out_dir / "serve.log") as url:
+        for turn in range(turns):
+            for concurrency, workload in zip(concurrencies, workloads, strict=True):
+                rows.append(_server_pass(bench, url, pass_options, concurrency, workload, turn))
+                if runner is not None:
+                    typer.echo(f"offline engine, {concurrency} in flight ...", err=True)
+                    metrics = runner.run(workload.prompts(), output_len, concurrency)
+                    rows.append({"mode": "offline", "turn": turn, "max_concurrency": concurrency,
+                                 **_workload_columns(workload), **metrics})
     _write(rows, out_dir / "serve.csv")
 
 
-def _server_passes(bench, base_url: str, model: str | None, workloads: dict, request_rate: float, seed: int,
-                   api_key: str | None) -> list[dict]:
-    model = model or asyncio.run(bench.served_model_name(base_url, api_key))
-    rows = []
-    for concurrency, workload in workloads.items():
-        typer.echo(f"server, {concurrency} concurrent clients, {workload.num_prompts} requests ...", err=True)
-        prompts = workload.prompts()
-        asyncio.run(bench.run_clients(base_url, model, prompts[:2], 4, api_key=api_key))  # warm-up
-        results, duration_s = asyncio.run(bench.run_clients(
-            base_url, model, prompts, workload.output_len, request_rate=request_rate,
-            max_concurrency=concurrency, seed=seed, api_key=api_key))
-        errors = sorted({r.error for r in results if not r.success})
-        if errors:
-            typer.echo(f"  {len(errors)} kinds of failure, e.g. {errors[0]}", err=True)
-        rows.append({"mode": "server", "max_concurrency": concurrency, "request_rate": request_rate,
-                     **_workload_columns(workload), **bench.summarize(results, duration_s)})
-    return rows
+@dataclass(frozen=True)
+class PassOptions:
+    model: str | None
+    request_rate: float
+    seed: int
+    api_key: str | None
+
+
+def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, workload, turn: int) -> dict:
+    model = options.model or asyncio.run(bench.served_model_name(base_url, options.api_key))
+    typer.echo(f"server, {concurrency} concurrent clients, {workload.num_prompts} requests ...", err=True)
+    prompts = workload.prompts()
+    asyncio.run(bench.run_clients(base_url, model, prompts[:2], 4, api_key=options.api_key))  # warm-up
+    results, duration_s = asyncio.run(bench.run_clients(
+        base_url, model, prompts, workload.output_len, request_rate=options.request_rate,
+        max_concurrency=concurrency, seed=options.seed, api_key=options.api_key))
+    errors = sorted({r.error for r in results if not r.success})
+    if errors:
+        typer.echo(f"  {len(errors)} kinds of failure, e.g. {errors[0]}", err=True)
+    return {"mode": "server", "turn": turn, "max_concurrency": concurrency,
+            "request_rate": options.request_rate, **_workload_columns(workload),
+            **bench.summarize(results, duration_s)}
 
 
 def _workload_columns(workload) -> dict[str, int]:
@@ -115,16 +130,19 @@ def _write(rows: list[dict], path: Path) -> None:
     from nanoserve.bench.hardware import describe_machine
 
     frame = pd.DataFrame(rows)
-    offline = frame[frame["mode"] == "offline"].set_index("max_concurrency")["output_throughput"]
+    offline = frame[frame["mode"] == "offline"].set_index(["turn", "max_concurrency"])["output_throughput"]
     if not offline.empty:
         frame["server_vs_offline"] = [
-            row.output_throughput / offline[row.max_concurrency]
-            if row.mode == "server" and row.max_concurrency in offline.index else math.nan
-            for row in frame.itertuples()]
+            row.output_throughput / offline[row.turn, row.max_concurrency]
+            if row.mode == "server" else math.nan for row in frame.itertuples()]
     for name, value in describe_machine("cpu").columns().items():
         frame[name] = value
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(path, index=False, float_format="%.6g")
-    shown = [c for c in ("mode", "max_concurrency", *SHOWN, "server_vs_offline") if c in frame]
+    shown = [c for c in ("mode", "turn", "max_concurrency", *SHOWN, "server_vs_offline") if c in frame]
     typer.echo(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    if not offline.empty:
+        medians = frame[frame["mode"] == "server"].groupby("max_concurrency")["server_vs_offline"].median()
+        typer.echo("server / offline output tokens/s, median over turns: "
+                   + ", ".join(f"{c} clients {ratio:.3f}" for c, ratio in medians.items()))
     typer.echo(f"wrote {path}")

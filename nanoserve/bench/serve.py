@@ -202,49 +202,57 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 # -- the offline engine on the same workload ------------------------------------------------------
 
-def run_offline(engine_options: dict, prompts: Sequence[str], output_len: int,
-                concurrency: int) -> dict[str, float | int]:
+class OfflineRunner:
     """The same prompts and parameters through `LLM`'s engine in this process, keeping
-    `concurrency` requests in flight (a finished one is replaced at once, as a client would),
-    timed the way the client times the server."""
-    from nanoserve.llm import LLM
-    from nanoserve.sampling_params import SamplingParams
+    `concurrency` requests in flight (a finished one is replaced at once, as a waiting client
+    would), timed the way the client times the server."""
 
-    llm = LLM(**{**engine_options, "max_num_seqs": concurrency})
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    engine = llm.engine
-    queue = list(prompts)[::-1]
-    sent: dict[str, float] = {}
-    results: dict[str, RequestResult] = {}
-    last: dict[str, float] = {}
-    start = time.perf_counter()
+    def __init__(self, engine_options: dict) -> None:
+        from nanoserve.llm import LLM
 
-    def admit() -> None:
-        request_id = engine.add_request(queue.pop(), params)
-        sent[request_id] = time.perf_counter()
-        results[request_id] = RequestResult()
+        self.llm = LLM(**engine_options)
 
-    for _ in range(min(concurrency, len(queue))):
-        admit()
-    while engine.has_unfinished():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for output in outputs:
-            result = results[output.request_id]
-            if result.ttft_s == 0.0:
-                result.ttft_s = now - sent[output.request_id]
-            else:
-                result.itl_s.append(now - last[output.request_id])
-            last[output.request_id] = now
-            result.output_tokens = output.num_output_tokens
-            result.prompt_tokens = output.num_prompt_tokens
-            if output.finished:
-                result.e2el_s = now - sent[output.request_id]
-                result.success = True
-                if queue:
+    def run(self, prompts: Sequence[str], output_len: int, concurrency: int) -> dict[str, float | int]:
+        from nanoserve.sampling_params import SamplingParams
+
+        engine = self.llm.engine
+        self.llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        queue = list(prompts)[::-1]
+        sent: dict[str, float] = {}
+        results: dict[str, RequestResult] = {}
+        start = time.perf_counter()
+
+        def admit() -> None:
+            request_id = engine.add_request(queue.pop(), params)
+            sent[request_id] = time.perf_counter()
+            results[request_id] = RequestResult()
+
+        for _ in range(min(concurrency, len(queue))):
+            admit()
+        last: dict[str, float] = {}
+        while engine.has_unfinished():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                self._record(results[output.request_id], output, now, sent[output.request_id],
+                             last.get(output.request_id))
+                last[output.request_id] = now
+                if output.finished and queue:
                     admit()
-    return summarize(list(results.values()), time.perf_counter() - start)
+        return summarize(list(results.values()), time.perf_counter() - start)
+
+    @staticmethod
+    def _record(result: RequestResult, output, now: float, sent_s: float, last_s: float | None) -> None:
+        if last_s is None:
+            result.ttft_s = now - sent_s
+        else:
+            result.itl_s.append(now - last_s)
+        result.output_tokens = output.num_output_tokens
+        result.prompt_tokens = output.num_prompt_tokens
+        if output.finished:
+            result.e2el_s = now - sent_s
+            result.success = True
 
 
 # -- a server to measure --------------------------------------------------------------------------
