@@ -108,6 +108,8 @@ def bench(
     device: options.Device = None,
     out: Out = DEFAULT_OUT,
     chart: Annotated[bool, typer.Option("--chart/--no-chart", help="Write the PNG chart.")] = True,
+    append: Annotated[bool, typer.Option(
+        "--append", help="Keep the rows already in --out, replacing those this run measures again.")] = False,
 ) -> None:
     """Offline throughput: every slots x params x dtype configuration, with its baseline beside it."""
     if ctx.invoked_subcommand is not None:
@@ -119,14 +121,15 @@ def bench(
     spec = SweepSpec(slots=slots, params=params, dtypes=dtype, batch_invariant=batch_invariant,
                      baseline=baseline, model=model, device=device,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat))
-    run_offline(spec, out, chart=chart)
+    run_offline(spec, out, chart=chart, append=append)
 
 
-def run_offline(spec, out: Path, *, chart: bool) -> None:
+def run_offline(spec, out: Path, *, chart: bool, append: bool = False) -> None:
+    import pandas as pd
     from rich.console import Console
 
     from nanoserve.bench import charts
-    from nanoserve.bench.offline import Sweep
+    from nanoserve.bench.offline import Sweep, merge_rows
     from nanoserve.errors import NanoserveError
 
     console = Console(stderr=True)
@@ -137,7 +140,8 @@ def run_offline(spec, out: Path, *, chart: bool) -> None:
     except (NanoserveError, RuntimeError) as error:
         options.fail(str(error))
     out.parent.mkdir(parents=True, exist_ok=True)
-    result.frame.to_csv(out, index=False, float_format="%.6g")
+    frame = merge_rows(pd.read_csv(out), result.frame) if append and out.is_file() else result.frame
+    frame.to_csv(out, index=False, float_format="%.6g")
     Console().print(bench_table(result))
     console.print(f"wrote {out}")
     if chart:
@@ -145,7 +149,7 @@ def run_offline(spec, out: Path, *, chart: bool) -> None:
         title = (f"nanoserve offline: prompt {w.input_len}, {w.output_len} new tokens, EOS ignored\n"
                  f"{result.machine.label}; measured {result.limits.read_gbs:.1f} GB/s read, "
                  f"{result.limits.peak_gflops:.0f} GFLOP/s GEMM")
-        console.print(f"wrote {charts.throughput_chart(result.frame, out.with_suffix('.png'), title=title)}")
+        console.print(f"wrote {charts.throughput_chart(frame, out.with_suffix('.png'), title=title)}")
 
 
 def _with_progress(sweep, console):

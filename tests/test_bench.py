@@ -97,6 +97,18 @@ def test_a_paired_ratio_is_the_median_of_the_ratios_of_runs_timed_in_the_same_tu
     assert offline.add_ratios(frame).ratio_to_baseline[0] == 2.0  # turns: 2, 1, 3
 
 
+def test_append_keeps_earlier_rows_and_replaces_the_ones_measured_again(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.csv"
+    common = ["bench", "--model", str(tiny_model_dir), "--input-len", "3", "--output-len", "3",
+              "--device", "cpu", "--no-chart", "--out", str(out)]
+    assert invoke(*common, "--slots", "1,2").exit_code == 0
+    first = pd.read_csv(out)
+    assert invoke(*common, "--slots", "2,4", "--append").exit_code == 0
+    merged = pd.read_csv(out)
+    assert merged.slots.tolist() == [1, 2, 4]
+    assert merged.timestamp[0] == first.timestamp[0]
+
+
 @pytest.mark.parametrize(("args", "option"), [
     (["--slots", "0,x"], "--slots"),
     (["--slots", "1,x"], "--slots"),

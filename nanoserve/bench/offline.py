@@ -443,6 +443,14 @@ def _median_run(runs: Sequence[RunRecord]) -> RunRecord:
 
 
 KEY = ["slots", "params", "dtype"]
+ROW_KEY = ["engine", *KEY, "batch_invariant"]
+
+
+def merge_rows(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
+    """`old` without the configurations `new` measured again, then `new` (for --append)."""
+    remeasured = pd.MultiIndex.from_frame(new[ROW_KEY])
+    kept = old[~pd.MultiIndex.from_frame(old[ROW_KEY]).isin(remeasured)]
+    return pd.concat([kept, new], ignore_index=True)
 
 
 def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
