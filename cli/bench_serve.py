@@ -39,7 +39,7 @@ def bench_serve(
     model: Annotated[str | None, typer.Option(help="Model name to send; default: the server's first.")]
     = None,
     num_prompts: Annotated[int | None, typer.Option(
-        min=1, help="Requests per pass; default: 4 x the concurrency (at least 8).")] = None,
+        min=1, help="Requests per pass; default: 2 x the concurrency (at least 8).")] = None,
     request_rate: Annotated[float, typer.Option(
         min=0.001, help="Poisson arrivals per second; inf sends every request at once.")] = math.inf,
     max_concurrency: Annotated[str, typer.Option(
@@ -69,7 +69,7 @@ def bench_serve(
         raise typer.BadParameter("give exactly one of --base-url and --launch", param_hint="--base-url")
     if offline and not launch:
         raise typer.BadParameter("--offline needs --launch (the same model in both)", param_hint="--offline")
-    workloads = [bench.Workload(num_prompts or max(8, 4 * c), input_len, output_len, seed)
+    workloads = [bench.Workload(num_prompts or max(8, 2 * c), input_len, output_len, seed)
                  for c in concurrencies]
     pass_options = PassOptions(model, request_rate, seed, api_key)
     if not launch:
