@@ -294,6 +294,28 @@ def test_the_official_openai_client_works(server: Server) -> None:
     assert missing.value.code == "model_not_found"
 
 
+def test_the_api_key_can_come_from_the_environment(tmp_path: Path) -> None:
+    from tiny_model import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    port = free_port()
+    command = [sys.executable, "-c", "import cli.serve; from cli.main import app; app()", "serve",
+               "--model", str(model_dir), "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "NANOSERVE_API_KEY": "from-env", "OMP_NUM_THREADS": "1"}
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    served = Server(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_healthy(served)
+        assert httpx.get(f"{served.base_url}/v1/models").status_code == 401
+        authorized = httpx.get(f"{served.base_url}/v1/models", headers={"Authorization": "Bearer from-env"})
+        assert authorized.status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=DRAIN_S + 30) == 0, served.log()
+
+
 # -- shutdown (last: it stops the module's server) ------------------------------------------------
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(server: Server) -> None:
