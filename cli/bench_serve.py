@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -89,9 +90,10 @@ def bench_serve(
                 rows.append(_server_pass(bench, url, pass_options, concurrency, workload, turn))
                 if runner is not None:
                     typer.echo(f"offline engine, {concurrency} in flight ...", err=True)
+                    load_1min = os.getloadavg()[0]
                     metrics = runner.run(workload.prompts(), output_len, concurrency)
                     rows.append({"mode": "offline", "turn": turn, "max_concurrency": concurrency,
-                                 **_workload_columns(workload), **metrics})
+                                 **_workload_columns(workload), **metrics, "load_1min": load_1min})
     _write(rows, out_dir / "serve.csv")
 
 
@@ -107,6 +109,7 @@ def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, w
     model = options.model or asyncio.run(bench.served_model_name(base_url, options.api_key))
     typer.echo(f"server, {concurrency} concurrent clients, {workload.num_prompts} requests ...", err=True)
     prompts = workload.prompts()
+    load_1min = os.getloadavg()[0]  # other work on the machine moves every figure
     asyncio.run(bench.run_clients(base_url, model, prompts[:2], 4, api_key=options.api_key))  # warm-up
     results, duration_s = asyncio.run(bench.run_clients(
         base_url, model, prompts, workload.output_len, request_rate=options.request_rate,
@@ -116,7 +119,7 @@ def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, w
         typer.echo(f"  {len(errors)} kinds of failure, e.g. {errors[0]}", err=True)
     return {"mode": "server", "turn": turn, "max_concurrency": concurrency,
             "request_rate": options.request_rate, **_workload_columns(workload),
-            **bench.summarize(results, duration_s)}
+            **bench.summarize(results, duration_s), "load_1min": load_1min}
 
 
 def _workload_columns(workload) -> dict[str, int]:
