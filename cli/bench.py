@@ -6,6 +6,7 @@ and the chart; `nanoserve.bench.offline` does the measuring.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -142,14 +143,10 @@ def run_offline(spec, out: Path, *, chart: bool, append: bool = False) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     frame = merge_rows(pd.read_csv(out), result.frame) if append and out.is_file() else result.frame
     frame.to_csv(out, index=False, float_format="%.6g")
-    Console().print(bench_table(result))
+    Console(width=None if sys.stdout.isatty() else 200).print(bench_table(result))
     console.print(f"wrote {out}")
     if chart:
-        w = spec.workload
-        title = (f"nanoserve offline: prompt {w.input_len}, {w.output_len} new tokens, EOS ignored\n"
-                 f"{result.machine.label}; measured {result.limits.read_gbs:.1f} GB/s read, "
-                 f"{result.limits.peak_gflops:.0f} GFLOP/s GEMM")
-        console.print(f"wrote {charts.throughput_chart(frame, out.with_suffix('.png'), title=title)}")
+        console.print(f"wrote {charts.throughput_chart(frame, out.with_suffix('.png'))}")
 
 
 def _with_progress(sweep, console):

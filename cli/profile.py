@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -91,15 +92,12 @@ def run_profile(spec, out: Path, *, chart: bool) -> None:
     frame = frame.assign(**machine.columns())
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out, index=False, float_format="%.6g")
-    Console().print(profile_table(frame, machine.label))
+    Console(width=None if sys.stdout.isatty() else 200).print(profile_table(frame, machine.label))
     console.print(f"wrote {out}")
     if spec.trace_path is not None:
         console.print(f"wrote {spec.trace_path} (open in ui.perfetto.dev or chrome://tracing)")
     if chart:
-        kernels = ", batch-invariant" if spec.batch_invariant else ""
-        title = (f"nanoserve decode step by phase: {spec.dtype}{kernels}, {spec.params}, "
-                 f"prompt {spec.input_len}, {spec.output_len} new tokens\n{machine.label}")
-        console.print(f"wrote {charts.phase_chart(frame, out.with_suffix('.png'), title=title)}")
+        console.print(f"wrote {charts.phase_chart(frame, out.with_suffix('.png'))}")
 
 
 def profile_table(frame, title: str):

@@ -23,15 +23,29 @@ PHASE_COLOURS = {"schedule": "#4c72b0", "prepare": "#dd8452", "forward": "#55a86
 def _series_label(row: pd.Series, *, many_dtypes: bool, many_kernels: bool) -> str:
     label = str(row.params)
     if many_dtypes:
-        label += f" {row.dtype}"
+        label += f" {row['dtype']}"
     if many_kernels and row.batch_invariant:
         label += " batch-invariant"
     return label
 
 
-def throughput_chart(frame: pd.DataFrame, path: Path, *, title: str) -> Path:
+def machine_line(frame: pd.DataFrame) -> str:
+    """The machine a CSV's rows ran on, from its own columns."""
+    row = frame.iloc[0]
+    where = row.device_name if str(row.device) != "cpu" else row.cpu_model
+    return f"{where}, {row.cores} cores, {row.threads} threads, torch {row.torch_version}"
+
+
+def _in_mix_order(frame: pd.DataFrame) -> pd.DataFrame:
+    order = {mix: i for i, mix in enumerate(("greedy", "top_p", "top_k", "mixed"))}
+    return frame.sort_values(["engine", "params", "slots"], kind="stable",
+                             key=lambda column: column.map(order) if column.name == "params" else column)
+
+
+def throughput_chart(frame: pd.DataFrame, path: Path) -> Path:
     """Output tokens/s against concurrent requests, read against the baseline and the roofline."""
     fig, ax = plt.subplots(figsize=(8, 5.5))
+    frame = _in_mix_order(frame)
     ours = frame[frame.engine == "nanoserve"]
     many_dtypes, many_kernels = ours.dtype.nunique() > 1, ours.batch_invariant.nunique() > 1
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -52,20 +66,23 @@ def throughput_chart(frame: pd.DataFrame, path: Path, *, title: str) -> Path:
     if "roofline_decode_tokens_per_s" in ours:
         roof = ours.groupby("slots").roofline_decode_tokens_per_s.max().sort_index()
         ax.plot(roof.index, roof.values, linestyle=":", color="black",
-                label="roofline (measured bandwidth, GEMM peak)")
+                label="decode roofline (measured read GB/s, GEMM peak)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     slots = sorted(frame.slots.unique())
     ax.set_xticks(slots, [str(s) for s in slots])
     ax.set_xlabel("concurrent requests (slots)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=9)
+    first = frame.iloc[0]
+    ax.set_title(f"nanoserve offline: prompt {first.input_len}, {first.output_len} new tokens, EOS ignored\n"
+                 f"{machine_line(frame)}; measured {frame.measured_read_gbs.median():.1f} GB/s read, "
+                 f"{frame.measured_peak_gflops.median():.0f} GFLOP/s GEMM", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     return _save(fig, path)
 
 
-def phase_chart(frame: pd.DataFrame, path: Path, *, title: str) -> Path:
+def phase_chart(frame: pd.DataFrame, path: Path) -> Path:
     """Stacked milliseconds per decode step, one bar per batch size, one band per phase."""
     phases = [p for p in PHASE_COLOURS if f"{p}_ms" in frame]
     frame = frame.sort_values("batch_size")
@@ -81,7 +98,10 @@ def phase_chart(frame: pd.DataFrame, path: Path, *, title: str) -> Path:
     ax.set_xticks(list(positions), [str(b) for b in frame.batch_size])
     ax.set_xlabel("decode batch size (requests in the step)")
     ax.set_ylabel("ms per decode step")
-    ax.set_title(title, fontsize=9)
+    first = frame.iloc[0]
+    kernels = ", batch-invariant" if first.batch_invariant else ""
+    ax.set_title(f"nanoserve decode step by phase: {first['dtype']}{kernels}, {first.params}, prompt "
+                 f"{first.input_len}, {first.output_len} new tokens\n{machine_line(frame)}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     return _save(fig, path)
