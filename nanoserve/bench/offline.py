@@ -447,10 +447,13 @@ ROW_KEY = ["engine", *KEY, "batch_invariant"]
 
 
 def merge_rows(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
-    """`old` without the configurations `new` measured again, then `new` (for --append)."""
+    """`old` without the configurations `new` measured again, plus `new`, in sweep order (--append)."""
     remeasured = pd.MultiIndex.from_frame(new[ROW_KEY])
     kept = old[~pd.MultiIndex.from_frame(old[ROW_KEY]).isin(remeasured)]
-    return pd.concat([kept, new], ignore_index=True)
+    merged = pd.concat([kept, new], ignore_index=True)
+    mix_order = {mix: i for i, mix in enumerate(PARAM_MIXES)}
+    return merged.sort_values(["dtype", "params", "slots"], kind="stable", ignore_index=True,
+                              key=lambda c: c.map(mix_order) if c.name == "params" else c)
 
 
 def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
