@@ -257,24 +257,19 @@ class StopStringMatcher:
         if self.stopped:
             return "", True
         buffer = self._held + text
-        pending = len(buffer) - self._partial_match_len(buffer)
         hits = [(buffer.find(stop), stop) for stop in self._stops if stop in buffer]
-        # A stop string that starts earlier but is still incomplete may yet win: wait for it.
-        if hits and min(hits)[0] <= pending:
-            return self._stop_at(buffer, hits), True
-        self._held = buffer[pending:]
-        return buffer[:pending], False
+        if hits:
+            cut, self.matched = min(hits)
+            self._held = ""
+            return buffer[:cut], True
+        keep = self._partial_match_len(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
         """The held-back tail, for when generation ends for another reason."""
         held, self._held = self._held, ""
-        hits = [(held.find(stop), stop) for stop in self._stops if stop in held]
-        return self._stop_at(held, hits) if hits else held
-
-    def _stop_at(self, buffer: str, hits: list[tuple[int, str]]) -> str:
-        cut, self.matched = min(hits)
-        self._held = ""
-        return buffer[:cut]
+        return held
 
     def _partial_match_len(self, buffer: str) -> int:
         longest = min(len(buffer), max((len(s) - 1 for s in self._stops), default=0))
