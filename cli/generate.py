@@ -29,7 +29,8 @@ def generate(
     min_p: Annotated[float, typer.Option(
         help="Drop tokens below min_p x the top probability, in [0, 1].")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Same seed, same text.")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop before this string (repeatable).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(
+        help="Stop at the first of these strings to complete, left out of the text (repeatable).")] = None,
     stop_token_id: Annotated[list[int] | None, typer.Option(
         help="Stop at this token id (repeatable).")] = None,
     chat: Annotated[bool, typer.Option(

@@ -131,7 +131,11 @@ class OutputProcessor:
 
     def _advance(self, request: Request, state: OutputState,
                  token_id: int) -> tuple[str, RequestStatus | None, str | int | None]:
-        """Stop rules, in order: stop token (EOS unless ignored), stop string, max_tokens."""
+        """Stop rules, in order: stop token (EOS unless ignored), stop string, max_tokens.
+
+        Neither a stop token nor a stop string completed by one of the first min_tokens tokens
+        ends the request.
+        """
         params = request.params
         past_min_tokens = len(request.output_ids) > params.min_tokens
         if token_id in state.stop_token_ids and past_min_tokens:
@@ -139,10 +143,11 @@ class OutputProcessor:
         text = state.detokenizer.push([token_id])
         if len(request.output_ids) >= params.max_tokens:
             text += state.detokenizer.flush()  # release a held-back partial character
-        if past_min_tokens:
-            text, stopped = state.stop_matcher.feed(text)
-            if stopped:
-                return text, RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
+        # Text before min_tokens goes through the hold-back too, unarmed: a stop string that
+        # completes there is plain text, but one straddling the boundary is still found.
+        text, stopped = state.stop_matcher.feed(text, armed=past_min_tokens)
+        if stopped:
+            return text, RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
         if len(request.output_ids) >= params.max_tokens:
             return text + state.stop_matcher.flush(), RequestStatus.FINISHED_LENGTH, None
         return text, None, None

@@ -101,6 +101,11 @@ class SamplingParams:
     Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
     the min_tokens mask, temperature, then top_k, top_p and min_p. `is_greedy` requests take
     the argmax and consume no randomness.
+
+    `stop`: generation stops at the first stop string to be completed, and the returned text
+    excludes it; if two complete at the same character, the longer one is reported. A stop
+    string counts only when a token past the first `min_tokens` completes it (it may start
+    earlier).
     """
 
     max_tokens: int = 16

@@ -237,10 +237,16 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Finds the first stop string in streamed text, across delta boundaries.
+    """Finds the first stop string to complete in streamed text, across delta boundaries.
 
-    `feed` holds back the longest tail that could still grow into a stop string, so text it
-    returns never has to be taken back.
+    The rule: the stop string whose end comes first in the whole text wins; if two end at the
+    same character, the longer one (it starts earlier). Text before its start is emitted.
+    Because the matcher reports a stop as soon as one completes, the answer does not depend
+    on how the text was split into deltas.
+
+    `feed` holds back the longest tail that is a proper prefix of some stop string. Any stop
+    string ending later must start inside that tail or in later text (a start further back
+    would make a longer such tail), so text it returns never has to be taken back.
     """
 
     def __init__(self, stop_strings: Iterable[str]) -> None:
@@ -252,16 +258,21 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self.matched is not None
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was reached); the stop string is dropped."""
+    def feed(self, text: str, *, armed: bool = True) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was reached); the stop string is dropped.
+
+        With `armed=False` (before min_tokens) no stop string may end in `text`: one that
+        completes there is ordinary text, but the tail is still held back, so a stop string
+        that starts here and completes in a later, armed feed is found.
+        """
         if self.stopped:
             return "", True
         buffer = self._held + text
-        hits = [(buffer.find(stop), stop) for stop in self._stops if stop in buffer]
-        if hits:
-            cut, self.matched = min(hits)
+        hit = self._first_completed(buffer, len(self._held)) if armed else None
+        if hit is not None:
+            end, self.matched = hit
             self._held = ""
-            return buffer[:cut], True
+            return buffer[: end - len(self.matched)], True
         keep = self._partial_match_len(buffer)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False
@@ -270,6 +281,22 @@ class StopStringMatcher:
         """The held-back tail, for when generation ends for another reason."""
         held, self._held = self._held, ""
         return held
+
+    def _first_completed(self, buffer: str, held_len: int) -> tuple[int, str] | None:
+        """(end, stop) of the earliest-ending stop string that ends past the held text.
+
+        Ends inside the held text were already seen by an earlier feed: while armed none
+        completed (it would have stopped), while unarmed they must not count.
+        """
+        ends = []
+        for stop in self._stops:
+            start = buffer.find(stop, max(0, held_len - len(stop) + 1))
+            if start >= 0:
+                ends.append((start + len(stop), -len(stop), stop))
+        if not ends:
+            return None
+        end, _, stop = min(ends)  # earliest end; on a tie the longer stop string
+        return end, stop
 
     def _partial_match_len(self, buffer: str) -> int:
         longest = min(len(buffer), max((len(s) - 1 for s in self._stops), default=0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -186,14 +187,27 @@ def test_detokenizer_decodes_a_bounded_window(tiny_tokenizer):
 # ---- StopStringMatcher --------------------------------------------------------------------
 
 
-def _feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, bool]:
+def _feed_all(matcher: StopStringMatcher, pieces: list[str],
+              unarmed: Sequence[str] = ()) -> tuple[str, str | None]:
+    """(emitted text, matched stop): `unarmed` pieces first (before min_tokens), then `pieces`."""
     emitted = []
-    for piece in pieces:
-        text, stopped = matcher.feed(piece)
+    for piece, armed in [*((p, False) for p in unarmed), *((p, True) for p in pieces)]:
+        text, stopped = matcher.feed(piece, armed=armed)
         emitted.append(text)
         if stopped:
-            return "".join(emitted), True
-    return "".join(emitted) + matcher.flush(), False
+            return "".join(emitted), matcher.matched
+    return "".join(emitted) + matcher.flush(), None
+
+
+def _reference(text: str, stops: list[str], armed_from: int = 0) -> tuple[str, str | None]:
+    """The rule, stated plainly: at the first end position (past `armed_from`) where some stop
+    string ends, the longest one ending there wins; the text before it is emitted."""
+    for end in range(armed_from + 1, len(text) + 1):
+        ending = [stop for stop in stops if text[:end].endswith(stop)]
+        if ending:
+            stop = max(ending, key=len)
+            return text[: end - len(stop)], stop
+    return text, None
 
 
 @st.composite
@@ -202,18 +216,50 @@ def _split(draw: st.DrawFn, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
 
 
-@given(
-    data=st.data(),
-    text=st.text("abc<>", max_size=30),
-    stops=st.lists(st.text("abc<>", min_size=1, max_size=4), min_size=1, max_size=3),
-)
-@settings(max_examples=200, deadline=None)
+_STOP_TEXT = st.text("abc<>", max_size=30)
+_STOPS = st.lists(st.text("abc<>", min_size=1, max_size=4), min_size=1, max_size=3)
+
+
+@given(data=st.data(), text=_STOP_TEXT, stops=_STOPS)
+@settings(max_examples=300, deadline=None)
 def test_matcher_emits_exactly_the_text_before_the_first_stop(data, text, stops):
     pieces = data.draw(_split(text))
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
-    emitted, stopped = _feed_all(StopStringMatcher(stops), pieces)
-    assert stopped == (first is not None)
-    assert emitted == (text if first is None else text[:first])
+    expected = _reference(text, stops)
+    assert _feed_all(StopStringMatcher(stops), pieces) == expected
+    assert _feed_all(StopStringMatcher(stops), [text]) == expected  # the split never matters
+
+
+@given(data=st.data(), text=_STOP_TEXT, stops=_STOPS)
+@settings(max_examples=300, deadline=None)
+def test_unarmed_text_is_held_back_but_never_ends_in_a_stop(data, text, stops):
+    boundary = data.draw(st.integers(0, len(text)))
+    unarmed, armed = data.draw(_split(text[:boundary])), data.draw(_split(text[boundary:]))
+    assert _feed_all(StopStringMatcher(stops), armed, unarmed) == _reference(text, stops, boundary)
+
+
+@pytest.mark.parametrize("pieces", [["<<b<"], ["<<b", "<"]])
+def test_first_stop_to_complete_wins_however_the_text_is_split(pieces):
+    # "b" completes at index 2, before "<b<" (which starts earlier) completes at index 3.
+    assert _feed_all(StopStringMatcher(["b", "<b<"]), pieces) == ("<<", "b")
+
+
+def test_on_a_tie_of_end_the_longer_stop_wins():
+    assert _feed_all(StopStringMatcher(["c", "bc"]), ["ab", "cd"]) == ("a", "bc")
+
+
+def test_stop_straddling_the_arming_point_is_found():
+    matcher = StopStringMatcher(["</s>"])
+    assert matcher.feed("ab</", armed=False) == ("ab", False)
+    assert matcher.feed("s>tail") == ("", True)
+    assert matcher.matched == "</s>"
+
+
+def test_stop_completed_while_unarmed_is_plain_text():
+    matcher = StopStringMatcher(["b", "<b<"])
+    assert matcher.feed("a<b", armed=False) == ("a", False)  # "<b" may yet become "<b<"
+    assert matcher.feed("c") == ("<bc", False)  # the unarmed "b" does not count later
+    assert matcher.feed("<b<") == ("<", True)
+    assert matcher.matched == "b"
 
 
 def test_matcher_holds_back_a_possible_stop_prefix():

@@ -44,7 +44,10 @@ class SamplingFields(OpenAIModel):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, description=(
+        "Generation stops at the first stop string to be completed; the returned text excludes "
+        "it. If two complete at the same character, the longer one is reported (stop_reason). "
+        "A stop string counts only if a token after the first min_tokens completes it."))
     seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

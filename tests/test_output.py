@@ -1,0 +1,43 @@
+"""OutputProcessor: the stop rules as a request sees them, one sampled token at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nanoserve.output import OutputProcessor
+from nanoserve.request import Request
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+def _generate(tokenizer: Tokenizer, chars: str, **params: object) -> tuple[str, str | None, str | int | None]:
+    """(text, finish_reason, stop_reason) when the model samples one token per character."""
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", prompt_ids=[5], params=SamplingParams(**params), seed=0)
+    processor.add(request)
+    text = []
+    for char in chars:
+        (token_id,) = tokenizer.encode(char, add_bos=False)
+        output = processor.append(request, token_id, None)
+        text.append(output.text)
+        if output.finished:
+            return "".join(text), output.finish_reason, output.stop_reason
+    return "".join(text), None, None
+
+
+def test_stop_string_straddling_min_tokens_is_found(tiny_tokenizer):
+    # "X" is the 2nd token (min_tokens not yet passed), "Y" the 3rd: the stop completes armed.
+    assert _generate(tiny_tokenizer, "aXYb", stop=["XY"], min_tokens=2) == ("a", "stop", "XY")
+
+
+def test_stop_string_completed_before_min_tokens_is_plain_text(tiny_tokenizer):
+    assert _generate(tiny_tokenizer, "aXYb", stop=["aX"], min_tokens=2, max_tokens=4) == (
+        "aXYb", "length", None)
+    assert _generate(tiny_tokenizer, "aXYb", stop=["aX"], min_tokens=1) == ("", "stop", "aX")
