@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from server_harness import BackgroundServer
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.app import BackgroundServer, ServerLimits, build_app, start_drain
+from nanoserve.server.app import ServerLimits, build_app, start_drain
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8)

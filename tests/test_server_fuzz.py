@@ -20,10 +20,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_harness import BackgroundServer
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
-from nanoserve.server.app import BackgroundServer, ServerLimits, build_app
+from nanoserve.server.app import ServerLimits, build_app
 
 MODEL = "tiny"
 REQUEST_TIMEOUT_S = 20.0

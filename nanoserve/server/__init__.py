@@ -1,5 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app` (FastAPI) over the engine loop thread.
 
-Modules: `protocol` (request models, response bodies), `errors` (OpenAI's error object),
-`async_engine` (the engine thread), `metrics` (Prometheus text), `app` (the routes).
+Modules, in the order a request meets them: `app` (builds the app and wires it), `routes`
+(the endpoints), `planning` (a body to the engine's sequences, or a 4xx), `generation` (the
+sequences in flight, unary answers), `streaming` (SSE). Beside them: `state` (limits and what
+the app holds), `protocol` (request models, response bodies), `errors` (OpenAI's error object),
+`async_engine` (the engine thread), `metrics` (Prometheus text).
 """

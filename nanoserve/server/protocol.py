@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Kind = Literal["completion", "chat"]  # which endpoint: picks the request model and response shapes
 
 
 class OpenAIModel(BaseModel):
@@ -119,6 +120,9 @@ class ChatCompletionRequest(SamplingFields):
         return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages)]
 
 
+RequestBody = CompletionRequest | ChatCompletionRequest  # a validated body of either endpoint
+
+
 class UnsupportedContentError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -146,8 +150,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def envelope(kind: Literal["completion", "chat"], request_id: str, model: str, created: int,
-             *, chunk: bool) -> dict[str, Any]:
+def envelope(kind: Kind, request_id: str, model: str, created: int, *, chunk: bool) -> dict[str, Any]:
     objects = {("completion", False): "text_completion", ("completion", True): "text_completion",
                ("chat", False): "chat.completion", ("chat", True): "chat.completion.chunk"}
     return {"id": request_id, "object": objects[kind, chunk], "created": created, "model": model}

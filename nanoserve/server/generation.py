@@ -1,0 +1,219 @@
+"""Generation: one request's planned sequences running on the engine thread, and unary answers.
+
+Owns: admission (`check_capacity`: a 400 for a request that could never fit, a 503 while the
+server is full), `Generation` (adds the sequences, reads their outputs from one queue, records
+their latencies, aborts whatever is still running on `close`), and the unary response: collect
+every output, or stop early and abort if the client hangs up.
+Refuses: deciding what a request may ask for (planning did), SSE (`streaming`), and touching
+the engine other than through `AsyncEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nanoserve.server import protocol
+from nanoserve.server.async_engine import EngineUnavailableError
+from nanoserve.server.errors import bad_request
+from nanoserve.server.protocol import Kind, TokenText
+from nanoserve.server.state import ServerState, unavailable
+
+if TYPE_CHECKING:
+    from nanoserve.output import RequestOutput, TokenLogprob
+    from nanoserve.server.planning import PlannedSequence
+
+
+def check_capacity(state: ServerState, num_sequences: int) -> None:
+    engine = state.async_engine
+    capacity = state.engine.config.max_num_seqs + state.limits.max_waiting
+    if num_sequences > capacity:
+        raise bad_request(f"this request asks for {num_sequences} sequences (prompts x n); this server "
+                          f"holds at most {capacity} at a time", "n")
+    if engine.num_in_flight + num_sequences > capacity:
+        raise unavailable(f"the server is at capacity ({capacity} sequences in flight); retry shortly",
+                          state.limits)
+
+
+def new_request_id(kind: Kind) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+
+
+@dataclass(slots=True)
+class Choice:
+    """One sequence's output so far and its timings."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    num_prompt_tokens: int
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    last_s: float = 0.0
+    text_offset: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Generation:
+    """The sequences of one HTTP request, read from one queue the engine thread feeds."""
+
+    state: ServerState
+    request_id: str
+    arrival_s: float
+    queue: asyncio.Queue
+    choices: dict[str, Choice]
+    error: BaseException | None = None
+
+    @classmethod
+    def start(cls, state: ServerState, plan: list[PlannedSequence], arrival_s: float, *,
+              request_id: str) -> Generation:
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = [f"{request_id}-{seq.index}" for seq in plan]
+        choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
+                                  stop_token_ids=seq.params.stop_token_ids)
+                   for seq_id, seq in zip(ids, plan, strict=True)}
+        generation = cls(state, request_id, arrival_s, queue, choices)
+        for seq_id, seq in zip(ids, plan, strict=True):
+            try:
+                state.async_engine.add(seq_id, seq.prompt_ids, seq.params, queue)
+            except EngineUnavailableError as error:
+                generation.close()
+                raise unavailable(str(error), state.limits) from None
+        return generation
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(choice.finished for choice in self.choices.values())
+
+    async def next_outputs(self) -> list[tuple[Choice, RequestOutput]]:
+        """Wait for at least one output, then take all that are ready."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        outputs = []
+        for item in items:
+            if isinstance(item, BaseException):
+                self.error = item
+                continue
+            choice = self.choices[item.request_id]
+            self._record(choice, item)
+            outputs.append((choice, item))
+        return outputs
+
+    def _record(self, choice: Choice, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        metrics = self.state.metrics
+        if choice.num_tokens == 0:
+            metrics.ttft.observe(now - self.arrival_s)
+        else:
+            metrics.itl.observe(now - choice.last_s)
+        choice.last_s = now
+        choice.num_tokens = output.num_output_tokens
+        if output.finished:
+            if output.finish_reason == "abort":
+                self.error = EngineUnavailableError("the request was aborted by the server")
+                return
+            choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+            if isinstance(output.stop_reason, int) and output.stop_reason not in choice.stop_token_ids:
+                choice.stop_reason = None  # EOS, as vLLM reports it; a stop_token_ids hit names its id
+            metrics.e2e.observe(now - self.arrival_s)
+            metrics.finished[output.finish_reason] += 1
+
+    def close(self) -> None:
+        """Abort every sequence still running (the client left, or the request failed)."""
+        for choice in self.choices.values():
+            if not choice.finished:
+                self.state.async_engine.abort(choice.request_id)
+
+    def usage(self) -> dict[str, int]:
+        prompt_tokens = {c.prompt_index: c.num_prompt_tokens for c in self.choices.values()}
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return protocol.usage(sum(prompt_tokens.values()), completion)
+
+
+# -- the unary response -------------------------------------------------------------------------
+
+async def unary_response(request: Request, kind: Kind, generation: Generation, model: str) -> Response:
+    try:
+        await _until_done_or_disconnect(request, generation)
+    except ClientDisconnectedError:
+        return Response(status_code=499)  # nobody is listening; the sequences are aborted below
+    finally:
+        generation.close()
+    return JSONResponse(_unary_body(kind, generation, model))
+
+
+class ClientDisconnectedError(Exception):
+    """The client hung up before its unary response was ready."""
+
+
+async def _until_done_or_disconnect(request: Request, generation: Generation) -> None:
+    """Collect every output; if the client hangs up first, stop (the caller aborts)."""
+    async def collect() -> None:
+        while not generation.done:
+            for choice, output in await generation.next_outputs():
+                choice.texts.append(output.text)
+                if output.logprobs is not None:
+                    choice.logprobs = (choice.logprobs or []) + output.logprobs
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (collecting, watching):
+            task.cancel()
+    if collecting.done() and not collecting.cancelled():
+        collecting.result()
+    if not generation.done:
+        raise ClientDisconnectedError
+    if generation.error is not None:
+        raise unavailable(str(generation.error), generation.state.limits)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any]:
+    body = protocol.envelope(kind, generation.request_id, model, protocol.now_s(), chunk=False)
+    names = token_text(generation.state)
+    make = protocol.chat_choice if kind == "chat" else protocol.completion_choice
+    choices = []
+    for choice in sorted(generation.choices.values(), key=lambda c: c.index):
+        logprobs = logprobs_body(kind, choice.logprobs, names, 0) if choice.logprobs is not None else None
+        choices.append(make(choice.index, "".join(choice.texts), logprobs, choice.finish_reason,
+                            choice.stop_reason))
+    body["choices"] = choices
+    body["usage"] = generation.usage()
+    return body
+
+
+# -- shared with streaming ----------------------------------------------------------------------
+
+def logprobs_body(kind: Kind, entries: list[TokenLogprob], names: TokenText, text_offset: int) -> dict:
+    if kind == "chat":
+        return protocol.chat_logprobs(entries, names)
+    return protocol.completion_logprobs(entries, names, text_offset)
+
+
+def token_text(state: ServerState) -> TokenText:
+    """The tokens' text and bytes, built on first use: the tokenizer exists only once loaded."""
+    if state.token_text is None:
+        state.token_text = TokenText(state.engine.tokenizer)
+    return state.token_text

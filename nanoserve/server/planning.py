@@ -1,0 +1,211 @@
+"""Request planning: from a validated body to the engine's sequences, or a 4xx naming the field.
+
+Owns: `check_body` (what can be refused without the engine: the model name, unsupported fields,
+the server's limits) and `plan` (tokenize each prompt, fill in max_tokens and per-choice seeds,
+build the `SamplingParams` and run every engine check), so a request that gets past planning
+costs the engine nothing it could refuse later. `refusals_as_400` is the one place an
+`InvalidRequestError` from the tokenizer, `SamplingParams` or the engine becomes a 400, naming
+the field the client sent rather than the engine's name for it.
+Refuses: touching the engine's state (`plan` runs off the event loop and only reads
+configuration), range checks of sampling values (`SamplingParams` owns those), and HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nanoserve.errors import InvalidRequestError
+from nanoserve.sampling_params import MAX_SEED, SamplingParams
+from nanoserve.server import protocol
+from nanoserve.server.errors import APIError, bad_request
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
+from nanoserve.server.state import ServerLimits, ServerState
+
+if TYPE_CHECKING:
+    from nanoserve.engine import Engine
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedSequence:
+    index: int  # the choice index: prompt_index * n + j
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+# -- the one conversion -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def refusals_as_400(body: RequestBody, *, param: str | None = None) -> Iterator[None]:
+    """Raise an `InvalidRequestError` from the block as a 400. `param` overrides the field it
+    names, for when the caller knows better (which prompt of a batch was empty)."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        raise bad_request(error.message, param or client_param(body, error.param)) from None
+
+
+def client_param(body: RequestBody, param: str | None) -> str | None:
+    """The field the client actually sent for an engine-side name."""
+    if isinstance(body, ChatCompletionRequest):
+        if param is None or param == "prompt":  # a chat's prompt is its rendered messages
+            return "messages"
+        if param == "logprobs":
+            return "top_logprobs"
+        if param == "max_tokens" and body.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return param
+
+
+# -- checks that need no engine -----------------------------------------------------------------
+
+def check_body(state: ServerState, body: RequestBody) -> None:
+    """Refuse what the body asks for that this server does not serve or allow: 404 or 400."""
+    _check_model(state, body.model)
+    _check_supported(body, state.limits)
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.accepted_names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{state.model_names[0]!r}", param="model", code="model_not_found")
+
+
+def _check_supported(body: RequestBody, limits: ServerLimits) -> None:
+    refused = body.unsupported()
+    if refused is not None:
+        raise bad_request(refused[1], refused[0], code="unsupported")
+    if body.n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n} on this server; got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    top, name = _top_logprobs(body)
+    if top is not None and top > limits.max_top_logprobs:
+        raise bad_request(f"{name} must be at most {limits.max_top_logprobs}; got {top}", name)
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def _top_logprobs(body: RequestBody) -> tuple[int | None, str]:
+    """How many top logprobs per token the body asks for, and the field that asks."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs, "logprobs"
+    if not body.logprobs:
+        return None, "top_logprobs"
+    return body.top_logprobs or 0, "top_logprobs"
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSequence]:
+    """Tokenize, fill in max_tokens and seeds, and run every engine check: 400s happen here.
+    Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
+    engine = state.engine
+    prompts = _prompt_ids(engine, kind, body, state.limits)
+    base = _base_params(body)
+    sequences = []
+    for prompt_index, prompt_ids in enumerate(prompts):
+        max_tokens = _max_tokens(engine, body, len(prompt_ids), state.limits)
+        for j in range(body.n):
+            params = _params_for(body, base, max_tokens, j)
+            with refusals_as_400(body):
+                engine.check_request(prompt_ids, params)
+            sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt_ids, params))
+    return sequences
+
+
+def _prompt_ids(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[list[int]]:
+    if kind == "chat":
+        return [_chat_prompt_ids(engine, body)]
+    prompt = body.prompt
+    single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompts = [prompt] if single else list(prompt)
+    if not prompts:
+        raise bad_request("prompt is empty: give a string, a list of token ids or a list of prompts",
+                          "prompt")
+    if len(prompts) > limits.max_prompts:
+        raise bad_request(f"at most {limits.max_prompts} prompts per request; got {len(prompts)}", "prompt")
+    return [_encode(engine, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            for i, p in enumerate(prompts)]
+
+
+def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+    try:
+        messages = body.chat_messages()
+    except protocol.UnsupportedContentError as error:
+        raise bad_request(str(error), error.param) from None
+    with refusals_as_400(body):
+        text = engine.tokenizer.apply_chat_template(messages)
+    # Chat templates place BOS themselves; encoding must not add a second one.
+    return _encode(engine, body, engine.tokenizer.encode(text, add_bos=False), "messages")
+
+
+def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:
+    with refusals_as_400(body, param=param):
+        return engine.encode_prompt(prompt)
+
+
+def _base_params(body: RequestBody) -> SamplingParams:
+    """The sampling fields every choice shares; `_params_for` sets the rest per choice."""
+    fields: dict[str, Any] = {
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos, "seed": body.seed,
+        "stop": body.stop, "stop_token_ids": body.stop_token_ids,
+        "logprobs": _top_logprobs(body)[0],
+        "logit_bias": _logit_bias(body.logit_bias),
+    }
+    given = {name: value for name, value in fields.items() if value is not None}
+    # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.
+    given["max_tokens"] = max(1, body.min_tokens or 0)
+    with refusals_as_400(body):
+        return SamplingParams(**given)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings; the engine wants ints."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        token = key.strip()
+        if not token.isascii() or not token.isdigit() or len(token) > 10:
+            raise bad_request(f"logit_bias keys must be token ids (decimal strings); got {key!r}",
+                              "logit_bias")
+        out[int(token)] = value
+    return out
+
+
+def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: ServerLimits) -> int:
+    """What the body asks for, within the server's limit; absent: all the room the context leaves."""
+    asked = body.max_tokens
+    name = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked, name = body.max_completion_tokens, "max_completion_tokens"
+    if asked is not None:
+        if limits.max_tokens is not None and asked > limits.max_tokens:
+            raise bad_request(f"{name} must be at most {limits.max_tokens} on this server; got {asked}", name)
+        return asked
+    room = engine.scheduler.max_request_tokens - num_prompt
+    if room < 1:
+        raise bad_request(f"the prompt has {num_prompt} tokens, which leaves no room to generate in this "
+                          f"server's context of {engine.scheduler.max_request_tokens} tokens",
+                          "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    return room if limits.max_tokens is None else min(room, limits.max_tokens)
+
+
+def _params_for(body: RequestBody, base: SamplingParams, max_tokens: int, j: int) -> SamplingParams:
+    """Choice j's parameters: its max_tokens, and seed + j so n seeded choices differ yet reproduce."""
+    changes: dict[str, Any] = {"max_tokens": max_tokens}
+    if base.seed is not None and j:
+        if base.seed + j >= MAX_SEED:
+            raise bad_request(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got seed "
+                              f"{base.seed} with n={body.n}", "seed")
+        changes["seed"] = base.seed + j
+    with refusals_as_400(body):
+        return dataclasses.replace(base, **changes)

@@ -1,0 +1,112 @@
+"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.
+
+Owns: the API key check, reading a body no larger than the server's limit and validating it,
+and the order one generation request goes through: the body checks, the engine's
+availability, planning (off the event loop), admission, then a stream or a unary answer.
+Refuses: the work of each step (planning, generation and streaming own it), and touching the
+engine from the event loop; only `AsyncEngine` does, from its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+
+from nanoserve.server import planning, protocol
+from nanoserve.server.async_engine import EngineUnavailableError
+from nanoserve.server.errors import APIError, from_validation_error
+from nanoserve.server.generation import Generation, check_capacity, new_request_id, unary_response
+from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
+from nanoserve.server.state import state_of, unavailable
+from nanoserve.server.streaming import stream_response
+
+# -- plain routes -------------------------------------------------------------------------------
+
+async def require_api_key(request: Request) -> None:
+    key = state_of(request).api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+async def health(request: Request) -> JSONResponse:
+    status = state_of(request).async_engine.status
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+
+async def metrics(request: Request) -> PlainTextResponse:
+    state = state_of(request)
+    text = state.metrics.render(state.async_engine.snapshot, healthy=state.async_engine.healthy)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state = state_of(request)
+    engine = state.engine
+    max_model_len = engine.max_model_len if engine is not None else None
+    return JSONResponse(protocol.model_list(state.model_names, max_model_len, state.created))
+
+
+# -- the two generation routes ------------------------------------------------------------------
+
+async def create_completion(request: Request) -> Response:
+    body = await _parse(request, CompletionRequest)
+    return await _serve(request, "completion", body)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    body = await _parse(request, ChatCompletionRequest)
+    return await _serve(request, "chat", body)
+
+
+async def _parse(request: Request, model: type[RequestBody]) -> RequestBody:
+    # Parsed by hand, not by FastAPI: the body's size is bounded before it is read whole, and
+    # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
+    raw = await _read_body(request, state_of(request).limits.max_body_bytes)
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as error:
+        raise from_validation_error(error.errors(include_url=False)) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is over this server's limit of {limit} bytes", param="body",
+                    code="request_too_large")
+
+
+async def _serve(request: Request, kind: Kind, body: RequestBody) -> Response:
+    arrival_s = time.perf_counter()
+    state = state_of(request)
+    planning.check_body(state, body)
+    try:
+        state.async_engine.check_available()
+    except EngineUnavailableError as error:
+        raise unavailable(str(error), state.limits) from None
+    plan = await asyncio.to_thread(planning.plan, state, kind, body)
+    check_capacity(state, len(plan))
+    generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind))
+    model = body.model or state.model_names[0]
+    if body.stream:
+        return stream_response(kind, generation, model, body)
+    return await unary_response(request, kind, generation, model)

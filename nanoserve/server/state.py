@@ -1,0 +1,62 @@
+"""What the app holds between requests: its limits, its engine and metrics, and the 503.
+
+Owns: `ServerLimits` (what one request may ask for), `ServerState` (built once at startup,
+reached from any request through `state_of`), and `unavailable`, the one shape of "retry
+later" (a 503 carrying Retry-After) that every module answers with.
+Refuses: behaviour; the modules that use the state decide what to do with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from nanoserve.sampling_params import MAX_LOGPROBS
+from nanoserve.server import protocol
+from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.errors import APIError
+from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.protocol import TokenText
+
+if TYPE_CHECKING:
+    from nanoserve.engine import Engine
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one request may ask for. Each bound keeps one caller from starving the rest."""
+
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    max_prompts: int = 64  # prompts in one /v1/completions batch
+    max_tokens: int | None = None  # None: up to the context
+    max_top_logprobs: int = MAX_LOGPROBS
+    max_waiting: int = 256  # sequences queued beyond the engine's running batch
+    retry_after_s: int = 1
+
+
+@dataclass(slots=True)
+class ServerState:
+    async_engine: AsyncEngine
+    model_names: list[str]
+    accepted_names: frozenset[str]
+    api_key: str | None
+    limits: ServerLimits
+    metrics: ServerMetrics
+    created: int = field(default_factory=protocol.now_s)
+    token_text: TokenText | None = None
+
+    @property
+    def engine(self) -> Engine:
+        return self.async_engine.engine
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def unavailable(message: str, limits: ServerLimits) -> APIError:
+    return APIError(503, message, code="service_unavailable",
+                    headers={"Retry-After": str(limits.retry_after_s)})

@@ -1,0 +1,104 @@
+"""Streaming: a running `Generation` as server-sent events, OpenAI's chunk format.
+
+Owns: `stream_response` (the SSE response, which aborts the generation however it ends:
+done, hang-up or cancel), the chunks (the chat role chunk first, then one chunk per choice
+with new text, logprobs or a finish), the usage chunk for `include_usage`, and always a
+well-formed end: an error event when the engine failed or the server is shutting down, then
+`[DONE]`.
+Refuses: deciding what a request may ask for (planning) and running the sequences
+(generation); a failure after the first byte can only be an event, never a status code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import StreamingResponse
+
+from nanoserve.server import protocol
+from nanoserve.server.errors import APIError
+from nanoserve.server.generation import Choice, Generation, logprobs_body, token_text
+from nanoserve.server.protocol import Kind, RequestBody, TokenText
+from nanoserve.server.state import unavailable
+
+if TYPE_CHECKING:
+    from nanoserve.output import RequestOutput
+
+log = logging.getLogger("nanoserve.server")
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (done, hang-up, cancel)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], *, on_close: Callable[[], None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def stream_response(kind: Kind, generation: Generation, model: str, body: RequestBody) -> EventStreamResponse:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = _stream_events(kind, generation, model, include_usage)
+    return EventStreamResponse(events, on_close=generation.close)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _stream_events(kind: Kind, generation: Generation, model: str,
+                         include_usage: bool) -> AsyncIterator[str]:
+    created = protocol.now_s()
+    head = protocol.envelope(kind, generation.request_id, model, created, chunk=True)
+    if include_usage:
+        head["usage"] = None
+    try:
+        async for events in _chunks(kind, generation, head):
+            yield events
+        if generation.error is not None:
+            yield sse(unavailable(str(generation.error), generation.state.limits).body())
+        elif include_usage:
+            yield sse({**head, "choices": [], "usage": generation.usage()})
+    except Exception as error:  # a bug: the client still gets a well-formed end of stream
+        log.exception("error while streaming %s", generation.request_id)
+        yield sse(APIError(500, f"internal error: {type(error).__name__}").body())
+    yield SSE_DONE
+
+
+async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any]) -> AsyncIterator[str]:
+    names = token_text(generation.state)
+    if kind == "chat":
+        yield "".join(sse({**head, "choices": [protocol.chat_delta_choice(
+            c.index, {"role": "assistant", "content": ""}, None, None, None)]})
+            for c in sorted(generation.choices.values(), key=lambda c: c.index))
+    while not generation.done:
+        events = [sse({**head, "choices": [_delta_choice(kind, choice, output, names)]})
+                  for choice, output in await generation.next_outputs()
+                  if output.text or output.logprobs or choice.finished]
+        if events:
+            yield "".join(events)
+
+
+def _delta_choice(kind: Kind, choice: Choice, output: RequestOutput, names: TokenText) -> dict[str, Any]:
+    logprobs = None
+    if output.logprobs is not None:
+        logprobs = logprobs_body(kind, output.logprobs, names, choice.text_offset)
+        if kind == "completion":
+            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
+    if kind == "chat":
+        delta = {"content": output.text} if output.text else {}
+        return protocol.chat_delta_choice(choice.index, delta, logprobs, choice.finish_reason,
+                                          choice.stop_reason)
+    return protocol.completion_choice(choice.index, output.text, logprobs, choice.finish_reason,
+                                      choice.stop_reason)
