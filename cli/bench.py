@@ -104,7 +104,9 @@ def bench(
     repeat: Repeat = 1,
     baseline: Baseline = None,
     dtype: Dtypes = "float32",
-    batch_invariant: BatchInvariantSweep = "off",
+    batch_invariant: BatchInvariantSweep = "on",
+    threads: options.Threads = None,
+    linear_kernel: options.LinearKernel = None,
     model: options.Model = None,
     device: options.Device = None,
     out: Out = DEFAULT_OUT,
@@ -119,8 +121,10 @@ def bench(
 
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         options.fail(f"--device must be cpu or cuda; got {device!r}")
+    options.check_linear_kernel(linear_kernel)
     spec = SweepSpec(slots=slots, params=params, dtypes=dtype, batch_invariant=batch_invariant,
-                     baseline=baseline, model=model, device=device,
+                     baseline=baseline, model=model, device=device, threads=threads,
+                     linear_kernel=linear_kernel,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat))
     run_offline(spec, out, chart=chart, append=append)
 

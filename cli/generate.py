@@ -37,9 +37,11 @@ def generate(
         "--chat", help="Wrap the prompt in the model's chat template.")] = False,
     dtype: options.Dtype = "auto",
     device: options.Device = None,
-    batch_invariant: options.BatchInvariant = False,
+    batch_invariant: options.BatchInvariant = True,
     max_model_len: options.MaxModelLen = None,
     kv_cache_gb: options.KvCacheGb = None,
+    threads: options.Threads = None,
+    linear_kernel: options.LinearKernel = None,
 ) -> None:
     """Stream one completion of PROMPT from the model."""
     try:
@@ -50,11 +52,13 @@ def generate(
         options.fail_for(error)
     config = options.engine_config(model=model, dtype=dtype, device=device,
                                    max_num_seqs=1, max_model_len=max_model_len,
-                                   kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant)
+                                   kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
+                                   threads=threads, linear_kernel=linear_kernel)
     try:
         from nanoserve.llm import LLM
 
         llm = LLM.from_config(config)
+        print(llm.engine.kernel_summary, file=sys.stderr)
         print(llm.engine.kv_cache_summary, file=sys.stderr)
         _stream(llm, _chat_prompt_ids(llm, prompt) if chat else prompt, params)
     except NanoserveError as error:

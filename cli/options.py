@@ -26,7 +26,13 @@ KvCacheGb = Annotated[float | None, typer.Option(
 BlockSize = Annotated[int, typer.Option(min=1, max=1024, help="Tokens per KV cache block.")]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
-    help="Fixed-shape kernels: a request's tokens never depend on its neighbours (slower at small batches).")]
+    help="A request's tokens and logprobs never depend on what shares its steps (default); "
+         "--no-batch-invariant trades that for speed.")]
+Threads = Annotated[int | None, typer.Option(
+    min=1, help="CPU threads for the model; default: every core this process may use.")]
+LinearKernel = Annotated[str | None, typer.Option(
+    help="Force one matrix-multiply kernel (aten, aten-tile16, onednn, onednn-min2); default: the "
+         "fastest this machine measured that passes the batch-invariance self-test.")]
 
 # Maps a SamplingParams / engine field to the command-line option that sets it.
 FIELD_TO_OPTION = {
@@ -36,21 +42,33 @@ FIELD_TO_OPTION = {
     "prompt": "PROMPT", "messages": "--chat", "min_tokens": "--min-tokens",
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logprobs": "--logprobs",
+    "threads": "--threads", "linear_kernel": "--linear-kernel",
 }
 
 
 def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_seqs: int = 32,
                   max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                   kv_cache_gb: float | None = None, block_size: int = 16,
-                  batch_invariant: bool = False) -> EngineConfig:
+                  batch_invariant: bool = True, threads: int | None = None,
+                  linear_kernel: str | None = None) -> EngineConfig:
     if dtype not in ("float32", "bfloat16", "float16", "auto"):
         fail(f"--dtype must be one of float32, bfloat16, float16, auto; got {dtype!r}")
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda; got {device!r}")
+    check_linear_kernel(linear_kernel)
     return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-                        batch_invariant=batch_invariant)
+                        batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel)
+
+
+def check_linear_kernel(name: str | None) -> None:
+    """A name that is no kernel at all fails here, before the model loads; whether this machine
+    can run it, and whether it passes the self-test, the engine finds out at start-up."""
+    from nanoserve.linear import KERNELS
+
+    if name is not None and name not in KERNELS:
+        fail(f"--linear-kernel must be one of {', '.join(KERNELS)}; got {name!r}")
 
 
 def fail(message: str) -> NoReturn:

@@ -50,7 +50,9 @@ def profile(
     params: Annotated[str, typer.Option(
         callback=checked(_mix), help="Sampling mix: greedy, top_p, top_k or mixed.")] = "greedy",
     dtype: Dtype = "float32",
-    batch_invariant: options.BatchInvariant = False,
+    batch_invariant: options.BatchInvariant = True,
+    threads: options.Threads = None,
+    linear_kernel: options.LinearKernel = None,
     model: options.Model = None,
     device: options.Device = None,
     out: Annotated[Path, typer.Option(help="CSV to write; the chart goes beside it as .png.")] = DEFAULT_OUT,
@@ -63,9 +65,10 @@ def profile(
 
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         options.fail(f"--device must be cpu or cuda; got {device!r}")
+    options.check_linear_kernel(linear_kernel)
     spec = ProfileSpec(batch_sizes=batch_sizes, input_len=input_len, output_len=output_len, params=params,
                        dtype=dtype, batch_invariant=batch_invariant, model=model, device=device,
-                       trace_path=trace)
+                       threads=threads, linear_kernel=linear_kernel, trace_path=trace)
     run_profile(spec, out, chart=chart)
 
 
@@ -89,7 +92,7 @@ def run_profile(spec, out: Path, *, chart: bool) -> None:
     except NanoserveError as error:
         options.fail(str(error))
     machine = describe_machine(engine.device)
-    frame = frame.assign(**machine.columns())
+    frame = frame.assign(**machine.columns(), **engine.kernel_choice.columns())
     out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out, index=False, float_format="%.6g")
     Console(width=None if sys.stdout.isatty() else 200).print(profile_table(frame, machine.label))

@@ -49,7 +49,9 @@ def serve(
     max_model_len: options.MaxModelLen = None,
     kv_cache_gb: options.KvCacheGb = None,
     block_size: options.BlockSize = 16,
-    batch_invariant: options.BatchInvariant = False,
+    batch_invariant: options.BatchInvariant = True,
+    threads: options.Threads = None,
+    linear_kernel: options.LinearKernel = None,
     max_tokens_limit: Annotated[int | None, typer.Option(
         min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
     max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
@@ -71,7 +73,8 @@ def serve(
     config = options.engine_config(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-                                   block_size=block_size, batch_invariant=batch_invariant)
+                                   block_size=block_size, batch_invariant=batch_invariant,
+                                   threads=threads, linear_kernel=linear_kernel)
     try:
         model_dir = resolve_model_dir(model)
     except NanoserveError as error:

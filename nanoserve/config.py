@@ -90,4 +90,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.25
     num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
-    batch_invariant: bool = False
+    # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
+    batch_invariant: bool = True
+    linear_kernel: str | None = None  # None: the fastest that qualifies, measured at start-up
+    threads: int | None = None  # CPU threads; None: every core this process may run on

@@ -1,13 +1,15 @@
-"""The step loop: add_request / step / abort, and `LLM`, the offline and streaming front.
+"""The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
 
 Each step: schedule -> prepare -> forward and sample -> one readback -> stop rules and text.
 Everything a step costs is timed per phase in `EngineStats`, so `profile` can show it.
+`LLM` (llm.py) is the offline and streaming front over this class.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -16,17 +18,19 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.block_pool import BlockPool
-from nanoserve.config import EngineConfig, ModelConfig
-from nanoserve.default_model import resolve_model_dir
+from nanoserve.config import EngineConfig
+from nanoserve.default_model import cache_root, resolve_model_dir
 from nanoserve.errors import InvalidRequestError
 from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
+from nanoserve.model import Llama, LlamaWeights
 from nanoserve.model_runner import ModelRunner
 from nanoserve.output import OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import load_llama
+from nanoserve.weights import load_weights
 
 log = logging.getLogger("nanoserve")
 
@@ -69,6 +73,15 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def set_threads(threads: int | None) -> int:
+    """Pin torch's CPU thread count (process-wide): the kernel choice is measured at it."""
+    if threads is not None and threads < 1:
+        raise InvalidRequestError(f"threads must be at least 1; got {threads}", param="threads")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads or cores)
+    return torch.get_num_threads()
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -84,14 +97,16 @@ class Engine:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.threads = set_threads(config.threads)
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        model_config = ModelConfig.from_dir(self.model_dir)
+        model_config, weights = load_weights(self.model_dir, dtype=self.dtype, device=self.device)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = load_llama(self.model_dir, dtype=self.dtype, device=self.device,
-                                batch_invariant=config.batch_invariant, max_positions=self.max_model_len)
-        self.model_config = self.model.config
+        self.kernel_choice = self._choose_linear_kernel(weights)
+        self.model = Llama(model_config, weights, batch_invariant=config.batch_invariant,
+                           linear_kernel=self.kernel_choice.kernel, max_positions=self.max_model_len)
+        self.model_config = model_config
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -108,7 +123,30 @@ class Engine:
         # Profiling only: wait for the GPU at each phase's end so its time lands in that phase.
         self.sync_phases = False
         self._ids = itertools.count()
+        log.info(self.kernel_summary)
         log.info(self.kv_cache_summary)
+
+    def _choose_linear_kernel(self, weights: LlamaWeights) -> KernelChoice:
+        cfg = self.config
+        try:
+            choice = choose_kernel(weights.probe_shape(), device=self.device, max_rows=cfg.max_num_seqs,
+                                   prefill_rows=cfg.max_num_batched_tokens,
+                                   batch_invariant=cfg.batch_invariant, forced=cfg.linear_kernel,
+                                   cache_path=cache_root() / "linear_kernels.json")
+        except KernelUnavailableError as error:
+            raise InvalidRequestError(str(error), param="linear_kernel") from error
+        if cfg.batch_invariant and not choice.batch_invariant:
+            log.warning("no batch-invariant linear kernel on this machine: a request's tokens may "
+                        "depend on what shares its steps")
+        return choice
+
+    @property
+    def kernel_summary(self) -> str:
+        choice = self.kernel_choice
+        mode = "batch-invariant" if self.config.batch_invariant and choice.batch_invariant else "plain"
+        cached = ", cached verdict" if choice.from_cache else ""
+        return (f"linear kernel: {choice.kernel.name} ({mode} forward, {self.threads} threads{cached}): "
+                f"{choice.reason}")
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

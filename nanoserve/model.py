@@ -7,12 +7,14 @@ Knows nothing of requests, sampling or HTTP: a `ForwardBatch` says which rows ar
 Rows are grouped for attention: all single-token (decode) rows form one group, each prefill
 chunk is a group of its own. Every group reads its context through block tables.
 
-Two kernels for the operations that mix rows (matrix multiplies and attention):
-- plain: torch's own, fastest; but a row's low bits depend on how many rows share the call.
-- batch-invariant: every such operation runs on fixed-shape tiles and reduces in a fixed
-  order, so a row's result is bit-identical alone, in any batch and at any position, and the
-  same whether it was computed in a prefill chunk or a decode step (so preemption by
-  recompute cannot change a token).
+The matrix multiplies run through a `LinearKernel` chosen by `nanoserve.linear` (measured on
+this machine, its weights packed once here). Attention has two forms:
+- plain: torch's scaled_dot_product_attention, fastest; a row's low bits may depend on the
+  context length its batch was padded to.
+- batch-invariant: fixed-shape tiles reduced in a fixed order, so a row's result is
+  bit-identical alone, in any batch and at any position, and the same whether it was computed
+  in a prefill chunk or a decode step (so preemption by recompute cannot change a token).
+A forward is batch-invariant when both its attention and its linear kernel are.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import torch.nn.functional as F
 
 from nanoserve.config import ModelConfig
 from nanoserve.kv_cache import KVCache
+from nanoserve.linear import KERNELS, LinearKernel, ProbeShape
 
-# Row tile of the batch-invariant kernels: CPU GEMMs give the same bits for every row of a
-# 16-row call, while 1 row and 2..15 rows each take other code paths.
+# Query-row tile of the batch-invariant attention: one GEMM shape whatever the row count.
 ROW_TILE = 16
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
@@ -100,6 +102,16 @@ class LlamaWeights:
                                                    w.gate_up, w.down))) for w in self.layers]
         return LlamaWeights(embed, layers, move(self.norm), embed if tied else move(self.lm_head))
 
+    def packed_for(self, kernel: LinearKernel) -> LlamaWeights:
+        """The same weights with every matrix in `kernel`'s layout; the embedding stays a table."""
+        layers = [LayerWeights(w.input_norm, kernel.pack(w.qkv), kernel.pack(w.o), w.post_norm,
+                               kernel.pack(w.gate_up), kernel.pack(w.down)) for w in self.layers]
+        return LlamaWeights(self.embed, layers, self.norm, kernel.pack(self.lm_head))
+
+    def probe_shape(self) -> ProbeShape:
+        """The linears a forward runs, for measuring kernels on the model's own weights."""
+        return ProbeShape([[w.qkv, w.o, w.gate_up, w.down] for w in self.layers], self.lm_head)
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Rotary frequencies, with Llama-3 scaling (long wavelengths stretched) when configured."""
@@ -134,13 +146,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear` on ROW_TILE-row tiles: one GEMM code path for every row, whatever the batch."""
-    rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
-    return torch.cat([F.linear(tile, weight) for tile in padded.split(ROW_TILE)])[:rows]
-
-
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """q [s, kv_heads, rows, d], k/v [s, kv_heads, ctx, d], mask [s, 1, rows, ctx] bool."""
@@ -156,6 +161,8 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     P@V partials are summed in chunk order by a cumulative sum. Extra padding rows or chunks
     add exact zeros, so they change nothing.
     """
+    if q.dtype != torch.float32:  # half precision: scores, softmax and sums in float32, as SDPA does
+        return tiled_attention(q.float(), k.float(), v.float(), mask, scale).to(q.dtype)
     seqs, heads, rows, dim = q.shape
     row_pad, ctx_pad = -rows % ROW_TILE, -k.shape[2] % CONTEXT_CHUNK
     if ctx_pad:  # the runner aligns block tables to CONTEXT_CHUNK, so this is the rare case
@@ -179,11 +186,14 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 class Llama:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
-                 max_positions: int | None = None) -> None:
+                 linear_kernel: LinearKernel | None = None, max_positions: int | None = None) -> None:
+        """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
+        GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured)."""
         self.config = config
-        self.weights = weights
+        self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
+        self.weights = weights.packed_for(self.linear_kernel)
         self.batch_invariant = batch_invariant
-        self.linear = tiled_linear if batch_invariant else F.linear
+        self.linear = self.linear_kernel.apply
         self.attention = tiled_attention if batch_invariant else plain_attention
         # Context lengths the attention kernel wants block tables padded to (in tokens).
         self.context_alignment = CONTEXT_CHUNK if batch_invariant else 1
@@ -255,13 +265,7 @@ class Llama:
         return visible.unsqueeze(1).repeat(1, per_kv, 1, 1).view(group.num_seqs, 1, -1, ctx)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        if not self.batch_invariant:
-            return self._swiglu(layer, x)
-        # Whole MLP per tile, so SiLU's vectorized/scalar split never depends on the batch.
-        rows = x.shape[0]
-        padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
-        return torch.cat([self._swiglu(layer, tile) for tile in padded.split(ROW_TILE)])[:rows]
-
-    def _swiglu(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)
+        # SiLU runs row by row over the strided `gate` view, so each row takes the same
+        # vectorized path whatever the batch (tests/test_model.py pins this).
+        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, layer.down)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.linear import LinearKernel
 from nanoserve.model import Llama, LlamaWeights
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
@@ -55,12 +56,19 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
-               batch_invariant: bool = False, max_positions: int | None = None) -> Llama:
+def load_weights(model_dir: Path, *, dtype: torch.dtype,
+                 device: torch.device) -> tuple[ModelConfig, LlamaWeights]:
     config = read_config(model_dir)
     tensors = load_state_dict(model_dir)
     missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: missing tensors {missing}")
-    weights = LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
-    return Llama(config, weights, batch_invariant=batch_invariant, max_positions=max_positions)
+    return config, LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+
+
+def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+               batch_invariant: bool = False, linear_kernel: LinearKernel | None = None,
+               max_positions: int | None = None) -> Llama:
+    config, weights = load_weights(model_dir, dtype=dtype, device=device)
+    return Llama(config, weights, batch_invariant=batch_invariant, linear_kernel=linear_kernel,
+                 max_positions=max_positions)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from nanoserve.config import ModelConfig
 from nanoserve.kv_cache import KVCache
+from nanoserve.linear import KERNELS, LinearKernel, kernels_for, self_test
 from nanoserve.model import AttentionGroup, ForwardBatch, Llama, LlamaWeights, rope_inv_freq
 
 BLOCK = 4
@@ -114,6 +115,20 @@ def step(model, cache, chunks):
     return {seq: logits[i] for i, (seq, _, _) in enumerate(c for unit in units for c in unit)}
 
 
+def invariant_kernels() -> list[str]:
+    """The kernels whose self-test passes on this model's shapes: the engine may choose any of them."""
+    shape = WEIGHTS.probe_shape()
+    return [k.name for k in kernels_for(torch.device("cpu"))
+            if not self_test(k, shape, max_rows=18, prefill_rows=64)]
+
+
+INVARIANT_KERNELS = invariant_kernels()
+
+
+def invariant_model(kernel_name):
+    return Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS[kernel_name])
+
+
 PROMPT_A = [(7 * i + 3) % 300 for i in range(13)]
 PROMPT_B = [(11 * i + 5) % 300 for i in range(37)]
 
@@ -128,8 +143,9 @@ def test_prefill_and_decode_match_a_dense_causal_forward(batch_invariant):
     torch.testing.assert_close(decode["a"], dense_forward(PROMPT_A)[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch():
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=True)
+@pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
+def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch(kernel):
+    model = invariant_model(kernel)
     alone = step(model, Cache(), [("a", PROMPT_A, 0)])["a"]
     for others in (1, 3, 17):
         cache = Cache()
@@ -138,9 +154,10 @@ def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch():
         assert torch.equal(step(model, cache, crowd)["a"], alone)
 
 
-def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit():
+@pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
+def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit(kernel):
     """What preemption by recompute relies on: K/V from decode steps equal a re-prefill."""
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=True)
+    model = invariant_model(kernel)
     incremental, neighbours = Cache(), [("b", PROMPT_B, 0)]
     step(model, incremental, [("a", PROMPT_A[:5], 0), *neighbours])
     for p in range(5, len(PROMPT_A)):  # decode the rest one token at a time beside a neighbour
@@ -149,13 +166,16 @@ def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit():
     assert torch.equal(logits["a"], recomputed)
 
 
-def test_plain_kernels_are_not_batch_invariant_on_this_machine():
-    """Why the batch-invariant switch exists: if this ever passes, the switch may be unneeded."""
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=False)
-    alone = step(model, Cache(), [("a", PROMPT_A, 0)])["a"]
-    crowd = [(f"n{i}", PROMPT_B[: 5 + i], 0) for i in range(17)] + [("a", PROMPT_A, 0)]
-    if torch.equal(step(model, Cache(), crowd)["a"], alone):
-        pytest.skip("plain kernels happened to be batch-invariant on this CPU/BLAS")
+def test_every_matrix_multiply_goes_through_the_kernel_the_model_was_given():
+    """A kernel whose rows depend on the call's row count makes the forward's rows depend on the
+    batch: the invariance above comes from the kernels chosen, not from luck."""
+    def skewed(x, weight):
+        return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 1))
+
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=True,
+                  linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)))
+    alone = step(model, Cache(), [("a", PROMPT_A[-1:], 0)])["a"]
+    crowd = [("n", PROMPT_B[:1], 0), ("a", PROMPT_A[-1:], 0)]
     assert not torch.equal(step(model, Cache(), crowd)["a"], alone)
 
 

@@ -1,8 +1,10 @@
 """The machine a measurement ran on, and what its memory and arithmetic can reach.
 
 Owns: a description of the machine (CPU model, cores, torch version and threads, device),
-the git commit of the code measured, a read-bandwidth probe (`torch.mv` over a ~512 MB
-float32 matrix, as in shared/ANCHORS.md), a GEMM FLOP/s probe, and per-config peak memory.
+the git commit of the code measured, a read-bandwidth probe (the best of a few streaming
+reads over 512 MB: a sum, a dot product and a matrix-vector product, since on some CPUs one
+of them is itself a slow kernel and would understate the memory), a GEMM FLOP/s probe that
+runs the linear kernel the engine runs, and per-config peak memory.
 Each probe runs for about a second, so it can run beside the measurement it calibrates.
 Refuses: quoting figures from elsewhere; every limit here is measured in the same process.
 """
@@ -21,7 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from nanoserve.linear import KERNELS, LinearKernel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The shape of the GEMM probe: SmolLM2-135M's hidden size against a wide stacked weight.
@@ -137,26 +140,35 @@ def best_seconds(run: Callable[[], object], device: torch.device, *, budget_s: f
     return best
 
 
+def streaming_reads(matrix: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Ways to read every byte of `matrix` once; which is fastest depends on the CPU."""
+    flat = matrix.view(-1)
+    vector = torch.ones(matrix.shape[1], device=matrix.device, dtype=matrix.dtype)
+    return {"sum": flat.sum, "dot": lambda: torch.dot(flat, flat), "mv": lambda: torch.mv(matrix, vector)}
+
+
 def read_bandwidth_gbs(device: torch.device | str = "cpu", *, nbytes: int = 512 << 20,
                        dtype: torch.dtype = torch.float32, budget_s: float = 1.0) -> float:
-    """GB/s (1e9 bytes) that a matrix-vector product streams: the bound of a decode step."""
+    """GB/s (1e9 bytes) of the fastest streaming read: the bound of a decode step."""
     device = torch.device(device)
     cols = 4096
     element = torch.tensor([], dtype=dtype).element_size()
     rows = max(1, nbytes // (cols * element))
     matrix = torch.randn(rows, cols, device=device).to(dtype)
-    vector = torch.randn(cols, device=device).to(dtype)
-    seconds = best_seconds(lambda: torch.mv(matrix, vector), device, budget_s=budget_s)
+    reads = streaming_reads(matrix)
+    seconds = min(best_seconds(read, device, budget_s=budget_s / len(reads)) for read in reads.values())
     return matrix.numel() * element / seconds / 1e9
 
 
 def gemm_gflops(rows: int, device: torch.device | str = "cpu", *, dtype: torch.dtype = torch.float32,
-                budget_s: float = 0.5) -> float:
-    """GFLOP/s of `F.linear` with `rows` activations against a 576 x 12288 weight."""
+                kernel: LinearKernel | None = None, budget_s: float = 0.5) -> float:
+    """GFLOP/s of the engine's linear kernel (default: F.linear), `rows` activations against a
+    576 x 12288 weight."""
     device = torch.device(device)
-    weight = torch.randn(GEMM_OUT_FEATURES, GEMM_IN_FEATURES, device=device).to(dtype)
+    kernel = kernel or KERNELS["aten"]
+    weight = kernel.pack(torch.randn(GEMM_OUT_FEATURES, GEMM_IN_FEATURES, device=device).to(dtype))
     x = torch.randn(rows, GEMM_IN_FEATURES, device=device).to(dtype)
-    seconds = best_seconds(lambda: F.linear(x, weight), device, budget_s=budget_s)
+    seconds = best_seconds(lambda: kernel.apply(x, weight), device, budget_s=budget_s)
     return 2.0 * rows * GEMM_IN_FEATURES * GEMM_OUT_FEATURES / seconds / 1e9
 
 
@@ -164,7 +176,7 @@ def gemm_gflops(rows: int, device: torch.device | str = "cpu", *, dtype: torch.d
 class HardwareLimits:
     """What this machine reached in the probes, for reading a measurement against its roofline."""
 
-    read_gbs: float  # float32 matrix-vector streaming
+    read_gbs: float  # the fastest float32 streaming read
     peak_gflops: float  # GEMM at 512 rows in the measured dtype
     gflops_by_rows: dict[int, float]  # GEMM at each batch size a sweep runs
 
@@ -178,12 +190,12 @@ class HardwareLimits:
 
 
 def probe_limits(device: torch.device | str = "cpu", *, dtype: torch.dtype = torch.float32,
-                 rows: tuple[int, ...] = ()) -> HardwareLimits:
+                 rows: tuple[int, ...] = (), kernel: LinearKernel | None = None) -> HardwareLimits:
     """Measure bandwidth and GEMM throughput now, in this process (a few seconds in all)."""
     return HardwareLimits(
         read_gbs=read_bandwidth_gbs(device),
-        peak_gflops=gemm_gflops(512, device, dtype=dtype),
-        gflops_by_rows={r: gemm_gflops(r, device, dtype=dtype, budget_s=0.25) for r in rows},
+        peak_gflops=gemm_gflops(512, device, dtype=dtype, kernel=kernel),
+        gflops_by_rows={r: gemm_gflops(r, device, dtype=dtype, kernel=kernel, budget_s=0.25) for r in rows},
     )
 
 

@@ -315,11 +315,13 @@ class SweepSpec:
     slots: tuple[int, ...] = (1, 2, 4, 8)
     params: tuple[str, ...] = ("greedy",)
     dtypes: tuple[str, ...] = ("float32",)
-    batch_invariant: tuple[bool, ...] = (False,)
+    batch_invariant: tuple[bool, ...] = (True,)
     baseline: str | None = None
     workload: Workload = Workload()
     model: str | None = None
     device: str | None = None
+    threads: int | None = None
+    linear_kernel: str | None = None
 
     def configs(self) -> list[BenchConfig]:
         """Interleaved, so a config and its baseline run next to each other in time."""
@@ -359,7 +361,8 @@ class Sweep:
                 max_num_seqs=max(self.spec.slots), max_model_len=max_len,
                 num_kv_blocks=kv_blocks_for(max(self.spec.slots), max_len),
                 max_num_batched_tokens=max(512, w.input_len * max(self.spec.slots)),
-                batch_invariant=batch_invariant))
+                batch_invariant=batch_invariant, threads=self.spec.threads,
+                linear_kernel=self.spec.linear_kernel))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:
@@ -377,9 +380,10 @@ class Sweep:
         for config in configs:
             if config.engine != "nanoserve":
                 self.baseline(config.dtype)
-        device = next(iter(self._engines.values())).engine.device
-        machine = describe_machine(device)
-        limits = probe_limits(device, dtype=getattr(torch, self.spec.dtypes[0]), rows=self.spec.slots)
+        first = next(iter(self._engines.values())).engine
+        machine = describe_machine(first.device)
+        limits = probe_limits(first.device, dtype=getattr(torch, self.spec.dtypes[0]), rows=self.spec.slots,
+                              kernel=first.kernel_choice.kernel)
         rows = []
         for group in _side_by_side(configs):
             if progress:
@@ -419,7 +423,8 @@ class Sweep:
         run = _median_run(runs)
         figures = request_metrics(run)
         if config.engine == "nanoserve":
-            figures |= step_metrics(run, self.engine(config.dtype, config.batch_invariant).cost, limits)
+            runner = self.engine(config.dtype, config.batch_invariant)
+            figures |= step_metrics(run, runner.cost, limits) | runner.engine.kernel_choice.columns()
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
             "batch_invariant": config.batch_invariant, "input_len": w.input_len,

@@ -147,9 +147,11 @@ class ProfileSpec:
     output_len: int = 64
     params: str = "greedy"
     dtype: str = "float32"
-    batch_invariant: bool = False
+    batch_invariant: bool = True
     model: str | None = None
     device: str | None = None
+    threads: int | None = None
+    linear_kernel: str | None = None
     trace_path: Path | None = None
     trace_steps: int = 3  # decode steps traced per batch size
 
@@ -163,7 +165,8 @@ def build_engine(spec: ProfileSpec) -> Any:
         model=spec.model, dtype=spec.dtype, device=spec.device, max_num_seqs=biggest,
         max_model_len=spec.input_len + spec.output_len + 1, batch_invariant=spec.batch_invariant,
         num_kv_blocks=kv_blocks_for(biggest, spec.input_len + spec.output_len + 1),
-        max_num_batched_tokens=max(512, spec.input_len * biggest)))
+        max_num_batched_tokens=max(512, spec.input_len * biggest), threads=spec.threads,
+        linear_kernel=spec.linear_kernel))
 
 
 ProgressCallback = Callable[[int, int, int], None]

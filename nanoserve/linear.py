@@ -1,0 +1,311 @@
+"""The model's matrix multiplies: which kernel runs them, chosen by measurement on this machine.
+
+Owns: the candidate linear kernels (torch's own GEMM, the same on fixed 16-row tiles, and
+oneDNN with weights prepacked once at load), the batch-invariance self-test each candidate
+must pass to be used in batch-invariant mode, timing them on the model's own weights at the
+batch sizes the engine will run, and a per-machine cache of the verdicts, so that a second
+start skips the measuring.
+Refuses: assuming a kernel is fast or invariant because it was elsewhere. The same kernel is
+3x apart between the CPUs of this workplace, and whether a row's bits depend on the batch
+is a property of the library build and the CPU, so both are measured here, at start-up.
+
+The self-test pins what batch invariance needs from a linear layer: every row of a call with
+M rows has the bits that row has alone, for M from 1 to the most rows a decode step holds, at
+any position in the call, and in a prefill-sized call, so that a request's tokens do not
+depend on its neighbours, nor on whether its K/V came from a decode step or a re-prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("nanoserve")
+
+# The row tile of `aten-tile16`: CPU BLAS gives one code path to every row of a 16-row call.
+ROW_TILE = 16
+# oneDNN picks its blocking from a batch hint given at packing time; 16 rows covers a decode
+# step of many requests without giving up the single-request case.
+ONEDNN_BATCH_HINT = 16
+# Rows of the speed probe: one request, a few, and a full decode step (capped at max rows).
+PROBE_ROWS = (1, 4, 16, 32)
+# Enough layers that the probe streams its weights from memory rather than from the L3 cache.
+PROBE_MIN_BYTES = 128 << 20
+# Bump when a kernel's code changes, so verdicts cached by older code are measured again.
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LinearKernel:
+    """One way to compute x @ W^T: `pack` runs once per weight at load, `apply` every step."""
+
+    name: str
+    summary: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], packed) -> [M, N]
+    device_types: tuple[str, ...]
+
+
+def _aten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def _aten_tiled(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
+    return torch.cat([F.linear(tile, weight) for tile in padded.split(ROW_TILE)])[:rows]
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _onednn_min2(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    # oneDNN runs a lone row through a matrix-vector path that sums in another order than
+    # its GEMM for 2 or more rows; a zero second row keeps every row on the GEMM path.
+    if x.shape[0] != 1:
+        return _onednn(x, packed)
+    return _onednn(F.pad(x, (0, 0, 0, 1)), packed)[:1]
+
+
+def _identity(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
+    LinearKernel("aten", "torch's F.linear (MKL or cuBLAS)", _identity, _aten, ("cpu", "cuda")),
+    LinearKernel("aten-tile16", "F.linear on fixed 16-row tiles", _identity, _aten_tiled, ("cpu", "cuda")),
+    LinearKernel("onednn", "oneDNN, weights prepacked at load", _onednn_pack, _onednn, ("cpu",)),
+    LinearKernel("onednn-min2", "oneDNN, prepacked; a lone row padded to two", _onednn_pack,
+                 _onednn_min2, ("cpu",)),
+)}
+
+
+def kernels_for(device: torch.device) -> list[LinearKernel]:
+    usable = [k for k in KERNELS.values() if device.type in k.device_types]
+    if device.type == "cpu" and not torch.backends.mkldnn.is_available():
+        usable = [k for k in usable if not k.name.startswith("onednn")]
+    return usable
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeShape:
+    """What the probe needs of the model: its linear weights, layer by layer, and the head."""
+
+    layers: list[list[torch.Tensor]]  # each layer's weights [out, in], in forward order
+    head: torch.Tensor
+
+
+@dataclass(slots=True)
+class KernelVerdict:
+    """What this machine measured of one kernel: time per forward's linears, and invariance."""
+
+    ms_by_rows: dict[int, float] = field(default_factory=dict)
+    invariant: bool | None = None  # None: not tested (only a batch-invariant engine needs it)
+    failure: str = ""  # where the self-test first saw a row's bits move
+
+    @property
+    def score_ms(self) -> float:
+        """Geometric mean over the probed batch sizes: each size counts alike."""
+        values = list(self.ms_by_rows.values())
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    kernel: LinearKernel
+    reason: str
+    verdicts: dict[str, KernelVerdict]
+    batch_invariant: bool  # whether the chosen kernel passed the self-test
+    from_cache: bool
+
+    def columns(self) -> dict[str, object]:
+        """For bench CSV rows: the kernel and why it was picked."""
+        return {"linear_kernel": self.kernel.name, "linear_kernel_reason": self.reason}
+
+
+class KernelUnavailableError(ValueError):
+    """A forced kernel this machine cannot run, or that fails the self-test it was asked to pass."""
+
+
+def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, prefill_rows: int,
+                  batch_invariant: bool, forced: str | None = None,
+                  cache_path: Path | None = None) -> KernelChoice:
+    """The fastest kernel that qualifies: measured (or read from the cache), never assumed."""
+    candidates = kernels_for(device)
+    if forced is not None:
+        names = [k.name for k in candidates]
+        if forced not in names:
+            raise KernelUnavailableError(
+                f"{forced!r} is not a linear kernel for {device.type} here; choose from {', '.join(names)}")
+        candidates = [KERNELS[forced]]
+    key = _cache_key(shape, device, max_rows, prefill_rows)
+    cached = _read_cache(cache_path, key)
+    verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
+    from_cache = all(v.ms_by_rows for v in verdicts.values())
+    rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
+    for kernel in candidates:
+        if not verdicts[kernel.name].ms_by_rows:
+            verdicts[kernel.name].ms_by_rows = time_kernel(kernel, shape.layers, rows, device)
+    ranked = sorted(candidates, key=lambda k: verdicts[k.name].score_ms)
+    chosen, reason = ranked[0], "fastest"
+    if batch_invariant:
+        for kernel in ranked:
+            verdict = verdicts[kernel.name]
+            if verdict.invariant is None:
+                from_cache = False
+                verdict.failure = self_test(kernel, shape, max_rows=max_rows, prefill_rows=prefill_rows)
+                verdict.invariant = not verdict.failure
+            if verdict.invariant:
+                chosen, reason = kernel, "fastest batch-invariant"
+                break
+    invariant = bool(verdicts[chosen.name].invariant)
+    if forced is not None:
+        if batch_invariant and not invariant:
+            raise KernelUnavailableError(
+                f"{forced!r} fails the batch-invariance self-test on this machine "
+                f"({verdicts[forced].failure}); run with --no-batch-invariant or another kernel")
+        reason = "forced"
+    elif batch_invariant and not invariant:
+        reason = "fastest; no candidate passed the batch-invariance self-test on this machine"
+    if cache_path is not None:
+        _write_cache(cache_path, key, verdicts)
+    reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
+    return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
+
+
+def time_kernel(kernel: LinearKernel, layers: list[list[torch.Tensor]], rows: Iterable[int],
+                device: torch.device, *, repeats: int = 3) -> dict[int, float]:
+    """Milliseconds for one forward's linears at each row count, scaled from enough layers
+    that the weights stream from memory, as they do in a real step."""
+    sample, nbytes = [], 0
+    for layer in layers:
+        sample.append([kernel.pack(w) for w in layer])
+        nbytes += sum(w.numel() * w.element_size() for w in layer)
+        if nbytes >= PROBE_MIN_BYTES:
+            break
+    scale = len(layers) / len(sample)
+    dtype = layers[0][0].dtype
+    timings = {}
+    for count in rows:
+        inputs = {w.shape[1]: torch.randn(count, w.shape[1], device=device).to(dtype) for w in layers[0]}
+
+        def one_pass(inputs=inputs) -> None:
+            for packed_layer, dense_layer in zip(sample, layers, strict=False):
+                for packed, dense in zip(packed_layer, dense_layer, strict=True):
+                    kernel.apply(inputs[dense.shape[1]], packed)
+
+        timings[count] = round(1e3 * scale * _best_seconds(one_pass, device, repeats), 3)
+    return timings
+
+
+def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill_rows: int,
+              seed: int = 0) -> str:
+    """'' when every row's bits are independent of the call it is in; else where they moved.
+
+    For each distinct weight shape (and the head, which only sees decode-sized calls): rows
+    computed alone are the reference; every call of M rows (1..max_rows) at two offsets,
+    and prefill-sized calls, must reproduce them bit for bit.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    offset = 7  # a row's position in the call must not matter either
+    distinct = {tuple(w.shape): w for w in shape.layers[0]}
+    targets = [(w, prefill_rows) for w in distinct.values()] + [(shape.head, 0)]
+    for weight, prefill in targets:
+        packed = kernel.pack(weight)
+        reference_rows = max_rows + offset
+        x = torch.randn(max(reference_rows, prefill), weight.shape[1], generator=generator)
+        x = x.to(device=weight.device, dtype=weight.dtype)
+        alone = torch.cat([kernel.apply(x[r : r + 1], packed) for r in range(reference_rows)])
+        calls = [(m, start) for m in range(1, max_rows + 1) for start in (0, offset)]
+        calls += [(m, 0) for m in sorted({2 * max_rows, prefill}) if m > max_rows and prefill]
+        for m, start in calls:
+            out = kernel.apply(x[start : start + m], packed)
+            checked = min(m, reference_rows - start)
+            if not torch.equal(out[:checked], alone[start : start + checked]):
+                out_features, in_features = weight.shape
+                return (f"{m} rows at offset {start} differ from rows alone, "
+                        f"weight {out_features}x{in_features}")
+    return ""
+
+
+def _best_seconds(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    run()  # the first call pays for allocation and oneDNN's primitive creation
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
+                    verdicts: dict[str, KernelVerdict]) -> str:
+    def describe(kernel: LinearKernel) -> str:
+        verdict = verdicts[kernel.name]
+        times = "/".join(f"{ms:.1f}" for ms in verdict.ms_by_rows.values())
+        flag = {True: "", False: ", not invariant", None: ""}[verdict.invariant]
+        return f"{kernel.name} {times}{flag}"
+
+    rows = "/".join(str(r) for r in verdicts[chosen.name].ms_by_rows)
+    others = [describe(k) for k in ranked if k is not chosen]
+    return f"ms per forward's linears at {rows} rows: {describe(chosen)}" + (
+        f"; {'; '.join(others)}" if others else "")
+
+
+def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_rows: int) -> str:
+    from nanoserve.bench.hardware import cpu_model, vector_flags
+
+    weight = shape.layers[0][0]
+    facts = {
+        "version": CACHE_VERSION,
+        "cpu": cpu_model(), "flags": vector_flags(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(), "dtype": str(weight.dtype),
+        "shapes": [list(w.shape) for w in shape.layers[0]] + [list(shape.head.shape)],
+        "layers": len(shape.layers), "max_rows": max_rows, "prefill_rows": prefill_rows,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_cache(path: Path | None, key: str) -> dict[str, KernelVerdict]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8")).get(key, {})
+        return {name: KernelVerdict({int(r): ms for r, ms in v["ms_by_rows"].items()}, v["invariant"],
+                                    v["failure"]) for name, v in entry.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        log.warning("ignoring an unreadable kernel cache at %s", path)
+        return {}
+
+
+def _write_cache(path: Path, key: str, verdicts: dict[str, KernelVerdict]) -> None:
+    try:
+        everything = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        everything = {}
+    entry = everything.setdefault(key, {})
+    entry.update({name: asdict(v) for name, v in verdicts.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(everything, indent=1), encoding="utf-8")
+    partial.replace(path)  # atomic: two engines starting at once never read half a file

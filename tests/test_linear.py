@@ -1,0 +1,120 @@
+"""The linear kernels and their choice: right answers, a self-test that can fail, a cache that is used."""
+
+import pytest
+import torch
+
+from nanoserve import linear
+from nanoserve.linear import (
+    KERNELS,
+    KernelUnavailableError,
+    LinearKernel,
+    ProbeShape,
+    choose_kernel,
+    kernels_for,
+    self_test,
+)
+
+CPU = torch.device("cpu")
+
+
+def probe_shape(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layer = [torch.randn(out, inp, generator=g).to(dtype) * 0.1
+             for out, inp in ((96, 64), (64, 64), (256, 64), (64, 128))]
+    return ProbeShape([layer, [w.clone() for w in layer]], torch.randn(300, 64, generator=g).to(dtype))
+
+
+def row_count_dependent(x, weight):
+    """The invariant tiled kernel, skewed by the call's row count as a non-invariant GEMM's low bits are."""
+    return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 3))
+
+
+SKEWED = LinearKernel("skewed", "test only", lambda w: w, row_count_dependent, ("cpu",))
+
+
+@pytest.mark.parametrize("kernel", kernels_for(CPU), ids=lambda k: k.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_computes_x_times_w_transposed(kernel, dtype):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 96, generator=g).to(dtype)
+    for rows in (1, 2, 5, 16, 33):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        expected = x.double() @ weight.double().T
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(kernel.apply(x, kernel.pack(weight)).double(), expected,
+                                   atol=tolerance * 10, rtol=tolerance)
+
+
+def test_self_test_catches_rows_that_depend_on_the_batch():
+    failure = self_test(SKEWED, probe_shape(), max_rows=8, prefill_rows=32)
+    assert "4 rows at offset 0 differ" in failure
+
+
+def test_self_test_passes_the_tiled_kernel_and_its_verdict_holds_on_prefill_sized_calls():
+    assert self_test(KERNELS["aten-tile16"], probe_shape(), max_rows=8, prefill_rows=64) == ""
+
+
+def test_batch_invariant_choice_is_a_kernel_that_passed_the_self_test(tmp_path):
+    choice = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=True,
+                           cache_path=tmp_path / "kernels.json")
+    assert choice.batch_invariant and choice.verdicts[choice.kernel.name].invariant
+    assert self_test(choice.kernel, probe_shape(seed=5), max_rows=8, prefill_rows=32) == ""
+    faster = [name for name, v in choice.verdicts.items()
+              if v.score_ms < choice.verdicts[choice.kernel.name].score_ms]
+    assert all(choice.verdicts[name].invariant is False for name in faster)
+
+
+def test_plain_choice_is_the_fastest_measured(tmp_path):
+    choice = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=False,
+                           cache_path=tmp_path / "kernels.json")
+    fastest = min(choice.verdicts, key=lambda name: choice.verdicts[name].score_ms)
+    assert choice.kernel.name == fastest and choice.reason.startswith("fastest (")
+
+
+def test_second_start_reads_the_cache_and_measures_nothing(tmp_path, monkeypatch):
+    cache = tmp_path / "kernels.json"
+    first = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=True,
+                          cache_path=cache)
+    assert not first.from_cache and cache.is_file()
+
+    def measuring_again(*args, **kwargs):
+        raise AssertionError("the cached verdict should have been used")
+
+    monkeypatch.setattr(linear, "time_kernel", measuring_again)
+    monkeypatch.setattr(linear, "self_test", measuring_again)
+    second = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=True,
+                           cache_path=cache)
+    assert second.from_cache and second.kernel == first.kernel
+
+
+def test_cache_is_keyed_by_dtype_and_thread_count(tmp_path, monkeypatch):
+    cache = tmp_path / "kernels.json"
+    choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
+                  cache_path=cache)
+    other_dtype = choose_kernel(probe_shape(torch.bfloat16), device=CPU, max_rows=4, prefill_rows=8,
+                                batch_invariant=False, cache_path=cache)
+    assert not other_dtype.from_cache
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        other_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8,
+                                      batch_invariant=False, cache_path=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert not other_threads.from_cache
+
+
+def test_forcing_an_unknown_kernel_names_the_choices():
+    with pytest.raises(KernelUnavailableError, match="aten-tile16"):
+        choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
+                      forced="blas9000")
+
+
+def test_forcing_a_kernel_that_fails_the_self_test_is_refused_when_invariance_is_on(monkeypatch):
+    monkeypatch.setitem(KERNELS, "skewed", SKEWED)
+    with pytest.raises(KernelUnavailableError, match="fails the batch-invariance self-test"):
+        choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=16, batch_invariant=True,
+                      forced="skewed")
+    plain = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=16, batch_invariant=False,
+                          forced="skewed")
+    assert plain.kernel is SKEWED and plain.reason.startswith("forced")
