@@ -29,11 +29,12 @@ from nanoserve.config import ModelConfig
 from nanoserve.kv_cache import KVCache
 from nanoserve.linear import KERNELS, LinearKernel, ProbeShape
 
-# Query-row tile of the batch-invariant attention: one GEMM shape whatever the row count.
-ROW_TILE = 16
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
 CONTEXT_CHUNK = 64
+# A prefill chunk attends position by position, each with its own copy of the context; this
+# bounds the copies made at once (a long prompt runs in several rounds).
+POSITION_KV_COPY_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
@@ -148,40 +149,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """q [s, kv_heads, rows, d], k/v [s, kv_heads, ctx, d], mask [s, 1, rows, ctx] bool."""
+    """q [kv_heads, s, rows, d], k/v [kv_heads, s, ctx, d], mask [1, s, rows, ctx] bool."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Attention whose every row is computed the same way whatever its neighbours.
+def position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Attention of one query position per item, computed the same way whatever else runs.
 
-    Query rows go in ROW_TILE tiles and the context in CONTEXT_CHUNK pieces, so each matrix
-    multiply has one fixed shape; the softmax runs along contiguous rows, and the per-chunk
-    P@V partials are summed in chunk order by a cumulative sum. Extra padding rows or chunks
-    add exact zeros, so they change nothing.
+    q [kv_heads, n, heads_per_kv, d]: per K/V head, the query heads of one position each;
+    k/v [kv_heads, n, ctx, d]; visible [1, n, 1, ctx] bool. Every matrix multiply has one shape,
+    [heads_per_kv, d] x [d, CONTEXT_CHUNK] for the scores and its mirror for P@V, whatever n,
+    ctx or the neighbours; the softmax runs along whole rows of CONTEXT_CHUNK multiples; the
+    per-chunk P@V partials are summed in chunk order by a cumulative sum. Padded context adds
+    exact zeros. So a position's bits are the same alone, in any crowd, at any padding, and in
+    a prefill chunk or a decode step (tests/test_model.py pins all four).
     """
     if q.dtype != torch.float32:  # half precision: scores, softmax and sums in float32, as SDPA does
-        return tiled_attention(q.float(), k.float(), v.float(), mask, scale).to(q.dtype)
-    seqs, heads, rows, dim = q.shape
-    row_pad, ctx_pad = -rows % ROW_TILE, -k.shape[2] % CONTEXT_CHUNK
+        return position_attention(q.float(), k.float(), v.float(), visible, scale).to(q.dtype)
+    kv_heads, n, per_kv, dim = q.shape
+    ctx_pad = -k.shape[2] % CONTEXT_CHUNK
     if ctx_pad:  # the runner aligns block tables to CONTEXT_CHUNK, so this is the rare case
         k, v = F.pad(k, (0, 0, 0, ctx_pad)), F.pad(v, (0, 0, 0, ctx_pad))
-        mask = F.pad(mask, (0, ctx_pad), value=False)
+        visible = F.pad(visible, (0, ctx_pad), value=False)
     ctx = k.shape[2]
-    # Padding query rows see every slot, so their softmax stays finite; they are dropped.
-    mask = F.pad(mask, (0, 0, 0, row_pad), value=True).view(seqs, 1, -1, ROW_TILE, ctx)
-    q = F.pad(q * scale, (0, 0, 0, row_pad)).view(seqs, heads, -1, 1, ROW_TILE, dim)
-    k = k.reshape(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
-    v = v.reshape(seqs, heads, 1, -1, CONTEXT_CHUNK, dim)
-    tiles, chunks = q.shape[2], k.shape[3]
-    scores = q @ k.transpose(-1, -2)  # [s, h, tiles, chunks, ROW_TILE, CHUNK]
-    scores = scores.transpose(3, 4).reshape(seqs, heads, tiles, ROW_TILE, ctx)
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
-    probs = probs.view(seqs, heads, tiles, ROW_TILE, chunks, CONTEXT_CHUNK).transpose(3, 4)
-    partials = probs @ v  # [s, h, tiles, chunks, ROW_TILE, dim]
-    out = partials.cumsum(dim=3)[:, :, :, -1]
-    return out.reshape(seqs, heads, tiles * ROW_TILE, dim)[:, :, :rows]
+    chunks = ctx // CONTEXT_CHUNK
+    k = k.reshape(kv_heads, n, chunks, CONTEXT_CHUNK, dim)
+    v = v.reshape(kv_heads, n, chunks, CONTEXT_CHUNK, dim)
+    scores = (q * scale).unsqueeze(2) @ k.transpose(-1, -2)  # [kv_heads, n, chunks, per_kv, CHUNK]
+    scores = scores.transpose(2, 3).reshape(kv_heads, n, per_kv, ctx)
+    probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
+    probs = probs.view(kv_heads, n, per_kv, chunks, CONTEXT_CHUNK).transpose(2, 3)
+    partials = probs @ v  # [kv_heads, n, chunks, per_kv, d]
+    return partials.cumsum(dim=2)[:, :, -1]
 
 
 class Llama:
@@ -194,7 +194,6 @@ class Llama:
         self.weights = weights.packed_for(self.linear_kernel)
         self.batch_invariant = batch_invariant
         self.linear = self.linear_kernel.apply
-        self.attention = tiled_attention if batch_invariant else plain_attention
         # Context lengths the attention kernel wants block tables padded to (in tokens).
         self.context_alignment = CONTEXT_CHUNK if batch_invariant else 1
         device = weights.embed.device
@@ -248,21 +247,43 @@ class Llama:
         cfg = self.config
         seqs, rows = group.num_seqs, group.rows_per_seq
         per_kv = cfg.num_heads // cfg.num_kv_heads
-        k, v = kv_cache.gather(index, group.block_tables)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [seqs, kv_heads, ctx, d]
+        k, v = kv_cache.gather(index, group.block_tables)  # [kv_heads, seqs, ctx, d]
+        if self.batch_invariant:
+            q = q.view(-1, cfg.num_kv_heads, per_kv, cfg.head_dim).transpose(0, 1)
+            out = self._attend_by_position(q, k, v, mask, rows)  # [kv_heads, positions, per_kv, d]
+            return out.transpose(0, 1).reshape(seqs * rows, cfg.num_heads, cfg.head_dim)
+        # SDPA's two batch dimensions taken as (kv_heads, seqs), the cache's own order.
         q = q.view(seqs, rows, cfg.num_kv_heads, per_kv, cfg.head_dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(seqs, cfg.num_kv_heads, per_kv * rows, cfg.head_dim)
-        out = self.attention(q, k, v, mask, self.scale)
-        out = out.view(seqs, cfg.num_kv_heads, per_kv, rows, cfg.head_dim).permute(0, 3, 1, 2, 4)
+        q = q.permute(2, 0, 3, 1, 4).reshape(cfg.num_kv_heads, seqs, per_kv * rows, cfg.head_dim)
+        out = plain_attention(q, k, v, mask, self.scale)
+        out = out.view(cfg.num_kv_heads, seqs, per_kv, rows, cfg.head_dim).permute(1, 3, 0, 2, 4)
         return out.reshape(seqs * rows, cfg.num_heads, cfg.head_dim)
 
+    def _attend_by_position(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                            rows_per_seq: int) -> torch.Tensor:
+        """Every query position attends as a decode row would: q [kv_heads, positions, per_kv, d]."""
+        if rows_per_seq == 1:  # decode rows: each sequence is one position already
+            return position_attention(q, k, v, visible, self.scale)
+        seq_of_position = torch.arange(k.shape[1], device=k.device).repeat_interleave(rows_per_seq)
+        per_round = max(1, POSITION_KV_COPY_BYTES // (k[:, 0].numel() * k.element_size()))
+        outs = []
+        for start in range(0, q.shape[1], per_round):
+            seqs = seq_of_position[start : start + per_round]
+            outs.append(position_attention(q[:, start : start + per_round], k.index_select(1, seqs),
+                                           v.index_select(1, seqs), visible[:, start : start + per_round],
+                                           self.scale))
+        return torch.cat(outs, dim=1)
+
     def _group_mask(self, group: AttentionGroup, block_size: int) -> torch.Tensor:
-        """[seqs, 1, heads_per_kv * rows, ctx]: a query row sees the context up to its position."""
+        """Which context slots each query row sees (those up to its position), in the layout of the
+        attention used: [1, positions, 1, ctx] by position, [1, seqs, per_kv * rows, ctx] plain."""
         ctx = group.block_tables.shape[1] * block_size
         slots = torch.arange(ctx, device=group.positions.device)
         visible = slots.view(1, 1, ctx) <= group.positions.unsqueeze(-1)  # [seqs, rows, ctx]
+        if self.batch_invariant:
+            return visible.view(1, -1, 1, ctx)
         per_kv = self.config.num_heads // self.config.num_kv_heads
-        return visible.unsqueeze(1).repeat(1, per_kv, 1, 1).view(group.num_seqs, 1, -1, ctx)
+        return visible.unsqueeze(1).expand(-1, per_kv, -1, -1).reshape(1, group.num_seqs, -1, ctx)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         # SiLU runs row by row over the strided `gate` view, so each row takes the same
