@@ -1,0 +1,111 @@
+"""DESIGN invariant 1 with the default settings: a request's tokens and logprobs, bit for bit, do
+not depend on what shares its steps, on how its prompt was chunked, or on preemption.
+
+Every engine here is built with no batch-invariance or kernel option: the defaults must give it.
+Logprobs are compared as floats with ==, so one flipped low bit anywhere in the forward fails.
+"""
+
+import pytest
+
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+
+LOGPROBS = 4
+
+
+def params_for(i: int, max_tokens: int = 10) -> SamplingParams:
+    """Even rows greedy, odd rows seeded top_p sampling; all report top-4 logprobs."""
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=LOGPROBS, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=i, logprobs=LOGPROBS,
+                          ignore_eos=True)
+
+
+def fingerprint(completion) -> list[tuple]:
+    """Tokens with their logprobs and alternatives, exactly as floats."""
+    return [(e.token_id, e.logprob, e.top) for e in completion.logprobs]
+
+
+def staggered_crowd(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[tuple]]:
+    """One new arrival every step while the earlier ones decode: every step has another batch."""
+    engine = llm.engine
+    order, entries = {}, {}
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        order[engine.add_request(prompt, sp)] = i
+        for out in engine.step():
+            entries.setdefault(out.request_id, []).extend(out.logprobs)
+    while engine.has_unfinished():
+        for out in engine.step():
+            entries.setdefault(out.request_id, []).extend(out.logprobs)
+    result = [None] * len(prompts)
+    for request_id, i in order.items():
+        result[i] = [(e.token_id, e.logprob, e.top) for e in entries[request_id]]
+    assert engine.pool.is_completely_free
+    return result
+
+
+def crowd_prompts(count: int) -> list[str]:
+    return [" ".join(["word"] * (1 + 3 * i)) + f" story {i}:" for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return LLM(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def real(default_model_dir):
+    return LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25)
+
+
+def test_the_default_engine_is_batch_invariant_with_a_kernel_that_passed_the_self_test(tiny):
+    engine = tiny.engine
+    assert engine.config.batch_invariant and engine.model.batch_invariant
+    assert engine.kernel_choice.batch_invariant
+    assert engine.kernel_choice.verdicts[engine.kernel_choice.kernel.name].invariant
+
+
+def test_tiny_crowd_gives_every_request_its_solo_tokens_and_logprobs(tiny):
+    prompts, params = crowd_prompts(12), [params_for(i) for i in range(12)]
+    alone = [fingerprint(tiny.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(tiny, prompts, params) == alone
+
+
+@pytest.mark.real_model
+def test_real_crowd_of_16_gives_every_request_its_solo_tokens_and_logprobs(real):
+    prompts, params = crowd_prompts(16), [params_for(i) for i in range(16)]
+    alone = [fingerprint(real.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(real, prompts, params) == alone
+
+
+@pytest.mark.real_model
+def test_a_token_scored_in_a_prefill_equals_the_same_token_scored_in_a_decode_step(real):
+    """Request B's prompt is A's prompt plus A's first k tokens: B's first logprobs come from a
+    prefill, A's (k+1)-th from a decode step, and they must be the same bits."""
+    prompt = "The three primary colours are"
+    first = real.generate([prompt], [params_for(0, max_tokens=8)])[0]
+    prompt_ids = real.tokenizer.encode(prompt)
+    for k in (1, 4, 7):
+        continued = real.generate([prompt_ids + first.token_ids[:k]], [params_for(0, max_tokens=1)])[0]
+        assert fingerprint(continued)[0] == fingerprint(first)[k], f"after {k} tokens"
+
+
+def test_chunked_prefill_equals_one_prefill(tiny_model_dir):
+    """A prompt prefilled in 5-token chunks (beside other requests) scores like one prefill."""
+    prompts, params = crowd_prompts(6), [params_for(i) for i in range(6)]
+    whole = LLM(str(tiny_model_dir), device="cpu", max_num_batched_tokens=512)
+    chunked = LLM(str(tiny_model_dir), device="cpu", max_num_batched_tokens=5)
+    expected = [fingerprint(c) for c in whole.generate(prompts, params)]
+    assert [fingerprint(c) for c in chunked.generate(prompts, params)] == expected
+
+
+def test_preemption_by_recompute_changes_no_token_nor_logprob(tiny_model_dir):
+    prompts = [f"request {i}:" + " hi" * i for i in range(8)]
+    params = [params_for(i, max_tokens=16) for i in range(8)]
+    roomy = LLM(str(tiny_model_dir), device="cpu")
+    cramped = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=14, block_size=4)
+    expected = [fingerprint(c) for c in roomy.generate(prompts, params)]
+    got = [fingerprint(c) for c in cramped.generate(prompts, params)]
+    assert cramped.engine.scheduler.num_preemptions >= 3, "the pool was not small enough to preempt"
+    assert got == expected
+    assert cramped.engine.pool.is_completely_free
