@@ -25,6 +25,8 @@ def generate(*args):
         (["--max-tokens", "0"], "--max-tokens"),
         (["--dtype", "float8"], "--dtype"),
         (["--device", "tpu"], "--device"),
+        (["--threads", "0"], "--threads"),
+        (["--linear-kernel", "blas9000"], "--linear-kernel"),
     ],
 )
 def test_bad_option_exits_2_naming_the_option_without_a_traceback(args, option, tiny_model_dir):
@@ -73,3 +75,25 @@ def test_chat_wraps_the_prompt_in_the_models_template(tiny_model_dir):
     result = generate("hello", "--model", str(tiny_model_dir), "--chat", "--max-tokens", "6")
     assert result.exit_code == 0, result.output
     assert result.stdout == chat.text + "\n"
+
+
+def test_a_kernel_this_machine_cannot_run_exits_2_naming_the_option(tiny_model_dir):
+    """oneDNN kernels are CPU-only: asking for one on CUDA (or for one that fails the
+    self-test) is refused at start-up by name, never swapped for another without a word."""
+    from nanoserve.linear import KERNELS, LinearKernel
+
+    refused = LinearKernel("cuda-only", "test", lambda w: w, KERNELS["aten"].apply, ("cuda",))
+    KERNELS["cuda-only"] = refused
+    try:
+        result = generate("hi", "--model", str(tiny_model_dir), "--linear-kernel", "cuda-only",
+                          "--device", "cpu", "--max-tokens", "2")
+    finally:
+        del KERNELS["cuda-only"]
+    assert result.exit_code == 2, result.output
+    assert "--linear-kernel" in result.output and "Traceback" not in result.output
+
+
+def test_generate_prints_the_kernel_it_chose_and_why(tiny_model_dir):
+    result = generate("hi", "--model", str(tiny_model_dir), "--max-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert "linear kernel:" in result.output and "batch-invariant forward" in result.output
