@@ -51,7 +51,8 @@ def _params(text: str) -> tuple[str, ...]:
 
 
 def _dtypes(text: str) -> tuple[str, ...]:
-    from nanoserve.bench.offline import DTYPES, parse_choice_list
+    from nanoserve.bench.offline import parse_choice_list
+    from nanoserve.engine import DTYPES
 
     return parse_choice_list(text, DTYPES)
 

@@ -60,14 +60,10 @@ def generate(
         llm = LLM.from_config(config)
         print(llm.engine.kernel_summary, file=sys.stderr)
         print(llm.engine.kv_cache_summary, file=sys.stderr)
-        _stream(llm, _chat_prompt_ids(llm, prompt) if chat else prompt, params)
+        messages = [{"role": "user", "content": prompt}]
+        _stream(llm, llm.tokenizer.encode_chat(messages) if chat else prompt, params)
     except NanoserveError as error:
         options.fail_for(error)
-
-
-def _chat_prompt_ids(llm: LLM, message: str) -> list[int]:
-    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": message}])
-    return llm.tokenizer.encode(rendered, add_bos=False)  # the template writes BOS if it wants one
 
 
 def _stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> None:

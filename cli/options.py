@@ -51,8 +51,10 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   kv_cache_gb: float | None = None, block_size: int = 16,
                   batch_invariant: bool = True, threads: int | None = None,
                   linear_kernel: str | None = None) -> EngineConfig:
-    if dtype not in ("float32", "bfloat16", "float16", "auto"):
-        fail(f"--dtype must be one of float32, bfloat16, float16, auto; got {dtype!r}")
+    from nanoserve.engine import DTYPES
+
+    if dtype not in (*DTYPES, "auto"):
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, auto; got {dtype!r}")
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda; got {device!r}")
     check_linear_kernel(linear_kernel)

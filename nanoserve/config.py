@@ -1,10 +1,8 @@
-"""Configuration: what the model is (read from config.json) and how the engine runs it."""
+"""Configuration: what the model is (from config.json, read by `weights`) and how the engine runs it."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -46,10 +44,6 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
         )
-
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelConfig:
-        return cls.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
 
     @property
     def num_params(self) -> int:

@@ -1,7 +1,8 @@
 """The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
 
-Each step: schedule -> prepare -> forward and sample -> one readback -> stop rules and text.
-Everything a step costs is timed per phase in `EngineStats`, so `profile` can show it.
+Each step: schedule -> prepare -> forward -> sample -> collect (one readback, stop rules and
+text, then `Scheduler.update_after_step`). Every phase's time and readbacks are counted in
+`EngineStats`, so `profile` reads them without touching the engine.
 `LLM` (llm.py) is the offline and streaming front over this class.
 """
 
@@ -12,10 +13,11 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
@@ -25,7 +27,7 @@ from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
 from nanoserve.model import Llama, LlamaWeights
 from nanoserve.model_runner import ModelRunner
-from nanoserve.output import OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
+from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -35,7 +37,7 @@ from nanoserve.weights import load_weights
 log = logging.getLogger("nanoserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PHASES = ("schedule", "prepare", "forward", "collect")
+PHASES = ("schedule", "prepare", "forward", "sample", "collect")
 # Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
 # everything else, so a fraction of free memory alone would make start-up slow and greedy.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
@@ -43,13 +45,14 @@ CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since start; per-phase seconds summed over steps."""
+    """Counters since start; per-phase seconds and readbacks summed over steps."""
 
     steps: int = 0
     decode_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    phase_readbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
     @property
     def total_s(self) -> float:
@@ -119,9 +122,10 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.readbacks = ReadbackCounter()
         self.stats = EngineStats()
-        self.requests: dict[str, Request] = {}
-        # Profiling only: wait for the GPU at each phase's end so its time lands in that phase.
+        # Profiling only: wait for the GPU at each phase's end so its time lands in that phase,
+        # and name each phase in a torch.profiler trace (a few microseconds a phase).
         self.sync_phases = False
+        self.label_phases = False
         self._ids = itertools.count()
         log.info(self.kernel_summary)
         log.info(self.kv_cache_summary)
@@ -173,6 +177,11 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every live request by id: the scheduler's registry, the only one."""
+        return self.scheduler.requests
+
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
@@ -188,7 +197,7 @@ class Engine:
         return ids
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Every check a request must pass, before it costs the engine anything."""
+        """Every check a request must pass, before it costs the engine anything (admission)."""
         params.validate_for_vocab(self.vocab_size)
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
 
@@ -202,25 +211,22 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(request_id, prompt_ids, params, seed)
+        request = Request(request_id, prompt_ids, params, seed, output_state=self.outputs.new_state(params))
         self.scheduler.add(request)
-        self.outputs.add(request)
-        self.requests[request_id] = request
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self.outputs.drop(request_id)
         return self.outputs.aborted(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        timer = PhaseTimer(self.stats.phase_s, sync_cuda=self.sync_phases)
+        timer = PhaseTimer(self.stats, self.readbacks, sync_cuda=self.sync_phases, label=self.label_phases)
         with timer("schedule"):
             plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -228,31 +234,22 @@ class Engine:
         with timer("prepare"):
             prepared = self.runner.prepare(plan.chunks)
         with timer("forward"):
-            token_batch = self.runner.execute(prepared)
-            for chunk in plan.chunks:
-                chunk.request.num_computed_tokens += chunk.num_tokens
+            logits = self.runner.forward(prepared)
+        with timer("sample"):
+            token_batch = self.runner.sample(logits, prepared)
         with timer("collect"):
-            outputs = self._collect(token_batch) if token_batch is not None else []
+            outputs = self._collect(plan, token_batch)
         self._count_step(plan)
         return outputs
 
-    def _collect(self, token_batch: TokenBatch) -> list[RequestOutput]:
-        host = token_batch.to_host(self.readbacks)
-        outputs = []
-        for request_id, token_id, logprob in zip(host.request_ids, host.token_ids, host.logprobs,
-                                                 strict=True):
-            request = self.requests[request_id]
-            output = self.outputs.append(request, token_id, logprob)
-            if output.finished:
-                self._finish(request, RequestStatus(output.finish_reason))
-            outputs.append(output)
-        self.stats.generation_tokens += len(outputs)
-        return outputs
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.scheduler.finish(request, status)
-        self.outputs.drop(request.request_id)
-        del self.requests[request.request_id]
+    def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
+        """The step's one readback, each new token judged by the stop rules, then the update."""
+        host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
+        judged = [self.outputs.judge(self.requests[request_id], token_id, logprob)
+                  for request_id, token_id, logprob in host.rows()]
+        self.scheduler.update_after_step(plan, [new_token for new_token, _ in judged])
+        self.stats.generation_tokens += len(judged)
+        return [output for _, output in judged]
 
     def _count_step(self, plan: SchedulerOutput) -> None:
         self.stats.steps += 1
@@ -270,8 +267,7 @@ class Engine:
         rows = []
         for prompt in prompts:
             request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-            request = self.requests[request_id]
-            captured = self._run_prefill_capturing_logits(request)
+            captured = self._run_prefill_capturing_logits(self.requests[request_id])
             self.abort(request_id)
             rows.append(captured)
         return torch.stack(rows)
@@ -279,31 +275,46 @@ class Engine:
     def _run_prefill_capturing_logits(self, request: Request) -> torch.Tensor:
         while True:
             plan = self.scheduler.schedule()
-            prepared = self.runner.prepare(plan.chunks)
-            logits = self.model.forward(prepared.batch, self.kv_cache)
-            for chunk in plan.chunks:
-                chunk.request.num_computed_tokens += chunk.num_tokens
+            logits = self.runner.forward(self.runner.prepare(plan.chunks))
+            self.scheduler.update_after_step(plan, [])  # computed, but nothing sampled
             if request.num_uncomputed_tokens == 0:
                 return logits[-1].float().cpu()
 
 
 class PhaseTimer:
-    """Adds each phase's wall time to a dict; on CUDA waits for the device so time lands right."""
+    """Adds each phase's wall time and readbacks to `EngineStats`.
 
-    def __init__(self, sink: dict[str, float], *, sync_cuda: bool) -> None:
-        self.sink = sink
+    On CUDA it can wait for the device at each phase's end, so time lands in the right phase;
+    and it can name each phase for a torch.profiler trace (`nanoserve.<phase>`).
+    """
+
+    def __init__(self, stats: EngineStats, readbacks: ReadbackCounter, *, sync_cuda: bool,
+                 label: bool) -> None:
+        self.stats = stats
+        self.readbacks = readbacks
         self.sync = sync_cuda
+        self.label = label
         self._phase = ""
-        self._start = 0.0
+        self._start_s = 0.0
+        self._start_readbacks = 0
+        self._record: record_function | None = None
 
     def __call__(self, phase: str) -> PhaseTimer:
         self._phase = phase
         return self
 
     def __enter__(self) -> None:
-        self._start = time.perf_counter()
+        if self.label:
+            self._record = record_function(f"nanoserve.{self._phase}")
+            self._record.__enter__()
+        self._start_readbacks = self.readbacks.count
+        self._start_s = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
         if self.sync:
             torch.cuda.synchronize()
-        self.sink[self._phase] += time.perf_counter() - self._start
+        self.stats.phase_s[self._phase] += time.perf_counter() - self._start_s
+        self.stats.phase_readbacks[self._phase] += self.readbacks.count - self._start_readbacks
+        if self._record is not None:
+            self._record.__exit__(*exc)
+            self._record = None

@@ -99,9 +99,7 @@ class LLM:
                 engine.abort(request_id)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
-        rendered = self.tokenizer.apply_chat_template(messages)
-        # The template writes BOS itself where the model wants one.
-        return self.generate([self.tokenizer.encode(rendered, add_bos=False)], params)[0]
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
 
     def prompt_logits(self, prompts: Sequence[Prompt]) -> torch.Tensor:
         return self.engine.prompt_logits(prompts)

@@ -1,4 +1,4 @@
-"""From a scheduler's plan to the model's flat batch, and from logits to sampled tokens.
+"""From a scheduler's plan to the model's flat batch, then logits, then sampled tokens.
 
 Owns the layout of a step: rows of single-token chunks (decodes) first, as one attention
 group, then each multi-token (prefill) chunk as a group of its own; the flat cache slot of
@@ -61,8 +61,12 @@ class ModelRunner:
         return PreparedStep(batch, self._sampling_batch(sampled),
                             [chunk.request.request_id for chunk in sampled])
 
-    def execute(self, step: PreparedStep) -> TokenBatch | None:
-        logits = self.model.forward(step.batch, self.kv_cache)
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order."""
+        return self.model.forward(step.batch, self.kv_cache)
+
+    def sample(self, logits: torch.Tensor, step: PreparedStep) -> TokenBatch | None:
+        """The step's new tokens, still on the device; None when no chunk reached its end."""
         if step.sampling is None:
             return None
         return TokenBatch(self.sampler(logits, step.sampling), step.sampled_request_ids)

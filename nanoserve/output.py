@@ -3,17 +3,21 @@
 Owns: `TokenBatch` (the step's sampled tokens, still on the device, and the request owning
 each row), the readback counter, the stop rules (EOS, stop token ids, stop strings,
 max_tokens), incremental detokenization, and `RequestOutput`, the record a caller receives.
-Refuses: reading a tensor back more than once per step.
+Refuses: reading a tensor back more than once per step; changing request state beyond its text
+(the verdict on each token goes to `Scheduler.update_after_step`, which applies it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampler import SampledTokens
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import NewToken
 from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -31,6 +35,9 @@ class HostTokens:
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+    def rows(self) -> Iterator[tuple[str, int, TokenLogprob | None]]:
+        return zip(self.request_ids, self.token_ids, self.logprobs, strict=True)
 
 
 class ReadbackCounter:
@@ -88,7 +95,7 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class OutputState:
-    """Per-request text state: the detokenizer and the stop-string matcher."""
+    """A request's text state (kept on the request): the detokenizer and the stop-string matcher."""
 
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
@@ -96,28 +103,25 @@ class OutputState:
 
 
 class OutputProcessor:
+    """Judges each new token by the stop rules and turns it into text; changes no request state
+    but the text state (`Request.output_state`): the scheduler applies the verdict."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.states: dict[str, OutputState] = {}
 
-    def add(self, request: Request) -> None:
-        params = request.params
+    def new_state(self, params: SamplingParams) -> OutputState:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
-        self.states[request.request_id] = OutputState(
-            IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop), stop_ids
-        )
+        return OutputState(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop), stop_ids)
 
-    def drop(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
-
-    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None) -> RequestOutput:
-        """Add one sampled token to `request`, apply the stop rules, return the delta."""
-        state = self.states[request.request_id]
-        request.output_ids.append(token_id)
-        text, status, stop_reason = self._advance(request, state, token_id)
-        return RequestOutput(
+    def judge(self, request: Request, token_id: int,
+              logprob: TokenLogprob | None) -> tuple[NewToken, RequestOutput]:
+        """What `token_id`, sampled for `request` and not yet appended, means: whether it ends
+        the request (for `Scheduler.update_after_step`) and the delta the caller receives."""
+        num_output = len(request.output_ids) + 1
+        text, status, stop_reason = self._advance(request, token_id, num_output)
+        output = RequestOutput(
             request_id=request.request_id,
             text=text,
             token_ids=[token_id],
@@ -126,29 +130,30 @@ class OutputProcessor:
             finish_reason=status.value if status is not None else None,
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_ids),
-            num_output_tokens=len(request.output_ids),
+            num_output_tokens=num_output,
         )
+        return NewToken(request.request_id, token_id, status), output
 
-    def _advance(self, request: Request, state: OutputState,
-                 token_id: int) -> tuple[str, RequestStatus | None, str | int | None]:
+    def _advance(self, request: Request, token_id: int,
+                 num_output: int) -> tuple[str, RequestStatus | None, str | int | None]:
         """Stop rules, in order: stop token (EOS unless ignored), stop string, max_tokens.
 
-        Neither a stop token nor a stop string completed by one of the first min_tokens tokens
-        ends the request.
+        `token_id` is output token number `num_output`. Neither a stop token nor a stop string
+        completed by one of the first min_tokens tokens ends the request.
         """
-        params = request.params
-        past_min_tokens = len(request.output_ids) > params.min_tokens
+        params, state = request.params, request.output_state
+        past_min_tokens = num_output > params.min_tokens
         if token_id in state.stop_token_ids and past_min_tokens:
             return state.stop_matcher.flush(), RequestStatus.FINISHED_STOPPED, token_id
         text = state.detokenizer.push([token_id])
-        if len(request.output_ids) >= params.max_tokens:
+        if num_output >= params.max_tokens:
             text += state.detokenizer.flush()  # release a held-back partial character
         # Text before min_tokens goes through the hold-back too, unarmed: a stop string that
         # completes there is plain text, but one straddling the boundary is still found.
         text, stopped = state.stop_matcher.feed(text, armed=past_min_tokens)
         if stopped:
             return text, RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
-        if len(request.output_ids) >= params.max_tokens:
+        if num_output >= params.max_tokens:
             return text + state.stop_matcher.flush(), RequestStatus.FINISHED_LENGTH, None
         return text, None, None
 

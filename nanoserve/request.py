@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.output import OutputState
 
 
 class RequestStatus(enum.Enum):
@@ -33,7 +37,8 @@ class Request:
     """Token ids so far, how many of them have K/V in the cache, and the blocks holding it.
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
-    is never computed yet: the next step feeds it to the model.
+    is never computed yet: the next step feeds it to the model. `output_state` is the text
+    side (detokenizer, stop-string matcher), so a live request's state is all in one place.
     """
 
     request_id: str
@@ -46,6 +51,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    output_state: OutputState | None = None
 
     @property
     def num_tokens(self) -> int:

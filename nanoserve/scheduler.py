@@ -10,11 +10,16 @@ Policy, in order, each step:
 2. Then waiting requests, first come first served, while the budget, `max_num_seqs` and the
    free blocks allow. A long prompt is split across steps (chunked prefill), so it never
    stalls the decodes already running. Nothing is admitted in a step that preempted.
+
+After the step, `update_after_step` is the one place request state moves on: computed tokens
+advance, each new token is appended, and requests the stop rules ended are finished. The
+scheduler's `requests` is the one registry of live requests; `waiting` and `running` order them.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nanoserve.block_pool import BlockPool
@@ -62,10 +67,20 @@ class SchedulerOutput:
         return not self.chunks
 
 
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """A token sampled for a request this step, and how it ends the request (None: it goes on)."""
+
+    request_id: str
+    token_id: int
+    finish: RequestStatus | None = None
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         self.config = config
         self.pool = pool
+        self.requests: dict[str, Request] = {}  # every live request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -93,11 +108,12 @@ class Scheduler:
             )
 
     def add(self, request: Request) -> None:
-        self.check_fits(len(request.prompt_ids), request.params.max_tokens)
+        """Queue a request that passed `check_fits` (the caller's admission check) under a new id."""
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -164,6 +180,17 @@ class Scheduler:
         self.pool.free(request.block_ids)
         request.block_ids = []
 
+    def update_after_step(self, plan: SchedulerOutput, new_tokens: Iterable[NewToken]) -> None:
+        """What a step changes in request state: the planned tokens are now computed, each new
+        token is appended to its request, and a request a new token ends is finished."""
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        for new in new_tokens:
+            request = self.requests[new.request_id]
+            request.output_ids.append(new.token_id)
+            if new.finish is not None:
+                self.finish(request, new.finish)
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) wherever it is; its blocks free at once."""
         if request.status is RequestStatus.RUNNING:
@@ -172,3 +199,4 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
         request.status = status
+        del self.requests[request.request_id]

@@ -87,7 +87,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; BOS first when `add_bos` (default: what the config says).
 
-        Pass add_bos=False for a rendered chat: templates place BOS themselves.
+        A chat goes through `encode_chat`, not here: its template places BOS itself.
         """
         ids = self.backend.encode(text, add_special_tokens=False).ids
         wants_bos = self.add_bos_token if add_bos is None else add_bos
@@ -113,6 +113,12 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {err}", param="messages"
             ) from err
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat, ready to generate the assistant's reply: the template rendered,
+        then encoded with no BOS added, since the template writes BOS itself where the model wants
+        one. `generate --chat`, `LLM.chat` and the server's chat endpoint all encode a chat here."""
+        return self.encode(self.apply_chat_template(messages), add_bos=False)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

@@ -2,7 +2,8 @@
 
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
 first converted into such a directory (`gguf_import`, `default_model`), so this is the one
-place weights enter the engine.
+place weights enter the engine, and the one place config.json is read: `load_weights` returns
+the `ModelConfig` beside the weights.
 """
 
 from __future__ import annotations

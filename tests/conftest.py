@@ -15,7 +15,9 @@ from tiny_model import write_tiny_llama
 
 from nanoserve.default_model import DEFAULT_DISTRIBUTION, INSTALL_COMMAND, resolve_model_dir
 
-# CI checks the repository out beside shared/, so the reference sits next to the clone.
+# CI runs .ci/run in a fresh clone of the repository with a copy of shared/ beside it: the
+# clone's parent directory holds shared/. Without it the tests that need the reference skip,
+# naming the path they looked at.
 REFERENCE_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "smollm2"
 
 

@@ -1,4 +1,5 @@
-"""bench, profile and the CI check on the tiny model: columns, readbacks, charts, usage errors.
+"""bench, profile, the closed-loop driver and the CI check on the tiny model: columns,
+readbacks, charts, usage errors, and the one percentile definition against numpy.
 
 Timings are never asserted here; the hardware probes are replaced by fixed limits so the
 tests stay fast (the probes themselves are exercised in one test with a tiny budget).
@@ -8,16 +9,23 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import cli.bench
 import cli.profile  # noqa: F401  (registers the command)
 from cli.app import app
-from nanoserve.bench import ci_check, hardware, offline
+from nanoserve.bench import ci_check, hardware, offline, serve
+from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.sampling_params import SamplingParams
 
 FIXED_LIMITS = HardwareLimits(read_gbs=20.0, peak_gflops=100.0, gflops_by_rows={1: 10.0, 2: 20.0})
 BENCH_COLUMNS = {
@@ -62,6 +70,55 @@ def test_a_request_beyond_the_slots_waits_for_one_to_finish(tiny_model_dir):
     row = frame.iloc[0]
     assert row.num_requests == 5 and row.output_tokens == 15
     assert row.mean_decode_batch <= 2
+
+
+def test_the_closed_loop_keeps_at_most_slots_in_flight_and_times_every_token(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_num_seqs=2, max_model_len=16,
+                                 num_kv_blocks=offline.kv_blocks_for(2, 16), threads=1))
+    prompts = offline.synthetic_prompts(5, 4, engine.vocab_size)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    seen = []
+    run = run_closed_loop(engine, [(p, params) for p in prompts], slots=2, on_step=seen.append)
+    assert seen == run.steps and all(step.rows <= 2 for step in run.steps)
+    for request in run.requests:
+        others_in_flight = [r for r in run.requests if r is not request
+                            and r.added_s <= request.added_s < r.finished_s]
+        assert len(others_in_flight) < 2
+        assert request.added_s < request.token_s[0] < request.token_s[1] < request.token_s[2]
+        assert request.finished_s == request.token_s[-1]
+        assert (request.num_tokens, request.num_prompt_tokens) == (3, 4)
+    assert run.output_tokens == 15 and sum(step.rows for step in run.steps) == 15
+
+
+@given(values=st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), q=st.floats(0, 100))
+@settings(max_examples=200, deadline=None)
+def test_percentile_is_numpys_default_linear_interpolation(values, q):
+    assert percentile(values, q) == pytest.approx(np.percentile(values, q), rel=1e-12, abs=1e-9)
+
+
+def test_percentile_of_nothing_is_nan_and_outside_0_to_100_is_refused():
+    assert np.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        percentile([1.0], 101)
+
+
+def test_offline_and_serve_report_the_p99_numpy_gives():
+    ttft_s = [0.01 * (i + 1) ** 2 for i in range(10)]  # p99 falls between the two slowest
+    run = RunRecord(1.0, [RequestTimes(0.0, token_s=[t, t + 0.5], finished_s=t + 0.5, num_tokens=2)
+                          for t in ttft_s])
+    expected = np.percentile([1000 * t for t in ttft_s], 99)
+    assert offline.request_metrics(run)["ttft_p99_ms"] == pytest.approx(expected)
+    streamed = [serve.as_streamed(request) for request in run.requests]
+    assert serve.summarize(streamed, run.elapsed_s)["p99_ttft_ms"] == pytest.approx(expected)
+
+
+def test_the_online_bench_offline_side_runs_every_prompt_through_the_driver(tiny_model_dir):
+    runner = serve.OfflineRunner({"model": str(tiny_model_dir), "device": "cpu", "max_model_len": 128,
+                                  "max_num_seqs": 2, "num_kv_blocks": offline.kv_blocks_for(2, 128),
+                                  "threads": 1})
+    metrics = runner.run(serve.Workload(num_prompts=3, input_len=4, output_len=3).prompts(), 3, 2)
+    assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (3, 0, 9)
+    assert metrics["median_itl_ms"] > 0 and metrics["p99_e2el_ms"] >= metrics["p99_ttft_ms"]
 
 
 def test_sampling_mixes_cycle_per_row_and_seed_only_sampled_rows():
@@ -149,17 +206,6 @@ def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collec
     assert (frame[[f"{p}_readbacks" for p in PROFILE_PHASES if p != "collect"]] == 0).all().all()
     assert "nanoserve.forward" in trace.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
-
-
-def test_profile_leaves_the_engine_as_it_found_it(tiny_model_dir):
-    from nanoserve.bench.profile import PhaseProbe, ProfileSpec, build_engine
-
-    engine = build_engine(ProfileSpec(batch_sizes=(1,), model=str(tiny_model_dir), device="cpu"))
-    sampler, schedule = engine.runner.sampler, engine.scheduler.schedule
-    with PhaseProbe(engine).installed():
-        assert engine.runner.sampler is not sampler
-    assert engine.runner.sampler is sampler and engine.scheduler.schedule == schedule
-    assert "_collect" not in vars(engine) and "execute" not in vars(engine.runner)
 
 
 def test_ci_check_passes_above_its_floors_and_fails_below_them(tiny_model_dir, tmp_path, capsys):

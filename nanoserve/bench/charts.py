@@ -1,8 +1,10 @@
-"""PNG charts of the bench and profile CSVs (matplotlib, Agg: no display needed).
+"""PNG charts of the bench, profile and syncbench CSVs (matplotlib, Agg: no display needed).
 
 Owns: tokens/s against slots (one line per sampling mix, the baseline dashed in the same
-colour, the roofline dotted), and the stacked per-phase cost of a decode step per batch size.
-Refuses: computing figures; it draws the columns `offline` and `profile` wrote.
+colour, the roofline dotted), the stacked per-phase cost of a decode step per batch size, and
+the sampling step's time against rows (the batched sampler solid, the per-row loop dashed in
+the same colour); the machine line under every title; writing the PNG.
+Refuses: computing figures; it draws the columns `offline`, `profile` and `syncbench` wrote.
 """
 
 from __future__ import annotations
@@ -104,6 +106,29 @@ def phase_chart(frame: pd.DataFrame, path: Path) -> Path:
                  f"{first.input_len}, {first.output_len} new tokens\n{machine_line(frame)}", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def syncbench_chart(frame: pd.DataFrame, path: Path) -> Path:
+    """Milliseconds per sampling step against rows: the batched sampler beside the per-row loop."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for colour, (mix, group) in zip(colours, frame.groupby("mix", sort=False), strict=False):
+        group = group.sort_values("rows")
+        ax.plot(group.rows, group.engine_ms, marker="o", color=colour, label=f"batched sampler, {mix}")
+        ax.plot(group.rows, group.baseline_ms, marker="s", linestyle="--", color=colour, alpha=0.8,
+                label=f"per-row loop, {mix}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    rows = sorted(frame.rows.unique())
+    ax.set_xticks(rows, [str(r) for r in rows])
+    ax.set_xlabel("rows in the step")
+    ax.set_ylabel("ms per sampling step (median, incl. readback)")
+    first = frame.iloc[0]
+    ax.set_title(f"syncbench: vocab {first.vocab}, {first.logits_source} logits, {first['dtype']}\n"
+                 f"{machine_line(frame)}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
 
 

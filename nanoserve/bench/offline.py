@@ -1,29 +1,38 @@
-"""The offline bench: synthetic workloads, a closed-loop driver with N slots, per-config metrics.
+"""The offline bench: synthetic workloads through the closed-loop driver, per-config metrics.
 
 Owns: prompts of exactly `input_len` token ids, the sampling mixes (greedy, top_p, top_k and
-mixed per row), driving `Engine.step` with at most `slots` requests in flight (a finished one
-is replaced by the next waiting one), the timers behind every figure (tokens/s, requests/s,
-time to first token, time per output token, decode step time, readbacks per step, peak
-memory), the roofline columns (achieved GB/s and GFLOP/s against the probes of
-`hardware`), and Hugging Face transformers' `generate` on the same workload, in the same run.
-Refuses: printing, progress bars and file formats (the CLI and `charts` do those).
+mixed per row), the sweep (each config run through `driver.run_closed_loop` with `slots`
+requests in flight), the figures made from its timings (tokens/s, requests/s, time to first
+token, time per output token, decode step time, readbacks per step, peak memory), the roofline
+columns (achieved GB/s and GFLOP/s against the probes of `hardware`), and Hugging Face
+transformers' `generate` on the same workload, in the same run.
+Refuses: printing, progress bars and file formats (the CLI and `charts` do those), and timing
+the engine itself (`driver` does).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from nanoserve.bench.driver import (
+    RequestTimes,
+    RunRecord,
+    StepRecord,
+    latency_ms,
+    percentile,
+    run_closed_loop,
+)
 from nanoserve.bench.hardware import HardwareLimits, Machine, PeakMemory, describe_machine, probe_limits
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.engine import DTYPES, Engine
 from nanoserve.sampling_params import SamplingParams
 
 # Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
@@ -34,7 +43,6 @@ SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {
 }
 PARAM_MIXES = (*SAMPLING_SETTINGS, "mixed")  # mixed: rows cycle greedy, top_p, top_k
 BASELINES = ("transformers",)
-DTYPES = ("float32", "bfloat16", "float16")
 SEED_BASE = 1234
 
 
@@ -96,48 +104,9 @@ class BenchConfig:
         return f"{self.engine} {self.dtype}{kernels}: {self.slots} slots, {self.params}"
 
 
-@dataclass(slots=True)
-class RequestTimes:
-    added_s: float
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    num_tokens: int = 0
-
-
-@dataclass(slots=True)
-class StepRecord:
-    seconds: float
-    rows: int
-    is_decode: bool
-    readbacks: int
-    flops: float  # forward FLOPs of the rows, at each row's context length
-
-
-@dataclass(slots=True)
-class RunRecord:
-    """Everything one timed run of one config saw."""
-
-    elapsed_s: float
-    requests: list[RequestTimes]
-    steps: list[StepRecord] = field(default_factory=list)
-    peak_memory_mib: float = float("nan")
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-
-def _percentiles(prefix: str, values_s: Sequence[float]) -> dict[str, float]:
-    if not values_s:
-        return {f"{prefix}_{name}_ms": float("nan") for name in ("mean", "median", "p99")}
-    ms = sorted(1000 * v for v in values_s)
-    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
-    return {f"{prefix}_mean_ms": statistics.fmean(ms), f"{prefix}_median_ms": statistics.median(ms),
-            f"{prefix}_p99_ms": p99}
+def _latency_columns(prefix: str, values_s: Sequence[float]) -> dict[str, float]:
+    """`{prefix}_mean_ms`, `_median_ms` and `_p99_ms`, as `driver.latency_ms` defines them."""
+    return {f"{prefix}_{stat}_ms": value for stat, value in latency_ms(values_s).items() if stat != "std"}
 
 
 def request_metrics(run: RunRecord) -> dict[str, float]:
@@ -151,8 +120,8 @@ def request_metrics(run: RunRecord) -> dict[str, float]:
         "elapsed_s": run.elapsed_s,
         "output_tokens_per_s": run.tokens_per_s,
         "requests_per_s": len(run.requests) / run.elapsed_s,
-        **_percentiles("ttft", ttft),
-        **_percentiles("tpot", tpot),
+        **_latency_columns("ttft", ttft),
+        **_latency_columns("tpot", tpot),
         "peak_memory_mib": run.peak_memory_mib,
     }
 
@@ -169,6 +138,10 @@ class ModelCost:
         element = torch.tensor([], dtype=dtype).element_size()
         return cls(model_config.matmul_params * element, model_config.flops_per_token)
 
+    def step_flops(self, step: StepRecord) -> float:
+        """Forward FLOPs of a step's rows, each at its own context length."""
+        return sum(self.flops_per_token_at(length) for length in step.context_lens)
+
 
 def step_metrics(run: RunRecord, cost: ModelCost, limits: HardwareLimits) -> dict[str, float]:
     """Decode-step figures read against the roofline: achieved GB/s and GFLOP/s beside the limits."""
@@ -184,7 +157,8 @@ def step_metrics(run: RunRecord, cost: ModelCost, limits: HardwareLimits) -> dic
     decode_s = sum(s.seconds for s in decodes)
     rows = sum(s.rows for s in decodes)
     batch = rows / len(decodes)
-    flops_per_step = sum(s.flops for s in decodes) / len(decodes)
+    decode_flops = sum(cost.step_flops(s) for s in decodes)
+    flops_per_step = decode_flops / len(decodes)
     memory_limit_s = cost.weight_bytes / (limits.read_gbs * 1e9)
     compute_limit_s = flops_per_step / (limits.peak_gflops * 1e9)
     step_s = decode_s / len(decodes)
@@ -192,10 +166,10 @@ def step_metrics(run: RunRecord, cost: ModelCost, limits: HardwareLimits) -> dic
         "readbacks_per_decode_step": sum(s.readbacks for s in decodes) / len(decodes),
         "mean_decode_batch": batch,
         "decode_step_ms": 1000 * step_s,
-        "decode_step_median_ms": 1000 * statistics.median(s.seconds for s in decodes),
+        "decode_step_median_ms": 1000 * percentile((s.seconds for s in decodes), 50),
         "decode_tokens_per_s": rows / decode_s,
         "achieved_read_gbs": cost.weight_bytes * len(decodes) / decode_s / 1e9,
-        "achieved_gflops": sum(s.flops for s in decodes) / decode_s / 1e9,
+        "achieved_gflops": decode_flops / decode_s / 1e9,
         "memory_limit_step_ms": 1000 * memory_limit_s,
         "compute_limit_step_ms": 1000 * compute_limit_s,
         "roofline_decode_tokens_per_s": batch / max(memory_limit_s, compute_limit_s),
@@ -205,55 +179,18 @@ def step_metrics(run: RunRecord, cost: ModelCost, limits: HardwareLimits) -> dic
 
 
 class EngineRunner:
-    """Drives one nanoserve `Engine` through a workload with at most `slots` requests in flight."""
+    """One nanoserve `Engine`, its decode cost and its peak memory, run through `run_closed_loop`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from nanoserve.engine import Engine
-
         self.engine = Engine(config)
         self.cost = ModelCost.of(self.engine.model_config, self.engine.dtype)
         self.peak = PeakMemory(self.engine.device)
 
     def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], slots: int) -> RunRecord:
-        engine = self.engine
-        waiting = list(zip(prompts, params, strict=True))[::-1]
-        times: dict[str, RequestTimes] = {}
         self.peak.reset()
-        start = time.perf_counter()
-        for _ in range(min(slots, len(waiting))):
-            self._admit(waiting.pop(), times)
-        steps = []
-        while engine.has_unfinished():
-            step, finished = self._step(times)
-            steps.append(step)
-            for _ in range(min(finished, len(waiting))):
-                self._admit(waiting.pop(), times)
-        elapsed = time.perf_counter() - start
-        return RunRecord(elapsed, list(times.values()), steps, self.peak.peak_mib())
-
-    def _admit(self, item: tuple[list[int], SamplingParams], times: dict[str, RequestTimes]) -> None:
-        added = time.perf_counter()
-        times[self.engine.add_request(*item)] = RequestTimes(added)
-
-    def _step(self, times: dict[str, RequestTimes]) -> tuple[StepRecord, int]:
-        engine = self.engine
-        readbacks, decode_steps = engine.readbacks.count, engine.stats.decode_steps
-        start = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
-        finished = flops = 0
-        for output in outputs:
-            record = times[output.request_id]
-            record.num_tokens += len(output.token_ids)
-            if record.first_token_s is None:
-                record.first_token_s = now
-            if output.finished:
-                record.finished_s = now
-                finished += 1
-            flops += self.cost.flops_per_token_at(output.num_prompt_tokens + output.num_output_tokens - 1)
-        step = StepRecord(now - start, len(outputs), engine.stats.decode_steps > decode_steps,
-                          engine.readbacks.count - readbacks, flops)
-        return step, finished
+        run = run_closed_loop(self.engine, zip(prompts, params, strict=True), slots)
+        run.peak_memory_mib = self.peak.peak_mib()
+        return run
 
 
 class TransformersRunner:
@@ -271,7 +208,7 @@ class TransformersRunner:
         hf_logging.disable_progress_bar()
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
+            model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").to(device).eval()
         self.pad_token_id = self.model.config.eos_token_id
         if isinstance(self.pad_token_id, list):
             self.pad_token_id = self.pad_token_id[0]
@@ -293,7 +230,8 @@ class TransformersRunner:
                                           **self._generate_kwargs(mix, output_len))
             done = time.perf_counter()
             new_tokens = out.shape[1] - batch.shape[1]
-            requests += [RequestTimes(added, None, done, new_tokens) for _ in range(batch.shape[0])]
+            requests += [RequestTimes(added, finished_s=done, num_tokens=new_tokens)
+                         for _ in range(batch.shape[0])]
         return RunRecord(time.perf_counter() - start, requests, [], self.peak.peak_mib())
 
     def _generate_kwargs(self, mix: str, output_len: int) -> dict[str, object]:
@@ -382,7 +320,7 @@ class Sweep:
                 self.baseline(config.dtype)
         first = next(iter(self._engines.values())).engine
         machine = describe_machine(first.device)
-        limits = probe_limits(first.device, dtype=getattr(torch, self.spec.dtypes[0]), rows=self.spec.slots,
+        limits = probe_limits(first.device, dtype=DTYPES[self.spec.dtypes[0]], rows=self.spec.slots,
                               kernel=first.kernel_choice.kernel)
         rows = []
         for group in _side_by_side(configs):
@@ -486,7 +424,7 @@ def paired_ratio(row: object, reference: object) -> float:
     load burst that hit both; the ratio of the two medians when the runs are not recorded."""
     ours, theirs = _runs(row), _runs(reference)
     if ours and len(ours) == len(theirs):
-        return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+        return percentile((a / b for a, b in zip(ours, theirs, strict=True)), 50)
     return row.output_tokens_per_s / reference.output_tokens_per_s
 
 

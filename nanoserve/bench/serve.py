@@ -7,12 +7,13 @@ async streaming of /v1/completions with usage; Poisson arrivals or all at once; 
 (`mean_ttft_ms`, `median_tpot_ms`, `p99_itl_ms`, `output_throughput`, `request_throughput`,
 `completed`, `failed`, ...), starting a `nanoserve serve` process on a loopback port when asked,
 and the offline figure: the same prompts and parameters through one in-process engine with
-the same number of requests in flight.
+the same number of requests in flight (driven by `driver.run_closed_loop`).
 Refuses: printing and file formats beyond one CSV (the CLI does those); asserting timings.
 
 Definitions (vLLM's): TTFT is from sending the request to its first streamed token; ITL is
 the time between consecutive streamed chunks; TPOT is (E2EL - TTFT) / (output tokens - 1);
-E2EL is from sending to the last byte; throughputs divide by the wall time of the whole pass.
+E2EL is from sending to the last byte; throughputs divide by the wall time of the whole pass;
+mean, median, std and p99 are `driver.latency_ms`'s (p99 by linear interpolation, as numpy).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import math
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from nanoserve.bench.driver import RequestTimes, latency_ms, run_closed_loop
 
 # Common English words: with SmolLM2's tokenizer nearly every " word" is one token.
 WORDS_TEXT = """
@@ -185,19 +187,8 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
 
 
 def percentiles_ms(name: str, values_s: Sequence[float]) -> dict[str, float]:
-    if not values_s:
-        return {f"{kind}_{name}_ms": math.nan for kind in ("mean", "median", "std", "p99")}
-    ms = sorted(1000 * value for value in values_s)
-    return {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
-            f"std_{name}_ms": statistics.pstdev(ms), f"p99_{name}_ms": percentile(ms, 99)}
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    position = (len(sorted_values) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+    """`mean_{name}_ms`, `median_`, `std_` and `p99_`: vLLM's key names for `latency_ms`."""
+    return {f"{stat}_{name}_ms": value for stat, value in latency_ms(values_s).items()}
 
 
 # -- the offline engine on the same workload ------------------------------------------------------
@@ -215,44 +206,18 @@ class OfflineRunner:
     def run(self, prompts: Sequence[str], output_len: int, concurrency: int) -> dict[str, float | int]:
         from nanoserve.sampling_params import SamplingParams
 
-        engine = self.llm.engine
         self.llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        queue = list(prompts)[::-1]
-        sent: dict[str, float] = {}
-        results: dict[str, RequestResult] = {}
-        start = time.perf_counter()
+        run = run_closed_loop(self.llm.engine, [(prompt, params) for prompt in prompts], concurrency)
+        return summarize([as_streamed(times) for times in run.requests], run.elapsed_s)
 
-        def admit() -> None:
-            request_id = engine.add_request(queue.pop(), params)
-            sent[request_id] = time.perf_counter()
-            results[request_id] = RequestResult()
 
-        for _ in range(min(concurrency, len(queue))):
-            admit()
-        last: dict[str, float] = {}
-        while engine.has_unfinished():
-            outputs = engine.step()
-            now = time.perf_counter()
-            for output in outputs:
-                self._record(results[output.request_id], output, now, sent[output.request_id],
-                             last.get(output.request_id))
-                last[output.request_id] = now
-                if output.finished and queue:
-                    admit()
-        return summarize(list(results.values()), time.perf_counter() - start)
-
-    @staticmethod
-    def _record(result: RequestResult, output, now: float, sent_s: float, last_s: float | None) -> None:
-        if last_s is None:
-            result.ttft_s = now - sent_s
-        else:
-            result.itl_s.append(now - last_s)
-        result.output_tokens = output.num_output_tokens
-        result.prompt_tokens = output.num_prompt_tokens
-        if output.finished:
-            result.e2el_s = now - sent_s
-            result.success = True
+def as_streamed(times: RequestTimes) -> RequestResult:
+    """A request the driver ran to completion, as a streaming client would have timed it: each
+    step's token is one chunk, and the request was sent when it was added."""
+    return RequestResult(success=True, prompt_tokens=times.num_prompt_tokens, output_tokens=times.num_tokens,
+                         ttft_s=times.token_s[0] - times.added_s, itl_s=times.inter_token_s,
+                         e2el_s=times.finished_s - times.added_s)
 
 
 # -- a server to measure --------------------------------------------------------------------------

@@ -4,27 +4,24 @@ Owns: the sampling mixes of the sweep, a [rows, vocab] logits batch made from on
 per-row loop a naive engine would run (kept here as the baseline only: each row's filters in
 plain torch with a full sort for top_p, `torch.multinomial` with its own `torch.Generator`,
 one `.item()` per row), the timing of both in the same run, readbacks counted per step, and
-the CSV and PNG written to results/. Refuses: asserting timings and printing (the CLI does).
+the CSV written to results/ with its chart beside it. Refuses: asserting timings, printing
+(the CLI does) and drawing (`charts.syncbench_chart` does).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch import Tensor
 
+from nanoserve.bench import charts
+from nanoserve.bench.driver import percentile
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.sampler import BatchedSampler, SamplingBatch, SamplingRow
 from nanoserve.sampling_params import SamplingParams
@@ -159,7 +156,7 @@ class StepTimes:
 
     @property
     def median_ms(self) -> float:
-        return statistics.median(self.times_s) * 1e3
+        return percentile(self.times_s, 50) * 1e3
 
     @property
     def readbacks_per_step(self) -> float:
@@ -213,30 +210,5 @@ def write_syncbench_outputs(frame: pd.DataFrame, out_dir: Path) -> tuple[Path, P
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = out_dir / "syncbench.csv", out_dir / "syncbench.png"
     frame.to_csv(csv_path, index=False)
-    _chart(frame, png_path)
+    charts.syncbench_chart(frame, png_path)
     return csv_path, png_path
-
-
-def _chart(frame: pd.DataFrame, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for colour, (mix, group) in zip(colours, frame.groupby("mix", sort=False), strict=False):
-        group = group.sort_values("rows")
-        ax.plot(group.rows, group.engine_ms, marker="o", color=colour, label=f"batched sampler, {mix}")
-        ax.plot(group.rows, group.baseline_ms, marker="s", linestyle="--", color=colour, alpha=0.8,
-                label=f"per-row loop, {mix}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    rows = sorted(frame.rows.unique())
-    ax.set_xticks(rows, [str(r) for r in rows])
-    ax.set_xlabel("rows in the step")
-    ax.set_ylabel("ms per sampling step (median, incl. readback)")
-    first = frame.iloc[0]
-    ax.set_title(f"syncbench: vocab {first.vocab}, {first.logits_source} logits, {first['dtype']}\n"
-                 f"{first.cpu_model if first.device == 'cpu' else first.device_name}, "
-                 f"{first.threads} threads, torch {first.torch_version}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -139,9 +139,8 @@ def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
     with refusals_as_400(body):
-        text = engine.tokenizer.apply_chat_template(messages)
-    # Chat templates place BOS themselves; encoding must not add a second one.
-    return _encode(engine, body, engine.tokenizer.encode(text, add_bos=False), "messages")
+        prompt_ids = engine.tokenizer.encode_chat(messages)
+    return _encode(engine, body, prompt_ids, "messages")
 
 
 def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:
