@@ -30,7 +30,7 @@ def _mix(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    from nanoserve.bench.offline import DTYPES
+    from nanoserve.engine import DTYPES
 
     if text not in DTYPES:
         raise ValueError(f"{text!r} is not one of {', '.join(DTYPES)}")
