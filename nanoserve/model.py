@@ -49,6 +49,16 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class PositionPlan:
+    """The batch-invariant attention's view of a step: every row is a query position that
+    attends over its own sequence's whole context, whatever group it came in."""
+
+    block_tables: torch.Tensor  # [seqs, blocks]: every sequence of the step, padded alike
+    seq_of_row: torch.Tensor | None  # [rows] each row's sequence; None when row i is sequence i
+    visible: torch.Tensor  # [1, rows, 1, ctx] bool: the slots up to each row's position
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
@@ -211,18 +221,20 @@ class Llama:
         """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`."""
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
-        masks = [self._group_mask(group, kv_cache.block_size) for group in batch.groups]
+        # Built once per step, used by every layer.
+        plan = (self._position_plan(batch, kv_cache.block_size) if self.batch_invariant
+                else [self._group_mask(group, kv_cache.block_size) for group in batch.groups])
         hidden = F.embedding(batch.input_ids, self.weights.embed)
         for index, layer in enumerate(self.weights.layers):
             normed = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
-            hidden = hidden + self._attention_block(index, layer, normed, cos, sin, batch, masks, kv_cache)
+            hidden = hidden + self._attention_block(index, layer, normed, cos, sin, batch, plan, kv_cache)
             normed = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
             hidden = hidden + self._mlp(layer, normed)
         last = rms_norm(hidden[batch.logits_rows], self.weights.norm, self.config.rms_norm_eps)
         return self.linear(last, self.weights.lm_head).float()
 
     def _attention_block(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, batch: ForwardBatch, masks: list[torch.Tensor],
+                         sin: torch.Tensor, batch: ForwardBatch, plan: PositionPlan | list[torch.Tensor],
                          kv_cache: KVCache) -> torch.Tensor:
         cfg = self.config
         qkv = self.linear(x, layer.qkv)
@@ -232,26 +244,24 @@ class Llama:
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         kv_cache.write(index, batch.slot_mapping, k, v)
-        if len(batch.groups) == 1:  # the common decode step: no need to stitch groups together
-            out = self._attend_group(index, batch.groups[0], q, masks[0], kv_cache)
+        if isinstance(plan, PositionPlan):
+            out = self._attend_by_position(index, q, plan, kv_cache)
+        elif len(batch.groups) == 1:  # the common decode step: no need to stitch groups together
+            out = self._attend_group(index, batch.groups[0], q, plan[0], kv_cache)
         else:
             out = torch.empty_like(q)
-            for group, mask in zip(batch.groups, masks, strict=True):
+            for group, mask in zip(batch.groups, plan, strict=True):
                 rows = slice(group.row_start, group.row_start + group.num_seqs * group.rows_per_seq)
                 out[rows] = self._attend_group(index, group, q[rows], mask, kv_cache)
         return self.linear(out.reshape(-1, self.q_size), layer.o)
 
     def _attend_group(self, index: int, group: AttentionGroup, q: torch.Tensor, mask: torch.Tensor,
                       kv_cache: KVCache) -> torch.Tensor:
-        """q [seqs*rows, heads, d] -> same shape; query heads folded onto their shared K/V head."""
+        """Plain attention (SDPA) of one group: q [seqs*rows, heads, d] -> same shape."""
         cfg = self.config
         seqs, rows = group.num_seqs, group.rows_per_seq
         per_kv = cfg.num_heads // cfg.num_kv_heads
         k, v = kv_cache.gather(index, group.block_tables)  # [kv_heads, seqs, ctx, d]
-        if self.batch_invariant:
-            q = q.view(-1, cfg.num_kv_heads, per_kv, cfg.head_dim).transpose(0, 1)
-            out = self._attend_by_position(q, k, v, mask, rows)  # [kv_heads, positions, per_kv, d]
-            return out.transpose(0, 1).reshape(seqs * rows, cfg.num_heads, cfg.head_dim)
         # SDPA's two batch dimensions taken as (kv_heads, seqs), the cache's own order.
         q = q.view(seqs, rows, cfg.num_kv_heads, per_kv, cfg.head_dim)
         q = q.permute(2, 0, 3, 1, 4).reshape(cfg.num_kv_heads, seqs, per_kv * rows, cfg.head_dim)
@@ -259,29 +269,50 @@ class Llama:
         out = out.view(cfg.num_kv_heads, seqs, per_kv, rows, cfg.head_dim).permute(1, 3, 0, 2, 4)
         return out.reshape(seqs * rows, cfg.num_heads, cfg.head_dim)
 
-    def _attend_by_position(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                            rows_per_seq: int) -> torch.Tensor:
-        """Every query position attends as a decode row would: q [kv_heads, positions, per_kv, d]."""
-        if rows_per_seq == 1:  # decode rows: each sequence is one position already
-            return position_attention(q, k, v, visible, self.scale)
-        seq_of_position = torch.arange(k.shape[1], device=k.device).repeat_interleave(rows_per_seq)
-        per_round = max(1, POSITION_KV_COPY_BYTES // (k[:, 0].numel() * k.element_size()))
-        outs = []
-        for start in range(0, q.shape[1], per_round):
-            seqs = seq_of_position[start : start + per_round]
-            outs.append(position_attention(q[:, start : start + per_round], k.index_select(1, seqs),
-                                           v.index_select(1, seqs), visible[:, start : start + per_round],
-                                           self.scale))
-        return torch.cat(outs, dim=1)
+    def _attend_by_position(self, index: int, q: torch.Tensor, plan: PositionPlan,
+                            kv_cache: KVCache) -> torch.Tensor:
+        """Every row attends as a decode row would: q [rows, heads, d] -> same shape.
+
+        Decode rows use their sequence's gathered context as it is; when a sequence has several
+        rows (a prefill chunk), each row gets its own copy of the context, in rounds of at most
+        POSITION_KV_COPY_BYTES, so all rows run through one kernel shape.
+        """
+        cfg = self.config
+        rows, per_kv = q.shape[0], cfg.num_heads // cfg.num_kv_heads
+        k, v = kv_cache.gather(index, plan.block_tables)  # [kv_heads, seqs, ctx, d]
+        q = q.view(rows, cfg.num_kv_heads, per_kv, cfg.head_dim).transpose(0, 1)
+        if plan.seq_of_row is None:
+            out = position_attention(q, k, v, plan.visible, self.scale)
+        else:
+            per_round = max(1, POSITION_KV_COPY_BYTES // (k[:, 0].numel() * k.element_size()))
+            outs = []
+            for start in range(0, rows, per_round):
+                seqs = plan.seq_of_row[start : start + per_round]
+                outs.append(position_attention(q[:, start : start + per_round], k.index_select(1, seqs),
+                                               v.index_select(1, seqs),
+                                               plan.visible[:, start : start + per_round], self.scale))
+            out = torch.cat(outs, dim=1)
+        return out.transpose(0, 1).reshape(rows, cfg.num_heads, cfg.head_dim)
+
+    def _position_plan(self, batch: ForwardBatch, block_size: int) -> PositionPlan:
+        groups = batch.groups
+        width = max(group.block_tables.shape[1] for group in groups)
+        tables = torch.cat([F.pad(g.block_tables, (0, width - g.block_tables.shape[1])) for g in groups])
+        seq_of_row = None
+        if any(group.rows_per_seq > 1 for group in groups):
+            rows_per_seq = torch.tensor([g.rows_per_seq for g in groups for _ in range(g.num_seqs)],
+                                        device=tables.device)
+            seq_of_row = torch.arange(tables.shape[0], device=tables.device).repeat_interleave(rows_per_seq)
+        ctx = width * block_size
+        # Groups hold their rows in batch order, so batch.positions is each row's position.
+        visible = torch.arange(ctx, device=tables.device).view(1, ctx) <= batch.positions.view(-1, 1)
+        return PositionPlan(tables, seq_of_row, visible.view(1, -1, 1, ctx))
 
     def _group_mask(self, group: AttentionGroup, block_size: int) -> torch.Tensor:
-        """Which context slots each query row sees (those up to its position), in the layout of the
-        attention used: [1, positions, 1, ctx] by position, [1, seqs, per_kv * rows, ctx] plain."""
+        """[1, seqs, per_kv * rows, ctx] bool: a query row sees the context up to its position."""
         ctx = group.block_tables.shape[1] * block_size
         slots = torch.arange(ctx, device=group.positions.device)
         visible = slots.view(1, 1, ctx) <= group.positions.unsqueeze(-1)  # [seqs, rows, ctx]
-        if self.batch_invariant:
-            return visible.view(1, -1, 1, ctx)
         per_kv = self.config.num_heads // self.config.num_kv_heads
         return visible.unsqueeze(1).expand(-1, per_kv, -1, -1).reshape(1, group.num_seqs, -1, ctx)
 
