@@ -69,12 +69,7 @@ def throughput_chart(frame: pd.DataFrame, path: Path) -> Path:
         roof = ours.groupby("slots").roofline_decode_tokens_per_s.max().sort_index()
         ax.plot(roof.index, roof.values, linestyle=":", color="black",
                 label="decode roofline (measured read GB/s, GEMM peak)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    slots = sorted(frame.slots.unique())
-    ax.set_xticks(slots, [str(s) for s in slots])
-    ax.set_xlabel("concurrent requests (slots)")
-    ax.set_ylabel("output tokens/s")
+    _log_axes(ax, frame.slots, "concurrent requests (slots)", "output tokens/s")
     first = frame.iloc[0]
     ax.set_title(f"nanoserve offline: prompt {first.input_len}, {first.output_len} new tokens, EOS ignored\n"
                  f"{machine_line(frame)}; measured {frame.measured_read_gbs.median():.1f} GB/s read, "
@@ -118,18 +113,23 @@ def syncbench_chart(frame: pd.DataFrame, path: Path) -> Path:
         ax.plot(group.rows, group.engine_ms, marker="o", color=colour, label=f"batched sampler, {mix}")
         ax.plot(group.rows, group.baseline_ms, marker="s", linestyle="--", color=colour, alpha=0.8,
                 label=f"per-row loop, {mix}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    rows = sorted(frame.rows.unique())
-    ax.set_xticks(rows, [str(r) for r in rows])
-    ax.set_xlabel("rows in the step")
-    ax.set_ylabel("ms per sampling step (median, incl. readback)")
+    _log_axes(ax, frame.rows, "rows in the step", "ms per sampling step (median, incl. readback)")
     first = frame.iloc[0]
     ax.set_title(f"syncbench: vocab {first.vocab}, {first.logits_source} logits, {first['dtype']}\n"
                  f"{machine_line(frame)}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
+
+
+def _log_axes(ax: plt.Axes, x_values: pd.Series, xlabel: str, ylabel: str) -> None:
+    """Powers-of-two x ticks at the measured values, a log y axis: how every sweep is read."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted(x_values.unique())
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
