@@ -9,7 +9,6 @@ Refuses: printing and file formats beyond the trace (the CLI and `charts` do tho
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
+from nanoserve.bench.driver import StepRecord, run_closed_loop
 from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
 from nanoserve.engine import PHASES, Engine
@@ -32,22 +32,23 @@ class StepCost:
 
 
 def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: int) -> list[StepCost]:
-    """Run the prompts to completion; the cost of each decode step."""
-    for row, prompt in enumerate(prompts):
-        engine.add_request(prompt, sampling_params(mix, row, output_len))
+    """Run the prompts to completion through the bench's one driver; the cost of each decode
+    step, as the differences of the engine's own per-phase counters across it."""
     stats = engine.stats
     costs = []
-    while engine.has_unfinished():
-        before_s, before_readbacks = dict(stats.phase_s), dict(stats.phase_readbacks)
-        decode_steps = stats.decode_steps
-        start = time.perf_counter()
-        outputs = engine.step()
-        wall = time.perf_counter() - start
-        if stats.decode_steps == decode_steps:
-            continue
-        phase_s = {p: stats.phase_s[p] - before_s[p] for p in PHASES}
-        readbacks = {p: stats.phase_readbacks[p] - before_readbacks[p] for p in PHASES}
-        costs.append(StepCost(wall, phase_s, readbacks, len(outputs)))
+    before = (dict(stats.phase_s), dict(stats.phase_readbacks))
+
+    def on_step(step: StepRecord) -> None:
+        nonlocal before
+        after = (dict(stats.phase_s), dict(stats.phase_readbacks))
+        if step.is_decode:
+            phase_s = {p: after[0][p] - before[0][p] for p in PHASES}
+            readbacks = {p: after[1][p] - before[1][p] for p in PHASES}
+            costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows))
+        before = after
+
+    work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
+    run_closed_loop(engine, work, slots=len(work), on_step=on_step)
     return costs
 
 
