@@ -138,7 +138,7 @@ class Engine:
                                    batch_invariant=cfg.batch_invariant, forced=cfg.linear_kernel,
                                    cache_path=cache_root() / "linear_kernels.json")
         except KernelUnavailableError as error:
-            raise InvalidRequestError(str(error), param="linear_kernel") from error
+            raise InvalidRequestError(str(error), param=error.option) from error
         if cfg.batch_invariant and not choice.batch_invariant:
             log.warning("no batch-invariant linear kernel on this machine: a request's tokens may "
                         "depend on what shares its steps")

@@ -139,7 +139,12 @@ class KernelChoice:
 
 
 class KernelUnavailableError(ValueError):
-    """A forced kernel this machine cannot run, or that fails the self-test it was asked to pass."""
+    """A forced kernel this machine cannot run, or that fails the self-test it was asked to pass;
+    or no kernel at all for this dtype here. `option` names the setting to change."""
+
+    def __init__(self, message: str, option: str = "linear_kernel") -> None:
+        super().__init__(message)
+        self.option = option
 
 
 def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, prefill_rows: int,
@@ -153,6 +158,7 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
             raise KernelUnavailableError(
                 f"{forced!r} is not a linear kernel for {device.type} here; choose from {', '.join(names)}")
         candidates = [KERNELS[forced]]
+    candidates = _runnable(candidates, shape.layers[0][0], forced)
     key = _cache_key(shape, device, max_rows, prefill_rows)
     cached = _read_cache(cache_path, key)
     verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
@@ -186,6 +192,25 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
         _write_cache(cache_path, key, verdicts)
     reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
+
+
+def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str | None) -> list[LinearKernel]:
+    """The candidates that can multiply this dtype on this machine at all (oneDNN refuses
+    float16 on CPUs without AVX512-FP16, for one), tried on one real weight."""
+    refused = {}
+    for kernel in candidates:
+        try:
+            kernel.apply(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device),
+                         kernel.pack(weight))
+        except RuntimeError as error:
+            refused[kernel.name] = str(error).splitlines()[0]
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if forced is not None and forced in refused:
+        raise KernelUnavailableError(f"{forced!r} cannot run {dtype} on this machine: {refused[forced]}")
+    if len(refused) == len(candidates):
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise KernelUnavailableError(f"no linear kernel runs {dtype} on this machine ({reasons})", "dtype")
+    return [k for k in candidates if k.name not in refused]
 
 
 def time_kernel(kernel: LinearKernel, layers: list[list[torch.Tensor]], rows: Iterable[int],

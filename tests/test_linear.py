@@ -118,3 +118,28 @@ def test_forcing_a_kernel_that_fails_the_self_test_is_refused_when_invariance_is
     plain = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=16, batch_invariant=False,
                           forced="skewed")
     assert plain.kernel is SKEWED and plain.reason.startswith("forced")
+
+
+def refusing(x, weight):
+    raise RuntimeError("this CPU lacks the instructions for that dtype")
+
+
+REFUSING = LinearKernel("refusing", "test only", lambda w: w, refusing, ("cpu",))
+
+
+def test_a_kernel_that_cannot_run_the_dtype_is_left_out_not_crashed_on(monkeypatch, tmp_path):
+    monkeypatch.setitem(KERNELS, "refusing", REFUSING)
+    choice = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=True,
+                           cache_path=tmp_path / "kernels.json")
+    assert "refusing" not in choice.verdicts and choice.kernel.name != "refusing"
+    with pytest.raises(KernelUnavailableError, match="cannot run float32 on this machine") as forced:
+        choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
+                      forced="refusing")
+    assert forced.value.option == "linear_kernel"
+
+
+def test_no_kernel_for_the_dtype_names_the_dtype_option(monkeypatch):
+    monkeypatch.setattr(linear, "kernels_for", lambda device: [REFUSING])
+    with pytest.raises(KernelUnavailableError, match="no linear kernel runs float32") as error:
+        choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False)
+    assert error.value.option == "dtype"
