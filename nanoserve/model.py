@@ -32,9 +32,6 @@ from nanoserve.linear import KERNELS, LinearKernel, ProbeShape
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
 CONTEXT_CHUNK = 64
-# A prefill chunk attends position by position, each with its own copy of the context; this
-# bounds the copies made at once (a long prompt runs in several rounds).
-POSITION_KV_COPY_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
@@ -54,7 +51,8 @@ class PositionPlan:
     attends over its own sequence's whole context, whatever group it came in."""
 
     block_tables: torch.Tensor  # [seqs, blocks]: every sequence of the step, padded alike
-    seq_of_row: torch.Tensor | None  # [rows] each row's sequence; None when row i is sequence i
+    num_decode_rows: int  # rows 0..D-1 are single-row sequences 0..D-1 (decodes come first)
+    prefills: list[tuple[int, int, int]]  # (first row, rows, sequence) of each multi-row chunk
     visible: torch.Tensor  # [1, rows, 1, ctx] bool: the slots up to each row's position
 
 
@@ -184,14 +182,48 @@ def position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
         visible = F.pad(visible, (0, ctx_pad), value=False)
     ctx = k.shape[2]
     chunks = ctx // CONTEXT_CHUNK
-    k = k.reshape(kv_heads, n, chunks, CONTEXT_CHUNK, dim)
-    v = v.reshape(kv_heads, n, chunks, CONTEXT_CHUNK, dim)
+    # Contiguous, so the multiplies below see K transposed in place, never a transposed copy:
+    # BLAS takes another code path (and other low bits) for the two layouts.
+    k = k.contiguous().view(kv_heads, n, chunks, CONTEXT_CHUNK, dim)
+    v = v.contiguous().view(kv_heads, n, chunks, CONTEXT_CHUNK, dim)
     scores = (q * scale).unsqueeze(2) @ k.transpose(-1, -2)  # [kv_heads, n, chunks, per_kv, CHUNK]
     scores = scores.transpose(2, 3).reshape(kv_heads, n, per_kv, ctx)
     probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
     probs = probs.view(kv_heads, n, per_kv, chunks, CONTEXT_CHUNK).transpose(2, 3)
     partials = probs @ v  # [kv_heads, n, chunks, per_kv, d]
     return partials.cumsum(dim=2)[:, :, -1]
+
+
+def sequence_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """`position_attention` for many positions of ONE sequence, without copying its context.
+
+    q [kv_heads, n, heads_per_kv, d]; k/v [kv_heads, ctx, d] (ctx a CONTEXT_CHUNK multiple);
+    visible [1, n, 1, ctx]. The same [heads_per_kv, d] x [d, CONTEXT_CHUNK] products, one
+    batched multiply per (K/V head, chunk) over the n positions, the chunk's K/V broadcast to
+    them with a zero stride, so each position's bits equal its decode-step bits.
+    """
+    if q.dtype != torch.float32:
+        return sequence_position_attention(q.float(), k.float(), v.float(), visible, scale).to(q.dtype)
+    kv_heads, n, per_kv, dim = q.shape
+    chunks = k.shape[1] // CONTEXT_CHUNK
+    k = k.view(kv_heads, chunks, CONTEXT_CHUNK, dim)
+    v = v.view(kv_heads, chunks, CONTEXT_CHUNK, dim)
+    q = q * scale
+    scores = torch.empty(kv_heads, chunks, n, per_kv, CONTEXT_CHUNK, dtype=q.dtype, device=q.device)
+    for head in range(kv_heads):
+        for chunk in range(chunks):
+            key_t = k[head, chunk].transpose(0, 1).expand(n, dim, CONTEXT_CHUNK)
+            torch.bmm(q[head], key_t, out=scores[head, chunk])
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(kv_heads, n, per_kv, chunks * CONTEXT_CHUNK)
+    probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
+    probs = probs.view(kv_heads, n, per_kv, chunks, CONTEXT_CHUNK)
+    partials = torch.empty(kv_heads, chunks, n, per_kv, dim, dtype=q.dtype, device=q.device)
+    for head in range(kv_heads):
+        for chunk in range(chunks):
+            values = v[head, chunk].expand(n, CONTEXT_CHUNK, dim)
+            torch.bmm(probs[head, :, :, chunk].contiguous(), values, out=partials[head, chunk])
+    return partials.cumsum(dim=1)[:, -1]
 
 
 class Llama:
@@ -273,40 +305,44 @@ class Llama:
                             kv_cache: KVCache) -> torch.Tensor:
         """Every row attends as a decode row would: q [rows, heads, d] -> same shape.
 
-        Decode rows use their sequence's gathered context as it is; when a sequence has several
-        rows (a prefill chunk), each row gets its own copy of the context, in rounds of at most
-        POSITION_KV_COPY_BYTES, so all rows run through one kernel shape.
+        Decode rows run together over their sequences' gathered context; the rows of a prefill
+        chunk run over their one sequence's context, broadcast to them without a copy.
         """
         cfg = self.config
         rows, per_kv = q.shape[0], cfg.num_heads // cfg.num_kv_heads
         k, v = kv_cache.gather(index, plan.block_tables)  # [kv_heads, seqs, ctx, d]
         q = q.view(rows, cfg.num_kv_heads, per_kv, cfg.head_dim).transpose(0, 1)
-        if plan.seq_of_row is None:
+        decodes = plan.num_decode_rows
+        if not plan.prefills:
             out = position_attention(q, k, v, plan.visible, self.scale)
         else:
-            per_round = max(1, POSITION_KV_COPY_BYTES // (k[:, 0].numel() * k.element_size()))
-            outs = []
-            for start in range(0, rows, per_round):
-                seqs = plan.seq_of_row[start : start + per_round]
-                outs.append(position_attention(q[:, start : start + per_round], k.index_select(1, seqs),
-                                               v.index_select(1, seqs),
-                                               plan.visible[:, start : start + per_round], self.scale))
-            out = torch.cat(outs, dim=1)
+            out = torch.empty_like(q)
+            if decodes:
+                out[:, :decodes] = position_attention(q[:, :decodes], k[:, :decodes], v[:, :decodes],
+                                                      plan.visible[:, :decodes], self.scale)
+            for start, count, seq in plan.prefills:
+                chunk = slice(start, start + count)
+                out[:, chunk] = sequence_position_attention(q[:, chunk], k[:, seq], v[:, seq],
+                                                            plan.visible[:, chunk], self.scale)
         return out.transpose(0, 1).reshape(rows, cfg.num_heads, cfg.head_dim)
 
     def _position_plan(self, batch: ForwardBatch, block_size: int) -> PositionPlan:
         groups = batch.groups
         width = max(group.block_tables.shape[1] for group in groups)
+        width += -width % max(1, CONTEXT_CHUNK // block_size)
         tables = torch.cat([F.pad(g.block_tables, (0, width - g.block_tables.shape[1])) for g in groups])
-        seq_of_row = None
-        if any(group.rows_per_seq > 1 for group in groups):
-            rows_per_seq = torch.tensor([g.rows_per_seq for g in groups for _ in range(g.num_seqs)],
-                                        device=tables.device)
-            seq_of_row = torch.arange(tables.shape[0], device=tables.device).repeat_interleave(rows_per_seq)
+        decodes, prefills, seq = 0, [], 0
+        for group in groups:
+            if group.rows_per_seq == 1:
+                decodes += group.num_seqs
+            else:
+                prefills += [(group.row_start + i * group.rows_per_seq, group.rows_per_seq, seq + i)
+                             for i in range(group.num_seqs)]
+            seq += group.num_seqs
         ctx = width * block_size
         # Groups hold their rows in batch order, so batch.positions is each row's position.
         visible = torch.arange(ctx, device=tables.device).view(1, ctx) <= batch.positions.view(-1, 1)
-        return PositionPlan(tables, seq_of_row, visible.view(1, -1, 1, ctx))
+        return PositionPlan(tables, decodes, prefills, visible.view(1, -1, 1, ctx))
 
     def _group_mask(self, group: AttentionGroup, block_size: int) -> torch.Tensor:
         """[1, seqs, per_kv * rows, ctx] bool: a query row sees the context up to its position."""
