@@ -1,5 +1,5 @@
-"""`python -m cli`: the same app as the `nanoserve` console script."""
+"""`python -m nanoserve_cli`: the same app as the `nanoserve` console script."""
 
-from cli.main import app
+from nanoserve_cli.main import app
 
 app()

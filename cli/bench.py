@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
-from cli import options
-from cli.app import app
+from nanoserve_cli import options
+from nanoserve_cli.app import app
 
 bench_app = typer.Typer(
     invoke_without_command=True,

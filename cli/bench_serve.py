@@ -19,9 +19,9 @@ from typing import Annotated
 
 import typer
 
-from cli.app import app  # noqa: F401  (bench_app hangs off it)
-from cli.bench import bench_app, checked
-from cli.serve import API_KEY_ENV
+from nanoserve_cli.app import app  # noqa: F401  (bench_app hangs off it)
+from nanoserve_cli.bench import bench_app, checked
+from nanoserve_cli.serve import API_KEY_ENV
 
 SHOWN = ("completed", "failed", "output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
          "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli import options
-from cli.app import app
 from nanoserve.errors import NanoserveError
 from nanoserve.sampling_params import SamplingParams
+from nanoserve_cli import options
+from nanoserve_cli.app import app
 
 if TYPE_CHECKING:
     from nanoserve.llm import LLM

@@ -13,7 +13,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
 
 Model = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Hugging Face model directory or .gguf file; default: SmolLM2-135M-Instruct.")]
+    "--model", "-m", help="Hugging Face model directory, .gguf file, or hub id ORG/NAME[@REVISION] "
+    "(a GGUF repository: ORG/NAME:FILE.gguf or ORG/NAME:Q4_K_M); default: SmolLM2-135M-Instruct.")]
 Dtype = Annotated[str, typer.Option(
     help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).")]
 Device = Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda when available.")]
@@ -22,7 +23,7 @@ MaxBatchedTokens = Annotated[int, typer.Option(
     min=1, help="Token budget of one step (prefill chunks + decodes).")]
 MaxModelLen = Annotated[int | None, typer.Option(min=2, help="Context length limit; default: the model's.")]
 KvCacheGb = Annotated[float | None, typer.Option(
-    min=0.001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
+    min=0.0001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
 BlockSize = Annotated[int, typer.Option(min=1, max=1024, help="Tokens per KV cache block.")]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",

@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from cli import options
-from cli.app import app
-from cli.bench import checked
+from nanoserve_cli import options
+from nanoserve_cli.app import app
+from nanoserve_cli.bench import checked
 
 DEFAULT_OUT = Path("results/profile.csv")
 

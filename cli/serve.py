@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli import options
-from cli.app import app
 from nanoserve.config import EngineConfig
 from nanoserve.errors import NanoserveError
+from nanoserve_cli import options
+from nanoserve_cli.app import app
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from nanoserve.engine import Engine
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MAX_SEED = 2**63  # as nanoserve.sampling_params.MAX_SEED; the cli imports no engine code up front
 
 
 @app.command()
@@ -62,7 +66,11 @@ def serve(
         min=0, help="Sequences that may queue beyond the running batch; over it: 503 + Retry-After.")] = 256,
     drain_s: Annotated[float, typer.Option(
         min=0.0, help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
+    seed: Annotated[int | None, typer.Option(
+        min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
+                                      "order, then sample the same tokens. Default: a random seed each.")]
+    = None,
 ) -> None:
     """Serve the model over OpenAI's completions and chat completions API."""
     import uvicorn
@@ -70,6 +78,9 @@ def serve(
     from nanoserve.default_model import resolve_model_dir
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
 
+    _check_api_key(api_key)
+    if log_level.lower() not in LOG_LEVELS:
+        options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     config = options.engine_config(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
@@ -79,14 +90,14 @@ def serve(
         model_dir = resolve_model_dir(model)
     except NanoserveError as error:
         options.fail_for(error)
-    names = list(served_model_name or [model_dir.name])
+    names = list(served_model_name or [_served_name(model, model_dir)])
     aliases = (model,) if model else ()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
                           max_waiting=max_waiting)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_app = build_app(lambda: _build_engine(config, str(model_dir)), model_names=names,
-                           aliases=aliases, api_key=api_key or None, limits=limits)
+                           aliases=aliases, api_key=api_key, limits=limits, seed=seed)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False)
     server = _draining_server(uvicorn_config, server_app, drain_s)
@@ -95,6 +106,13 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+
+
+def _check_api_key(api_key: str | None) -> None:
+    """An empty key would leave the server open while the operator thinks it is guarded."""
+    # click reads an empty environment variable as unset, so look at it here.
+    if (api_key is not None and not api_key.strip()) or (api_key is None and API_KEY_ENV in os.environ):
+        options.fail(f"--api-key (or ${API_KEY_ENV}) must not be empty; leave it unset for no key")
 
 
 def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float) -> uvicorn.Server:
@@ -110,6 +128,16 @@ def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float
             super().handle_exit(sig, frame)
 
     return DrainingServer(config)
+
+
+def _served_name(model: str | None, model_dir: Path) -> str:
+    """What clients call the model: a hub id as given (its snapshot folder is a commit hash),
+    else the checkpoint's folder name."""
+    from nanoserve.hub import parse_hub_id
+
+    if model and not Path(model).exists() and (hub_id := parse_hub_id(model)) is not None:
+        return hub_id.repo_id
+    return model_dir.name
 
 
 def _build_engine(config: EngineConfig, model_dir: str) -> Engine:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.app import app
+from nanoserve_cli.app import app
 
 PROMPT = "The capital of France is"
 

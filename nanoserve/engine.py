@@ -211,7 +211,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(request_id, prompt_ids, params, seed, output_state=self.outputs.new_state(params))
+        output_state = self.outputs.new_state(params, prompt_ids)
+        request = Request(request_id, prompt_ids, params, seed, output_state=output_state)
         self.scheduler.add(request)
         return request_id
 

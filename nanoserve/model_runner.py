@@ -14,7 +14,8 @@ import torch
 from nanoserve.kv_cache import KVCache
 from nanoserve.model import AttentionGroup, ForwardBatch, Llama
 from nanoserve.output import TokenBatch
-from nanoserve.sampler import BatchedSampler, SamplingBatch, SamplingRow
+from nanoserve.request import Request
+from nanoserve.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow
 from nanoserve.scheduler import ScheduledChunk
 
 
@@ -98,11 +99,18 @@ class ModelRunner:
         rows = [
             SamplingRow(params=c.request.params, seed=c.request.seed,
                         position=len(c.request.output_ids), prompt_ids=c.request.prompt_ids,
-                        output_ids=c.request.output_ids)
+                        output_ids=c.request.output_ids, edits=self._row_edits(c.request))
             for c in sampled
         ]
         return SamplingBatch.build(rows, vocab_size=self.model.config.vocab_size,
                                    eos_token_ids=self.eos_token_ids, device=self.device)
+
+    def _row_edits(self, request: Request) -> RowEdits:
+        """The request's penalty and bias cells, built at its first sampled step and kept on it."""
+        if request.sampler_edits is None:
+            request.sampler_edits = RowEdits(request.params, request.prompt_ids,
+                                             self.model.config.vocab_size, self.device)
+        return request.sampler_edits
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -9,7 +9,7 @@ Refuses: reading a tensor back more than once per step; changing request state b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,11 +109,14 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def new_state(self, params: SamplingParams) -> OutputState:
+    def new_state(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> OutputState:
+        """`prompt_ids` seed the detokenizer, so the first token's text reads as it will in
+        the full text (its leading space kept)."""
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
-        return OutputState(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(params.stop), stop_ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
+        return OutputState(detokenizer, StopStringMatcher(params.stop), stop_ids)
 
     def judge(self, request: Request, token_id: int,
               logprob: TokenLogprob | None) -> tuple[NewToken, RequestOutput]:

@@ -11,6 +11,7 @@ from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanoserve.output import OutputState
+    from nanoserve.sampler import RowEdits
 
 
 class RequestStatus(enum.Enum):
@@ -38,7 +39,9 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
     is never computed yet: the next step feeds it to the model. `output_state` is the text
-    side (detokenizer, stop-string matcher), so a live request's state is all in one place.
+    side (detokenizer, stop-string matcher) and `sampler_edits` the sampler's (its penalty
+and logit_bias cells on the device), so a live request's state is all in one place and goes
+when the request does.
     """
 
     request_id: str
@@ -52,6 +55,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     output_state: OutputState | None = None
+    sampler_edits: RowEdits | None = None  # penalty and logit_bias cells, built once per request
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,10 @@
 """Per-request sampling for a whole step in one vectorized pass over the [rows, vocab] logits.
 
-Owns: `SamplingRow` (what the engine knows about one row), `SamplingBatch` (those rows as
-per-row parameter tensors on the device, built once per step), `BatchedSampler` (logits to
-token ids, and logprobs when asked) and `uniform_from_counter`, the one source of randomness.
+Owns: `SamplingRow` (what the engine knows about one row), `RowEdits` (one request's penalty
+and logit_bias cells on the device, built once per request and grown by each new token),
+`SamplingBatch` (the rows as per-row parameter tensors on the device, built once per step),
+`BatchedSampler` (logits to token ids, and logprobs when asked) and `uniform_from_counter`,
+the one source of randomness.
 
 Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
 frequency and presence penalties (counts of generated tokens), then logit_bias, then the
@@ -30,14 +32,14 @@ reading the answer back to the host, so such rows always pay for the radix selec
 
 Refuses: reading anything back to the host (no .item(), .tolist(), bool(tensor) or
 data-dependent shapes: the step's one readback belongs to the output processor), keeping
-random-generator state per request, and Python loops over rows while sampling (`build` loops
-over rows on the host, once per step, to upload their parameters).
+random-generator state per request, Python loops over rows while sampling (`build` loops
+over rows on the host, once per step, to upload their parameters), and host work per step that
+grows with a row's logit_bias, prompt or output (`RowEdits` reads each of them once).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +75,7 @@ class SamplingRow:
     position: int  # index of the token being generated in this request's output (0 first)
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # tokens generated so far
+    edits: RowEdits | None = None  # the request's own, kept across steps; None: built for this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +89,85 @@ class SampledTokens:
 
 
 @dataclass(frozen=True, slots=True)
-class LogitEdits:
-    """Penalties and logit_bias as one list of (row, token) cells, each touched once."""
+class Cells:
+    """One kind of logit edit as a list of (row, token, value) cells, each token once per row."""
 
     rows: Tensor  # [E] int64
     cols: Tensor  # [E] int64
-    repetition: Tensor  # [E] float32, 1.0 where the token was neither in prompt nor output
-    frequency: Tensor  # [E] float32, frequency_penalty * count of the token in the output
-    presence: Tensor  # [E] float32, presence_penalty where the token is in the output
-    bias: Tensor  # [E] float32
+    values: Tensor  # [E] float32
+
+
+@dataclass(frozen=True, slots=True)
+class LogitEdits:
+    """Penalties and logit_bias of one step, gathered from the rows' `RowEdits`."""
+
+    repetition: Cells | None  # the penalty, on tokens in the prompt or the output
+    frequency: Cells | None  # frequency_penalty * count, on tokens in the output
+    presence: Tensor | None  # [E] presence_penalty on the cells of `frequency`
+    bias: Cells | None
+
+
+class RowEdits:
+    """One request's penalty and logit_bias cells on the device, kept for the request's life.
+
+    Built once (the bias and the prompt's tokens are read here and never again); each step
+    `catch_up` reads only the tokens generated since the last one, so a step's host work
+    does not grow with the size of logit_bias, the prompt or the output.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+                 device: torch.device | str) -> None:
+        self.params, self.vocab_size, self.device = params, vocab_size, device
+        self.num_outputs_read = 0
+        in_vocab = [(token, amount) for token, amount in params.logit_bias if token < vocab_size]
+        self.bias_cols = self._longs([token for token, _ in in_vocab])
+        self.bias = torch.tensor([amount for _, amount in in_vocab], dtype=torch.float32, device=device)
+        self.seen: set[int] = set()
+        self.seen_cols = self._longs([])
+        if params.repetition_penalty != 1:
+            self._see(prompt_ids)
+        self.count_slots: dict[int, int] = {}
+        self.count_cols = self._longs([])
+        self.counts = self._longs([])
+
+    def _longs(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _see(self, tokens: Iterable[int]) -> None:
+        new = [t for t in dict.fromkeys(tokens) if t not in self.seen and 0 <= t < self.vocab_size]
+        if new:
+            self.seen.update(new)
+            self.seen_cols = torch.cat([self.seen_cols, self._longs(new)])
+
+    def _count(self, tokens: list[int]) -> None:
+        tokens = [t for t in tokens if 0 <= t < self.vocab_size]
+        new = [t for t in dict.fromkeys(tokens) if t not in self.count_slots]
+        for token in new:
+            self.count_slots[token] = len(self.count_slots)
+        if new:
+            self.count_cols = torch.cat([self.count_cols, self._longs(new)])
+            self.counts = torch.cat([self.counts, self._longs([0] * len(new))])
+        if tokens:
+            slots = self._longs([self.count_slots[t] for t in tokens])
+            self.counts = self.counts.index_add(0, slots, torch.ones_like(slots))
+
+    def catch_up(self, output_ids: Sequence[int]) -> None:
+        """Take in the tokens generated since the last call (output_ids only ever grows)."""
+        fresh = list(output_ids[self.num_outputs_read:])
+        self.num_outputs_read += len(fresh)
+        if self.params.repetition_penalty != 1:
+            self._see(fresh)
+        if self.params.frequency_penalty or self.params.presence_penalty:
+            self._count(fresh)
+
+
+def _gather(parts: list[tuple[int, Tensor, Tensor]]) -> Cells | None:
+    """Rows' (row, cols, values) as one Cells, rows with no cells left out."""
+    parts = [part for part in parts if part[1].numel()]
+    if not parts:
+        return None
+    return Cells(torch.cat([torch.full_like(cols, row) for row, cols, _ in parts]),
+                 torch.cat([cols for _, cols, _ in parts]), torch.cat([values for _, _, values in parts]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,27 +261,32 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.is_greedy or params.temperature < MIN_TEMPERATURE
 
 
-def _row_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float, float, float, float]]:
-    params = row.params
-    counts = Counter(row.output_ids) if params.frequency_penalty or params.presence_penalty else {}
-    seen = set(row.prompt_ids) | set(row.output_ids) if params.repetition_penalty != 1 else set()
-    bias = dict(params.logit_bias)
-    cells = sorted(token for token in seen | counts.keys() | bias.keys() if 0 <= token < vocab_size)
-    return [(token,
-             params.repetition_penalty if token in seen else 1.0,
-             params.frequency_penalty * counts.get(token, 0),
-             params.presence_penalty if counts.get(token, 0) else 0.0,
-             bias.get(token, 0.0)) for token in cells]
-
-
 def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> LogitEdits | None:
-    cells = [(i, *cell) for i, row in enumerate(rows) for cell in _row_edits(row, vocab_size)]
-    if not cells:
+    if not any(row.params.logit_bias or row.params.repetition_penalty != 1
+               or row.params.frequency_penalty or row.params.presence_penalty for row in rows):
         return None
-    row_ids, cols, repetition, frequency, presence, bias = zip(*cells, strict=True)
-    longs = torch.tensor([row_ids, cols], dtype=torch.int64, device=device)
-    floats = torch.tensor([repetition, frequency, presence, bias], dtype=torch.float32, device=device)
-    return LogitEdits(longs[0], longs[1], *floats)
+    kept = []
+    for row in rows:
+        edits = row.edits or RowEdits(row.params, row.prompt_ids, vocab_size, device)
+        edits.catch_up(row.output_ids)
+        kept.append(edits)
+
+    def full(cols: Tensor, value: float) -> Tensor:
+        return torch.full_like(cols, value, dtype=torch.float32)
+
+    # frequency_penalty * count in float64, rounded once to float32, as a Python float would be.
+    frequency = _gather([(i, e.count_cols, (e.counts.double() * e.params.frequency_penalty).float())
+                         for i, e in enumerate(kept)])
+    presence = _gather([(i, e.count_cols, full(e.count_cols, e.params.presence_penalty))
+                        for i, e in enumerate(kept)])
+    edits = LogitEdits(
+        repetition=_gather([(i, e.seen_cols, full(e.seen_cols, e.params.repetition_penalty))
+                            for i, e in enumerate(kept)]),
+        frequency=frequency,
+        presence=None if presence is None else presence.values,
+        bias=_gather([(i, e.bias_cols, e.bias) for i, e in enumerate(kept)]),
+    )
+    return None if edits == LogitEdits(None, None, None, None) else edits
 
 
 def _min_tokens_mask(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],
@@ -260,13 +338,23 @@ def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
         return logits
     edited = logits.clone()  # the raw logits stay untouched: logprobs are read from them
     if batch.edits is not None:
-        e = batch.edits
-        cells = edited[e.rows, e.cols]
-        cells = torch.where(cells > 0, cells / e.repetition, cells * e.repetition)
-        edited.index_put_((e.rows, e.cols), cells - e.frequency - e.presence + e.bias)
+        _apply_penalties_and_bias(edited, batch.edits)
     if batch.masked is not None:
         edited.index_put_(batch.masked, torch.tensor(float("-inf"), device=edited.device))
     return edited
+
+
+def _apply_penalties_and_bias(edited: Tensor, edits: LogitEdits) -> None:
+    """In the order repetition, frequency, presence, bias: each cell rounds as one formula would."""
+    if (cells := edits.repetition) is not None:
+        old = edited[cells.rows, cells.cols]
+        edited.index_put_((cells.rows, cells.cols),
+                          torch.where(old > 0, old / cells.values, old * cells.values))
+    if (cells := edits.frequency) is not None:
+        edited.index_put_((cells.rows, cells.cols),
+                          edited[cells.rows, cells.cols] - cells.values - edits.presence)
+    if (cells := edits.bias) is not None:
+        edited.index_put_((cells.rows, cells.cols), edited[cells.rows, cells.cols] + cells.values)
 
 
 def _argmax(logits: Tensor) -> Tensor:

@@ -20,6 +20,10 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # seeds live in int64 tensors on the device
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI allows 300; a bias is built once per request, but not for free
+# Logits are divided by the repetition penalty in float32: much below this, a logit of a few
+# hundred overflows to inf and the row degenerates (1e-40 is even 0 in float32).
+MIN_REPETITION_PENALTY = 0.01
 
 
 def _refuse(param: str, value: object, allowed: str) -> InvalidRequestError:
@@ -74,6 +78,10 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     allowed = f"a map of token id to a bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
     if not isinstance(pairs, Iterable) or isinstance(pairs, str):
         raise _refuse("logit_bias", value, allowed)
+    pairs = list(pairs)
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise _refuse("logit_bias", f"a map of {len(pairs)} tokens",
+                      f"a map of at most {MAX_LOGIT_BIAS_TOKENS} tokens")
     bias: dict[int, float] = {}
     for pair in pairs:
         token, amount = _bias_pair(pair, value, allowed)
@@ -153,8 +161,8 @@ class SamplingParams:
             _check_float(name, value, _in_range(value, -PENALTY_LIMIT, PENALTY_LIMIT),
                          f"a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
         _check_float("repetition_penalty", self.repetition_penalty,
-                     _in_range(self.repetition_penalty, 0.0, PENALTY_LIMIT, open_low=True),
-                     f"a number in (0, {PENALTY_LIMIT:g}]")
+                     _in_range(self.repetition_penalty, MIN_REPETITION_PENALTY, PENALTY_LIMIT),
+                     f"a number in [{MIN_REPETITION_PENALTY:g}, {PENALTY_LIMIT:g}]")
 
     def _check_rest(self) -> None:
         if self.seed is not None:

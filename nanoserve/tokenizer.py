@@ -10,6 +10,7 @@ generation ends (output); the matcher only reports that a stop string appeared.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nanoserve.errors import InvalidRequestError, ModelNotFoundError
 
 REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens that seed a detokenizer's context (vLLM seeds with 5 as well).
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
@@ -37,14 +40,19 @@ class Tokenizer:
         add_bos_token: bool = False,
         chat_template: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
+        special_tokens: Mapping[str, Any] | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
+        # Every special token of tokenizer_config.json, by its config key (unk_token, pad_token,
+        # additional_special_tokens...): HF hands them all to the chat template.
+        self.special_tokens = dict(special_tokens or {})
         self._extra_eos_token_ids = frozenset(extra_eos_token_ids)
         self._compiled_template: Template | None = None
+        self._byte_level = _decodes_byte_level(backend)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -61,6 +69,7 @@ class Tokenizer:
             add_bos_token=bool(config.get("add_bos_token", False)),
             chat_template=_chat_template(config, path),
             extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
+            special_tokens=_special_tokens(config),
         )
 
     @property
@@ -98,27 +107,52 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, rendered by the model's own jinja2 template."""
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for, as logprobs report them; a piece may be part of
+        a character, so its decoded text cannot say."""
+        piece = self.id_to_token(token_id) or ""
+        if self._byte_level and all(char in BYTE_LEVEL_CHARS for char in piece):
+            return bytes(BYTE_LEVEL_CHARS[char] for char in piece)
+        if SENTENCEPIECE_BYTE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """The prompt text for a chat, rendered by the model's own jinja2 template.
+
+        `continue_final_message` (vLLM's and HF's name) leaves the last message open, so the
+        model continues it instead of starting a new turn: the text ends where its content ends.
+        """
         _check_messages(messages)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
         template = self._template()
         try:
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            rendered = template.render({
+                **self.special_tokens,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            })
         except TemplateError as err:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {err}", param="messages"
             ) from err
+        return _open_final_message(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         """Token ids of a chat, ready to generate the assistant's reply: the template rendered,
         then encoded with no BOS added, since the template writes BOS itself where the model wants
         one. `generate --chat`, `LLM.chat` and the server's chat endpoint all encode a chat here."""
-        return self.encode(self.apply_chat_template(messages), add_bos=False)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message)
+        return self.encode(text, add_bos=False)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -158,6 +192,53 @@ def _chat_template(config: dict[str, Any], path: Path) -> str | None:
     return template
 
 
+def _special_tokens(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`*_token` entries (strings or serialized AddedTokens) and additional_special_tokens."""
+    tokens: dict[str, Any] = {
+        key: _token_content(value) for key, value in config.items()
+        if key.endswith("_token") and isinstance(value, (str, Mapping))
+    }
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        tokens["additional_special_tokens"] = [_token_content(token) for token in extra]
+    return tokens
+
+
+def _decodes_byte_level(backend: tokenizers.Tokenizer) -> bool:
+    """Whether pieces are GPT-2 style byte-level text; otherwise they are SentencePiece style."""
+    decoder = backend.decoder
+    return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-to-printable-character table, inverted: each piece character to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+BYTE_LEVEL_CHARS = _byte_level_chars()
+SENTENCEPIECE_SPACE = "\u2581"
+SENTENCEPIECE_BYTE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _open_final_message(rendered: str, final_content: str) -> str:
+    """`rendered` cut right after the last message's content (HF's continue_final_message)."""
+    end = rendered.rfind(final_content.strip())
+    if not final_content.strip() or end < 0:
+        raise InvalidRequestError(
+            "continue_final_message needs the last message's content in the rendered chat",
+            param="continue_final_message",
+        )
+    return rendered[: end + len(final_content.strip())]
+
+
 def _as_id_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []
@@ -181,10 +262,16 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
-    # jinja2's own tojson HTML-escapes <, > and &, which would change the prompt text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+    # HF's signature, so templates that pass any of these render; jinja2's own tojson
+    # HTML-escapes <, > and &, which would change the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -205,15 +292,19 @@ class IncrementalDetokenizer:
 
     Each push decodes only a window: the tokens of the last emitted delta (for context, so
     decoders that strip a leading space see the same neighbours as a full decode) plus the
-    new ones. Text that ends in U+FFFD is an unfinished UTF-8 character and is held back
-    until a later token completes it; `flush` releases it when generation ends.
+    new ones. Before the first delta the context is the prompt's tail: SentencePiece-style
+    decoders (Metaspace, Strip) drop the space of a decode's first token, which would eat the
+    space before the first generated word. Text that ends in U+FFFD is an unfinished UTF-8
+    character and is held back until a later token completes it; `flush` releases it when
+    generation ends.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._window: list[int] = []
-        self._context_len = 0  # leading window tokens whose text was already emitted
+        self._window: list[int] = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
+        self._context_len = len(self._window)  # leading window tokens whose text was already emitted
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The newly completed text after appending `token_ids` ("" while incomplete)."""

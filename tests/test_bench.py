@@ -17,15 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import cli.bench
-import cli.profile  # noqa: F401  (registers the command)
-from cli.app import app
+import nanoserve_cli.bench
+import nanoserve_cli.profile  # noqa: F401  (registers the command)
 from nanoserve.bench import ci_check, hardware, offline, serve
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.sampling_params import SamplingParams
+from nanoserve_cli.app import app
 
 FIXED_LIMITS = HardwareLimits(read_gbs=20.0, peak_gflops=100.0, gflops_by_rows={1: 10.0, 2: 20.0})
 BENCH_COLUMNS = {

@@ -6,7 +6,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from nanoserve_cli.main import app
 
 runner = CliRunner()
 
@@ -56,7 +56,7 @@ def test_generate_streams_the_same_text_as_the_library_and_prints_a_summary(tiny
     expected = LLM(str(tiny_model_dir)).generate(
         ["hello"], SamplingParams(max_tokens=8, temperature=0.0))[0].text
     # A real process, so stdout and stderr stay apart as a shell user sees them.
-    cmd = [sys.executable, "-m", "cli", "generate", "hello", "--model", str(tiny_model_dir),
+    cmd = [sys.executable, "-m", "nanoserve", "generate", "hello", "--model", str(tiny_model_dir),
            "--max-tokens", "8"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout == expected + "\n"

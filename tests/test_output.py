@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tiny_model import sentencepiece_tokenizer
 
 from nanoserve.block_pool import BlockPool
 from nanoserve.output import OutputProcessor
@@ -47,3 +48,15 @@ def test_stop_string_completed_before_min_tokens_is_plain_text(tiny_tokenizer):
     assert _generate(tiny_tokenizer, "aXYb", stop=["aX"], min_tokens=2, max_tokens=4) == (
         "aXYb", "length", None)
     assert _generate(tiny_tokenizer, "aXYb", stop=["aX"], min_tokens=1) == ("", "stop", "aX")
+
+
+def test_first_token_after_the_prompt_keeps_its_leading_space():
+    """SentencePiece decoders drop a decode's first space; the prompt's tail is the context."""
+    tokenizer = sentencepiece_tokenizer("metaspace")
+    processor = OutputProcessor(tokenizer)
+    sampling = SamplingParams()
+    prompt_ids = tokenizer.encode("The capital is")
+    state = processor.new_state(sampling, prompt_ids)
+    request = Request("r", prompt_ids, sampling, seed=0, output_state=state)
+    _, output = processor.judge(request, tokenizer.backend.token_to_id("\u2581Paris"), None)
+    assert output.text == " Paris"

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from nanoserve import sampler as sampler_module
 from nanoserve.sampler import (
     BatchedSampler,
+    RowEdits,
     SampledTokens,
     SamplingBatch,
     SamplingRow,
@@ -329,3 +330,51 @@ def test_the_sampler_reads_nothing_back_to_the_host(monkeypatch):
     out = BatchedSampler()(logits, batch)
     monkeypatch.undo()
     assert out.token_ids.shape == (8,) and out.top_ids.shape == (8, 4)
+
+
+class CountingList(list):
+    """A list that counts how many of its elements were read (iterated or indexed)."""
+
+    def __init__(self, items: Sequence) -> None:
+        super().__init__(items)
+        self.reads = 0
+
+    def __iter__(self):
+        self.reads += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, key):
+        got = super().__getitem__(key)
+        self.reads += len(got) if isinstance(key, slice) else 1
+        return got
+
+
+def test_a_step_reads_only_the_new_tokens_not_the_bias_prompt_or_earlier_output():
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5,
+                            presence_penalty=0.2, logit_bias=dict.fromkeys(range(1000), 1.5))
+    bias = CountingList(params.logit_bias)
+    object.__setattr__(params, "logit_bias", bias)  # frozen: swapped in only to count its reads
+    prompt, output = CountingList(range(500, 1500)), CountingList([])
+    edits = RowEdits(params, prompt, VOCAB, "cpu")
+    logits = random_logits(1)
+    reads_at_build = bias.reads + prompt.reads
+    for step in range(20):
+        row = SamplingRow(params, seed=1, position=step, prompt_ids=prompt, output_ids=output, edits=edits)
+        token = BatchedSampler()(logits, SamplingBatch.build([row], vocab_size=VOCAB, eos_token_ids=[EOS],
+                                                              device="cpu")).token_ids
+        list.append(output, int(token))
+    assert bias.reads + prompt.reads == reads_at_build  # read once, when the request's edits were built
+    assert output.reads == 19  # each step reads only the token generated since the last
+
+
+def test_edits_kept_across_steps_pick_as_edits_built_afresh_each_step():
+    params = SamplingParams(temperature=0.9, repetition_penalty=1.4, frequency_penalty=0.6,
+                            presence_penalty=-0.4, logit_bias={3: 5.0, 70: -2.0}, seed=4)
+    logits = random_logits(1, scale=1.0)
+    kept, output = RowEdits(params, [3, 4, 5], VOCAB, "cpu"), []
+    for step in range(12):
+        kept_row = SamplingRow(params, 4, step, [3, 4, 5], output, edits=kept)
+        fresh_row = SamplingRow(params, 4, step, [3, 4, 5], list(output))
+        token = sample(logits, [kept_row]).token_ids
+        assert torch.equal(token, sample(logits, [fresh_row]).token_ids)
+        output.append(int(token))

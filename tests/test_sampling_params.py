@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MIN_REPETITION_PENALTY, SamplingParams
 
 NOT_FINITE = (math.nan, math.inf, -math.inf)
 
@@ -86,9 +86,19 @@ def test_presence_and_frequency_penalties_refuse_values_outside_minus_two_two(fi
     refused(field, **{field: value})
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0, 2.01, *NOT_FINITE, True])
-def test_repetition_penalty_refuses_values_outside_zero_exclusive_two(value):
+@pytest.mark.parametrize("value", [0.0, -1.0, 2.01, 1e-40, 0.0099, *NOT_FINITE, True])
+def test_repetition_penalty_refuses_values_outside_a_hundredth_to_two(value):
     refused("repetition_penalty", repetition_penalty=value)
+
+
+def test_a_repetition_penalty_of_a_hundredth_is_accepted():
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
+
+
+def test_logit_bias_refuses_more_tokens_than_the_cap_and_takes_the_cap():
+    assert len(SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS), 1.0)).logit_bias) \
+        == MAX_LOGIT_BIAS_TOKENS
+    refused("logit_bias", logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS + 1), 1.0))
 
 
 @pytest.mark.parametrize("value", [-1, 2**63, 1.0, True, "7"])
@@ -146,7 +156,7 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 @given(temperature=st.floats(0, 1e6), top_p=st.floats(0, 1, exclude_min=True),
        min_p=st.floats(0, 1), top_k=st.one_of(st.just(-1), st.integers(1, 10**6)),
-       penalty=st.floats(-2, 2), repetition=st.floats(0, 2, exclude_min=True),
+       penalty=st.floats(-2, 2), repetition=st.floats(MIN_REPETITION_PENALTY, 2),
        seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)), logprobs=st.integers(0, 20))
 def test_every_value_inside_the_ranges_is_accepted(temperature, top_p, min_p, top_k, penalty,
                                                    repetition, seed, logprobs):
@@ -160,7 +170,7 @@ def test_every_value_inside_the_ranges_is_accepted(temperature, top_p, min_p, to
        st.one_of(finite, st.sampled_from(NOT_FINITE)))
 def test_every_float_field_accepts_exactly_its_range(field, value):
     ranges = {"top_p": (0, 1, True), "min_p": (0, 1, False), "presence_penalty": (-2, 2, False),
-              "frequency_penalty": (-2, 2, False), "repetition_penalty": (0, 2, True),
+              "frequency_penalty": (-2, 2, False), "repetition_penalty": (MIN_REPETITION_PENALTY, 2, False),
               "temperature": (0, math.inf, False)}
     low, high, open_low = ranges[field]
     inside = math.isfinite(value) and (low < value if open_low else low <= value) and value <= high

@@ -8,6 +8,8 @@ logprobs, and that a client hanging up frees its blocks. The server runs in a th
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +26,8 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
 
 MODEL = "tiny"
-LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8)
+LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8,
+                      body_timeout_s=1.0)
 
 
 @dataclass
@@ -337,6 +340,22 @@ def test_streamed_chat_starts_with_the_role_and_carries_n_choices(client: httpx.
     assert [c["message"]["content"] for c in unary["choices"]] == [texts[0], texts[1]]
 
 
+def test_a_stream_waiting_for_its_first_token_gets_keep_alive_comments(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL], sse_keep_alive_s=0.05)
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        served = Served(server.base_url, app)
+        gate = hold_engine_steps(served.engine)
+        body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+            lines = (line for line in response.iter_lines() if line)
+            assert [next(lines), next(lines)] == [": keep-alive", ": keep-alive"]  # steps are held
+            gate.set()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and all(line.startswith(("data: ", ":")) for line in rest)
+        wait_idle(served)
+
+
 def test_streamed_logprobs_offsets_continue_across_chunks(client: httpx.Client) -> None:
     body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "logprobs": 1, "stream": True}
     chunks = chunks_of(client.post("/v1/completions", json=body))
@@ -344,6 +363,54 @@ def test_streamed_logprobs_offsets_continue_across_chunks(client: httpx.Client) 
     tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
     assert len(tokens) == 6
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(6)]
+
+
+# -- /tokenize and /detokenize ----------------------------------------------------------------------
+
+def test_tokenize_and_detokenize_round_trip_a_prompt(served: Served, client: httpx.Client) -> None:
+    tokens = client.post("/tokenize", json={"prompt": "Hello there"}).json()
+    assert tokens["tokens"] == served.engine.tokenizer.encode("Hello there")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == served.engine.max_model_len
+    text = client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": served.engine.tokenizer.decode(tokens["tokens"])}
+
+
+def test_tokenize_messages_uses_the_chat_template(served: Served, client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == served.engine.tokenizer.encode_chat(messages)
+
+
+def test_chat_template_flags_reach_the_template(served: Served, client: httpx.Client) -> None:
+    """vLLM's add_generation_prompt / continue_final_message, on /tokenize and chat completions."""
+    tokenizer = served.engine.tokenizer
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = client.post("/tokenize", json={"messages": messages, **flags}).json()["tokens"]
+    assert tokens == tokenizer.encode_chat(messages, **flags)
+    assert tokens != tokenizer.encode_chat(messages)
+    body = {"messages": messages, **flags, "max_tokens": 1, "temperature": 0}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens"] == len(tokens)
+    both = {"messages": messages, "continue_final_message": True, "max_tokens": 1}
+    assert_error(client.post("/v1/chat/completions", json=both), 400, "continue_final_message")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+    ("/detokenize", {}, "tokens"),
+    ("/detokenize", {"tokens": [1, "a"]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
+    ("/detokenize", {"tokens": [1, 99999]}, "tokens[1]"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_naming_the_field(client: httpx.Client, path: str,
+                                                                     body: dict, param: str) -> None:
+    assert_error(client.post(path, json=body), 404 if param == "model" else 400, param)
 
 
 # -- disconnects ----------------------------------------------------------------------------------
@@ -378,6 +445,65 @@ def test_a_client_hanging_up_on_a_unary_request_frees_its_blocks(tiny_model_dir)
         gate.set()
         wait_idle(served)
         assert engine.stats.generation_tokens < 200
+        assert finished_count(httpx.get(f"{server.base_url}/metrics").text, "abort") == 1
+
+
+def finished_count(metrics: str, reason: str) -> int:
+    prefix = "nanoserve_request_success_total{"
+    (line,) = [line for line in metrics.splitlines()
+               if line.startswith(prefix) and f'finished_reason="{reason}"' in line]
+    return int(line.rsplit(" ", 1)[1])
+
+
+def test_a_hang_up_mid_stream_counts_one_abort_per_sequence(served: Served, client: httpx.Client) -> None:
+    before = finished_count(client.get("/metrics").text, "abort")
+    engine = served.engine
+    step = engine.step
+    engine.step = lambda: time.sleep(0.02) or step()  # 40 tokens take a second; hanging up takes less
+    try:
+        body = {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True, "n": 2}
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            next(response.iter_lines())
+        wait_idle(served)
+    finally:
+        engine.step = step
+    assert finished_count(client.get("/metrics").text, "abort") == before + 2
+
+
+def send_part_of_a_body(base_url: str) -> socket.socket:
+    """A connection that has sent its headers and 10 of the 100 body bytes it declared."""
+    host, port = base_url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n" + b'{"prompt":')
+    return conn
+
+
+def test_a_body_that_stalls_is_answered_408_within_the_body_timeout(served: Served) -> None:
+    with send_part_of_a_body(served.base_url) as conn:
+        started = time.monotonic()
+        answer = b"".join(iter(lambda: conn.recv(4096), b"")).decode()  # until the server closes
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert '"param":"body"' in answer and "request_timeout" in answer
+    assert time.monotonic() - started < LIMITS.body_timeout_s + 2
+
+
+def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
+        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="nanoserve.server")
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's own loggers do not reach the root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        send_part_of_a_body(served.base_url).close()
+        deadline = time.monotonic() + 5
+        while not any("hung up" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # anything logged after the line would show up here
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    hang_ups = [r for r in caplog.records if "hung up while sending its body" in r.getMessage()]
+    assert len(hang_ups) == 1 and hang_ups[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -427,6 +553,13 @@ def test_completion_validation_failures_are_400_naming_the_field(served: Served,
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "hi"}]},
+     "messages[1].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1, " 5": 2}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(i): 1 for i in range(1025)}},
+     "logit_bias"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -532,6 +665,10 @@ def test_api_key_guards_v1_only(tiny_model_dir) -> None:
         assert httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200
         assert httpx.get(f"{server.base_url}/health").status_code == 200
         assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+            assert_error(httpx.post(f"{server.base_url}{path}", json=body), 401, None)
+            assert httpx.post(f"{server.base_url}{path}", json=body,
+                              headers={"Authorization": "Bearer sesame"}).status_code == 200
 
 
 def test_an_engine_error_mid_stream_is_an_error_event_then_done(tiny_model_dir) -> None:
@@ -577,3 +714,19 @@ def test_bench_client_counts_every_streamed_token(served: Served) -> None:
                 "request_throughput"):
         assert metrics[key] > 0, key
     wait_idle(served)
+
+
+def test_a_server_seed_makes_unseeded_requests_reproduce_across_restarts(tiny_model_dir) -> None:
+    body = {"prompt": "Hello", "max_tokens": 12, "temperature": 1.5, "ignore_eos": True, "n": 2}
+
+    def texts_from_a_fresh_server(seed: int) -> list[list[str]]:
+        app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL], seed=seed)
+        with BackgroundServer(app) as server:
+            wait_healthy(server.base_url)
+            url = f"{server.base_url}/v1/completions"
+            return [[c["text"] for c in httpx.post(url, json=body, timeout=30).json()["choices"]]
+                    for _ in range(3)]
+
+    first = texts_from_a_fresh_server(7)
+    assert texts_from_a_fresh_server(7) == first
+    assert len({text for texts in first for text in texts}) > 1  # each request and choice its own seed

@@ -53,7 +53,9 @@ REAL = os.environ.get("NANOSERVE_CROWD_MODEL", "tiny") == "default"
 # Sized per model: the long prompts fit the tiny model's 512-token context, and each pool is
 # small enough that the crowd must preempt.
 LONG_PROMPT = LONG_TEXT[:700] if REAL else LONG_TEXT[:400]
-KV_CACHE_GB = "0.03" if REAL else "0.001"
+# Small enough that the crowd must preempt: 78 blocks of 16 tokens on the tiny model, still
+# room for one 1024-token sequence. (0.001 GiB stopped preempting reliably once steps got faster.)
+KV_CACHE_GB = "0.03" if REAL else "0.0006"
 
 
 @dataclass
@@ -95,7 +97,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         model_dir = str(write_tiny_llama(tmp_path_factory.mktemp("crowd_tiny")))
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-c", "import cli.serve; from cli.main import app; app()", "serve",
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
                "--model", model_dir, "--port", str(port), "--batch-invariant", "--max-num-seqs", "32",
                "--max-model-len", "1024", "--kv-cache-gb", KV_CACHE_GB,
                "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--drain-s", str(DRAIN_S),
@@ -299,7 +301,7 @@ def test_the_api_key_can_come_from_the_environment(tmp_path: Path) -> None:
 
     model_dir = write_tiny_llama(tmp_path / "tiny")
     port = free_port()
-    command = [sys.executable, "-c", "import cli.serve; from cli.main import app; app()", "serve",
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
                "--model", str(model_dir), "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "NANOSERVE_API_KEY": "from-env", "OMP_NUM_THREADS": "1"}
     log_path = tmp_path / "serve.log"

@@ -8,8 +8,7 @@ import torch
 import typer
 from click.testing import CliRunner
 
-import cli.syncbench
-from cli.app import app
+import nanoserve_cli.syncbench
 from nanoserve.bench.syncbench import (
     MIXES,
     batch_logits,
@@ -17,6 +16,7 @@ from nanoserve.bench.syncbench import (
     synthetic_logits_row,
     write_syncbench_outputs,
 )
+from nanoserve_cli.app import app
 
 COLUMNS = {"rows", "mix", "vocab", "engine_ms", "baseline_ms", "speedup", "engine_readbacks_per_step",
            "baseline_readbacks_per_step", "engine_vs_greedy", "baseline_vs_greedy", "logits_source",
@@ -68,14 +68,14 @@ def test_bad_options_exit_with_status_2_naming_the_option(args, option, monkeypa
     def no_model(_model):
         raise AssertionError("loaded a model before checking the options")
 
-    monkeypatch.setattr(cli.syncbench, "model_logits_row", no_model)
+    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", no_model)
     result = runner.invoke(nanoserve, ["syncbench", *args])
     assert result.exit_code == 2
     assert option in result.output
 
 
 def test_the_command_writes_both_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli.syncbench, "model_logits_row", lambda _model: synthetic_logits_row(256))
+    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", lambda _model: synthetic_logits_row(256))
     result = runner.invoke(nanoserve, ["syncbench", "--rows", "2", "--mixes", "greedy,top_p", "--repeat", "1",
                                  "--warmup", "0", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_model import sentencepiece_tokenizer
 
 from nanoserve.errors import InvalidRequestError
 from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -101,6 +102,58 @@ def test_chat_template_sees_bos_and_eos_and_plain_tojson(tiny_tokenizer):
     assert rendered == '<|im_start|>{"role": "user", "content": "<b>&"}<|im_end|>'
 
 
+def test_tojson_takes_the_keyword_arguments_templates_pass(tiny_tokenizer):
+    template = ("{{ messages[0] | tojson(indent=2, separators=(',', ': '), ensure_ascii=True, "
+                "sort_keys=True) }}")
+    tokenizer = _with_template(tiny_tokenizer, template)
+    message = {"role": "user", "content": "café"}
+    rendered = tokenizer.apply_chat_template([message])
+    expected = json.dumps(message, indent=2, separators=(",", ": "), ensure_ascii=True, sort_keys=True)
+    assert rendered == expected
+
+
+def test_every_special_token_of_the_config_reaches_the_template(tiny_model_dir, tmp_path):
+    template = "{{ pad_token }}|{{ unk_token }}|{{ additional_special_tokens | join(',') }}|{{ bos_token }}"
+    checkpoint = _copy_with(tiny_model_dir, tmp_path / "specials", "tokenizer_config.json",
+                            pad_token="<|endoftext|>", unk_token={"content": "<unk>", "special": True},
+                            additional_special_tokens=["<|im_start|>", {"content": "<|im_end|>"}],
+                            chat_template=template)
+    rendered = Tokenizer.from_dir(checkpoint).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|endoftext|>|<unk>|<|im_start|>,<|im_end|>|<|im_start|>"
+
+
+def test_add_generation_prompt_false_leaves_out_the_assistant_header(tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    assert tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=False) == \
+        "<|im_start|>user\nhi<|im_end|>\n"
+    ids = tiny_tokenizer.encode_chat(messages, add_generation_prompt=False)
+    assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_continue_final_message_leaves_the_last_turn_open(tiny_tokenizer):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    rendered = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                  continue_final_message=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon"
+    with pytest.raises(InvalidRequestError) as caught:
+        tiny_tokenizer.apply_chat_template(messages, continue_final_message=True)
+    assert caught.value.param == "continue_final_message"
+
+
+def test_token_bytes_of_sentencepiece_pieces_are_utf8():
+    tokenizer = sentencepiece_tokenizer("metaspace")
+    token_bytes = {piece: tokenizer.token_bytes(tokenizer.backend.token_to_id(piece))
+                   for piece in ("é", "<0xC3>", "\u2581Paris")}
+    assert token_bytes == {"é": "é".encode(), "<0xC3>": b"\xc3", "\u2581Paris": b" Paris"}
+
+
+@given(text=st.text(max_size=30))
+@settings(max_examples=60, deadline=None)
+def test_byte_level_token_bytes_join_to_the_texts_utf8(tiny_tokenizer, text):
+    ids = tiny_tokenizer.encode(text)
+    assert b"".join(tiny_tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
 def test_an_encoded_chat_has_the_templates_bos_and_no_second_one(tiny_tokenizer):
     tokenizer = Tokenizer(tiny_tokenizer.backend, bos_token=tiny_tokenizer.bos_token,
                           eos_token=tiny_tokenizer.eos_token, add_bos_token=True,
@@ -177,6 +230,27 @@ def test_emoji_split_across_tokens_is_held_until_whole(tiny_tokenizer):
     assert len(ids) > 1  # its four UTF-8 bytes span several byte-level tokens
     deltas = _stream(tiny_tokenizer, [[i] for i in ids])
     assert deltas == [""] * (len(ids) - 1) + [ROCKET, ""]
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "strip"])
+def test_first_streamed_token_keeps_its_leading_space_after_the_prompt(decoder):
+    tokenizer = sentencepiece_tokenizer(decoder)
+    prompt_ids, generated = tokenizer.encode("The capital is"), tokenizer.encode(" Paris")[-1:]
+    assert tokenizer.id_to_token(generated[0]) == "\u2581Paris"
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids)
+    assert detokenizer.push(generated) == " Paris"
+    full = tokenizer.decode(prompt_ids + generated)
+    assert full == "The capital is Paris"
+
+
+@given(prompt=st.text(max_size=20), chunks=_chunked_ids())
+@settings(max_examples=80, deadline=None)
+def test_streamed_text_after_a_prompt_is_the_full_decode_past_the_prompt(tiny_tokenizer, prompt, chunks):
+    prompt_ids = tiny_tokenizer.encode(prompt)
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer, prompt_ids=prompt_ids)
+    streamed = "".join([detokenizer.push(chunk) for chunk in chunks] + [detokenizer.flush()])
+    generated = [i for chunk in chunks for i in chunk]
+    assert streamed == tiny_tokenizer.decode(prompt_ids + generated)[len(tiny_tokenizer.decode(prompt_ids)):]
 
 
 def test_detokenizer_decodes_a_bounded_window(tiny_tokenizer):

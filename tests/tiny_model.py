@@ -18,9 +18,11 @@ import numpy as np
 import torch
 from gguf import GGUFWriter, TokenType
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import BPE
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE, Unigram
 from tokenizers.trainers import BpeTrainer
+
+from nanoserve.tokenizer import Tokenizer as NanoserveTokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN, EOS_TOKEN = "<|im_start|>", "<|im_end|>"
@@ -68,6 +70,27 @@ def tiny_tokenizer() -> Tokenizer:
     )
     tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
     return tokenizer
+
+
+SENTENCEPIECE_PIECES = ["<unk>", "<s>", "</s>", "\u2581The", "\u2581capital", "\u2581is", "\u2581Paris",
+                        "\u2581caf", "é", "<0xC3>", "<0xA9>", "\u2581", "s"]
+
+
+def sentencepiece_tokenizer(decoder: str) -> NanoserveTokenizer:
+    """A SentencePiece-style vocabulary (Unigram, byte fallback) with the decoder of Mistral
+    checkpoints (Metaspace) or of Llama 2's tokenizer.json (Replace, ByteFallback, Fuse, Strip)."""
+    backend = Tokenizer(Unigram([(piece, -1.0) for piece in SENTENCEPIECE_PIECES],
+                                           unk_id=0, byte_fallback=True))
+    if decoder == "metaspace":
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    else:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")])
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                             decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return NanoserveTokenizer(backend, bos_token="<s>", eos_token="</s>")
+
 
 
 def write_tiny_llama(

@@ -234,7 +234,7 @@ def launched_server(serve_args: Sequence[str], *, log_path: Path, ready_timeout_
     """`nanoserve serve` in a child process on a free loopback port; yields its base URL and
     stops it with SIGTERM (then SIGKILL) on the way out."""
     port = free_port()
-    command = [sys.executable, "-c", "import cli.serve; from cli.main import app; app()", "serve",
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *serve_args]
     base_url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """The FastAPI app: `build_app` wires the routes, the engine thread and the error handlers.
 
 Owns: building the app (the engine thread starts with the app and stops with it, the state
-every request reads, the routes and their paths, the API key on /v1 only, OpenAI-shaped
-errors), the OpenAPI description of the bodies the routes parse by hand, and `start_drain`,
-the bounded shutdown that `nanoserve serve` starts on SIGTERM.
+every request reads, the routes and their paths, the API key on /v1, /tokenize and
+/detokenize, OpenAI-shaped errors), the OpenAPI description of the bodies the routes parse
+by hand, and `start_drain`, the bounded shutdown that `nanoserve serve` starts on SIGTERM.
 Refuses: the path of a request (`routes`, `planning`, `generation`, `streaming` own it), and
 running uvicorn (`nanoserve serve` does; tests have their own harness).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,12 @@ from nanoserve.server import routes
 from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from nanoserve.server.state import ServerLimits, ServerState
 
 if TYPE_CHECKING:
@@ -36,9 +42,12 @@ DRAIN_GRACE_S = 3.0
 
 def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               aliases: tuple[str, ...] = (), api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, seed: int | None = None,
+              sse_keep_alive_s: float = 15.0) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
-    /health and every /v1 request answer 503."""
+    /health and every /v1 request answer 503. `seed`: unseeded requests draw their seeds, in
+    arrival order, from a generator seeded with it (None: the engine picks each at random).
+    `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment."""
     limits = limits or ServerLimits()
 
     @contextlib.asynccontextmanager
@@ -46,7 +55,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
         async_engine = AsyncEngine(build_engine, asyncio.get_running_loop())
         app.state.server = ServerState(
             async_engine, list(model_names), frozenset((*model_names, *aliases)), api_key, limits,
-            ServerMetrics(model_names[0]))
+            ServerMetrics(model_names[0]), sse_keep_alive_s=sse_keep_alive_s,
+            default_seeds=None if seed is None else random.Random(seed))
         async_engine.start()
         try:
             yield
@@ -56,6 +66,7 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     app = FastAPI(title="nanoserve", version="0.1.0", lifespan=lifespan)
     install_handlers(app)
     app.include_router(_v1_router())
+    app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=PlainTextResponse)
     _document_bodies(app)
@@ -69,6 +80,16 @@ def _v1_router() -> APIRouter:
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
                          openapi_extra=_body_schema(ChatCompletionRequest))
+    return router
+
+
+def _tokenizer_router() -> APIRouter:
+    """vLLM's /tokenize and /detokenize, at the root as vLLM has them, behind the same API key."""
+    router = APIRouter(dependencies=[Depends(routes.require_api_key)])
+    router.add_api_route("/tokenize", routes.tokenize, methods=["POST"],
+                         openapi_extra=_body_schema(TokenizeRequest))
+    router.add_api_route("/detokenize", routes.detokenize, methods=["POST"],
+                         openapi_extra=_body_schema(DetokenizeRequest))
     return router
 
 
@@ -98,7 +119,7 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

@@ -61,6 +61,7 @@ class Choice:
     stop_token_ids: tuple[int, ...] = ()
     last_s: float = 0.0
     text_offset: int = 0
+    aborted: bool = False  # ended with no finish: by the server, or by `close` (hang-up, failure)
 
     @property
     def finished(self) -> bool:
@@ -126,6 +127,7 @@ class Generation:
         if output.finished:
             if output.finish_reason == "abort":
                 self.error = EngineUnavailableError("the request was aborted by the server")
+                self._count_abort(choice)
                 return
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
             if isinstance(output.stop_reason, int) and output.stop_reason not in choice.stop_token_ids:
@@ -136,8 +138,13 @@ class Generation:
     def close(self) -> None:
         """Abort every sequence still running (the client left, or the request failed)."""
         for choice in self.choices.values():
-            if not choice.finished:
+            if not choice.finished and not choice.aborted:
                 self.state.async_engine.abort(choice.request_id)
+                self._count_abort(choice)
+
+    def _count_abort(self, choice: Choice) -> None:
+        choice.aborted = True
+        self.state.metrics.finished["abort"] += 1
 
     def usage(self) -> dict[str, int]:
         prompt_tokens = {c.prompt_index: c.num_prompt_tokens for c in self.choices.values()}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import MAX_SEED, SamplingParams
+from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_SEED, SamplingParams
 from nanoserve.server import protocol
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
@@ -99,6 +99,37 @@ def _top_logprobs(body: RequestBody) -> tuple[int | None, str]:
     return body.top_logprobs or 0, "top_logprobs"
 
 
+# -- /tokenize and /detokenize ------------------------------------------------------------------
+
+def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
+    """The prompt's or the chat's token ids, as a generation request would see them. Blocking."""
+    _check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages",
+                          "prompt" if body.prompt is None else "messages")
+    tokenizer = state.engine.tokenizer
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt)
+    try:
+        messages = body.chat_messages()
+    except protocol.UnsupportedContentError as error:
+        raise bad_request(str(error), error.param) from None
+    try:
+        return tokenizer.encode_chat(messages, **body.template_flags())
+    except InvalidRequestError as error:
+        raise bad_request(error.message, error.param or "messages") from None
+
+
+def detokenize(state: ServerState, body: protocol.DetokenizeRequest) -> str:
+    _check_model(state, body.model)
+    vocab_size = state.engine.vocab_size
+    bad = [i for i, token in enumerate(body.tokens) if token >= vocab_size]
+    if bad:
+        raise bad_request(f"token ids must be in [0, {vocab_size}); got {body.tokens[bad[0]]}",
+                          f"tokens[{bad[0]}]")
+    return state.engine.tokenizer.decode(body.tokens)
+
+
 # -- the plan -----------------------------------------------------------------------------------
 
 def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSequence]:
@@ -106,7 +137,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
     engine = state.engine
     prompts = _prompt_ids(engine, kind, body, state.limits)
-    base = _base_params(body)
+    base = _base_params(body, state.default_seed() if body.seed is None else body.seed)
     sequences = []
     for prompt_index, prompt_ids in enumerate(prompts):
         max_tokens = _max_tokens(engine, body, len(prompt_ids), state.limits)
@@ -139,7 +170,7 @@ def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
     with refusals_as_400(body):
-        prompt_ids = engine.tokenizer.encode_chat(messages)
+        prompt_ids = engine.tokenizer.encode_chat(messages, **body.template_flags())
     return _encode(engine, body, prompt_ids, "messages")
 
 
@@ -148,13 +179,13 @@ def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: s
         return engine.encode_prompt(prompt)
 
 
-def _base_params(body: RequestBody) -> SamplingParams:
+def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
     """The sampling fields every choice shares; `_params_for` sets the rest per choice."""
     fields: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
-        "ignore_eos": body.ignore_eos, "seed": body.seed,
+        "ignore_eos": body.ignore_eos, "seed": seed,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
@@ -170,12 +201,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys, so as strings; the engine wants ints."""
     if bias is None:
         return None
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise bad_request(f"logit_bias must have at most {MAX_LOGIT_BIAS_TOKENS} tokens; got {len(bias)}",
+                          "logit_bias")
     out = {}
     for key, value in bias.items():
         token = key.strip()
         if not token.isascii() or not token.isdigit() or len(token) > 10:
             raise bad_request(f"logit_bias keys must be token ids (decimal strings); got {key!r}",
                               "logit_bias")
+        if int(token) in out:  # "5", " 5" and "05" are one token: refuse rather than keep one
+            raise bad_request(f"logit_bias names token {int(token)} twice; got {key!r}", "logit_bias")
         out[int(token)] = value
     return out
 

@@ -85,13 +85,28 @@ class ContentPart(OpenAIModel):
     text: str | None = None
 
 
+Role = Literal["system", "user", "assistant", "tool", "developer"]  # OpenAI's; others are refused
+
+
 class ChatMessage(OpenAIModel):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFlags(OpenAIModel):
+    """vLLM's chat-template switches: open a new assistant turn (the default), or continue the
+    last message as it stands."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_flags(self) -> dict[str, bool]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -123,6 +138,24 @@ class ChatCompletionRequest(SamplingFields):
 RequestBody = CompletionRequest | ChatCompletionRequest  # a validated body of either endpoint
 
 
+class TokenizeRequest(ChatTemplateFlags):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages or [])]
+
+
+class DetokenizeRequest(OpenAIModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 class UnsupportedContentError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
@@ -135,10 +168,13 @@ def _text_of(message: ChatMessage, index: int) -> str:
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise UnsupportedContentError(
                 f"content parts of type {part.type!r} are not supported (text only)",
                 param=f"messages[{index}].content[{j}]")
+        if part.text is None:
+            raise UnsupportedContentError("a content part of type 'text' needs its text",
+                                          param=f"messages[{index}].content[{j}].text")
         texts.append(part.text)
     return "".join(texts)
 
@@ -189,23 +225,6 @@ def now_s() -> int:
 MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
-
-
-BYTE_LEVEL = _byte_level_decoder()
-
-
 class TokenText:
     """Each token id's text and raw bytes, cached: logprobs name tokens one at a time."""
 
@@ -218,12 +237,7 @@ class TokenText:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _bytes(self, token_id: int) -> list[int]:
-        piece = self.tokenizer.id_to_token(token_id) or ""
-        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
-            return [int(piece[3:5], 16)]  # sentencepiece byte fallback
-        if piece and all(char in BYTE_LEVEL for char in piece):
-            return [BYTE_LEVEL[char] for char in piece]
-        return list(self._text(token_id).encode())
+        return list(self.tokenizer.token_bytes(token_id))
 
 
 def clamp_logprob(value: float) -> float:

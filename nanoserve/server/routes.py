@@ -1,4 +1,5 @@
-"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.
+"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize and
+/detokenize, /health and /metrics.
 
 Owns: the API key check, reading a body no larger than the server's limit and validating it,
 and the order one generation request goes through: the body checks, the engine's
@@ -10,20 +11,26 @@ engine from the event loop; only `AsyncEngine` does, from its thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from nanoserve.server import planning, protocol
 from nanoserve.server.async_engine import EngineUnavailableError
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.generation import Generation, check_capacity, new_request_id, unary_response
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
-from nanoserve.server.state import state_of, unavailable
+from nanoserve.server.state import ServerLimits, ServerState, state_of, unavailable
 from nanoserve.server.streaming import stream_response
+
+log = logging.getLogger("nanoserve.server")
+ParsedBody = TypeVar("ParsedBody", bound=BaseModel)
 
 # -- plain routes -------------------------------------------------------------------------------
 
@@ -55,6 +62,28 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse(protocol.model_list(state.model_names, max_model_len, state.created))
 
 
+async def tokenize(request: Request) -> JSONResponse:
+    state = state_of(request)
+    body = await _parse(request, protocol.TokenizeRequest)
+    _check_available(state)
+    tokens = await asyncio.to_thread(planning.tokenize, state, body)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    state = state_of(request)
+    body = await _parse(request, protocol.DetokenizeRequest)
+    _check_available(state)
+    return JSONResponse({"prompt": await asyncio.to_thread(planning.detokenize, state, body)})
+
+
+def _check_available(state: ServerState) -> None:
+    try:
+        state.async_engine.check_available()
+    except EngineUnavailableError as error:
+        raise unavailable(str(error), state.limits) from None
+
+
 # -- the two generation routes ------------------------------------------------------------------
 
 async def create_completion(request: Request) -> Response:
@@ -67,17 +96,33 @@ async def create_chat_completion(request: Request) -> Response:
     return await _serve(request, "chat", body)
 
 
-async def _parse(request: Request, model: type[RequestBody]) -> RequestBody:
+async def _parse(request: Request, model: type[ParsedBody]) -> ParsedBody:
     # Parsed by hand, not by FastAPI: the body's size is bounded before it is read whole, and
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
-    raw = await _read_body(request, state_of(request).limits.max_body_bytes)
+    raw = await _read_body(request, state_of(request).limits)
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as error:
         raise from_validation_error(error.errors(include_url=False)) from None
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The body, within the size limit and the time limit; a client that stalls would otherwise
+    hold its connection (and a shutdown) for as long as it likes."""
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            return await _read_chunks(request, limits.max_body_bytes)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                       param="body", code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "unknown"
+        log.info("client %s hung up while sending its body", peer)
+        # Nobody reads the answer; 499 (nginx's "client closed request") keeps the access log honest.
+        raise APIError(499, "the client hung up while sending its body", param="body") from None
+
+
+async def _read_chunks(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -99,10 +144,7 @@ async def _serve(request: Request, kind: Kind, body: RequestBody) -> Response:
     arrival_s = time.perf_counter()
     state = state_of(request)
     planning.check_body(state, body)
-    try:
-        state.async_engine.check_available()
-    except EngineUnavailableError as error:
-        raise unavailable(str(error), state.limits) from None
+    _check_available(state)
     plan = await asyncio.to_thread(planning.plan, state, kind, body)
     check_capacity(state, len(plan))
     generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind))

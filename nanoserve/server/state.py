@@ -8,6 +8,7 @@ Refuses: behaviour; the modules that use the state decide what to do with it.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ class ServerLimits:
     max_top_logprobs: int = MAX_LOGPROBS
     max_waiting: int = 256  # sequences queued beyond the engine's running batch
     retry_after_s: int = 1
+    body_timeout_s: float = 30.0  # to send the whole body: a client that stalls is answered 408
 
 
 @dataclass(slots=True)
@@ -47,6 +49,14 @@ class ServerState:
     metrics: ServerMetrics
     created: int = field(default_factory=protocol.now_s)
     token_text: TokenText | None = None
+    sse_keep_alive_s: float = 15.0  # a stream quiet this long gets a keep-alive comment
+    default_seeds: random.Random | None = None  # `serve --seed`: seeds for requests that give none
+
+    def default_seed(self) -> int | None:
+        """The next seed for a request that gives none; None: the engine picks a random one.
+
+        Below 2**62, so the seeds of n choices (seed + i) stay below MAX_SEED."""
+        return None if self.default_seeds is None else self.default_seeds.getrandbits(62)
 
     @property
     def engine(self) -> Engine:

@@ -2,7 +2,8 @@
 
 Owns: `stream_response` (the SSE response, which aborts the generation however it ends:
 done, hang-up or cancel), the chunks (the chat role chunk first, then one chunk per choice
-with new text, logprobs or a finish), the usage chunk for `include_usage`, and always a
+with new text, logprobs or a finish), a keep-alive comment after each quiet
+`sse_keep_alive_s`, the usage chunk for `include_usage`, and always a
 well-formed end: an error event when the engine failed or the server is shutting down, then
 `[DONE]`.
 Refuses: deciding what a request may ask for (planning) and running the sequences
@@ -11,6 +12,7 @@ Refuses: deciding what a request may ask for (planning) and running the sequence
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nanoserve.server")
 SSE_DONE = "data: [DONE]\n\n"
+# An SSE comment: clients ignore it, but it keeps proxies and idle timeouts from cutting a
+# stream that waits in the queue or behind a long prefill.
+SSE_KEEP_ALIVE = ": keep-alive\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
@@ -82,10 +87,17 @@ async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any]) -> A
         yield "".join(sse({**head, "choices": [protocol.chat_delta_choice(
             c.index, {"role": "assistant", "content": ""}, None, None, None)]})
             for c in sorted(generation.choices.values(), key=lambda c: c.index))
+    keep_alive_s = generation.state.sse_keep_alive_s
     while not generation.done:
+        try:
+            # Cutting the wait loses nothing: outputs leave the queue only once it is over.
+            async with asyncio.timeout(keep_alive_s):
+                outputs = await generation.next_outputs()
+        except TimeoutError:
+            yield SSE_KEEP_ALIVE
+            continue
         events = [sse({**head, "choices": [_delta_choice(kind, choice, output, names)]})
-                  for choice, output in await generation.next_outputs()
-                  if output.text or output.logprobs or choice.finished]
+                  for choice, output in outputs if output.text or output.logprobs or choice.finished]
         if events:
             yield "".join(events)
 

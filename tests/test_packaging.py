@@ -1,0 +1,77 @@
+"""What installing nanoserve puts on a machine: its packages, its command, its dependencies."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nanoserve_cli.main import app
+
+tomllib = pytest.importorskip("tomllib")
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_installed_packages_are_every_package_folder_and_no_top_level_cli():
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    inits = (ROOT / "nanoserve").rglob("__init__.py")
+    folders = {".".join(init.parent.relative_to(ROOT).parts) for init in inits}
+    assert set(setuptools["packages"]) == folders | {"nanoserve_cli"}
+    assert setuptools["package-dir"] == {"nanoserve_cli": "cli"}
+    assert PYPROJECT["project"]["scripts"] == {"nanoserve": "nanoserve_cli.main:app"}
+
+
+def _third_party_imports(folder: Path) -> set[str]:
+    ours = {"nanoserve", "nanoserve_cli", *sys.stdlib_module_names}
+    names = set()
+    for source in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - ours
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared(requirements: list[str]) -> set[str]:
+    return {_normalized(re.split(r"[<>=!~ ;\[]", requirement)[0]) for requirement in requirements}
+
+
+# Imported directly but part of a declared dependency's own API: fastapi is built on starlette
+# and pins its version.
+PROVIDED_BY = {"starlette": "fastapi"}
+
+
+def test_every_module_the_installed_code_imports_is_a_declared_dependency():
+    """Runtime dependencies, or an extra for an optional path (transformers: `baseline`); never
+    only `dev`, which is for running the tests, not the installed code."""
+    project = PYPROJECT["project"]
+    extras = [extra for name, extra in project["optional-dependencies"].items() if name != "dev"]
+    declared = _declared(project["dependencies"]) | {name for extra in extras for name in _declared(extra)}
+    distributions = metadata.packages_distributions()
+    imported = _third_party_imports(ROOT / "nanoserve") | _third_party_imports(ROOT / "cli")
+    imported = {PROVIDED_BY.get(module, module) for module in imported}
+    undeclared = {module for module in imported
+                  if not {_normalized(d) for d in distributions.get(module, [module])} & declared}
+    assert undeclared == set()
+
+
+@pytest.mark.parametrize(("name", "floor"),
+                         [("gguf", "0.16"), ("jinja2", "3.1.6"), ("huggingface_hub", "0.23")])
+def test_dependency_floors_are_the_versions_whose_features_we_use(name, floor):
+    assert f"{name}>={floor}" in PYPROJECT["project"]["dependencies"]
+
+
+def test_shell_completion_is_offered():
+    result = CliRunner().invoke(app, ["--help"])
+    assert "--install-completion" in result.output and "--show-completion" in result.output
