@@ -7,6 +7,7 @@ logprobs, and that a client hanging up frees its blocks. The server runs in a th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -66,6 +67,16 @@ def wait_idle(served: Served, timeout_s: float = 10.0) -> None:
 def tiny_engine(model_dir, **overrides) -> Engine:
     options = {"model": str(model_dir), "num_kv_blocks": 96, "max_num_seqs": 8, **overrides}
     return Engine(EngineConfig(**options))
+
+
+@contextlib.contextmanager
+def held_server(engine_factory, **app_options) -> Iterator[tuple[Served, threading.Event]]:
+    """A fresh server whose engine steps wait until the returned gate is set."""
+    app = build_app(engine_factory, model_names=[MODEL], **app_options)
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        served = Served(server.base_url, app)
+        yield served, hold_engine_steps(served.engine)
 
 
 def hold_engine_steps(engine: Engine) -> threading.Event:
@@ -341,13 +352,9 @@ def test_streamed_chat_starts_with_the_role_and_carries_n_choices(client: httpx.
 
 
 def test_a_stream_waiting_for_its_first_token_gets_keep_alive_comments(tiny_model_dir) -> None:
-    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL], sse_keep_alive_s=0.05)
-    with BackgroundServer(app) as server:
-        wait_healthy(server.base_url)
-        served = Served(server.base_url, app)
-        gate = hold_engine_steps(served.engine)
+    with held_server(lambda: tiny_engine(tiny_model_dir), sse_keep_alive_s=0.05) as (served, gate):
         body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=30) as response:
             lines = (line for line in response.iter_lines() if line)
             assert [next(lines), next(lines)] == [": keep-alive", ": keep-alive"]  # steps are held
             gate.set()
@@ -433,19 +440,14 @@ def test_a_client_hanging_up_mid_stream_frees_its_blocks(served: Served, client:
 
 
 def test_a_client_hanging_up_on_a_unary_request_frees_its_blocks(tiny_model_dir) -> None:
-    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
-    with BackgroundServer(app) as server:
-        wait_healthy(server.base_url)
-        served = Served(server.base_url, app)
-        engine = served.engine
-        gate = hold_engine_steps(engine)
+    with held_server(lambda: tiny_engine(tiny_model_dir)) as (served, gate):
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.base_url}/v1/completions", timeout=0.5,
+            httpx.post(f"{served.base_url}/v1/completions", timeout=0.5,
                        json={"prompt": "Hi", "max_tokens": 200, "ignore_eos": True})
         gate.set()
         wait_idle(served)
-        assert engine.stats.generation_tokens < 200
-        assert finished_count(httpx.get(f"{server.base_url}/metrics").text, "abort") == 1
+        assert served.engine.stats.generation_tokens < 200
+        assert finished_count(httpx.get(f"{served.base_url}/metrics").text, "abort") == 1
 
 
 def finished_count(metrics: str, reason: str) -> int:
@@ -615,40 +617,32 @@ def test_unknown_route_and_wrong_method_keep_the_error_shape(client: httpx.Clien
 
 def test_over_the_queue_limit_is_503_with_retry_after(tiny_model_dir) -> None:
     limits = ServerLimits(max_waiting=0, max_tokens=400)
-    app = build_app(lambda: tiny_engine(tiny_model_dir, max_num_seqs=1), model_names=[MODEL], limits=limits)
-    with BackgroundServer(app) as server:
-        wait_healthy(server.base_url)
-        served = Served(server.base_url, app)
-        gate = hold_engine_steps(served.engine)
+    with held_server(lambda: tiny_engine(tiny_model_dir, max_num_seqs=1), limits=limits) as (served, gate):
         body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30):
-            second = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=30):
+            second = httpx.post(f"{served.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
             assert_error(second, 503, None)
             assert second.headers["retry-after"] == "1"
             gate.set()
         wait_idle(served)
-        assert httpx.post(f"{server.base_url}/v1/completions",
+        assert httpx.post(f"{served.base_url}/v1/completions",
                           json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
-        never_fits = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "n": 2})
+        never_fits = httpx.post(f"{served.base_url}/v1/completions", json={"prompt": "Hi", "n": 2})
         assert_error(never_fits, 400, "n")
 
 
 def test_drain_refuses_new_work_and_ends_what_is_left_with_an_error_event(tiny_model_dir) -> None:
-    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
-    with BackgroundServer(app) as server:
-        wait_healthy(server.base_url)
-        served = Served(server.base_url, app)
-        gate = hold_engine_steps(served.engine)
+    with held_server(lambda: tiny_engine(tiny_model_dir)) as (served, gate):
         body = {"prompt": "Hi", "max_tokens": 40, "stream": True}
-        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=30) as response:
             while served.async_engine.num_in_flight == 0:
                 time.sleep(0.01)
-            start_drain(app, 0.2)
+            start_drain(served.app, 0.2)
             events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
         assert events[-1] == "[DONE]"
         assert "shutting down" in json.loads(events[-2])["error"]["message"]
-        assert httpx.get(f"{server.base_url}/health").json() == {"status": "draining"}
-        assert_error(httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "a"}), 503, None)
+        assert httpx.get(f"{served.base_url}/health").json() == {"status": "draining"}
+        assert_error(httpx.post(f"{served.base_url}/v1/completions", json={"prompt": "a"}), 503, None)
         gate.set()
         wait_idle(served)
 
