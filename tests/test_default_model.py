@@ -67,6 +67,31 @@ def test_gguf_file_is_converted_once(cache, tiny_gguf, tiny_model_dir, monkeypat
     assert resolve_model_dir(str(tiny_gguf)) == converted
 
 
+def test_conversion_is_announced_before_it_starts_and_reports_every_tensor(cache, tiny_gguf, monkeypatch,
+                                                                          caplog):
+    """`serve` logs before the seconds a first conversion takes; a terminal gets a progress bar."""
+    seen: list[tuple[int, int]] = []
+    real_convert = default_model.convert_gguf
+
+    def convert(gguf_path, out_dir, progress=None):
+        assert any("converting" in r.getMessage() for r in caplog.records), "no word before the work"
+        assert progress is not None
+
+        def counted(done: int, total: int) -> None:
+            seen.append((done, total))
+            progress(done, total)
+
+        return real_convert(gguf_path, out_dir, counted)
+
+    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    monkeypatch.setattr(default_model.sys.stderr, "isatty", lambda: True)
+    with caplog.at_level("INFO", logger="nanoserve"):
+        resolve_model_dir(tiny_gguf)
+    total = seen[-1][1]
+    assert [done for done, _ in seen] == list(range(1, total + 1)) and total > 1
+    assert any("converted tiny.gguf" in r.getMessage() for r in caplog.records)
+
+
 def test_edited_gguf_gets_a_fresh_conversion(cache, tiny_gguf):
     first = resolve_model_dir(tiny_gguf)
     stat = tiny_gguf.stat()
@@ -75,7 +100,7 @@ def test_edited_gguf_gets_a_fresh_conversion(cache, tiny_gguf):
 
 
 def test_crash_mid_conversion_leaves_no_cache_entry(cache, tiny_gguf, monkeypatch):
-    def crash(gguf_path: Path, out_dir: Path) -> None:
+    def crash(gguf_path: Path, out_dir: Path, progress=None) -> None:
         (Path(out_dir) / "model.safetensors").write_bytes(b"half a file")
         raise KeyboardInterrupt
 
