@@ -23,8 +23,10 @@ from server_harness import BackgroundServer
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
+from nanoserve.output import TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
+from nanoserve.server.protocol import TextOffset, TokenText, completion_logprobs
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8,
@@ -274,6 +276,86 @@ def test_completion_logprobs_in_the_legacy_format(client: httpx.Client) -> None:
         assert logprob <= 0 and 1 <= len(top) <= 4
         assert top[token] == logprob
         assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen token is the best
+
+
+# Byte-level pieces of the tiny tokenizer that are parts of CJK characters: "\xe4" "\xbd" "\xa0"
+# make 你, "\xe5" "\xa5" "\xbd" make 好; none is a whole character.
+PARTIAL_PIECES = {b"\xe4", b"\xbd", b"\xa0", b"\xe5", b"\xa5", b"\xb8", b"\xad"}
+
+
+def _legacy_token_bytes(name: str) -> bytes:
+    """A legacy-format token name back to its bytes: "bytes:\\xNN..." or the text itself."""
+    if name.startswith("bytes:"):
+        hex_digits = name.removeprefix("bytes:").split("\\x")
+        assert hex_digits[0] == "", name
+        return bytes(int(pair, 16) for pair in hex_digits[1:])
+    return name.encode()
+
+
+def _check_legacy_logprobs(logprobs: dict, text: str, top_n: int) -> None:
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    assert all("\ufffd" not in token for token in tokens)
+    for token, logprob, top in zip(tokens, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+        assert len(top) in (top_n, top_n + 1) and top[token] == logprob
+    assert offsets == sorted(offsets) and all(0 <= offset <= len(text) for offset in offsets)
+    assert b"".join(_legacy_token_bytes(token) for token in tokens).decode("utf-8", errors="replace") == text
+
+
+def test_completion_logprobs_name_partial_characters_by_their_bytes(client: httpx.Client,
+                                                                    offline: LLM) -> None:
+    tokenizer = offline.tokenizer
+    partial = [i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) in PARTIAL_PIECES]
+    assert len(partial) == len(PARTIAL_PIECES)
+    # The bias makes the model emit only partial characters (logprobs are reported unbiased, so
+    # the chosen token may be a sixth top entry); each used to be named "\ufffd", merging keys.
+    body = {"prompt": "中文: 你好，世界。我的名字是", "max_tokens": 8, "temperature": 0, "logprobs": 5,
+            "logit_bias": {str(i): 50 for i in partial}}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert all(token.startswith("bytes:") for token in logprobs["tokens"])
+    assert any(sum(key.startswith("bytes:") for key in top) >= 2 for top in logprobs["top_logprobs"])
+    _check_legacy_logprobs(logprobs, choice["text"], 5)
+
+    chunks = chunks_of(client.post("/v1/completions", json={**body, "stream": True}))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for lp in streamed for t in lp["tokens"]] == logprobs["tokens"]
+    assert [o for lp in streamed for o in lp["text_offset"]] == logprobs["text_offset"]
+
+
+def test_completion_logprobs_offsets_count_whole_characters(offline: LLM) -> None:
+    tokenizer = offline.tokenizer
+    names = TokenText(tokenizer)
+    ids = tokenizer.encode("A你好，🚀!", add_bos=False)
+    by_bytes = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    entries = [TokenLogprob(i, -1.0, ((i, -1.0), (by_bytes[b"\xb8"], -2.0), (by_bytes[b"\xad"], -3.0)))
+               for i in ids]
+    offset = TextOffset()
+    half = len(entries) // 2
+    first = completion_logprobs(entries[:half], names, offset)
+    second = completion_logprobs(entries[half:], names, offset)  # a stream's next chunk
+    whole = completion_logprobs(entries, names)
+    assert first["tokens"] + second["tokens"] == whole["tokens"]
+    assert first["text_offset"] + second["text_offset"] == whole["text_offset"]
+    text = "A你好，🚀!"
+    _check_legacy_logprobs(whole, text, 3)
+    # Each token starts after the characters completed before it; a partial one adds none.
+    expected, done = [], b""
+    for i in ids:
+        expected.append(len(done.decode("utf-8", errors="ignore")))
+        done += tokenizer.token_bytes(i)
+    assert whole["text_offset"] == expected and offset.chars == len(text)
+    assert whole["tokens"][1] == "bytes:\\xe4" and whole["top_logprobs"][1] == {
+        "bytes:\\xe4": -1.0, "bytes:\\xb8": -2.0, "bytes:\\xad": -3.0}
+    assert "bytes:\\xf0\\x9f" in whole["tokens"]  # 🚀's first piece: two bytes of four
+
+
+def test_completion_logprobs_keep_one_entry_per_name(offline: LLM) -> None:
+    names = TokenText(offline.tokenizer)
+    [token_id] = offline.tokenizer.encode("A", add_bos=False)
+    other = offline.tokenizer.encode("B", add_bos=False)[0]
+    entry = TokenLogprob(token_id, -0.5, ((other, -0.25), (other, -0.75), (token_id, -2.0)))
+    logprobs = completion_logprobs([entry], names)
+    assert logprobs["top_logprobs"] == [{"B": -0.25, "A": -0.5}] and logprobs["token_logprobs"] == [-0.5]
 
 
 # -- chat -----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from nanoserve.server import protocol
 from nanoserve.server.async_engine import EngineUnavailableError
 from nanoserve.server.errors import bad_request
-from nanoserve.server.protocol import Kind, TokenText
+from nanoserve.server.protocol import Kind, TextOffset, TokenText
 from nanoserve.server.state import ServerState, unavailable
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Choice:
     stop_reason: str | int | None = None
     stop_token_ids: tuple[int, ...] = ()
     last_s: float = 0.0
-    text_offset: int = 0
+    text_offset: TextOffset = field(default_factory=TextOffset)  # streamed completion logprobs
     aborted: bool = False  # ended with no finish: by the server, or by `close` (hang-up, failure)
 
     @property
@@ -213,7 +213,8 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
 
 # -- shared with streaming ----------------------------------------------------------------------
 
-def logprobs_body(kind: Kind, entries: list[TokenLogprob], names: TokenText, text_offset: int) -> dict:
+def logprobs_body(kind: Kind, entries: list[TokenLogprob], names: TokenText,
+                  text_offset: int | TextOffset) -> dict:
     if kind == "chat":
         return protocol.chat_logprobs(entries, names)
     return protocol.completion_logprobs(entries, names, text_offset)

@@ -10,6 +10,7 @@ Refuses: range checks of sampling values; `SamplingParams` is the one place thos
 
 from __future__ import annotations
 
+import codecs
 import math
 import time
 from collections.abc import Sequence
@@ -226,12 +227,15 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 
 
 class TokenText:
-    """Each token id's text and raw bytes, cached: logprobs name tokens one at a time."""
+    """Each token id's text, raw bytes and legacy-format name, cached: logprobs name tokens one
+    at a time."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = lru_cache(maxsize=1 << 16)(self._text)
         self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
+        self.name = lru_cache(maxsize=1 << 16)(self._name)
+        self.text_bytes = lru_cache(maxsize=1 << 16)(self._text_bytes)
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -239,23 +243,69 @@ class TokenText:
     def _bytes(self, token_id: int) -> list[int]:
         return list(self.tokenizer.token_bytes(token_id))
 
+    def _name(self, token_id: int) -> str:
+        """The token's text when its bytes are whole UTF-8 characters, else OpenAI's
+        "bytes:\\xe4\\xbd" form: part of a character has no text of its own, and naming every
+        such piece "\ufffd" would merge distinct tokens."""
+        raw = bytes(self._bytes(token_id))
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return self.text(token_id)
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        """The bytes the token adds to the response text: none for a special token, which the
+        detokenizer skips."""
+        if self.tokenizer.decode([token_id], skip_special_tokens=True) == "":
+            return b""
+        return bytes(self._bytes(token_id))
+
+
+class TextOffset:
+    """Where the next token starts in the response text, in characters, counted from the bytes
+    emitted so far: a token that ends inside a character adds no characters until a later token
+    completes it. Carried across a stream's chunks."""
+
+    def __init__(self, chars: int = 0) -> None:
+        self.chars = chars
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """Feed one token's bytes; return the token's own offset (the characters before it)."""
+        start = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return start
+
 
 def clamp_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else value
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], names: TokenText, text_offset: int) -> dict:
-    """OpenAI's legacy completions format; offsets continue from `text_offset`."""
+def completion_logprobs(entries: Sequence[TokenLogprob], names: TokenText,
+                        text_offset: int | TextOffset = 0) -> dict:
+    """OpenAI's legacy completions format; offsets continue from `text_offset` (a `TextOffset`
+    is advanced in place, so a stream's next chunk goes on from where this one ended).
+
+    A token that is not whole UTF-8 characters is named "bytes:\\xNN..." as OpenAI does, so
+    distinct tokens keep distinct `top_logprobs` keys; should two ids still share a name, the
+    higher logprob stays, and the chosen token's own entry always equals its `token_logprobs`.
+    """
+    offset = text_offset if isinstance(text_offset, TextOffset) else TextOffset(text_offset)
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for entry in entries:
-        token = names.text(entry.token_id)
+        token = names.name(entry.token_id)
+        logprob = clamp_logprob(entry.logprob)
         tokens.append(token)
-        token_logprobs.append(clamp_logprob(entry.logprob))
-        top = {names.text(token_id): clamp_logprob(logprob) for token_id, logprob in entry.top}
-        top.setdefault(token, clamp_logprob(entry.logprob))
+        token_logprobs.append(logprob)
+        top: dict[str, float] = {}
+        for token_id, alternative in entry.top:
+            name, alternative = names.name(token_id), clamp_logprob(alternative)
+            if name not in top or alternative > top[name]:
+                top[name] = alternative
+        top[token] = logprob
         top_logprobs.append(top)
-        offsets.append(text_offset)
-        text_offset += len(token)
+        offsets.append(offset.advance(names.text_bytes(entry.token_id)))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 

@@ -105,9 +105,7 @@ async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any]) -> A
 def _delta_choice(kind: Kind, choice: Choice, output: RequestOutput, names: TokenText) -> dict[str, Any]:
     logprobs = None
     if output.logprobs is not None:
-        logprobs = logprobs_body(kind, output.logprobs, names, choice.text_offset)
-        if kind == "completion":
-            choice.text_offset += sum(len(token) for token in logprobs["tokens"])
+        logprobs = logprobs_body(kind, output.logprobs, names, choice.text_offset)  # advances it
     if kind == "chat":
         delta = {"content": output.text} if output.text else {}
         return protocol.chat_delta_choice(choice.index, delta, logprobs, choice.finish_reason,
