@@ -290,9 +290,10 @@ def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
         flag = {True: "", False: ", not invariant", None: ""}[verdict.invariant]
         return f"{kernel.name} {times}{flag}"
 
-    rows = "/".join(str(r) for r in verdicts[chosen.name].ms_by_rows)
+    counts = list(verdicts[chosen.name].ms_by_rows)
+    rows = "/".join(str(r) for r in counts) + (" row" if counts == [1] else " rows")
     others = [describe(k) for k in ranked if k is not chosen]
-    return f"ms per forward's linears at {rows} rows: {describe(chosen)}" + (
+    return f"ms per forward's linears at {rows}: {describe(chosen)}" + (
         f"; {'; '.join(others)}" if others else "")
 
 
