@@ -83,6 +83,12 @@ Dtypes = Annotated[str, typer.Option(
 BatchInvariantSweep = Annotated[str, typer.Option(
     "--batch-invariant", callback=checked(_switches), metavar="off|on|off,on",
     help="Batch-invariant kernels; off,on runs both side by side and reports the ratio.")]
+PrefixCachingSweep = Annotated[str, typer.Option(
+    "--prefix-caching", callback=checked(_switches), metavar="off|on|off,on",
+    help="Automatic prefix caching; off,on runs both side by side.")]
+SharedPrefixLen = Annotated[int, typer.Option(
+    min=0, help="Leading prompt tokens every request shares (part of --input-len), as a system "
+                "prompt; the warm-up runs see it too.")]
 Baseline = Annotated[str | None, typer.Option(
     callback=checked(_baseline), help="Also run this engine on the same workload: transformers.")]
 InputLen = Annotated[int, typer.Option(min=1, help="Prompt length in tokens (synthetic token ids).")]
@@ -106,6 +112,8 @@ def bench(
     baseline: Baseline = None,
     dtype: Dtypes = "float32",
     batch_invariant: BatchInvariantSweep = "on",
+    prefix_caching: PrefixCachingSweep = "on",
+    shared_prefix_len: SharedPrefixLen = 0,
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
     model: options.Model = None,
@@ -123,10 +131,13 @@ def bench(
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         options.fail(f"--device must be cpu or cuda; got {device!r}")
     options.check_linear_kernel(linear_kernel)
+    if shared_prefix_len > input_len:
+        options.fail(f"--shared-prefix-len ({shared_prefix_len}) must be at most --input-len ({input_len})")
     spec = SweepSpec(slots=slots, params=params, dtypes=dtype, batch_invariant=batch_invariant,
-                     baseline=baseline, model=model, device=device, threads=threads,
-                     linear_kernel=linear_kernel,
-                     workload=Workload(input_len, output_len, num_requests, warmup, repeat))
+                     prefix_caching=prefix_caching, baseline=baseline, model=model, device=device,
+                     threads=threads, linear_kernel=linear_kernel,
+                     workload=Workload(input_len, output_len, num_requests, warmup, repeat,
+                                       shared_prefix_len))
     run_offline(spec, out, chart=chart, append=append)
 
 
@@ -179,6 +190,7 @@ def bench_table(result):
         table.add_column(header, justify="left" if header in ("engine", "dtype", "params") else "right")
     for row in result.frame.itertuples():
         engine = row.engine + (" (batch-inv)" if row.batch_invariant else "")
+        engine += " (no prefix cache)" if row.engine == "nanoserve" and not row.prefix_caching else ""
         roof_ms = max(getattr(row, "memory_limit_step_ms", float("nan")),
                       getattr(row, "compute_limit_step_ms", float("nan")))
         table.add_row(engine, row.dtype, str(row.slots), row.params, _f(row.output_tokens_per_s, 1),

@@ -28,6 +28,12 @@ def generate(
         help="Keep the smallest set with this much probability, in (0, 1].")] = 1.0,
     min_p: Annotated[float, typer.Option(
         help="Drop tokens below min_p x the top probability, in [0, 1].")] = 0.0,
+    typical_p: Annotated[float, typer.Option(
+        help="Locally typical sampling: keep the most typical tokens holding this much probability, "
+             "in (0, 1]; 1 keeps all.")] = 1.0,
+    top_n_sigma: Annotated[float, typer.Option(
+        help="Keep tokens whose logit is at least max - n x the logits' std (after temperature); "
+             "-1 is off.")] = -1.0,
     seed: Annotated[int | None, typer.Option(help="Same seed, same text.")] = None,
     stop: Annotated[list[str] | None, typer.Option(
         help="Stop at the first of these strings to complete, left out of the text (repeatable).")] = None,
@@ -38,6 +44,7 @@ def generate(
     dtype: options.Dtype = "auto",
     device: options.Device = None,
     batch_invariant: options.BatchInvariant = True,
+    prefix_caching: options.PrefixCaching = True,
     max_model_len: options.MaxModelLen = None,
     kv_cache_gb: options.KvCacheGb = None,
     threads: options.Threads = None,
@@ -46,14 +53,16 @@ def generate(
     """Stream one completion of PROMPT from the model."""
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, min_p=min_p, seed=seed, stop=tuple(stop or ()),
+                                top_p=top_p, min_p=min_p, typical_p=typical_p,
+                                top_n_sigma=top_n_sigma, seed=seed, stop=tuple(stop or ()),
                                 stop_token_ids=tuple(stop_token_id or ()))
     except NanoserveError as error:
         options.fail_for(error)
     config = options.engine_config(model=model, dtype=dtype, device=device,
                                    max_num_seqs=1, max_model_len=max_model_len,
                                    kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
-                                   threads=threads, linear_kernel=linear_kernel)
+                                   threads=threads, linear_kernel=linear_kernel,
+                                   prefix_caching=prefix_caching)
     try:
         from nanoserve.llm import LLM
 

@@ -29,6 +29,10 @@ BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
     help="A request's tokens and logprobs never depend on what shares its steps (default); "
          "--no-batch-invariant trades that for speed.")]
+PrefixCaching = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching",
+    help="Reuse the KV cache of prompt prefixes already computed (default); the output is the same "
+         "either way under --batch-invariant.")]
 Threads = Annotated[int | None, typer.Option(
     min=1, help="CPU threads for the model; default: every core this process may use.")]
 LinearKernel = Annotated[str | None, typer.Option(
@@ -38,7 +42,8 @@ LinearKernel = Annotated[str | None, typer.Option(
 # Maps a SamplingParams / engine field to the command-line option that sets it.
 FIELD_TO_OPTION = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
-    "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop": "--stop",
+    "top_p": "--top-p", "min_p": "--min-p", "typical_p": "--typical-p",
+    "top_n_sigma": "--top-n-sigma", "seed": "--seed", "stop": "--stop",
     "stop_token_ids": "--stop-token-id", "dtype": "--dtype", "device": "--device",
     "prompt": "PROMPT", "messages": "--chat", "min_tokens": "--min-tokens",
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
@@ -51,7 +56,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                   kv_cache_gb: float | None = None, block_size: int = 16,
                   batch_invariant: bool = True, threads: int | None = None,
-                  linear_kernel: str | None = None) -> EngineConfig:
+                  linear_kernel: str | None = None, prefix_caching: bool = True) -> EngineConfig:
     from nanoserve.engine import DTYPES
 
     if dtype not in (*DTYPES, "auto"):
@@ -62,7 +67,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
     return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-                        batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel)
+                        batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel,
+                        enable_prefix_caching=prefix_caching)
 
 
 def check_linear_kernel(name: str | None) -> None:

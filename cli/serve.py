@@ -54,6 +54,7 @@ def serve(
     kv_cache_gb: options.KvCacheGb = None,
     block_size: options.BlockSize = 16,
     batch_invariant: options.BatchInvariant = True,
+    prefix_caching: options.PrefixCaching = True,
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
     max_tokens_limit: Annotated[int | None, typer.Option(
@@ -85,7 +86,8 @@ def serve(
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                    block_size=block_size, batch_invariant=batch_invariant,
-                                   threads=threads, linear_kernel=linear_kernel)
+                                   threads=threads, linear_kernel=linear_kernel,
+                                   prefix_caching=prefix_caching)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

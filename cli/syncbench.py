@@ -56,6 +56,8 @@ def syncbench(
     repeat: Annotated[int, typer.Option(help="Timed steps per rows x mix (the median is reported).")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps first.")] = 3,
     out_dir: Annotated[Path, typer.Option(help="Where the CSV and the PNG go.")] = Path("results"),
+    out: Annotated[Path | None, typer.Option(
+        help="The CSV's path (the PNG goes beside it); default: OUT_DIR/syncbench.csv.")] = None,
 ) -> None:
     """Time one sampling step: the batched sampler (one readback) against a per-row loop."""
     rows_list, mix_list = _positive_ints(rows, "--rows"), _mixes(mixes)
@@ -64,7 +66,8 @@ def syncbench(
 
     frame = run_syncbench(model_logits_row(model), rows_list, mix_list, repeat, warmup,
                           logits_source=f"model {model or 'default'}, last position of {PROMPT!r}")
-    csv_path, png_path = write_syncbench_outputs(frame, out_dir)
+    csv_path, png_path = (write_syncbench_outputs(frame, out_dir) if out is None
+                          else write_syncbench_outputs(frame, out.parent, out.stem))
     columns = ["rows", "mix", "engine_ms", "baseline_ms", "speedup", "engine_vs_greedy",
                "engine_readbacks_per_step", "baseline_readbacks_per_step"]
     typer.echo(frame[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))

@@ -86,5 +86,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
     # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
     batch_invariant: bool = True
+    # Reuse the K/V of prompt prefixes already computed (automatic prefix caching).
+    enable_prefix_caching: bool = True
     linear_kernel: str | None = None  # None: the fastest that qualifies, measured at start-up
     threads: int | None = None  # CPU threads; None: every core this process may run on

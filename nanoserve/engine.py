@@ -114,7 +114,8 @@ class Engine:
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            enable_prefix_caching=config.enable_prefix_caching),
             self.pool,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,

@@ -91,6 +91,7 @@ class RequestOutput:
     stop_reason: str | int | None  # the stop string or stop token id that matched
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
 
 
 @dataclass(slots=True)
@@ -134,6 +135,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=num_output,
+            num_cached_tokens=request.num_cached_tokens,
         )
         return NewToken(request.request_id, token_id, status), output
 
@@ -162,4 +164,4 @@ class OutputProcessor:
 
     def aborted(self, request: Request) -> RequestOutput:
         return RequestOutput(request.request_id, "", [], None, True, "abort", None,
-                             len(request.prompt_ids), len(request.output_ids))
+                             len(request.prompt_ids), len(request.output_ids), request.num_cached_tokens)

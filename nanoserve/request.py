@@ -54,6 +54,8 @@ when the request does.
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks so far
     output_state: OutputState | None = None
     sampler_edits: RowEdits | None = None  # penalty and logit_bias cells, built once per request
 

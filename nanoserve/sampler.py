@@ -9,26 +9,40 @@ the one source of randomness.
 Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
 frequency and presence penalties (counts of generated tokens), then logit_bias, then the
 min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`),
-then temperature, top_k, top_p and min_p. Greedy rows (temperature 0, or below
-`MIN_TEMPERATURE`, or top_k 1) take the first argmax and never call `uniform_from_counter`.
+then temperature, top_n_sigma, top_k, typical_p, top_p and min_p. Each filter after
+temperature sees the distribution the ones before it left, renormalized over their survivors:
+top_n_sigma keeps the tokens whose scaled logit is at least max - n x std (std over the row's
+finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likely survivors;
+typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)|
+smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass;
+top_p then holds top_p of the mass left, and min_p keeps q >= min_p x the largest q left. So
+every filter keeps at least one token, and no combination of values empties a row. Greedy rows
+(temperature 0, or below `MIN_TEMPERATURE`, or top_k 1) take the first argmax, ignore every
+filter, and never call `uniform_from_counter`.
 
-How a sampled row draws: every filter is a threshold on the row's softmax probabilities p, so
-the kept set is {p >= threshold} (ties at the threshold are all kept, and the argmax always
-is). Kept probabilities become integers (p * 2**MASS_BITS, exact in int64; a token below
-2**-60 is never drawn), and one uniform, a pure function of (seed, position) computed on the
+How a sampled row draws: top_k, top_p and min_p are thresholds on the row's softmax
+probabilities p, so without top_n_sigma or typical_p the kept set is {p >= threshold} (ties at
+the threshold are all kept, and the argmax always is). A row with top_n_sigma or typical_p
+("shaped") first masks what those two (and top_k, which comes between them) drop, and its p
+becomes the softmax over the survivors; the thresholds then apply to that p. Rows without
+either mode never enter that stage, so their bits are what they were before it existed.
+Kept probabilities become integers (p * 2**MASS_BITS, exact in int64; a token below 2**-60 is
+never drawn), and one uniform, a pure function of (seed, position) computed on the
 device (`uniform_from_counter`), picks the first token in vocabulary order whose running sum
 passes `u * total` (group sums of 64 first, then inside the chosen group). The only float
 reductions are softmax and log_softmax, whose kernels work row by row on CPU and CUDA; every
-sum after them is over integers, exact in any order. So a row gives bit-identically the same
-token and logprobs in any batch, at any index, beside any neighbours, which is what makes
-batching and preemption invisible to a seeded request.
+sum after them is over integers, exact in any order (the entropy of typical_p and the mean and
+std of top_n_sigma are sums of fixed-point integers, `FIXED_BITS` bits after the point). So a
+row gives bit-identically the same token and logprobs in any batch, at any index, beside any
+neighbours, which is what makes batching and preemption invisible to a seeded request.
 
 How top_k and top_p avoid a full sort: top_k reads the k-th largest p from one `torch.topk` of
 the largest k any row asked. top_p on top of top_k finds its cut inside that window. top_p
 alone (no top_k) finds its cut with a three-pass radix select over the bits of p, counting
 integer mass per bucket (`scatter_add`): O(vocab) per pass, exact, no sort. A cheap
 "does the top-64 window already cover top_p?" check cannot skip the exact path without
-reading the answer back to the host, so such rows always pay for the radix select.
+reading the answer back to the host, so such rows always pay for the radix select. typical_p
+finds its cut with the same radix select, over keys that rise as |-log q - H| falls.
 
 Refuses: reading anything back to the host (no .item(), .tolist(), bool(tensor) or
 data-dependent shapes: the step's one readback belongs to the output processor), keeping
@@ -39,7 +53,7 @@ grows with a row's logit_bias, prompt or output (`RowEdits` reads each of them o
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +68,10 @@ MASS_BITS = 60  # p * 2**60 is exact in float32 and sums of softmax mass stay be
 GROUP = 64
 # Radix passes over the 31 bits of a non-negative float32: (shift, digit width), high bits first.
 RADIX_PASSES = ((21, 10), (11, 10), (0, 11))
+# Fixed-point sums for typical_p's entropy and top_n_sigma's std: terms in [-1, 1] scaled by
+# 2**40 sum exactly in int64 over up to 2**22 tokens, to about 2**-40 per term.
+FIXED_BITS = 40
+_INF_BITS = 0x7F800000  # the int32 bits of float32 +inf: the largest non-NaN non-negative key
 
 
 def _signed64(value: int) -> int:
@@ -171,6 +189,46 @@ def _gather(parts: list[tuple[int, Tensor, Tensor]]) -> Cells | None:
 
 
 @dataclass(frozen=True, slots=True)
+class ShapeParams:
+    """top_n_sigma and typical_p of the shaped rows (those with either), one entry per such row.
+
+    Each mode runs only over the rows that use it; the index tensors follow `DrawParams`' rule
+    (None: every row of the level above, no gather).
+    """
+
+    rows: Tensor | None  # [s] int64 into the drawing rows: the shaped ones
+    sigma_rows: Tensor | None  # [g] int64 into the s: rows with top_n_sigma
+    n_sigma: Tensor | None  # [g] float64; None when no row has top_n_sigma
+    typical_rows: Tensor | None  # [t] int64 into the s: rows with typical_p < 1
+    typical_p: Tensor | None  # [t] float64; None when no row has typical_p < 1
+    window: int  # the largest top_k of the typical rows, 0 if none: top_k comes before typical_p
+    top_k: Tensor | None  # [t] int64, 0 where a typical row has no top_k; None when window is 0
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], top_k: list[int],
+              upload: Callable[[list, torch.dtype], Tensor],
+              subset: Callable[[list[int], int], Tensor | None]) -> ShapeParams | None:
+        shaped = [i for i, p in enumerate(params) if p.top_n_sigma > 0 or p.typical_p < 1]
+        if not shaped:
+            return None
+        sigma = [j for j, i in enumerate(shaped) if params[i].top_n_sigma > 0]
+        typical = [j for j, i in enumerate(shaped) if params[i].typical_p < 1]
+        typical_k = [top_k[shaped[j]] for j in typical]
+        window = max(typical_k, default=0)
+        return cls(
+            rows=subset(shaped, len(params)),
+            sigma_rows=subset(sigma, len(shaped)) if sigma else None,
+            n_sigma=(upload([params[shaped[j]].top_n_sigma for j in sigma], torch.float64)
+                     if sigma else None),
+            typical_rows=subset(typical, len(shaped)) if typical else None,
+            typical_p=(upload([params[shaped[j]].typical_p for j in typical], torch.float64)
+                       if typical else None),
+            window=window,
+            top_k=upload(typical_k, torch.int64) if window else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class DrawParams:
     """The parameters of the rows that draw (not greedy), one entry per such row.
 
@@ -192,6 +250,7 @@ class DrawParams:
     window_top_p: Tensor | None  # [w] bool: top_p < 1 too, so the cut lies inside the window
     any_nucleus: bool  # some row has top_p < 1 without top_k: the radix select runs
     nucleus_rows: Tensor | None  # [m] int64 into the n, those rows; None when all n are
+    shape: ShapeParams | None  # the rows with top_n_sigma or typical_p; None when none has
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], drawing: list[int], vocab_size: int,
@@ -222,6 +281,7 @@ class DrawParams:
                           if any(params[i].top_p < 1 for i in windowed) else None),
             any_nucleus=bool(nucleus),
             nucleus_rows=subset(nucleus, len(params)) if nucleus else None,
+            shape=ShapeParams.build(params, top_k, upload, subset),
         )
 
 
@@ -369,14 +429,82 @@ def _argmax(logits: Tensor) -> Tensor:
 
 
 def _sample(logits: Tensor, draw: DrawParams) -> Tensor:
+    return _draw(_kept_mass(logits, draw), uniform_from_counter(draw.seed, draw.position))
+
+
+def _kept_mass(logits: Tensor, draw: DrawParams) -> Tensor:
+    """Each drawing row's kept probabilities as integers (see `_mass`); 0 where dropped."""
     scaled = logits if draw.temperature is None else logits / draw.temperature[:, None]
     # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
     probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
+    if draw.shape is not None:
+        probs = _shaped_probs(scaled, probs, draw.shape)
     keep = probs >= _thresholds(probs, draw)[:, None]
     # In place from here: probs is this function's own tensor, and fresh [rows, vocab] buffers
     # cost page faults on CPU.
-    kept = probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
-    return _draw(kept, uniform_from_counter(draw.seed, draw.position))
+    return probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
+
+
+def _shaped_probs(scaled: Tensor, probs: Tensor, shape: ShapeParams) -> Tensor:
+    """`probs` with each shaped row replaced by the softmax over its top_n_sigma, top_k and
+    typical_p survivors. top_k and top_p apply again to that p, as thresholds: top_k then keeps
+    every survivor (there are at most k), and top_p and min_p read the renormalized mass."""
+    scaled_rows = _rows(scaled, shape.rows)
+    alive = torch.ones_like(scaled_rows, dtype=torch.bool)
+    if shape.n_sigma is not None:
+        part = _rows(scaled_rows, shape.sigma_rows)
+        alive = _put_rows(alive, shape.sigma_rows, part >= _sigma_cut(part, shape.n_sigma)[:, None])
+    if shape.typical_p is not None:
+        part_alive = _rows(alive, shape.typical_rows).clone()
+        if shape.top_k is not None:
+            part_probs = _rows(_rows(probs, shape.rows), shape.typical_rows)
+            part_alive &= part_probs >= _top_k_floor(part_probs, shape)[:, None]
+        part = _rows(scaled_rows, shape.typical_rows).masked_fill(~part_alive, -torch.inf)
+        alive = _put_rows(alive, shape.typical_rows, part_alive & _typical_keep(part, shape.typical_p))
+    fresh = torch.softmax(scaled_rows.masked_fill(~alive, -torch.inf), dim=-1).nan_to_num_(0.0)
+    return _put_rows(probs, shape.rows, fresh)
+
+
+def _put_rows(values: Tensor, rows: Tensor | None, new: Tensor) -> Tensor:
+    """`values` with the given rows replaced by `new` (all of them when None)."""
+    return new if rows is None else values.index_copy(0, rows, new)
+
+
+def _top_k_floor(probs: Tensor, shape: ShapeParams) -> Tensor:
+    """Each typical row's k-th largest p, 0 where it has no top_k: top_k before typical_p."""
+    kth = probs.topk(shape.window, dim=-1).values.gather(1, (shape.top_k - 1).clamp(min=0)[:, None])
+    return kth.squeeze(1) * (shape.top_k > 0)
+
+
+def _fixed_sum(terms: Tensor) -> Tensor:
+    """The float64 row sums of terms in [-1, 1], summed as fixed-point integers: exact in any order."""
+    return (terms * 2.0**FIXED_BITS).round().long().sum(-1).double() * 2.0**-FIXED_BITS
+
+
+def _sigma_cut(scaled: Tensor, n_sigma: Tensor) -> Tensor:
+    """max - n x std of each row's finite logits (float64). The distances below the max are
+    scaled into [0, 1] by a power of two, so the fixed-point sums keep their precision."""
+    finite = scaled.isfinite()
+    count = finite.sum(-1).double()
+    top = scaled.amax(-1)
+    below = (top[:, None] - scaled).masked_fill_(~finite, 0.0)
+    unit = torch.exp2(-torch.frexp(below.amax(-1)).exponent.double())  # below * unit <= 1
+    scaled_below = below.double() * unit[:, None]
+    mean = _fixed_sum(scaled_below) / count
+    spread = (scaled_below - mean[:, None]).masked_fill_(~finite, 0.0)
+    std = (_fixed_sum(spread.square()) / count).sqrt() / unit
+    return top.double() - n_sigma * std
+
+
+def _typical_keep(logits: Tensor, typical_p: Tensor) -> Tensor:
+    """The most typical tokens (|-log q - H| smallest first) holding typical_p of q's mass."""
+    log_q = torch.log_softmax(logits, dim=-1)
+    q = log_q.exp()
+    entropy = -_fixed_sum((q * log_q).nan_to_num_(0.0)).float()  # 0 x -inf is NaN: no term
+    shifted = (-log_q - entropy[:, None]).abs_().nan_to_num_(torch.inf)
+    # float32 >= 0 orders like its bits; subtracting them from +inf's bits reverses the order.
+    keys = (_INF_BITS - shifted.view(torch.int32)).clamp_(min=0)
+    return keys >= _radix_cut(keys, _mass(q), typical_p)[:, None]
 
 
 def _draw(kept: Tensor, u: Tensor) -> Tensor:
@@ -446,9 +574,13 @@ def _top_p_by_radix(probs: Tensor, mass: Tensor, top_p: Tensor) -> Tensor:
     Non-negative float32s order like their bits, so three passes over 10, 10 and 11 bits of
     those bits, each summing integer mass per bucket, find the cut exactly.
     """
+    return _radix_cut(probs.view(torch.int32), mass, top_p).view(torch.float32)
+
+
+def _radix_cut(bits: Tensor, mass: Tensor, fraction: Tensor) -> Tensor:
+    """The largest int32 key whose {bits >= key} holds `fraction` of the mass (keys in [0, 2**31))."""
     total = mass.sum(-1)
-    spare = total - _mass_needed(top_p, total)  # mass the kept set may leave out, below the cut
-    bits = probs.view(torch.int32)
+    spare = total - _mass_needed(fraction, total)  # mass the kept set may leave out, below the cut
     # Two scratch buffers for every pass: fresh [rows, vocab] tensors cost page faults on CPU.
     digits, slots = torch.empty_like(bits), torch.empty_like(mass)
     prefix = torch.zeros_like(total)
@@ -459,7 +591,7 @@ def _top_p_by_radix(probs: Tensor, mass: Tensor, top_p: Tensor) -> Tensor:
         # Slot 0 gathers everything below the chosen prefix, slot 2**width + 1 all above it.
         slots.copy_(digits.clamp_(-1, 1 << width).add_(1))
         prefix = _radix_digit(slots, mass, spare, prefix, width)
-    return prefix.to(torch.int32).view(torch.float32)
+    return prefix.to(torch.int32)
 
 
 def _radix_digit(slots: Tensor, mass: Tensor, spare: Tensor, prefix: Tensor, width: int) -> Tensor:

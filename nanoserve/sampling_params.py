@@ -107,8 +107,14 @@ class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
     Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
-    the min_tokens mask, temperature, then top_k, top_p and min_p. `is_greedy` requests take
-    the argmax and consume no randomness.
+    the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p and min_p, each
+    on what the ones before it kept, renormalized (see `nanoserve.sampler`). `is_greedy`
+    requests take the argmax, ignore the filters and consume no randomness.
+
+    `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the
+    std of the row's finite scaled logits (llama.cpp's --top-nsigma); -1, llama.cpp's default,
+    switches it off. `typical_p`: locally typical sampling (transformers' typical_p); 1 keeps
+    every token.
 
     `stop`: generation stops at the first stop string to be completed, and the returned text
     excludes it; if two complete at the same character, the longer one is reported. A stop
@@ -121,6 +127,8 @@ class SamplingParams:
     top_k: int = -1
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
     seed: int | None = None
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
@@ -154,6 +162,11 @@ class SamplingParams:
         _check_float("top_p", self.top_p, _in_range(self.top_p, 0.0, 1.0, open_low=True),
                      "a number in (0, 1]")
         _check_float("min_p", self.min_p, _in_range(self.min_p, 0.0, 1.0), "a number in [0, 1]")
+        _check_float("typical_p", self.typical_p, _in_range(self.typical_p, 0.0, 1.0, open_low=True),
+                     "a number in (0, 1] (1 keeps every token)")
+        _check_float("top_n_sigma", self.top_n_sigma,
+                     _is_number(self.top_n_sigma) and (self.top_n_sigma == -1 or self.top_n_sigma > 0),
+                     "-1 (off) or a finite number > 0")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

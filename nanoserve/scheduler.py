@@ -10,9 +10,13 @@ Policy, in order, each step:
 2. Then waiting requests, first come first served, while the budget, `max_num_seqs` and the
    free blocks allow. A long prompt is split across steps (chunked prefill), so it never
    stalls the decodes already running. Nothing is admitted in a step that preempted.
+   With prefix caching, a request being admitted first takes the longest run of cached full
+   blocks its tokens start with (never all of them: the last token is always computed, so the
+   step yields logits) and is scheduled from there. A preempted request re-admits the same way.
 
 After the step, `update_after_step` is the one place request state moves on: computed tokens
-advance, each new token is appended, and requests the stop rules ended are finished. The
+advance, blocks a step filled are registered in the prefix cache, each new token is appended,
+and requests the stop rules ended are finished. The
 scheduler's `requests` is the one registry of live requests; `waiting` and `running` order them.
 """
 
@@ -22,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nanoserve.block_pool import BlockPool
+from nanoserve.block_pool import BlockPool, block_keys
 from nanoserve.errors import InvalidRequestError
 from nanoserve.request import Request, RequestStatus
 
@@ -32,6 +36,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -84,6 +89,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
+        self.prefix_cache_hits = 0  # of those, tokens the cache supplied
 
     @property
     def max_request_tokens(self) -> int:
@@ -148,14 +155,58 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            hits = self._take_cached_prefix(request)
             num_tokens = min(request.num_uncomputed_tokens, budget)
             if not self._reserve(request, request.num_computed_tokens + num_tokens):
+                self._release(request)
+                request.num_computed_tokens = 0
                 break  # FCFS: no one overtakes the head of the queue
+            self._count_lookup(request, hits)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
+
+    def _take_cached_prefix(self, request: Request) -> int:
+        """Give a request with nothing computed the cached blocks its tokens start with;
+        how many tokens they hold. The last token is left out, so it is always computed."""
+        if not self.config.enable_prefix_caching or request.num_computed_tokens:
+            return 0
+        hit_ids = self.pool.lookup(self._keys(request, (request.num_tokens - 1) // self.pool.block_size))
+        self.pool.take(hit_ids)
+        request.block_ids = hit_ids
+        request.num_computed_tokens = len(hit_ids) * self.pool.block_size
+        return request.num_computed_tokens
+
+    def _count_lookup(self, request: Request, hits: int) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = hits
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += hits
+
+    def _keys(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of the request's first `num_blocks` full blocks (kept, since a
+        request's tokens only grow)."""
+        keys = request.block_keys
+        if len(keys) < num_blocks:
+            size = self.pool.block_size
+            parent = keys[-1] if keys else b""
+            tokens = request.token_ids(len(keys) * size, num_blocks * size)
+            keys += block_keys(tokens, size, num_blocks - len(keys), parent)
+        return keys[:num_blocks]
+
+    def _register_filled_blocks(self, chunk: ScheduledChunk) -> None:
+        """Offer the blocks this chunk filled to the prefix cache (a block still growing never)."""
+        size = self.pool.block_size
+        first, stop = chunk.start // size, (chunk.start + chunk.num_tokens) // size
+        if stop <= first:
+            return
+        keys = self._keys(chunk.request, stop)
+        for index in range(first, stop):
+            self.pool.register(chunk.request.block_ids[index], keys[index])
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         missing = self.pool.blocks_for_tokens(num_tokens) - len(request.block_ids)
@@ -185,6 +236,8 @@ class Scheduler:
         token is appended to its request, and a request a new token ends is finished."""
         for chunk in plan.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            if self.config.enable_prefix_caching and not chunk.request.status.is_finished:
+                self._register_filled_blocks(chunk)
         for new in new_tokens:
             request = self.requests[new.request_id]
             request.output_ids.append(new.token_id)

@@ -128,11 +128,43 @@ def test_sampling_mixes_cycle_per_row_and_seed_only_sampled_rows():
     assert all(p.ignore_eos and p.max_tokens == 8 for p in rows)
 
 
+def test_typical_p_and_top_n_sigma_mixes_reach_the_params_and_only_typical_p_gets_a_baseline():
+    assert offline.sampling_params("typical_p", 0, 8).typical_p == 0.9
+    assert offline.sampling_params("top_n_sigma", 0, 8).top_n_sigma == 1.0
+    spec = offline.SweepSpec(slots=(1,), params=("typical_p", "top_n_sigma", "mixed"),
+                             baseline="transformers")
+    assert [(c.engine, c.params) for c in spec.configs()] == [
+        ("nanoserve", "typical_p"), ("transformers", "typical_p"), ("nanoserve", "top_n_sigma"),
+        ("nanoserve", "mixed")]
+
+
 def test_synthetic_prompts_have_exactly_the_asked_length_and_are_reproducible():
     prompts = offline.synthetic_prompts(3, 7, vocab_size=384)
     assert [len(p) for p in prompts] == [7, 7, 7]
     assert prompts == offline.synthetic_prompts(3, 7, vocab_size=384)
     assert all(0 <= t < 384 for p in prompts for t in p)
+
+
+def test_shared_prefix_prompts_share_exactly_that_prefix_whatever_the_seed():
+    a = offline.synthetic_prompts(3, 40, vocab_size=384, seed=0, shared_prefix_len=32)
+    b = offline.synthetic_prompts(2, 40, vocab_size=384, seed=5, shared_prefix_len=32)
+    assert [len(p) for p in a + b] == [40] * 5
+    assert len({tuple(p[:32]) for p in a + b}) == 1
+    assert len({tuple(p[32:]) for p in a + b}) == 5
+
+
+def test_a_prefix_caching_sweep_hits_the_shared_prefix_and_changes_no_token(tiny_model_dir):
+    spec = offline.SweepSpec(slots=(2,), model=str(tiny_model_dir), device="cpu",
+                             prefix_caching=(False, True),
+                             workload=offline.Workload(input_len=40, output_len=3, warmup=1,
+                                                       shared_prefix_len=32))
+    sweep = offline.Sweep(spec)
+    frame = sweep.run().frame
+    assert list(frame.prefix_caching) == [False, True] and (frame.shared_prefix_len == 32).all()
+    assert (frame.output_tokens == 6).all()
+    scheduler = sweep.engine("float32", True, True).engine.scheduler
+    assert scheduler.prefix_cache_hits >= 2 * 32  # the timed run found the warm-up's prefix
+    assert sweep.engine("float32", True, False).engine.scheduler.prefix_cache_queries == 0
 
 
 def test_ratios_pair_each_row_with_its_baseline_and_its_plain_kernels():

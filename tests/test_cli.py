@@ -22,6 +22,8 @@ def generate(*args):
         (["--top-p", "1.5"], "--top-p"),
         (["--top-k", "0"], "--top-k"),
         (["--min-p", "2"], "--min-p"),
+        (["--typical-p", "0"], "--typical-p"),
+        (["--top-n-sigma", "-2"], "--top-n-sigma"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--dtype", "float8"], "--dtype"),
         (["--device", "tpu"], "--device"),
@@ -97,3 +99,15 @@ def test_generate_prints_the_kernel_it_chose_and_why(tiny_model_dir):
     result = generate("hi", "--model", str(tiny_model_dir), "--max-tokens", "2")
     assert result.exit_code == 0, result.output
     assert "linear kernel:" in result.output and "batch-invariant forward" in result.output
+
+
+def test_generate_samples_with_typical_p_and_top_n_sigma_as_the_library_does(tiny_model_dir):
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    modes = {"temperature": 1.5, "seed": 3, "typical_p": 0.7, "top_n_sigma": 1.5}
+    expected = LLM(str(tiny_model_dir)).generate(["hi"], SamplingParams(max_tokens=5, **modes))[0].text
+    result = generate("hi", "--model", str(tiny_model_dir), "--max-tokens", "5", "--temperature", "1.5",
+                      "--seed", "3", "--typical-p", "0.7", "--top-n-sigma", "1.5")
+    assert result.exit_code == 0, result.output
+    assert expected in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -51,6 +53,8 @@ params_strategy = st.builds(
     top_k=st.sampled_from([-1, 1, 5, 40]),
     top_p=st.sampled_from([1.0, 0.95, 0.6]),
     min_p=st.sampled_from([0.0, 0.05]),
+    typical_p=st.sampled_from([1.0, 1.0, 0.9, 0.3]),
+    top_n_sigma=st.sampled_from([-1.0, -1.0, 1.0, 2.5]),
     logprobs=st.sampled_from([None, 0, 3, 7]),
     repetition_penalty=st.sampled_from([1.0, 1.3]),
     frequency_penalty=st.sampled_from([0.0, 0.7]),
@@ -157,21 +161,41 @@ def test_the_uniform_is_the_position_th_output_of_splitmix64(seed):
     assert got.tolist() == expected
 
 
-def reference_probs(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = -1,
-                    top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
-    """The filtered, renormalized softmax, the slow way: float64 and a full sort."""
-    probs = torch.softmax(logits.double() / temperature, -1)
-    ordered = probs.sort(descending=True).values
-    keep = torch.ones_like(probs, dtype=torch.bool)
+def reference_keep(logits: torch.Tensor, *, temperature: float = 1.0, top_n_sigma: float = -1.0,
+                   top_k: int = -1, typical_p: float = 1.0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> torch.Tensor:
+    """The whole filter chain on one row, the slow way: float64, full sorts, and each filter
+    renormalizing over what the ones before it kept."""
+    scaled = logits.double() / temperature
+    keep = scaled > -torch.inf
+
+    def survivors() -> torch.Tensor:
+        return torch.softmax(scaled.masked_fill(~keep, -torch.inf), -1)
+
+    if top_n_sigma > 0:
+        finite = scaled[scaled.isfinite()]
+        keep &= scaled >= finite.max() - top_n_sigma * finite.std(unbiased=False)
     if top_k > 0:
-        keep &= probs >= ordered[top_k - 1]
+        keep &= scaled >= scaled[keep].sort(descending=True).values[min(top_k, int(keep.sum())) - 1]
+    if typical_p < 1:
+        log_q = torch.log_softmax(scaled.masked_fill(~keep, -torch.inf), -1)
+        entropy = -(log_q.exp() * log_q).nansum()
+        shifted = (-log_q - entropy).abs()
+        order = shifted.sort().indices
+        running = log_q.exp()[order].cumsum(0)
+        keep &= shifted <= shifted[order[min(int((running < typical_p).sum()), len(order) - 1)]]
     if top_p < 1:
-        kept = ordered * (ordered >= ordered[top_k - 1] if top_k > 0 else 1)
-        running = (kept / kept.sum()).cumsum(0)
-        cut = ordered[int((running < top_p).sum())]
-        keep &= probs >= cut
-    keep &= probs >= min_p * probs.max()
-    filtered = probs * keep
+        q = survivors()
+        ordered = q.sort(descending=True).values
+        keep &= q >= ordered[min(int((ordered.cumsum(0) < top_p).sum()), len(ordered) - 1)]
+    q = survivors()
+    return keep & (q >= min_p * q.max())
+
+
+def reference_probs(logits: torch.Tensor, **filters: float) -> torch.Tensor:
+    """The filtered, renormalized softmax, from `reference_keep`."""
+    filtered = torch.softmax(logits.double() / filters.get("temperature", 1.0), -1)
+    filtered = filtered * reference_keep(logits, **filters)
     return filtered / filtered.sum()
 
 
@@ -200,6 +224,10 @@ PEAKED = torch.log(1.0 / torch.arange(1, 257, dtype=torch.float64) ** 1.3)[
     {"temperature": 0.8, "top_p": 0.85},
     {"temperature": 1.2, "min_p": 0.05},
     {"temperature": 1.0, "top_k": 30, "top_p": 0.7},
+    {"temperature": 1.0, "typical_p": 0.5},
+    {"temperature": 1.5, "top_n_sigma": 1.0},
+    {"temperature": 1.0, "top_n_sigma": 1.0, "top_p": 0.9},
+    {"temperature": 0.9, "top_n_sigma": 2.0, "top_k": 20, "typical_p": 0.8, "top_p": 0.9, "min_p": 0.02},
 ], ids=str)
 def test_draws_follow_the_filtered_renormalized_softmax(filters):
     expected = reference_probs(PEAKED, **filters)
@@ -311,14 +339,15 @@ def test_bf16_logits_sample_like_their_float32_widening():
 
 
 def test_the_sampler_reads_nothing_back_to_the_host(monkeypatch):
-    logits = random_logits(8).bfloat16()
+    logits = random_logits(11).bfloat16()
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9, logprobs=4),
               SamplingParams(top_k=20, top_p=0.8), SamplingParams(min_p=0.1, seed=3),
               SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
                              logit_bias={4: 2.0}, min_tokens=4, logprobs=0),
               SamplingParams(top_k=1), SamplingParams(temperature=1.5),
-              SamplingParams(top_k=3000, top_p=0.5)]
-    batch = SamplingBatch.build(rows_of(params, outputs=[[1, 2, 2]] * 8), vocab_size=VOCAB,
+              SamplingParams(top_k=3000, top_p=0.5), SamplingParams(typical_p=0.7, top_k=30),
+              SamplingParams(top_n_sigma=1.0, top_p=0.9), SamplingParams(typical_p=0.5, top_n_sigma=2.0)]
+    batch = SamplingBatch.build(rows_of(params, outputs=[[1, 2, 2]] * 11), vocab_size=VOCAB,
                                 eos_token_ids=[EOS], device="cpu")
 
     def readback(*_args, **_kwargs):
@@ -329,7 +358,7 @@ def test_the_sampler_reads_nothing_back_to_the_host(monkeypatch):
     monkeypatch.setattr(torch, "nonzero", readback)
     out = BatchedSampler()(logits, batch)
     monkeypatch.undo()
-    assert out.token_ids.shape == (8,) and out.top_ids.shape == (8, 4)
+    assert out.token_ids.shape == (11,) and out.top_ids.shape == (11, 4)
 
 
 class CountingList(list):
@@ -378,3 +407,98 @@ def test_edits_kept_across_steps_pick_as_edits_built_afresh_each_step():
         token = sample(logits, [kept_row]).token_ids
         assert torch.equal(token, sample(logits, [fresh_row]).token_ids)
         output.append(int(token))
+
+
+FILTER_NAMES = ("temperature", "top_n_sigma", "top_k", "typical_p", "top_p", "min_p")
+FILTER_GRID = [dict(zip(FILTER_NAMES, values, strict=True))
+               for values in itertools.product([0.7, 1.3], [-1.0, 0.5, 1.0, 2.0], [-1, 5, 40],
+                                               [1.0, 0.2, 0.9], [1.0, 0.9, 0.5], [0.0, 0.1])]
+
+
+def kept_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] bool: the tokens each (drawing) row may draw, from the sampler itself."""
+    batch = SamplingBatch.build(rows_of(params), vocab_size=logits.shape[-1], eos_token_ids=(),
+                                device="cpu")
+    return sampler_module._kept_mass(logits, batch.draw) > 0
+
+
+def test_the_kept_tokens_of_every_filter_combination_match_the_float64_chain():
+    logits = random_logits(len(FILTER_GRID), 256, seed=21, scale=2.0)
+    logits[::5] = logits[::5].bfloat16().float()  # exact ties too
+    kept = kept_tokens(logits, [SamplingParams(**filters) for filters in FILTER_GRID])
+    for row, filters in enumerate(FILTER_GRID):
+        expected = reference_keep(logits[row], **filters)
+        assert torch.equal(kept[row], expected), filters
+
+
+def test_top_n_sigma_then_top_p_renormalizes_over_the_survivors():
+    # The trap: top_p measured against the mass before top_n_sigma needs more than is left.
+    logits = random_logits(64, seed=4)
+    params = [SamplingParams(top_n_sigma=1.0, top_p=0.9)] * 64
+    kept = kept_tokens(logits, params)
+    alone = kept_tokens(logits, [SamplingParams(top_n_sigma=1.0)] * 64)
+    assert torch.all(kept.sum(-1) >= 1) and torch.all(kept <= alone)
+    assert torch.any(kept.sum(-1) < alone.sum(-1)), "top_p cut nothing after top_n_sigma"
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), logits_seed=st.integers(0, 2**31), bf16_ties=st.booleans(),
+       masked=st.integers(0, 250), scale=st.sampled_from([0.01, 1.0, 5.0, 40.0]))
+def test_no_valid_combination_of_filters_empties_a_row(data, logits_seed, bf16_ties, masked, scale):
+    filters = st.builds(
+        SamplingParams,
+        temperature=st.floats(1e-4, 10.0),
+        top_n_sigma=st.one_of(st.just(-1.0), st.floats(1e-6, 20.0)),
+        top_k=st.one_of(st.just(-1), st.integers(2, 300)),
+        typical_p=st.one_of(st.just(1.0), st.floats(1e-9, 1.0)),
+        top_p=st.one_of(st.just(1.0), st.floats(1e-9, 1.0)),
+        min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    )
+    params = data.draw(st.lists(filters, min_size=1, max_size=8))
+    logits = random_logits(len(params), 256, seed=logits_seed, scale=scale)
+    logits[:, 256 - masked:] = -torch.inf  # what min_tokens or logit_bias can leave: at least 6 tokens
+    if bf16_ties:
+        logits = logits.bfloat16().float()
+    kept = kept_tokens(logits, params)
+    assert torch.all(kept.sum(-1) >= 1)
+    picked = sample(logits, rows_of(params)).token_ids
+    assert torch.all(kept.gather(1, picked[:, None]))
+
+
+def test_rows_without_typical_p_or_top_n_sigma_keep_their_bits_beside_rows_with_them():
+    logits = random_logits(len(FILTER_GRID), seed=8)
+    params = [SamplingParams(**filters, logprobs=2) for filters in FILTER_GRID]
+    off = [dataclasses.replace(p, typical_p=1.0, top_n_sigma=-1.0) for p in params]
+    plain = [i for i, p in enumerate(params) if p == off[i]]
+    seeds = range(1000, 1000 + len(params))
+    with_modes = sample(logits, rows_of(params, seeds=seeds))
+    without = sample(logits, rows_of(off, seeds=seeds))
+    assert torch.equal(with_modes.token_ids[plain], without.token_ids[plain])
+    assert torch.equal(kept_tokens(logits, params)[plain], kept_tokens(logits, off)[plain])
+    assert torch.equal(with_modes.logprobs[plain], without.logprobs[plain])
+
+
+def test_a_seeded_shaped_row_draws_the_same_token_alone_or_in_a_mixed_crowd():
+    logits = random_logits(len(FILTER_GRID), seed=9).bfloat16().float()
+    params = [SamplingParams(**filters) for filters in FILTER_GRID]
+    seeds = range(7, 7 + len(params))
+    crowd = sample(logits, rows_of(params, seeds=seeds)).token_ids
+    for i in range(0, len(params), 7):
+        alone = sample(logits[i:i + 1].clone(), rows_of(params[i:i + 1], seeds=[seeds[i]]))
+        assert crowd[i].item() == alone.token_ids.item()
+
+
+def test_top_n_sigma_keeps_the_tokens_within_n_deviations_of_the_max():
+    logits = torch.full((1, 64), -torch.inf)
+    logits[0, :5] = torch.tensor([10.0, 9.0, 8.0, 7.0, 0.0])  # std of the five finite: 3.54
+    kept = kept_tokens(logits, [SamplingParams(top_n_sigma=0.6)])[0]
+    assert kept[:5].tolist() == [True, True, True, False, False]  # the cut is 10 - 2.12
+
+
+def test_typical_p_can_drop_the_most_likely_token():
+    # One token at 0.3, 70 at 0.01: the entropy is 3.6 nats, -log 0.3 = 1.2 lies 2.4 from it and
+    # -log 0.01 = 4.6 only 1.0, so the 0.01s come first (all of them: ties at the cut are kept).
+    probs = torch.tensor([0.3] + [0.01] * 70)
+    kept = kept_tokens(probs.log()[None], [SamplingParams(typical_p=0.4)])[0]
+    assert not kept[0] and kept[1:].all()
+    assert torch.equal(kept, reference_keep(probs.log(), typical_p=0.4))

@@ -28,6 +28,7 @@ def test_defaults_are_the_documented_ones():
     assert (p.seed, p.min_tokens, p.stop, p.stop_token_ids, p.ignore_eos) == (None, 0, (), (), False)
     assert (p.logprobs, p.presence_penalty, p.frequency_penalty) == (None, 0.0, 0.0)
     assert (p.repetition_penalty, p.logit_bias) == (1.0, ())
+    assert (p.typical_p, p.top_n_sigma) == (1.0, -1.0)  # both off
 
 
 def test_module_imports_without_torch():
@@ -63,6 +64,21 @@ def test_top_k_refuses_anything_but_minus_one_or_a_positive_int(value):
 @pytest.mark.parametrize("value", [-0.01, 1.01, *NOT_FINITE])
 def test_min_p_refuses_values_outside_zero_one(value):
     refused("min_p", min_p=value)
+
+
+@pytest.mark.parametrize("value", [0, -0.01, 1.01, True, "0.5", *NOT_FINITE])
+def test_typical_p_refuses_values_outside_zero_exclusive_to_one(value):
+    refused("typical_p", typical_p=value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.5, -2, True, "1", *NOT_FINITE])
+def test_top_n_sigma_refuses_anything_but_minus_one_or_a_positive_number(value):
+    refused("top_n_sigma", top_n_sigma=value)
+
+
+@pytest.mark.parametrize("value", [-1, -1.0, 1e-6, 1, 1.5, 30.0])
+def test_top_n_sigma_accepts_minus_one_for_off_and_any_positive_number(value):
+    assert SamplingParams(top_n_sigma=value).top_n_sigma == value
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.0, True, "16"])
@@ -165,11 +181,12 @@ def test_every_value_inside_the_ranges_is_accepted(temperature, top_p, min_p, to
                    repetition_penalty=repetition, seed=seed, logprobs=logprobs)
 
 
-@given(st.sampled_from(["top_p", "min_p", "presence_penalty", "frequency_penalty",
+@given(st.sampled_from(["top_p", "typical_p", "min_p", "presence_penalty", "frequency_penalty",
                         "repetition_penalty", "temperature"]),
        st.one_of(finite, st.sampled_from(NOT_FINITE)))
 def test_every_float_field_accepts_exactly_its_range(field, value):
-    ranges = {"top_p": (0, 1, True), "min_p": (0, 1, False), "presence_penalty": (-2, 2, False),
+    ranges = {"top_p": (0, 1, True), "typical_p": (0, 1, True), "min_p": (0, 1, False),
+              "presence_penalty": (-2, 2, False),
               "frequency_penalty": (-2, 2, False), "repetition_penalty": (MIN_REPETITION_PENALTY, 2, False),
               "temperature": (0, math.inf, False)}
     low, high, open_low = ranges[field]

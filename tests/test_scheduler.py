@@ -14,9 +14,11 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import NewToken, Scheduler, SchedulerConfig
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256,
+                   prefix_caching=False):
     pool = BlockPool(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_len), pool)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_len,
+                                     enable_prefix_caching=prefix_caching), pool)
 
 
 def make_request(rid, prompt_len, max_tokens=8):
@@ -129,9 +131,11 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
         max_size=80,
     ),
     st.integers(6, 40),
+    st.booleans(),
 )
-def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks):
-    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=24)
+def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, prefix_caching):
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=24,
+                               prefix_caching=prefix_caching)
     live: list[Request] = []
     for i, (op, size, max_tokens) in enumerate(ops):
         if op == "add":
@@ -154,8 +158,12 @@ def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks):
             ids = [c.request.request_id for c in plan.chunks]
             assert len(ids) == len(set(ids))
         held = [b for r in scheduler.running for b in r.block_ids]
-        assert len(held) == len(set(held)), "a block is held twice"
-        assert scheduler.pool.num_free_blocks == num_blocks - len(held)
+        scheduler.pool.check()
+        assert all(scheduler.pool.ref_count(b) == held.count(b) for b in held), "reference counts off"
+        assert scheduler.pool.num_free_blocks == num_blocks - len(set(held))
+        for r in scheduler.running:  # a request's own growing block is never shared
+            if r.num_computed_tokens % 4 and len(r.block_ids) > r.num_computed_tokens // 4:
+                assert held.count(r.block_ids[r.num_computed_tokens // 4]) == 1
         assert all(not r.block_ids for r in scheduler.waiting)
         queued = [*scheduler.waiting, *scheduler.running]
         assert sorted(r.request_id for r in queued) == sorted(scheduler.requests), "registry out of step"
@@ -165,3 +173,71 @@ def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks):
         run_step(scheduler)
     assert not scheduler.has_unfinished(), "some request never finished"
     assert scheduler.pool.is_completely_free
+
+
+def test_a_prompt_starting_with_computed_blocks_takes_them_and_prefills_only_the_rest():
+    scheduler = make_scheduler(prefix_caching=True)
+    first = make_request("a", 10, max_tokens=1)
+    scheduler.add(first)
+    run_step(scheduler)  # 10 tokens: blocks 0 and 1 full, registered; a finishes
+    assert scheduler.pool.is_completely_free
+    second = Request("b", [*range(1, 9), 50, 51, 52], SamplingParams(max_tokens=2), seed=0)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    [chunk] = plan.chunks
+    assert (chunk.start, chunk.num_tokens) == (8, 3)
+    assert second.num_cached_tokens == 8
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (10 + 11, 8)
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    scheduler = make_scheduler(prefix_caching=True)
+    scheduler.add(make_request("a", 8, max_tokens=1))
+    run_step(scheduler)
+    again = make_request("b", 8, max_tokens=1)
+    scheduler.add(again)
+    [chunk] = scheduler.schedule().chunks
+    assert (chunk.start, chunk.num_tokens) == (4, 4) and chunk.samples
+
+
+def test_requests_sharing_a_prefix_hold_its_blocks_together_and_keep_it_after_finishing():
+    scheduler = make_scheduler(prefix_caching=True)
+    scheduler.add(make_request("a", 9, max_tokens=4))
+    run_step(scheduler)
+    scheduler.add(make_request("b", 9, max_tokens=4))
+    run_step(scheduler)
+    a, b = scheduler.requests["a"], scheduler.requests["b"]
+    assert a.block_ids[:2] == b.block_ids[:2] and a.block_ids[2] != b.block_ids[2]
+    assert all(scheduler.pool.ref_count(block) == 2 for block in a.block_ids[:2])
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    scheduler.pool.check()
+    assert scheduler.pool.is_completely_free and scheduler.pool.num_cached_blocks >= 2
+
+
+def test_a_preempted_request_readmits_through_the_cache_and_keeps_its_first_cached_count():
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=2, prefix_caching=True)
+    scheduler.add(make_request("old", 8, max_tokens=12))
+    run_step(scheduler)
+    scheduler.add(make_request("new", 8, max_tokens=12))
+    for _ in range(20):
+        run_step(scheduler)
+        if scheduler.num_preemptions:
+            break
+    victim = next(r for r in scheduler.requests.values() if r.num_preemptions)
+    assert victim.block_ids == [] and victim.num_computed_tokens == 0
+    cached_before = victim.num_cached_tokens
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+        scheduler.pool.check()
+    assert victim.num_cached_tokens == cached_before
+    assert scheduler.prefix_cache_hits > cached_before  # the re-admission found its own blocks
+    assert scheduler.pool.is_completely_free
+
+
+def test_caching_off_registers_and_finds_nothing():
+    scheduler = make_scheduler()
+    for rid in "ab":
+        scheduler.add(make_request(rid, 9, max_tokens=1))
+        run_step(scheduler)
+    assert scheduler.pool.num_cached_blocks == 0 and scheduler.prefix_cache_queries == 0

@@ -26,7 +26,8 @@ from nanoserve.llm import LLM
 from nanoserve.output import TokenLogprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
-from nanoserve.server.protocol import TextOffset, TokenText, completion_logprobs
+from nanoserve.server.planning import _base_params
+from nanoserve.server.protocol import CompletionRequest, TextOffset, TokenText, completion_logprobs
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8,
@@ -153,6 +154,7 @@ def test_health_models_and_metrics(client: httpx.Client) -> None:
                  "nanoserve_e2e_request_latency_seconds_count", "nanoserve_requests_running",
                  "nanoserve_requests_waiting", "nanoserve_kv_cache_usage_ratio",
                  "nanoserve_num_preemptions_total", "nanoserve_prompt_tokens_total",
+                 "nanoserve_prefix_cache_queries_total", "nanoserve_prefix_cache_hits_total",
                  "nanoserve_generation_tokens_total"):
         assert name in metrics.text
 
@@ -200,8 +202,34 @@ def test_unary_completion_matches_the_offline_engine(client: httpx.Client, offli
     assert choice["text"] == expected.text
     assert choice["finish_reason"] == "length" == expected.finish_reason
     prompt_tokens = len(expected.prompt_token_ids)
+    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]  # other tests may share it
     assert data["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12,
-                             "total_tokens": prompt_tokens + 12}
+                             "total_tokens": prompt_tokens + 12,
+                             "prompt_tokens_details": {"cached_tokens": cached}}
+    assert 0 <= cached < prompt_tokens
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_counts_prefix_cache_hits(
+        served: Served, client: httpx.Client) -> None:
+    def hits() -> dict[str, float]:
+        text = client.get("/metrics").text
+        return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("nanoserve_prefix_cache_")}
+
+    prompt = list(range(300, 340))  # 40 token ids: two full 16-token blocks, then 8 more
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.post("/v1/completions", json=body).json()
+    wait_idle(served)
+    before = hits()
+    second = client.post("/v1/completions", json=body).json()
+    wait_idle(served)
+    after = hits()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    gained = {name.removeprefix("nanoserve_prefix_cache_"): after[name] - before[name] for name in after}
+    assert gained == {"queries_total": 40, "hits_total": 32}
+    assert served.engine.pool.is_completely_free  # cached blocks count as free
 
 
 def test_model_alias_and_missing_model_are_accepted(client: httpx.Client) -> None:
@@ -231,6 +259,18 @@ def test_n_choices_with_a_seed_differ_and_reproduce_as_seed_plus_i(client: httpx
     assert len(set(texts)) > 1
     solo = client.post("/v1/completions", json={**body, "n": 1, "seed": 9}).json()
     assert solo["choices"][0]["text"] == texts[2]
+
+
+def test_typical_p_and_top_n_sigma_reach_the_sampler_from_both_endpoints(client: httpx.Client,
+                                                                          offline: LLM) -> None:
+    modes = {"temperature": 1.5, "seed": 11, "typical_p": 0.6, "top_n_sigma": 1.0}
+    expected = offline.generate("Water boils at", SamplingParams(max_tokens=8, **modes))[0].text
+    body = {"prompt": "Water boils at", "max_tokens": 8, **modes}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **modes}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    parsed = _base_params(CompletionRequest.model_validate(body), seed=11)
+    assert (parsed.typical_p, parsed.top_n_sigma) == (0.6, 1.0)
 
 
 def test_stop_string_ends_the_choice_before_it(client: httpx.Client) -> None:
@@ -612,6 +652,10 @@ def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "typical_p": 0}, "typical_p"),
+    ({"prompt": "x", "typical_p": 1.5}, "typical_p"),
+    ({"prompt": "x", "top_n_sigma": 0}, "top_n_sigma"),
+    ({"prompt": "x", "top_n_sigma": -2}, "top_n_sigma"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
@@ -648,6 +692,8 @@ def test_completion_validation_failures_are_400_naming_the_field(served: Served,
      "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "typical_p": -0.1}, "typical_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_n_sigma": "wide"}, "top_n_sigma"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),

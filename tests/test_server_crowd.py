@@ -53,9 +53,9 @@ REAL = os.environ.get("NANOSERVE_CROWD_MODEL", "tiny") == "default"
 # Sized per model: the long prompts fit the tiny model's 512-token context, and each pool is
 # small enough that the crowd must preempt.
 LONG_PROMPT = LONG_TEXT[:700] if REAL else LONG_TEXT[:400]
-# Small enough that the crowd must preempt: 78 blocks of 16 tokens on the tiny model, still
-# room for one 1024-token sequence. (0.001 GiB stopped preempting reliably once steps got faster.)
-KV_CACHE_GB = "0.03" if REAL else "0.0006"
+# Small enough that the crowd must preempt even with prefix-cache hits from the solo runs: 52
+# blocks of 16 tokens on the tiny model. (0.001 GiB stopped preempting once steps got faster.)
+KV_CACHE_GB = "0.03" if REAL else "0.0004"
 
 
 @dataclass
@@ -239,6 +239,10 @@ def wait_pool_free(base_url: str, timeout_s: float = 15.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def without_cache_details(usage: dict) -> dict:
+    return {key: value for key, value in usage.items() if key != "prompt_tokens_details"}
+
+
 def test_a_crowd_gets_exactly_its_solo_outputs_and_the_pool_comes_back(server: Server) -> None:
     calls = crowd_calls()
     solos = [Call(c.index, c.path, {**c.body, "stream": False}) for c in calls if not c.hang_up]
@@ -251,8 +255,8 @@ def test_a_crowd_gets_exactly_its_solo_outputs_and_the_pool_comes_back(server: S
 
     for call, solo in zip([c for c in calls if not c.hang_up], solos, strict=True):
         assert call.choices == solo.choices, f"client {call.index} ({call.path}, {call.body})"
-        if call.usage is not None:
-            assert call.usage == solo.usage
+        if call.usage is not None:  # token counts equal; cached_tokens differ by what ran before
+            assert without_cache_details(call.usage) == without_cache_details(solo.usage)
     after = wait_pool_free(server.base_url)
     assert after["nanoserve_num_preemptions_total"] > before["nanoserve_num_preemptions_total"], (
         "the crowd was meant to preempt; make the pool smaller")

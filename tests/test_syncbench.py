@@ -80,3 +80,25 @@ def test_the_command_writes_both_files(tmp_path, monkeypatch):
                                  "--warmup", "0", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "syncbench.csv").exists() and (tmp_path / "syncbench.png").exists()
+
+
+def test_out_names_the_csv_and_the_png_goes_beside_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", lambda _model: synthetic_logits_row(256))
+    result = runner.invoke(nanoserve, ["syncbench", "--rows", "2", "--mixes", "greedy,typical_p,top_n_sigma",
+                                       "--repeat", "1", "--warmup", "0",
+                                       "--out", str(tmp_path / "modes.csv")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "modes.csv").exists() and (tmp_path / "modes.png").exists()
+
+
+@pytest.mark.parametrize("mix", ["typical_p", "top_n_sigma"])
+def test_the_per_row_baseline_keeps_the_tokens_the_batched_sampler_keeps(mix):
+    from nanoserve.bench.syncbench import _per_row_filters, sampling_rows
+    from nanoserve.sampler import SamplingBatch, _kept_mass
+
+    logits = batch_logits(synthetic_logits_row(512), 4)
+    rows = sampling_rows(mix, 4, 512)
+    batch = SamplingBatch.build(rows, vocab_size=512, eos_token_ids=(), device="cpu")
+    kept = _kept_mass(logits, batch.draw) > 0
+    for i, row in enumerate(rows):
+        assert torch.equal(_per_row_filters(logits[i].clone(), row) > -torch.inf, kept[i])

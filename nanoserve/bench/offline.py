@@ -1,11 +1,12 @@
 """The offline bench: synthetic workloads through the closed-loop driver, per-config metrics.
 
-Owns: prompts of exactly `input_len` token ids, the sampling mixes (greedy, top_p, top_k and
-mixed per row), the sweep (each config run through `driver.run_closed_loop` with `slots`
-requests in flight), the figures made from its timings (tokens/s, requests/s, time to first
-token, time per output token, decode step time, readbacks per step, peak memory), the roofline
-columns (achieved GB/s and GFLOP/s against the probes of `hardware`), and Hugging Face
-transformers' `generate` on the same workload, in the same run.
+Owns: prompts of exactly `input_len` token ids, the sampling mixes (greedy, top_p, top_k,
+typical_p, top_n_sigma and mixed per row), the sweep (each config run through
+`driver.run_closed_loop` with `slots` requests in flight), the figures made from its timings
+(tokens/s, requests/s, time to first token, time per output token, decode step time,
+readbacks per step, peak memory), the roofline columns (achieved GB/s and GFLOP/s against the
+probes of `hardware`), and Hugging Face transformers' `generate` on the same workload, in the
+same run.
 Refuses: printing, progress bars and file formats (the CLI and `charts` do those), and timing
 the engine itself (`driver` does).
 """
@@ -40,8 +41,12 @@ SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {
     "greedy": {"temperature": 0.0},
     "top_p": {"temperature": 0.8, "top_p": 0.9},
     "top_k": {"temperature": 0.8, "top_k": 50},
+    "typical_p": {"temperature": 0.8, "typical_p": 0.9},
+    "top_n_sigma": {"temperature": 1.0, "top_n_sigma": 1.0},
 }
 PARAM_MIXES = (*SAMPLING_SETTINGS, "mixed")  # mixed: rows cycle greedy, top_p, top_k
+# The mixes transformers' generate can run: it has no top_n_sigma and no per-row settings.
+BASELINE_MIXES = ("greedy", "top_p", "top_k", "typical_p")
 BASELINES = ("transformers",)
 SEED_BASE = 1234
 
@@ -59,12 +64,16 @@ def sampling_params(mix: str, row: int, output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, ignore_eos=True, seed=seed, **settings)
 
 
-def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of exactly `input_len` ids, drawn clear of the low (special) ids."""
+def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int = 0,
+                      shared_prefix_len: int = 0) -> list[list[int]]:
+    """`count` prompts of exactly `input_len` ids, drawn clear of the low (special) ids; the
+    first `shared_prefix_len` ids are the same in every prompt, whatever `seed` (a system prompt)."""
     low = min(100, vocab_size // 4)
+    prefix = torch.randint(low, vocab_size, (shared_prefix_len,),
+                           generator=torch.Generator().manual_seed(SEED_BASE)).tolist()
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(low, vocab_size, (count, input_len), generator=generator)
-    return ids.tolist()
+    ids = torch.randint(low, vocab_size, (count, input_len - shared_prefix_len), generator=generator)
+    return [prefix + row for row in ids.tolist()]
 
 
 def kv_blocks_for(num_seqs: int, max_len: int, block_size: int = 16) -> int:
@@ -83,6 +92,12 @@ class Workload:
     num_requests: int | None = None  # None: as many as slots, all in flight at once
     warmup: int = 1  # untimed short runs before the timed ones, per config
     repeat: int = 1  # timed runs per config; the run with the median tokens/s is kept
+    shared_prefix_len: int = 0  # leading ids every prompt shares (within input_len)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shared_prefix_len <= self.input_len:
+            raise ValueError(f"shared_prefix_len must be in [0, input_len={self.input_len}], "
+                             f"got {self.shared_prefix_len}")
 
     def requests_for(self, slots: int) -> int:
         return self.num_requests or slots
@@ -97,11 +112,13 @@ class BenchConfig:
     params: str
     dtype: str
     batch_invariant: bool = False
+    prefix_caching: bool = True
 
     @property
     def label(self) -> str:
         kernels = ", batch-invariant" if self.batch_invariant else ""
-        return f"{self.engine} {self.dtype}{kernels}: {self.slots} slots, {self.params}"
+        cache = "" if self.prefix_caching else ", no prefix cache"
+        return f"{self.engine} {self.dtype}{kernels}{cache}: {self.slots} slots, {self.params}"
 
 
 def _latency_columns(prefix: str, values_s: Sequence[float]) -> dict[str, float]:
@@ -243,7 +260,8 @@ class TransformersRunner:
         torch.manual_seed(SEED_BASE)
         # top_k=0 and top_p=1.0 switch those filters off (transformers' own default is top_k=50).
         return kwargs | {"do_sample": True, "temperature": settings["temperature"],
-                         "top_p": settings.get("top_p", 1.0), "top_k": settings.get("top_k", 0)}
+                         "top_p": settings.get("top_p", 1.0), "top_k": settings.get("top_k", 0),
+                         "typical_p": settings.get("typical_p", 1.0)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +272,7 @@ class SweepSpec:
     params: tuple[str, ...] = ("greedy",)
     dtypes: tuple[str, ...] = ("float32",)
     batch_invariant: tuple[bool, ...] = (True,)
+    prefix_caching: tuple[bool, ...] = (True,)
     baseline: str | None = None
     workload: Workload = Workload()
     model: str | None = None
@@ -265,8 +284,9 @@ class SweepSpec:
         """Interleaved, so a config and its baseline run next to each other in time."""
         configs = []
         for dtype, mix, slots in itertools.product(self.dtypes, self.params, self.slots):
-            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv) for inv in self.batch_invariant]
-            if self.baseline and mix in SAMPLING_SETTINGS:
+            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv, cache)
+                        for inv, cache in itertools.product(self.batch_invariant, self.prefix_caching)]
+            if self.baseline and mix in BASELINE_MIXES:
                 configs.append(BenchConfig(self.baseline, slots, mix, dtype))
         return configs
 
@@ -286,11 +306,14 @@ class Sweep:
 
     def __init__(self, spec: SweepSpec) -> None:
         self.spec = spec
-        self._engines: dict[tuple[str, bool], EngineRunner] = {}
+        self._engines: dict[tuple[str, bool, bool], EngineRunner] = {}
         self._baselines: dict[str, TransformersRunner] = {}
+        # Every run gets fresh prompts (only a shared prefix repeats), so no run hits the prefix
+        # cache with prompts an earlier run left there.
+        self._prompt_seeds = itertools.count()
 
-    def engine(self, dtype: str, batch_invariant: bool) -> EngineRunner:
-        key = (dtype, batch_invariant)
+    def engine(self, dtype: str, batch_invariant: bool, prefix_caching: bool = True) -> EngineRunner:
+        key = (dtype, batch_invariant, prefix_caching)
         if key not in self._engines:
             w = self.spec.workload
             max_len = w.input_len + w.output_len + 1
@@ -300,7 +323,7 @@ class Sweep:
                 num_kv_blocks=kv_blocks_for(max(self.spec.slots), max_len),
                 max_num_batched_tokens=max(512, w.input_len * max(self.spec.slots)),
                 batch_invariant=batch_invariant, threads=self.spec.threads,
-                linear_kernel=self.spec.linear_kernel))
+                linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:
@@ -314,7 +337,7 @@ class Sweep:
         configs = self.spec.configs()
         for config in configs:  # load everything before timing anything
             if config.engine == "nanoserve":
-                self.engine(config.dtype, config.batch_invariant)
+                self._engine_of(config)
         for config in configs:
             if config.engine != "nanoserve":
                 self.baseline(config.dtype)
@@ -338,14 +361,14 @@ class Sweep:
         so a burst of load from elsewhere on the machine falls on both sides of a ratio."""
         w = self.spec.workload
         slots = group[0].slots
-        warm_prompts = synthetic_prompts(slots, w.input_len, self._vocab_size(), seed=1)
-        prompts = synthetic_prompts(w.requests_for(slots), w.input_len, self._vocab_size())
+        warm_prompts = self._prompts(slots)
         load_avg = os.getloadavg()[0]
         for _ in range(w.warmup):
             for config in group:
                 self.run_once(config, warm_prompts, min(8, w.output_len))
         runs: dict[BenchConfig, list[RunRecord]] = {config: [] for config in group}
         for _ in range(w.repeat):
+            prompts = self._prompts(w.requests_for(slots))
             for config in group:
                 runs[config].append(self.run_once(config, prompts, w.output_len))
         return [self.row(config, runs[config], limits) | {"load_avg_1m": load_avg} for config in group]
@@ -354,18 +377,27 @@ class Sweep:
         if config.engine != "nanoserve":
             return self.baseline(config.dtype).run(prompts, config.params, output_len, config.slots)
         params = [sampling_params(config.params, i, output_len) for i in range(len(prompts))]
-        return self.engine(config.dtype, config.batch_invariant).run(prompts, params, config.slots)
+        return self._engine_of(config).run(prompts, params, config.slots)
+
+    def _engine_of(self, config: BenchConfig) -> EngineRunner:
+        return self.engine(config.dtype, config.batch_invariant, config.prefix_caching)
+
+    def _prompts(self, count: int) -> list[list[int]]:
+        w = self.spec.workload
+        return synthetic_prompts(count, w.input_len, self._vocab_size(), seed=next(self._prompt_seeds),
+                                 shared_prefix_len=w.shared_prefix_len)
 
     def row(self, config: BenchConfig, runs: list[RunRecord], limits: HardwareLimits) -> dict[str, object]:
         w = self.spec.workload
         run = _median_run(runs)
         figures = request_metrics(run)
         if config.engine == "nanoserve":
-            runner = self.engine(config.dtype, config.batch_invariant)
+            runner = self._engine_of(config)
             figures |= step_metrics(run, runner.cost, limits) | runner.engine.kernel_choice.columns()
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
-            "batch_invariant": config.batch_invariant, "input_len": w.input_len,
+            "batch_invariant": config.batch_invariant, "prefix_caching": config.prefix_caching,
+            "shared_prefix_len": w.shared_prefix_len, "input_len": w.input_len,
             "output_len": w.output_len, "repeat": w.repeat,
             "tokens_per_s_runs": " ".join(f"{r.tokens_per_s:.2f}" for r in runs),
             "gemm_gflops_at_slots": limits.gflops_by_rows.get(config.slots, float("nan")),
@@ -386,11 +418,13 @@ def _median_run(runs: Sequence[RunRecord]) -> RunRecord:
 
 
 KEY = ["slots", "params", "dtype"]
-ROW_KEY = ["engine", *KEY, "batch_invariant"]
+ROW_KEY = ["engine", *KEY, "batch_invariant", "prefix_caching"]
 
 
 def merge_rows(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """`old` without the configurations `new` measured again, plus `new`, in sweep order (--append)."""
+    if "prefix_caching" not in old:
+        old = old.assign(prefix_caching=True)  # written before the prefix cache existed
     remeasured = pd.MultiIndex.from_frame(new[ROW_KEY])
     kept = old[~pd.MultiIndex.from_frame(old[ROW_KEY]).isin(remeasured)]
     merged = pd.concat([kept, new], ignore_index=True)

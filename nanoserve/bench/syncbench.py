@@ -33,11 +33,13 @@ SETTINGS: dict[str, SamplingParams] = {
     "top_p": SamplingParams(temperature=0.8, top_p=0.9),
     "top_k": SamplingParams(temperature=0.8, top_k=50),
     "min_p": SamplingParams(temperature=1.0, min_p=0.05),
+    "typical_p": SamplingParams(temperature=0.8, typical_p=0.9),
+    "top_n_sigma": SamplingParams(temperature=1.0, top_n_sigma=1.0),
     "penalties": SamplingParams(temperature=0.7, repetition_penalty=1.1, frequency_penalty=0.3,
                                 presence_penalty=0.2),
 }
 MIXED_CYCLE = ("greedy", "top_p", "top_k", "min_p", "penalties")
-MIXES = ("greedy", "top_p", "top_k", "mixed")
+MIXES = ("greedy", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma", "mixed")
 PERTURBATION = 0.05  # per-row noise on the logits, in logits: rows differ, the shape stays
 HISTORY = 24  # prompt and generated tokens per row, for the penalties
 
@@ -106,8 +108,14 @@ def _per_row_filters(logits: Tensor, row: SamplingRow) -> Tensor:
                                 minlength=logits.shape[-1]).float()
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     logits = logits / p.temperature
+    if p.top_n_sigma > 0:
+        finite = logits[logits.isfinite()]
+        cut = finite.max() - p.top_n_sigma * finite.std(unbiased=False)
+        logits = logits.masked_fill(logits < cut, -torch.inf)
     if p.top_k > 0:
         logits = logits.masked_fill(logits < torch.topk(logits, p.top_k).values[-1], -torch.inf)
+    if p.typical_p < 1:
+        logits = _per_row_typical(logits, p.typical_p)
     if p.top_p < 1:
         ordered, order = torch.sort(logits, descending=True)
         probs = ordered.softmax(-1)
@@ -117,6 +125,15 @@ def _per_row_filters(logits: Tensor, row: SamplingRow) -> Tensor:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), -torch.inf)
     return logits
+
+
+def _per_row_typical(logits: Tensor, typical_p: float) -> Tensor:
+    """transformers' TypicalLogitsWarper on one row: a full sort by distance from the entropy."""
+    log_q = logits.log_softmax(-1)
+    entropy = -(log_q.exp() * log_q).nansum()
+    shifted, order = (-log_q - entropy).abs().sort()
+    last = int((log_q.exp()[order].cumsum(-1) < typical_p).sum().clamp(max=logits.shape[-1] - 1))
+    return logits.masked_fill((-log_q - entropy).abs() > shifted[last], -torch.inf)
 
 
 def per_row_step(logits: Tensor, rows: Sequence[SamplingRow],
@@ -205,10 +222,11 @@ def run_syncbench(logits_row: Tensor, rows_list: Sequence[int] = ROWS,
                         repeat=repeat, warmup=warmup, **machine)
 
 
-def write_syncbench_outputs(frame: pd.DataFrame, out_dir: Path) -> tuple[Path, Path]:
-    """Write results/syncbench.csv and results/syncbench.png; return both paths."""
+def write_syncbench_outputs(frame: pd.DataFrame, out_dir: Path,
+                            name: str = "syncbench") -> tuple[Path, Path]:
+    """Write results/NAME.csv and results/NAME.png; return both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, png_path = out_dir / "syncbench.csv", out_dir / "syncbench.png"
+    csv_path, png_path = out_dir / f"{name}.csv", out_dir / f"{name}.png"
     frame.to_csv(csv_path, index=False)
     charts.syncbench_chart(frame, png_path)
     return csv_path, png_path

@@ -218,6 +218,8 @@ class AsyncEngine:
             kv_free_blocks=pool.num_free_blocks,
             kv_total_blocks=pool.num_blocks,
             preemptions=engine.scheduler.num_preemptions,
+            prefix_cache_queries=engine.scheduler.prefix_cache_queries,
+            prefix_cache_hits=engine.scheduler.prefix_cache_hits,
             prompt_tokens=engine.stats.prompt_tokens,
             generation_tokens=engine.stats.generation_tokens,
             steps=engine.stats.steps,

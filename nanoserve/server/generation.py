@@ -53,6 +53,7 @@ class Choice:
     prompt_index: int
     request_id: str
     num_prompt_tokens: int
+    num_cached_tokens: int = 0
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     num_tokens: int = 0
@@ -124,6 +125,7 @@ class Generation:
             metrics.itl.observe(now - choice.last_s)
         choice.last_s = now
         choice.num_tokens = output.num_output_tokens
+        choice.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             if output.finish_reason == "abort":
                 self.error = EngineUnavailableError("the request was aborted by the server")
@@ -146,10 +148,11 @@ class Generation:
         choice.aborted = True
         self.state.metrics.finished["abort"] += 1
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt_tokens = {c.prompt_index: c.num_prompt_tokens for c in self.choices.values()}
+        cached = {c.prompt_index: c.num_cached_tokens for c in self.choices.values()}  # as prompts: once
         completion = sum(c.num_tokens for c in self.choices.values())
-        return protocol.usage(sum(prompt_tokens.values()), completion)
+        return protocol.usage(sum(prompt_tokens.values()), completion, sum(cached.values()))
 
 
 # -- the unary response -------------------------------------------------------------------------

@@ -60,6 +60,8 @@ class EngineSnapshot:
     kv_free_blocks: int = 0
     kv_total_blocks: int = 0
     preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -101,6 +103,10 @@ class ServerMetrics:
             ("nanoserve_kv_cache_total_blocks", "gauge", "KV cache blocks in the pool.", s.kv_total_blocks),
             ("nanoserve_num_preemptions_total", "counter", "Preemptions by recompute since start.",
              s.preemptions),
+            ("nanoserve_prefix_cache_queries_total", "counter",
+             "Tokens of admitted requests looked up in the prefix cache.", s.prefix_cache_queries),
+            ("nanoserve_prefix_cache_hits_total", "counter",
+             "Tokens of admitted requests the prefix cache supplied.", s.prefix_cache_hits),
             ("nanoserve_prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.prompt_tokens),
             ("nanoserve_generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens),
             ("nanoserve_engine_steps_total", "counter", "Engine steps run.", s.steps),

@@ -183,6 +183,7 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
     """The sampling fields every choice shares; `_params_for` sets the rest per choice."""
     fields: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+        "typical_p": body.typical_p, "top_n_sigma": body.top_n_sigma,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos, "seed": seed,

@@ -57,6 +57,8 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
@@ -182,9 +184,10 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 # -- response bodies ----------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def envelope(kind: Kind, request_id: str, model: str, created: int, *, chunk: bool) -> dict[str, Any]:
