@@ -48,6 +48,8 @@ def bench_serve(
         help="Most requests in flight; a list runs one pass each, e.g. 1,8,32.")] = "1",
     input_len: Annotated[int, typer.Option(min=1, help="Words per prompt (about one token each).")] = 32,
     output_len: Annotated[int, typer.Option(min=1, help="Tokens per request (greedy, EOS ignored).")] = 64,
+    shared_prefix_len: Annotated[int, typer.Option(
+        min=0, help="Leading words every prompt shares (part of --input-len), as a system prompt.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and the arrival times.")] = 0,
     out_dir: Annotated[Path, typer.Option(help="Where serve.csv and the server log go.")] = Path("results"),
     launch: Annotated[bool, typer.Option(help="Start `nanoserve serve` on a free loopback port.")] = False,
@@ -70,7 +72,10 @@ def bench_serve(
         raise typer.BadParameter("give exactly one of --base-url and --launch", param_hint="--base-url")
     if offline and not launch:
         raise typer.BadParameter("--offline needs --launch (the same model in both)", param_hint="--offline")
-    workloads = [bench.Workload(num_prompts or max(8, 2 * c), input_len, output_len, seed)
+    if shared_prefix_len > input_len:
+        raise typer.BadParameter(f"{shared_prefix_len} is more than --input-len {input_len}",
+                                 param_hint="--shared-prefix-len")
+    workloads = [bench.Workload(num_prompts or max(8, 2 * c), input_len, output_len, seed, shared_prefix_len)
                  for c in concurrencies]
     pass_options = PassOptions(model, request_rate, seed, api_key)
     if not launch:
@@ -124,7 +129,7 @@ def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, w
 
 def _workload_columns(workload) -> dict[str, int]:
     return {"num_prompts": workload.num_prompts, "input_len": workload.input_len,
-            "output_len": workload.output_len}
+            "output_len": workload.output_len, "shared_prefix_len": workload.shared_prefix_len}
 
 
 def _write(rows: list[dict], path: Path) -> None:

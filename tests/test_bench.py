@@ -145,6 +145,16 @@ def test_synthetic_prompts_have_exactly_the_asked_length_and_are_reproducible():
     assert all(0 <= t < 384 for p in prompts for t in p)
 
 
+def test_serve_workload_prompts_share_exactly_the_asked_prefix_of_words():
+    first = serve.Workload(num_prompts=4, input_len=12, output_len=1, seed=1, shared_prefix_len=5).prompts()
+    other = serve.Workload(num_prompts=4, input_len=12, output_len=1, seed=2, shared_prefix_len=5).prompts()
+    words = [prompt.split() for prompt in first + other]
+    assert all(len(w) == 12 and w[:5] == words[0][:5] for w in words)
+    assert len({tuple(w[5:]) for w in words}) == len(words)  # the rest differs
+    unshared = serve.Workload(num_prompts=4, input_len=12, output_len=1, seed=1).prompts()
+    assert len({prompt.split()[0] for prompt in unshared}) > 1
+
+
 def test_shared_prefix_prompts_share_exactly_that_prefix_whatever_the_seed():
     a = offline.synthetic_prompts(3, 40, vocab_size=384, seed=0, shared_prefix_len=32)
     b = offline.synthetic_prompts(2, 40, vocab_size=384, seed=5, shared_prefix_len=32)

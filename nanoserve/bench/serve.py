@@ -59,10 +59,13 @@ class Workload:
     input_len: int  # words; the server's usage reports the tokens
     output_len: int
     seed: int = 0
+    shared_prefix_len: int = 0  # leading words every prompt shares, whatever the seed (a system prompt)
 
     def prompts(self) -> list[str]:
+        prefix = random.Random(-1).choices(WORDS, k=self.shared_prefix_len)
         rng = random.Random(self.seed)
-        return [" ".join(rng.choice(WORDS) for _ in range(self.input_len)) for _ in range(self.num_prompts)]
+        rest = self.input_len - self.shared_prefix_len
+        return [" ".join(prefix + [rng.choice(WORDS) for _ in range(rest)]) for _ in range(self.num_prompts)]
 
 
 @dataclass(slots=True)
