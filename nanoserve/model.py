@@ -43,6 +43,9 @@ class AttentionGroup:
     rows_per_seq: int
     positions: torch.Tensor  # [num_seqs, rows_per_seq] absolute position of each query row
     block_tables: torch.Tensor  # [num_seqs, num_blocks] cache blocks of each sequence
+    # The first row's position of each sequence, on the host, when the caller knows it: lets
+    # attention skip context chunks a prefill row cannot see yet, without a readback.
+    first_positions: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -52,7 +55,8 @@ class PositionPlan:
 
     block_tables: torch.Tensor  # [seqs, blocks]: every sequence of the step, padded alike
     num_decode_rows: int  # rows 0..D-1 are single-row sequences 0..D-1 (decodes come first)
-    prefills: list[tuple[int, int, int]]  # (first row, rows, sequence) of each multi-row chunk
+    # (first row, rows, sequence, first row's position or None) of each multi-row chunk
+    prefills: list[tuple[int, int, int, int | None]]
     visible: torch.Tensor  # [1, rows, 1, ctx] bool: the slots up to each row's position
 
 
@@ -195,34 +199,47 @@ def position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
 
 
 def sequence_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, first_position: int | None = None) -> torch.Tensor:
     """`position_attention` for many positions of ONE sequence, without copying its context.
 
     q [kv_heads, n, heads_per_kv, d]; k/v [kv_heads, ctx, d] (ctx a CONTEXT_CHUNK multiple);
     visible [1, n, 1, ctx]. The same [heads_per_kv, d] x [d, CONTEXT_CHUNK] products, one
     batched multiply per (K/V head, chunk) over the n positions, the chunk's K/V broadcast to
     them with a zero stride, so each position's bits equal its decode-step bits.
+
+    With `first_position` known, rows that cannot see a chunk yet (a causal prefill's early
+    rows against its later chunks) skip it: their scores there are masked to -inf anyway and
+    their P@V partial is an exact zero, so skipping changes no bit and halves the work.
     """
     if q.dtype != torch.float32:
-        return sequence_position_attention(q.float(), k.float(), v.float(), visible, scale).to(q.dtype)
+        return sequence_position_attention(q.float(), k.float(), v.float(), visible, scale,
+                                           first_position).to(q.dtype)
     kv_heads, n, per_kv, dim = q.shape
     chunks = k.shape[1] // CONTEXT_CHUNK
     k = k.view(kv_heads, chunks, CONTEXT_CHUNK, dim)
     v = v.view(kv_heads, chunks, CONTEXT_CHUNK, dim)
     q = q * scale
+    # Rows [blind[c]:] see some of chunk c; earlier rows see none of it.
+    blind = [0 if first_position is None else min(n, max(0, c * CONTEXT_CHUNK - first_position))
+             for c in range(chunks)]
     scores = torch.empty(kv_heads, chunks, n, per_kv, CONTEXT_CHUNK, dtype=q.dtype, device=q.device)
     for head in range(kv_heads):
         for chunk in range(chunks):
-            key_t = k[head, chunk].transpose(0, 1).expand(n, dim, CONTEXT_CHUNK)
-            torch.bmm(q[head], key_t, out=scores[head, chunk])
+            rows = n - blind[chunk]
+            if rows:
+                key_t = k[head, chunk].transpose(0, 1).expand(rows, dim, CONTEXT_CHUNK)
+                torch.bmm(q[head, blind[chunk]:], key_t, out=scores[head, chunk, blind[chunk]:])
     scores = scores.permute(0, 2, 3, 1, 4).reshape(kv_heads, n, per_kv, chunks * CONTEXT_CHUNK)
     probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)
     probs = probs.view(kv_heads, n, per_kv, chunks, CONTEXT_CHUNK)
-    partials = torch.empty(kv_heads, chunks, n, per_kv, dim, dtype=q.dtype, device=q.device)
+    partials = torch.zeros(kv_heads, chunks, n, per_kv, dim, dtype=q.dtype, device=q.device)
     for head in range(kv_heads):
         for chunk in range(chunks):
-            values = v[head, chunk].expand(n, CONTEXT_CHUNK, dim)
-            torch.bmm(probs[head, :, :, chunk].contiguous(), values, out=partials[head, chunk])
+            rows = n - blind[chunk]
+            if rows:
+                values = v[head, chunk].expand(rows, CONTEXT_CHUNK, dim)
+                torch.bmm(probs[head, blind[chunk]:, :, chunk].contiguous(), values,
+                          out=partials[head, chunk, blind[chunk]:])
     return partials.cumsum(dim=1)[:, -1]
 
 
@@ -320,10 +337,11 @@ class Llama:
             if decodes:
                 out[:, :decodes] = position_attention(q[:, :decodes], k[:, :decodes], v[:, :decodes],
                                                       plan.visible[:, :decodes], self.scale)
-            for start, count, seq in plan.prefills:
+            for start, count, seq, first_position in plan.prefills:
                 chunk = slice(start, start + count)
                 out[:, chunk] = sequence_position_attention(q[:, chunk], k[:, seq], v[:, seq],
-                                                            plan.visible[:, chunk], self.scale)
+                                                            plan.visible[:, chunk], self.scale,
+                                                            first_position)
         return out.transpose(0, 1).reshape(rows, cfg.num_heads, cfg.head_dim)
 
     def _position_plan(self, batch: ForwardBatch, block_size: int) -> PositionPlan:
@@ -336,8 +354,9 @@ class Llama:
             if group.rows_per_seq == 1:
                 decodes += group.num_seqs
             else:
-                prefills += [(group.row_start + i * group.rows_per_seq, group.rows_per_seq, seq + i)
-                             for i in range(group.num_seqs)]
+                firsts = group.first_positions or (None,) * group.num_seqs
+                prefills += [(group.row_start + i * group.rows_per_seq, group.rows_per_seq, seq + i,
+                              firsts[i]) for i in range(group.num_seqs)]
             seq += group.num_seqs
         ctx = width * block_size
         # Groups hold their rows in batch order, so batch.positions is each row's position.

@@ -90,8 +90,8 @@ class ModelRunner:
         # Short block tables are padded with block 0: the mask hides those slots.
         tables = [(c.request.block_ids[:num_blocks] + [0] * num_blocks)[:num_blocks] for c in chunks]
         positions = [list(range(c.start, c.start + c.num_tokens)) for c in chunks]
-        return AttentionGroup(row_start, len(chunks), rows_per_seq,
-                              self._tensor(positions), self._tensor(tables))
+        return AttentionGroup(row_start, len(chunks), rows_per_seq, self._tensor(positions),
+                              self._tensor(tables), first_positions=tuple(c.start for c in chunks))
 
     def _sampling_batch(self, sampled: list[ScheduledChunk]) -> SamplingBatch | None:
         if not sampled:

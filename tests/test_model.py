@@ -108,7 +108,8 @@ def step(model, cache, chunks):
         groups.append(AttentionGroup(
             row_start, len(unit), len(unit[0][1]),
             torch.tensor([list(range(s, s + len(t))) for _, t, s in unit]),
-            torch.tensor([t + [0] * (width - len(t)) for t in tables])))
+            torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            first_positions=tuple(start for _, _, start in unit)))
     batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), groups,
                          torch.tensor(last_rows))
     logits = model.forward(batch, cache.kv)
@@ -196,3 +197,16 @@ def test_llama3_rope_scaling_stretches_long_wavelengths_and_keeps_short_ones():
     torch.testing.assert_close(scaled[long], plain[long] / 8.0)
     middle = ~short & ~long
     assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8.0)).all()
+
+
+@pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
+def test_a_long_prefill_skipping_unseen_chunks_equals_decoding_bit_for_bit(kernel):
+    """A 150-token prompt spans three 64-slot chunks: its early rows skip the later chunks."""
+    model = invariant_model(kernel)
+    prompt = [(13 * i + 7) % 300 for i in range(150)]
+    whole = step(model, Cache(), [("a", prompt, 0)])["a"]
+    pieces = Cache()
+    step(model, pieces, [("a", prompt[:40], 0)])
+    for p in range(40, 150):
+        logits = step(model, pieces, [("a", prompt[p:p + 1], p)])["a"]
+    assert torch.equal(logits, whole)
