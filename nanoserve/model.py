@@ -170,7 +170,8 @@ def position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     """Attention of one query position per item, computed the same way whatever else runs.
 
     q [kv_heads, n, heads_per_kv, d]: per K/V head, the query heads of one position each;
-    k/v [kv_heads, n, ctx, d]; visible [1, n, 1, ctx] bool. Every matrix multiply has one shape,
+    k/v [kv_heads, n, ctx, d] with ctx a CONTEXT_CHUNK multiple (`_position_plan` pads the
+    block tables to one); visible [1, n, 1, ctx] bool. Every matrix multiply has one shape,
     [heads_per_kv, d] x [d, CONTEXT_CHUNK] for the scores and its mirror for P@V, whatever n,
     ctx or the neighbours; the softmax runs along whole rows of CONTEXT_CHUNK multiples; the
     per-chunk P@V partials are summed in chunk order by a cumulative sum. Padded context adds
@@ -180,10 +181,6 @@ def position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visibl
     if q.dtype != torch.float32:  # half precision: scores, softmax and sums in float32, as SDPA does
         return position_attention(q.float(), k.float(), v.float(), visible, scale).to(q.dtype)
     kv_heads, n, per_kv, dim = q.shape
-    ctx_pad = -k.shape[2] % CONTEXT_CHUNK
-    if ctx_pad:  # the runner aligns block tables to CONTEXT_CHUNK, so this is the rare case
-        k, v = F.pad(k, (0, 0, 0, ctx_pad)), F.pad(v, (0, 0, 0, ctx_pad))
-        visible = F.pad(visible, (0, ctx_pad), value=False)
     ctx = k.shape[2]
     chunks = ctx // CONTEXT_CHUNK
     # Contiguous, so the multiplies below see K transposed in place, never a transposed copy:
@@ -253,8 +250,6 @@ class Llama:
         self.weights = weights.packed_for(self.linear_kernel)
         self.batch_invariant = batch_invariant
         self.linear = self.linear_kernel.apply
-        # Context lengths the attention kernel wants block tables padded to (in tokens).
-        self.context_alignment = CONTEXT_CHUNK if batch_invariant else 1
         device = weights.embed.device
         positions = torch.arange(max_positions or config.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(config))
@@ -346,8 +341,9 @@ class Llama:
 
     def _position_plan(self, batch: ForwardBatch, block_size: int) -> PositionPlan:
         groups = batch.groups
+        # Whole CONTEXT_CHUNKs of context, whatever the block size: the padded slots are hidden.
         width = max(group.block_tables.shape[1] for group in groups)
-        width += -width % max(1, CONTEXT_CHUNK // block_size)
+        width += -width % (math.lcm(CONTEXT_CHUNK, block_size) // block_size)
         tables = torch.cat([F.pad(g.block_tables, (0, width - g.block_tables.shape[1])) for g in groups])
         decodes, prefills, seq = 0, [], 0
         for group in groups:

@@ -35,8 +35,6 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.block_size = kv_cache.block_size
-        # Pad block tables so the context is a whole number of the kernel's chunks.
-        self.table_alignment = max(1, model.context_alignment // kv_cache.block_size)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
         ordered = sorted(chunks, key=lambda chunk: chunk.num_tokens > 1)  # decodes first, stable
@@ -86,7 +84,6 @@ class ModelRunner:
 
     def _group(self, chunks: list[ScheduledChunk], *, row_start: int, rows_per_seq: int) -> AttentionGroup:
         num_blocks = max(-(-(c.start + c.num_tokens) // self.block_size) for c in chunks)
-        num_blocks += -num_blocks % self.table_alignment
         # Short block tables are padded with block 0: the mask hides those slots.
         tables = [(c.request.block_ids[:num_blocks] + [0] * num_blocks)[:num_blocks] for c in chunks]
         positions = [list(range(c.start, c.start + c.num_tokens)) for c in chunks]

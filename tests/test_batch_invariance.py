@@ -109,3 +109,13 @@ def test_preemption_by_recompute_changes_no_token_nor_logprob(tiny_model_dir):
     assert cramped.engine.scheduler.num_preemptions >= 3, "the pool was not small enough to preempt"
     assert got == expected
     assert cramped.engine.pool.is_completely_free
+
+
+@pytest.mark.parametrize("block_size", [4, 48])
+def test_block_sizes_that_do_not_divide_the_attention_chunk_keep_invariance(tiny_model_dir, block_size):
+    """Contexts pad to whole 64-slot chunks whatever the block size (48 once crashed a prefill)."""
+    llm = LLM(str(tiny_model_dir), device="cpu", block_size=block_size)
+    prompts = [" ".join(["word"] * (70 + 9 * i)) for i in range(4)]
+    params = [params_for(i, max_tokens=6) for i in range(4)]
+    alone = [fingerprint(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(llm, prompts, params) == alone
