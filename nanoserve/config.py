@@ -1,9 +1,149 @@
-"""Configuration: what the model is (from config.json, read by `weights`) and how the engine runs it."""
+"""Configuration: what the model is (from config.json, read by `weights`) and how the engine runs it.
+
+`ModelConfig.from_hf_dict` is the one reader of a Hugging Face config. It accepts a field only
+where this engine computes what the field says: a value it does not implement (biases, another
+activation, a RoPE scaling type, a sliding window, experts, a quantization scheme) is refused
+with an `UnsupportedModelError` naming the field and its value, never defaulted. Fields that do
+not change the forward (token ids, training-time settings, bookkeeping) are listed as such; any
+other field is refused too, so a checkpoint of a newer or different design cannot load and
+silently compute something else. Both config styles are read: transformers 4's top-level
+`rope_theta` / `rope_scaling` and transformers 5's `rope_parameters`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from nanoserve.errors import UnsupportedModelError
+
+# Fields that do not change the forward pass: token ids, training-only settings, and what
+# transformers writes into every config. `pretraining_tp` only split Llama's training matmuls.
+_INERT_FIELDS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "initializer_range", "attention_dropout", "pretraining_tp", "output_attentions",
+    "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+    "torchscript", "use_return_dict", "tie_encoder_decoder", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "finetuning_task", "pruned_heads", "tf_legacy_loss",
+    "use_bfloat16", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
+    "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+})
+# Fields the reader turns into ModelConfig values below.
+_READ_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "tie_word_embeddings",
+})
+# Fields whose value changes the forward: each is accepted at the value listed (the one this
+# engine computes), and refused at any other.
+_ONLY_VALUE = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False,),
+    "mlp_bias": (False,),
+    "use_sliding_window": (False,),
+    "partial_rotary_factor": (1.0, 1),
+    "quantization_config": (None,),
+    "num_local_experts": (None, 0, 1),
+    "num_experts": (None, 0, 1),
+}
+# RoPE types whose frequencies `model.rope_inv_freq` computes.
+IMPLEMENTED_ROPE_TYPES = ("default", "llama3")
+_ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta"},
+    "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"},
+}
+
+
+def _refuse(field: str, value: Any, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"config.json field {field!r} = {value!r}: {why}")
+
+
+def _check_fields(raw: dict[str, Any]) -> None:
+    for field, value in raw.items():
+        if field in _INERT_FIELDS or field in _READ_FIELDS:
+            continue
+        if field in _ONLY_VALUE:
+            if value not in _ONLY_VALUE[field] or isinstance(value, bool) != isinstance(
+                    _ONLY_VALUE[field][0], bool):
+                accepted = " or ".join(repr(v) for v in _ONLY_VALUE[field])
+                raise _refuse(field, value, f"nanoserve implements only {accepted}")
+        elif field == "sliding_window":
+            _check_sliding_window(raw, value)
+        elif field == "layer_types":
+            other = sorted(set(value) - {"full_attention"})
+            if other:
+                raise _refuse(field, other, "only full attention layers are implemented")
+        else:
+            raise _refuse(field, value, "nanoserve does not implement this field, and will not "
+                                        "run a model whose config it cannot honour")
+
+
+def _check_sliding_window(raw: dict[str, Any], window: Any) -> None:
+    # A window at least as long as the model's context never hides a position: no window at all.
+    if window is None or raw.get("use_sliding_window") is False:
+        return
+    context = raw.get("max_position_embeddings", 2048)
+    if not isinstance(window, int) or window < context:
+        raise _refuse("sliding_window", window,
+                      f"a sliding attention window shorter than the context ({context}) is not implemented")
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config style; refuses what is not implemented."""
+    parameters = raw.get("rope_parameters")
+    if parameters is not None and "rope_theta" not in parameters and "rope_type" not in parameters:
+        # transformers 5 keys parameters by layer type when the model has several kinds of layer.
+        if set(parameters) != {"full_attention"}:
+            raise _refuse("rope_parameters", sorted(parameters), "per-layer-type RoPE is not implemented")
+        parameters = parameters["full_attention"]
+    legacy = raw.get("rope_scaling")
+    if parameters is not None and legacy is not None and not _same_rope(legacy, parameters):
+        raise _refuse("rope_scaling", legacy, f"contradicts rope_parameters {parameters!r}")
+    scaling = dict(parameters if parameters is not None else legacy or {})
+    theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if "rope_theta" in scaling and "rope_theta" in raw and raw["rope_theta"] != theta:
+        raise _refuse("rope_theta", raw["rope_theta"], f"contradicts rope_parameters' {theta!r}")
+    field = "rope_parameters" if parameters is not None else "rope_scaling"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in IMPLEMENTED_ROPE_TYPES:
+        raise _refuse(field, scaling, f"RoPE type {kind!r} is not implemented "
+                                      f"(nanoserve implements {', '.join(IMPLEMENTED_ROPE_TYPES)})")
+    unknown = sorted(set(scaling) - _ROPE_KEYS[kind])
+    if unknown:
+        raise _refuse(field, scaling, f"RoPE parameters {unknown} are not implemented for type {kind!r}")
+    if kind == "default":
+        return float(theta), None
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    scaling["rope_type"] = kind
+    return float(theta), scaling
+
+
+def _same_rope(legacy: dict[str, Any], parameters: dict[str, Any]) -> bool:
+    def kind(d: dict[str, Any]) -> str:
+        return d.get("rope_type", d.get("type", "default"))
+
+    return kind(legacy) == kind(parameters) and all(
+        parameters.get(key) == value for key, value in legacy.items() if key not in ("type", "rope_type"))
+
+
+def _check_shapes(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> None:
+    hidden = raw["hidden_size"]
+    if raw.get("head_dim") is None and hidden % num_heads:
+        raise UnsupportedModelError(
+            f"config.json: hidden_size {hidden} is not divisible by num_attention_heads {num_heads} "
+            "and there is no head_dim")
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(
+            f"config.json: num_attention_heads {num_heads} is not divisible by "
+            f"num_key_value_heads {num_kv_heads}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,22 +165,23 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """The config, or an UnsupportedModelError naming the first field not implemented here."""
+        _check_fields(raw)
         num_heads = raw["num_attention_heads"]
-        rope_scaling = raw.get("rope_scaling")
-        # Only llama3-style scaling changes the frequencies we compute; "default" is none.
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        _check_shapes(raw, num_heads, num_kv_heads)
+        rope_theta, rope_scaling = _rope(raw)
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
         )
