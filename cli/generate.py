@@ -67,6 +67,7 @@ def generate(
         from nanoserve.llm import LLM
 
         llm = LLM.from_config(config)
+        print(llm.engine.native_summary, file=sys.stderr)
         print(llm.engine.kernel_summary, file=sys.stderr)
         print(llm.engine.kv_cache_summary, file=sys.stderr)
         messages = [{"role": "user", "content": prompt}]

@@ -27,6 +27,7 @@ from pathlib import Path
 from nanoserve.errors import ModelNotFoundError
 from nanoserve.gguf_import import convert_gguf
 from nanoserve.hub import HubId, fetch_checkpoint, fetch_gguf, parse_hub_id
+from nanoserve.machine import cache_root
 
 log = logging.getLogger("nanoserve")
 
@@ -41,14 +42,6 @@ EXPECTED_LAYOUT = (
     "a Hugging Face style checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
     "or a Hugging Face hub id (ORG/NAME)"
 )
-
-
-def cache_root() -> Path:
-    """$NANOSERVE_CACHE, else $XDG_CACHE_HOME/nanoserve, else ~/.cache/nanoserve."""
-    if explicit := os.environ.get("NANOSERVE_CACHE"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "nanoserve"
 
 
 def default_gguf_path() -> Path:

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from nanoserve import native
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import EngineConfig
-from nanoserve.default_model import cache_root, resolve_model_dir
+from nanoserve.default_model import resolve_model_dir
 from nanoserve.errors import InvalidRequestError
 from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
+from nanoserve.machine import cache_root
 from nanoserve.model import Llama, LlamaWeights
 from nanoserve.model_runner import ModelRunner
 from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
@@ -101,6 +103,8 @@ class Engine:
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.threads = set_threads(config.threads)
+        # Built (or found in the cache) before the weights load: the kernel choice may use it.
+        self.native_summary = native.status()
         self.model_dir = resolve_model_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         model_config, weights = load_weights(self.model_dir, dtype=self.dtype, device=self.device)
@@ -128,6 +132,7 @@ class Engine:
         self.sync_phases = False
         self.label_phases = False
         self._ids = itertools.count()
+        log.info(self.native_summary)
         log.info(self.kernel_summary)
         log.info(self.kv_cache_summary)
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nanoserve.machine import cpu_model, vector_flags
+
 log = logging.getLogger("nanoserve")
 
 # The row tile of `aten-tile16`: CPU BLAS gives one code path to every row of a 16-row call.
@@ -42,7 +44,7 @@ PROBE_ROWS = (1, 4, 16, 32)
 # Enough layers that the probe streams its weights from memory rather than from the L3 cache.
 PROBE_MIN_BYTES = 128 << 20
 # Bump when a kernel's code changes, so verdicts cached by older code are measured again.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +300,6 @@ def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
 
 
 def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_rows: int) -> str:
-    from nanoserve.bench.hardware import cpu_model, vector_flags
-
     weight = shape.layers[0][0]
     facts = {
         "version": CACHE_VERSION,

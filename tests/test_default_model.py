@@ -19,11 +19,11 @@ from nanoserve.default_model import (
     DEFAULT_DISTRIBUTION,
     INSTALL_COMMAND,
     STAMP_FILE,
-    cache_root,
     default_gguf_path,
     resolve_model_dir,
 )
 from nanoserve.errors import ModelNotFoundError
+from nanoserve.machine import cache_root
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

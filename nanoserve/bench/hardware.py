@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import resource
 import subprocess
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.linear import KERNELS, LinearKernel
+from nanoserve.machine import cpu_model, vector_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The shape of the GEMM probe: SmolLM2-135M's hidden size against a wide stacked weight.
@@ -71,28 +71,6 @@ def describe_machine(device: torch.device | str = "cpu") -> Machine:
         git_commit=git_commit(),
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-
-
-def _cpuinfo() -> dict[str, str]:
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def cpu_model() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
-
-
-def vector_flags() -> list[str]:
-    flags = set(_cpuinfo().get("flags", "").split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
-    return [flag for flag in wanted if flag in flags]
 
 
 def total_memory_bytes() -> int:

@@ -1,0 +1,69 @@
+"""Native CPU kernels: the hot loops in C, built for this machine, loaded through ctypes.
+
+Owns: loading the library `build` produced (once per process), checking its ABI version,
+and the one line the engine prints at start-up saying whether native kernels run and why.
+The kernels take raw pointers to contiguous tensors (`tensor.data_ptr()`), so nothing here
+builds against torch's headers, and torch is imported first so the library shares torch's
+OpenMP runtime (its wheel ships libgomp.so.1) instead of starting a second thread pool.
+Refuses: to be required. `library()` is None where there is no compiler, the build failed,
+or NANOSERVE_NO_NATIVE=1; callers then take the torch path, which always works.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch  # noqa: F401  (loaded first: the library then binds to torch's libgomp)
+
+from nanoserve.native.build import BuildResult, build_library
+
+log = logging.getLogger("nanoserve")
+
+ABI_VERSION = 1  # csrc/nanoserve.h's NS_ABI_VERSION
+DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLibrary:
+    lib: ctypes.CDLL
+    isa: str  # the widest vector path compiled in: avx512, avx2, neon or portable
+    build: BuildResult
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_VARIABLE, "").strip() not in ("", "0")
+
+
+@functools.cache
+def _load() -> tuple[NativeLibrary | None, str]:
+    if disabled():
+        return None, f"{DISABLE_VARIABLE}=1"
+    build = build_library()
+    if build.path is None:
+        return None, build.reason
+    try:
+        lib = ctypes.CDLL(str(build.path))
+    except OSError as error:
+        return None, f"cannot load {build.path}: {error}"
+    lib.ns_abi_version.restype = ctypes.c_int
+    lib.ns_isa.restype = ctypes.c_char_p
+    if lib.ns_abi_version() != ABI_VERSION:
+        return None, f"{build.path} has ABI {lib.ns_abi_version()}, expected {ABI_VERSION}"
+    return NativeLibrary(lib, lib.ns_isa().decode(), build), build.reason
+
+
+def library() -> NativeLibrary | None:
+    """The loaded library, or None (the reason is in `status()`)."""
+    return _load()[0]
+
+
+def status() -> str:
+    """One line for start-up: which kernels run, and why."""
+    native, reason = _load()
+    if native is None:
+        return f"native kernels: off ({reason}); running torch kernels"
+    return f"native kernels: on ({native.isa}; {reason})"
