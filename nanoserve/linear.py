@@ -1,7 +1,8 @@
 """The model's matrix multiplies: which kernel runs them, chosen by measurement on this machine.
 
-Owns: the candidate linear kernels (torch's own GEMM, the same on fixed 16-row tiles, and
-oneDNN with weights prepacked once at load), the batch-invariance self-test each candidate
+Owns: the candidate linear kernels (torch's own GEMM, the same on fixed 16-row tiles, oneDNN
+with weights prepacked once at load, and nanoserve's own C kernels for float32 and bfloat16,
+`nanoserve.native.matmul`, when the native library is on), the batch-invariance self-test each candidate
 must pass to be used in batch-invariant mode, timing them on the model's own weights at the
 batch sizes the engine will run, and a per-machine cache of the verdicts, so that a second
 start skips the measuring.
@@ -30,7 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nanoserve import native
 from nanoserve.machine import cpu_model, vector_flags
+from nanoserve.native import matmul as native_matmul
 
 log = logging.getLogger("nanoserve")
 
@@ -43,8 +46,9 @@ ONEDNN_BATCH_HINT = 16
 PROBE_ROWS = (1, 4, 16, 32)
 # Enough layers that the probe streams its weights from memory rather than from the L3 cache.
 PROBE_MIN_BYTES = 128 << 20
-# Bump when a kernel's code changes, so verdicts cached by older code are measured again.
-CACHE_VERSION = 2
+# Bump when a kernel's code changes, so verdicts cached by older code are measured again
+# (the native kernels' own changes are keyed by their build's source hash).
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +92,39 @@ def _identity(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def _native(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return native_matmul.matmul(x.contiguous(), packed)
+
+
 KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("aten", "torch's F.linear (MKL or cuBLAS)", _identity, _aten, ("cpu", "cuda")),
     LinearKernel("aten-tile16", "F.linear on fixed 16-row tiles", _identity, _aten_tiled, ("cpu", "cuda")),
     LinearKernel("onednn", "oneDNN, weights prepacked at load", _onednn_pack, _onednn, ("cpu",)),
     LinearKernel("onednn-min2", "oneDNN, prepacked; a lone row padded to two", _onednn_pack,
                  _onednn_min2, ("cpu",)),
+    # float32 and bfloat16 only: pack raises a RuntimeError for other dtypes, so `_runnable`
+    # leaves it out for them. Batch-invariant by construction (one FMA chain per output).
+    LinearKernel("native", "nanoserve's C kernels, weights prepacked in 16-column panels",
+                 native_matmul.pack, _native, ("cpu",)),
 )}
 
 
+def left_out(device: torch.device) -> dict[str, str]:
+    """Kernels for this device type that cannot run in this process at all, and why."""
+    if device.type != "cpu":
+        return {}
+    reasons = {}
+    if not torch.backends.mkldnn.is_available():
+        reasons |= {name: "torch built without oneDNN" for name in KERNELS if name.startswith("onednn")}
+    if not native_matmul.available():
+        status = native.status().removeprefix("native kernels: ")
+        reasons["native"] = status.removesuffix("; running torch kernels")
+    return reasons
+
+
 def kernels_for(device: torch.device) -> list[LinearKernel]:
-    usable = [k for k in KERNELS.values() if device.type in k.device_types]
-    if device.type == "cpu" and not torch.backends.mkldnn.is_available():
-        usable = [k for k in usable if not k.name.startswith("onednn")]
-    return usable
+    unusable = left_out(device)
+    return [k for k in KERNELS.values() if device.type in k.device_types and k.name not in unusable]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +180,10 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     if forced is not None:
         names = [k.name for k in candidates]
         if forced not in names:
+            why = f" ({left_out(device)[forced]})" if forced in left_out(device) else ""
             raise KernelUnavailableError(
-                f"{forced!r} is not a linear kernel for {device.type} here; choose from {', '.join(names)}")
+                f"{forced!r} is not a linear kernel for {device.type} here{why}; "
+                f"choose from {', '.join(names)}")
         candidates = [KERNELS[forced]]
     candidates = _runnable(candidates, shape.layers[0][0], forced)
     key = _cache_key(shape, device, max_rows, prefill_rows)
@@ -193,6 +218,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     if cache_path is not None:
         _write_cache(cache_path, key, verdicts)
     reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
+    if forced is None and (unusable := left_out(device)):
+        reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
 
 
@@ -306,10 +333,17 @@ def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_r
         "cpu": cpu_model(), "flags": vector_flags(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(), "dtype": str(weight.dtype),
+        "native": _native_build_key(),
         "shapes": [list(w.shape) for w in shape.layers[0]] + [list(shape.head.shape)],
         "layers": len(shape.layers), "max_rows": max_rows, "prefill_rows": prefill_rows,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _native_build_key() -> str:
+    """The native library's build (its sources' hash), so an edited kernel is measured again."""
+    library = native.library()
+    return library.build.path.parent.name if library is not None and library.build.path else "off"
 
 
 def _read_cache(path: Path | None, key: str) -> dict[str, KernelVerdict]:

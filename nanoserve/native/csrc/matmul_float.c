@@ -1,0 +1,295 @@
+/* Float matrix multiplies: y[M, N] = x[M, K] @ W[N, K]^T for float32 and bfloat16 weights.
+ *
+ * Weight layout (made once at load by nanoserve/native/matmul.py's `pack`): W's rows (output
+ * columns) in panels of 16; a full panel is stored K-major, 16 values per k, so a k step is one
+ * contiguous 64-byte (float32) or 32-byte (bfloat16) read and the whole panel is one stream.
+ * The last N % 16 columns form a narrower tail panel, [K][N % 16]. The packed tensor keeps W's
+ * element count, so it keeps W's shape. In a bfloat16 panel the 16 values of a k step are
+ * interleaved c0 c8 c1 c9 ... c7 c15: read as 8 32-bit words, `word << 16` is columns 0..7 and
+ * `word & 0xffff0000` is columns 8..15 as float32, two integer ops and no shuffles
+ * (this CPU has no AVX512-BF16; a bfloat16 is the top half of a float32).
+ *
+ * The arithmetic, and why it is batch-invariant: output (i, j) is one fused multiply-add chain,
+ * acc = fma(x[i][k], W[j][k], acc) for k = 0, 1, ..., K-1, starting from 0 and rounded once
+ * at the end (to bfloat16 for bfloat16 calls). Every path below runs exactly that chain, whatever
+ * the row block, the number of rows in the call, the thread split or the tile, so a row's bits
+ * never depend on its neighbours; and the portable path equals the AVX2 path bit for bit where
+ * fmaf is a real fused instruction (FP_FAST_FMAF), which the tests check.
+ *
+ * Blocking: threads take contiguous ranges of panels (output columns, never K). For each panel
+ * (two at a time for blocks of up to 3 rows, to keep enough independent FMA chains in flight)
+ * the rows go through in blocks of at most 6, all while the panel sits in L1/L2, so a weight
+ * byte comes from memory once per call whatever the row count. A 6-row x 16-column tile keeps
+ * 12 accumulators, 2 weight vectors and 1 broadcast in the 16 AVX2 registers: per k, 2 weight
+ * loads and 6 broadcasts feed 12 FMAs, enough to keep both FMA pipes busy in prefill, and at
+ * one row the loop streams the panel at memory speed. bfloat16 activations are widened to a
+ * float32 copy once per call (M x K floats, small beside the weights).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nanoserve.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NS_FLOAT_AVX2 1
+#endif
+
+enum { PANEL = 16, ROW_BLOCK = 6 };
+
+/* fmaf where the machine has a fused multiply-add (then it is one instruction and the portable
+ * chain equals the AVX2 one); a plain multiply-add elsewhere, still one fixed order. */
+#ifdef FP_FAST_FMAF
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#define PORTABLE_FUSED 1
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#define PORTABLE_FUSED 0
+#endif
+
+#define NS_INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    const float *x;  /* [m, k] float32 (bfloat16 inputs widened first) */
+    const void *w;   /* packed weight, float32 or bfloat16 */
+    void *y;         /* [m, n], the weight's dtype */
+    int64_t m, n, k;
+    int bf16;        /* weight and output are bfloat16 */
+} Problem;
+
+NS_INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does (any NaN -> 0x7fc0). */
+NS_INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (isnan(f)) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* ---- portable path: one row x one panel at a time, the 16 columns a loop the compiler vectorizes */
+
+/* Column c of the panel at step kk, widened to float32; 0 past a tail panel's width. */
+NS_INLINE void panel_step(const Problem *p, int64_t panel, int64_t kk, int width, float *out) {
+    const int64_t base = panel * PANEL * p->k;
+    if (width == PANEL && p->bf16) {
+        const uint16_t *w = (const uint16_t *)p->w + base + kk * PANEL;
+        for (int l = 0; l < PANEL / 2; l++) {
+            out[l] = bf16_to_f32(w[2 * l]);
+            out[l + PANEL / 2] = bf16_to_f32(w[2 * l + 1]);
+        }
+        return;
+    }
+    for (int c = 0; c < PANEL; c++) {
+        const int64_t at = base + kk * width + c;
+        out[c] = c >= width ? 0.0f
+                 : p->bf16  ? bf16_to_f32(((const uint16_t *)p->w)[at])
+                            : ((const float *)p->w)[at];
+    }
+}
+
+static void row_panel_portable(const Problem *p, int64_t row, int64_t panel) {
+    const int width = (int)(p->n - panel * PANEL < PANEL ? p->n - panel * PANEL : PANEL);
+    const float *x = p->x + row * p->k;
+    float acc[PANEL] = {0}, w[PANEL];
+    for (int64_t kk = 0; kk < p->k; kk++) {
+        panel_step(p, panel, kk, width, w);
+        for (int c = 0; c < PANEL; c++) acc[c] = MADD(x[kk], w[c], acc[c]);
+    }
+    for (int c = 0; c < width; c++) {
+        const int64_t at = row * p->n + panel * PANEL + c;
+        if (p->bf16)
+            ((uint16_t *)p->y)[at] = f32_to_bf16(acc[c]);
+        else
+            ((float *)p->y)[at] = acc[c];
+    }
+}
+
+/* ---- AVX2 + FMA path: a tile of R rows x NP panels, R and NP compile-time constants */
+
+#ifdef NS_FLOAT_AVX2
+/* Step kk of a full panel as two float32 vectors: columns 0..7 and 8..15. */
+NS_INLINE void load_panel_step(const void *panel, int64_t kk, int bf16, __m256 *lo, __m256 *hi) {
+    if (bf16) {
+        const __m256i words = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + kk * PANEL));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm256_loadu_ps((const float *)panel + kk * PANEL);
+        *hi = _mm256_loadu_ps((const float *)panel + kk * PANEL + PANEL / 2);
+    }
+}
+
+NS_INLINE __m256i bf16_round(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+NS_INLINE void store_panel_row(const Problem *p, int64_t row, int64_t panel, int bf16, __m256 lo, __m256 hi) {
+    const int64_t at = row * p->n + panel * PANEL;
+    if (bf16) {
+        /* packus works per 128-bit lane: lo0-3 hi0-3 lo4-7 hi4-7; the permute restores the order */
+        const __m256i packed = _mm256_packus_epi32(bf16_round(lo), bf16_round(hi));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p->y + at), _mm256_permute4x64_epi64(packed, 0xd8));
+    } else {
+        _mm256_storeu_ps((float *)p->y + at, lo);
+        _mm256_storeu_ps((float *)p->y + at + PANEL / 2, hi);
+    }
+}
+
+/* One tile: R rows (1..6) x one panel, or R rows (1..3) x two panels (then the second panel's
+ * accumulators are the "row + 3" ones). R, NP and bf16 are compile-time constants in every
+ * instance, so the `if`s fold away; the accumulators are named variables, not an array,
+ * because GCC 12 otherwise stores an array of them to the stack at every k step. */
+NS_INLINE void tile_avx2(const Problem *p, int64_t row0, int64_t panel, const int R, const int NP,
+                         const int bf16) {
+    const int64_t k = p->k;
+    const float *x = p->x + row0 * k;
+    const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *w0 = (const char *)p->w + (size_t)(panel * k * PANEL) * element;
+    const char *w1 = w0 + (size_t)(k * PANEL) * element;
+    const float *x0 = x, *x1 = x + k, *x2 = x + 2 * k;
+    const float *x3 = NP == 2 ? x0 : x + 3 * k, *x4 = NP == 2 ? x1 : x + 4 * k, *x5 = NP == 2 ? x2 : x + 5 * k;
+    const int rows_hi = NP == 2 ? R : R - 3; /* accumulator pairs 3..5 in use */
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
+    __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+    for (int64_t kk = 0; kk < k; kk++) {
+        __m256 lo, hi, lo2 = _mm256_setzero_ps(), hi2 = lo2;
+        load_panel_step(w0, kk, bf16, &lo, &hi);
+        if (NP == 2) load_panel_step(w1, kk, bf16, &lo2, &hi2);
+        const __m256 v3 = NP == 2 ? lo2 : lo, u3 = NP == 2 ? hi2 : hi;
+#define NS_ROW(i, xi, vl, vh) \
+        if ((i < 3 ? R : rows_hi + 3) > i) { \
+            const __m256 xb = _mm256_broadcast_ss(xi + kk); \
+            a##i = _mm256_fmadd_ps(xb, vl, a##i); \
+            b##i = _mm256_fmadd_ps(xb, vh, b##i); \
+        }
+        NS_ROW(0, x0, lo, hi) NS_ROW(1, x1, lo, hi) NS_ROW(2, x2, lo, hi)
+        NS_ROW(3, x3, v3, u3) NS_ROW(4, x4, v3, u3) NS_ROW(5, x5, v3, u3)
+#undef NS_ROW
+    }
+    /* accumulator pair i < 3 is row i of the first panel; pair i >= 3 is row i - 3 of the
+     * second panel (NP == 2) or row i of the first (NP == 1) */
+    const int64_t row3 = NP == 2 ? row0 : row0 + 3, panel3 = NP == 2 ? panel + 1 : panel;
+    if (R > 0) store_panel_row(p, row0, panel, bf16, a0, b0);
+    if (R > 1) store_panel_row(p, row0 + 1, panel, bf16, a1, b1);
+    if (R > 2) store_panel_row(p, row0 + 2, panel, bf16, a2, b2);
+    if (rows_hi > 0) store_panel_row(p, row3, panel3, bf16, a3, b3);
+    if (rows_hi > 1) store_panel_row(p, row3 + 1, panel3, bf16, a4, b4);
+    if (rows_hi > 2) store_panel_row(p, row3 + 2, panel3, bf16, a5, b5);
+}
+
+typedef void (*TileFn)(const Problem *, int64_t, int64_t);
+#define TILE(R, NP, B) \
+    static void tile_##R##_##NP##_##B(const Problem *p, int64_t row0, int64_t panel) { \
+        tile_avx2(p, row0, panel, R, NP, B); \
+    }
+#define TILES_FOR(B) TILE(1, 1, B) TILE(2, 1, B) TILE(3, 1, B) TILE(4, 1, B) TILE(5, 1, B) TILE(6, 1, B) \
+                     TILE(1, 2, B) TILE(2, 2, B) TILE(3, 2, B)
+TILES_FOR(0)
+TILES_FOR(1)
+/* [bf16][rows - 1]: one panel; two panels for blocks of up to 3 rows */
+static const TileFn TILES_1[2][ROW_BLOCK] = {
+    {tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0, tile_5_1_0, tile_6_1_0},
+    {tile_1_1_1, tile_2_1_1, tile_3_1_1, tile_4_1_1, tile_5_1_1, tile_6_1_1}};
+static const TileFn TILES_2[2][3] = {{tile_1_2_0, tile_2_2_0, tile_3_2_0}, {tile_1_2_1, tile_2_2_1, tile_3_2_1}};
+#endif
+
+/* ---- the loop over a thread's panels and the call's row blocks */
+
+static void run_panels(const Problem *p, int64_t first, int64_t last, int use_isa) {
+    const int64_t full = p->n / PANEL;
+    const int64_t blocks = (p->m + ROW_BLOCK - 1) / ROW_BLOCK;
+    for (int64_t panel = first; panel < last;) {
+        const int pair = panel + 1 < last && panel + 1 < full;
+        const int np = pair ? 2 : 1;
+        for (int64_t b = 0; b < blocks; b++) {
+            /* blocks as even as possible (16 rows: 6 5 5), so no block is a slow sliver */
+            const int64_t row0 = b * p->m / blocks, rows = (b + 1) * p->m / blocks - row0;
+#ifdef NS_FLOAT_AVX2
+            if (use_isa && panel < full) {
+                if (pair && rows <= 3) {
+                    TILES_2[p->bf16][rows - 1](p, row0, panel);
+                } else {
+                    for (int q = 0; q < np; q++) TILES_1[p->bf16][rows - 1](p, row0, panel + q);
+                }
+                continue;
+            }
+#endif
+            (void)use_isa;
+            for (int q = 0; q < np; q++)
+                for (int64_t r = row0; r < row0 + rows; r++) row_panel_portable(p, r, panel + q);
+        }
+        panel += np;
+    }
+}
+
+static void run(const Problem *p, int num_threads, int use_isa) {
+    const int64_t panels = (p->n + PANEL - 1) / PANEL;
+    if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads <= 1) {
+        run_panels(p, 0, panels, use_isa);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+        run_panels(p, panels * t / threads, panels * (t + 1) / threads, use_isa);
+    }
+}
+
+static int matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
+                      int num_threads, int use_isa) {
+    const Problem p = {x, w, y, m, n, k, 0};
+    run(&p, num_threads, use_isa);
+    return 0;
+}
+
+static int matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n,
+                       int64_t k, int num_threads, int use_isa) {
+    float *wide = malloc((size_t)(m * k) * sizeof *wide);
+    if (wide == NULL) return 1;
+    for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_to_f32(x[i]);
+    const Problem p = {wide, w, y, m, n, k, 1};
+    run(&p, num_threads, use_isa);
+    free(wide);
+    return 0;
+}
+
+/* The entry points: 0 on success, 1 when the widened activations could not be allocated.
+ * `*_portable` skip the ISA path (for the tests that hold one against the other). */
+NS_EXPORT int ns_matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
+                            int num_threads) {
+    return matmul_f32(x, w, y, m, n, k, num_threads, 1);
+}
+
+NS_EXPORT int ns_matmul_f32_portable(const float *x, const float *w, float *y, int64_t m, int64_t n,
+                                     int64_t k, int num_threads) {
+    return matmul_f32(x, w, y, m, n, k, num_threads, 0);
+}
+
+NS_EXPORT int ns_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n,
+                             int64_t k, int num_threads) {
+    return matmul_bf16(x, w, y, m, n, k, num_threads, 1);
+}
+
+NS_EXPORT int ns_matmul_bf16_portable(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m,
+                                      int64_t n, int64_t k, int num_threads) {
+    return matmul_bf16(x, w, y, m, n, k, num_threads, 0);
+}
+
+/* The panel width `pack` must use, and whether the portable chain is fused (then it equals the
+ * ISA path bit for bit). */
+NS_EXPORT int ns_matmul_float_panel(void) { return PANEL; }
+NS_EXPORT int ns_matmul_float_portable_fused(void) { return PORTABLE_FUSED; }
