@@ -15,7 +15,6 @@ holds and whatever the thread count, so this kernel is batch-invariant by constr
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +40,21 @@ class _Functions:
     portable_fused: bool  # the portable path's chain is fused, so it equals the ISA path's bits
 
 
+_bound: list[tuple[native.NativeLibrary, _Functions]] = []  # the library last bound, and its functions
+
+
 def _functions() -> _Functions | None:
-    library = native.library()  # cached by `native`; None when the library is off
-    return None if library is None else _bind(library)
+    """The bound functions, or None when the library is off (`native` caches the library;
+    binding again only when it was reloaded, as the tests do)."""
+    library = native.library()
+    if library is None:
+        return None
+    if not _bound or _bound[0][0] is not library:
+        _bound[:] = [(library, _bind(library.lib))]
+    return _bound[0][1]
 
 
-@functools.cache
-def _bind(library: native.NativeLibrary) -> _Functions:
-    lib = library.lib
+def _bind(lib: ctypes.CDLL) -> _Functions:
     arguments = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     for name in ("ns_matmul_f32", "ns_matmul_f32_portable", "ns_matmul_bf16", "ns_matmul_bf16_portable"):
         function = getattr(lib, name)
@@ -112,21 +118,24 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None,
     """x [M, K] @ W^T -> [M, N] in the weight's dtype, for `packed` = pack(W); x has W's dtype.
     `portable` runs the plain C path instead of the ISA one (for the tests)."""
     functions = _require()
-    _check_dtype(packed, "weight")
-    if x.dtype != packed.dtype:
+    # Checked in the cheapest order: this runs for every linear of every step.
+    if x.dtype is not packed.dtype:
+        _check_dtype(packed, "weight")
         raise ValueError(f"x: dtype {x.dtype} does not match the weight's {packed.dtype}")
     if x.dim() != 2 or packed.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x: shape {tuple(x.shape)} does not multiply a weight of shape "
                          f"{tuple(packed.shape)} (expected [M, {packed.shape[-1]}])")
-    if x.device.type != "cpu" or packed.device.type != "cpu":
+    if not (x.is_cpu and packed.is_cpu):
         raise ValueError(f"x and weight must be on the CPU, got {x.device} and {packed.device}")
     if not (x.is_contiguous() and packed.is_contiguous()):
         raise ValueError("x and weight must be contiguous")
+    function = (functions.portable_by_dtype if portable else functions.by_dtype).get(x.dtype)
+    if function is None:
+        _check_dtype(x, "x")
     m, (n, k) = x.shape[0], packed.shape
     y = torch.empty(m, n, dtype=x.dtype)
     if m == 0 or n == 0:
         return y
-    function = (functions.portable_by_dtype if portable else functions.by_dtype)[x.dtype]
     if function(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k,
                 threads or torch.get_num_threads()) != 0:
         raise MemoryError(f"cannot allocate {m} x {k} widened activations")
