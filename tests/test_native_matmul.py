@@ -72,7 +72,7 @@ def test_portable_path_agrees_with_the_isa_path(dtype, n, k):
 @pytest.mark.parametrize("portable", [False, True], ids=["isa", "portable"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_rows_bits_do_not_depend_on_its_call_its_position_or_the_threads(dtype, portable):
-    n, k = 45, 100
+    n, k = 200, 700  # big enough that a call of 2 or more rows runs on several threads
     x, w = operands(40, n, k, dtype)
     packed = matmul.pack(w)
     alone = torch.cat([matmul.matmul(x[r : r + 1], packed, portable=portable) for r in range(40)])

@@ -38,6 +38,10 @@
 #endif
 
 enum { PANEL = 16, ROW_BLOCK = 6 };
+/* A thread's share must be worth waking it: below this many multiply-adds per thread a call
+ * runs on fewer threads (a test model's 64 x 64 weights run on one; the default model's
+ * smallest, 576 x 576 at one row, still on two). Bits do not depend on it. */
+enum { MIN_MACS_PER_THREAD = 1 << 17 };
 
 /* fmaf where the machine has a fused multiply-add (then it is one instruction and the portable
  * chain equals the AVX2 one); a plain multiply-add elsewhere, still one fixed order. */
@@ -237,7 +241,9 @@ static void run_panels(const Problem *p, int64_t first, int64_t last, int use_is
 
 static void run(const Problem *p, int num_threads, int use_isa) {
     const int64_t panels = (p->n + PANEL - 1) / PANEL;
+    const int64_t worth = p->m * p->n * p->k / MIN_MACS_PER_THREAD;
     if (num_threads > panels) num_threads = (int)panels;
+    if (num_threads > worth) num_threads = worth > 1 ? (int)worth : 1;
     if (num_threads <= 1) {
         run_panels(p, 0, panels, use_isa);
         return;
