@@ -157,8 +157,8 @@ class SamplingParams:
     def _check_filters(self) -> None:
         _check_float("temperature", self.temperature,
                      _in_range(self.temperature, 0.0, math.inf), "a finite number >= 0")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise _refuse("top_k", self.top_k, "-1 (no limit) or an integer >= 1")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _refuse("top_k", self.top_k, "-1 or 0 (no limit, as vLLM) or an integer >= 1")
         _check_float("top_p", self.top_p, _in_range(self.top_p, 0.0, 1.0, open_low=True),
                      "a number in (0, 1]")
         _check_float("min_p", self.min_p, _in_range(self.min_p, 0.0, 1.0), "a number in [0, 1]")

@@ -296,10 +296,13 @@ def test_stop_token_id_is_named_and_eos_is_not(client: httpx.Client, offline: LL
     assert forced["finish_reason"] == "stop" and forced["stop_reason"] is None and forced["text"] == ""
 
 
-def test_max_tokens_absent_runs_to_the_server_limit(client: httpx.Client) -> None:
+def test_max_tokens_absent_is_16_for_completions_and_the_limit_for_chat(client: httpx.Client) -> None:
     data = client.post("/v1/completions", json={"prompt": "Hi", "temperature": 0, "ignore_eos": True}).json()
-    assert data["usage"]["completion_tokens"] == LIMITS.max_tokens
+    assert data["usage"]["completion_tokens"] == 16  # OpenAI's and vLLM's default
     assert data["choices"][0]["finish_reason"] == "length"
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "temperature": 0, "ignore_eos": True}).json()
+    assert chat["usage"]["completion_tokens"] == LIMITS.max_tokens
 
 
 def test_completion_logprobs_in_the_legacy_format(client: httpx.Client) -> None:
@@ -689,7 +692,8 @@ def test_completion_validation_failures_are_400_naming_the_field(served: Served,
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(i): 1 for i in range(1025)}},
      "logit_bias"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
+     "messages[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "typical_p": -0.1}, "typical_p"),
@@ -721,8 +725,18 @@ def test_context_overflow_is_400_before_engine_work(served: Served, client: http
     assert served.engine.stats.steps == steps
 
 
-def test_unknown_fields_are_tolerated(client: httpx.Client) -> None:
-    body = {"prompt": "Hi", "max_tokens": 2, "frobnicate": {"a": [1]}, "user": "me", "metadata": None}
+def test_unknown_fields_are_400_naming_them_with_a_suggestion(client: httpx.Client) -> None:
+    error = assert_error(client.post("/v1/completions", json={"prompt": "Hi", "temprature": 0.5}), 400,
+                         "temprature", code="unknown_field")
+    assert "'temperature'" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}
+    assert_error(client.post("/v1/chat/completions", json=chat), 400, "messages[0].colour",
+                 code="unknown_field")
+
+
+def test_harmless_values_of_refused_fields_are_accepted(client: httpx.Client) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "user": "me", "metadata": None, "best_of": 1, "echo": False,
+            "suffix": None, "priority": 0, "use_beam_search": False}
     assert client.post("/v1/completions", json=body).status_code == 200
 
 

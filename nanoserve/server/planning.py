@@ -1,8 +1,9 @@
 """Request planning: from a validated body to the engine's sequences, or a 4xx naming the field.
 
-Owns: `check_body` (what can be refused without the engine: the model name, unsupported fields,
-the server's limits) and `plan` (tokenize each prompt, fill in max_tokens and per-choice seeds,
-build the `SamplingParams` and run every engine check), so a request that gets past planning
+Owns: `check_body` (what can be refused without the engine: the model name and the server's
+limits; fields the server does not honour were refused as the body was parsed) and `plan`
+(tokenize each prompt, fill in max_tokens and per-choice seeds, build the `SamplingParams`
+and run every engine check), so a request that gets past planning
 costs the engine nothing it could refuse later. `refusals_as_400` is the one place an
 `InvalidRequestError` from the tokenizer, `SamplingParams` or the engine becomes a 400, naming
 the field the client sent rather than the engine's name for it.
@@ -66,7 +67,7 @@ def client_param(body: RequestBody, param: str | None) -> str | None:
 def check_body(state: ServerState, body: RequestBody) -> None:
     """Refuse what the body asks for that this server does not serve or allow: 404 or 400."""
     _check_model(state, body.model)
-    _check_supported(body, state.limits)
+    _check_limits(body, state.limits)
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -75,10 +76,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             f"{state.model_names[0]!r}", param="model", code="model_not_found")
 
 
-def _check_supported(body: RequestBody, limits: ServerLimits) -> None:
-    refused = body.unsupported()
-    if refused is not None:
-        raise bad_request(refused[1], refused[0], code="unsupported")
+def _check_limits(body: RequestBody, limits: ServerLimits) -> None:
     if body.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n} on this server; got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
@@ -218,11 +216,16 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: ServerLimits) -> int:
-    """What the body asks for, within the server's limit; absent: all the room the context leaves."""
+    """What the body asks for, within the server's limit. Absent, as OpenAI and vLLM have it:
+    16 for a completion, and for a chat all the room the context leaves (within the limit)."""
     asked = body.max_tokens
     name = "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         asked, name = body.max_completion_tokens, "max_completion_tokens"
+    if asked is None and isinstance(body, CompletionRequest):
+        asked = protocol.COMPLETION_DEFAULT_MAX_TOKENS
+        if limits.max_tokens is not None:
+            asked = min(asked, limits.max_tokens)
     if asked is not None:
         if limits.max_tokens is not None and asked > limits.max_tokens:
             raise bad_request(f"{name} must be at most {limits.max_tokens} on this server; got {asked}", name)

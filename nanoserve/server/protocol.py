@@ -1,19 +1,23 @@
 """OpenAI's completions and chat completions protocol: request models and response bodies.
 
-Owns: the pydantic request models (unknown fields tolerated, types checked strictly from
-JSON, so `"n": "2"` is a 400 rather than a guess), the list of accepted-but-unsupported
-fields that would change output (refused by name, never silently ignored), and the small
-functions that build response, chunk and usage bodies as plain dicts (the streaming hot path
-does not pay for a pydantic model per token).
+Owns: the pydantic request models (types checked strictly from JSON, so `"n": "2"` is a 400
+rather than a guess), `REFUSED`, the one table of fields a client may send that this server
+does not honour, and `refused_field`, the one rule over both: every field of a body is either
+declared on its model (honoured) or named in a 400 (a field in `REFUSED` with the sentence
+there, any other field as unknown); nothing is silently dropped. Also the small functions that
+build response, chunk and usage bodies as plain dicts (the streaming hot path does not pay
+for a pydantic model per token).
 Refuses: range checks of sampling values; `SamplingParams` is the one place those live.
 """
 
 from __future__ import annotations
 
 import codecs
+import difflib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -26,10 +30,200 @@ if TYPE_CHECKING:
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Kind = Literal["completion", "chat"]  # which endpoint: picks the request model and response shapes
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Extra keys are kept, not dropped, so that `refused_field` can name each one: a body
+    # with a field nobody declared is a 400, never a request that quietly does something else.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False,
+                              json_schema_extra={"additionalProperties": False})
+
+
+# -- the fields this server does not honour: refused by name ------------------------------------
+
+def _absent(value: Any, _: BaseModel) -> bool:
+    return value is None
+
+
+def _absent_or(*harmless: Any) -> Callable[[Any, BaseModel], bool]:
+    """Null, or one of the values that ask for nothing this server does not do."""
+    def check(value: Any, _: BaseModel) -> bool:
+        return value is None or any(value == h and type(value) is type(h) for h in harmless)
+    return check
+
+
+def _empty(value: Any, _: BaseModel) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _text_format(value: Any, _: BaseModel) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+def _best_of_is_n(value: Any, body: BaseModel) -> bool:
+    return value is None or value == getattr(body, "n", 1)
+
+
+def _no_special_tokens_shown(value: Any, body: BaseModel) -> bool:
+    """vLLM's default (true) asks nothing while special tokens are skipped: none are in the text."""
+    return value is None or value is False or (value is True and getattr(body, "skip_special_tokens", True))
+
+
+def _not_tool_role(value: Any, _: BaseModel) -> bool:
+    return value != "tool"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a field is refused, and which of its values ask for nothing (accepted as if absent)."""
+
+    why: str
+    harmless: Callable[[Any, BaseModel], bool] = _absent
+
+
+_NOT_YET = "is not supported yet"
+_STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not supported yet"
+_TOOLS = "tool calling is not supported yet"
+_TEXT_ONLY = "only text content parts are supported"
+
+# Field -> why it is refused. A key names a body field, or a nested one by its path
+# ("messages[].tool_calls"). A field listed here is refused whether or not its model declares
+# it, unless its value is harmless; to implement one, declare it on the model and delete its
+# line here (tests/test_protocol_fields.py checks every known OpenAI and vLLM field is one or
+# the other).
+REFUSED: dict[str, Refusal] = {
+    # OpenAI's
+    "suffix": Refusal("suffix (insertion) is not supported", _absent_or("")),
+    "best_of": Refusal("best_of is not supported (only best_of equal to n)", _best_of_is_n),
+    "tools": Refusal(_TOOLS, _empty),
+    "tool_choice": Refusal(_TOOLS, _absent_or("none", "auto")),
+    "parallel_tool_calls": Refusal(_TOOLS + " (parallel_tool_calls means nothing without tools)",
+                                   _absent_or(True, False)),
+    "functions": Refusal("function calling is not supported", _empty),
+    "function_call": Refusal("function calling is not supported", _absent_or("none", "auto")),
+    "response_format": Refusal(_STRUCTURED + "; only response_format {\"type\": \"text\"}",
+                               _text_format),
+    "audio": Refusal("audio output is not supported"),
+    "modalities": Refusal("only the text modality is supported", _absent_or(["text"])),
+    "prediction": Refusal("predicted outputs are not supported"),
+    "reasoning_effort": Refusal("reasoning_effort is not supported; chat_template_kwargs passes "
+                                "switches to templates that read them"),
+    "verbosity": Refusal("verbosity is not supported"),
+    "web_search_options": Refusal("web search is not supported"),
+    "store": Refusal("stored completions are not supported", _absent_or(False)),
+    "metadata": Refusal("metadata belongs to stored completions, which are not supported", _empty),
+    "service_tier": Refusal("service tiers are not supported", _absent_or("auto", "default")),
+    "moderation": Refusal("moderation is not supported"),
+    "prompt_cache_key": Refusal("prompt_cache_key is not supported: the prefix cache needs no "
+                                "hint, and cache_salt keeps users' caches apart"),
+    "prompt_cache_retention": Refusal("prompt_cache_retention is not supported: cached blocks "
+                                      "stay until the pool needs their room"),
+    "prompt_cache_options": Refusal("prompt_cache_options are not supported"),
+    # vLLM's
+    "structured_outputs": Refusal(_STRUCTURED),
+    "guided_json": Refusal(_STRUCTURED),
+    "guided_regex": Refusal(_STRUCTURED),
+    "guided_choice": Refusal(_STRUCTURED),
+    "guided_grammar": Refusal(_STRUCTURED),
+    "structural_tag": Refusal(_STRUCTURED),
+    "guided_decoding_backend": Refusal(_STRUCTURED),
+    "guided_whitespace_pattern": Refusal(_STRUCTURED),
+    "p_less": Refusal("p_less " + _NOT_YET),
+    "prompt_logprobs": Refusal("prompt_logprobs " + _NOT_YET),
+    "spaces_between_special_tokens": Refusal("spaces_between_special_tokens " + _NOT_YET
+                                             + " (special tokens are joined without spaces)",
+                                             _no_special_tokens_shown),
+    "use_beam_search": Refusal("beam search is not supported", _absent_or(False)),
+    "length_penalty": Refusal("length_penalty only applies to beam search, which is not supported",
+                              _absent_or(1, 1.0)),
+    "priority": Refusal("priority scheduling is not supported: requests run first come, first "
+                        "served", _absent_or(0)),
+    "request_id": Refusal("request_id is not supported: responses carry the server's own id"),
+    "logits_processors": Refusal("custom logits processors are not supported", _empty),
+    "return_tokens_as_token_ids": Refusal("return_tokens_as_token_ids is not supported",
+                                          _absent_or(False)),
+    "return_token_ids": Refusal("return_token_ids is not supported", _absent_or(False)),
+    "prompt_embeds": Refusal("prompt embeddings are not supported"),
+    "mm_processor_kwargs": Refusal("multimodal inputs are not supported", _empty),
+    "kv_transfer_params": Refusal("disaggregated serving (kv_transfer_params) is not supported"),
+    "vllm_xargs": Refusal("vllm_xargs (custom extensions) are not supported", _empty),
+    "include_reasoning": Refusal("reasoning parsing is not supported", _absent_or(True)),
+    "echo": Refusal("echo " + _NOT_YET, _absent_or(False)),
+    "return_token_strs": Refusal("return_token_strs is not supported", _absent_or(False)),
+    "include_stop_str_in_output": Refusal("include_stop_str_in_output " + _NOT_YET, _absent_or(False)),
+    "skip_special_tokens": Refusal("skip_special_tokens " + _NOT_YET, _absent_or(True)),
+    "truncate_prompt_tokens": Refusal("truncate_prompt_tokens " + _NOT_YET),
+    "bad_words": Refusal("bad_words " + _NOT_YET, _empty),
+    "allowed_token_ids": Refusal("allowed_token_ids " + _NOT_YET),
+    "cache_salt": Refusal("cache_salt " + _NOT_YET),
+    "chat_template": Refusal("a per-request chat_template " + _NOT_YET),
+    "chat_template_kwargs": Refusal("chat_template_kwargs " + _NOT_YET, _empty),
+    "documents": Refusal("documents " + _NOT_YET, _empty),
+    "add_special_tokens": Refusal("add_special_tokens " + _NOT_YET),
+    "stream_options.include_obfuscation": Refusal("stream obfuscation is not supported",
+                                                  _absent_or(False)),
+    "stream_options.continuous_usage_stats": Refusal("continuous_usage_stats " + _NOT_YET,
+                                                     _absent_or(False)),
+    # nested fields
+    "messages[].role": Refusal("tool messages " + _NOT_YET, _not_tool_role),
+    "messages[].tool_calls": Refusal("tool calls in the history " + _NOT_YET, _empty),
+    "messages[].tool_call_id": Refusal("tool messages " + _NOT_YET),
+    "messages[].function_call": Refusal("function calling is not supported"),
+    "messages[].audio": Refusal("audio is not supported"),
+    "messages[].refusal": Refusal("refusal messages in the history are not supported"),
+    "messages[].reasoning_content": Refusal("reasoning content in the history is not supported"),
+    "messages[].content[].image_url": Refusal(_TEXT_ONLY),
+    "messages[].content[].input_audio": Refusal(_TEXT_ONLY),
+    "messages[].content[].file": Refusal(_TEXT_ONLY),
+    "messages[].content[].video_url": Refusal(_TEXT_ONLY),
+    "messages[].content[].audio_url": Refusal(_TEXT_ONLY),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRefusal:
+    param: str  # where the field is, as the client sent it: "messages[1].tool_calls"
+    message: str
+    code: str  # "unsupported" (a known field) or "unknown_field"
+
+
+def refused_field(body: BaseModel) -> FieldRefusal | None:
+    """The first field of `body` (nested ones too) that this server does not honour."""
+    for key, param, value, model in _sent_fields(body, "", ""):
+        name = key.rsplit(".", 1)[-1]
+        refusal = REFUSED.get(key)
+        if refusal is not None and not refusal.harmless(value, body):
+            return FieldRefusal(param, f"{param}: {refusal.why}", "unsupported")
+        if refusal is None and name not in type(model).model_fields:
+            return FieldRefusal(param, _unknown(param, key, model), "unknown_field")
+    return None
+
+
+def _sent_fields(model: BaseModel, key: str, param: str) -> Iterator[tuple[str, str, Any, BaseModel]]:
+    """(table key, client path, value, owning model) of every field the client sent, depth first."""
+    sent = [*model.model_fields_set, *(model.model_extra or {})]
+    for name in sent:
+        value = getattr(model, name) if name in type(model).model_fields else model.model_extra[name]
+        shown = name or '""'  # a JSON key may be empty; the error still names it
+        field_key, field_param = f"{key}.{name}" if key else name, f"{param}.{shown}" if param else shown
+        yield field_key, field_param, value, model
+        if isinstance(value, BaseModel):
+            yield from _sent_fields(value, field_key, field_param)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from _sent_fields(item, f"{field_key}[]", f"{field_param}[{i}]")
+
+
+def _unknown(param: str, key: str, model: BaseModel) -> str:
+    name = key.rsplit(".", 1)[-1]
+    prefix = key[: -len(name)]
+    known = [*type(model).model_fields,
+             *(k[len(prefix):] for k in REFUSED if k.startswith(prefix) and "." not in k[len(prefix):])]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{param}: unknown field{hint} (fields this server does not know are refused, not ignored)"
 
 
 class StreamOptions(OpenAIModel):
@@ -37,7 +231,7 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingFields(OpenAIModel):
-    """Fields both endpoints share: OpenAI's, then vLLM's extensions."""
+    """Fields both endpoints share: OpenAI's, then vLLM's extensions, then nanoserve's."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -54,33 +248,21 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    top_k: int | None = None
+    user: str | None = Field(default=None, description="The end user's id; changes nothing generated.")
+    safety_identifier: str | None = Field(default=None, description="As user.")
+    top_k: int | None = Field(default=None, description="0 or -1: no limit (as vLLM).")
     min_p: float | None = None
-    typical_p: float | None = None
-    top_n_sigma: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0)
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for the first field set to a value this server cannot honour."""
-        if self.echo:
-            return "echo", "echo is not supported: the response never repeats the prompt"
-        if self.suffix:
-            return "suffix", "suffix (insertion) is not supported"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", "best_of is not supported (only best_of equal to n)"
-        return None
 
 
 class ContentPart(OpenAIModel):
@@ -114,24 +296,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.functions:
-            return "functions", "function calling is not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported"
-        if self.function_call not in (None, "none", "auto"):
-            return "function_call", "function calling is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
-        return None
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template wants them: role and text content."""

@@ -101,9 +101,13 @@ async def _parse(request: Request, model: type[ParsedBody]) -> ParsedBody:
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
     raw = await _read_body(request, state_of(request).limits)
     try:
-        return model.model_validate_json(raw, strict=True)
+        body = model.model_validate_json(raw, strict=True)
     except ValidationError as error:
         raise from_validation_error(error.errors(include_url=False)) from None
+    refused = protocol.refused_field(body)
+    if refused is not None:
+        raise APIError(400, refused.message, param=refused.param, code=refused.code)
+    return body
 
 
 async def _read_body(request: Request, limits: ServerLimits) -> bytes:
