@@ -139,6 +139,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    cache_salt: str | None = None  # requests share cached prefix blocks only with the same salt
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -185,6 +186,8 @@ class SamplingParams:
                        f"null or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.ignore_eos, bool):
             raise _refuse("ignore_eos", self.ignore_eos, "true or false")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
 
     @property
     def is_greedy(self) -> bool:

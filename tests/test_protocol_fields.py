@@ -67,7 +67,7 @@ PROBES: dict[str, object] = {
     "mm_processor_kwargs": {"a": 1}, "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
     "include_reasoning": False, "echo": True, "return_token_strs": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 4,
-    "bad_words": ["x"], "allowed_token_ids": [1], "cache_salt": "s", "chat_template": "{{ 1 }}",
+    "bad_words": ["x"], "allowed_token_ids": [1], "chat_template": "{{ 1 }}",
     "chat_template_kwargs": {"a": 1}, "documents": [{"title": "t"}], "add_special_tokens": True,
     "stream_options.include_obfuscation": True, "stream_options.continuous_usage_stats": True,
     "messages[].role": "tool", "messages[].tool_calls": [{"id": "c"}], "messages[].tool_call_id": "c",

@@ -232,6 +232,20 @@ def test_a_repeated_prompt_reports_cached_tokens_and_counts_prefix_cache_hits(
     assert served.engine.pool.is_completely_free  # cached blocks count as free
 
 
+def test_a_cache_salt_keeps_another_users_prefix_out_of_reach(client: httpx.Client) -> None:
+    prompt = list(range(340, 300, -1))  # two full blocks and a bit, seen by no other test
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    def cached(**fields) -> int:
+        usage = client.post("/v1/completions", json={**body, **fields}).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="secret-of-alice") == 0
+    assert cached() == 0 and cached(cache_salt="guess") == 0  # no hit tells them anything
+    assert cached(cache_salt="secret-of-alice") == 32
+    assert_error(client.post("/v1/completions", json={**body, "cache_salt": ""}), 400, "cache_salt")
+
+
 def test_model_alias_and_missing_model_are_accepted(client: httpx.Client) -> None:
     for body in ({"model": "tiny-alias"}, {}):
         response = client.post("/v1/completions", json={**body, "prompt": "Hi", "max_tokens": 2})

@@ -184,7 +184,7 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "typical_p": body.typical_p, "top_n_sigma": body.top_n_sigma,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
-        "ignore_eos": body.ignore_eos, "seed": seed,
+        "ignore_eos": body.ignore_eos, "seed": seed, "cache_salt": body.cache_salt,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),

@@ -156,7 +156,6 @@ REFUSED: dict[str, Refusal] = {
     "truncate_prompt_tokens": Refusal("truncate_prompt_tokens " + _NOT_YET),
     "bad_words": Refusal("bad_words " + _NOT_YET, _empty),
     "allowed_token_ids": Refusal("allowed_token_ids " + _NOT_YET),
-    "cache_salt": Refusal("cache_salt " + _NOT_YET),
     "chat_template": Refusal("a per-request chat_template " + _NOT_YET),
     "chat_template_kwargs": Refusal("chat_template_kwargs " + _NOT_YET, _empty),
     "documents": Refusal("documents " + _NOT_YET, _empty),
@@ -258,6 +257,8 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = None
     typical_p: float | None = None
     top_n_sigma: float | None = None
+    cache_salt: str | None = Field(default=None, description=(
+        "Requests share cached prompt blocks only with requests of the same salt (vLLM's)."))
 
 
 class CompletionRequest(SamplingFields):
