@@ -629,6 +629,36 @@ def test_a_body_that_stalls_is_answered_408_within_the_body_timeout(served: Serv
     assert time.monotonic() - started < LIMITS.body_timeout_s + 2
 
 
+def test_connections_that_send_no_request_head_are_closed_after_the_header_timeout(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
+    with BackgroundServer(app, header_timeout_s=0.5) as server:
+        wait_healthy(server.base_url)
+        host, port = server.base_url.removeprefix("http://").split(":")
+        silent, partial = (socket.create_connection((host, int(port))) for _ in range(2))
+        partial.sendall(b"GET /health HT")  # half a request line, then nothing
+        for sock in (silent, partial):
+            sock.settimeout(10)  # bounded: a server that never closes fails here, not hangs
+            start = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - start < 5
+            sock.close()
+        with httpx.Client(base_url=server.base_url) as http:  # keep-alive: the deadline re-arms
+            assert http.get("/health").status_code == 200
+            assert http.get("/health").status_code == 200
+
+
+def test_a_long_prefill_logs_its_progress(tiny_model_dir, caplog: pytest.LogCaptureFixture) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir, max_num_batched_tokens=16), model_names=[MODEL],
+                    prefill_log_s=0.0)
+    with caplog.at_level(logging.INFO, logger="nanoserve.server"), BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        body = {"prompt": [7] * 100, "max_tokens": 1, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "prefill" in r.getMessage()]
+    assert any("prefilled 16 of 100 prompt tokens (16%)" in line for line in lines), lines
+    assert any("prefill of 100 prompt tokens done" in line for line in lines), lines
+
+
 def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
         served: Served, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="nanoserve.server")
@@ -764,6 +794,13 @@ def test_unknown_model_is_404(client: httpx.Client) -> None:
 def test_oversized_body_is_413(client: httpx.Client) -> None:
     response = client.post("/v1/completions", json={"prompt": "x" * (LIMITS.max_body_bytes + 1)})
     assert_error(response, 413, "body")
+
+
+def test_a_trailing_slash_is_served_not_redirected(client: httpx.Client) -> None:
+    response = client.post("/v1/completions/", json={"prompt": "Hi", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert client.get("/metrics/").status_code == 200
+    assert client.get("/v1/models/").status_code == 200
 
 
 def test_unknown_route_and_wrong_method_keep_the_error_shape(client: httpx.Client) -> None:
