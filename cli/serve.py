@@ -67,6 +67,9 @@ def serve(
         min=0, help="Sequences that may queue beyond the running batch; over it: 503 + Retry-After.")] = 256,
     drain_s: Annotated[float, typer.Option(
         min=0.0, help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")] = 30.0,
+    trust_request_chat_template: Annotated[bool, typer.Option(
+        "--trust-request-chat-template", help="Render a chat_template sent with a request (sandboxed, "
+        "but it runs as long as it likes); off: such requests are 400.")] = False,
     header_timeout_s: Annotated[float, typer.Option(
         min=0.1, help="A connection that sends no complete request head this long after opening (or "
                       "after its last response) is closed; the body then has 30 s.")] = 10.0,
@@ -102,7 +105,7 @@ def serve(
     aliases = (model,) if model else ()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
-                          max_waiting=max_waiting)
+                          max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
     server_app = build_app(lambda: _build_engine(config, str(model_dir)), model_names=names,
                            aliases=aliases, api_key=api_key, limits=limits, seed=seed)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),

@@ -102,6 +102,11 @@ def _bias_pair(pair: object, whole: object, allowed: str) -> tuple[int, float]:
     return token, float(amount)
 
 
+def keep_last_tokens(prompt_ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` ids (all of them when None)."""
+    return prompt_ids if keep is None or len(prompt_ids) <= keep else prompt_ids[-keep:]
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -117,12 +122,18 @@ class SamplingParams:
     every token.
 
     `stop`: generation stops at the first stop string to be completed, and the returned text
-    excludes it; if two complete at the same character, the longer one is reported. A stop
-    string counts only when a token past the first `min_tokens` completes it (it may start
-    earlier).
+    excludes it (`include_stop_str_in_output` keeps it, and the text of a stop token id);
+    if two complete at the same character, the longer one is reported. A stop string counts
+    only when a token past the first `min_tokens` completes it (it may start earlier).
+
+    As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
+    `skip_special_tokens` leaves special tokens out of the text, `truncate_prompt_tokens`
+    keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
+    defaults to 1.0 (as in vLLM and OpenAI; `nanoserve generate` defaults to 0, greedy).
     """
 
     max_tokens: int = 16
+    n: int = 1
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -140,6 +151,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str | None = None  # requests share cached prefix blocks only with the same salt
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -152,6 +166,10 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, "an integer >= 1")
+        _check_int("n", self.n, 1, None, "an integer >= 1")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
+                       "null or an integer >= 1")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    f"an integer in [0, max_tokens={self.max_tokens}]")
 
@@ -184,10 +202,15 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
                        f"null or an integer in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise _refuse("ignore_eos", self.ignore_eos, "true or false")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _refuse(name, getattr(self, name), "true or false")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
+
+    def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
+        return keep_last_tokens(prompt_ids, self.truncate_prompt_tokens)
 
     @property
     def is_greedy(self) -> bool:

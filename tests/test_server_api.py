@@ -298,6 +298,77 @@ def test_stop_string_ends_the_choice_before_it(client: httpx.Client) -> None:
     assert cut["text"] == full[: full.index(stop)]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(client: httpx.Client,
+                                                                            offline: LLM) -> None:
+    base = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    full = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    stop = full[3:6]
+    kept = client.post("/v1/completions", json={**base, "stop": [stop], "include_stop_str_in_output": True})
+    assert kept.json()["choices"][0]["text"] == full[: full.index(stop) + len(stop)]
+    greedy = offline.generate("Hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [greedy.token_ids[2]], "include_stop_str_in_output": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    first = greedy.token_ids.index(greedy.token_ids[2])
+    assert choice["text"] == offline.tokenizer.decode(greedy.token_ids[:first + 1])
+
+
+def test_skip_special_tokens_false_shows_them(client: httpx.Client, offline: LLM) -> None:
+    [eos] = offline.tokenizer.eos_token_ids
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(eos): 100}}
+    hidden = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    shown = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert "choices" in shown, shown
+    assert hidden == "" and shown["choices"][0]["text"] == offline.tokenizer.eos_token * 2
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(client: httpx.Client) -> None:
+    body = {"prompt": list(range(50, 90)), "max_tokens": 3, "temperature": 0}
+    cut = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 7}).json()
+    tail = client.post("/v1/completions", json={**body, "prompt": list(range(83, 90))}).json()
+    assert cut["usage"]["prompt_tokens"] == 7
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+
+
+def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client: httpx.Client) -> None:
+    body = {"prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]["text"]
+    assert echoed == "Once upon" + plain
+    streamed = chunks_of(client.post("/v1/completions", json={**body, "echo": True, "stream": True}))
+    assert streamed[0]["choices"][0]["text"] == "Once upon"
+    assert "".join(c["choices"][0]["text"] for c in streamed) == echoed
+    assert_error(client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}), 400, "echo")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *content, last = chunks_of(client.post("/v1/completions", json=body))
+    assert [c["usage"]["completion_tokens"] for c in content] == [1, 2, 3, 4]
+    assert last["usage"]["completion_tokens"] == 4
+
+
+def test_a_request_chat_template_needs_a_trusting_server(tiny_model_dir, client: httpx.Client) -> None:
+    template = "{{ greeting }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+            "chat_template_kwargs": {"greeting": "Hey"}}
+    assert_error(client.post("/tokenize", json=body), 400, "chat_template", code="unsupported")
+    clash = {"messages": body["messages"], "chat_template_kwargs": {"messages": []}}
+    assert_error(client.post("/tokenize", json=clash), 400, "chat_template_kwargs")
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL],
+                    limits=ServerLimits(trust_request_chat_template=True))
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        tokens = httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
+        expected = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hey[hi]"}).json()["tokens"]
+        assert tokens == expected
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions",
+                          json={**body, "max_tokens": 2, "temperature": 0}).json()
+        assert chat["usage"]["prompt_tokens"] == len(expected)
+
+
 def test_stop_token_id_is_named_and_eos_is_not(client: httpx.Client, offline: LLM) -> None:
     greedy = offline.generate("Hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     stop_id = greedy.token_ids[2]
@@ -704,7 +775,9 @@ def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
     ({"prompt": "x", "top_n_sigma": 0}, "top_n_sigma"),
     ({"prompt": "x", "top_n_sigma": -2}, "top_n_sigma"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 2}, "echo"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "chat_template": "{{ 1 }}"}, "chat_template"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),

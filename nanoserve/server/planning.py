@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_SEED, SamplingParams
+from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_SEED, SamplingParams, keep_last_tokens
 from nanoserve.server import protocol
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
@@ -36,6 +36,13 @@ class PlannedSequence:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    echo: str = ""  # text the choice starts with (completions' echo: the prompt's)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedPrompt:
+    ids: list[int]
+    echo: str = ""
 
 
 # -- the one conversion -------------------------------------------------------------------------
@@ -68,6 +75,20 @@ def check_body(state: ServerState, body: RequestBody) -> None:
     """Refuse what the body asks for that this server does not serve or allow: 404 or 400."""
     _check_model(state, body.model)
     _check_limits(body, state.limits)
+    if isinstance(body, ChatCompletionRequest):
+        check_chat_template(body, state.limits)
+    elif body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's logprobs, which are not supported yet",
+                          "echo", code="unsupported")
+
+
+def check_chat_template(body: protocol.ChatTemplateFlags, limits: ServerLimits) -> None:
+    """A template from a request runs on the server (sandboxed, but as long as it likes): only
+    a server started with --trust-request-chat-template takes one, as in vLLM."""
+    if body.chat_template is not None and not limits.trust_request_chat_template:
+        raise bad_request("this server does not take chat templates from requests (start it with "
+                          "--trust-request-chat-template to allow them)", "chat_template",
+                          code="unsupported")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -107,13 +128,15 @@ def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
                           "prompt" if body.prompt is None else "messages")
     tokenizer = state.engine.tokenizer
     if body.prompt is not None:
-        return tokenizer.encode(body.prompt)
+        return tokenizer.encode(body.prompt, add_bos=False if body.add_special_tokens is False else None)
+    check_chat_template(body, state.limits)
     try:
         messages = body.chat_messages()
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
     try:
-        return tokenizer.encode_chat(messages, **body.template_flags())
+        return tokenizer.encode_chat(messages, **body.template_flags(),
+                                     add_special_tokens=bool(body.add_special_tokens))
     except InvalidRequestError as error:
         raise bad_request(error.message, error.param or "messages") from None
 
@@ -134,22 +157,23 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     """Tokenize, fill in max_tokens and seeds, and run every engine check: 400s happen here.
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
     engine = state.engine
-    prompts = _prompt_ids(engine, kind, body, state.limits)
+    prompts = _prompts(engine, kind, body, state.limits)
     base = _base_params(body, state.default_seed() if body.seed is None else body.seed)
     sequences = []
-    for prompt_index, prompt_ids in enumerate(prompts):
-        max_tokens = _max_tokens(engine, body, len(prompt_ids), state.limits)
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = _max_tokens(engine, body, len(prompt.ids), state.limits)
         for j in range(body.n):
             params = _params_for(body, base, max_tokens, j)
             with refusals_as_400(body):
-                engine.check_request(prompt_ids, params)
-            sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt_ids, params))
+                engine.check_request(prompt.ids, params)
+            sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt.ids, params,
+                                             prompt.echo))
     return sequences
 
 
-def _prompt_ids(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[list[int]]:
+def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[PlannedPrompt]:
     if kind == "chat":
-        return [_chat_prompt_ids(engine, body)]
+        return [PlannedPrompt(_chat_prompt_ids(engine, body))]
     prompt = body.prompt
     single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
     prompts = [prompt] if single else list(prompt)
@@ -158,8 +182,21 @@ def _prompt_ids(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLim
                           "prompt")
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"at most {limits.max_prompts} prompts per request; got {len(prompts)}", "prompt")
-    return [_encode(engine, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+    return [_completion_prompt(engine, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             for i, p in enumerate(prompts)]
+
+
+def _completion_prompt(engine: Engine, body: CompletionRequest, prompt: str | list[int],
+                       param: str) -> PlannedPrompt:
+    if isinstance(prompt, str) and body.add_special_tokens is False:
+        prompt = engine.tokenizer.encode(prompt, add_bos=False) or prompt  # "": refused as empty below
+    ids = _encode(engine, body, prompt, param)
+    if not body.echo:
+        return PlannedPrompt(ids)
+    # vLLM echoes a text prompt as sent; token ids (or a truncated prompt) as they decode.
+    whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+    text = prompt if whole else engine.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+    return PlannedPrompt(ids, text)
 
 
 def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
@@ -168,13 +205,16 @@ def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
     with refusals_as_400(body):
-        prompt_ids = engine.tokenizer.encode_chat(messages, **body.template_flags())
+        prompt_ids = engine.tokenizer.encode_chat(messages, **body.template_flags(),
+                                                  add_special_tokens=bool(body.add_special_tokens))
     return _encode(engine, body, prompt_ids, "messages")
 
 
 def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's token ids, checked, and truncated as truncate_prompt_tokens asks."""
     with refusals_as_400(body, param=param):
-        return engine.encode_prompt(prompt)
+        ids = engine.encode_prompt(prompt)
+    return keep_last_tokens(ids, body.truncate_prompt_tokens)
 
 
 def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
@@ -185,6 +225,8 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos, "seed": seed, "cache_salt": body.cache_salt,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": body.skip_special_tokens,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),

@@ -70,6 +70,11 @@ def _no_special_tokens_shown(value: Any, body: BaseModel) -> bool:
     return value is None or value is False or (value is True and getattr(body, "skip_special_tokens", True))
 
 
+def _off_or_not_chat(value: Any, body: BaseModel) -> bool:
+    """Completions implement echo; chat's echo (vLLM's: prefix the last message) is another thing."""
+    return value is None or value is False or "messages" not in type(body).model_fields
+
+
 def _not_tool_role(value: Any, _: BaseModel) -> bool:
     return value != "tool"
 
@@ -149,21 +154,13 @@ REFUSED: dict[str, Refusal] = {
     "kv_transfer_params": Refusal("disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": Refusal("vllm_xargs (custom extensions) are not supported", _empty),
     "include_reasoning": Refusal("reasoning parsing is not supported", _absent_or(True)),
-    "echo": Refusal("echo " + _NOT_YET, _absent_or(False)),
+    "echo": Refusal("echo on chat completions (the new message prefixed with the last one) is "
+                    "not supported", _off_or_not_chat),
     "return_token_strs": Refusal("return_token_strs is not supported", _absent_or(False)),
-    "include_stop_str_in_output": Refusal("include_stop_str_in_output " + _NOT_YET, _absent_or(False)),
-    "skip_special_tokens": Refusal("skip_special_tokens " + _NOT_YET, _absent_or(True)),
-    "truncate_prompt_tokens": Refusal("truncate_prompt_tokens " + _NOT_YET),
     "bad_words": Refusal("bad_words " + _NOT_YET, _empty),
     "allowed_token_ids": Refusal("allowed_token_ids " + _NOT_YET),
-    "chat_template": Refusal("a per-request chat_template " + _NOT_YET),
-    "chat_template_kwargs": Refusal("chat_template_kwargs " + _NOT_YET, _empty),
-    "documents": Refusal("documents " + _NOT_YET, _empty),
-    "add_special_tokens": Refusal("add_special_tokens " + _NOT_YET),
     "stream_options.include_obfuscation": Refusal("stream obfuscation is not supported",
                                                   _absent_or(False)),
-    "stream_options.continuous_usage_stats": Refusal("continuous_usage_stats " + _NOT_YET,
-                                                     _absent_or(False)),
     # nested fields
     "messages[].role": Refusal("tool messages " + _NOT_YET, _not_tool_role),
     "messages[].tool_calls": Refusal("tool calls in the history " + _NOT_YET, _empty),
@@ -227,6 +224,7 @@ def _unknown(param: str, key: str, model: BaseModel) -> str:
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(default=False, description="Usage so far on every chunk (vLLM's).")
 
 
 class SamplingFields(OpenAIModel):
@@ -259,11 +257,19 @@ class SamplingFields(OpenAIModel):
     top_n_sigma: float | None = None
     cache_salt: str | None = Field(default=None, description=(
         "Requests share cached prompt blocks only with requests of the same salt (vLLM's)."))
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, description=(
+        "Keep only the prompt's last N tokens."))
+    add_special_tokens: bool | None = Field(default=None, description=(
+        "Add the tokenizer's BOS to the prompt: default true for completions, false for chat "
+        "(whose template writes BOS itself)."))
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = Field(default=False, description="The prompt's text before each choice's text.")
 
 
 class ContentPart(OpenAIModel):
@@ -281,15 +287,23 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatTemplateFlags(OpenAIModel):
-    """vLLM's chat-template switches: open a new assistant turn (the default), or continue the
-    last message as it stands."""
+    """vLLM's chat-template fields: open a new assistant turn (the default) or continue the last
+    message as it stands; a template of the request's own (only where the server trusts them);
+    extra variables for the template (`chat_template_kwargs`, RAG `documents`)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
-    def template_flags(self) -> dict[str, bool]:
+    def template_flags(self) -> dict[str, Any]:
+        extra = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            extra["documents"] = self.documents
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message,
+                "chat_template": self.chat_template, "template_kwargs": extra}
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
@@ -312,6 +326,7 @@ class TokenizeRequest(ChatTemplateFlags):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # as generation does: true for a prompt, false for messages
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages or [])]
