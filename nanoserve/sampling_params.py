@@ -11,8 +11,8 @@ engine calls once it knows the vocabulary size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 
 from nanoserve.errors import InvalidRequestError
 
@@ -70,6 +70,16 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     items = tuple(items)
     if not all(isinstance(item, str) and item for item in items):
         raise _refuse("stop", value, "a string or a list of non-empty strings")
+    return items
+
+
+def _words(param: str, value: object) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Iterable) or isinstance(items, Mapping):
+        raise _refuse(param, value, "a list of strings")
+    items = tuple(items)
+    if not all(isinstance(item, str) and item.strip() for item in items):
+        raise _refuse(param, value, "a list of non-blank strings")
     return items
 
 
@@ -154,11 +164,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    # bad_words as token ids, each word with and without a leading space; the engine fills it
+    # in from its tokenizer (`with_bad_words_token_ids`), as vLLM's update_from_tokenizer does.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        object.__setattr__(self, "bad_words", _words("bad_words", self.bad_words))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not allowed:
+                raise _refuse("allowed_token_ids", self.allowed_token_ids, "null or a non-empty list")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         self._check_lengths()
         self._check_filters()
         self._check_penalties()
@@ -226,3 +247,14 @@ class SamplingParams:
         bad_stop = [token for token in self.stop_token_ids if token >= vocab_size]
         if bad_stop:
             raise _refuse("stop_token_ids", self.stop_token_ids, f"{allowed}; {bad_stop} are not")
+        bad_allowed = [token for token in self.allowed_token_ids or () if token >= vocab_size]
+        if bad_allowed:
+            raise _refuse("allowed_token_ids", self.allowed_token_ids, f"{allowed}; {bad_allowed} are not")
+
+    def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with `bad_words` tokenized: each word alone and after a space."""
+        if not self.bad_words:
+            return self
+        texts = [text for word in self.bad_words for text in (word.lstrip(), " " + word.lstrip())]
+        words = {tuple(encode(text)) for text in texts}
+        return replace(self, bad_words_token_ids=tuple(sorted(w for w in words if w)))

@@ -323,6 +323,20 @@ def test_skip_special_tokens_false_shows_them(client: httpx.Client, offline: LLM
     assert hidden == "" and shown["choices"][0]["text"] == offline.tokenizer.eos_token * 2
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(client: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]
+    allowed = client.post("/v1/completions", json={**body, "allowed_token_ids": [40]}).json()
+    only_40 = client.post("/detokenize", json={"tokens": [40] * 6}).json()["prompt"]
+    assert allowed["choices"][0]["text"] == only_40
+    word = free["logprobs"]["tokens"][0].strip()
+    if word:
+        banned = client.post("/v1/completions", json={**body, "bad_words": [word]}).json()["choices"][0]
+        assert banned["logprobs"]["tokens"][0] != free["logprobs"]["tokens"][0]
+    assert_error(client.post("/v1/completions", json={**body, "allowed_token_ids": [99999]}), 400,
+                 "allowed_token_ids")
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_tail(client: httpx.Client) -> None:
     body = {"prompt": list(range(50, 90)), "max_tokens": 3, "temperature": 0}
     cut = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 7}).json()

@@ -227,6 +227,7 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "ignore_eos": body.ignore_eos, "seed": seed, "cache_salt": body.cache_salt,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
+        "bad_words": body.bad_words, "allowed_token_ids": body.allowed_token_ids,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),

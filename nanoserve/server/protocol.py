@@ -157,8 +157,6 @@ REFUSED: dict[str, Refusal] = {
     "echo": Refusal("echo on chat completions (the new message prefixed with the last one) is "
                     "not supported", _off_or_not_chat),
     "return_token_strs": Refusal("return_token_strs is not supported", _absent_or(False)),
-    "bad_words": Refusal("bad_words " + _NOT_YET, _empty),
-    "allowed_token_ids": Refusal("allowed_token_ids " + _NOT_YET),
     "stream_options.include_obfuscation": Refusal("stream obfuscation is not supported",
                                                   _absent_or(False)),
     # nested fields
@@ -259,6 +257,9 @@ class SamplingFields(OpenAIModel):
         "Requests share cached prompt blocks only with requests of the same salt (vLLM's)."))
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    bad_words: list[str] | None = Field(default=None, description=(
+        "Words never generated: each word's last token is banned where the output ends with the rest."))
+    allowed_token_ids: list[TokenId] | None = Field(default=None, description="Sample only these ids.")
     truncate_prompt_tokens: int | None = Field(default=None, ge=1, description=(
         "Keep only the prompt's last N tokens."))
     add_special_tokens: bool | None = Field(default=None, description=(
