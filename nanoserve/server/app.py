@@ -72,6 +72,7 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     app.include_router(_v1_router())
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=PlainTextResponse)
     _document_bodies(app)
     return app
@@ -80,6 +81,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
 def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(routes.require_api_key)])
     router.add_api_route("/models", routes.list_models, methods=["GET"])
+    router.add_api_route("/models/{model_id:path}", routes.retrieve_model, methods=["GET"])
+    router.add_api_route("/embeddings", routes.embeddings, methods=["POST"])
     router.add_api_route("/completions", routes.create_completion, methods=["POST"],
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
