@@ -255,15 +255,20 @@ def cached_tokens_at_admission(scheduler, rid, prompt):
 
 
 def test_a_blocks_cache_key_covers_every_token_before_it_however_its_keys_were_computed():
-    # Prefilled 4 tokens a step, so each block's key is computed in its own step, chained on.
+    """The prompt's keys are computed at admission, the blocks decoding fills one at a time
+    later: either way the same tokens at another position, or after another prefix, hold
+    other K/V and must not be served."""
     scheduler = make_scheduler(prefix_caching=True, max_tokens_per_step=4)
-    first, second, third = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
-    assert cached_tokens_at_admission(scheduler, "a", first + second + third + [13]) == 0
-    assert cached_tokens_at_admission(scheduler, "b", first + second + [20]) == 8
-    # The same tokens at another position, or after another prefix, hold other K/V.
-    assert cached_tokens_at_admission(scheduler, "c", [*second, 20]) == 0
-    assert cached_tokens_at_admission(scheduler, "d", [*third, 20]) == 0
-    assert cached_tokens_at_admission(scheduler, "e", [0, 2, 3, 4, *second, *third, 20]) == 0
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=8), seed=0)
+    scheduler.add(a)
+    while scheduler.has_unfinished():  # the model samples 7: blocks 2 and 3 fill while decoding
+        run_step(scheduler)
+    first, second, third, fourth = (a.token_ids(4 * i, 4 * i + 4) for i in range(4))
+    assert (third, fourth) == ([9, 7, 7, 7], [7, 7, 7, 7])
+    assert cached_tokens_at_admission(scheduler, "b", [*first, *second, *third, *fourth, 20]) == 16
+    for rid, shifted in (("c", second), ("d", third), ("e", fourth)):
+        assert cached_tokens_at_admission(scheduler, rid, [*shifted, 20]) == 0, shifted
+    assert cached_tokens_at_admission(scheduler, "f", [0, 2, 3, 4, *second, *third, 20]) == 0
 
 
 def test_only_full_computed_blocks_are_cached_and_a_block_filled_by_decoding_is_found():
