@@ -570,3 +570,16 @@ def test_each_rows_logit_bias_moves_its_own_row_only_in_a_crowd_of_different_bia
         assert picks[name] == alone, name
     assert picks["greedy"] == [100 + 7 * i for i in range(size)]
     assert all(pick in (3 + i, 1000 + 9 * i) for i, pick in enumerate(picks["seeded"]))
+
+
+def test_min_tokens_masks_the_stop_ids_of_each_row_by_its_own_count_in_a_crowd():
+    size = 12
+    logits = random_logits(size, seed=31)
+    logits[:, EOS] = 50.0  # every row would stop now, were it allowed to
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, min_tokens=i % 5) for i in range(size)]
+    positions = [(3 * i) % 7 for i in range(size)]  # both sides of each min_tokens, and on it
+    rows = rows_of(params, positions=positions, seeds=range(size))
+    picked = sample(logits, rows).token_ids.tolist()
+    stops = [pick == EOS for pick in picked]
+    assert stops == [position >= p.min_tokens for position, p in zip(positions, params, strict=True)]
+    assert picked == [sample(logits[i:i + 1].clone(), rows[i:i + 1]).token_ids.item() for i in range(size)]
