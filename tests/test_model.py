@@ -251,3 +251,26 @@ def test_decode_rows_over_one_two_and_three_chunks_in_one_step_equal_their_prefi
     decoded = step(model, crowd, [(seq, p[-1:], len(p) - 1) for seq, p in prompts.items()])
     for seq, prompt in prompts.items():
         assert torch.equal(decoded[seq], step(model, Cache(), [(seq, prompt, 0)])[seq]), seq
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_prefill_and_decode_over_three_attention_chunks_match_a_dense_causal_forward(batch_invariant):
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
+    prompt = [(13 * i + 7) % 300 for i in range(150)]  # 150 positions: three 64-slot chunks
+    dense = dense_forward(prompt)
+    cache = Cache()
+    prefill = step(model, cache, [("a", prompt[:-1], 0)])["a"]
+    torch.testing.assert_close(prefill, dense[-2], atol=1e-4, rtol=1e-4)
+    decode = step(model, cache, [("a", prompt[-1:], 149)])["a"]
+    torch.testing.assert_close(decode, dense[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", INVARIANT_KERNELS[:1])
+def test_prefill_chunks_that_straddle_attention_chunk_boundaries_equal_one_prefill(kernel):
+    model = invariant_model(kernel)
+    prompt = [(13 * i + 7) % 300 for i in range(150)]
+    whole = step(model, Cache(), [("a", prompt, 0)])["a"]
+    pieces = Cache()
+    for start, stop in ((0, 60), (60, 130), (130, 150)):  # across slots 64 and 128
+        logits = step(model, pieces, [("a", prompt[start:stop], start)])["a"]
+    assert torch.equal(logits, whole)
