@@ -145,3 +145,20 @@ def test_rows_with_bad_words_or_allowed_token_ids_are_the_same_alone_and_in_a_cr
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def own_params(i: int) -> SamplingParams:
+    """Request i's own filters, penalties, bias and seed: one row's settings landing on another
+    row changes that row's tokens."""
+    filters = [{"temperature": 0.0}, {"temperature": 0.8, "top_k": 20}, {"temperature": 1.2, "top_p": 0.7},
+               {"temperature": 0.9, "min_p": 0.1}, {"temperature": 1.0, "typical_p": 0.6},
+               {"temperature": 0.7, "top_n_sigma": 1.5}, {"temperature": 0.0, "repetition_penalty": 1.8},
+               {"temperature": 0.0, "frequency_penalty": 1.5, "presence_penalty": 0.5}][i % 8]
+    return SamplingParams(max_tokens=8, logprobs=LOGPROBS, ignore_eos=True, seed=100 + i,
+                          logit_bias={20 + 13 * i: 3.0, 21 + 13 * i: -3.0}, **filters)
+
+
+def test_a_crowd_where_every_request_samples_its_own_way_gives_each_its_solo_tokens(tiny):
+    prompts, params = crowd_prompts(8), [own_params(i) for i in range(8)]
+    alone = [fingerprint(tiny.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(tiny, prompts, params) == alone
