@@ -60,7 +60,8 @@ def profile(
         help="Also write a torch.profiler Chrome trace (a few steps per batch size) here.")] = None,
     chart: Annotated[bool, typer.Option("--chart/--no-chart", help="Write the stacked bar chart.")] = True,
 ) -> None:
-    """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect)."""
+    """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect),
+    and the forward split into its matrix multiplies and the rest."""
     from nanoserve.bench.profile import ProfileSpec
 
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
@@ -114,9 +115,13 @@ def profile_table(frame, title: str):
     for phase in PHASES:
         table.add_column(f"{phase} ms (rb)", justify="right")
     table.add_column("other ms", justify="right")
+    table.add_column("forward: linears ms", justify="right")
+    table.add_column("forward: rest ms (per row)", justify="right")
     table.add_column("tok/s", justify="right")
     for row in frame.itertuples():
         phases = [f"{getattr(row, f'{p}_ms'):.2f} ({getattr(row, f'{p}_readbacks'):.0f})" for p in PHASES]
         table.add_row(str(row.batch_size), f"{row.step_ms:.2f}", *phases, f"{row.other_ms:.2f}",
+                      f"{row.forward_linear_ms:.2f}",
+                      f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.decode_tokens_per_s:.1f}")
     return table

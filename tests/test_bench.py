@@ -246,6 +246,10 @@ def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collec
         assert (frame[f"{phase}_ms"] >= 0).all()
     assert (frame.collect_readbacks == 1).all() and (frame.readbacks_per_step == 1).all()
     assert (frame[[f"{p}_readbacks" for p in PROFILE_PHASES if p != "collect"]] == 0).all().all()
+    # The forward splits into its matrix multiplies and the rest, which add up to it.
+    assert ((frame.forward_linear_ms > 0) & (frame.forward_rest_ms > 0)).all()
+    total = frame.forward_linear_ms + frame.forward_rest_ms  # to the CSV's 6 significant digits
+    assert total.tolist() == pytest.approx(frame.forward_ms.tolist(), rel=1e-4)
     assert "nanoserve.forward" in trace.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
 
