@@ -227,6 +227,7 @@ def test_bad_bench_options_exit_2_naming_the_option(args, option):
     (["--batch-sizes", "2,zero"], "--batch-sizes"),
     (["--params", "nucleus"], "--params"),
     (["--dtype", "int4"], "--dtype"),
+    (["--native-ops", "maybe"], "--native-ops"),
 ])
 def test_bad_profile_options_exit_2_naming_the_option(args, option):
     result = invoke("profile", *args)
@@ -280,3 +281,16 @@ def test_machine_description_and_probes_give_plausible_figures():
     assert machine.git_commit and machine.timestamp
     assert hardware.read_bandwidth_gbs(nbytes=8 << 20, budget_s=0.01) > 0
     assert hardware.gemm_gflops(4, budget_s=0.01) > 0
+
+
+def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir, tmp_path):
+    out = tmp_path / "profile.csv"
+    result = invoke("profile", "--model", str(tiny_model_dir), "--batch-sizes", "2", "--input-len", "4",
+                    "--output-len", "3", "--device", "cpu", "--out", str(out), "--native-ops", "off,on",
+                    "--no-chart")
+    if "native small ops do not run here" in result.output:
+        pytest.skip("no native library here")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(out)
+    assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
+    assert (frame.forward_rest_ms > 0).all()

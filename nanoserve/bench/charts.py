@@ -89,7 +89,7 @@ def phase_chart(frame: pd.DataFrame, path: Path) -> Path:
     if "forward_linear_ms" in frame:
         bands = {n: b for p, band in bands.items()
                  for n, b in (FORWARD_SPLIT.items() if p == "forward" else [(p, band)])}
-    frame = frame.sort_values("batch_size")
+    frame = frame.sort_values("batch_size", kind="stable")
     fig, ax = plt.subplots(figsize=(8, 5.5))
     positions = range(len(frame))
     bottom = [0.0] * len(frame)
@@ -99,7 +99,11 @@ def phase_chart(frame: pd.DataFrame, path: Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, (top, rate) in enumerate(zip(bottom, frame.decode_tokens_per_s, strict=True)):
         ax.annotate(f"{rate:.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(positions), [str(b) for b in frame.batch_size])
+    labels = [str(b) for b in frame.batch_size]
+    if "native_ops" in frame and frame.native_ops.nunique() > 1:  # small ops side by side
+        labels = [f"{b}\n{'native' if n else 'torch'}" for b, n in zip(frame.batch_size, frame.native_ops,
+                                                                       strict=True)]
+    ax.set_xticks(list(positions), labels)
     ax.set_xlabel("decode batch size (requests in the step)")
     ax.set_ylabel("ms per decode step")
     first = frame.iloc[0]

@@ -21,10 +21,12 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
+from nanoserve import native
 from nanoserve.bench.driver import StepRecord, run_closed_loop
 from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
 from nanoserve.engine import PHASES, Engine
+from nanoserve.errors import InvalidRequestError
 
 
 @dataclass(slots=True)
@@ -129,6 +131,9 @@ class ProfileSpec:
     linear_kernel: str | None = None
     trace_path: Path | None = None
     trace_steps: int = 3  # decode steps traced per batch size
+    # The forward's small ops: native (True) and/or torch (False), alternated per batch size
+    # in one engine, so the two are measured side by side; None: as the engine runs them.
+    native_ops: tuple[bool, ...] | None = None
 
 
 def build_engine(spec: ProfileSpec) -> Engine:
@@ -144,19 +149,36 @@ def build_engine(spec: ProfileSpec) -> Engine:
 ProgressCallback = Callable[[int, int, int], None]
 
 
+@contextmanager
+def small_ops(engine: Engine, use_native: bool) -> Iterator[None]:
+    """The engine's forward with its native small ops, or with the torch ones, for the block."""
+    model = engine.model
+    ops = model.ops
+    if use_native and ops is None:
+        raise InvalidRequestError(f"native small ops do not run here ({native.status()}; they need "
+                                  "float32 on the CPU)", param="native_ops")
+    model.ops = ops if use_native else None
+    try:
+        yield
+    finally:
+        model.ops = ops
+
+
 def profile_engine(engine: Engine, spec: ProfileSpec,
                    progress: ProgressCallback | None = None) -> pd.DataFrame:
-    """One row per batch size: the mean decode step, split by phase."""
+    """One row per batch size (and small-ops choice): the mean decode step, split by phase."""
     engine.sync_phases = engine.device.type == "cuda"
     rows = []
     for index, batch_size in enumerate(spec.batch_sizes):
         if progress:
             progress(batch_size, index, len(spec.batch_sizes))
-        warm = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size, seed=1)
-        _run_batch(engine, warm, spec.params, min(8, spec.output_len))
-        prompts = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size)
-        costs = _run_batch(engine, prompts, spec.params, spec.output_len)
-        rows.append(summarize(batch_size, costs))
+        for use_native in spec.native_ops or (engine.model.ops is not None,):
+            with small_ops(engine, use_native):
+                warm = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size, seed=1)
+                _run_batch(engine, warm, spec.params, min(8, spec.output_len))
+                prompts = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size)
+                costs = _run_batch(engine, prompts, spec.params, spec.output_len)
+            rows.append({**summarize(batch_size, costs), "native_ops": use_native})
     if spec.trace_path is not None:
         write_trace(engine, spec)
     if progress:

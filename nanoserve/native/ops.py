@@ -57,7 +57,10 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor, shape: tupl
 @dataclass(frozen=True, slots=True)
 class PagedContext:
     """Where each row's context lives, built once per step for every layer: row r attends over
-    sequence row_seq[r]'s block table up to positions[r] (its own slot included)."""
+    sequence row_seq[r]'s block table up to positions[r] (its own slot included). Types and
+    shapes are checked here; the values' bounds (a sequence in the table, a position inside its
+    blocks, a block inside the cache) are the builder's to check, once per step, as
+    `model.paged_context` does."""
 
     block_tables: torch.Tensor  # [seqs, width] int64: cache blocks of each sequence
     row_seq: torch.Tensor  # [rows] int64: each row's sequence
