@@ -37,6 +37,14 @@ def _dtype(text: str) -> str:
     return text
 
 
+def _switches(text: str | None) -> tuple[bool, ...] | None:
+    from nanoserve.bench.offline import parse_choice_list
+
+    if text is None:
+        return None
+    return tuple(value == "on" for value in parse_choice_list(text, ("off", "on")))
+
+
 BatchSizes = Annotated[str, typer.Option(
     callback=checked(_batch_sizes), metavar="N,N,...", help="Requests decoding together.")]
 Dtype = Annotated[str, typer.Option(callback=checked(_dtype), help="float32, bfloat16 or float16.")]
@@ -59,8 +67,13 @@ def profile(
     trace: Annotated[Path | None, typer.Option(
         help="Also write a torch.profiler Chrome trace (a few steps per batch size) here.")] = None,
     chart: Annotated[bool, typer.Option("--chart/--no-chart", help="Write the stacked bar chart.")] = True,
+    native_ops: Annotated[str | None, typer.Option(
+        callback=checked(_switches), metavar="off|on|off,on",
+        help="The forward's small ops in C (on) or torch (off); off,on alternates them per batch "
+             "size in one engine. Default: as the engine runs them.")] = None,
 ) -> None:
-    """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect)."""
+    """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect),
+    and the forward split into its matrix multiplies and the rest."""
     from nanoserve.bench.profile import ProfileSpec
 
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
@@ -68,7 +81,7 @@ def profile(
     options.check_linear_kernel(linear_kernel)
     spec = ProfileSpec(batch_sizes=batch_sizes, input_len=input_len, output_len=output_len, params=params,
                        dtype=dtype, batch_invariant=batch_invariant, model=model, device=device,
-                       threads=threads, linear_kernel=linear_kernel, trace_path=trace)
+                       threads=threads, linear_kernel=linear_kernel, trace_path=trace, native_ops=native_ops)
     run_profile(spec, out, chart=chart)
 
 
@@ -110,13 +123,19 @@ def profile_table(frame, title: str):
 
     table = Table(title=title, title_justify="left")
     table.add_column("batch", justify="right")
+    table.add_column("small ops")
     table.add_column("step ms", justify="right")
     for phase in PHASES:
         table.add_column(f"{phase} ms (rb)", justify="right")
     table.add_column("other ms", justify="right")
+    table.add_column("forward: linears ms", justify="right")
+    table.add_column("forward: rest ms (per row)", justify="right")
     table.add_column("tok/s", justify="right")
     for row in frame.itertuples():
         phases = [f"{getattr(row, f'{p}_ms'):.2f} ({getattr(row, f'{p}_readbacks'):.0f})" for p in PHASES]
-        table.add_row(str(row.batch_size), f"{row.step_ms:.2f}", *phases, f"{row.other_ms:.2f}",
+        table.add_row(str(row.batch_size), "native" if row.native_ops else "torch", f"{row.step_ms:.2f}",
+                      *phases, f"{row.other_ms:.2f}",
+                      f"{row.forward_linear_ms:.2f}",
+                      f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.decode_tokens_per_s:.1f}")
     return table

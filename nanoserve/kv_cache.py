@@ -4,6 +4,8 @@ Shape [num_kv_heads, num_blocks, block_size, head_dim] per layer: head-major, so
 sequences' blocks yields [kv_heads, seqs, ctx, head_dim] already contiguous per head, the
 layout attention multiplies without another copy. A request's context is gathered through
 its block table; which block belongs to whom is `block_pool`'s business, not this module's.
+The native ops (`nanoserve.native.ops`) write and read this same layout in place, through the
+block tables, without `write` or `gather`: change it and change csrc/ops.c with it.
 """
 
 from __future__ import annotations

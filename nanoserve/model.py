@@ -15,10 +15,20 @@ this machine, its weights packed once here). Attention has two forms:
   bit-identical alone, in any batch and at any position, and the same whether it was computed
   in a prefill chunk or a decode step (so preemption by recompute cannot change a token).
 A forward is batch-invariant when both its attention and its linear kernel are.
+
+Everything outside the matrix multiplies runs one of two ways, chosen once per model:
+- native (float32 on the CPU, the library built; `nanoserve.native.ops`): RMSNorm fused with
+  the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
+  paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
+  modes (each row alone over exactly the slots it sees, in CONTEXT_CHUNK order), and every row,
+  prefill or decode, goes through it, so the two agree bit for bit.
+- torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): the two attention
+  forms above, over K/V gathered from the cache.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -28,6 +38,8 @@ import torch.nn.functional as F
 from nanoserve.config import ModelConfig
 from nanoserve.kv_cache import KVCache
 from nanoserve.linear import KERNELS, LinearKernel, ProbeShape
+from nanoserve.native import ops as native_ops
+from nanoserve.native.ops import NativeOps, PagedContext
 
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
@@ -67,6 +79,46 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [rows] flat cache slot of each row's K/V
     groups: list[AttentionGroup]
     logits_rows: torch.Tensor  # [n] rows whose next-token logits are wanted
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer of one step needs, built once per step: for the torch ops the RoPE
+    rows and the attention plan; for the native ops where each row's context lives."""
+
+    batch: ForwardBatch
+    cos: torch.Tensor | None = None  # [rows, 1, head_dim]
+    sin: torch.Tensor | None = None
+    plan: PositionPlan | list[torch.Tensor] | None = None
+    paged: PagedContext | None = None
+    # Native only: outputs every layer writes again, allocated once per step. Each is read by
+    # the matrix multiply right after it, before the next layer overwrites it.
+    normed: torch.Tensor | None = None  # [rows, hidden]
+    attended: torch.Tensor | None = None  # [rows, heads * head_dim]
+    activated: torch.Tensor | None = None  # [rows, intermediate]
+
+
+def paged_context(batch: ForwardBatch, kv_cache: KVCache) -> PagedContext:
+    """Each row's sequence and block table for the native attention, bounds checked once here
+    (the kernels take raw pointers: an out-of-range slot would be a segfault, not an error)."""
+    groups = batch.groups
+    width = max(group.block_tables.shape[1] for group in groups)
+    tables = torch.cat([F.pad(g.block_tables, (0, width - g.block_tables.shape[1])) for g in groups])
+    row_seq, seq = [], 0
+    for group in groups:
+        row_seq += [s for s in range(seq, seq + group.num_seqs) for _ in range(group.rows_per_seq)]
+        seq += group.num_seqs
+    rows = batch.positions.shape[0]
+    if len(row_seq) != rows:
+        raise ValueError(f"attention groups cover {len(row_seq)} rows; the batch has {rows}")
+    cache_slots = kv_cache.num_blocks * kv_cache.block_size
+    for name, values, bound in (("block_tables", tables, kv_cache.num_blocks),
+                                ("positions", batch.positions, width * kv_cache.block_size),
+                                ("slot_mapping", batch.slot_mapping, cache_slots)):
+        if values.numel() and not 0 <= int(values.min()) <= int(values.max()) < bound:
+            low, high = int(values.min()), int(values.max())
+            raise ValueError(f"{name} must lie in [0, {bound}); got [{low}, {high}]")
+    return PagedContext(tables.contiguous(), torch.tensor(row_seq, dtype=torch.long), batch.positions)
 
 
 @dataclass(slots=True)
@@ -240,12 +292,23 @@ def sequence_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return partials.cumsum(dim=1)[:, -1]
 
 
+def native_ops_for(like: torch.Tensor) -> NativeOps | None:
+    """The native ops for tensors like `like`: float32 on the CPU with the library built, else
+    None (half precision and CUDA keep the torch ops)."""
+    if like.dtype != torch.float32 or like.device.type != "cpu":
+        return None
+    return native_ops.load()
+
+
 class Llama:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
-                 linear_kernel: LinearKernel | None = None, max_positions: int | None = None) -> None:
+                 linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
+                 native: bool = True) -> None:
         """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
-        GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured)."""
+        GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
+        `native`: run the small ops in C where they can run here (`native_ops_for`)."""
         self.config = config
+        self.ops = native_ops_for(weights.embed) if native else None
         self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
         self.weights = weights.packed_for(self.linear_kernel)
         self.batch_invariant = batch_invariant
@@ -262,29 +325,74 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`."""
-        cos = self.rope_cos[batch.positions].unsqueeze(1)
-        sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
-        # Built once per step, used by every layer.
-        plan = (self._position_plan(batch, kv_cache.block_size) if self.batch_invariant
-                else [self._group_mask(group, kv_cache.block_size) for group in batch.groups])
+        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`.
+
+        Each layer: norm -> attention block -> residual add + norm -> MLP -> residual add, the
+        residual adds done in place and fused with the norm that follows them.
+        """
+        step = self._step_context(batch, kv_cache)  # built once per step, used by every layer
         hidden = F.embedding(batch.input_ids, self.weights.embed)
+        delta = None  # the last sublayer's output, not yet added into `hidden`
         for index, layer in enumerate(self.weights.layers):
-            normed = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
-            hidden = hidden + self._attention_block(index, layer, normed, cos, sin, batch, plan, kv_cache)
-            normed = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
-            hidden = hidden + self._mlp(layer, normed)
-        last = rms_norm(hidden[batch.logits_rows], self.weights.norm, self.config.rms_norm_eps)
+            normed = self._add_norm(hidden, delta, layer.input_norm, step.normed)
+            delta = self._attention_block(index, layer, normed, step, kv_cache)
+            normed = self._add_norm(hidden, delta, layer.post_norm, step.normed)
+            delta = self._mlp(layer, normed, step)
+        if delta is not None:
+            hidden += delta
+        last = self._add_norm(hidden[batch.logits_rows], None, self.weights.norm)
         return self.linear(last, self.weights.lm_head).float()
 
-    def _attention_block(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, batch: ForwardBatch, plan: PositionPlan | list[torch.Tensor],
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden += delta (in place, when there is one), then the RMSNorm of hidden."""
+        eps = self.config.rms_norm_eps
+        if self.ops is not None:
+            if delta is None:
+                return self.ops.rms_norm(hidden, weight, eps, out)
+            return self.ops.add_rms_norm(hidden, delta, weight, eps, out)
+        if delta is not None:
+            hidden += delta
+        return rms_norm(hidden, weight, eps)
+
+    def _step_context(self, batch: ForwardBatch, kv_cache: KVCache) -> StepContext:
+        if self.ops is not None:
+            rows, cfg = batch.input_ids.shape[0], self.config
+            new = functools.partial(torch.empty, dtype=self.rope_cos.dtype, device=self.rope_cos.device)
+            return StepContext(batch, paged=paged_context(batch, kv_cache), normed=new(rows, cfg.hidden_size),
+                               attended=new(rows, self.q_size), activated=new(rows, cfg.intermediate_size))
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_signed_sin[batch.positions].unsqueeze(1)
+        plan = (self._position_plan(batch, kv_cache.block_size) if self.batch_invariant
+                else [self._group_mask(group, kv_cache.block_size) for group in batch.groups])
+        return StepContext(batch, cos=cos, sin=sin, plan=plan)
+
+    def _attention_block(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext,
                          kv_cache: KVCache) -> torch.Tensor:
-        cfg = self.config
         qkv = self.linear(x, layer.qkv)
+        if self.ops is not None:
+            out = self._native_attention(index, qkv, step, kv_cache)
+        else:
+            out = self._torch_attention(index, qkv, step, kv_cache)
+        return self.linear(out, layer.o)
+
+    def _native_attention(self, index: int, qkv: torch.Tensor, step: StepContext,
+                          kv_cache: KVCache) -> torch.Tensor:
+        """RoPE, the K/V write and attention over the paged cache in place: two native calls."""
+        k_cache, v_cache = kv_cache.k[index], kv_cache.v[index]
+        batch, heads = step.batch, self.config.num_heads
+        self.ops.rope_write_kv(qkv, batch.positions, self.rope_cos, self.rope_signed_sin,
+                               batch.slot_mapping, k_cache, v_cache, heads)
+        # q is the first heads * head_dim columns of qkv, now rotated in place.
+        return self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, heads, self.scale,
+                                        out=step.attended)
+
+    def _torch_attention(self, index: int, qkv: torch.Tensor, step: StepContext,
+                         kv_cache: KVCache) -> torch.Tensor:
+        cfg, batch, plan = self.config, step.batch, step.plan
         # q and k rotate together: one pass over [rows, heads + kv_heads, head_dim].
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
-                                                                  cfg.head_dim), cos, sin)
+                                                                  cfg.head_dim), step.cos, step.sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         kv_cache.write(index, batch.slot_mapping, k, v)
@@ -297,7 +405,7 @@ class Llama:
             for group, mask in zip(batch.groups, plan, strict=True):
                 rows = slice(group.row_start, group.row_start + group.num_seqs * group.rows_per_seq)
                 out[rows] = self._attend_group(index, group, q[rows], mask, kv_cache)
-        return self.linear(out.reshape(-1, self.q_size), layer.o)
+        return out.reshape(-1, self.q_size)
 
     def _attend_group(self, index: int, group: AttentionGroup, q: torch.Tensor, mask: torch.Tensor,
                       kv_cache: KVCache) -> torch.Tensor:
@@ -367,8 +475,11 @@ class Llama:
         per_kv = self.config.num_heads // self.config.num_kv_heads
         return visible.unsqueeze(1).expand(-1, per_kv, -1, -1).reshape(1, group.num_seqs, -1, ctx)
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        gate_up = self.linear(x, layer.gate_up)
+        if self.ops is not None:
+            return self.linear(self.ops.silu_mul(gate_up, step.activated), layer.down)
         # SiLU runs row by row over the strided `gate` view, so each row takes the same
         # vectorized path whatever the batch (tests/test_model.py pins this).
-        gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, layer.down)

@@ -7,6 +7,7 @@ Logprobs are compared as floats with ==, so one flipped low bit anywhere in the 
 
 import pytest
 
+import nanoserve.model
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -69,6 +70,16 @@ def test_tiny_crowd_gives_every_request_its_solo_tokens_and_logprobs(tiny):
     prompts, params = crowd_prompts(12), [params_for(i) for i in range(12)]
     alone = [fingerprint(tiny.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
     assert staggered_crowd(tiny, prompts, params) == alone
+
+
+def test_with_the_torch_ops_a_tiny_crowd_still_gets_its_solo_tokens(tiny_model_dir, monkeypatch):
+    """The path NANOSERVE_NO_NATIVE=1 (and half precision) takes, without the native small ops."""
+    monkeypatch.setattr(nanoserve.model, "native_ops_for", lambda like: None)
+    llm = LLM(str(tiny_model_dir), device="cpu")
+    assert llm.engine.model.ops is None
+    prompts, params = crowd_prompts(6), [params_for(i) for i in range(6)]
+    alone = [fingerprint(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(llm, prompts, params) == alone
 
 
 @pytest.mark.real_model

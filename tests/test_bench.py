@@ -227,6 +227,7 @@ def test_bad_bench_options_exit_2_naming_the_option(args, option):
     (["--batch-sizes", "2,zero"], "--batch-sizes"),
     (["--params", "nucleus"], "--params"),
     (["--dtype", "int4"], "--dtype"),
+    (["--native-ops", "maybe"], "--native-ops"),
 ])
 def test_bad_profile_options_exit_2_naming_the_option(args, option):
     result = invoke("profile", *args)
@@ -246,6 +247,10 @@ def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collec
         assert (frame[f"{phase}_ms"] >= 0).all()
     assert (frame.collect_readbacks == 1).all() and (frame.readbacks_per_step == 1).all()
     assert (frame[[f"{p}_readbacks" for p in PROFILE_PHASES if p != "collect"]] == 0).all().all()
+    # The forward splits into its matrix multiplies and the rest, which add up to it.
+    assert ((frame.forward_linear_ms > 0) & (frame.forward_rest_ms > 0)).all()
+    total = frame.forward_linear_ms + frame.forward_rest_ms  # to the CSV's 6 significant digits
+    assert total.tolist() == pytest.approx(frame.forward_ms.tolist(), rel=1e-4)
     assert "nanoserve.forward" in trace.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -276,3 +281,16 @@ def test_machine_description_and_probes_give_plausible_figures():
     assert machine.git_commit and machine.timestamp
     assert hardware.read_bandwidth_gbs(nbytes=8 << 20, budget_s=0.01) > 0
     assert hardware.gemm_gflops(4, budget_s=0.01) > 0
+
+
+def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir, tmp_path):
+    out = tmp_path / "profile.csv"
+    result = invoke("profile", "--model", str(tiny_model_dir), "--batch-sizes", "2", "--input-len", "4",
+                    "--output-len", "3", "--device", "cpu", "--out", str(out), "--native-ops", "off,on",
+                    "--no-chart")
+    if "native small ops do not run here" in result.output:
+        pytest.skip("no native library here")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(out)
+    assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
+    assert (frame.forward_rest_ms > 0).all()

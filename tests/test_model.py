@@ -14,6 +14,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.kv_cache import KVCache
 from nanoserve.linear import KERNELS, LinearKernel, kernels_for, self_test
 from nanoserve.model import AttentionGroup, ForwardBatch, Llama, LlamaWeights, rope_inv_freq
+from nanoserve.native import ops as native_ops
 
 BLOCK = 4
 CONFIG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -124,19 +125,25 @@ def invariant_kernels() -> list[str]:
 
 
 INVARIANT_KERNELS = invariant_kernels()
+# Every property below holds with the native small ops and with the torch ones.
+NATIVE = [pytest.param(True, id="native-ops"), pytest.param(False, id="torch-ops")]
+if native_ops.load() is None:
+    NATIVE = [pytest.param(True, id="native-ops", marks=pytest.mark.skip(reason="no native library here")),
+              NATIVE[1]]
 
 
-def invariant_model(kernel_name):
-    return Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS[kernel_name])
+def invariant_model(kernel_name, native):
+    return Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS[kernel_name], native=native)
 
 
 PROMPT_A = [(7 * i + 3) % 300 for i in range(13)]
 PROMPT_B = [(11 * i + 5) % 300 for i in range(37)]
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_prefill_and_decode_match_a_dense_causal_forward(batch_invariant):
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
+def test_prefill_and_decode_match_a_dense_causal_forward(batch_invariant, native):
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=native)
     cache = Cache()
     prefill = step(model, cache, [("a", PROMPT_A[:-1], 0)])
     torch.testing.assert_close(prefill["a"], dense_forward(PROMPT_A[:-1])[-1], atol=1e-4, rtol=1e-4)
@@ -144,9 +151,10 @@ def test_prefill_and_decode_match_a_dense_causal_forward(batch_invariant):
     torch.testing.assert_close(decode["a"], dense_forward(PROMPT_A)[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
-def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch(kernel):
-    model = invariant_model(kernel)
+def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch(kernel, native):
+    model = invariant_model(kernel, native)
     alone = step(model, Cache(), [("a", PROMPT_A, 0)])["a"]
     for others in (1, 3, 17):
         cache = Cache()
@@ -155,10 +163,11 @@ def test_batch_invariant_rows_are_bit_identical_alone_and_in_any_batch(kernel):
         assert torch.equal(step(model, cache, crowd)["a"], alone)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
-def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit(kernel):
+def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit(kernel, native):
     """What preemption by recompute relies on: K/V from decode steps equal a re-prefill."""
-    model = invariant_model(kernel)
+    model = invariant_model(kernel, native)
     incremental, neighbours = Cache(), [("b", PROMPT_B, 0)]
     step(model, incremental, [("a", PROMPT_A[:5], 0), *neighbours])
     for p in range(5, len(PROMPT_A)):  # decode the rest one token at a time beside a neighbour
@@ -167,14 +176,15 @@ def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit(kernel):
     assert torch.equal(logits["a"], recomputed)
 
 
-def test_every_matrix_multiply_goes_through_the_kernel_the_model_was_given():
+@pytest.mark.parametrize("native", NATIVE)
+def test_every_matrix_multiply_goes_through_the_kernel_the_model_was_given(native):
     """A kernel whose rows depend on the call's row count makes the forward's rows depend on the
     batch: the invariance above comes from the kernels chosen, not from luck."""
     def skewed(x, weight):
         return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 1))
 
     model = Llama(CONFIG, WEIGHTS, batch_invariant=True,
-                  linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)))
+                  linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)), native=native)
     alone = step(model, Cache(), [("a", PROMPT_A[-1:], 0)])["a"]
     crowd = [("n", PROMPT_B[:1], 0), ("a", PROMPT_A[-1:], 0)]
     assert not torch.equal(step(model, Cache(), crowd)["a"], alone)
@@ -199,10 +209,11 @@ def test_llama3_rope_scaling_stretches_long_wavelengths_and_keeps_short_ones():
     assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8.0)).all()
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
-def test_a_long_prefill_skipping_unseen_chunks_equals_decoding_bit_for_bit(kernel):
+def test_a_long_prefill_skipping_unseen_chunks_equals_decoding_bit_for_bit(kernel, native):
     """A 150-token prompt spans three 64-slot chunks: its early rows skip the later chunks."""
-    model = invariant_model(kernel)
+    model = invariant_model(kernel, native)
     prompt = [(13 * i + 7) % 300 for i in range(150)]
     whole = step(model, Cache(), [("a", prompt, 0)])["a"]
     pieces = Cache()

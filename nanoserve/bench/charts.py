@@ -20,6 +20,9 @@ import pandas as pd
 
 PHASE_COLOURS = {"schedule": "#4c72b0", "prepare": "#dd8452", "forward": "#55a868",
                  "sample": "#c44e52", "collect": "#8172b3", "other": "#937860"}
+# The forward band split in two when the profile timed its matrix multiplies.
+FORWARD_SPLIT = {"forward_linear": ("forward: linears", "#55a868"),
+                 "forward_rest": ("forward: the rest", "#a6d8b0")}
 
 
 def _series_label(row: pd.Series, *, many_dtypes: bool, many_kernels: bool) -> str:
@@ -82,18 +85,25 @@ def throughput_chart(frame: pd.DataFrame, path: Path) -> Path:
 
 def phase_chart(frame: pd.DataFrame, path: Path) -> Path:
     """Stacked milliseconds per decode step, one bar per batch size, one band per phase."""
-    phases = [p for p in PHASE_COLOURS if f"{p}_ms" in frame]
-    frame = frame.sort_values("batch_size")
+    bands = {p: (p, colour) for p, colour in PHASE_COLOURS.items() if f"{p}_ms" in frame}
+    if "forward_linear_ms" in frame:
+        bands = {n: b for p, band in bands.items()
+                 for n, b in (FORWARD_SPLIT.items() if p == "forward" else [(p, band)])}
+    frame = frame.sort_values("batch_size", kind="stable")
     fig, ax = plt.subplots(figsize=(8, 5.5))
     positions = range(len(frame))
     bottom = [0.0] * len(frame)
-    for phase in phases:
-        values = frame[f"{phase}_ms"].fillna(0.0).tolist()
-        ax.bar(positions, values, bottom=bottom, color=PHASE_COLOURS[phase], label=phase)
+    for band, (label, colour) in bands.items():
+        values = frame[f"{band}_ms"].fillna(0.0).tolist()
+        ax.bar(positions, values, bottom=bottom, color=colour, label=label)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, (top, rate) in enumerate(zip(bottom, frame.decode_tokens_per_s, strict=True)):
         ax.annotate(f"{rate:.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(positions), [str(b) for b in frame.batch_size])
+    labels = [str(b) for b in frame.batch_size]
+    if "native_ops" in frame and frame.native_ops.nunique() > 1:  # small ops side by side
+        labels = [f"{b}\n{'native' if n else 'torch'}" for b, n in zip(frame.batch_size, frame.native_ops,
+                                                                       strict=True)]
+    ax.set_xticks(list(positions), labels)
     ax.set_xlabel("decode batch size (requests in the step)")
     ax.set_ylabel("ms per decode step")
     first = frame.iloc[0]

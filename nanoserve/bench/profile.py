@@ -2,14 +2,18 @@
 
 Owns: running `batch_size` requests through an `Engine` and attributing every decode step's
 wall time and readbacks to its phases (schedule, prepare, forward, sample, collect), read from
-the engine's own `stats.phase_s` and `stats.phase_readbacks`; and, on request, a torch.profiler
-Chrome trace of a few steps, with the phases the engine names there.
+the engine's own `stats.phase_s` and `stats.phase_readbacks`; the forward's split into its
+matrix multiplies (every call of the model's `linear`, timed around the call) and the rest of
+it (norms, RoPE, the cache write, attention, activations, residual adds, Python); and, on
+request, a torch.profiler Chrome trace of a few steps, with the phases the engine names there.
 Refuses: printing and file formats beyond the trace (the CLI and `charts` do those).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +21,12 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
+from nanoserve import native
 from nanoserve.bench.driver import StepRecord, run_closed_loop
 from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
 from nanoserve.engine import PHASES, Engine
+from nanoserve.errors import InvalidRequestError
 
 
 @dataclass(slots=True)
@@ -29,6 +35,40 @@ class StepCost:
     phase_s: dict[str, float]
     readbacks: dict[str, int]
     rows: int
+    linear_s: float  # inside the forward's matrix multiplies
+
+
+class LinearTimer:
+    """Sums the wall time of every `model.linear` call (on CUDA, waiting for the device around
+    each, so a kernel's time lands in it). Two clock reads a call: about 0.1 us, 121 calls a
+    step on the default model."""
+
+    def __init__(self, linear: Callable, sync_cuda: bool) -> None:
+        self.linear = linear
+        self.sync_cuda = sync_cuda
+        self.seconds = 0.0
+
+    def __call__(self, x, weight):
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = self.linear(x, weight)
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+@contextmanager
+def timed_linears(engine: Engine) -> Iterator[LinearTimer]:
+    """The engine's model with its matrix multiplies timed, for the duration of the block."""
+    model = engine.model
+    timer = LinearTimer(model.linear, sync_cuda=engine.device.type == "cuda")
+    model.linear = timer
+    try:
+        yield timer
+    finally:
+        model.linear = timer.linear
 
 
 def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: int) -> list[StepCost]:
@@ -36,19 +76,20 @@ def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: i
     step, as the differences of the engine's own per-phase counters across it."""
     stats = engine.stats
     costs = []
-    before = (dict(stats.phase_s), dict(stats.phase_readbacks))
+    with timed_linears(engine) as linears:
+        before = (dict(stats.phase_s), dict(stats.phase_readbacks), linears.seconds)
 
-    def on_step(step: StepRecord) -> None:
-        nonlocal before
-        after = (dict(stats.phase_s), dict(stats.phase_readbacks))
-        if step.is_decode:
-            phase_s = {p: after[0][p] - before[0][p] for p in PHASES}
-            readbacks = {p: after[1][p] - before[1][p] for p in PHASES}
-            costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows))
-        before = after
+        def on_step(step: StepRecord) -> None:
+            nonlocal before
+            after = (dict(stats.phase_s), dict(stats.phase_readbacks), linears.seconds)
+            if step.is_decode:
+                phase_s = {p: after[0][p] - before[0][p] for p in PHASES}
+                readbacks = {p: after[1][p] - before[1][p] for p in PHASES}
+                costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows, after[2] - before[2]))
+            before = after
 
-    work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
-    run_closed_loop(engine, work, slots=len(work), on_step=on_step)
+        work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
+        run_closed_loop(engine, work, slots=len(work), on_step=on_step)
     return costs
 
 
@@ -66,6 +107,11 @@ def summarize(batch_size: int, costs: list[StepCost]) -> dict[str, float]:
         row[f"{phase}_share"] = seconds / wall_s
         row[f"{phase}_readbacks"] = sum(c.readbacks[phase] for c in costs) / steps
     row["other_ms"] = 1000 * max(0.0, wall_s - accounted)
+    # The forward phase split: its matrix multiplies, and everything else it does.
+    linear_s = sum(c.linear_s for c in costs) / steps
+    row["forward_linear_ms"] = 1000 * linear_s
+    row["forward_rest_ms"] = row["forward_ms"] - row["forward_linear_ms"]
+    row["forward_rest_ms_per_row"] = row["forward_rest_ms"] / row["mean_rows"]
     row["readbacks_per_step"] = sum(sum(c.readbacks.values()) for c in costs) / steps
     row["decode_tokens_per_s"] = row["mean_rows"] / wall_s
     return row
@@ -85,6 +131,9 @@ class ProfileSpec:
     linear_kernel: str | None = None
     trace_path: Path | None = None
     trace_steps: int = 3  # decode steps traced per batch size
+    # The forward's small ops: native (True) and/or torch (False), alternated per batch size
+    # in one engine, so the two are measured side by side; None: as the engine runs them.
+    native_ops: tuple[bool, ...] | None = None
 
 
 def build_engine(spec: ProfileSpec) -> Engine:
@@ -100,19 +149,36 @@ def build_engine(spec: ProfileSpec) -> Engine:
 ProgressCallback = Callable[[int, int, int], None]
 
 
+@contextmanager
+def small_ops(engine: Engine, use_native: bool) -> Iterator[None]:
+    """The engine's forward with its native small ops, or with the torch ones, for the block."""
+    model = engine.model
+    ops = model.ops
+    if use_native and ops is None:
+        raise InvalidRequestError(f"native small ops do not run here ({native.status()}; they need "
+                                  "float32 on the CPU)", param="native_ops")
+    model.ops = ops if use_native else None
+    try:
+        yield
+    finally:
+        model.ops = ops
+
+
 def profile_engine(engine: Engine, spec: ProfileSpec,
                    progress: ProgressCallback | None = None) -> pd.DataFrame:
-    """One row per batch size: the mean decode step, split by phase."""
+    """One row per batch size (and small-ops choice): the mean decode step, split by phase."""
     engine.sync_phases = engine.device.type == "cuda"
     rows = []
     for index, batch_size in enumerate(spec.batch_sizes):
         if progress:
             progress(batch_size, index, len(spec.batch_sizes))
-        warm = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size, seed=1)
-        _run_batch(engine, warm, spec.params, min(8, spec.output_len))
-        prompts = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size)
-        costs = _run_batch(engine, prompts, spec.params, spec.output_len)
-        rows.append(summarize(batch_size, costs))
+        for use_native in spec.native_ops or (engine.model.ops is not None,):
+            with small_ops(engine, use_native):
+                warm = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size, seed=1)
+                _run_batch(engine, warm, spec.params, min(8, spec.output_len))
+                prompts = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size)
+                costs = _run_batch(engine, prompts, spec.params, spec.output_len)
+            rows.append({**summarize(batch_size, costs), "native_ops": use_native})
     if spec.trace_path is not None:
         write_trace(engine, spec)
     if progress:

@@ -1,0 +1,358 @@
+/* The rest of a step: every float32 op of the forward outside the matrix multiplies, fused.
+ *
+ * - ns_rms_norm, ns_add_rms_norm: RMSNorm of each row, the second after adding the sublayer's
+ *   output into the residual stream in place (one pass over the row instead of three).
+ * - ns_rope_write_kv: RoPE on q (in place) and k, and the K/V write into the paged cache at each
+ *   row's slot, in one pass over the projection's output.
+ * - ns_paged_attention: attention of every row over its own sequence's context, read from the
+ *   paged cache IN PLACE through the block table (no gather copy).
+ * - ns_silu_mul: SiLU(gate) * up over the stacked gate/up projection.
+ *
+ * Batch invariance by construction: every (row, head) is computed by the same code whatever
+ * the other rows are, so a token scored in a prefill chunk and in a decode step agree bit for
+ * bit. Attention reads exactly the slots a row can see (never the padding), scores them in slot
+ * order, and sums its softmax-weighted values in CONTEXT_CHUNK pieces whose partials are added
+ * in chunk order, so the result depends on the row's own context and position only. Threads
+ * split (row, head) pairs or rows, never a row's reduction.
+ *
+ * Each kernel is exported twice: ns_X runs the widest vector path compiled in, ns_X_portable
+ * the plain C one the tests hold it against. Both share one body, parametrized by a table of
+ * vector primitives (dot product, sum of squares, a*x+y, exp).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nanoserve.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NS_OPS_AVX2 1
+#endif
+
+/* The batch-invariant attention's chunk (model.py's CONTEXT_CHUNK): slots [c*64, c*64+64). */
+#define NS_CONTEXT_CHUNK 64
+/* Below this many elements of work a parallel region costs more than it saves. */
+#define NS_PARALLEL_MIN_WORK 16384
+
+typedef struct {
+    float (*dot)(const float *a, const float *b, int64_t n);
+    float (*sum_squares)(const float *x, int64_t n);
+    void (*axpy)(float a, const float *x, float *y, int64_t n); /* y += a * x */
+    void (*exp_shifted)(const float *x, float shift, float *out, int64_t n); /* exp(x - shift) */
+    void (*silu_mul)(const float *gate, const float *up, float *out, int64_t n);
+} VecOps;
+
+/* ---------------------------------------------------------------- portable primitives */
+
+static float dot_portable(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float sum_squares_portable(const float *x, int64_t n) { return dot_portable(x, x, n); }
+
+static void axpy_portable(float a, const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void exp_shifted_portable(const float *x, float shift, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = expf(x[i] - shift);
+}
+
+static void silu_mul_portable(const float *gate, const float *up, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static const VecOps PORTABLE = {dot_portable, sum_squares_portable, axpy_portable,
+                                exp_shifted_portable, silu_mul_portable};
+
+/* ---------------------------------------------------------------- AVX2 + FMA primitives */
+#ifdef NS_OPS_AVX2
+
+/* Lanes summed in one fixed order, so a reduction's bits depend on its length only. */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for 8 lanes, Cephes' expf: x = n ln2 + r (ln2 in two parts), a degree-5 polynomial
+ * for exp(r), then 2^n through the exponent bits. About 1 ulp; underflows to 0 below -87.3. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float sum_squares_avx2(const float *x, int64_t n) { return dot_avx2(x, x, n); }
+
+static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
+    __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static void exp_shifted_avx2(const float *x, float shift, float *out, int64_t n) {
+    __m256 s = _mm256_set1_ps(shift);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
+    if (i < n) { /* the tail through the same vector code, so every slot rounds alike */
+        float tail[8] = {0};
+        memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), s));
+        _mm256_storeu_ps(tail, e);
+        memcpy(out + i, tail, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+static void silu_mul_avx2(const float *gate, const float *up, float *out, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(sig, _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+static const VecOps AVX2 = {dot_avx2, sum_squares_avx2, axpy_avx2, exp_shifted_avx2, silu_mul_avx2};
+#define BEST (&AVX2)
+#else
+#define BEST (&PORTABLE)
+#endif
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+static void norm_row(const VecOps *ops, const float *x, const float *weight, float *out, int64_t dim,
+                     float eps) {
+    /* As torch's rms_norm: the reciprocal root of the mean square, then x * it * weight. */
+    float inv_rms = 1.0f / sqrtf(ops->sum_squares(x, dim) / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = x[i] * inv_rms * weight[i];
+}
+
+static void rms_norm(const VecOps *ops, const float *x, const float *weight, float *out, int64_t rows,
+                     int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= NS_PARALLEL_MIN_WORK) schedule(static)
+    for (int64_t r = 0; r < rows; r++) norm_row(ops, x + r * dim, weight, out + r * dim, dim, eps);
+}
+
+/* residual += delta, then out = RMSNorm(residual): the residual add and the next norm fused. */
+static void add_rms_norm(const VecOps *ops, float *residual, const float *delta, const float *weight,
+                         float *out, int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= NS_PARALLEL_MIN_WORK) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = residual + r * dim;
+        const float *d = delta + r * dim;
+        for (int64_t i = 0; i < dim; i++) x[i] += d[i];
+        norm_row(ops, x, weight, out + r * dim, dim, eps);
+    }
+}
+
+/* ---------------------------------------------------------------- SiLU(gate) * up */
+
+static void silu_mul(const VecOps *ops, const float *gate_up, float *out, int64_t rows, int64_t width,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= NS_PARALLEL_MIN_WORK) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        ops->silu_mul(gate_up + r * 2 * width, gate_up + r * 2 * width + width, out + r * width, width);
+}
+
+/* ---------------------------------------------------------------- RoPE + K/V cache write */
+
+/* x*cos + rotate_half(x)*sin, with rotate_half's sign folded into the signed sin table (as
+ * model.py's apply_rope): rotate_half(x)[i] = x[(i + d/2) % d] * sign, one loop per half. */
+static void rope_head(const float *x, const float *cos, const float *signed_sin, float *out, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * signed_sin[i];
+    for (int64_t i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * signed_sin[i];
+}
+
+/* qkv [rows, (heads + 2 kv_heads) * dim]: q rotated in place; k rotated and v copied into the
+ * caches [kv_heads, cache_slots, dim] at each row's slot. cos/sin [positions, dim]. */
+static void rope_write_kv(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
+                          const int64_t *slots, float *k_cache, float *v_cache, int64_t rows, int64_t heads,
+                          int64_t kv_heads, int64_t dim, int64_t cache_slots, int num_threads) {
+    int64_t width = (heads + 2 * kv_heads) * dim;
+#pragma omp parallel for num_threads(num_threads) if (rows * width >= NS_PARALLEL_MIN_WORK) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * width, rotated[dim];
+        const float *c = cos + positions[r] * dim, *s = signed_sin + positions[r] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            rope_head(row + h * dim, c, s, rotated, dim);
+            memcpy(row + h * dim, rotated, (size_t)dim * sizeof(float));
+        }
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t at = (h * cache_slots + slots[r]) * dim;
+            rope_head(row + (heads + h) * dim, c, s, k_cache + at, dim);
+            memcpy(v_cache + at, row + (heads + kv_heads + h) * dim, (size_t)dim * sizeof(float));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- attention over the paged cache */
+
+typedef struct {
+    const float *k_cache, *v_cache; /* [kv_heads, num_blocks * block_size, dim] */
+    const int64_t *block_tables;    /* [seqs, table_width] */
+    int64_t table_width, block_size, cache_slots, dim;
+} PagedCache;
+
+/* Walks one sequence's slots in order through its block table, one division at the start. */
+typedef struct {
+    const float *block; /* the current block's first row for this K/V head */
+    const int64_t *table;
+    int64_t offset, block_index, block_size, dim, head_base;
+} SlotCursor;
+
+static inline SlotCursor cursor_at(const PagedCache *c, const float *cache, const int64_t *table,
+                                   int64_t kv_head, int64_t slot) {
+    SlotCursor at = {NULL, table, slot % c->block_size, slot / c->block_size, c->block_size, c->dim,
+                     kv_head * c->cache_slots};
+    at.block = cache + (at.head_base + table[at.block_index] * c->block_size) * c->dim;
+    return at;
+}
+
+static inline const float *cursor_row(const SlotCursor *at) { return at->block + at->offset * at->dim; }
+
+static inline void cursor_next(SlotCursor *at, const float *cache) {
+    if (++at->offset == at->block_size) {
+        at->offset = 0;
+        at->block = cache + (at->head_base + at->table[++at->block_index] * at->block_size) * at->dim;
+    }
+}
+
+/* One query head of one row over context slots [first, last]. `scores` holds last + 1 floats,
+ * `scaled_q`, `chunk_out`, `out` dim floats each. The softmax's max is over the visible slots;
+ * each chunk's exp-weighted values are summed in slot order into chunk_out, and the chunks'
+ * partials (values and weights) are added in chunk order. */
+static void attend_head(const VecOps *ops, const PagedCache *c, const int64_t *table, int64_t kv_head,
+                        const float *q, float scale, int64_t first, int64_t last, float *scores,
+                        float *scaled_q, float *chunk_out, float *out) {
+    int64_t dim = c->dim;
+    for (int64_t i = 0; i < dim; i++) scaled_q[i] = q[i] * scale;
+    float max_score = -INFINITY;
+    SlotCursor k = cursor_at(c, c->k_cache, table, kv_head, first);
+    for (int64_t j = first; j <= last; j++) {
+        scores[j] = ops->dot(scaled_q, cursor_row(&k), dim);
+        max_score = scores[j] > max_score ? scores[j] : max_score;
+        if (j < last) cursor_next(&k, c->k_cache);
+    }
+    ops->exp_shifted(scores + first, max_score, scores + first, last - first + 1);
+    float total = 0.0f;
+    memset(out, 0, (size_t)dim * sizeof(float));
+    SlotCursor v = cursor_at(c, c->v_cache, table, kv_head, first);
+    for (int64_t start = first; start <= last;) {
+        int64_t stop = (start / NS_CONTEXT_CHUNK + 1) * NS_CONTEXT_CHUNK; /* the chunk's end */
+        stop = stop > last + 1 ? last + 1 : stop;
+        float chunk_total = 0.0f;
+        memset(chunk_out, 0, (size_t)dim * sizeof(float));
+        for (int64_t j = start; j < stop; j++) {
+            chunk_total += scores[j];
+            ops->axpy(scores[j], cursor_row(&v), chunk_out, dim);
+            if (j < last) cursor_next(&v, c->v_cache);
+        }
+        total += chunk_total;
+        for (int64_t i = 0; i < dim; i++) out[i] += chunk_out[i];
+        start = stop;
+    }
+    float inv_total = 1.0f / total;
+    for (int64_t i = 0; i < dim; i++) out[i] *= inv_total;
+}
+
+/* q [rows, q_row_stride] (heads * dim used); out [rows, heads * dim]. Row r attends over the
+ * context of sequence row_seq[r] (its block table) up to its position; with window > 0, only
+ * the last `window` slots of it. */
+static void paged_attention(const VecOps *ops, const float *q, int64_t q_row_stride, const PagedCache *c,
+                            const int64_t *row_seq, const int64_t *positions, float *out, int64_t rows,
+                            int64_t heads, int64_t kv_heads, float scale, int64_t window, int num_threads) {
+    int64_t dim = c->dim, per_kv = heads / kv_heads, longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    int64_t units = rows * heads;
+#pragma omp parallel num_threads(num_threads) if (units > 1 && units * longest * dim >= NS_PARALLEL_MIN_WORK)
+    {
+        float *scratch = malloc((size_t)(longest + 2 * dim) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < units; unit++) {
+            int64_t r = unit / heads, h = unit % heads, last = positions[r];
+            int64_t first = window > 0 && last + 1 > window ? last + 1 - window : 0;
+            attend_head(ops, c, c->block_tables + row_seq[r] * c->table_width, h / per_kv,
+                        q + r * q_row_stride + h * dim, scale, first, last, scratch, scratch + longest,
+                        scratch + longest + dim, out + (r * heads + h) * dim);
+        }
+        free(scratch);
+    }
+}
+
+/* ---------------------------------------------------------------- exports */
+
+#define NS_EXPORT_BOTH(name, params, args)                                \
+    NS_EXPORT void ns_##name params { name(BEST, args); }                 \
+    NS_EXPORT void ns_##name##_portable params { name(&PORTABLE, args); }
+
+#define ARGS(...) __VA_ARGS__
+
+NS_EXPORT_BOTH(rms_norm,
+               (const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps,
+                int num_threads),
+               ARGS(x, weight, out, rows, dim, eps, num_threads))
+
+NS_EXPORT_BOTH(add_rms_norm,
+               (float *residual, const float *delta, const float *weight, float *out, int64_t rows,
+                int64_t dim, float eps, int num_threads),
+               ARGS(residual, delta, weight, out, rows, dim, eps, num_threads))
+
+NS_EXPORT_BOTH(silu_mul,
+               (const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads),
+               ARGS(gate_up, out, rows, width, num_threads))
+
+/* RoPE has no vector primitive: one export, the compiler vectorizes it. */
+NS_EXPORT void ns_rope_write_kv(float *qkv, const int64_t *positions, const float *cos,
+                                const float *signed_sin, const int64_t *slots, float *k_cache,
+                                float *v_cache, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t cache_slots, int num_threads) {
+    rope_write_kv(qkv, positions, cos, signed_sin, slots, k_cache, v_cache, rows, heads, kv_heads, dim,
+                  cache_slots, num_threads);
+}
+
+#define PAGED_PARAMS                                                                                   \
+    (const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,                 \
+     const int64_t *block_tables, int64_t table_width, const int64_t *row_seq, const int64_t *positions, \
+     float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,        \
+     int64_t num_blocks, float scale, int64_t window, int num_threads)
+#define PAGED_BODY(ops)                                                                                 \
+    {                                                                                                   \
+        PagedCache cache = {k_cache, v_cache, block_tables, table_width, block_size,                    \
+                            num_blocks * block_size, dim};                                              \
+        paged_attention(ops, q, q_row_stride, &cache, row_seq, positions, out, rows, heads, kv_heads,   \
+                        scale, window, num_threads);                                                    \
+    }
+
+NS_EXPORT void ns_paged_attention PAGED_PARAMS PAGED_BODY(BEST)
+NS_EXPORT void ns_paged_attention_portable PAGED_PARAMS PAGED_BODY(&PORTABLE)
