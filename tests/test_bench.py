@@ -276,3 +276,25 @@ def test_machine_description_and_probes_give_plausible_figures():
     assert machine.git_commit and machine.timestamp
     assert hardware.read_bandwidth_gbs(nbytes=8 << 20, budget_s=0.01) > 0
     assert hardware.gemm_gflops(4, budget_s=0.01) > 0
+
+
+def test_every_neighbour_kind_is_a_body_the_protocol_accepts_under_the_body_limit():
+    import random
+
+    import nanoserve_cli.bench_serve  # noqa: F401  (registers the command)
+    from nanoserve.bench import neighbours
+    from nanoserve.server.protocol import CompletionRequest
+
+    for kind in neighbours.KINDS:
+        fields = neighbours.neighbour_fields(kind, random.Random(0))
+        body = json.dumps({"model": "m", "stream": True, **fields})
+        assert len(body) <= neighbours.BODY_LIMIT_BYTES, kind
+        CompletionRequest.model_validate_json(body)
+
+
+def test_an_unknown_neighbour_kind_is_a_usage_error_naming_the_option():
+    import nanoserve_cli.bench_serve  # noqa: F401  (registers the command)
+
+    result = invoke("bench", "serve", "--launch", "--neighbour", "plain-n1,noisy")
+    assert result.exit_code == 2
+    assert "--neighbour" in result.output and "noisy" in result.output
