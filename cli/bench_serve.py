@@ -27,6 +27,21 @@ SHOWN = ("completed", "failed", "output_throughput", "request_throughput", "mean
          "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
 
 
+def _neighbour_kinds(text: str | None) -> tuple[str, ...] | None:
+    from nanoserve.bench.neighbours import KINDS
+
+    if text is None:
+        return None
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    if kinds == ("all",):
+        return KINDS
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown neighbour kind {', '.join(unknown) or repr(text)}; "
+                         f"the kinds are all, {', '.join(KINDS)}")
+    return kinds
+
+
 def _concurrency(text: str) -> tuple[int, ...]:
     from nanoserve.bench.offline import parse_int_list
 
@@ -63,6 +78,14 @@ def bench_serve(
         envvar=API_KEY_ENV, help="Bearer token, if the server wants one.")] = None,
     turns: Annotated[int, typer.Option(
         min=1, help="Repeat every pass; with --offline each turn pairs a server and an offline pass.")] = 1,
+    neighbour: Annotated[str | None, typer.Option(
+        callback=checked(_neighbour_kinds), metavar="KIND,KIND,...",
+        help="Instead of the throughput passes: time one ordinary request (greedy, 16 tokens) alone, "
+             "beside each heavy neighbour KIND, and after, --turns times; writes neighbours.csv. "
+             "Kinds: all, plain-n1, plain-n16, prefill-3000, ... (nanoserve/bench/neighbours.py).")] = None,
+    launch_arg: Annotated[list[str] | None, typer.Option(
+        help="With --launch: one more `nanoserve serve` argument (repeatable), e.g. "
+             "--launch-arg=--max-num-seqs=8.")] = None,
 ) -> None:
     """Measure a server with streaming clients: TTFT, TPOT, ITL, E2EL and throughput."""
     from nanoserve.bench import serve as bench
@@ -70,6 +93,10 @@ def bench_serve(
     concurrencies: tuple[int, ...] = max_concurrency  # parsed by its callback
     if (base_url is None) == (not launch):
         raise typer.BadParameter("give exactly one of --base-url and --launch", param_hint="--base-url")
+    if neighbour is not None:
+        _neighbour_bench(neighbour, base_url, launch_model, max_model_len, list(launch_arg or ()),
+                         PassOptions(model, request_rate, seed, api_key), turns, out_dir)
+        return
     if offline and not launch:
         raise typer.BadParameter("--offline needs --launch (the same model in both)", param_hint="--offline")
     if shared_prefix_len > input_len:
@@ -125,6 +152,59 @@ def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, w
     return {"mode": "server", "turn": turn, "max_concurrency": concurrency,
             "request_rate": options.request_rate, **_workload_columns(workload),
             **bench.summarize(results, duration_s), "load_1min": load_1min}
+
+
+def _neighbour_bench(kinds: tuple[str, ...], base_url: str | None, launch_model: str | None,
+                     max_model_len: int, launch_args: list[str], options: PassOptions, turns: int,
+                     out_dir: Path) -> None:
+    from nanoserve.bench import neighbours
+    from nanoserve.bench import serve as bench
+
+    def run(url: str) -> list:
+        model = options.model or asyncio.run(bench.served_model_name(url, options.api_key))
+
+        def show(result) -> None:
+            typer.echo(f"  {result.kind} turn {result.turn}: during / alone {result.ratio:.2f} "
+                       f"(alone {result.alone.e2e_s:.2f} s, during {result.during.e2e_s:.2f} s, "
+                       f"after {result.after.e2e_s:.2f} s; neighbour HTTP {result.neighbour_status})",
+                       err=True)
+
+        return asyncio.run(neighbours.run_neighbours(url, model, kinds, turns, seed=options.seed,
+                                                     api_key=options.api_key, on_result=show))
+
+    load_1min = os.getloadavg()[0]
+    if base_url is not None:
+        results = run(base_url)
+    else:
+        # A 4,000-token context and a 3,000-token prompt must fit beside their outputs.
+        serve_args = [*(["--model", launch_model] if launch_model else []),
+                      "--max-model-len", str(max(max_model_len, 6144)), *launch_args]
+        with bench.launched_server(serve_args, log_path=out_dir / "neighbours.log") as url:
+            results = run(url)
+    _write_neighbours(results, load_1min, " ".join(launch_args), out_dir / "neighbours.csv")
+
+
+def _write_neighbours(results: list, load_1min: float, server_args: str, path: Path) -> None:
+    import pandas as pd
+
+    from nanoserve.bench.hardware import describe_machine
+    from nanoserve.bench.neighbours import median_ratios
+
+    frame = pd.DataFrame([r.row() for r in results])
+    frame["load_1min"], frame["server_args"] = load_1min, server_args
+    for name, value in describe_machine("cpu").columns().items():
+        frame[name] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False, float_format="%.6g")
+    medians = median_ratios(results)
+    spread = frame.groupby("neighbour")["ratio"].agg(["min", "max"])
+    drift = frame.groupby("neighbour")["after_vs_alone"].median()
+    typer.echo("neighbour: ordinary request's time during / alone, median over turns "
+               "(prefill-3000: time per output token) [min..max]; after / alone")
+    for kind, ratio in medians.items():
+        low, high = spread.loc[kind, "min"], spread.loc[kind, "max"]
+        typer.echo(f"  {kind:22s} {ratio:6.2f}  [{low:.2f}..{high:.2f}]  {drift[kind]:.2f}")
+    typer.echo(f"wrote {path}")
 
 
 def _workload_columns(workload) -> dict[str, int]:

@@ -9,7 +9,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import MAX_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
 
 Model = Annotated[str | None, typer.Option(
@@ -21,6 +21,9 @@ Device = Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda whe
 MaxNumSeqs = Annotated[int, typer.Option(min=1, help="Most requests in one step.")]
 MaxBatchedTokens = Annotated[int, typer.Option(
     min=1, help="Token budget of one step (prefill chunks + decodes).")]
+MaxPrefillWhileDecoding = Annotated[int, typer.Option(
+    min=1, help="Most prompt tokens one step computes while other requests decode: a long prompt "
+                "then slows them by a bounded factor, and prefills over more steps.")]
 MaxModelLen = Annotated[int | None, typer.Option(min=2, help="Context length limit; default: the model's.")]
 KvCacheGb = Annotated[float | None, typer.Option(
     min=0.0001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
@@ -53,7 +56,9 @@ FIELD_TO_OPTION = {
 
 
 def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_seqs: int = 32,
-                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                  max_num_batched_tokens: int = 512,
+                  max_prefill_tokens_while_decoding: int = MAX_PREFILL_TOKENS_WHILE_DECODING,
+                  max_model_len: int | None = None,
                   kv_cache_gb: float | None = None, block_size: int = 16,
                   batch_invariant: bool = True, threads: int | None = None,
                   linear_kernel: str | None = None, prefix_caching: bool = True) -> EngineConfig:
@@ -66,6 +71,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
     check_linear_kernel(linear_kernel)
     return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                         max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                         batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel,
                         enable_prefix_caching=prefix_caching)

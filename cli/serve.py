@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import MAX_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
 from nanoserve.errors import NanoserveError
 from nanoserve_cli import options
 from nanoserve_cli.app import app
@@ -50,6 +50,7 @@ def serve(
     device: options.Device = None,
     max_num_seqs: options.MaxNumSeqs = 32,
     max_num_batched_tokens: options.MaxBatchedTokens = 512,
+    max_prefill_tokens_while_decoding: options.MaxPrefillWhileDecoding = MAX_PREFILL_TOKENS_WHILE_DECODING,
     max_model_len: options.MaxModelLen = None,
     kv_cache_gb: options.KvCacheGb = None,
     block_size: options.BlockSize = 16,
@@ -97,6 +98,7 @@ def serve(
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     config = options.engine_config(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
+                                   max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                    block_size=block_size, batch_invariant=batch_invariant,
                                    threads=threads, linear_kernel=linear_kernel,

@@ -211,6 +211,10 @@ class ModelConfig:
         return 2.0 * self.matmul_params + attention
 
 
+# The default of EngineConfig.max_prefill_tokens_while_decoding (the CLI reads it here).
+MAX_PREFILL_TOKENS_WHILE_DECODING = 16
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How the engine runs: where, in what precision, and how much it may batch and cache."""
@@ -221,6 +225,9 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    # While any request decodes, a step computes at most this many prompt tokens, so a long
+    # prompt slows the decodes beside it by a bounded factor (measured: results/README.md).
+    max_prefill_tokens_while_decoding: int = MAX_PREFILL_TOKENS_WHILE_DECODING
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.25

@@ -119,7 +119,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            enable_prefix_caching=config.enable_prefix_caching),
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding),
             self.pool,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,

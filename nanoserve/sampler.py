@@ -476,20 +476,24 @@ def _sample(logits: Tensor, draw: DrawParams) -> Tensor:
 def _kept_mass(logits: Tensor, draw: DrawParams) -> Tensor:
     """Each drawing row's kept probabilities as integers (see `_mass`); 0 where dropped."""
     scaled = logits if draw.temperature is None else logits / draw.temperature[:, None]
-    # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
-    probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
-    if draw.shape is not None:
-        probs = _shaped_probs(scaled, probs, draw.shape)
+    if draw.shape is not None and draw.shape.rows is None and draw.shape.top_k is None:
+        probs = _shaped_probs(scaled, None, draw.shape)  # every row's p is its survivors' softmax
+    else:
+        # A row whose every logit is -inf gives NaN; it keeps nothing and falls to token 0.
+        probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
+        if draw.shape is not None:
+            probs = _shaped_probs(scaled, probs, draw.shape)
     keep = probs >= _thresholds(probs, draw)[:, None]
     # In place from here: probs is this function's own tensor, and fresh [rows, vocab] buffers
     # cost page faults on CPU.
     return probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
 
 
-def _shaped_probs(scaled: Tensor, probs: Tensor, shape: ShapeParams) -> Tensor:
+def _shaped_probs(scaled: Tensor, probs: Tensor | None, shape: ShapeParams) -> Tensor:
     """`probs` with each shaped row replaced by the softmax over its top_n_sigma, top_k and
     typical_p survivors. top_k and top_p apply again to that p, as thresholds: top_k then keeps
-    every survivor (there are at most k), and top_p and min_p read the renormalized mass."""
+    every survivor (there are at most k), and top_p and min_p read the renormalized mass.
+    `probs` may be None when every row is shaped and none has top_k: nothing reads it."""
     scaled_rows = _rows(scaled, shape.rows)
     alive = torch.ones_like(scaled_rows, dtype=torch.bool)
     if shape.n_sigma is not None:
@@ -502,7 +506,7 @@ def _shaped_probs(scaled: Tensor, probs: Tensor, shape: ShapeParams) -> Tensor:
             part_alive &= part_probs >= _top_k_floor(part_probs, shape)[:, None]
         part = _rows(scaled_rows, shape.typical_rows).masked_fill(~part_alive, -torch.inf)
         alive = _put_rows(alive, shape.typical_rows, part_alive & _typical_keep(part, shape.typical_p))
-    fresh = torch.softmax(scaled_rows.masked_fill(~alive, -torch.inf), dim=-1).nan_to_num_(0.0)
+    fresh = torch.softmax(scaled_rows.masked_fill(alive.logical_not_(), -torch.inf), dim=-1).nan_to_num_(0.0)
     return _put_rows(probs, shape.rows, fresh)
 
 
@@ -517,23 +521,27 @@ def _top_k_floor(probs: Tensor, shape: ShapeParams) -> Tensor:
     return kth.squeeze(1) * (shape.top_k > 0)
 
 
-def _fixed_sum(terms: Tensor) -> Tensor:
-    """The float64 row sums of terms in [-1, 1], summed as fixed-point integers: exact in any order."""
-    return (terms * 2.0**FIXED_BITS).round().long().sum(-1).double() * 2.0**-FIXED_BITS
+def _fixed_sum_(terms: Tensor) -> Tensor:
+    """The float64 row sums of terms in [-1, 1], summed as fixed-point integers: exact in any
+    order. Consumes `terms` (scaled and rounded in place: fresh [rows, vocab] buffers cost page
+    faults on CPU, and these sums run over whole rows)."""
+    fixed = terms.mul_(2.0**FIXED_BITS).round_()
+    return torch.sum(fixed, -1, dtype=torch.int64).double() * 2.0**-FIXED_BITS
 
 
 def _sigma_cut(scaled: Tensor, n_sigma: Tensor) -> Tensor:
     """max - n x std of each row's finite logits (float64). The distances below the max are
-    scaled into [0, 1] by a power of two, so the fixed-point sums keep their precision."""
-    finite = scaled.isfinite()
-    count = finite.sum(-1).double()
+    scaled into [0, 1] by a power of two, so the fixed-point sums keep their precision.
+    Two float64 buffers in all: the scaled distances, then (in place) their spread."""
+    infinite = scaled.isfinite().logical_not_()
+    count = scaled.shape[-1] - infinite.sum(-1).double()
     top = scaled.amax(-1)
-    below = (top[:, None] - scaled).masked_fill_(~finite, 0.0)
+    below = torch.sub(top[:, None], scaled).masked_fill_(infinite, 0.0)
     unit = torch.exp2(-torch.frexp(below.amax(-1)).exponent.double())  # below * unit <= 1
-    scaled_below = below.double() * unit[:, None]
-    mean = _fixed_sum(scaled_below) / count
-    spread = (scaled_below - mean[:, None]).masked_fill_(~finite, 0.0)
-    std = (_fixed_sum(spread.square()) / count).sqrt() / unit
+    scaled_below = below.double().mul_(unit[:, None])
+    mean = _fixed_sum_(scaled_below.clone()) / count
+    spread = scaled_below.sub_(mean[:, None]).masked_fill_(infinite, 0.0)
+    std = (_fixed_sum_(spread.square_()) / count).sqrt() / unit
     return top.double() - n_sigma * std
 
 
@@ -541,11 +549,12 @@ def _typical_keep(logits: Tensor, typical_p: Tensor) -> Tensor:
     """The most typical tokens (|-log q - H| smallest first) holding typical_p of q's mass."""
     log_q = torch.log_softmax(logits, dim=-1)
     q = log_q.exp()
-    entropy = -_fixed_sum((q * log_q).nan_to_num_(0.0)).float()  # 0 x -inf is NaN: no term
-    shifted = (-log_q - entropy[:, None]).abs_().nan_to_num_(torch.inf)
+    entropy = -_fixed_sum_((q * log_q).nan_to_num_(0.0)).float()  # 0 x -inf is NaN: no term
+    # In place from here, log_q and q are this function's own.
+    shifted = log_q.neg_().sub_(entropy[:, None]).abs_().nan_to_num_(torch.inf)
     # float32 >= 0 orders like its bits; subtracting them from +inf's bits reverses the order.
-    keys = (_INF_BITS - shifted.view(torch.int32)).clamp_(min=0)
-    return keys >= _radix_cut(keys, _mass(q), typical_p)[:, None]
+    keys = shifted.view(torch.int32).neg_().add_(_INF_BITS).clamp_(min=0)
+    return keys >= _radix_cut(keys, q.mul_(2.0**MASS_BITS).long(), typical_p)[:, None]
 
 
 def _draw(kept: Tensor, u: Tensor) -> Tensor:

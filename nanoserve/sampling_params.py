@@ -21,6 +21,10 @@ MAX_SEED = 2**63  # seeds live in int64 tensors on the device
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI allows 300; a bias is built once per request, but not for free
+# OpenAI allows 4 stop strings. Matching costs the same per token however many there are (one
+# automaton), but building it and holding back a long prefix do not come free.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 # Logits are divided by the repetition penalty in float32: much below this, a logit of a few
 # hundred overflows to inf and the row degenerates (1e-40 is even 0 in float32).
 MIN_REPETITION_PENALTY = 0.01
@@ -68,8 +72,14 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     if not isinstance(items, Iterable) or isinstance(items, Mapping):
         raise _refuse("stop", value, "a string or a list of strings")
     items = tuple(items)
+    if len(items) > MAX_STOP_STRINGS:
+        raise _refuse("stop", f"a list of {len(items)} strings", f"at most {MAX_STOP_STRINGS} strings")
     if not all(isinstance(item, str) and item for item in items):
         raise _refuse("stop", value, "a string or a list of non-empty strings")
+    total = sum(map(len, items))
+    if total > MAX_STOP_CHARS:
+        raise _refuse("stop", f"stop strings of {total} characters in all",
+                      f"at most {MAX_STOP_CHARS} characters in all")
     return items
 
 

@@ -10,6 +10,14 @@ Policy, in order, each step:
 2. Then waiting requests, first come first served, while the budget, `max_num_seqs` and the
    free blocks allow. A long prompt is split across steps (chunked prefill), so it never
    stalls the decodes already running. Nothing is admitted in a step that preempted.
+
+While any running request is decoding (one token to compute), the prefill chunks of a step
+(every request with more than one token to compute: prompts, and recomputes after preemption)
+share at most `max_prefill_tokens_while_decoding` tokens, oldest first, on top of the decodes.
+A decode step then costs at most a plain one plus that many prompt tokens, however long the
+prompts that arrive (vLLM bounds the same with `long_prefill_token_threshold` per prompt and
+`max_num_partial_prefills` prompts). With nothing decoding, prefills take the whole budget.
+Where a chunk ends never changes a token: a prompt in chunks computes what it would in one.
    With prefix caching, a request being admitted first takes the longest run of cached full
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
@@ -37,11 +45,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
+    # Prompt tokens one step may compute while another request decodes; None: no bound but the
+    # step's. The engine's default is measured (EngineConfig).
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +70,25 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """Whether this chunk reaches the newest token, so its last row yields a new token."""
         return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one step may still compute: tokens in all, and of those, prefill tokens."""
+
+    tokens: int
+    prefill_tokens: int
+
+    def grant(self, request: Request) -> int:
+        """How many of the request's uncomputed tokens fit: a decode (one token) needs only the
+        step's budget, a prefill chunk the prefill budget too."""
+        wanted = request.num_uncomputed_tokens
+        return min(wanted, self.tokens if wanted == 1 else min(self.tokens, self.prefill_tokens))
+
+    def spend(self, request: Request, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        if request.num_uncomputed_tokens > 1:
+            self.prefill_tokens -= num_tokens
 
 
 @dataclass(slots=True)
@@ -124,24 +157,29 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = self._step_budget()
+        self._schedule_running(out, budget)
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _step_budget(self) -> StepBudget:
+        tokens = self.config.max_num_batched_tokens
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = any(request.num_uncomputed_tokens == 1 for request in self.running)
+        return StepBudget(tokens, min(tokens, cap) if decoding and cap is not None else tokens)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         for request in list(self.running):
-            if budget == 0:
+            if budget.tokens == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_tokens = min(request.num_uncomputed_tokens, budget)
-            if not self._reserve_or_preempt(request, num_tokens, out):
+            num_tokens = budget.grant(request)
+            if num_tokens == 0 or not self._reserve_or_preempt(request, num_tokens, out):
                 continue
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
-            budget -= num_tokens
-        return budget
+            budget.spend(request, num_tokens)
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others."""
@@ -152,12 +190,12 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self._take_cached_prefix(request)
-            num_tokens = min(request.num_uncomputed_tokens, budget)
-            if not self._reserve(request, request.num_computed_tokens + num_tokens):
+            num_tokens = budget.grant(request)
+            if num_tokens == 0 or not self._reserve(request, request.num_computed_tokens + num_tokens):
                 self._release(request)
                 request.num_computed_tokens = 0
                 break  # FCFS: no one overtakes the head of the queue
@@ -166,7 +204,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
-            budget -= num_tokens
+            budget.spend(request, num_tokens)
 
     def _take_cached_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks its tokens start with;

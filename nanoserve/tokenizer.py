@@ -9,9 +9,11 @@ generation ends (output); the matcher only reports that a stop string appeared.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -352,6 +354,71 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class StopAutomaton:
+    """One Aho-Corasick automaton over a request's stop strings, built once, shared by every
+    matcher of those strings (the n choices of a request): its states are the trie's nodes,
+    node 0 the root, each the prefix of some stop string it spells.
+
+    Per node: `children` (char to node), `fail` (the node of its longest proper suffix that is
+    a node), `depth` (its length), `hold` (the length of its longest suffix that is a *proper*
+    prefix of some stop string: the tail a matcher must hold back) and `longest_stop` (the
+    longest stop string that ends with it, "" if none: the one reported when a text first
+    reaches it). Reading a character costs amortized O(1), whatever the number of strings.
+    """
+
+    children: tuple[dict[str, int], ...]
+    fail: tuple[int, ...]
+    hold: tuple[int, ...]
+    longest_stop: tuple[str, ...]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def build(stops: tuple[str, ...]) -> StopAutomaton:
+        children: list[dict[str, int]] = [{}]
+        ending: list[str] = [""]
+        for stop in stops:
+            node = 0
+            for char in stop:
+                if char not in children[node]:
+                    children.append({})
+                    ending.append("")
+                    children[node][char] = len(children) - 1
+                node = children[node][char]
+            ending[node] = stop
+        fail, depth, order = [0] * len(children), [0] * len(children), _breadth_first(children)
+        for node in order:
+            for char, child in children[node].items():
+                fail[child] = _step(children, fail, fail[node], char) if node else 0
+                depth[child] = depth[node] + 1
+        hold, longest = [0] * len(children), [""] * len(children)
+        for node in order[1:]:  # a node's fail link is shallower, so already filled
+            hold[node] = depth[node] if children[node] else hold[fail[node]]
+            longest[node] = ending[node] or longest[fail[node]]
+        return StopAutomaton(tuple(children), tuple(fail), tuple(hold), tuple(longest))
+
+    def next(self, node: int, char: str) -> int:
+        return _step(self.children, self.fail, node, char)
+
+
+def _step(children: Sequence[dict[str, int]], fail: Sequence[int], node: int, char: str) -> int:
+    """The node after reading `char` at `node`: follow fail links until a child matches."""
+    while True:
+        child = children[node].get(char)
+        if child is not None:
+            return child
+        if node == 0:
+            return 0
+        node = fail[node]
+
+
+def _breadth_first(children: Sequence[dict[str, int]]) -> list[int]:
+    order = [0]
+    for node in order:
+        order.extend(children[node].values())
+    return order
+
+
 class StopStringMatcher:
     """Finds the first stop string to complete in streamed text, across delta boundaries.
 
@@ -363,10 +430,16 @@ class StopStringMatcher:
     `feed` holds back the longest tail that is a proper prefix of some stop string. Any stop
     string ending later must start inside that tail or in later text (a start further back
     would make a longer such tail), so text it returns never has to be taken back.
+
+    The text runs through one `StopAutomaton` over all the stop strings, one character at a
+    time, so the work per token is the token's characters (plus a copy of the held tail),
+    however many stop strings there are; `SamplingParams` caps their number and total length,
+    which bounds the automaton's one-off build.
     """
 
     def __init__(self, stop_strings: Iterable[str]) -> None:
-        self._stops = tuple(s for s in stop_strings if s)
+        self._automaton = StopAutomaton.build(tuple(s for s in stop_strings if s))
+        self._node = 0  # the automaton's state after every character fed so far
         self._held = ""
         self.matched: str | None = None  # the stop string that ended the text, once one has
 
@@ -383,41 +456,22 @@ class StopStringMatcher:
         """
         if self.stopped:
             return "", True
+        automaton, node = self._automaton, self._node
+        for index, char in enumerate(text):
+            node = automaton.next(node, char)
+            if armed and automaton.longest_stop[node]:
+                self.matched = automaton.longest_stop[node]
+                end = len(self._held) + index + 1
+                emitted = (self._held + text[: index + 1])[: end - len(self.matched)]
+                self._held = ""
+                return emitted, True
+        self._node = node
         buffer = self._held + text
-        hit = self._first_completed(buffer, len(self._held)) if armed else None
-        if hit is not None:
-            end, self.matched = hit
-            self._held = ""
-            return buffer[: end - len(self.matched)], True
-        keep = self._partial_match_len(buffer)
+        keep = automaton.hold[node]
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
         """The held-back tail, for when generation ends for another reason."""
-        held, self._held = self._held, ""
+        held, self._held, self._node = self._held, "", 0
         return held
-
-    def _first_completed(self, buffer: str, held_len: int) -> tuple[int, str] | None:
-        """(end, stop) of the earliest-ending stop string that ends past the held text.
-
-        Ends inside the held text were already seen by an earlier feed: while armed none
-        completed (it would have stopped), while unarmed they must not count.
-        """
-        ends = []
-        for stop in self._stops:
-            start = buffer.find(stop, max(0, held_len - len(stop) + 1))
-            if start >= 0:
-                ends.append((start + len(stop), -len(stop), stop))
-        if not ends:
-            return None
-        end, _, stop = min(ends)  # earliest end; on a tie the longer stop string
-        return end, stop
-
-    def _partial_match_len(self, buffer: str) -> int:
-        longest = min(len(buffer), max((len(s) - 1 for s in self._stops), default=0))
-        for length in range(longest, 0, -1):
-            tail = buffer[-length:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return length
-        return 0

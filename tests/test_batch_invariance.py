@@ -110,6 +110,15 @@ def test_chunked_prefill_equals_one_prefill(tiny_model_dir):
     assert [fingerprint(c) for c in chunked.generate(prompts, params)] == expected
 
 
+def test_prompts_prefilled_beside_decodes_in_budgeted_chunks_equal_one_prefill(tiny_model_dir):
+    """Arrivals while others decode prefill 3 tokens a step (the budget), or whole: same bits."""
+    prompts, params = crowd_prompts(6), [params_for(i) for i in range(6)]
+    unbounded = LLM(str(tiny_model_dir), device="cpu", max_prefill_tokens_while_decoding=512)
+    budgeted = LLM(str(tiny_model_dir), device="cpu", max_prefill_tokens_while_decoding=3)
+    expected = staggered_crowd(unbounded, prompts, params)
+    assert staggered_crowd(budgeted, prompts, params) == expected
+
+
 def test_preemption_by_recompute_changes_no_token_nor_logprob(tiny_model_dir):
     prompts = [f"request {i}:" + " hi" * i for i in range(8)]
     params = [params_for(i, max_tokens=16) for i in range(8)]

@@ -294,3 +294,25 @@ def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir
     frame = pd.read_csv(out)
     assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
     assert (frame.forward_rest_ms > 0).all()
+
+
+def test_every_neighbour_kind_is_a_body_the_protocol_accepts_under_the_body_limit():
+    import random
+
+    import nanoserve_cli.bench_serve  # noqa: F401  (registers the command)
+    from nanoserve.bench import neighbours
+    from nanoserve.server.protocol import CompletionRequest
+
+    for kind in neighbours.KINDS:
+        fields = neighbours.neighbour_fields(kind, random.Random(0))
+        body = json.dumps({"model": "m", "stream": True, **fields})
+        assert len(body) <= neighbours.BODY_LIMIT_BYTES, kind
+        CompletionRequest.model_validate_json(body)
+
+
+def test_an_unknown_neighbour_kind_is_a_usage_error_naming_the_option():
+    import nanoserve_cli.bench_serve  # noqa: F401  (registers the command)
+
+    result = invoke("bench", "serve", "--launch", "--neighbour", "plain-n1,noisy")
+    assert result.exit_code == 2
+    assert "--neighbour" in result.output and "noisy" in result.output

@@ -29,6 +29,7 @@ def generate(*args):
         (["--device", "tpu"], "--device"),
         (["--threads", "0"], "--threads"),
         (["--linear-kernel", "blas9000"], "--linear-kernel"),
+        ([arg for i in range(65) for arg in ("--stop", f"s{i}")], "--stop"),
     ],
 )
 def test_bad_option_exits_2_naming_the_option_without_a_traceback(args, option, tiny_model_dir):

@@ -9,7 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MIN_REPETITION_PENALTY, SamplingParams
+from nanoserve.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 NOT_FINITE = (math.nan, math.inf, -math.inf)
 
@@ -120,6 +126,15 @@ def test_logit_bias_refuses_more_tokens_than_the_cap_and_takes_the_cap():
     assert len(SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS), 1.0)).logit_bias) \
         == MAX_LOGIT_BIAS_TOKENS
     refused("logit_bias", logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_TOKENS + 1), 1.0))
+
+
+def test_stop_takes_the_caps_on_count_and_total_length_and_refuses_one_more():
+    at_count = [f"s{i}" for i in range(MAX_STOP_STRINGS)]
+    at_length = ["x" * (MAX_STOP_CHARS - 1), "y"]
+    assert SamplingParams(stop=at_count).stop == tuple(at_count)
+    assert SamplingParams(stop=at_length).stop == tuple(at_length)
+    refused("stop", stop=[*at_count, "one more"])
+    refused("stop", stop=[*at_length, "z"])
 
 
 @pytest.mark.parametrize("value", [-1, 2**63, 1.0, True, "7"])

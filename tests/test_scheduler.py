@@ -15,10 +15,11 @@ from nanoserve.scheduler import NewToken, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256,
-                   prefix_caching=False):
+                   prefix_caching=False, prefill_cap=None):
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_len,
-                                     enable_prefix_caching=prefix_caching), pool)
+                                     enable_prefix_caching=prefix_caching,
+                                     max_prefill_tokens_while_decoding=prefill_cap), pool)
 
 
 def make_request(rid, prompt_len, max_tokens=8):
@@ -56,6 +57,28 @@ def test_long_prompt_is_chunked_and_running_decodes_keep_going():
     assert sizes == {"short": 1, "long": 15}  # the decode first, then what the budget leaves
     plan = run_step(scheduler)
     assert {c.request.request_id: c.num_tokens for c in plan.chunks} == {"short": 1, "long": 15}
+
+
+def test_while_a_request_decodes_prefill_chunks_share_at_most_the_prefill_budget():
+    scheduler = make_scheduler(max_tokens_per_step=64, prefill_cap=8)
+    scheduler.add(make_request("short", 3, max_tokens=20))
+    run_step(scheduler)  # short: prefill, first token
+    for name in ("long", "later"):
+        scheduler.add(make_request(name, 40))
+    sizes = [{c.request.request_id: c.num_tokens for c in run_step(scheduler).chunks} for _ in range(2)]
+    # The oldest prompt first (FCFS): the one behind it waits for the budget, not the decode.
+    assert sizes == [{"short": 1, "long": 8}, {"short": 1, "long": 8}]
+
+
+def test_with_nothing_decoding_a_prompt_takes_the_whole_step_budget():
+    scheduler = make_scheduler(max_tokens_per_step=64, prefill_cap=8)
+    scheduler.add(make_request("long", 100))
+    assert [c.num_tokens for c in run_step(scheduler).chunks] == [64]
+
+
+def test_a_zero_prefill_budget_is_refused_by_name():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0)
 
 
 def test_admission_is_first_come_first_served_and_capped_by_max_num_seqs():
@@ -132,10 +155,11 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     ),
     st.integers(6, 40),
     st.booleans(),
+    st.sampled_from([None, 1, 5]),
 )
-def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, prefix_caching):
+def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, prefix_caching, prefill_cap):
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=24,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, prefill_cap=prefill_cap)
     live: list[Request] = []
     for i, (op, size, max_tokens) in enumerate(ops):
         if op == "add":
@@ -152,8 +176,14 @@ def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, p
             if not request.status.is_finished:
                 scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         else:
+            decoding = {r.request_id for r in scheduler.running if r.num_uncomputed_tokens == 1}
             plan = run_step(scheduler)
             assert plan.num_batched_tokens <= 24
+            if decoding and prefill_cap is not None:
+                assert sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1) <= prefill_cap
+            # A prompt never crowds out a decode: each runs, unless the pool preempted it.
+            served = {c.request.request_id for c in plan.chunks} | {r.request_id for r in plan.preempted}
+            assert decoding <= served
             assert len(scheduler.running) <= 4
             ids = [c.request.request_id for c in plan.chunks]
             assert len(ids) == len(set(ids))

@@ -24,7 +24,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.llm import LLM
 from nanoserve.output import TokenLogprob
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
 from nanoserve.server.planning import _base_params
 from nanoserve.server.protocol import CompletionRequest, TextOffset, TokenText, completion_logprobs
@@ -785,6 +785,8 @@ def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ({"prompt": "x", "stop": ["x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)]}, "stop"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),

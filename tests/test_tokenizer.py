@@ -360,6 +360,48 @@ def test_matcher_names_the_stop_it_hit_and_stays_stopped():
     assert matcher.feed("later") == ("", True)
 
 
+class ObviousMatcher:
+    """The matcher as first written, one stop string at a time: the reference for the automaton."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.held, self.matched = [s for s in stops if s], "", None
+
+    def feed(self, text: str, *, armed: bool = True) -> tuple[str, bool]:
+        if self.matched is not None:
+            return "", True
+        buffer = self.held + text
+        ends = [(start + len(stop), -len(stop), stop) for stop in self.stops
+                if (start := buffer.find(stop, max(0, len(self.held) - len(stop) + 1))) >= 0]
+        if armed and ends:
+            end, _, self.matched = min(ends)
+            self.held = ""
+            return buffer[: end - len(self.matched)], True
+        keep = next((n for n in range(len(buffer), 0, -1)
+                     if any(len(s) > n and s.startswith(buffer[-n:]) for s in self.stops)), 0)
+        self.held = buffer[len(buffer) - keep:]
+        return buffer[: len(buffer) - keep], False
+
+
+@given(data=st.data(), text=st.text("ab<", max_size=60),
+       stops=st.lists(st.text("ab<", min_size=1, max_size=7), min_size=1, max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_the_automaton_answers_every_feed_as_the_obvious_matcher_does(data, text, stops):
+    """Many overlapping stops, random delta splits, a random arming point: feed by feed equal."""
+    boundary = data.draw(st.integers(0, len(text)))
+    feeds = [(piece, False) for piece in data.draw(_split(text[:boundary]))]
+    feeds += [(piece, True) for piece in data.draw(_split(text[boundary:]))]
+    automaton, obvious = StopStringMatcher(stops), ObviousMatcher(stops)
+    for piece, armed in feeds:
+        assert automaton.feed(piece, armed=armed) == obvious.feed(piece, armed=armed)
+        assert automaton.matched == obvious.matched
+    assert automaton.flush() == obvious.held
+
+
+def test_the_choices_of_one_request_share_one_automaton():
+    stops = [f"stop {i}" for i in range(64)]
+    assert StopStringMatcher(stops)._automaton is StopStringMatcher(list(stops))._automaton
+
+
 def test_matcher_without_stop_strings_passes_text_through():
     matcher = StopStringMatcher([])
     assert matcher.feed("anything") == ("anything", False)
