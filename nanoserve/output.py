@@ -103,6 +103,14 @@ class OutputState:
     stop_token_ids: frozenset[int]
 
 
+def _own_logprobs(logprob: TokenLogprob | None, wanted: int | None) -> list[TokenLogprob] | None:
+    """What this request asked for of its row's logprobs: a step reads back the most any of
+    its rows asked for, so a neighbour's request must not widen (or create) this one's."""
+    if logprob is None or wanted is None:
+        return None
+    return [TokenLogprob(logprob.token_id, logprob.logprob, logprob.top[:wanted])]
+
+
 class OutputProcessor:
     """Judges each new token by the stop rules and turns it into text; changes no request state
     but the text state (`Request.output_state`): the scheduler applies the verdict."""
@@ -130,7 +138,7 @@ class OutputProcessor:
             request_id=request.request_id,
             text=text,
             token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
+            logprobs=_own_logprobs(logprob, request.params.logprobs),
             finished=status is not None,
             finish_reason=status.value if status is not None else None,
             stop_reason=stop_reason,

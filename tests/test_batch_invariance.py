@@ -182,3 +182,22 @@ def test_a_crowd_where_every_request_samples_its_own_way_gives_each_its_solo_tok
     prompts, params = crowd_prompts(8), [own_params(i) for i in range(8)]
     alone = [fingerprint(tiny.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
     assert staggered_crowd(tiny, prompts, params) == alone
+
+
+def test_a_request_gets_the_logprobs_it_asked_for_whatever_its_neighbours_asked(tiny):
+    """A step reads back the widest top-N any row asked for; each request still receives its own
+    share: none when it asked for none, its own N alternatives otherwise."""
+    asked = [None, 0, 1, 4, None, 2]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=n, ignore_eos=True) for n in asked]
+    engine = tiny.engine
+    prompts = crowd_prompts(6)
+    ids = {engine.add_request(prompt, sp): sp.logprobs for prompt, sp in zip(prompts, params, strict=True)}
+    seen = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out.logprobs)
+    for request_id, wanted in ids.items():
+        if wanted is None:
+            assert seen[request_id] == [None] * 4
+        else:
+            assert all(len(entries) == 1 and len(entries[0].top) == wanted for entries in seen[request_id])
