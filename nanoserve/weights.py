@@ -3,12 +3,14 @@
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
 first converted into such a directory (`gguf_import`, `default_model`), so this is the one
 place weights enter the engine, and the one place config.json is read: `load_weights` returns
-the `ModelConfig` beside the weights.
+the `ModelConfig` beside the weights. A GGUF run in its own quantization reads its tensors
+from the file instead (`gguf=`): the matrices stay GGUF blocks (nanoserve.quant).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.gguf_import import gguf_weights
 from nanoserve.linear import LinearKernel
 from nanoserve.model import Llama, LlamaWeights
 
@@ -57,10 +60,16 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model_dir: Path, *, dtype: torch.dtype,
-                 device: torch.device) -> tuple[ModelConfig, LlamaWeights]:
+def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, gguf: Path | None = None,
+                 log_line: Callable[[str], None] | None = None) -> tuple[ModelConfig, LlamaWeights]:
+    """`gguf`: read the tensors from that file as they are (blocks stay blocks); `model_dir`
+    then only supplies config.json. `log_line` hears what the GGUF path dequantized, and why."""
     config = read_config(model_dir)
-    tensors = load_state_dict(model_dir)
+    if gguf is not None:
+        raw = json.loads((model_dir / "config.json").read_text())
+        tensors = gguf_weights(gguf, raw, log_line)
+    else:
+        tensors = load_state_dict(model_dir)
     missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: missing tensors {missing}")
