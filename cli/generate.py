@@ -72,6 +72,8 @@ def generate(
 
         llm = LLM.from_config(config)
         print(llm.engine.native_summary, file=sys.stderr)
+        for note in llm.engine.weight_notes:
+            print(note, file=sys.stderr)
         print(llm.engine.kernel_summary, file=sys.stderr)
         print(llm.engine.kv_cache_summary, file=sys.stderr)
         messages = [{"role": "user", "content": prompt}]

@@ -247,13 +247,13 @@ def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
 def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
                  log_line: Callable[[str], None] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
     """Every tensor under its HF name: a QuantizedWeight where nanoserve has a kernel for its
-    block format (the file's bytes, copied once), float32 otherwise. A matrix in a type with no
-    kernel is dequantized, and `log_line` hears one line per such type."""
-    reader = open_gguf(gguf_path)
+    block format (the file's bytes, copied once out of its memory map; Q and K rows taken in
+    HF order as whole rows of blocks), float32 otherwise. A matrix in a type with no kernel is
+    dequantized, and `log_line` hears one line per such type."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, int] = {}
-    for tensor in reader.tensors:
+    for tensor in open_gguf(gguf_path).tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue
         kind = tensor.name.split(".")[-2]
@@ -265,12 +265,11 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
             weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
         else:
             rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
-            blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
-            weight = QuantizedWeight(fmt, (rows, cols), blocks)
-            if kind in heads:
-                weight = weight.rows(torch.from_numpy(qk_row_order(rows, heads[kind])))
+            stored = tensor.data.reshape(rows, -1)
+            # One copy either way: a row gather for Q and K, a plain copy for the rest.
+            blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
+            weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
         weights[hf_tensor_name(tensor.name)] = weight
-    del reader  # drops the file's memory map: only the copies stay resident
     for type_name, count in dequantized.items():
         if log_line is not None:
             log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "

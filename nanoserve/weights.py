@@ -9,6 +9,9 @@ from the file instead (`gguf=`): the matrices stay GGUF blocks (nanoserve.quant)
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -73,7 +76,19 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: missing tensors {missing}")
-    return config, LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+    weights = LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+    if gguf is not None:
+        del tensors
+        release_freed_memory()
+    return config, weights
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed after a load (the q/k/v and gate/up parts copied into their
+    stacks, the GGUF reader's metadata) back to the OS, so they leave the resident set; glibc
+    keeps them otherwise. A no-op where there is no glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
