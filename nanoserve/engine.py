@@ -203,9 +203,9 @@ class Engine:
         if self.config.quantize is not None:
             weights = weights.quantized(self.config.quantize)
         if weights.is_quantized() and native.library() is None:
-            weights = weights.dequantized()
             self.weight_notes.append(f"weights: {_weight_format(weights)} dequantized to float32 at load "
                                      "(the native kernels that run its blocks are off)")
+            weights = weights.dequantized()
         elif weights.is_quantized():
             self.weight_notes.append(f"weights: {_weight_format(weights)} blocks, "
                                      f"{weights.nbytes() / 1e6:.1f} MB")
