@@ -52,9 +52,9 @@ def _params(text: str) -> tuple[str, ...]:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     from nanoserve.bench.offline import parse_choice_list
-    from nanoserve.engine import DTYPES
+    from nanoserve.engine import DTYPES, QUANTIZED
 
-    return parse_choice_list(text, DTYPES)
+    return parse_choice_list(text, (*DTYPES, QUANTIZED, "auto"))
 
 
 def _switches(text: str) -> tuple[bool, ...]:
@@ -79,7 +79,8 @@ Params = Annotated[str, typer.Option(
     help="Sampling mixes: greedy, top_p (T 0.8, p 0.9), top_k (T 0.8, k 50), mixed (rows cycle the three).")]
 Dtypes = Annotated[str, typer.Option(
     "--dtype", callback=checked(_dtypes), metavar="DTYPE,...",
-    help="float32, bfloat16, float16 (a list sweeps).")]
+    help="auto (the default model: its GGUF quantization), quantized, float32, bfloat16, float16 "
+         "(a list sweeps).")]
 BatchInvariantSweep = Annotated[str, typer.Option(
     "--batch-invariant", callback=checked(_switches), metavar="off|on|off,on",
     help="Batch-invariant kernels; off,on runs both side by side and reports the ratio.")]
@@ -110,7 +111,7 @@ def bench(
     warmup: Warmup = 1,
     repeat: Repeat = 1,
     baseline: Baseline = None,
-    dtype: Dtypes = "float32",
+    dtype: Dtypes = "auto",
     batch_invariant: BatchInvariantSweep = "on",
     prefix_caching: PrefixCachingSweep = "on",
     shared_prefix_len: SharedPrefixLen = 0,

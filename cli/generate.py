@@ -50,6 +50,7 @@ def generate(
     kv_cache_gb: options.KvCacheGb = None,
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
+    quantize: options.Quantize = None,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
     if prompt == "-":
@@ -65,12 +66,14 @@ def generate(
                                    max_num_seqs=1, max_model_len=max_model_len,
                                    kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
                                    threads=threads, linear_kernel=linear_kernel,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, quantize=quantize)
     try:
         from nanoserve.llm import LLM
 
         llm = LLM.from_config(config)
         print(llm.engine.native_summary, file=sys.stderr)
+        for note in llm.engine.weight_notes:
+            print(note, file=sys.stderr)
         print(llm.engine.kernel_summary, file=sys.stderr)
         print(llm.engine.kv_cache_summary, file=sys.stderr)
         messages = [{"role": "user", "content": prompt}]

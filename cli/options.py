@@ -16,7 +16,10 @@ Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="Hugging Face model directory, .gguf file, or hub id ORG/NAME[@REVISION] "
     "(a GGUF repository: ORG/NAME:FILE.gguf or ORG/NAME:Q4_K_M); default: SmolLM2-135M-Instruct.")]
 Dtype = Annotated[str, typer.Option(
-    help="float32, bfloat16, float16, or auto (float32 on CPU, bfloat16 on CUDA).")]
+    help="auto (a GGUF in its own quantization on a CPU with the native kernels, else float32 on CPU "
+         "and bfloat16 on CUDA), float32, bfloat16, float16, or quantized (a GGUF's own blocks).")]
+Quantize = Annotated[str | None, typer.Option(
+    help="Quantize a float checkpoint's matrices at load, as llama.cpp would: q8_0 or q4_0.")]
 Device = Annotated[str | None, typer.Option(help="cpu or cuda; default: cuda when available.")]
 MaxNumSeqs = Annotated[int, typer.Option(min=1, help="Most requests in one step.")]
 MaxBatchedTokens = Annotated[int, typer.Option(
@@ -51,7 +54,7 @@ FIELD_TO_OPTION = {
     "prompt": "PROMPT", "messages": "--chat", "min_tokens": "--min-tokens",
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logprobs": "--logprobs",
-    "threads": "--threads", "linear_kernel": "--linear-kernel",
+    "threads": "--threads", "linear_kernel": "--linear-kernel", "quantize": "--quantize",
 }
 
 
@@ -61,11 +64,15 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   max_model_len: int | None = None,
                   kv_cache_gb: float | None = None, block_size: int = 16,
                   batch_invariant: bool = True, threads: int | None = None,
-                  linear_kernel: str | None = None, prefix_caching: bool = True) -> EngineConfig:
-    from nanoserve.engine import DTYPES
+                  linear_kernel: str | None = None, prefix_caching: bool = True,
+                  quantize: str | None = None) -> EngineConfig:
+    from nanoserve.engine import DTYPES, QUANTIZED
+    from nanoserve.quant import QUANTIZERS
 
-    if dtype not in (*DTYPES, "auto"):
-        fail(f"--dtype must be one of {', '.join(DTYPES)}, auto; got {dtype!r}")
+    if dtype not in (*DTYPES, "auto", QUANTIZED):
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {dtype!r}")
+    if quantize is not None and quantize not in QUANTIZERS:
+        fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {quantize!r}")
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda; got {device!r}")
     check_linear_kernel(linear_kernel)
@@ -74,16 +81,17 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                         max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                         max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                         batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel,
-                        enable_prefix_caching=prefix_caching)
+                        enable_prefix_caching=prefix_caching, quantize=quantize)
 
 
 def check_linear_kernel(name: str | None) -> None:
     """A name that is no kernel at all fails here, before the model loads; whether this machine
     can run it, and whether it passes the self-test, the engine finds out at start-up."""
-    from nanoserve.linear import KERNELS
+    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
 
-    if name is not None and name not in KERNELS:
-        fail(f"--linear-kernel must be one of {', '.join(KERNELS)}; got {name!r}")
+    names = [*KERNELS, *QUANTIZED_KERNELS]
+    if name is not None and name not in names:
+        fail(f"--linear-kernel must be one of {', '.join(names)}; got {name!r}")
 
 
 def fail(message: str) -> NoReturn:

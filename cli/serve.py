@@ -58,6 +58,7 @@ def serve(
     prefix_caching: options.PrefixCaching = True,
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
+    quantize: options.Quantize = None,
     max_tokens_limit: Annotated[int | None, typer.Option(
         min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
     max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
@@ -89,7 +90,7 @@ def serve(
     """
     import uvicorn
 
-    from nanoserve.default_model import resolve_model_dir
+    from nanoserve.default_model import resolve_model
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
 
@@ -102,11 +103,11 @@ def serve(
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                    block_size=block_size, batch_invariant=batch_invariant,
                                    threads=threads, linear_kernel=linear_kernel,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, quantize=quantize)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model_dir = resolve_model_dir(model)
+        model_dir = resolve_model(model, float_weights=False).dir  # for its name: no weights converted
     except NanoserveError as error:
         options.fail_for(error)
     names = list(served_model_name or [_served_name(model, model_dir)])

@@ -220,7 +220,10 @@ class EngineConfig:
     """How the engine runs: where, in what precision, and how much it may batch and cache."""
 
     model: str | None = None
-    dtype: str = "float32"
+    # auto: a GGUF in its own quantization on a CPU with native kernels, else float32 on CPU
+    # and bfloat16 on CUDA; float32 / bfloat16 / float16; quantized (a GGUF's blocks).
+    dtype: str = "auto"
+    quantize: str | None = None  # q8_0 or q4_0: quantize a float checkpoint's matrices at load
     device: str | None = None  # None: cuda when available, else cpu
     block_size: int = 16
     max_num_seqs: int = 32

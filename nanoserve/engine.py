@@ -21,8 +21,8 @@ from torch.profiler import record_function
 
 from nanoserve import native
 from nanoserve.block_pool import BlockPool
-from nanoserve.config import EngineConfig
-from nanoserve.default_model import resolve_model_dir
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.default_model import ModelSource, resolve_model
 from nanoserve.errors import InvalidRequestError
 from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
@@ -39,6 +39,9 @@ from nanoserve.weights import load_weights
 log = logging.getLogger("nanoserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype quantized: a GGUF's matrices run as the file's own blocks (float32 activations);
+# "auto" picks it for a GGUF on a CPU with the native kernels, as llama.cpp runs GGUF files.
+QUANTIZED = "quantized"
 PHASES = ("schedule", "prepare", "forward", "sample", "collect")
 # Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
 # everything else, so a fraction of free memory alone would make start-up slow and greedy.
@@ -71,11 +74,36 @@ def pick_device(name: str | None) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The dtype of activations and the KV cache (float32 for quantized weights)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == QUANTIZED:
+        return torch.float32
     if name not in DTYPES:
-        raise InvalidRequestError(f"dtype {name!r} is not one of {sorted(DTYPES)} or 'auto'", param="dtype")
+        raise InvalidRequestError(f"dtype {name!r} is not one of {sorted(DTYPES)}, {QUANTIZED!r} or 'auto'",
+                                  param="dtype")
     return DTYPES[name]
+
+
+def check_quantize(config: EngineConfig, device: torch.device) -> None:
+    """--quantize: a known format, float32 activations, on the CPU (before any model loads)."""
+    from nanoserve.quant import QUANTIZERS
+
+    if config.quantize is None:
+        return
+    if config.quantize not in QUANTIZERS:
+        raise InvalidRequestError(f"{config.quantize!r} is not a format nanoserve quantizes to; choose "
+                                  f"from {', '.join(QUANTIZERS)}", param="quantize")
+    if config.dtype not in ("auto", "float32") or device.type != "cpu":
+        raise InvalidRequestError("quantized weights run on the CPU with float32 activations; drop "
+                                  f"--dtype {config.dtype} or --device {device.type}", param="quantize")
+
+
+def wants_blocks(config: EngineConfig, device: torch.device) -> bool:
+    """Whether a GGUF model should keep its blocks (rather than load float weights)."""
+    if device.type != "cpu" or config.quantize is not None:
+        return False
+    return config.dtype == QUANTIZED or (config.dtype == "auto" and native.library() is not None)
 
 
 def set_threads(threads: int | None) -> int:
@@ -97,6 +125,14 @@ def available_memory_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
+def _weight_format(weights: LlamaWeights) -> str:
+    """How the matrices are held: 'q4_1+q8_0' (layers' formats, then the head's), or a dtype."""
+    from nanoserve.quant import format_names
+
+    names = [n for m in [*weights.layers[0].matrices(), weights.lm_head] for n in format_names(m)]
+    return "+".join(dict.fromkeys(names))
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -105,9 +141,13 @@ class Engine:
         self.threads = set_threads(config.threads)
         # Built (or found in the cache) before the weights load: the kernel choice may use it.
         self.native_summary = native.status()
-        self.model_dir = resolve_model_dir(config.model)
+        self.weight_notes: list[str] = []  # start-up lines on how the weights were loaded
+        self.source = self._resolve_model()
+        self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        model_config, weights = load_weights(self.model_dir, dtype=self.dtype, device=self.device)
+        model_config, weights = self._load_weights()
+        self.weights_nbytes = weights.nbytes()
+        self.weight_format = _weight_format(weights)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.kernel_choice = self._choose_linear_kernel(weights)
@@ -134,8 +174,43 @@ class Engine:
         self.label_phases = False
         self._ids = itertools.count()
         log.info(self.native_summary)
+        for note in self.weight_notes:
+            log.info(note)
         log.info(self.kernel_summary)
         log.info(self.kv_cache_summary)
+
+    def _resolve_model(self) -> ModelSource:
+        cfg = self.config
+        check_quantize(cfg, self.device)
+        blocks = wants_blocks(cfg, self.device)
+        source = resolve_model(cfg.model, float_weights=not blocks)
+        if cfg.quantize is not None and source.gguf is not None:
+            raise InvalidRequestError(f"{source.gguf.name} is a GGUF model, already quantized; drop "
+                                      "--quantize (the file runs in its own quantization by default)",
+                                      param="quantize")
+        if cfg.dtype == QUANTIZED and source.gguf is None:
+            raise InvalidRequestError(f"{QUANTIZED!r} runs a GGUF file's own blocks, and {source.dir} is a "
+                                      "float checkpoint; quantize it with --quantize q8_0 or q4_0",
+                                      param="dtype")
+        if source.gguf is not None and not blocks and self.device.type == "cpu" and cfg.dtype == "auto":
+            self.weight_notes.append(f"weights: {source.gguf.name} dequantized to float32 at load "
+                                     "(the native kernels that run its blocks are off)")
+        return source
+
+    def _load_weights(self) -> tuple[ModelConfig, LlamaWeights]:
+        gguf = self.source.gguf if wants_blocks(self.config, self.device) else None
+        model_config, weights = load_weights(self.model_dir, dtype=self.dtype, device=self.device, gguf=gguf,
+                                             log_line=self.weight_notes.append)
+        if self.config.quantize is not None:
+            weights = weights.quantized(self.config.quantize)
+        if weights.is_quantized() and native.library() is None:
+            self.weight_notes.append(f"weights: {_weight_format(weights)} dequantized to float32 at load "
+                                     "(the native kernels that run its blocks are off)")
+            weights = weights.dequantized()
+        elif weights.is_quantized():
+            self.weight_notes.append(f"weights: {_weight_format(weights)} blocks, "
+                                     f"{weights.nbytes() / 1e6:.1f} MB")
+        return model_config, weights
 
     def _choose_linear_kernel(self, weights: LlamaWeights) -> KernelChoice:
         cfg = self.config

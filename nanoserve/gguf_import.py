@@ -2,7 +2,10 @@
 
 Owns: turning GGUF metadata into config.json, dequantizing every tensor to float32, undoing
 llama.cpp's Q/K row permutation, renaming tensors to HF names, and rebuilding the byte-level
-BPE tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json).
+BPE tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json). And the other
+way in: `gguf_weights` reads the tensors as they are (blocks stay blocks, one copy out of the
+file's memory map, Q/K rows permuted as whole rows of blocks) for runs in the file's own
+quantization; `import_metadata` then writes only the config and tokenizer files.
 Refuses: architectures other than llama, tokenizer models other than gpt2 (byte-level BPE),
 pre-tokenizers without a verified recipe here, and rope scaling other than llama3.
 It writes into the directory it is given; caching and atomic placement belong to
@@ -27,6 +30,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
 WEIGHTS_FILE = "model.safetensors"
@@ -63,27 +67,42 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
 
     `progress(done, total)` is called after each tensor is dequantized (the slow part)."""
     reader = open_gguf(gguf_path)
+    config = import_metadata(reader, out_dir)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    weights = hf_weights(tensors, config, progress)
+    save_file(weights, Path(out_dir) / WEIGHTS_FILE, metadata={"format": "pt"})
+    return Path(out_dir)
+
+
+def import_metadata(source: str | Path | GGUFReader, out_dir: str | Path) -> dict[str, Any]:
+    """Write config.json and the tokenizer files for a GGUF into `out_dir` (no weights);
+    returns the config."""
+    reader = source if isinstance(source, GGUFReader) else open_gguf(source)
     meta = read_metadata(reader)
     check_architecture(meta)
     tokenizer = build_tokenizer(meta)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    config = llama_config(meta, tensors)
-    weights = hf_weights(tensors, config, progress)
+    config = llama_config(meta, {tensor.name: tensor for tensor in reader.tensors})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, out / WEIGHTS_FILE, metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     write_json(out / "config.json", config)
     write_json(out / "tokenizer_config.json", tokenizer_config(meta))
     write_json(out / "generation_config.json", generation_config(meta))
-    return out
+    return config
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
     try:
-        return GGUFReader(path)
-    except (OSError, ValueError) as err:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, IndexError, KeyError, UnicodeDecodeError) as err:
         raise ModelNotFoundError(f"{path}: not a readable GGUF file ({err})") from err
+    # The reader maps a truncated file without complaint; its last tensor then ends early.
+    for tensor in reader.tensors:
+        if tensor.data.nbytes != tensor.n_bytes:
+            raise ModelNotFoundError(
+                f"{path}: truncated or corrupt GGUF file (tensor {tensor.name!r} holds "
+                f"{tensor.data.nbytes} of its {tensor.n_bytes} bytes)")
+    return reader
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -225,6 +244,45 @@ def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
     return weights
 
 
+def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
+                 log_line: Callable[[str], None] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor under its HF name: a QuantizedWeight where nanoserve has a kernel for its
+    block format (the file's bytes, copied once out of its memory map; Q and K rows taken in
+    HF order as whole rows of blocks), float32 otherwise. A matrix in a type with no kernel is
+    dequantized, and `log_line` hears one line per such type."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    dequantized: dict[str, int] = {}
+    for tensor in open_gguf(gguf_path).tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue
+        kind = tensor.name.split(".")[-2]
+        fmt = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))
+        if fmt is None:
+            values = dequantize_tensor(tensor)
+            if values.ndim == 2 and tensor.tensor_type.name != "F32":
+                dequantized[tensor.tensor_type.name] = dequantized.get(tensor.tensor_type.name, 0) + 1
+            weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
+        else:
+            rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+            stored = tensor.data.reshape(rows, -1)
+            # One copy either way: a row gather for Q and K, a plain copy for the rest.
+            blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
+            weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
+        weights[hf_tensor_name(tensor.name)] = weight
+    for type_name, count in dequantized.items():
+        if log_line is not None:
+            log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
+                     "to float32 at load")
+    check_shapes(weights, config)
+    return weights
+
+
+def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """Which stored row each HF row of Q or K is: `unpermute_qk` as a row index."""
+    return unpermute_qk(np.arange(rows).reshape(rows, 1), num_heads).reshape(rows)
+
+
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
@@ -283,7 +341,8 @@ def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_shapes(weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | QuantizedWeight],
+                 config: dict[str, Any]) -> None:
     expected = hf_tensor_shapes(config)
     missing = sorted(expected.keys() - weights.keys())
     if missing:

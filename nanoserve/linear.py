@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve import native
+from nanoserve import native, quant
 from nanoserve.machine import cpu_model, vector_flags
 from nanoserve.native import matmul as native_matmul
 
@@ -122,6 +122,27 @@ def left_out(device: torch.device) -> dict[str, str]:
     return reasons
 
 
+def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
+    from nanoserve.native import quant as native_quant
+
+    if isinstance(weight, quant.QuantizedWeight):
+        return native_quant.matmul(x, weight)
+    if isinstance(weight, quant.QuantizedStack):
+        return torch.cat([_native_quant(x, part) for part in weight.parts], dim=1)
+    return _aten_tiled(x, weight)  # a matrix of a GGUF type with no kernel, dequantized at load
+
+
+# The kernels for GGUF block formats (nanoserve.quant): a model's matrices are blocks or floats.
+QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
+    LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
+                 "blocks of 32", _identity, _native_quant, ("cpu",)),
+)}
+
+
+def quantized_kernels_for(device: torch.device) -> list[LinearKernel]:
+    return list(QUANTIZED_KERNELS.values()) if device.type == "cpu" and native.library() else []
+
+
 def kernels_for(device: torch.device) -> list[LinearKernel]:
     unusable = left_out(device)
     return [k for k in KERNELS.values() if device.type in k.device_types and k.name not in unusable]
@@ -133,6 +154,11 @@ class ProbeShape:
 
     layers: list[list[torch.Tensor]]  # each layer's weights [out, in], in forward order
     head: torch.Tensor
+
+    @property
+    def quantized(self) -> bool:
+        """GGUF blocks (nanoserve.quant) rather than dense tensors: only quantized kernels run them."""
+        return any(quant.is_quantized(w) for w in [*self.layers[0], self.head])
 
 
 @dataclass(slots=True)
@@ -176,7 +202,7 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
                   batch_invariant: bool, forced: str | None = None,
                   cache_path: Path | None = None) -> KernelChoice:
     """The fastest kernel that qualifies: measured (or read from the cache), never assumed."""
-    candidates = kernels_for(device)
+    candidates = quantized_kernels_for(device) if shape.quantized else kernels_for(device)
     if forced is not None:
         names = [k.name for k in candidates]
         if forced not in names:
@@ -184,7 +210,7 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
             raise KernelUnavailableError(
                 f"{forced!r} is not a linear kernel for {device.type} here{why}; "
                 f"choose from {', '.join(names)}")
-        candidates = [KERNELS[forced]]
+        candidates = [k for k in candidates if k.name == forced]
     candidates = _runnable(candidates, shape.layers[0][0], forced)
     key = _cache_key(shape, device, max_rows, prefill_rows)
     cached = _read_cache(cache_path, key)
@@ -249,7 +275,7 @@ def time_kernel(kernel: LinearKernel, layers: list[list[torch.Tensor]], rows: It
     sample, nbytes = [], 0
     for layer in layers:
         sample.append([kernel.pack(w) for w in layer])
-        nbytes += sum(w.numel() * w.element_size() for w in layer)
+        nbytes += sum(w.nbytes for w in layer)
         if nbytes >= PROBE_MIN_BYTES:
             break
     scale = len(layers) / len(sample)
@@ -335,6 +361,8 @@ def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_r
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(), "dtype": str(weight.dtype),
         "native": _native_build_key(),
+        **({"formats": [quant.format_names(w) for w in [*shape.layers[0], shape.head]]}
+           if shape.quantized else {}),
         "shapes": [list(w.shape) for w in shape.layers[0]] + [list(shape.head.shape)],
         "layers": len(shape.layers), "max_rows": max_rows, "prefill_rows": prefill_rows,
     }

@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanoserve import quant
 from nanoserve.config import ModelConfig
 from nanoserve.kv_cache import KVCache
 from nanoserve.linear import KERNELS, LinearKernel, ProbeShape
 from nanoserve.native import ops as native_ops
 from nanoserve.native.ops import NativeOps, PagedContext
+from nanoserve.quant import QuantizedWeight, Weight
 
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
@@ -123,20 +125,25 @@ def paged_context(batch: ForwardBatch, kv_cache: KVCache) -> PagedContext:
 
 @dataclass(slots=True)
 class LayerWeights:
+    """A layer's matrices: dense tensors, or GGUF blocks (nanoserve.quant) for quantized runs."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections stacked: one GEMM instead of three
-    o: torch.Tensor
+    qkv: Weight  # q, k and v projections stacked: one GEMM instead of three
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up stacked
-    down: torch.Tensor
+    gate_up: Weight  # gate and up stacked
+    down: Weight
+
+    def matrices(self) -> list[Weight]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 @dataclass(slots=True)
 class LlamaWeights:
-    embed: torch.Tensor
+    embed: Weight
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: Weight  # the embedding itself when tied
 
     @classmethod
     def from_hf_state_dict(cls, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> LlamaWeights:
@@ -145,10 +152,10 @@ class LlamaWeights:
             attn, mlp = p + "self_attn.", p + "mlp."
             return LayerWeights(
                 input_norm=tensors[p + "input_layernorm.weight"],
-                qkv=torch.cat([tensors[attn + f"{x}_proj.weight"] for x in "qkv"]),
+                qkv=quant.stack_rows([tensors[attn + f"{x}_proj.weight"] for x in "qkv"]),
                 o=tensors[attn + "o_proj.weight"],
                 post_norm=tensors[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]]),
+                gate_up=quant.stack_rows([tensors[mlp + f"{x}_proj.weight"] for x in ("gate", "up")]),
                 down=tensors[mlp + "down_proj.weight"],
             )
 
@@ -158,7 +165,10 @@ class LlamaWeights:
                    tensors["model.norm.weight"], lm_head)
 
     def to(self, dtype: torch.dtype, device: torch.device) -> LlamaWeights:
-        def move(t: torch.Tensor) -> torch.Tensor:
+        """Dense tensors in `dtype` on `device`; quantized matrices stay as they are (CPU)."""
+        def move(t: Weight) -> Weight:
+            if quant.is_quantized(t):
+                return t
             return t.to(device=device, dtype=dtype).contiguous()
 
         tied = self.lm_head is self.embed
@@ -166,6 +176,36 @@ class LlamaWeights:
         layers = [LayerWeights(*(move(t) for t in (w.input_norm, w.qkv, w.o, w.post_norm,
                                                    w.gate_up, w.down))) for w in self.layers]
         return LlamaWeights(embed, layers, move(self.norm), embed if tied else move(self.lm_head))
+
+    def quantized(self, format_name: str) -> LlamaWeights:
+        """Every matrix and the token table quantized to `format_name` (--quantize); norms stay."""
+        def convert(w: Weight) -> QuantizedWeight:
+            return quant.quantize(quant.dense(w), format_name)
+
+        embed = convert(self.embed)
+        layers = [LayerWeights(w.input_norm, convert(w.qkv), convert(w.o), w.post_norm, convert(w.gate_up),
+                               convert(w.down)) for w in self.layers]
+        head = embed if self.lm_head is self.embed else convert(self.lm_head)
+        return LlamaWeights(embed, layers, self.norm, head)
+
+    def dequantized(self) -> LlamaWeights:
+        """Every quantized matrix as float32 (where no native kernel runs them)."""
+        embed = quant.dense(self.embed)
+        layers = [LayerWeights(w.input_norm, *(quant.dense(m) for m in (w.qkv, w.o)), w.post_norm,
+                               *(quant.dense(m) for m in (w.gate_up, w.down))) for w in self.layers]
+        head = embed if self.lm_head is self.embed else quant.dense(self.lm_head)
+        return LlamaWeights(embed, layers, self.norm, head)
+
+    def is_quantized(self) -> bool:
+        return any(quant.is_quantized(m) for m in [self.embed, self.lm_head, *self.layers[0].matrices()])
+
+    def nbytes(self) -> int:
+        """Bytes the weights hold (a tied head counted once)."""
+        matrices = [self.embed, self.norm, *(m for w in self.layers for m in (*w.matrices(), w.input_norm,
+                                                                            w.post_norm))]
+        if self.lm_head is not self.embed:
+            matrices.append(self.lm_head)
+        return sum(m.nbytes for m in matrices)
 
     def packed_for(self, kernel: LinearKernel) -> LlamaWeights:
         """The same weights with every matrix in `kernel`'s layout; the embedding stays a table."""
@@ -331,7 +371,7 @@ class Llama:
         residual adds done in place and fused with the norm that follows them.
         """
         step = self._step_context(batch, kv_cache)  # built once per step, used by every layer
-        hidden = F.embedding(batch.input_ids, self.weights.embed)
+        hidden = quant.embedding(batch.input_ids, self.weights.embed)
         delta = None  # the last sublayer's output, not yet added into `hidden`
         for index, layer in enumerate(self.weights.layers):
             normed = self._add_norm(hidden, delta, layer.input_norm, step.normed)

@@ -3,12 +3,17 @@
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
 first converted into such a directory (`gguf_import`, `default_model`), so this is the one
 place weights enter the engine, and the one place config.json is read: `load_weights` returns
-the `ModelConfig` beside the weights.
+the `ModelConfig` beside the weights. A GGUF run in its own quantization reads its tensors
+from the file instead (`gguf=`): the matrices stay GGUF blocks (nanoserve.quant).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +21,7 @@ from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.gguf_import import gguf_weights
 from nanoserve.linear import LinearKernel
 from nanoserve.model import Llama, LlamaWeights
 
@@ -57,14 +63,32 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model_dir: Path, *, dtype: torch.dtype,
-                 device: torch.device) -> tuple[ModelConfig, LlamaWeights]:
+def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, gguf: Path | None = None,
+                 log_line: Callable[[str], None] | None = None) -> tuple[ModelConfig, LlamaWeights]:
+    """`gguf`: read the tensors from that file as they are (blocks stay blocks); `model_dir`
+    then only supplies config.json. `log_line` hears what the GGUF path dequantized, and why."""
     config = read_config(model_dir)
-    tensors = load_state_dict(model_dir)
+    if gguf is not None:
+        raw = json.loads((model_dir / "config.json").read_text())
+        tensors = gguf_weights(gguf, raw, log_line)
+    else:
+        tensors = load_state_dict(model_dir)
     missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in tensors]
     if missing:
         raise UnsupportedModelError(f"{model_dir}: missing tensors {missing}")
-    return config, LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+    weights = LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+    if gguf is not None:
+        del tensors
+        release_freed_memory()
+    return config, weights
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed after a load (the q/k/v and gate/up parts copied into their
+    stacks, the GGUF reader's metadata) back to the OS, so they leave the resident set; glibc
+    keeps them otherwise. A no-op where there is no glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
 from hypothesis import given
 from hypothesis import strategies as st
 from tiny_model import CORPUS, llama_cpp_permute, read_weights, write_tiny_gguf, write_tiny_llama
 from tokenizers import Tokenizer
 
+from nanoserve import native
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
-from nanoserve.gguf_import import convert_gguf, hf_tensor_shapes, unpermute_qk
+from nanoserve.gguf_import import convert_gguf, gguf_weights, hf_tensor_shapes, unpermute_qk
+from nanoserve.llm import LLM
+from nanoserve.quant import QuantizedWeight, dense
+from nanoserve.sampling_params import SamplingParams
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -126,3 +134,145 @@ def test_a_file_that_is_not_gguf_is_model_not_found(tmp_path):
     bogus.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelNotFoundError, match=r"bogus\.gguf"):
         convert_gguf(bogus, tmp_path / "out")
+
+
+# ---- GGUF files in their own quantization ------------------------------------------------------
+
+QUANTIZED_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory) -> Path:
+    """Rows of 256 and 512 values, so every block format (K formats: 256 per block) fits."""
+    return write_tiny_llama(tmp_path_factory.mktemp("wide"), hidden_size=256, intermediate_size=512,
+                            num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _quantized_gguf(wide_model_dir: Path, tmp_path: Path, type_name: str) -> Path:
+    return write_tiny_gguf(tmp_path / f"wide-{type_name}.gguf", wide_model_dir,
+                           matrix_type=GGMLQuantizationType[type_name])
+
+
+def _llm(path: Path, **options) -> LLM:
+    return LLM(str(path), kv_cache_gb=0.01, max_num_seqs=4, max_num_batched_tokens=64, **options)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
+def test_blocks_read_from_the_file_are_the_float_conversion_exactly(type_name, wide_model_dir, tmp_path):
+    path = _quantized_gguf(wide_model_dir, tmp_path, type_name)
+    converted = convert_gguf(path, tmp_path / "f32")
+    floats = read_weights(converted)
+    blocks = gguf_weights(path, _read_json(converted / "config.json"))
+    assert blocks.keys() == floats.keys()
+    for name, weight in blocks.items():
+        if weight.shape[-1] > 1 and len(weight.shape) == 2:
+            assert isinstance(weight, QuantizedWeight) and weight.format.name == type_name.lower(), name
+        # Q and K rows were permuted as whole rows of blocks, the same permutation as the floats.
+        assert torch.equal(dense(weight), floats[name]), name
+
+
+@needs_native
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
+def test_each_block_format_loads_in_its_quantization_and_generates(type_name, wide_model_dir, tmp_path,
+                                                                   private_cache):
+    path = _quantized_gguf(wide_model_dir, tmp_path, type_name)
+    quantized, reference = _llm(path), _llm(path, dtype="float32")
+    assert quantized.engine.weight_format == type_name.lower()
+    assert quantized.engine.kernel_choice.kernel.name == "native-quant"
+    # Held in the file's own bytes: nothing dequantized kept beside them.
+    tensor_bytes = sum(t.n_bytes for t in GGUFReader(path).tensors)
+    assert quantized.engine.weights_nbytes <= 1.15 * tensor_bytes
+    prompts = ["The quick brown fox", "Once upon a time"]
+    ours, exact = quantized.prompt_logits(prompts), reference.prompt_logits(prompts)
+    # Activations rounded to 8 bits per block of 32 move the logits by a percent or so.
+    assert float((ours - exact).abs().max()) <= 0.05 * float(exact.abs().max())
+    completion = quantized.generate(prompts[:1], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert len(completion.token_ids) == 6
+
+
+@contextlib.contextmanager
+def native_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """NANOSERVE_NO_NATIVE=1 for engines started inside (the library is loaded once per process)."""
+    from nanoserve.native import quant as native_quant
+
+    monkeypatch.setenv("NANOSERVE_NO_NATIVE", "1")
+    native._load.cache_clear()
+    native_quant._lib.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("NANOSERVE_NO_NATIVE")
+        native._load.cache_clear()
+        native_quant._lib.cache_clear()
+
+
+def test_without_native_kernels_a_gguf_is_dequantized_at_load_and_says_so(wide_model_dir, tmp_path,
+                                                                           private_cache, monkeypatch):
+    path = _quantized_gguf(wide_model_dir, tmp_path, "Q4_1")
+    with native_off(monkeypatch):
+        plain = _llm(path)
+        exact = _llm(path, dtype="float32")
+    assert any("dequantized to float32 at load" in note for note in plain.engine.weight_notes)
+    assert plain.engine.weight_format == "float32"
+    prompts = ["The quick brown fox"]
+    assert torch.equal(plain.prompt_logits(prompts), exact.prompt_logits(prompts))
+
+
+def test_a_type_without_a_kernel_is_dequantized_at_load_naming_the_type(wide_model_dir, tmp_path,
+                                                                         private_cache):
+    path = _quantized_gguf(wide_model_dir, tmp_path, "Q5_0")
+    llm = _llm(path)
+    assert any("Q5_0 has no native kernel" in note for note in llm.engine.weight_notes)
+    completion = llm.generate(["Once upon"], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert len(completion.token_ids) == 4
+
+
+@needs_native
+@pytest.mark.parametrize("format_name", ["q8_0", "q4_0"])
+def test_quantize_runs_a_float_checkpoint_on_the_quantized_weights(format_name, wide_model_dir,
+                                                                   private_cache, monkeypatch):
+    quantized = _llm(wide_model_dir, quantize=format_name)
+    with native_off(monkeypatch):  # the same quantized weights, dequantized at load
+        dequantized = _llm(wide_model_dir, quantize=format_name)
+    assert quantized.engine.weight_format == format_name
+    assert any("dequantized to float32 at load" in note for note in dequantized.engine.weight_notes)
+    prompts = ["The quick brown fox"]
+    ours, exact = quantized.prompt_logits(prompts), dequantized.prompt_logits(prompts)
+    float_model = _llm(wide_model_dir).prompt_logits(prompts)
+    assert not torch.equal(exact, float_model)  # the weights were quantized
+    # What is left between the two is the kernels' rounding of activations to 8 bits.
+    assert float((ours - exact).abs().max()) <= 0.05 * float(exact.abs().max())
+
+
+def _generate_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from nanoserve_cli.main import app
+
+    return CliRunner().invoke(app, ["generate", "hi", "--max-tokens", "2", *args])
+
+
+def test_a_truncated_gguf_exits_2_naming_the_file(wide_model_dir, tmp_path, private_cache):
+    path = _quantized_gguf(wide_model_dir, tmp_path, "Q8_0")
+    path.write_bytes(path.read_bytes()[:-1000])
+    result = _generate_cli("--model", str(path))
+    assert result.exit_code == 2, result.output
+    assert path.name in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("why", ["unknown format", "already quantized"])
+def test_quantize_exits_2_naming_the_option(why, wide_model_dir, tmp_path, private_cache):
+    if why == "unknown format":
+        result = _generate_cli("--model", str(wide_model_dir), "--quantize", "q3_x")
+    else:
+        result = _generate_cli("--model", str(_quantized_gguf(wide_model_dir, tmp_path, "Q8_0")),
+                               "--quantize", "q8_0")
+    assert result.exit_code == 2, result.output
+    assert "--quantize" in result.output and "Traceback" not in result.output

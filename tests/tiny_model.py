@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFWriter, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize as gguf_quantize
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE, Unigram
@@ -278,8 +279,11 @@ def write_tiny_gguf(
     architecture: str = "llama",
     tokenizer_model: str = "gpt2",
     pre_tokenizer: str = "smollm",
+    matrix_type: GGMLQuantizationType = GGMLQuantizationType.F32,
 ) -> Path:
-    """Write the checkpoint in `hf_dir` as a float32 GGUF the way llama.cpp would."""
+    """Write the checkpoint in `hf_dir` as a GGUF the way llama.cpp would: float32, or with
+    every matrix in `matrix_type` (norms stay float32). gguf quantizes Q8_0/Q4_0/Q4_1 itself;
+    for other block types the matrices are random blocks (the values are not the checkpoint's)."""
     path, hf_dir = Path(path), Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     writer = GGUFWriter(str(path), architecture)
@@ -292,7 +296,10 @@ def write_tiny_gguf(
         kind = name.split(".")[-2]
         if kind in heads:
             values = llama_cpp_permute(values, heads[kind])
-        writer.add_tensor(name, np.ascontiguousarray(values))
+        if values.ndim == 2 and matrix_type != GGMLQuantizationType.F32:
+            writer.add_tensor(name, _blocks(values, matrix_type), raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(values))
     if config["rope_scaling"]:
         writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(config))
     writer.write_header_to_file()
@@ -300,6 +307,23 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _blocks(values: np.ndarray, matrix_type: GGMLQuantizationType) -> np.ndarray:
+    try:
+        return gguf_quantize(np.ascontiguousarray(values), matrix_type)
+    except NotImplementedError:
+        pass
+    # Random codes, with f16 scales of a sane size wherever the format keeps them.
+    block_values, block_bytes = GGML_QUANT_SIZES[matrix_type]
+    rows, cols = values.shape
+    rng = np.random.default_rng(rows * cols)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_values, block_bytes), dtype=np.uint8)
+    scale_offsets = {GGMLQuantizationType.Q6_K: (208,)}.get(matrix_type, (0, 2))
+    for offset in scale_offsets:
+        scales = rng.uniform(0.0005, 0.002, size=(len(blocks), 1)).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _add_hparams(writer: GGUFWriter, config: dict[str, Any]) -> None:

@@ -4,7 +4,8 @@ Owns: running the default model (or another) in each dtype on the reference case
 shared/reference (prompt ids, greedy ids, last-position logits of an independent float32
 implementation) and recording, per dtype and case, how many greedy tokens match before the
 first divergence, whether all match, and the largest absolute error of the last-position
-logits. `python -m nanoserve.bench.agreement --reference DIR --out results/dtype_agreement.csv`.
+logits. `python -m nanoserve.bench.agreement --reference DIR --out results/dtype_agreement.csv`; the
+dtype `quantized` is the default model in its own GGUF quantization (Q4_1, Q8_0 head).
 Refuses: judging; it measures, and README.md states what the figures mean for choosing a dtype.
 """
 
@@ -51,6 +52,7 @@ def measure(reference_dir: Path, dtypes: list[str], model: str | None = None) ->
                 "max_abs_logit_error": float((ours[i] - logits[f"last_logits_{i}"]).abs().max()),
                 "top1_agrees": int(ours[i].argmax()) == int(logits[f"last_logits_{i}"].argmax()),
                 "linear_kernel": llm.engine.kernel_choice.kernel.name,
+                "weight_format": llm.engine.weight_format,
             })
     return pd.DataFrame(rows).assign(**describe_machine("cpu").columns())
 
@@ -58,7 +60,7 @@ def measure(reference_dir: Path, dtypes: list[str], model: str | None = None) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", type=Path, required=True, help="shared/reference/smollm2")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16,quantized")
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=Path("results/dtype_agreement.csv"))
     args = parser.parse_args(argv)

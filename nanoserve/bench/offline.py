@@ -34,6 +34,7 @@ from nanoserve.bench.driver import (
 from nanoserve.bench.hardware import HardwareLimits, Machine, PeakMemory, describe_machine, probe_limits
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine import DTYPES, Engine
+from nanoserve.quant import is_quantized
 from nanoserve.sampling_params import SamplingParams
 
 # Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
@@ -155,6 +156,15 @@ class ModelCost:
         element = torch.tensor([], dtype=dtype).element_size()
         return cls(model_config.matmul_params * element, model_config.flops_per_token)
 
+    @classmethod
+    def of_engine(cls, engine: Engine) -> ModelCost:
+        """Quantized weights: the bytes of the blocks a step reads (its own format's roofline)."""
+        weights = engine.model.weights
+        if not is_quantized(weights.lm_head):
+            return cls.of(engine.model_config, engine.dtype)
+        lookup_only = 0 if weights.lm_head is weights.embed else weights.embed.nbytes
+        return cls(engine.weights_nbytes - lookup_only, engine.model_config.flops_per_token)
+
     def step_flops(self, step: StepRecord) -> float:
         """Forward FLOPs of a step's rows, each at its own context length."""
         return sum(self.flops_per_token_at(length) for length in step.context_lens)
@@ -200,7 +210,7 @@ class EngineRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = Engine(config)
-        self.cost = ModelCost.of(self.engine.model_config, self.engine.dtype)
+        self.cost = ModelCost.of_engine(self.engine)
         self.peak = PeakMemory(self.engine.device)
 
     def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], slots: int) -> RunRecord:
@@ -225,7 +235,7 @@ class TransformersRunner:
         hf_logging.disable_progress_bar()
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").to(device).eval()
+            model_dir, dtype=DTYPES.get(dtype, torch.float32), attn_implementation="sdpa").to(device).eval()
         self.pad_token_id = self.model.config.eos_token_id
         if isinstance(self.pad_token_id, list):
             self.pad_token_id = self.pad_token_id[0]
@@ -343,7 +353,8 @@ class Sweep:
                 self.baseline(config.dtype)
         first = next(iter(self._engines.values())).engine
         machine = describe_machine(first.device)
-        limits = probe_limits(first.device, dtype=DTYPES[self.spec.dtypes[0]], rows=self.spec.slots,
+        limits = probe_limits(first.device, dtype=DTYPES.get(self.spec.dtypes[0], first.dtype),
+                              rows=self.spec.slots,
                               kernel=first.kernel_choice.kernel)
         rows = []
         for group in _side_by_side(configs):
@@ -394,6 +405,8 @@ class Sweep:
         if config.engine == "nanoserve":
             runner = self._engine_of(config)
             figures |= step_metrics(run, runner.cost, limits) | runner.engine.kernel_choice.columns()
+            figures |= {"weight_format": runner.engine.weight_format,
+                        "weight_mb": runner.engine.weights_nbytes / 1e6}
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
             "batch_invariant": config.batch_invariant, "prefix_caching": config.prefix_caching,

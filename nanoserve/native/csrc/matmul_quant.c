@@ -1,0 +1,405 @@
+/* y = x @ W^T with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), x float32.
+ *
+ * As llama.cpp does on CPUs: each activation row is quantized once per call to 8-bit blocks of
+ * 32 (scale d, and s = d * sum of the 32 codes), and every weight sub-block of 32 values meets
+ * it in an integer dot product. Each weight sub-block j contributes
+ *     A_j * d_x * sum(qw * qx)  +  B_j * s_x
+ * where qw is the sub-block's integer codes and A_j, B_j its float scale and offset:
+ *     Q8_0: qw = qs (signed),           A = d,          B = 0
+ *     Q4_0: qw = nibble (0..15),        A = d,          B = -8 d
+ *     Q4_1: qw = nibble,                A = d,          B = m
+ *     Q4_K: qw = nibble,                A = d sc_j,     B = -dmin mn_j
+ *     Q5_K: qw = nibble | bit << 4,     A = d sc_j,     B = -dmin mn_j
+ *     Q6_K: qw = q6 - 32 (signed), two int8 scales per 32 folded into the integer sum, A = d.
+ * Block layouts: nanoserve/quant.py's docstring (as ggml-common.h defines them).
+ *
+ * Batch invariance (nanoserve.h): a row's output is a sum over its sub-blocks in K order, by
+ * the same instructions whatever tile of rows it is computed in; threads split output columns.
+ * Row blocking: a thread takes one weight row (an output column) at a time and runs it against
+ * up to ROW_TILE activation rows per pass, so the weight row is read from memory once per call
+ * and stays in L1 for the other passes; each weight sub-block is unpacked once per pass.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "nanoserve.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define NS_QUANT_AVX2 1
+#endif
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+#define ROW_TILE 4
+#define COLUMN_CHUNK 16 /* columns per OpenMP work item */
+
+/* One quantized activation block: 32 codes, their scale, and scale * sum(codes). */
+typedef struct {
+    int8_t qs[32];
+    float d;
+    float s;
+} xblock;
+
+static inline float f16_to_f32(const uint8_t *p) {
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+#else
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    uint32_t bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        int shift = 0;
+        while (!(mantissa & 0x400)) { mantissa <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* ---- per-format facts -------------------------------------------------------------------- */
+
+static inline int block_values(int fmt) { return fmt >= GGML_Q4_K ? 256 : 32; }
+
+static inline int block_bytes(int fmt) {
+    switch (fmt) {
+    case GGML_Q8_0: return 34;
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* The 6-bit scale and min of Q4_K/Q5_K sub-block j (quant.py's docstring). */
+static inline void k_scale_min(const uint8_t *scales, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = scales[j] & 63;
+        *mn = scales[j + 4] & 63;
+    } else {
+        *sc = (scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4);
+        *mn = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+    }
+}
+
+/* Sub-block j (of 32 values) of the block at `b`: its integer codes q[32], the int scale of
+ * each half (1 except Q6_K), and A, B as in the header comment. The portable form. */
+static void unpack_sub_block(int fmt, const uint8_t *b, int j, int8_t q[32], int half_scale[2],
+                             float *A, float *B) {
+    half_scale[0] = half_scale[1] = 1;
+    *B = 0.0f;
+    switch (fmt) {
+    case GGML_Q8_0:
+        memcpy(q, b + 2, 32);
+        *A = f16_to_f32(b);
+        return;
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const uint8_t *qs = b + (fmt == GGML_Q4_0 ? 2 : 4);
+        for (int l = 0; l < 16; l++) {
+            q[l] = (int8_t)(qs[l] & 0x0F);
+            q[l + 16] = (int8_t)(qs[l] >> 4);
+        }
+        *A = f16_to_f32(b);
+        *B = fmt == GGML_Q4_0 ? -8.0f * *A : f16_to_f32(b + 2);
+        return;
+    }
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        const uint8_t *qs = b + (fmt == GGML_Q4_K ? 16 : 48) + 32 * (j / 2);
+        for (int l = 0; l < 32; l++) {
+            int v = (j & 1) ? qs[l] >> 4 : qs[l] & 0x0F;
+            if (fmt == GGML_Q5_K) v |= ((b[16 + l] >> j) & 1) << 4;
+            q[l] = (int8_t)v;
+        }
+        *A = f16_to_f32(b) * (float)sc;
+        *B = -f16_to_f32(b + 2) * (float)mn;
+        return;
+    }
+    case GGML_Q6_K: {
+        int h = j / 4, t = j % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
+        const int8_t *scales = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+        for (int l = 0; l < 32; l++) {
+            int low = t < 2 ? ql[l] & 0x0F : ql[l] >> 4;
+            q[l] = (int8_t)((low | (((qh[l] >> (2 * t)) & 3) << 4)) - 32);
+        }
+        half_scale[0] = scales[0];
+        half_scale[1] = scales[1];
+        *A = f16_to_f32(b + 208);
+        return;
+    }
+    }
+}
+
+/* ---- activations ------------------------------------------------------------------------- */
+
+/* Row r of x [rows, k] -> k/32 blocks. Rounding to nearest even (nearbyintf, as the vector
+ * unit rounds), so every path quantizes a row to the same codes. */
+static void quantize_row(const float *x, int64_t k, xblock *out) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *v = x + 32 * b;
+        float amax = 0.0f;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
+        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int l = 0; l < 32; l++) {
+            int code = (int)nearbyintf(v[l] * id);
+            out[b].qs[l] = (int8_t)code;
+            sum += code;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+/* ---- portable dot products --------------------------------------------------------------- */
+
+/* out[r * n] = dot(weight row w, activation row r) for r < rows (a tile of at most ROW_TILE). */
+static void dot_rows_portable(int fmt, const uint8_t *w, const xblock *x, int64_t xblocks, int rows,
+                              float *out, int64_t n) {
+    float acc[ROW_TILE] = {0}, offsets[ROW_TILE] = {0};
+    int per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
+    for (int64_t sub = 0; sub < xblocks; sub++) {
+        int8_t q[32];
+        int half_scale[2];
+        float A, B;
+        unpack_sub_block(fmt, w + (sub / per_block) * bytes, (int)(sub % per_block), q, half_scale, &A, &B);
+        for (int r = 0; r < rows; r++) {
+            const xblock *xb = x + r * xblocks + sub;
+            int low = 0, high = 0;
+            for (int l = 0; l < 16; l++) low += q[l] * xb->qs[l];
+            for (int l = 16; l < 32; l++) high += q[l] * xb->qs[l];
+            acc[r] += (float)(low * half_scale[0] + high * half_scale[1]) * (A * xb->d);
+            offsets[r] += B * xb->s;
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r * n] = acc[r] + offsets[r];
+}
+
+/* ---- AVX2 dot products ------------------------------------------------------------------- */
+
+#ifdef NS_QUANT_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256i nibbles16(const uint8_t *qs) { /* 16 bytes -> 32 codes, low nibbles first */
+    __m128i packed = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+}
+
+/* Sub-block j's codes as 32 bytes, whether they are signed, the int16 scale of each half
+ * (lanes 0-7: values 0-15; lanes 8-15: values 16-31), A and B. */
+static inline __m256i unpack_avx2(int fmt, const uint8_t *b, int j, int *is_signed, __m256i *scale16,
+                                  float *A, float *B) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    *scale16 = _mm256_set1_epi16(1);
+    *is_signed = 0;
+    *B = 0.0f;
+    switch (fmt) {
+    case GGML_Q8_0:
+        *is_signed = 1;
+        *A = f16_to_f32(b);
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case GGML_Q4_0:
+        *A = f16_to_f32(b);
+        *B = -8.0f * *A;
+        return nibbles16(b + 2);
+    case GGML_Q4_1:
+        *A = f16_to_f32(b);
+        *B = f16_to_f32(b + 2);
+        return nibbles16(b + 4);
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        *A = f16_to_f32(b) * (float)sc;
+        *B = -f16_to_f32(b + 2) * (float)mn;
+        __m256i qs = _mm256_loadu_si256((const __m256i *)(b + (fmt == GGML_Q4_K ? 16 : 48) + 32 * (j / 2)));
+        __m256i q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(qs, 4) : qs, low4);
+        if (fmt == GGML_Q5_K) {
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+        }
+        return q;
+    }
+    case GGML_Q6_K: {
+        int h = j / 4, t = j % 4;
+        const int8_t *scales = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+        *is_signed = 1;
+        *A = f16_to_f32(b + 208);
+        *scale16 = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0]));
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        __m256i low = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
+        return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+    }
+    }
+    return _mm256_setzero_si256();
+}
+
+/* The tile kernel, inlined into one function per (format, tile height) so both are constants.
+ * Each row keeps two accumulators, even and odd sub-blocks, so a lone row has two independent
+ * FMA chains; a row's sums are the same instructions whatever the tile height. */
+static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, const int rows, const uint8_t *w,
+                                                                const xblock *x, int64_t xblocks, float *out,
+                                                                int64_t n) {
+    __m256 acc[ROW_TILE][2];
+    __m128 offsets[ROW_TILE];
+    for (int r = 0; r < rows; r++) {
+        acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        offsets[r] = _mm_setzero_ps();
+    }
+    const int per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
+    for (int64_t sub = 0; sub < xblocks; sub++) {
+        int is_signed;
+        __m256i scale16;
+        float A, B;
+        __m256i q = unpack_avx2(fmt, w + (sub / per_block) * bytes, (int)(sub % per_block), &is_signed,
+                                &scale16, &A, &B);
+        /* maddubs multiplies unsigned by signed bytes: a signed q moves its sign onto x. */
+        __m256i q_unsigned = is_signed ? _mm256_sign_epi8(q, q) : q;
+        for (int r = 0; r < rows; r++) {
+            const xblock *xb = x + r * xblocks + sub;
+            __m256i xv = _mm256_loadu_si256((const __m256i *)xb->qs);
+            if (is_signed) xv = _mm256_sign_epi8(xv, q);
+            __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(q_unsigned, xv), scale16);
+            acc[r][sub & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(A * xb->d), acc[r][sub & 1]);
+            if (fmt != GGML_Q8_0 && fmt != GGML_Q6_K) /* the formats with an offset B */
+                offsets[r] = _mm_fmadd_ss(_mm_set_ss(B), _mm_set_ss(xb->s), offsets[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        out[r * n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + _mm_cvtss_f32(offsets[r]);
+}
+
+#define DEFINE_DOT_AVX2(FMT)                                                                              \
+    static void dot_rows_avx2_##FMT(int fmt, const uint8_t *w, const xblock *x, int64_t xblocks, int rows, \
+                                    float *out, int64_t n) {                                            \
+        (void)fmt;                                                                                      \
+        if (rows == ROW_TILE) {                                                                         \
+            dot_tile_avx2(FMT, ROW_TILE, w, x, xblocks, out, n);                                        \
+            return;                                                                                     \
+        }                                                                                               \
+        for (int r = 0; r < rows; r++) dot_tile_avx2(FMT, 1, w, x + r * xblocks, xblocks, out + r * n, n); \
+    }
+DEFINE_DOT_AVX2(GGML_Q8_0)
+DEFINE_DOT_AVX2(GGML_Q4_0)
+DEFINE_DOT_AVX2(GGML_Q4_1)
+DEFINE_DOT_AVX2(GGML_Q4_K)
+DEFINE_DOT_AVX2(GGML_Q5_K)
+DEFINE_DOT_AVX2(GGML_Q6_K)
+
+static void dot_rows_avx2(int fmt, const uint8_t *w, const xblock *x, int64_t xblocks, int rows, float *out,
+                          int64_t n) {
+    switch (fmt) {
+    case GGML_Q8_0: dot_rows_avx2_GGML_Q8_0(fmt, w, x, xblocks, rows, out, n); return;
+    case GGML_Q4_0: dot_rows_avx2_GGML_Q4_0(fmt, w, x, xblocks, rows, out, n); return;
+    case GGML_Q4_1: dot_rows_avx2_GGML_Q4_1(fmt, w, x, xblocks, rows, out, n); return;
+    case GGML_Q4_K: dot_rows_avx2_GGML_Q4_K(fmt, w, x, xblocks, rows, out, n); return;
+    case GGML_Q5_K: dot_rows_avx2_GGML_Q5_K(fmt, w, x, xblocks, rows, out, n); return;
+    case GGML_Q6_K: dot_rows_avx2_GGML_Q6_K(fmt, w, x, xblocks, rows, out, n); return;
+    }
+}
+#endif
+
+/* ---- the entry points -------------------------------------------------------------------- */
+
+typedef void (*dot_rows_fn)(int, const uint8_t *, const xblock *, int64_t, int, float *, int64_t);
+
+/* One parallel region per call, no barrier inside: each thread quantizes every activation row
+ * itself (rows x k work, small beside the rows x n x k of the products) and then takes its
+ * share of the output columns. A fork/join costs microseconds on an idle machine, but on a
+ * loaded one each extra join waits for a descheduled thread. */
+static int matmul(dot_rows_fn dot, int fmt, const float *x, const uint8_t *w, float *y, int64_t rows,
+                  int64_t n, int64_t k, int num_threads) {
+    if (block_bytes(fmt) == 0 || k % block_values(fmt) != 0) return -1;
+    int64_t xblocks = k / 32, row_bytes = k / block_values(fmt) * block_bytes(fmt);
+    int64_t chunks = (n + COLUMN_CHUNK - 1) / COLUMN_CHUNK;
+    if (num_threads > chunks) num_threads = (int)chunks;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        xblock *xq = malloc(sizeof(xblock) * (size_t)(rows * xblocks));
+        if (!xq) {
+            failed = 1;
+        } else {
+            for (int64_t r = 0; r < rows; r++) quantize_row(x + r * k, k, xq + r * xblocks);
+#pragma omp for schedule(static) nowait
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                int64_t end = chunk * COLUMN_CHUNK + COLUMN_CHUNK < n ? chunk * COLUMN_CHUNK + COLUMN_CHUNK : n;
+                for (int64_t col = chunk * COLUMN_CHUNK; col < end; col++) {
+                    for (int64_t r = 0; r < rows; r += ROW_TILE) {
+                        int tile = rows - r < ROW_TILE ? (int)(rows - r) : ROW_TILE;
+                        dot(fmt, w + col * row_bytes, xq + r * xblocks, xblocks, tile, y + r * n + col, n);
+                    }
+                }
+            }
+            free(xq);
+        }
+    }
+    return failed ? -2 : 0;
+}
+
+/* y [rows, n] = x [rows, k] @ W^T, W [n, k] in GGUF format `fmt` (a GGML type number), the
+ * widest path compiled in. Returns 0, or -1 for an unknown format / k not whole blocks,
+ * -2 when out of memory. */
+NS_EXPORT int ns_matmul_quant(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
+                              int64_t k, int num_threads) {
+#ifdef NS_QUANT_AVX2
+    return matmul(dot_rows_avx2, fmt, x, w, y, rows, n, k, num_threads);
+#else
+    return matmul(dot_rows_portable, fmt, x, w, y, rows, n, k, num_threads);
+#endif
+}
+
+/* The same through the portable C dot products, for tests to hold the vector path against. */
+NS_EXPORT int ns_matmul_quant_portable(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows,
+                                       int64_t n, int64_t k, int num_threads) {
+    return matmul(dot_rows_portable, fmt, x, w, y, rows, n, k, num_threads);
+}
+
+/* out [count, k] = rows ids[i] of W [n, k] dequantized (a quantized token table's lookups).
+ * Returns 0, -1 as ns_matmul_quant, or -3 when an id is outside [0, n). */
+NS_EXPORT int ns_dequantize_rows(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
+                                 int64_t k, float *out, int num_threads) {
+    if (block_bytes(fmt) == 0 || k % block_values(fmt) != 0) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -3;
+    int64_t row_bytes = k / block_values(fmt) * block_bytes(fmt);
+    int per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *row = w + ids[i] * row_bytes;
+        for (int64_t sub = 0; sub < k / 32; sub++) {
+            int8_t q[32];
+            int half_scale[2];
+            float A, B;
+            unpack_sub_block(fmt, row + (sub / per_block) * bytes, (int)(sub % per_block), q, half_scale, &A, &B);
+            for (int l = 0; l < 32; l++)
+                out[i * k + 32 * sub + l] = A * (float)(q[l] * half_scale[l / 16]) + B;
+        }
+    }
+    return 0;
+}

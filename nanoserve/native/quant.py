@@ -1,0 +1,86 @@
+"""The native quantized kernels (csrc/matmul_quant.c) behind torch-shaped calls.
+
+Owns: the ctypes signatures of ns_matmul_quant / ns_matmul_quant_portable / ns_dequantize_rows,
+and the checks a raw pointer cannot make for itself (dtype, contiguity, shapes), done before
+every call: a wrong pointer is a segfault, not an exception.
+Refuses: to run without the library; `runs(format)` says whether it can, and callers take the
+torch path (nanoserve.quant) otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from nanoserve import native
+from nanoserve.quant import BlockFormat, QuantizedWeight
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    loaded = native.library()
+    if loaded is None:
+        return None
+    lib = loaded.lib
+    matmul_args = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+    for name in ("ns_matmul_quant", "ns_matmul_quant_portable"):
+        getattr(lib, name).argtypes = matmul_args
+        getattr(lib, name).restype = ctypes.c_int
+    lib.ns_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
+    lib.ns_dequantize_rows.restype = ctypes.c_int
+    return lib
+
+
+def runs(fmt: BlockFormat) -> bool:
+    """Whether the native library is loaded (it runs every format in nanoserve.quant.FORMATS)."""
+    return _lib() is not None
+
+
+def matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
+    """x [rows, in] float32 @ weight^T -> float32 [rows, out]."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError(native.status())
+    out_features, in_features = weight.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features or x.device.type != "cpu":
+        raise ValueError(f"x must be float32 [rows, {in_features}] on the CPU; got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    x = x.contiguous()
+    blocks = weight.blocks.contiguous()
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        entry = lib.ns_matmul_quant_portable if portable else lib.ns_matmul_quant
+        status = entry(weight.format.ggml_type, x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
+                       x.shape[0], out_features, in_features, torch.get_num_threads())
+        _check(status, weight)
+    return y
+
+
+def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of `weight` as float32 [*ids.shape, in] (embedding lookups)."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError(native.status())
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), weight.shape[1], dtype=torch.float32)
+    if flat.numel():
+        status = lib.ns_dequantize_rows(weight.format.ggml_type, weight.blocks.contiguous().data_ptr(),
+                                        flat.data_ptr(), flat.numel(), weight.shape[0], weight.shape[1],
+                                        out.data_ptr(),
+                                        torch.get_num_threads())
+        _check(status, weight)
+    return out.reshape(*ids.shape, weight.shape[1])
+
+
+def _check(status: int, weight: QuantizedWeight) -> None:
+    if status == -2:
+        raise MemoryError("the quantized matmul could not allocate its activation blocks")
+    if status == -3:
+        raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
+    if status != 0:
+        raise ValueError(f"the native library refused {weight.format.name} {weight.shape} (status {status})")
