@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.request import Request, RequestStatus
+from nanoserve.request import NewToken, OutputState, Request, RequestStatus
 from nanoserve.sampler import SampledTokens
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import NewToken
 from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -92,15 +91,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
-
-
-@dataclass(slots=True)
-class OutputState:
-    """A request's text state (kept on the request): the detokenizer and the stop-string matcher."""
-
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
-    stop_token_ids: frozenset[int]
 
 
 class OutputProcessor:

@@ -1,4 +1,7 @@
-"""One request's state as it moves through the engine. Plain Python: no torch here."""
+"""One request's state as it moves through the engine, and `NewToken`, the record that moves it on.
+
+Plain Python: no torch here. Every module that handles requests imports this one; it imports
+none of them (the types it names for annotations only come from lower floors)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from typing import TYPE_CHECKING
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanoserve.output import OutputState
     from nanoserve.sampler import RowEdits
+    from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -31,6 +34,27 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """A token sampled for a request this step, and how it ends the request (None: it goes on).
+
+    Made by the output processor's stop rules, applied by `Scheduler.update_after_step`."""
+
+    request_id: str
+    token_id: int
+    finish: RequestStatus | None = None
+
+
+@dataclass(slots=True)
+class OutputState:
+    """A request's text state (kept on the request, built by the output processor): the
+    detokenizer and the stop-string matcher."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    stop_token_ids: frozenset[int]
 
 
 @dataclass(slots=True, eq=False)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.block_pool import BlockPool, block_keys
 from nanoserve.errors import InvalidRequestError
-from nanoserve.request import Request, RequestStatus
+from nanoserve.request import NewToken, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +70,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-
-@dataclass(frozen=True, slots=True)
-class NewToken:
-    """A token sampled for a request this step, and how it ends the request (None: it goes on)."""
-
-    request_id: str
-    token_id: int
-    finish: RequestStatus | None = None
 
 
 class Scheduler:
