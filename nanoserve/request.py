@@ -14,6 +14,7 @@ from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanoserve.sampler import RowEdits
+    from nanoserve.spec_decode import DraftState
     from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -63,9 +64,9 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
     is never computed yet: the next step feeds it to the model. `output_state` is the text
-    side (detokenizer, stop-string matcher) and `sampler_edits` the sampler's (its penalty
-and logit_bias cells on the device), so a live request's state is all in one place and goes
-when the request does.
+    side (detokenizer, stop-string matcher), `sampler_edits` the sampler's (its penalty and
+    logit_bias cells on the device) and `draft_state` the speculative proposer's, so a live
+    request's state is all in one place and goes when the request does.
     """
 
     request_id: str
@@ -82,6 +83,10 @@ when the request does.
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks so far
     output_state: OutputState | None = None
     sampler_edits: RowEdits | None = None  # penalty and logit_bias cells, built once per request
+    # Speculative decoding: the drafts proposed to follow the newest token (the scheduler takes
+    # what its budget allows), and the proposer's own state (n-gram index, back-off).
+    draft_ids: list[int] = field(default_factory=list)
+    draft_state: DraftState | None = None
 
     @property
     def num_tokens(self) -> int:
