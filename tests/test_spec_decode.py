@@ -246,8 +246,10 @@ def test_random_workloads_give_the_same_tokens_logprobs_and_text_with_speculatio
 def test_the_random_workloads_do_draft_accept_and_preempt(engines):
     """The property above could pass with speculation never engaging: pin that it does."""
     plain, spec = engines
-    greedy = SamplingParams(max_tokens=14, temperature=0.0, logprobs=2, ignore_eos=True)
-    jobs = [([5, 6, 7, 8] * 9, greedy, None) for _ in range(6)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True)
+    # 44-token prompts of their own (no prefix shared), 15 blocks each at the end: four alive
+    # at once outgrow the 40-block pool.
+    jobs = [([5 + i, 6, 7, 8] * 11, greedy, None) for i in range(6)]
     before = (spec.engine.stats.spec_draft_tokens, spec.engine.stats.spec_accepted_tokens,
               spec.engine.scheduler.num_preemptions)
     expected, _ = run_staggered(plain, jobs)
