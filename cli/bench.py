@@ -63,6 +63,23 @@ def _switches(text: str) -> tuple[bool, ...]:
     return tuple(value == "on" for value in parse_choice_list(text, ("off", "on")))
 
 
+def _drafts(text: str) -> tuple[int, ...]:
+    from nanoserve.bench.offline import parse_int_list
+    from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS
+
+    values = parse_int_list(text, minimum=0)
+    if any(value > MAX_SPECULATIVE_TOKENS for value in values):
+        raise ValueError(f"at most {MAX_SPECULATIVE_TOKENS} drafts; got {text!r}")
+    return values
+
+
+def _prompt_kind(text: str) -> str:
+    from nanoserve.bench.offline import PROMPT_KINDS, parse_choice_list
+
+    (kind,) = parse_choice_list(text, PROMPT_KINDS)
+    return kind
+
+
 def _baseline(text: str | None) -> str | None:
     from nanoserve.bench.offline import BASELINES
 
@@ -90,6 +107,14 @@ PrefixCachingSweep = Annotated[str, typer.Option(
 SharedPrefixLen = Annotated[int, typer.Option(
     min=0, help="Leading prompt tokens every request shares (part of --input-len), as a system "
                 "prompt; the warm-up runs see it too.")]
+SpeculativeSweep = Annotated[str, typer.Option(
+    "--speculative-tokens", callback=checked(_drafts), metavar="K,K,...",
+    help="Speculative drafts per request per step (0 off); 0,4 runs both side by side and reports "
+         "the ratio and whether the tokens are the same.")]
+PromptKind = Annotated[str, typer.Option(
+    "--prompts", callback=checked(_prompt_kind),
+    help="synthetic: random ids of --input-len; repeat: chat prompts whose answer repeats code "
+         "given in the prompt (EOS ends a request).")]
 Baseline = Annotated[str | None, typer.Option(
     callback=checked(_baseline), help="Also run this engine on the same workload: transformers.")]
 InputLen = Annotated[int, typer.Option(min=1, help="Prompt length in tokens (synthetic token ids).")]
@@ -115,6 +140,8 @@ def bench(
     batch_invariant: BatchInvariantSweep = "on",
     prefix_caching: PrefixCachingSweep = "on",
     shared_prefix_len: SharedPrefixLen = 0,
+    speculative_tokens: SpeculativeSweep = "0",
+    prompts: PromptKind = "synthetic",
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
     model: options.Model = None,
@@ -135,10 +162,11 @@ def bench(
     if shared_prefix_len > input_len:
         options.fail(f"--shared-prefix-len ({shared_prefix_len}) must be at most --input-len ({input_len})")
     spec = SweepSpec(slots=slots, params=params, dtypes=dtype, batch_invariant=batch_invariant,
-                     prefix_caching=prefix_caching, baseline=baseline, model=model, device=device,
+                     prefix_caching=prefix_caching, speculative_tokens=speculative_tokens,
+                     baseline=baseline, model=model, device=device,
                      threads=threads, linear_kernel=linear_kernel,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat,
-                                       shared_prefix_len))
+                                       shared_prefix_len, prompts))
     run_offline(spec, out, chart=chart, append=append)
 
 
@@ -192,6 +220,8 @@ def bench_table(result):
     for row in result.frame.itertuples():
         engine = row.engine + (" (batch-inv)" if row.batch_invariant else "")
         engine += " (no prefix cache)" if row.engine == "nanoserve" and not row.prefix_caching else ""
+        drafts = getattr(row, "speculative_tokens", 0)
+        engine += f" ({drafts} drafts: x{row.ratio_to_no_speculation:.2f})" if drafts else ""
         roof_ms = max(getattr(row, "memory_limit_step_ms", float("nan")),
                       getattr(row, "compute_limit_step_ms", float("nan")))
         table.add_row(engine, row.dtype, str(row.slots), row.params, _f(row.output_tokens_per_s, 1),

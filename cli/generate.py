@@ -51,6 +51,10 @@ def generate(
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
     quantize: options.Quantize = None,
+    speculative_tokens: options.SpeculativeTokens = 0,
+    speculative_method: options.SpeculativeMethod = "ngram",
+    speculative_ngram_min: options.SpeculativeNgramMin = 2,
+    speculative_ngram_max: options.SpeculativeNgramMax = 4,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
     if prompt == "-":
@@ -66,7 +70,11 @@ def generate(
                                    max_num_seqs=1, max_model_len=max_model_len,
                                    kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
                                    threads=threads, linear_kernel=linear_kernel,
-                                   prefix_caching=prefix_caching, quantize=quantize)
+                                   prefix_caching=prefix_caching, quantize=quantize,
+                                   speculative_tokens=speculative_tokens,
+                                   speculative_method=speculative_method,
+                                   speculative_ngram_min=speculative_ngram_min,
+                                   speculative_ngram_max=speculative_ngram_max)
     try:
         from nanoserve.llm import LLM
 

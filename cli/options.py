@@ -45,6 +45,17 @@ LinearKernel = Annotated[str | None, typer.Option(
     help="Force one matrix-multiply kernel (aten, aten-tile16, onednn, onednn-min2); default: the "
          "fastest this machine measured that passes the batch-invariance self-test.")]
 
+SpeculativeTokens = Annotated[int, typer.Option(
+    min=0, max=16, help="Speculative decoding: up to K draft tokens per request per step, verified in "
+    "one chunk; tokens and logprobs stay exactly as without it (under --batch-invariant). 0 is off "
+    "(the default); at most 16.")]
+SpeculativeMethod = Annotated[str, typer.Option(
+    help="Where drafts come from: ngram (prompt lookup over the request's own tokens).")]
+SpeculativeNgramMin = Annotated[int, typer.Option(
+    min=1, help="Shortest suffix n-gram prompt lookup matches.")]
+SpeculativeNgramMax = Annotated[int, typer.Option(
+    min=1, help="Longest suffix n-gram prompt lookup tries first.")]
+
 # Maps a SamplingParams / engine field to the command-line option that sets it.
 FIELD_TO_OPTION = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k",
@@ -65,9 +76,12 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   kv_cache_gb: float | None = None, block_size: int = 16,
                   batch_invariant: bool = True, threads: int | None = None,
                   linear_kernel: str | None = None, prefix_caching: bool = True,
-                  quantize: str | None = None) -> EngineConfig:
+                  quantize: str | None = None, speculative_tokens: int = 0,
+                  speculative_method: str = "ngram", speculative_ngram_min: int = 2,
+                  speculative_ngram_max: int = 4) -> EngineConfig:
     from nanoserve.engine import DTYPES, QUANTIZED
     from nanoserve.quant import QUANTIZERS
+    from nanoserve.spec_decode import SpecConfig
 
     if dtype not in (*DTYPES, "auto", QUANTIZED):
         fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {dtype!r}")
@@ -76,12 +90,20 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda; got {device!r}")
     check_linear_kernel(linear_kernel)
+    try:
+        SpecConfig(speculative_tokens, speculative_method, speculative_ngram_min,
+                   speculative_ngram_max).check(draft_model=None)
+    except InvalidRequestError as error:
+        fail_for(error)
     return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
                         max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                         batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel,
-                        enable_prefix_caching=prefix_caching, quantize=quantize)
+                        enable_prefix_caching=prefix_caching, quantize=quantize,
+                        speculative_tokens=speculative_tokens, speculative_method=speculative_method,
+                        speculative_ngram_min=speculative_ngram_min,
+                        speculative_ngram_max=speculative_ngram_max)
 
 
 def check_linear_kernel(name: str | None) -> None:

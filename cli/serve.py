@@ -59,6 +59,10 @@ def serve(
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
     quantize: options.Quantize = None,
+    speculative_tokens: options.SpeculativeTokens = 0,
+    speculative_method: options.SpeculativeMethod = "ngram",
+    speculative_ngram_min: options.SpeculativeNgramMin = 2,
+    speculative_ngram_max: options.SpeculativeNgramMax = 4,
     max_tokens_limit: Annotated[int | None, typer.Option(
         min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
     max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
@@ -103,7 +107,11 @@ def serve(
                                    max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
                                    block_size=block_size, batch_invariant=batch_invariant,
                                    threads=threads, linear_kernel=linear_kernel,
-                                   prefix_caching=prefix_caching, quantize=quantize)
+                                   prefix_caching=prefix_caching, quantize=quantize,
+                                   speculative_tokens=speculative_tokens,
+                                   speculative_method=speculative_method,
+                                   speculative_ngram_min=speculative_ngram_min,
+                                   speculative_ngram_max=speculative_ngram_max)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

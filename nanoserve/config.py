@@ -241,3 +241,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     linear_kernel: str | None = None  # None: the fastest that qualifies, measured at start-up
     threads: int | None = None  # CPU threads; None: every core this process may run on
+    # Speculative decoding (exact: tokens and logprobs as without it, under batch invariance):
+    # up to this many drafts per request per step, 0 off; proposed by prompt lookup over
+    # n-grams of speculative_ngram_max down to speculative_ngram_min tokens.
+    speculative_tokens: int = 0
+    speculative_method: str = "ngram"
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4

@@ -1,7 +1,20 @@
 """The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
 
-Each step: schedule -> prepare -> forward -> sample -> collect (one readback, stop rules and
-text, then `Scheduler.update_after_step`). Every phase's time and readbacks are counted in
+Each step, one readback:
+
+    schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`), then
+               `Scheduler.schedule`: which requests, how many tokens, drafts as extra rows
+    prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group
+    forward    logits of every sampled row: a decode's newest token and each of its drafts
+    sample     one token per row on the device, row i of a drafting request keyed and penalized
+               as if drafts[:i] were already its output
+    collect    the readback; per request, the run the verification accepts (drafts equal to
+               what was sampled, then the first that differs), judged token by token by the
+               stop rules; then `Scheduler.update_after_step` (tokens appended, accepted drafts
+               computed, rejected drafts' blocks freed)
+
+Deferred output (resolving step N on the host while step N+1 runs) is not built yet: the
+next step starts after this one's collect. Every phase's time and readbacks are counted in
 `EngineStats`, so `profile` reads them without touching the engine.
 `LLM` (llm.py) is the offline and streaming front over this class.
 """
@@ -33,6 +46,7 @@ from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, Reque
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.spec_decode import DraftState, SpecConfig, accepted_prefix
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_weights
 
@@ -56,6 +70,10 @@ class EngineStats:
     decode_steps: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # Speculative decoding: drafts verified, drafts accepted, tokens emitted by drafting rows.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     phase_readbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
@@ -136,6 +154,9 @@ def _weight_format(weights: LlamaWeights) -> str:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.spec = SpecConfig(config.speculative_tokens, config.speculative_method,
+                               config.speculative_ngram_min, config.speculative_ngram_max)
+        self.spec.check(draft_model=None)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.threads = set_threads(config.threads)
@@ -312,6 +333,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         timer = PhaseTimer(self.stats, self.readbacks, sync_cuda=self.sync_phases, label=self.label_phases)
         with timer("schedule"):
+            self._propose_drafts()
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -326,21 +348,55 @@ class Engine:
         self._count_step(plan)
         return outputs
 
+    def _propose_drafts(self) -> None:
+        """Drafts for every decoding request, from its own tokens (prompt lookup)."""
+        if not self.spec.enabled:
+            return
+        for request in self.scheduler.running:
+            if request.num_uncomputed_tokens != 1:
+                request.draft_ids = []
+                continue
+            if request.draft_state is None:
+                request.draft_state = DraftState.for_config(self.spec)
+            state = request.draft_state
+            request.draft_ids = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
+                                              self.spec.num_tokens)
+
     def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
-        """The step's one readback, each new token judged by the stop rules, then the update."""
+        """The step's one readback; each request's run (one token, or a verified speculative
+        run) judged by the stop rules token by token; then the update."""
         host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
-        judged = [self.outputs.judge(self.requests[request_id], token_id, logprob)
-                  for request_id, token_id, logprob in host.rows()]
-        self.scheduler.update_after_step(plan, [new_token for new_token, _ in judged])
-        self.stats.generation_tokens += len(judged)
-        return [output for _, output in judged]
+        drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
+        new_tokens, outputs = [], []
+        for request_id, token_ids, logprobs in host.runs():
+            request = self.requests[request_id]
+            if request_id in drafts:
+                token_ids, logprobs = self._verified(request, drafts[request_id], token_ids, logprobs)
+            judged, output = self.outputs.judge_run(request, token_ids, logprobs)
+            new_tokens += judged
+            outputs.append(output)
+        self.scheduler.update_after_step(plan, new_tokens)
+        self.stats.generation_tokens += len(new_tokens)
+        return outputs
+
+    def _verified(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
+                  logprobs: list) -> tuple[list[int], list]:
+        """The run a verification emits: the accepted drafts, then the first token that
+        differs (or the one after the last draft)."""
+        accepted = accepted_prefix(drafts, token_ids)
+        if request.draft_state is not None:
+            request.draft_state.record(len(drafts), accepted)
+        self.stats.spec_draft_tokens += len(drafts)
+        self.stats.spec_accepted_tokens += accepted
+        self.stats.spec_emitted_tokens += accepted + 1
+        return token_ids[:accepted + 1], logprobs[:accepted + 1]
 
     def _count_step(self, plan: SchedulerOutput) -> None:
         self.stats.steps += 1
         self.stats.prompt_tokens += sum(
             max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
             for c in plan.chunks)
-        if all(chunk.num_tokens == 1 for chunk in plan.chunks):
+        if all(chunk.is_decode for chunk in plan.chunks):
             self.stats.decode_steps += 1
 
     @torch.inference_mode()

@@ -1,8 +1,10 @@
 """From a scheduler's plan to the model's flat batch, then logits, then sampled tokens.
 
-Owns the layout of a step: rows of single-token chunks (decodes) first, as one attention
-group, then each multi-token (prefill) chunk as a group of its own; the flat cache slot of
-every row; which rows need logits; and the sampling rows in the same order.
+Owns the layout of a step: decode rows first, as one attention group (a decode's speculative
+drafts are rows of that group too, each a one-row sequence over the request's blocks), then
+each prefill chunk as a group of its own; the flat cache slot of every row; which rows need logits
+(a drafting chunk's newest-token row and every draft row); and the sampling rows in the same
+order, with the request id of each.
 """
 
 from __future__ import annotations
@@ -37,18 +39,19 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
-        ordered = sorted(chunks, key=lambda chunk: chunk.num_tokens > 1)  # decodes first, stable
+        ordered = sorted(chunks, key=lambda chunk: not chunk.is_decode)  # decodes first, stable
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
-            input_ids += chunk.request.token_ids(chunk.start, stop)
+            known_stop = stop - len(chunk.draft_ids)
+            input_ids += chunk.request.token_ids(chunk.start, known_stop) + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
-            if chunk.samples:
-                logits_rows.append(len(input_ids) - 1)
+            if chunk.samples:  # the newest token's row, then one per draft
+                logits_rows += range(len(input_ids) - 1 - len(chunk.draft_ids), len(input_ids))
         batch = ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
@@ -58,7 +61,7 @@ class ModelRunner:
         )
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
-                            [chunk.request.request_id for chunk in sampled])
+                            [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))])
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order."""
@@ -74,13 +77,25 @@ class ModelRunner:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _groups(self, ordered: list[ScheduledChunk]) -> list[AttentionGroup]:
-        decodes = [chunk for chunk in ordered if chunk.num_tokens == 1]
-        groups = [self._group(decodes, row_start=0, rows_per_seq=1)] if decodes else []
-        row = len(decodes)
+        decodes = [chunk for chunk in ordered if chunk.is_decode]
+        groups = [self._decode_group(decodes)] if decodes else []
+        row = sum(chunk.num_tokens for chunk in decodes)
         for chunk in ordered[len(decodes):]:
             groups.append(self._group([chunk], row_start=row, rows_per_seq=chunk.num_tokens))
             row += chunk.num_tokens
         return groups
+
+    def _decode_group(self, decodes: list[ScheduledChunk]) -> AttentionGroup:
+        """Every decode row, a draft's too, as a one-row sequence of its own (a drafting chunk's
+        rows share its block table): one attention call for all of them, and each draft row is
+        computed exactly as the decode step that would reach its position. Every row's K/V is
+        written before any row attends, so a draft row sees the drafts before it."""
+        rows = [(c.request.block_ids, p) for c in decodes for p in range(c.start, c.start + c.num_tokens)]
+        num_blocks = max(-(-(position + 1) // self.block_size) for _, position in rows)
+        # Short block tables are padded with block 0: the mask hides those slots.
+        tables = [(block_ids[:num_blocks] + [0] * num_blocks)[:num_blocks] for block_ids, _ in rows]
+        return AttentionGroup(0, len(rows), 1, self._tensor([[position] for _, position in rows]),
+                              self._tensor(tables), first_positions=tuple(position for _, position in rows))
 
     def _group(self, chunks: list[ScheduledChunk], *, row_start: int, rows_per_seq: int) -> AttentionGroup:
         num_blocks = max(-(-(c.start + c.num_tokens) // self.block_size) for c in chunks)
@@ -93,14 +108,24 @@ class ModelRunner:
     def _sampling_batch(self, sampled: list[ScheduledChunk]) -> SamplingBatch | None:
         if not sampled:
             return None
-        rows = [
-            SamplingRow(params=c.request.params, seed=c.request.seed,
-                        position=len(c.request.output_ids), prompt_ids=c.request.prompt_ids,
-                        output_ids=c.request.output_ids, edits=self._row_edits(c.request))
-            for c in sampled
-        ]
+        rows = [row for chunk in sampled for row in self._sampling_rows(chunk)]
         return SamplingBatch.build(rows, vocab_size=self.model.config.vocab_size,
                                    eos_token_ids=self.eos_token_ids, device=self.device)
+
+    def _sampling_rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
+        """The newest token's row, then one per draft: row i samples the token that would
+        follow the output plus drafts[:i], with that position's key and penalty state, so it
+        draws what decoding without speculation would draw once those drafts are accepted."""
+        request = chunk.request
+        output = request.output_ids
+        edits = self._row_edits(request)
+        rows = [SamplingRow(request.params, request.seed, len(output), request.prompt_ids, output, edits)]
+        for i in range(1, len(chunk.draft_ids) + 1):
+            ahead = output + list(chunk.draft_ids[:i])
+            edits = edits.fork(ahead)
+            rows.append(SamplingRow(request.params, request.seed, len(ahead), request.prompt_ids,
+                                    ahead, edits))
+        return rows
 
     def _row_edits(self, request: Request) -> RowEdits:
         """The request's penalty and bias cells, built at its first sampled step and kept on it."""

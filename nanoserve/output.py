@@ -9,15 +9,15 @@ Refuses: reading a tensor back more than once per step; changing request state b
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from nanoserve.request import Request, RequestStatus
+from nanoserve.request import NewToken, OutputState, Request, RequestStatus
 from nanoserve.sampler import SampledTokens
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import NewToken
 from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -38,6 +38,12 @@ class HostTokens:
 
     def rows(self) -> Iterator[tuple[str, int, TokenLogprob | None]]:
         return zip(self.request_ids, self.token_ids, self.logprobs, strict=True)
+
+    def runs(self) -> Iterator[tuple[str, list[int], list[TokenLogprob | None]]]:
+        """Consecutive rows of one request as one run (a speculative chunk's rows are adjacent)."""
+        for request_id, rows in itertools.groupby(self.rows(), key=lambda row: row[0]):
+            rows = list(rows)
+            yield request_id, [row[1] for row in rows], [row[2] for row in rows]
 
 
 class ReadbackCounter:
@@ -94,21 +100,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
 
 
-@dataclass(slots=True)
-class OutputState:
-    """A request's text state (kept on the request): the detokenizer and the stop-string matcher."""
-
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
-    stop_token_ids: frozenset[int]
-
-
-def _own_logprobs(logprob: TokenLogprob | None, wanted: int | None) -> list[TokenLogprob] | None:
-    """What this request asked for of its row's logprobs: a step reads back the most any of
+def _own_logprobs(logprobs: Sequence[TokenLogprob | None], wanted: int | None) -> list[TokenLogprob] | None:
+    """What this request asked for of its rows' logprobs: a step reads back the most any of
     its rows asked for, so a neighbour's request must not widen (or create) this one's."""
-    if logprob is None or wanted is None:
+    if wanted is None or not logprobs or logprobs[0] is None:
         return None
-    return [TokenLogprob(logprob.token_id, logprob.logprob, logprob.top[:wanted])]
+    return [TokenLogprob(entry.token_id, entry.logprob, entry.top[:wanted]) for entry in logprobs]
 
 
 class OutputProcessor:
@@ -132,21 +129,38 @@ class OutputProcessor:
               logprob: TokenLogprob | None) -> tuple[NewToken, RequestOutput]:
         """What `token_id`, sampled for `request` and not yet appended, means: whether it ends
         the request (for `Scheduler.update_after_step`) and the delta the caller receives."""
-        num_output = len(request.output_ids) + 1
-        text, status, stop_reason = self._advance(request, token_id, num_output)
+        new_tokens, output = self.judge_run(request, [token_id], [logprob])
+        return new_tokens[0], output
+
+    def judge_run(self, request: Request, token_ids: Sequence[int],
+                  logprobs: Sequence[TokenLogprob | None]) -> tuple[list[NewToken], RequestOutput]:
+        """`judge` for a run of tokens one step produced for one request (a speculative run),
+        token by token: the first that ends the request ends the run, and the rest are dropped.
+        One delta for the whole run."""
+        new_tokens: list[NewToken] = []
+        text, status, stop_reason = "", None, None
+        for token_id in token_ids:
+            num_output = len(request.output_ids) + len(new_tokens) + 1
+            delta, status, stop_reason = self._advance(request, token_id, num_output)
+            text += delta
+            new_tokens.append(NewToken(request.request_id, token_id, status))
+            if status is not None:
+                break
+        kept = [token.token_id for token in new_tokens]
+        logprobs = list(logprobs[:len(kept)])
         output = RequestOutput(
             request_id=request.request_id,
             text=text,
-            token_ids=[token_id],
-            logprobs=_own_logprobs(logprob, request.params.logprobs),
+            token_ids=kept,
+            logprobs=_own_logprobs(logprobs, request.params.logprobs),
             finished=status is not None,
             finish_reason=status.value if status is not None else None,
             stop_reason=stop_reason,
             num_prompt_tokens=len(request.prompt_ids),
-            num_output_tokens=num_output,
+            num_output_tokens=len(request.output_ids) + len(kept),
             num_cached_tokens=request.num_cached_tokens,
         )
-        return NewToken(request.request_id, token_id, status), output
+        return new_tokens, output
 
     def _advance(self, request: Request, token_id: int,
                  num_output: int) -> tuple[str, RequestStatus | None, str | int | None]:

@@ -1,4 +1,7 @@
-"""One request's state as it moves through the engine. Plain Python: no torch here."""
+"""One request's state as it moves through the engine, and `NewToken`, the record that moves it on.
+
+Plain Python: no torch here. Every module that handles requests imports this one; it imports
+none of them (the types it names for annotations only come from lower floors)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ from typing import TYPE_CHECKING
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanoserve.output import OutputState
     from nanoserve.sampler import RowEdits
+    from nanoserve.spec_decode import DraftState
+    from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -33,15 +37,36 @@ _FINISHED = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """A token sampled for a request this step, and how it ends the request (None: it goes on).
+
+    Made by the output processor's stop rules, applied by `Scheduler.update_after_step`."""
+
+    request_id: str
+    token_id: int
+    finish: RequestStatus | None = None
+
+
+@dataclass(slots=True)
+class OutputState:
+    """A request's text state (kept on the request, built by the output processor): the
+    detokenizer and the stop-string matcher."""
+
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    stop_token_ids: frozenset[int]
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Token ids so far, how many of them have K/V in the cache, and the blocks holding it.
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
     is never computed yet: the next step feeds it to the model. `output_state` is the text
-    side (detokenizer, stop-string matcher) and `sampler_edits` the sampler's (its penalty
-and logit_bias cells on the device), so a live request's state is all in one place and goes
-when the request does.
+    side (detokenizer, stop-string matcher), `sampler_edits` the sampler's (its penalty and
+    logit_bias cells on the device) and `draft_state` the speculative proposer's, so a live
+    request's state is all in one place and goes when the request does.
     """
 
     request_id: str
@@ -58,6 +83,10 @@ when the request does.
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks so far
     output_state: OutputState | None = None
     sampler_edits: RowEdits | None = None  # penalty and logit_bias cells, built once per request
+    # Speculative decoding: the drafts proposed to follow the newest token (the scheduler takes
+    # what its budget allows), and the proposer's own state (n-gram index, back-off).
+    draft_ids: list[int] = field(default_factory=list)
+    draft_state: DraftState | None = None
 
     @property
     def num_tokens(self) -> int:

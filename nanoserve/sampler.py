@@ -55,6 +55,7 @@ grows with a row's logit_bias, prompt or output (`RowEdits` reads each of them o
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -171,6 +172,18 @@ class RowEdits:
         if tokens:
             slots = self._longs([self.count_slots[t] for t in tokens])
             self.counts = self.counts.index_add(0, slots, torch.ones_like(slots))
+
+    def fork(self, output_ids: Sequence[int]) -> RowEdits:
+        """These cells as they will be once `output_ids` (this one's tokens and more: a
+        speculative row's drafts) are generated, leaving this one as it is. Its own object
+        only when a penalty counts tokens; the bias alone never changes."""
+        if self.params.repetition_penalty == 1 and not (self.params.frequency_penalty
+                                                        or self.params.presence_penalty):
+            return self
+        forked = copy.copy(self)  # the tensors are never changed in place, only replaced
+        forked.seen, forked.count_slots = set(self.seen), dict(self.count_slots)
+        forked.catch_up(output_ids)
+        return forked
 
     def catch_up(self, output_ids: Sequence[int]) -> None:
         """Take in the tokens generated since the last call (output_ids only ever grows)."""

@@ -22,21 +22,26 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
 
-After the step, `update_after_step` is the one place request state moves on: computed tokens
-advance, blocks a step filled are registered in the prefix cache, each new token is appended,
-and requests the stop rules ended are finished. The
+With speculation, a decoding request also carries the drafts the engine proposed for it
+(`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
+its chunk; when the pool has no room for them it decodes plainly instead (drafts never preempt).
+
+After the step, `update_after_step` is the one place request state moves on: each new token is
+appended, computed tokens advance (a chunk's drafts only as far as its run accepted them),
+blocks a step filled with computed tokens are registered in the prefix cache, blocks that only
+rejected drafts reached are freed, and requests the stop rules ended are finished. The
 scheduler's `requests` is the one registry of live requests; `waiting` and `running` order them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nanoserve.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.errors import InvalidRequestError
-from nanoserve.request import Request, RequestStatus
+from nanoserve.request import NewToken, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,16 +65,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at position `start`, computed this step."""
+    """`num_tokens` tokens of `request`, starting at position `start`, computed this step.
+
+    With speculation, the last `len(draft_ids)` of them are drafts that follow the request's
+    newest token: the chunk then yields one sampled row per draft plus one.
+    """
 
     request: Request
     start: int
     num_tokens: int
+    draft_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the newest token, so its last row yields a new token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_ids) == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (the newest), with or without drafts behind it."""
+        return self.num_tokens - len(self.draft_ids) == 1
 
 
 @dataclass(slots=True)
@@ -103,15 +118,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-
-@dataclass(frozen=True, slots=True)
-class NewToken:
-    """A token sampled for a request this step, and how it ends the request (None: it goes on)."""
-
-    request_id: str
-    token_id: int
-    finish: RequestStatus | None = None
 
 
 class Scheduler:
@@ -176,10 +182,24 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_tokens = budget.grant(request)
-            if num_tokens == 0 or not self._reserve_or_preempt(request, num_tokens, out):
+            if num_tokens == 0:
                 continue
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
-            budget.spend(request, num_tokens)
+            drafts = self._drafts(request, budget.tokens - num_tokens)
+            if drafts and not self._reserve(request, request.num_computed_tokens + num_tokens + len(drafts)):
+                drafts = ()  # no room for them: decode plainly rather than preempt anyone
+            if not self._reserve_or_preempt(request, num_tokens, out):
+                continue
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens,
+                                             num_tokens + len(drafts), drafts))
+            budget.spend(request, num_tokens + len(drafts))  # drafts ride on a decode: no prefill budget
+
+    def _drafts(self, request: Request, spare_budget: int) -> tuple[int, ...]:
+        """The request's proposed drafts that fit: a decode only, within the spare budget, and
+        never more than max_tokens leaves room for (a run emits at most drafts + 1 tokens)."""
+        if not request.draft_ids or request.num_uncomputed_tokens != 1:
+            return ()
+        room = min(spare_budget, request.max_total_tokens - request.num_tokens - 1)
+        return tuple(request.draft_ids[:max(0, room)])
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others."""
@@ -237,14 +257,23 @@ class Scheduler:
         return keys[:num_blocks]
 
     def _register_filled_blocks(self, chunk: ScheduledChunk) -> None:
-        """Offer the blocks this chunk filled to the prefix cache (a block still growing never)."""
+        """Offer the blocks this chunk filled with computed tokens to the prefix cache (a block
+        still growing never, nor one holding a rejected draft's K/V)."""
         size = self.pool.block_size
-        first, stop = chunk.start // size, (chunk.start + chunk.num_tokens) // size
+        first, stop = chunk.start // size, chunk.request.num_computed_tokens // size
         if stop <= first:
             return
         keys = self._keys(chunk.request, stop)
         for index in range(first, stop):
             self.pool.register(chunk.request.block_ids[index], keys[index])
+
+    def _roll_back_drafts(self, request: Request) -> None:
+        """Free the blocks only rejected drafts reached; their slots in kept blocks are simply
+        written again later (attention never reads past a row's own position)."""
+        keep = self.pool.blocks_for_tokens(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         missing = self.pool.blocks_for_tokens(num_tokens) - len(request.block_ids)
@@ -270,17 +299,26 @@ class Scheduler:
         request.block_ids = []
 
     def update_after_step(self, plan: SchedulerOutput, new_tokens: Iterable[NewToken]) -> None:
-        """What a step changes in request state: the planned tokens are now computed, each new
-        token is appended to its request, and a request a new token ends is finished."""
-        for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-            if self.config.enable_prefix_caching and not chunk.request.status.is_finished:
-                self._register_filled_blocks(chunk)
+        """What a step changes in request state: each new token is appended to its request, the
+        planned tokens are now computed (of a chunk's drafts, those its run accepted: every
+        token it emitted but the last), and a request a new token ends is finished."""
+        new_tokens = list(new_tokens)
+        emitted = Counter(new.request_id for new in new_tokens)
         for new in new_tokens:
-            request = self.requests[new.request_id]
-            request.output_ids.append(new.token_id)
+            self.requests[new.request_id].output_ids.append(new.token_id)
+        for chunk in plan.chunks:
+            request = chunk.request
+            accepted = max(0, emitted[request.request_id] - 1) if chunk.draft_ids else 0
+            request.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids) + accepted
+            if request.status.is_finished:
+                continue
+            if self.config.enable_prefix_caching:
+                self._register_filled_blocks(chunk)
+            if chunk.draft_ids:
+                self._roll_back_drafts(request)
+        for new in new_tokens:
             if new.finish is not None:
-                self.finish(request, new.finish)
+                self.finish(self.requests[new.request_id], new.finish)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) wherever it is; its blocks free at once."""

@@ -75,3 +75,40 @@ def test_dependency_floors_are_the_versions_whose_features_we_use(name, floor):
 def test_shell_completion_is_offered():
     result = CliRunner().invoke(app, ["--help"])
     assert "--install-completion" in result.output and "--show-completion" in result.output
+
+
+def _module_level_imports(source: Path) -> set[str]:
+    """The nanoserve modules `source` imports at module level, `if TYPE_CHECKING:` included
+    (an import made only for annotations still ties the two modules together)."""
+    names = set()
+    body = list(ast.parse(source.read_text(encoding="utf-8")).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If):
+            body += node.body + node.orelse
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+    return {name for name in names if name.split(".")[0] == "nanoserve"}
+
+
+def test_the_core_modules_import_one_way_only():
+    """DESIGN: no two modules import each other, directly or round a longer circle."""
+    graph = {}
+    for source in (ROOT / "nanoserve").rglob("*.py"):
+        parts = source.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[name] = _module_level_imports(source) - {name}
+    circles = []
+    for start in graph:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            module, path = stack.pop()
+            for imported in graph.get(module, ()):
+                if imported == start:
+                    circles.append(" -> ".join((*path, start)))
+                elif imported not in seen:
+                    seen.add(imported)
+                    stack.append((imported, (*path, imported)))
+    assert not circles, circles

@@ -11,6 +11,7 @@ Refuses: building workloads, naming figures and printing (`offline`, `serve` and
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import statistics
@@ -36,6 +37,7 @@ class RequestTimes:
     finished_s: float | None = None
     num_tokens: int = 0
     num_prompt_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def first_token_s(self) -> float | None:
@@ -65,6 +67,13 @@ class RunRecord:
     requests: list[RequestTimes]  # in the order they were added
     steps: list[StepRecord] = field(default_factory=list)
     peak_memory_mib: float = math.nan  # NaN unless the caller measured it
+    spec_draft_tokens: int = 0  # speculative drafts verified in the run (0 unless the caller counted)
+    spec_accepted_tokens: int = 0
+
+    @property
+    def output_digest(self) -> str:
+        """SHA-256 of every request's token ids, in the order added: equal runs, equal digests."""
+        return hashlib.sha256(repr([r.token_ids for r in self.requests]).encode()).hexdigest()[:16]
 
     @property
     def output_tokens(self) -> int:
@@ -112,6 +121,7 @@ def _step(engine: Engine, requests: dict[str, RequestTimes]) -> tuple[StepRecord
         times = requests[output.request_id]
         times.token_s.append(now)
         times.num_tokens += len(output.token_ids)
+        times.token_ids += output.token_ids
         times.num_prompt_tokens = output.num_prompt_tokens
         if output.finished:
             times.finished_s = now

@@ -50,6 +50,7 @@ PARAM_MIXES = (*SAMPLING_SETTINGS, "mixed")  # mixed: rows cycle greedy, top_p, 
 BASELINE_MIXES = ("greedy", "top_p", "top_k", "typical_p")
 BASELINES = ("transformers",)
 SEED_BASE = 1234
+REPEAT_PROMPT_MAX_LEN = 448  # the repeat workload's chat prompts stay below this many tokens
 
 
 def row_settings(mix: str, row: int) -> dict[str, float | int]:
@@ -59,10 +60,10 @@ def row_settings(mix: str, row: int) -> dict[str, float | int]:
     return SAMPLING_SETTINGS[mix]
 
 
-def sampling_params(mix: str, row: int, output_len: int) -> SamplingParams:
+def sampling_params(mix: str, row: int, output_len: int, *, ignore_eos: bool = True) -> SamplingParams:
     settings = row_settings(mix, row)
     seed = SEED_BASE + row if settings["temperature"] > 0 else None
-    return SamplingParams(max_tokens=output_len, ignore_eos=True, seed=seed, **settings)
+    return SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, seed=seed, **settings)
 
 
 def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int = 0,
@@ -75,6 +76,44 @@ def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(low, vocab_size, (count, input_len - shared_prefix_len), generator=generator)
     return [prefix + row for row in ids.tolist()]
+
+
+PROMPT_KINDS = ("synthetic", "repeat")
+# The "repeat" workload: the answer repeats code given in the prompt, the case prompt lookup
+# (speculative decoding by n-grams) is for. Each prompt's code is drawn from these templates
+# with its own names and numbers, so no two prompts share more than the instruction.
+_CODE_TEMPLATES = (
+    "def {name}(values):\n    total = 0\n    for value in values:\n        if value > {a}:\n"
+    "            total += value * {b}\n    return total\n",
+    "class {cls}:\n    def __init__(self, size={a}):\n        self.size = size\n"
+    "        self.items = []\n\n    def add(self, item):\n"
+    "        if len(self.items) < self.size:\n            self.items.append(item)\n",
+    "def {name}_table(n):\n    rows = []\n    for i in range(n):\n"
+    "        rows.append([i * j for j in range({b})])\n    return rows\n",
+)
+_NAMES = ("parse", "score", "merge", "render", "count", "scale", "filter", "collect", "update", "report")
+
+
+def repeat_passage(seed: int) -> str:
+    """Python code of three functions or classes, its names and numbers drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def pick(options: Sequence[str]) -> str:
+        return options[int(torch.randint(len(options), (1,), generator=generator))]
+
+    parts = []
+    for template in _CODE_TEMPLATES:
+        name = pick(_NAMES)
+        a, b = (int(v) for v in torch.randint(2, 99, (2,), generator=generator))
+        parts.append(template.format(name=name, cls=name.capitalize() + "Store", a=a, b=b))
+    return "\n".join(parts)
+
+
+def repeat_prompts(tokenizer, count: int, *, seed: int = 0) -> list[list[int]]:
+    """`count` chat prompts asking the model to repeat a code passage given in the prompt."""
+    return [tokenizer.encode_chat([{"role": "user", "content": (
+        "Repeat this code exactly, with nothing before or after it:\n\n" + repeat_passage(seed * 1000 + i))}])
+        for i in range(count)]
 
 
 def kv_blocks_for(num_seqs: int, max_len: int, block_size: int = 16) -> int:
@@ -94,8 +133,13 @@ class Workload:
     warmup: int = 1  # untimed short runs before the timed ones, per config
     repeat: int = 1  # timed runs per config; the run with the median tokens/s is kept
     shared_prefix_len: int = 0  # leading ids every prompt shares (within input_len)
+    # synthetic: random ids of input_len; repeat: the answer repeats code in the prompt (its
+    # own length, about 200 tokens; EOS ends a request, output_len at most)
+    prompts: str = "synthetic"
 
     def __post_init__(self) -> None:
+        if self.prompts not in PROMPT_KINDS:
+            raise ValueError(f"prompts must be one of {', '.join(PROMPT_KINDS)}, got {self.prompts!r}")
         if not 0 <= self.shared_prefix_len <= self.input_len:
             raise ValueError(f"shared_prefix_len must be in [0, input_len={self.input_len}], "
                              f"got {self.shared_prefix_len}")
@@ -114,12 +158,14 @@ class BenchConfig:
     dtype: str
     batch_invariant: bool = False
     prefix_caching: bool = True
+    speculative_tokens: int = 0
 
     @property
     def label(self) -> str:
         kernels = ", batch-invariant" if self.batch_invariant else ""
         cache = "" if self.prefix_caching else ", no prefix cache"
-        return f"{self.engine} {self.dtype}{kernels}{cache}: {self.slots} slots, {self.params}"
+        spec = f", {self.speculative_tokens} drafts" if self.speculative_tokens else ""
+        return f"{self.engine} {self.dtype}{kernels}{cache}{spec}: {self.slots} slots, {self.params}"
 
 
 def _latency_columns(prefix: str, values_s: Sequence[float]) -> dict[str, float]:
@@ -215,8 +261,12 @@ class EngineRunner:
 
     def run(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], slots: int) -> RunRecord:
         self.peak.reset()
+        stats = self.engine.stats
+        drafted, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
         run = run_closed_loop(self.engine, zip(prompts, params, strict=True), slots)
         run.peak_memory_mib = self.peak.peak_mib()
+        run.spec_draft_tokens = stats.spec_draft_tokens - drafted
+        run.spec_accepted_tokens = stats.spec_accepted_tokens - accepted
         return run
 
 
@@ -283,6 +333,7 @@ class SweepSpec:
     dtypes: tuple[str, ...] = ("float32",)
     batch_invariant: tuple[bool, ...] = (True,)
     prefix_caching: tuple[bool, ...] = (True,)
+    speculative_tokens: tuple[int, ...] = (0,)
     baseline: str | None = None
     workload: Workload = Workload()
     model: str | None = None
@@ -294,8 +345,9 @@ class SweepSpec:
         """Interleaved, so a config and its baseline run next to each other in time."""
         configs = []
         for dtype, mix, slots in itertools.product(self.dtypes, self.params, self.slots):
-            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv, cache)
-                        for inv, cache in itertools.product(self.batch_invariant, self.prefix_caching)]
+            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv, cache, spec)
+                        for inv, cache, spec in itertools.product(self.batch_invariant, self.prefix_caching,
+                                                                  self.speculative_tokens)]
             if self.baseline and mix in BASELINE_MIXES:
                 configs.append(BenchConfig(self.baseline, slots, mix, dtype))
         return configs
@@ -316,24 +368,26 @@ class Sweep:
 
     def __init__(self, spec: SweepSpec) -> None:
         self.spec = spec
-        self._engines: dict[tuple[str, bool, bool], EngineRunner] = {}
+        self._engines: dict[tuple[str, bool, bool, int], EngineRunner] = {}
         self._baselines: dict[str, TransformersRunner] = {}
         # Every run gets fresh prompts (only a shared prefix repeats), so no run hits the prefix
         # cache with prompts an earlier run left there.
         self._prompt_seeds = itertools.count()
 
-    def engine(self, dtype: str, batch_invariant: bool, prefix_caching: bool = True) -> EngineRunner:
-        key = (dtype, batch_invariant, prefix_caching)
+    def engine(self, dtype: str, batch_invariant: bool, prefix_caching: bool = True,
+               speculative_tokens: int = 0) -> EngineRunner:
+        key = (dtype, batch_invariant, prefix_caching, speculative_tokens)
         if key not in self._engines:
             w = self.spec.workload
-            max_len = w.input_len + w.output_len + 1
+            max_len = (w.input_len if w.prompts == "synthetic" else REPEAT_PROMPT_MAX_LEN) + w.output_len + 1
             self._engines[key] = EngineRunner(EngineConfig(
                 model=self.spec.model, dtype=dtype, device=self.spec.device,
                 max_num_seqs=max(self.spec.slots), max_model_len=max_len,
                 num_kv_blocks=kv_blocks_for(max(self.spec.slots), max_len),
                 max_num_batched_tokens=max(512, w.input_len * max(self.spec.slots)),
                 batch_invariant=batch_invariant, threads=self.spec.threads,
-                linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching))
+                linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching,
+                speculative_tokens=speculative_tokens))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:
@@ -387,14 +441,20 @@ class Sweep:
     def run_once(self, config: BenchConfig, prompts: list[list[int]], output_len: int) -> RunRecord:
         if config.engine != "nanoserve":
             return self.baseline(config.dtype).run(prompts, config.params, output_len, config.slots)
-        params = [sampling_params(config.params, i, output_len) for i in range(len(prompts))]
+        ignore_eos = self.spec.workload.prompts == "synthetic"
+        params = [sampling_params(config.params, i, output_len, ignore_eos=ignore_eos)
+                  for i in range(len(prompts))]
         return self._engine_of(config).run(prompts, params, config.slots)
 
     def _engine_of(self, config: BenchConfig) -> EngineRunner:
-        return self.engine(config.dtype, config.batch_invariant, config.prefix_caching)
+        return self.engine(config.dtype, config.batch_invariant, config.prefix_caching,
+                           config.speculative_tokens)
 
     def _prompts(self, count: int) -> list[list[int]]:
         w = self.spec.workload
+        if w.prompts == "repeat":
+            tokenizer = next(iter(self._engines.values())).engine.tokenizer
+            return repeat_prompts(tokenizer, count, seed=next(self._prompt_seeds))
         return synthetic_prompts(count, w.input_len, self._vocab_size(), seed=next(self._prompt_seeds),
                                  shared_prefix_len=w.shared_prefix_len)
 
@@ -410,6 +470,9 @@ class Sweep:
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
             "batch_invariant": config.batch_invariant, "prefix_caching": config.prefix_caching,
+            "speculative_tokens": config.speculative_tokens, "prompts": w.prompts,
+            "spec_draft_tokens": run.spec_draft_tokens, "spec_accepted_tokens": run.spec_accepted_tokens,
+            "output_digest": run.output_digest,
             "shared_prefix_len": w.shared_prefix_len, "input_len": w.input_len,
             "output_len": w.output_len, "repeat": w.repeat,
             "tokens_per_s_runs": " ".join(f"{r.tokens_per_s:.2f}" for r in runs),
@@ -431,13 +494,15 @@ def _median_run(runs: Sequence[RunRecord]) -> RunRecord:
 
 
 KEY = ["slots", "params", "dtype"]
-ROW_KEY = ["engine", *KEY, "batch_invariant", "prefix_caching"]
+ROW_KEY = ["engine", *KEY, "batch_invariant", "prefix_caching", "speculative_tokens"]
 
 
 def merge_rows(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """`old` without the configurations `new` measured again, plus `new`, in sweep order (--append)."""
     if "prefix_caching" not in old:
         old = old.assign(prefix_caching=True)  # written before the prefix cache existed
+    if "speculative_tokens" not in old:
+        old = old.assign(speculative_tokens=0)  # written before speculative decoding existed
     remeasured = pd.MultiIndex.from_frame(new[ROW_KEY])
     kept = old[~pd.MultiIndex.from_frame(old[ROW_KEY]).isin(remeasured)]
     merged = pd.concat([kept, new], ignore_index=True)
@@ -454,6 +519,14 @@ def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
     frame.loc[frame.engine != "nanoserve", "ratio_to_baseline"] = float("nan")
     frame["ratio_to_plain_kernels"] = _ratio(frame, plain_rows)
     frame.loc[frame.engine != "nanoserve", "ratio_to_plain_kernels"] = float("nan")
+    if "speculative_tokens" in frame:
+        plain_decoding = (frame.engine == "nanoserve") & (frame.speculative_tokens == 0)
+        frame["ratio_to_no_speculation"] = _ratio(frame, plain_decoding)
+        frame.loc[frame.engine != "nanoserve", "ratio_to_no_speculation"] = float("nan")
+        reference = frame[plain_decoding].drop_duplicates(KEY).set_index(KEY)["output_digest"]
+        frame["same_tokens_as_no_speculation"] = [
+            digest == reference.get(tuple(key), None) for key, digest in
+            zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
     return frame
 
 

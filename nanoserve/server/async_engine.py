@@ -256,6 +256,8 @@ class AsyncEngine:
             prompt_tokens=engine.stats.prompt_tokens,
             generation_tokens=engine.stats.generation_tokens,
             steps=engine.stats.steps,
+            spec_draft_tokens=engine.stats.spec_draft_tokens,
+            spec_accepted_tokens=engine.stats.spec_accepted_tokens,
         )
 
     def _call_soon(self, callback: Callable, *args: object) -> None:

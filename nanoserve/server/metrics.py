@@ -65,6 +65,8 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class ServerMetrics:
@@ -110,6 +112,11 @@ class ServerMetrics:
             ("nanoserve_prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.prompt_tokens),
             ("nanoserve_generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens),
             ("nanoserve_engine_steps_total", "counter", "Engine steps run.", s.steps),
+            ("nanoserve_spec_decode_draft_tokens_total", "counter",
+             "Speculative draft tokens verified.", s.spec_draft_tokens),
+            ("nanoserve_spec_decode_accepted_tokens_total", "counter",
+             "Speculative draft tokens accepted (each equal to the token decoding would give).",
+             s.spec_accepted_tokens),
         ]
 
 

@@ -1,0 +1,162 @@
+"""Speculative decoding: who proposes drafts, how many, and how a verified run is read.
+
+Owns: the options (`SpecConfig`), the prompt-lookup (n-gram) proposer, each request's drafting
+state (`DraftState`, kept on the request: its n-gram index and its back-off when acceptance
+falls), and `accepted_prefix`, the one rule of verification. The engine asks each decoding
+request's `DraftState` for drafts after every step; the scheduler budgets them.
+Refuses: sampling, stop rules and K/V bookkeeping. The verification itself is ordinary
+sampling: the request's last token and its K drafts run as one chunk of K+1 rows, each row
+sampled exactly as it would be without speculation (same (seed, position) key, penalties
+counting the drafts before it), so a draft is accepted only where it equals the token the
+engine would have produced anyway. With batch invariance (the default) a row's logits are the
+same bits in a chunk as in a decode step, so speculation changes no token and no logprob.
+
+Plain Python over integers (no torch), like the scheduler.
+
+How prompt lookup proposes (as vLLM's `ngram` method and llama.cpp's lookup decoding): for n
+from `ngram_max` down to `ngram_min`, find the most recent earlier occurrence of the request's
+last n tokens in its prompt and output; the (up to) K tokens that followed it are the drafts.
+Each request keeps a dict from every n-gram it has seen to where it last ended, grown by the
+new tokens only, so a proposal costs O(ngram_max) dict lookups whatever the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.errors import InvalidRequestError
+
+MAX_SPECULATIVE_TOKENS = 16  # more drafts than this never pays: acceptance falls geometrically
+METHODS = ("ngram", "draft")
+# After a verification that accepts nothing, a request stops drafting for 1, 2, 4 ... steps,
+# at most this many; any accepted draft resets it. A text that never repeats pays one wasted
+# row now and then, not K rows every step.
+MAX_BACKOFF_STEPS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """How many drafts a request may carry per step, and where they come from."""
+
+    num_tokens: int = 0  # K; 0 is off
+    method: str = "ngram"
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_tokens > 0
+
+    def check(self, *, draft_model: str | None) -> None:
+        """Refuse what cannot run, naming the field (the CLI maps it to the option)."""
+        if not 0 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequestError(
+                f"speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]; got {self.num_tokens}",
+                param="speculative_tokens")
+        if self.method not in METHODS:
+            raise InvalidRequestError(
+                f"speculative_method must be one of {', '.join(METHODS)}; got {self.method!r}",
+                param="speculative_method")
+        if self.method == "draft" and draft_model is None:
+            raise InvalidRequestError("speculative_method 'draft' needs a draft model (draft_model)",
+                                      param="speculative_method")
+        if self.method == "draft":
+            raise InvalidRequestError("speculative_method 'draft' is not implemented yet; use 'ngram'",
+                                      param="speculative_method")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError(
+                f"speculative_ngram_min must be in [1, speculative_ngram_max={self.ngram_max}]; "
+                f"got {self.ngram_min}", param="speculative_ngram_min")
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """Where each n-gram of a request's tokens last ended, for n in [n_min, n_max].
+
+    `ends[gram]` is the index just past the latest occurrence of `gram` that is not the
+    current suffix: the index runs one token behind, so the suffix finds an earlier copy.
+    """
+
+    n_min: int
+    n_max: int
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    first_ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # the earliest copy
+
+    def extend(self, new_tokens: list[int]) -> None:
+        """Take in the tokens that followed the ones already indexed."""
+        for token in new_tokens:
+            self._index_suffix()
+            self.tokens.append(token)
+
+    def _index_suffix(self) -> None:
+        tokens, end = self.tokens, len(self.tokens)
+        for n in range(self.n_min, min(self.n_max, end) + 1):
+            gram = tuple(tokens[end - n:end])
+            self.ends[gram] = end
+            self.first_ends.setdefault(gram, end)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier copy of the longest matching suffix;
+        the earliest copy's when the latest is too near the end to have k (a loop of short period)."""
+        tokens, end = self.tokens, len(self.tokens)
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):
+            gram = tuple(tokens[end - n:])
+            start = self.ends.get(gram)
+            if start is not None:
+                drafts = tokens[start:start + k]
+                if len(drafts) < k:
+                    drafts = max(drafts, tokens[self.first_ends[gram]:self.first_ends[gram] + k], key=len)
+                return drafts
+        return []
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One request's drafting (kept on the request): its n-gram index and its back-off.
+
+    After a verification that accepts nothing, drafting pauses for 1, 2, 4 ... steps (at most
+    `MAX_BACKOFF_STEPS`); any accepted draft resets it.
+    """
+
+    index: NgramIndex
+    backoff_steps: int = 0  # how long the last pause was (0: none since the last acceptance)
+    paused_for: int = 0  # steps left before drafting again
+
+    @classmethod
+    def for_config(cls, config: SpecConfig) -> DraftState:
+        return cls(NgramIndex(config.ngram_min, config.ngram_max))
+
+    @property
+    def num_indexed(self) -> int:
+        return len(self.index.tokens)
+
+    def propose(self, new_tokens: list[int], k: int) -> list[int]:
+        """Drafts to follow the request's tokens, given those since the last call."""
+        self.index.extend(new_tokens)
+        if self.paused_for:
+            self.paused_for -= 1
+            return []
+        return self.index.propose(k)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verification's outcome."""
+        if accepted:
+            self.backoff_steps = 0
+        elif drafted:
+            self.backoff_steps = min(2 * self.backoff_steps or 1, MAX_BACKOFF_STEPS)
+            self.paused_for = self.backoff_steps
+
+
+def accepted_prefix(drafts: tuple[int, ...] | list[int], sampled: list[int]) -> int:
+    """How many drafts the verification accepts: the leading ones equal to what was sampled.
+
+    `sampled[i]` is the token the engine draws after the drafts before i; the run emitted is
+    `sampled[:accepted + 1]`, whose last token is the first that differs (or the bonus one).
+    """
+    accepted = 0
+    for draft, token in zip(drafts, sampled, strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted
