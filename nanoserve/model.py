@@ -117,9 +117,10 @@ def paged_context(batch: ForwardBatch, kv_cache: KVCache) -> PagedContext:
     for name, values, bound in (("block_tables", tables, kv_cache.num_blocks),
                                 ("positions", batch.positions, width * kv_cache.block_size),
                                 ("slot_mapping", batch.slot_mapping, cache_slots)):
-        if values.numel() and not 0 <= int(values.min()) <= int(values.max()) < bound:
-            low, high = int(values.min()), int(values.max())
-            raise ValueError(f"{name} must lie in [0, {bound}); got [{low}, {high}]")
+        if values.numel():
+            # Checked inside torch, not read back into Python: a step reads back once, in the
+            # output processor (tests/test_engine.py makes any other host read fail).
+            torch._assert_async(((values >= 0) & (values < bound)).all(), f"{name} must lie in [0, {bound})")
     return PagedContext(tables.contiguous(), torch.tensor(row_seq, dtype=torch.long), batch.positions)
 
 

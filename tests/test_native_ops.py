@@ -272,5 +272,5 @@ def test_a_batch_whose_slots_lie_outside_the_cache_is_refused_before_any_kernel_
     bad = ForwardBatch(torch.tensor([1]), torch.tensor([3]), torch.tensor([10**6]),
                        [AttentionGroup(0, 1, 1, torch.tensor([[3]]), table, first_positions=(3,))],
                        torch.tensor([0]))
-    with pytest.raises(ValueError, match="slot_mapping must lie in"):
+    with pytest.raises(RuntimeError, match="slot_mapping must lie in"):
         model.forward(bad, cache.kv)
