@@ -251,11 +251,12 @@ def test_decode_and_prefill_attention_sum_cancelling_chunk_partials_in_the_same_
     assert torch.equal(decode[:, 0], prefill[:, -1])
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
-def test_decode_rows_over_one_two_and_three_chunks_in_one_step_equal_their_prefills(kernel):
+def test_decode_rows_over_one_two_and_three_chunks_in_one_step_equal_their_prefills(kernel, native):
     """Contexts of 65, 129 and 200 tokens decode side by side, padded to the longest: each
     row's logits are the bits its own whole-prompt prefill gives its last token."""
-    model = invariant_model(kernel)
+    model = invariant_model(kernel, native)
     prompts = {f"s{n}": [(17 * i + n) % 300 for i in range(n)] for n in (65, 129, 200)}
     crowd = Cache()
     step(model, crowd, [(seq, p[:-1], 0) for seq, p in prompts.items()])
@@ -264,9 +265,10 @@ def test_decode_rows_over_one_two_and_three_chunks_in_one_step_equal_their_prefi
         assert torch.equal(decoded[seq], step(model, Cache(), [(seq, prompt, 0)])[seq]), seq
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_prefill_and_decode_over_three_attention_chunks_match_a_dense_causal_forward(batch_invariant):
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
+def test_prefill_and_decode_over_three_attention_chunks_match_a_dense_causal_forward(batch_invariant, native):
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=native)
     prompt = [(13 * i + 7) % 300 for i in range(150)]  # 150 positions: three 64-slot chunks
     dense = dense_forward(prompt)
     cache = Cache()
@@ -276,9 +278,10 @@ def test_prefill_and_decode_over_three_attention_chunks_match_a_dense_causal_for
     torch.testing.assert_close(decode, dense[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kernel", INVARIANT_KERNELS[:1])
-def test_prefill_chunks_that_straddle_attention_chunk_boundaries_equal_one_prefill(kernel):
-    model = invariant_model(kernel)
+def test_prefill_chunks_that_straddle_attention_chunk_boundaries_equal_one_prefill(kernel, native):
+    model = invariant_model(kernel, native)
     prompt = [(13 * i + 7) % 300 for i in range(150)]
     whole = step(model, Cache(), [("a", prompt, 0)])["a"]
     pieces = Cache()
