@@ -96,7 +96,8 @@ class ModelRunner:
         rows = [
             SamplingRow(params=c.request.params, seed=c.request.seed,
                         position=len(c.request.output_ids), prompt_ids=c.request.prompt_ids,
-                        output_ids=c.request.output_ids, edits=self._row_edits(c.request))
+                        output_ids=c.request.output_ids, edits=self._row_edits(c.request),
+                        grammar=c.request.grammar)
             for c in sampled
         ]
         return SamplingBatch.build(rows, vocab_size=self.model.config.vocab_size,

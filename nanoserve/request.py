@@ -12,6 +12,7 @@ from nanoserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from nanoserve.output import OutputState
     from nanoserve.sampler import RowEdits
+    from nanoserve.structured import RowGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -39,9 +40,9 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
     is never computed yet: the next step feeds it to the model. `output_state` is the text
-    side (detokenizer, stop-string matcher) and `sampler_edits` the sampler's (its penalty
-and logit_bias cells on the device), so a live request's state is all in one place and goes
-when the request does.
+    side (detokenizer, stop-string matcher), `sampler_edits` the sampler's (its penalty
+    and logit_bias cells on the device) and `grammar` the structured-output matcher, so a live
+    request's state is all in one place and goes when the request does.
     """
 
     request_id: str
@@ -58,6 +59,7 @@ when the request does.
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of full blocks so far
     output_state: OutputState | None = None
     sampler_edits: RowEdits | None = None  # penalty and logit_bias cells, built once per request
+    grammar: RowGrammar | None = None  # the structured-output matcher of a constrained request
 
     @property
     def num_tokens(self) -> int:

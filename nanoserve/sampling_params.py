@@ -10,9 +10,10 @@ engine calls once it knows the vocabulary size.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.errors import InvalidRequestError
 
@@ -102,6 +103,65 @@ def _bias_pair(pair: object, whole: object, allowed: str) -> tuple[int, float]:
     return token, float(amount)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regex, a choice
+    of strings, or a grammar (Lark, or llama.cpp's GBNF). Checked here for shape only; whether
+    the grammar library can enforce it is `nanoserve.structured`'s verdict, at admission.
+
+    `param` is the field the client sent it in (response_format, structured_outputs, tools...),
+    so a refusal names that field; it is not part of the spec's identity.
+    """
+
+    json: str | Mapping | bool | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise _refuse(self.param, given or "nothing",
+                          f"exactly one of {', '.join(STRUCTURED_KINDS)}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json, self.param))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _choices(self.choice, self.param))
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _refuse(f"{self.param}.{kind}", value, "a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
+
+def _schema_text(schema: object, param: str) -> str:
+    """A JSON schema as JSON text (key order kept: it is the order properties come out in)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise _refuse(param, schema[:80], f"a JSON schema (the text is not JSON: {error})") from None
+    if not isinstance(schema, Mapping | bool):
+        raise _refuse(param, schema, "a JSON schema: an object (or true)")
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def _choices(value: object, param: str) -> tuple[str, ...]:
+    items = tuple(value) if isinstance(value, Iterable) and not isinstance(value, str | Mapping) else ()
+    if not items or not all(isinstance(item, str) and item for item in items):
+        raise _refuse(f"{param}.choice", value, "a non-empty list of non-empty strings")
+    return items
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -114,7 +174,13 @@ class SamplingParams:
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the
     std of the row's finite scaled logits (llama.cpp's --top-nsigma); -1, llama.cpp's default,
     switches it off. `typical_p`: locally typical sampling (transformers' typical_p); 1 keeps
-    every token.
+    every token. `p_less`: keep the tokens whose probability is at least the sum of the
+    squared probabilities (p-less sampling, Tan et al. 2025): no parameter to tune.
+
+    `structured_outputs`: the output must match a JSON schema, regex, choice or grammar
+    (`StructuredOutputs`); each request's matcher masks its own row, and the request stops
+    ("stop") when the grammar is complete. It cannot be combined with min_tokens: the grammar
+    alone decides where the output may end.
 
     `stop`: generation stops at the first stop string to be completed, and the returned text
     excludes it; if two complete at the same character, the longer one is reported. A stop
@@ -139,6 +205,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    p_less: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -185,6 +253,19 @@ class SamplingParams:
                        f"null or an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.ignore_eos, bool):
             raise _refuse("ignore_eos", self.ignore_eos, "true or false")
+        if not isinstance(self.p_less, bool):
+            raise _refuse("p_less", self.p_less, "true or false")
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        spec = self.structured_outputs
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutputs):
+            raise _refuse("structured_outputs", spec, "a StructuredOutputs")
+        if self.min_tokens:
+            raise _refuse("min_tokens", self.min_tokens,
+                          f"0 with {spec.param}: the grammar alone decides where the output ends")
 
     @property
     def is_greedy(self) -> bool:
