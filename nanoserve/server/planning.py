@@ -24,6 +24,7 @@ from nanoserve.server import protocol
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.state import ServerLimits, ServerState
+from nanoserve.server.structured_fields import structured_outputs
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
@@ -190,6 +191,7 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
+        "p_less": body.p_less, "structured_outputs": structured_outputs(body),
     }
     given = {name: value for name, value in fields.items() if value is not None}
     # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.

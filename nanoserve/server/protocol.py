@@ -63,6 +63,14 @@ class SamplingFields(OpenAIModel):
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    p_less: bool | None = None
+    # Structured outputs (server/structured_fields.py turns them into one spec).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -118,7 +126,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
@@ -129,8 +136,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
             return "tool_choice", "tool calling is not supported"
         if self.function_call not in (None, "none", "auto"):
             return "function_call", "function calling is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
         return None
 
     def chat_messages(self) -> list[dict[str, str]]:
