@@ -118,7 +118,8 @@ class Tokenizer:
         return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for a chat, rendered by the model's own jinja2 template.
 
         `continue_final_message` (vLLM's and HF's name) leaves the last message open, so the
@@ -135,6 +136,7 @@ class Tokenizer:
             rendered = template.render({
                 **self.special_tokens,
                 "messages": messages,
+                "tools": tools,
                 "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "",
                 "eos_token": self.eos_token or "",
@@ -146,12 +148,13 @@ class Tokenizer:
         return _open_final_message(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
     def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a chat, ready to generate the assistant's reply: the template rendered,
         then encoded with no BOS added, since the template writes BOS itself where the model wants
         one. `generate --chat`, `LLM.chat` and the server's chat endpoint all encode a chat here."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message)
+                                        continue_final_message=continue_final_message, tools=tools)
         return self.encode(text, add_bos=False)
 
     def _token_id(self, token: str | None) -> int | None:

@@ -696,7 +696,7 @@ def test_completion_validation_failures_are_400_naming_the_field(served: Served,
     ({"messages": [{"role": "user", "content": "hi"}], "top_n_sigma": "wide"}, "top_n_sigma"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
      "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
      "response_format.type"),
 ])

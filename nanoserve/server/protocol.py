@@ -11,6 +11,7 @@ Refuses: range checks of sampling values; `SamplingParams` is the one place thos
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -103,6 +104,8 @@ class ChatMessage(OpenAIModel):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatTemplateFlags(OpenAIModel):
@@ -124,23 +127,21 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calling is not supported"
         if self.functions:
-            return "functions", "function calling is not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calling is not supported"
+            return "functions", "the deprecated functions field is not supported: send tools"
         if self.function_call not in (None, "none", "auto"):
-            return "function_call", "function calling is not supported"
+            return "function_call", "the deprecated function_call is not supported: send tool_choice"
         return None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: role and text content."""
-        return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages)]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them: role, text content, and the tool calls and
+        tool_call_id of a tool-calling turn."""
+        return [_template_message(m, i) for i, m in enumerate(self.messages)]
 
 
 RequestBody = CompletionRequest | ChatCompletionRequest  # a validated body of either endpoint
@@ -168,6 +169,35 @@ class UnsupportedContentError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": _text_of(message, index)}
+    if message.tool_calls:
+        rendered["tool_calls"] = [_template_tool_call(call, f"messages[{index}].tool_calls[{j}]")
+                                  for j, call in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """An earlier call as templates read it (as transformers and vLLM hand it over): the
+    arguments as an object, not OpenAI's JSON string."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise UnsupportedContentError("a tool call needs a function with a name", param=f"{where}.function")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise UnsupportedContentError("tool call arguments must be a JSON object (as a string)",
+                                          param=f"{where}.function.arguments") from None
+    if not isinstance(arguments, dict):
+        raise UnsupportedContentError("tool call arguments must be a JSON object",
+                                      param=f"{where}.function.arguments")
+    return {**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -207,9 +237,12 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: str | int | None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message,
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
