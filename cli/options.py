@@ -48,7 +48,8 @@ FIELD_TO_OPTION = {
     "prompt": "PROMPT", "messages": "--chat", "min_tokens": "--min-tokens",
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logprobs": "--logprobs",
-    "threads": "--threads", "linear_kernel": "--linear-kernel",
+    "threads": "--threads", "linear_kernel": "--linear-kernel", "p_less": "--p-less",
+    "json_schema": "--json-schema", "regex": "--regex",
 }
 
 

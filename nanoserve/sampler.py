@@ -16,7 +16,7 @@ finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likel
 typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)|
 smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass;
 top_p then holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and
-p_less keeps q >= sum(q**2) (never above the largest q). So
+p_less keeps q >= sum(q**2) of what all of them left (never above the largest q). So
 every filter keeps at least one token, and no combination of values empties a row. Greedy rows
 (temperature 0, or below `MIN_TEMPERATURE`, or top_k 1) take the first argmax, ignore every
 filter, and never call `uniform_from_counter`.
@@ -489,6 +489,8 @@ def _kept_mass(logits: Tensor, draw: DrawParams) -> Tensor:
     if draw.shape is not None:
         probs = _shaped_probs(scaled, probs, draw.shape)
     keep = probs >= _thresholds(probs, draw)[:, None]
+    if draw.any_p_less:
+        keep = _p_less_keep(probs, keep, draw.p_less_rows)
     # In place from here: probs is this function's own tensor, and fresh [rows, vocab] buffers
     # cost page faults on CPU.
     return probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
@@ -587,16 +589,18 @@ def _thresholds(probs: Tensor, draw: DrawParams) -> Tensor:
         nucleus = _rows(probs, draw.nucleus_rows)
         cut = _top_p_by_radix(nucleus, _mass(nucleus), _rows(draw.top_p, draw.nucleus_rows))
         threshold = _raise_rows(threshold, draw.nucleus_rows, cut)
-    if draw.any_p_less:
-        threshold = _raise_rows(threshold, draw.p_less_rows, _p_less_cut(_rows(probs, draw.p_less_rows)))
     return threshold
 
 
-def _p_less_cut(probs: Tensor) -> Tensor:
-    """p-less: the row's sum of squared probabilities (the chance two draws agree), as an exact
-    fixed-point sum, capped at the largest p so rounding never empties a uniform row."""
-    squares = _fixed_sum(probs.double().square()).float()
-    return torch.minimum(squares, probs.amax(-1))
+def _p_less_keep(probs: Tensor, keep: Tensor, rows: Tensor | None) -> Tensor:
+    """p-less last: of what the other filters kept (q = p / P over it), keep q >= sum(q**2),
+    that is p >= sum(p**2) / P. Both sums are exact (integer mass, fixed-point squares), and
+    the cut is capped at the largest p so rounding never empties a uniform row."""
+    part, part_keep = _rows(probs, rows), _rows(keep, rows)
+    kept = part * part_keep
+    total = _mass(kept).sum(-1).double() * 2.0**-MASS_BITS
+    cut = torch.minimum(_fixed_sum(kept.double().square()) / total, part.amax(-1).double())
+    return _put_rows(keep, rows, part_keep & (part.double() >= cut[:, None]))
 
 
 def _top_k_cut(probs: Tensor, draw: DrawParams) -> Tensor:
