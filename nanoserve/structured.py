@@ -75,7 +75,8 @@ class GrammarCompiler:
     """Specs to compiled matchers, one compile per distinct spec (least recently used evicted).
 
     A compiled matcher is kept pristine; each request gets a deep copy (microseconds). Thread
-    safe: the server's planning threads compile while the engine thread copies.
+    safe: the server's planning threads compile (at admission, off the engine thread) while the
+    engine thread copies what they compiled.
     """
 
     def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: Collection[int]) -> None:
@@ -84,15 +85,17 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # ~1 s to build: on first use
         self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the stats
+        self._tokenizer_lock = threading.Lock()
         self.stats = CompileStats()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
-                                                     eos_token=self._eos or None)
-        return self._tokenizer
+        with self._tokenizer_lock:  # built once, by whichever planning thread needs it first
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
+                                                         eos_token=self._eos or None)
+            return self._tokenizer
 
     def check(self, spec: StructuredOutputs) -> None:
         """Compile (or find) the spec's grammar; an InvalidRequestError naming the field if the
@@ -108,11 +111,14 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.stats.hits += 1
                 return self._cache[spec]
-            matcher = self._compile(spec)
+        # Compiled outside the lock: the engine thread only ever waits for a dict look-up,
+        # never for a planning thread's compile (two racing compiles of one spec both count).
+        matcher = self._compile(spec)
+        with self._lock:
             self._cache[spec] = matcher
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return matcher
+        return matcher
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         start_s = time.perf_counter()
@@ -120,10 +126,10 @@ class GrammarCompiler:
             grammar = grammar_text(spec)
         except ValueError as error:
             raise _refusal(spec, str(error)) from None
-        tokenizer = self.tokenizer
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        self.stats.compiles += 1
-        self.stats.compile_s += time.perf_counter() - start_s
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_s += time.perf_counter() - start_s
         if matcher.is_error():
             raise _refusal(spec, matcher.get_error())
         return matcher

@@ -137,3 +137,38 @@ def test_a_malformed_spec_is_refused_on_construction(fields, param):
 def test_min_tokens_cannot_be_combined_with_a_grammar():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs(regex="a+"))
+
+
+REAL_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                      "hobbies": {"type": "array", "maxItems": 4,
+                                                  "items": {"type": "string", "maxLength": 30}}},
+     "required": ["name", "age", "hobbies"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                      "country": {"type": "string", "maxLength": 40},
+                                      "population": {"type": "integer", "minimum": 0},
+                                      "capital": {"type": "boolean"}},
+     "required": ["city", "country", "population", "capital"], "additionalProperties": False},
+    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                                      "confidence": {"type": "number", "minimum": 0, "maximum": 1,
+                                                     "multipleOf": 0.01}},
+     "required": ["sentiment", "confidence"], "additionalProperties": False},
+]
+REAL_PROMPTS = ["Describe a person as JSON.", "Give a city as JSON.",
+                "Rate the sentiment of 'I love it' as JSON."]
+
+
+@pytest.mark.real_model
+def test_default_model_answers_validate_greedy_and_sampled(default_model_dir):
+    llm = LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25)
+    prompts, params, cases = [], [], []
+    for schema, question in zip(REAL_SCHEMAS, REAL_PROMPTS, strict=True):
+        for temperature in (0.0, 0.8):
+            prompts.append(llm.tokenizer.encode_chat([{"role": "user", "content": question}]))
+            params.append(constrained(StructuredOutputs(json=schema), temperature=temperature, seed=1,
+                                      max_tokens=160))
+            cases.append(schema)
+    for completion, schema in zip(llm.generate(prompts, params), cases, strict=True):
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
