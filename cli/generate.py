@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="The prompt (with --chat: the user message).")],
+    prompt: Annotated[str, typer.Argument(
+        help="The prompt (with --chat: the user message); - reads it from stdin.")],
     model: options.Model = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; -1 keeps all.")] = -1,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 or -1 keeps all.")] = -1,
     top_p: Annotated[float, typer.Option(
         help="Keep the smallest set with this much probability, in (0, 1].")] = 1.0,
     min_p: Annotated[float, typer.Option(
@@ -58,7 +59,9 @@ def generate(
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
 ) -> None:
-    """Stream one completion of PROMPT from the model."""
+    """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, min_p=min_p, typical_p=typical_p,

@@ -67,17 +67,30 @@ def serve(
         min=0, help="Sequences that may queue beyond the running batch; over it: 503 + Retry-After.")] = 256,
     drain_s: Annotated[float, typer.Option(
         min=0.0, help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")] = 30.0,
+    trust_request_chat_template: Annotated[bool, typer.Option(
+        "--trust-request-chat-template", help="Render a chat_template sent with a request (sandboxed, "
+        "but it runs as long as it likes); off: such requests are 400.")] = False,
+    header_timeout_s: Annotated[float, typer.Option(
+        min=0.1, help="A connection that sends no complete request head this long after opening (or "
+                      "after its last response) is closed; the body then has 30 s.")] = 10.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
     seed: Annotated[int | None, typer.Option(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
 ) -> None:
-    """Serve the model over OpenAI's completions and chat completions API."""
+    """Serve the model over OpenAI's completions and chat completions API.
+
+    Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+    GET /v1/models/{id}, POST /tokenize, POST /detokenize (behind --api-key), and GET /health,
+    GET /metrics (Prometheus), GET /version, GET /docs (OpenAPI). Request fields the server does
+    not honour are refused with a 400 naming them (README: "Request fields").
+    """
     import uvicorn
 
     from nanoserve.default_model import resolve_model_dir
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
+    from nanoserve.server.connections import with_header_timeout
 
     _check_api_key(api_key)
     if log_level.lower() not in LOG_LEVELS:
@@ -98,11 +111,12 @@ def serve(
     aliases = (model,) if model else ()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
-                          max_waiting=max_waiting)
+                          max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
     server_app = build_app(lambda: _build_engine(config, str(model_dir)), model_names=names,
                            aliases=aliases, api_key=api_key, limits=limits, seed=seed)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
-                                    timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False)
+                                    timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
+                                    http=with_header_timeout(header_timeout_s))
     server = _draining_server(uvicorn_config, server_app, drain_s)
     # uvicorn re-raises the signal it caught once it has drained; make that a no-op so the
     # process leaves through the normal exit path with status 0.
@@ -112,10 +126,20 @@ def serve(
 
 
 def _check_api_key(api_key: str | None) -> None:
-    """An empty key would leave the server open while the operator thinks it is guarded."""
+    """An empty key would leave the server open while the operator thinks it is guarded; one no
+    client can send exactly (surrounding spaces, which HTTP strips from a header value, or
+    characters outside printable ASCII) would lock every client out. Both are refused here."""
     # click reads an empty environment variable as unset, so look at it here.
     if (api_key is not None and not api_key.strip()) or (api_key is None and API_KEY_ENV in os.environ):
         options.fail(f"--api-key (or ${API_KEY_ENV}) must not be empty; leave it unset for no key")
+    if api_key is None:
+        return
+    if api_key != api_key.strip():
+        options.fail(f"--api-key (or ${API_KEY_ENV}) must not start or end with whitespace: HTTP drops "
+                     "it from the Authorization header, so no client could send the key as given")
+    if not (api_key.isascii() and api_key.isprintable()) or " " in api_key:
+        options.fail(f"--api-key (or ${API_KEY_ENV}) must be printable ASCII without spaces (as a "
+                     "bearer token is): clients send the Authorization header as ASCII")
 
 
 def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float) -> uvicorn.Server:

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "nanoserve.llm",
     "Completion": "nanoserve.llm",
+    "CompletionOutput": "nanoserve.llm",
     "Engine": "nanoserve.engine",
     "EngineConfig": "nanoserve.config",
     "SamplingParams": "nanoserve.sampling_params",

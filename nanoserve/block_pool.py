@@ -5,7 +5,10 @@ Plain Python over integers, so it is cheap to reason about and to property-test.
 tensors themselves live in `kv_cache`; a block id here is an index into them.
 
 A full, computed block can be registered under a key chained over its parent's key and its
-own token ids (`block_keys`), so equal keys mean equal K/V. When no request holds a keyed
+own token ids (`block_keys`), so equal keys mean equal K/V. A request's chain starts from
+`chain_root(cache_salt)`: empty for unsalted requests, a digest of the salt otherwise, so
+requests with different salts (or one salted, one not) never share a cached block and cannot
+learn from a cache hit what another user's prompt was. When no request holds a keyed
 block it stays cached (counted as free) until `allocate` needs the room: truly free blocks go
 first, then cached ones, least recently freed first, and an evicted block loses its key
 before anyone writes to it, so no key ever names overwritten content.
@@ -21,6 +24,13 @@ from collections.abc import Sequence
 
 class BlockPoolError(RuntimeError):
     """A bookkeeping bug: freeing a free block, or allocating past the pool."""
+
+
+def chain_root(cache_salt: str | None) -> bytes:
+    """The parent key of a request's first block: its cache salt's digest, or none."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"nanoserve cache salt\0" + cache_salt.encode()).digest()
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,

@@ -214,8 +214,9 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        prompt_ids = self.encode_prompt(prompt)
+        params = (params or SamplingParams()).with_bad_words_token_ids(
+            lambda text: self.tokenizer.encode(text, add_bos=False))
+        prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
         self.check_request(prompt_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:

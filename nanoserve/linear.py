@@ -48,7 +48,7 @@ PROBE_ROWS = (1, 4, 16, 32)
 PROBE_MIN_BYTES = 128 << 20
 # Bump when a kernel's code changes, so verdicts cached by older code are measured again
 # (the native kernels' own changes are keyed by their build's source hash).
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +273,7 @@ def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill
 
     For each distinct weight shape (and the head, which only sees decode-sized calls): rows
     computed alone are the reference; every call of M rows (1..max_rows) at two offsets,
-    and prefill-sized calls, must reproduce them bit for bit.
+    and every row of the prefill-sized calls, must reproduce them bit for bit.
     """
     generator = torch.Generator().manual_seed(seed)
     offset = 7  # a row's position in the call must not matter either
@@ -281,7 +281,8 @@ def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill
     targets = [(w, prefill_rows) for w in distinct.values()] + [(shape.head, 0)]
     for weight, prefill in targets:
         packed = kernel.pack(weight)
-        reference_rows = max_rows + offset
+        # Every row of a prefill call, not only its first: later row panels may take another path.
+        reference_rows = max(max_rows + offset, prefill)
         x = torch.randn(max(reference_rows, prefill), weight.shape[1], generator=generator)
         x = x.to(device=weight.device, dtype=weight.dtype)
         alone = torch.cat([kernel.apply(x[r : r + 1], packed) for r in range(reference_rows)])

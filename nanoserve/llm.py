@@ -1,15 +1,27 @@
-"""`LLM`: the thin offline and streaming front over one `Engine`.
+"""`LLM`: the thin offline and streaming front over one `Engine`, in vLLM's shapes.
 
 `generate` runs a batch of prompts to completion through continuous batching, with a progress
-bar; `stream` yields one request's deltas as they land. Both drive the same step loop the
-server and `nanoserve generate` use: there is one decode path in the project.
+bar; `chat` renders one conversation or a batch of them first; `stream` yields one request's
+deltas as they land. All drive the same step loop the server and `nanoserve generate` use:
+there is one decode path in the project.
+
+Code written for vLLM's offline API runs unchanged for what both have:
+`llm.generate(prompts, sampling_params)` takes a string, token ids, `{"prompt": ...}` or
+`{"prompt_token_ids": ...}` (optionally with `"cache_salt"`), or a list of them; each result
+has `.prompt`, `.prompt_token_ids` and `.outputs[i]` (`.text`, `.token_ids`, `.logprobs`,
+`.finish_reason`, `.stop_reason`, `.cumulative_logprob`), one per `SamplingParams.n`. Beside
+vLLM's shape, a result's own `.text`, `.token_ids`, `.logprobs` and `.finish_reason` are its
+first output's. Differences: `.logprobs` is a list of `TokenLogprob` (id, logprob, top
+alternatives), not vLLM's dict per position; there is no `use_tqdm` (`progress`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -17,24 +29,31 @@ from rich.progress import Progress
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
+from nanoserve.errors import InvalidRequestError
 from nanoserve.output import RequestOutput, TokenLogprob
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_SEED, SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int]
+PromptDict = Mapping[str, Any]  # vLLM's TextPrompt and TokensPrompt
+Prompt = str | Sequence[int] | PromptDict
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 @dataclass(slots=True)
-class Completion:
-    """A finished request: every delta of its `RequestOutput`s, joined."""
+class CompletionOutput:
+    """One choice of a finished request (vLLM's CompletionOutput): every delta joined."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' logprobs; None unless logprobs were asked for (as vLLM)."""
+        return None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
 
     def add(self, output: RequestOutput) -> None:
         self.text += output.text
@@ -43,6 +62,40 @@ class Completion:
             self.logprobs = (self.logprobs or []) + output.logprobs
         if output.finished:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished prompt: its `outputs` (n of them), and the first one's fields as its own."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None = None  # the prompt text, when it was given as text
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput(0)])
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return all(output.finish_reason is not None for output in self.outputs)
 
 
 class LLM:
@@ -59,34 +112,48 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 progress: bool | None = None) -> list[Completion]:
-        """Run every prompt to completion; results in prompt order.
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
 
-        `progress` shows a rich progress bar; by default only when stderr is a terminal.
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool | None = None) -> list[Completion]:
+        """Run every prompt to completion; results in prompt order, `n` outputs each.
+
+        `params` is the same as `sampling_params` (nanoserve's older name). `progress` shows a
+        rich progress bar; by default only when stderr is a terminal.
         """
         if progress is None:
             progress = sys.stderr.isatty()
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
-        params_list = _params_per_prompt(params, len(prompts))
+        prompt_list = [prompts] if _is_single(prompts) else list(prompts)
+        params_list = _params_per_prompt(sampling_params if params is None else params, len(prompt_list))
         engine = self.engine
-        completions = {}
-        for prompt, prompt_params in zip(prompts, params_list, strict=True):
-            request_id = engine.add_request(prompt, prompt_params)
-            completions[request_id] = Completion(request_id, engine.requests[request_id].prompt_ids)
+        completions: list[Completion] = []
+        choices: dict[str, CompletionOutput] = {}
+        for prompt, prompt_params in zip(prompt_list, params_list, strict=True):
+            text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
+            completion = None
+            for i in range(prompt_params.n):
+                request_id = engine.add_request(ids_or_text, _choice_params(prompt_params, i))
+                if completion is None:
+                    completion = Completion(request_id, engine.requests[request_id].prompt_ids, text, [])
+                completion.outputs.append(CompletionOutput(i))
+                choices[request_id] = completion.outputs[-1]
+            completions.append(completion)
         with Progress(disable=not progress, transient=True, console=Console(stderr=True)) as bar:
-            task = bar.add_task("generating", total=len(prompts))
+            task = bar.add_task("generating", total=len(choices))
             while engine.has_unfinished():
                 for output in engine.step():
-                    completions[output.request_id].add(output)
+                    choices[output.request_id].add(output)
                     bar.advance(task, int(output.finished))
-        return list(completions.values())
+        return completions
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs as they land; closing the iterator aborts the request."""
         engine = self.engine
-        request_id = engine.add_request(prompt, params)
+        _, ids_or_text, params = _unpack(prompt, params or SamplingParams())
+        request_id = engine.add_request(ids_or_text, params)
         finished = False
         try:
             while not finished:
@@ -98,15 +165,65 @@ class LLM:
             if not finished:
                 engine.abort(request_id)
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
-        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             progress: bool | None = None) -> list[Completion]:
+        """One conversation (a list of messages) or a batch of them, each rendered by the chat
+        template (the model's, or `chat_template`), then generated; as vLLM's `LLM.chat`.
+        `tools` reach the template as its `tools` variable (tool calls are not parsed yet)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        prompt_ids = [self.tokenizer.encode_chat(
+            list(conversation), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template,
+            template_kwargs=extra) for conversation in conversations]
+        return self.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                             sampling_params if params is None else params, progress=progress)
 
-    def prompt_logits(self, prompts: Sequence[Prompt]) -> torch.Tensor:
+    def prompt_logits(self, prompts: Sequence[str | Sequence[int]]) -> torch.Tensor:
         return self.engine.prompt_logits(prompts)
+
+
+def _is_single(prompts: object) -> bool:
+    return isinstance(prompts, str | Mapping) or _is_token_ids(prompts)
 
 
 def _is_token_ids(value: object) -> bool:
     return isinstance(value, Sequence) and bool(value) and all(isinstance(t, int) for t in value)
+
+
+def _unpack(prompt: Prompt, params: SamplingParams) -> tuple[str | None, str | list[int], SamplingParams]:
+    """(prompt text if any, what the engine encodes, params with the prompt's cache_salt)."""
+    if isinstance(prompt, str):
+        return prompt, prompt, params
+    if not isinstance(prompt, Mapping):
+        return None, list(prompt), params
+    unknown = sorted(set(prompt) - PROMPT_KEYS)
+    if unknown:
+        raise InvalidRequestError(f"prompt keys {unknown} are not supported (only {sorted(PROMPT_KEYS)})",
+                                  param="prompt")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'",
+                                  param="prompt")
+    if "cache_salt" in prompt:
+        params = dataclasses.replace(params, cache_salt=prompt["cache_salt"])
+    if "prompt" in prompt:
+        return prompt["prompt"], prompt["prompt"], params
+    return None, list(prompt["prompt_token_ids"]), params
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of n: seed + index, so seeded choices differ and reproduce (as the server)."""
+    if params.seed is None or index == 0:
+        return params
+    if params.seed + index >= MAX_SEED:
+        raise InvalidRequestError(f"seed + n - 1 must stay below 2**63; got seed {params.seed}, n {params.n}",
+                                  param="seed")
+    return dataclasses.replace(params, seed=params.seed + index)
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -116,7 +116,8 @@ class OutputProcessor:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=prompt_ids)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                             prompt_ids=prompt_ids)
         return OutputState(detokenizer, StopStringMatcher(params.stop), stop_ids)
 
     def judge(self, request: Request, token_id: int,
@@ -152,7 +153,10 @@ class OutputProcessor:
         # A constrained request's matcher takes the token now, after the step's one readback.
         grammar_done = request.grammar is not None and request.grammar.accept(token_id)
         if token_id in state.stop_token_ids and past_min_tokens:
-            return state.stop_matcher.flush(), RequestStatus.FINISHED_STOPPED, token_id
+            text = state.stop_matcher.flush()
+            if params.include_stop_str_in_output:
+                text += state.detokenizer.push([token_id]) + state.detokenizer.flush()
+            return text, RequestStatus.FINISHED_STOPPED, token_id
         text = state.detokenizer.push([token_id])
         if num_output >= params.max_tokens or grammar_done:
             text += state.detokenizer.flush()  # release a held-back partial character
@@ -160,6 +164,8 @@ class OutputProcessor:
         # completes there is plain text, but one straddling the boundary is still found.
         text, stopped = state.stop_matcher.feed(text, armed=past_min_tokens)
         if stopped:
+            if params.include_stop_str_in_output:
+                text += state.stop_matcher.matched
             return text, RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
         if grammar_done:  # the output is complete: a "stop", even on the last allowed token
             return text + state.stop_matcher.flush(), RequestStatus.FINISHED_STOPPED, None

@@ -8,10 +8,12 @@ the one source of randomness.
 
 Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
 frequency and presence penalties (counts of generated tokens), then logit_bias, then the
-min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`),
-then temperature, top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after
-temperature sees the distribution the ones before it left, renormalized over their survivors:
-top_n_sigma keeps the tokens whose scaled logit is at least max - n x std (std over the row's
+min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`)
+and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
+with the rest of it; `allowed_token_ids`: every other id is -inf), then temperature,
+top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after temperature sees the
+distribution the ones before it left, renormalized over their survivors: top_n_sigma keeps
+the tokens whose scaled logit is at least max - n x std (std over the row's
 finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likely survivors;
 typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)|
 smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass;
@@ -158,6 +160,7 @@ class RowEdits:
         self.count_slots: dict[int, int] = {}
         self.count_cols = self._longs([])
         self.counts = self._longs([])
+        self.allowed = allowed_mask(params.allowed_token_ids, vocab_size, device)
 
     def _longs(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -188,6 +191,15 @@ class RowEdits:
             self._see(fresh)
         if self.params.frequency_penalty or self.params.presence_penalty:
             self._count(fresh)
+
+
+def allowed_mask(allowed: Sequence[int] | None, vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """[vocab] bool, true for the ids a row may sample (vLLM's allowed_token_ids); None: any."""
+    if allowed is None:
+        return None
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.int64, device=device)] = True
+    return mask
 
 
 def _gather(parts: list[tuple[int, Tensor, Tensor]]) -> Cells | None:
@@ -313,7 +325,8 @@ class SamplingBatch:
     any_greedy: bool
     draw: DrawParams | None  # None when every row is greedy
     edits: LogitEdits | None
-    masked: tuple[Tensor, Tensor] | None  # (rows, cols) forced to -inf by min_tokens
+    masked: tuple[Tensor, Tensor] | None  # (rows, cols) forced to -inf by min_tokens and bad_words
+    allowed: tuple[Tensor, Tensor] | None  # (rows, [r, vocab] masks): allowed_token_ids rows only
     want_logprobs: bool
     num_top_logprobs: int
     grammar: GrammarMask | None = None  # the constrained rows' bitmasks; None when no row has one
@@ -328,7 +341,8 @@ class SamplingBatch:
             any_greedy=len(drawing) < len(rows),
             draw=DrawParams.build(rows, drawing, vocab_size, device) if drawing else None,
             edits=_edits(rows, vocab_size, device),
-            masked=_min_tokens_mask(rows, vocab_size, eos_token_ids, device),
+            masked=_banned_cells(rows, vocab_size, eos_token_ids, device),
+            allowed=_allowed_rows(rows, vocab_size, device),
             want_logprobs=bool(asked),
             num_top_logprobs=max(asked, default=0),
             grammar=GrammarMask.build(rows, vocab_size, device),
@@ -387,18 +401,42 @@ def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | 
     return None if edits == LogitEdits(None, None, None, None) else edits
 
 
-def _min_tokens_mask(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],
-                     device: torch.device | str) -> tuple[Tensor, Tensor] | None:
+def _banned_cells(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],
+                  device: torch.device | str) -> tuple[Tensor, Tensor] | None:
+    """(rows, cols) that are -inf this step: stop ids before min_tokens, and bad words' last
+    tokens where the output ends with the rest of the word. Rows without either add nothing."""
     cells = []
     for i, row in enumerate(rows):
+        banned = set(_bad_word_bans(row.params.bad_words_token_ids, row.output_ids))
         if row.position < row.params.min_tokens:
             # Only ids that would stop the request: with ignore_eos, eos is an ordinary token.
-            stops = set(row.params.stop_token_ids) | (set() if row.params.ignore_eos else set(eos_token_ids))
-            cells += [(i, token) for token in sorted(stops) if 0 <= token < vocab_size]
+            banned |= set(row.params.stop_token_ids)
+            banned |= set() if row.params.ignore_eos else set(eos_token_ids)
+        cells += [(i, token) for token in sorted(banned) if 0 <= token < vocab_size]
     if not cells:
         return None
     both = torch.tensor(cells, dtype=torch.int64, device=device).T
     return both[0], both[1]
+
+
+def _bad_word_bans(words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> Iterable[int]:
+    """The last token of each bad word whose other tokens end the output so far (vLLM's rule);
+    a one-token word is always banned. Reads only the last few output ids."""
+    for word in words:
+        prefix = word[:-1]
+        if not prefix or (len(output_ids) >= len(prefix)
+                          and list(output_ids[len(output_ids) - len(prefix):]) == list(prefix)):
+            yield word[-1]
+
+
+def _allowed_rows(rows: Sequence[SamplingRow], vocab_size: int,
+                  device: torch.device | str) -> tuple[Tensor, Tensor] | None:
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not limited:
+        return None
+    masks = [(rows[i].edits.allowed if rows[i].edits is not None and rows[i].edits.allowed is not None
+              else allowed_mask(rows[i].params.allowed_token_ids, vocab_size, device)) for i in limited]
+    return torch.tensor(limited, dtype=torch.int64, device=device), torch.stack(masks)
 
 
 class BatchedSampler:
@@ -443,13 +481,16 @@ def _raise_rows(values: Tensor, rows: Tensor | None, floor: Tensor) -> Tensor:
 
 
 def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    if batch.edits is None and batch.masked is None:
+    if batch.edits is None and batch.masked is None and batch.allowed is None:
         return logits
     edited = logits.clone()  # the raw logits stay untouched: logprobs are read from them
     if batch.edits is not None:
         _apply_penalties_and_bias(edited, batch.edits)
     if batch.masked is not None:
         edited.index_put_(batch.masked, torch.tensor(float("-inf"), device=edited.device))
+    if batch.allowed is not None:
+        rows, masks = batch.allowed
+        edited.index_copy_(0, rows, edited.index_select(0, rows).masked_fill_(~masks, float("-inf")))
     return edited
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from nanoserve.errors import InvalidRequestError
 
@@ -74,6 +74,16 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     return items
 
 
+def _words(param: str, value: object) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Iterable) or isinstance(items, Mapping):
+        raise _refuse(param, value, "a list of strings")
+    items = tuple(items)
+    if not all(isinstance(item, str) and item.strip() for item in items):
+        raise _refuse(param, value, "a list of non-blank strings")
+    return items
+
+
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     pairs = value.items() if isinstance(value, Mapping) else value
     allowed = f"a map of token id to a bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
@@ -101,6 +111,11 @@ def _bias_pair(pair: object, whole: object, allowed: str) -> tuple[int, float]:
     if not _in_range(amount, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT) or not math.isfinite(amount):
         raise _refuse("logit_bias", whole, allowed)
     return token, float(amount)
+
+
+def keep_last_tokens(prompt_ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` ids (all of them when None)."""
+    return prompt_ids if keep is None or len(prompt_ids) <= keep else prompt_ids[-keep:]
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -183,12 +198,18 @@ class SamplingParams:
     alone decides where the output may end.
 
     `stop`: generation stops at the first stop string to be completed, and the returned text
-    excludes it; if two complete at the same character, the longer one is reported. A stop
-    string counts only when a token past the first `min_tokens` completes it (it may start
-    earlier).
+    excludes it (`include_stop_str_in_output` keeps it, and the text of a stop token id);
+    if two complete at the same character, the longer one is reported. A stop string counts
+    only when a token past the first `min_tokens` completes it (it may start earlier).
+
+    As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
+    `skip_special_tokens` leaves special tokens out of the text, `truncate_prompt_tokens`
+    keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
+    defaults to 1.0 (as in vLLM and OpenAI; `nanoserve generate` defaults to 0, greedy).
     """
 
     max_tokens: int = 16
+    n: int = 1
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -205,6 +226,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    cache_salt: str | None = None  # requests share cached prefix blocks only with the same salt
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    # bad_words as token ids, each word with and without a leading space; the engine fills it
+    # in from its tokenizer (`with_bad_words_token_ids`), as vLLM's update_from_tokenizer does.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     p_less: bool = False
     structured_outputs: StructuredOutputs | None = None
 
@@ -212,6 +242,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        object.__setattr__(self, "bad_words", _words("bad_words", self.bad_words))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not allowed:
+                raise _refuse("allowed_token_ids", self.allowed_token_ids, "null or a non-empty list")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         self._check_lengths()
         self._check_filters()
         self._check_penalties()
@@ -219,14 +255,18 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, None, "an integer >= 1")
+        _check_int("n", self.n, 1, None, "an integer >= 1")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None,
+                       "null or an integer >= 1")
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens,
                    f"an integer in [0, max_tokens={self.max_tokens}]")
 
     def _check_filters(self) -> None:
         _check_float("temperature", self.temperature,
                      _in_range(self.temperature, 0.0, math.inf), "a finite number >= 0")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise _refuse("top_k", self.top_k, "-1 (no limit) or an integer >= 1")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _refuse("top_k", self.top_k, "-1 or 0 (no limit, as vLLM) or an integer >= 1")
         _check_float("top_p", self.top_p, _in_range(self.top_p, 0.0, 1.0, open_low=True),
                      "a number in (0, 1]")
         _check_float("min_p", self.min_p, _in_range(self.min_p, 0.0, 1.0), "a number in [0, 1]")
@@ -251,11 +291,16 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
                        f"null or an integer in [0, {MAX_LOGPROBS}]")
-        if not isinstance(self.ignore_eos, bool):
-            raise _refuse("ignore_eos", self.ignore_eos, "true or false")
-        if not isinstance(self.p_less, bool):
-            raise _refuse("p_less", self.p_less, "true or false")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "p_less"):
+            if not isinstance(getattr(self, name), bool):
+                raise _refuse(name, getattr(self, name), "true or false")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
         self._check_structured()
+
+    def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
+        return keep_last_tokens(prompt_ids, self.truncate_prompt_tokens)
 
     def _check_structured(self) -> None:
         spec = self.structured_outputs
@@ -281,3 +326,14 @@ class SamplingParams:
         bad_stop = [token for token in self.stop_token_ids if token >= vocab_size]
         if bad_stop:
             raise _refuse("stop_token_ids", self.stop_token_ids, f"{allowed}; {bad_stop} are not")
+        bad_allowed = [token for token in self.allowed_token_ids or () if token >= vocab_size]
+        if bad_allowed:
+            raise _refuse("allowed_token_ids", self.allowed_token_ids, f"{allowed}; {bad_allowed} are not")
+
+    def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with `bad_words` tokenized: each word alone and after a space."""
+        if not self.bad_words:
+            return self
+        texts = [text for word in self.bad_words for text in (word.lstrip(), " " + word.lstrip())]
+        words = {tuple(encode(text)) for text in texts}
+        return replace(self, bad_words_token_ids=tuple(sorted(w for w in words if w)))

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nanoserve.block_pool import BlockPool, block_keys
+from nanoserve.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.errors import InvalidRequestError
 from nanoserve.request import Request, RequestStatus
 
@@ -193,7 +193,7 @@ class Scheduler:
         keys = request.block_keys
         if len(keys) < num_blocks:
             size = self.pool.block_size
-            parent = keys[-1] if keys else b""
+            parent = keys[-1] if keys else chain_root(request.params.cache_salt)
             tokens = request.token_ids(len(keys) * size, num_blocks * size)
             keys += block_keys(tokens, size, num_blocks - len(keys), parent)
         return keys[:num_blocks]

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +120,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for a chat, rendered by the model's own jinja2 template.
+                            tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for a chat, rendered by the model's own jinja2 template (or
+        `chat_template`, one given for this call).
 
         `continue_final_message` (vLLM's and HF's name) leaves the last message open, so the
         model continues it instead of starting a new turn: the text ends where its content ends.
+        `template_kwargs` are more variables for the template (vLLM's chat_template_kwargs,
+        `tools`, `documents`); they cannot replace the ones this method sets.
         """
         _check_messages(messages)
         if add_generation_prompt and continue_final_message:
@@ -131,16 +136,18 @@ class Tokenizer:
                 "add_generation_prompt and continue_final_message cannot both be true",
                 param="continue_final_message",
             )
-        template = self._template()
+        fixed = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        if tools is not None:
+            fixed["tools"] = tools
+        clash = sorted(set(template_kwargs or {}) & set(fixed))
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(clash)}",
+                                      param="chat_template_kwargs")
+        template = self._template() if chat_template is None else _compile_template(chat_template)
         try:
-            rendered = template.render({
-                **self.special_tokens,
-                "messages": messages,
-                "tools": tools,
-                "add_generation_prompt": add_generation_prompt,
-                "bos_token": self.bos_token or "",
-                "eos_token": self.eos_token or "",
-            })
+            rendered = template.render({**self.special_tokens, "tools": None, **(template_kwargs or {}),
+                                        **fixed})
         except TemplateError as err:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {err}", param="messages"
@@ -149,13 +156,17 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         """Token ids of a chat, ready to generate the assistant's reply: the template rendered,
-        then encoded with no BOS added, since the template writes BOS itself where the model wants
-        one. `generate --chat`, `LLM.chat` and the server's chat endpoint all encode a chat here."""
+        then encoded with no BOS added (unless `add_special_tokens`), since the template writes
+        BOS itself where the model wants one. `generate --chat`, `LLM.chat` and the server's
+        chat endpoint all encode a chat here."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message, tools=tools)
-        return self.encode(text, add_bos=False)
+                                        continue_final_message=continue_final_message, tools=tools,
+                                        chat_template=chat_template, template_kwargs=template_kwargs)
+        return self.encode(text, add_bos=None if add_special_tokens else False)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -174,6 +185,16 @@ class Tokenizer:
                     f"the model's chat template does not compile: {err}", param="messages"
                 ) from err
         return self._compiled_template
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> Template:
+    """A chat template given with a request, compiled once for the requests that repeat it."""
+    try:
+        return _chat_environment().from_string(source)
+    except TemplateError as err:
+        raise InvalidRequestError(f"the chat template does not compile: {err}",
+                                  param="chat_template") from err
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from nanoserve.server.app import DRAIN_GRACE_S, start_drain
+from nanoserve.server.connections import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 
 
 class BackgroundServer:
@@ -24,12 +25,14 @@ class BackgroundServer:
     most `drain_s`.
     """
 
-    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", drain_s: float = 5.0) -> None:
+    def __init__(self, app: FastAPI, *, host: str = "127.0.0.1", drain_s: float = 5.0,
+                 header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
         self.app = app
         self.host = host
         self.drain_s = drain_s
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S))
+                                                    timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S,
+                                                    http=with_header_timeout(header_timeout_s)))
         self.thread = threading.Thread(target=self.server.run, name="nanoserve-uvicorn", daemon=True)
         self.base_url = ""
 

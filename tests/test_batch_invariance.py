@@ -119,3 +119,46 @@ def test_block_sizes_that_do_not_divide_the_attention_chunk_keep_invariance(tiny
     params = [params_for(i, max_tokens=6) for i in range(4)]
     alone = [fingerprint(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
     assert staggered_crowd(llm, prompts, params) == alone
+
+
+def test_rows_with_bad_words_or_allowed_token_ids_are_the_same_alone_and_in_a_crowd(tiny):
+    """Per-row bans touch their own row only: constrained and unconstrained rows alike keep
+    their solo tokens and logprobs beside each other."""
+    prompts = crowd_prompts(8)
+    free = [fingerprint(tiny.generate([p], [params_for(i)])[0]) for i, p in enumerate(prompts)]
+    banned_word = tiny.tokenizer.decode([free[0][1][0]]).strip() or "word"
+    allowed = tuple(sorted({e[0] for e in free[1]})[:3])
+    params = [params_for(i) for i in range(8)]
+    params[0] = SamplingParams(**{**_fields(params[0]), "bad_words": (banned_word,)})
+    params[1] = SamplingParams(**{**_fields(params[1]), "allowed_token_ids": allowed})
+    params[4] = SamplingParams(**{**_fields(params[4]), "allowed_token_ids": allowed,
+                                  "bad_words": (banned_word,)})
+    alone = [fingerprint(tiny.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(tiny, prompts, params) == alone
+    assert all(i in (0, 1, 4) or alone[i] == free[i] for i in range(8))  # the others pay nothing
+    assert {e[0] for e in alone[1]} <= set(allowed) and {e[0] for e in alone[4]} <= set(allowed)
+    single = [ids for ids in (tiny.tokenizer.encode(banned_word, add_bos=False),
+                              tiny.tokenizer.encode(" " + banned_word, add_bos=False)) if len(ids) == 1]
+    assert not {e[0] for e in alone[0]} & {ids[0] for ids in single}
+    assert alone[0] != free[0]
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__dataclass_fields__}
+
+
+def own_params(i: int) -> SamplingParams:
+    """Request i's own filters, penalties, bias and seed: one row's settings landing on another
+    row changes that row's tokens."""
+    filters = [{"temperature": 0.0}, {"temperature": 0.8, "top_k": 20}, {"temperature": 1.2, "top_p": 0.7},
+               {"temperature": 0.9, "min_p": 0.1}, {"temperature": 1.0, "typical_p": 0.6},
+               {"temperature": 0.7, "top_n_sigma": 1.5}, {"temperature": 0.0, "repetition_penalty": 1.8},
+               {"temperature": 0.0, "frequency_penalty": 1.5, "presence_penalty": 0.5}][i % 8]
+    return SamplingParams(max_tokens=8, logprobs=LOGPROBS, ignore_eos=True, seed=100 + i,
+                          logit_bias={20 + 13 * i: 3.0, 21 + 13 * i: -3.0}, **filters)
+
+
+def test_a_crowd_where_every_request_samples_its_own_way_gives_each_its_solo_tokens(tiny):
+    prompts, params = crowd_prompts(8), [own_params(i) for i in range(8)]
+    alone = [fingerprint(tiny.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(tiny, prompts, params) == alone

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_pool import BlockPool, BlockPoolError, block_keys
+from nanoserve.block_pool import BlockPool, BlockPoolError, block_keys, chain_root
 
 
 def test_allocate_then_free_returns_pool_to_completely_free():
@@ -148,3 +148,12 @@ def test_random_cache_operations_keep_the_accounting_consistent(ops):
         pool.free(blocks)
     pool.check()
     assert pool.is_completely_free
+
+
+def test_chains_under_different_salts_share_no_key():
+    ids = list(range(12))
+    chains = [block_keys(ids, 4, 3, chain_root(salt)) for salt in (None, "a", "b", "a ")]
+    for i, one in enumerate(chains):
+        for other in chains[i + 1:]:
+            assert not set(one) & set(other)
+    assert block_keys(ids, 4, 3, chain_root("a")) == chains[1]

@@ -20,7 +20,7 @@ def generate(*args):
     [
         (["--temperature", "-1"], "--temperature"),
         (["--top-p", "1.5"], "--top-p"),
-        (["--top-k", "0"], "--top-k"),
+        (["--top-k", "-2"], "--top-k"),
         (["--min-p", "2"], "--min-p"),
         (["--typical-p", "0"], "--typical-p"),
         (["--top-n-sigma", "-2"], "--top-n-sigma"),
@@ -71,7 +71,7 @@ def test_chat_wraps_the_prompt_in_the_models_template(tiny_model_dir):
 
     llm = LLM(str(tiny_model_dir))
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    chat = llm.chat([{"role": "user", "content": "hello"}], params)
+    [chat] = llm.chat([{"role": "user", "content": "hello"}], params)
     plain = llm.generate(["hello"], params)[0]
     assert chat.prompt_token_ids != plain.prompt_token_ids
     result = generate("hello", "--model", str(tiny_model_dir), "--chat", "--max-tokens", "6")
@@ -137,3 +137,11 @@ def test_a_bad_constraint_exits_2_naming_the_option(args, option, tiny_model_dir
     result = generate("hi", "--model", str(tiny_model_dir), *[paths.get(a, a) for a in args])
     assert result.exit_code == 2, result.output
     assert option in result.output and "Traceback" not in result.output
+
+
+def test_a_dash_prompt_is_read_from_stdin(tiny_model_dir):
+    args = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "4"]
+    piped = runner.invoke(app, [*args, "-"], input="hello there")
+    given = runner.invoke(app, [*args, "hello there"])
+    assert piped.exit_code == 0 and given.exit_code == 0, piped.output
+    assert piped.stdout == given.stdout

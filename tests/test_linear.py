@@ -147,3 +147,33 @@ def test_no_kernel_for_the_dtype_names_the_dtype_option(monkeypatch):
     with pytest.raises(KernelUnavailableError, match="no linear kernel runs float32") as error:
         choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False)
     assert error.value.option == "dtype"
+
+
+def skewed_when(condition):
+    """The invariant tiled kernel, its rows' low bits moved on the calls `condition` picks."""
+    def apply(x, weight):
+        return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * condition(x))
+
+    return LinearKernel("skewed", "test only", lambda w: w, apply, ("cpu",))
+
+
+def test_self_test_catches_a_kernel_whose_rows_move_only_in_prefill_sized_calls():
+    prefill_only = skewed_when(lambda x: x.shape[0] > 8)
+    assert self_test(prefill_only, probe_shape(), max_rows=8, prefill_rows=32) != ""
+
+
+def test_self_test_catches_a_kernel_whose_rows_move_only_away_from_the_start_of_the_buffer():
+    # A kernel with a fast path for aligned inputs: rows of a call that starts mid-buffer differ.
+    unaligned = skewed_when(lambda x: x.shape[0] > 1 and x.storage_offset() > 0)
+    assert self_test(unaligned, probe_shape(), max_rows=8, prefill_rows=32) != ""
+
+
+def test_self_test_compares_every_row_of_a_prefill_sized_call_not_only_the_first_ones():
+    # A GEMM's later row panels can take another path than its first (a remainder panel, a
+    # second thread's share): here only rows past the 16th of a call move.
+    def later_panels_moved(x, weight):
+        out = KERNELS["aten-tile16"].apply(x, weight)
+        return torch.cat([out[:16], out[16:] * (1 + 2**-20)])
+
+    kernel = LinearKernel("later-panels", "test only", lambda w: w, later_panels_moved, ("cpu",))
+    assert "32 rows at offset 0 differ" in self_test(kernel, probe_shape(), max_rows=8, prefill_rows=32)

@@ -210,3 +210,67 @@ def test_a_long_prefill_skipping_unseen_chunks_equals_decoding_bit_for_bit(kerne
     for p in range(40, 150):
         logits = step(model, pieces, [("a", prompt[p:p + 1], p)])["a"]
     assert torch.equal(logits, whole)
+
+
+def test_decode_and_prefill_attention_sum_cancelling_chunk_partials_in_the_same_order():
+    """Summation order is invisible on smooth data (torch's CPU cumsum even adds in float64), so
+    the context here is made so it shows: uniform attention over four chunks whose P@V
+    partials are 1, a tiny amount and -1, which round differently in any other order, whether
+    the adds are float32 (dim 0) or float64 (dim 1)."""
+    from nanoserve.model import CONTEXT_CHUNK, position_attention, sequence_position_attention
+
+    kv_heads, per_kv, dim, ctx = 2, 2, 8, 4 * CONTEXT_CHUNK
+    g = torch.Generator().manual_seed(3)
+    v = torch.randn(kv_heads, ctx, dim, generator=g)
+    slot = [c * CONTEXT_CHUNK + 5 for c in range(4)]
+    weight = float(ctx)  # every visible slot gets probability exactly 1 / ctx
+    for column, tiny in ((0, 1.25 * 2.0**-24), (1, 1.25 * 2.0**-53)):
+        v[:, :, column] = 0.0
+        v[:, slot[0], column], v[:, slot[1], column], v[:, slot[2], column] = weight, weight * tiny, -weight
+    k = torch.zeros(kv_heads, ctx, dim)  # q.k = 0 everywhere: the softmax is exactly uniform
+    rows = 3  # the last three positions of the context, as one prefill chunk
+    q = torch.randn(kv_heads, rows, per_kv, dim, generator=g)
+    positions = torch.arange(ctx - rows, ctx)
+    visible = (torch.arange(ctx).view(1, ctx) <= positions.view(-1, 1)).view(1, rows, 1, ctx)
+    prefill = sequence_position_attention(q, k, v, visible, 0.25, first_position=ctx - rows)
+    decode = position_attention(q[:, -1:], k[:, None], v[:, None], visible[:, -1:], 0.25)
+    # In chunk order: (1.25 * 2**-24, 2**-52) adding in float64, (2**-23, 0) in float32.
+    in_chunk_order = {(1.25 * 2.0**-24, 2.0**-52), (2.0**-23, 0.0)}
+    assert (decode[0, 0, 0, 0].item(), decode[0, 0, 0, 1].item()) in in_chunk_order
+    assert torch.equal(decode[:, 0], prefill[:, -1])
+
+
+@pytest.mark.parametrize("kernel", INVARIANT_KERNELS)
+def test_decode_rows_over_one_two_and_three_chunks_in_one_step_equal_their_prefills(kernel):
+    """Contexts of 65, 129 and 200 tokens decode side by side, padded to the longest: each
+    row's logits are the bits its own whole-prompt prefill gives its last token."""
+    model = invariant_model(kernel)
+    prompts = {f"s{n}": [(17 * i + n) % 300 for i in range(n)] for n in (65, 129, 200)}
+    crowd = Cache()
+    step(model, crowd, [(seq, p[:-1], 0) for seq, p in prompts.items()])
+    decoded = step(model, crowd, [(seq, p[-1:], len(p) - 1) for seq, p in prompts.items()])
+    for seq, prompt in prompts.items():
+        assert torch.equal(decoded[seq], step(model, Cache(), [(seq, prompt, 0)])[seq]), seq
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_prefill_and_decode_over_three_attention_chunks_match_a_dense_causal_forward(batch_invariant):
+    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
+    prompt = [(13 * i + 7) % 300 for i in range(150)]  # 150 positions: three 64-slot chunks
+    dense = dense_forward(prompt)
+    cache = Cache()
+    prefill = step(model, cache, [("a", prompt[:-1], 0)])["a"]
+    torch.testing.assert_close(prefill, dense[-2], atol=1e-4, rtol=1e-4)
+    decode = step(model, cache, [("a", prompt[-1:], 149)])["a"]
+    torch.testing.assert_close(decode, dense[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", INVARIANT_KERNELS[:1])
+def test_prefill_chunks_that_straddle_attention_chunk_boundaries_equal_one_prefill(kernel):
+    model = invariant_model(kernel)
+    prompt = [(13 * i + 7) % 300 for i in range(150)]
+    whole = step(model, Cache(), [("a", prompt, 0)])["a"]
+    pieces = Cache()
+    for start, stop in ((0, 60), (60, 130), (130, 150)):  # across slots 64 and 128
+        logits = step(model, pieces, [("a", prompt[start:stop], start)])["a"]
+    assert torch.equal(logits, whole)

@@ -60,3 +60,18 @@ def test_first_token_after_the_prompt_keeps_its_leading_space():
     request = Request("r", prompt_ids, sampling, seed=0, output_state=state)
     _, output = processor.judge(request, tokenizer.backend.token_to_id("\u2581Paris"), None)
     assert output.text == " Paris"
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(tiny_tokenizer):
+    assert _generate(tiny_tokenizer, "aXYb", stop=["XY"], max_tokens=3) == ("a", "stop", "XY")
+    assert _generate(tiny_tokenizer, "XY", stop=["XY"], max_tokens=2) == ("", "stop", "XY")
+
+
+def test_text_held_back_for_a_stop_string_is_released_when_max_tokens_ends_the_request(tiny_tokenizer):
+    # "X" might begin "XY", so it is held back; the budget ends first, and the text is whole.
+    assert _generate(tiny_tokenizer, "aXYb", stop=["XY"], max_tokens=2) == ("aX", "length", None)
+
+
+def test_a_stop_token_as_the_last_allowed_token_finishes_with_stop(tiny_tokenizer):
+    (token_x,) = tiny_tokenizer.encode("X", add_bos=False)
+    assert _generate(tiny_tokenizer, "abX", stop_token_ids=[token_x], max_tokens=3) == ("ab", "stop", token_x)

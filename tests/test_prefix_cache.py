@@ -97,3 +97,17 @@ def test_a_shared_system_prompt_is_served_from_the_cache_and_reported(tiny_model
     assert {o.num_cached_tokens for o in second} == {8}
     assert engine.scheduler.prefix_cache_hits == 8
     assert engine.stats.prompt_tokens == 12 + (13 - 8)
+
+
+def test_requests_with_different_cache_salts_share_no_block(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, True)
+
+    def cached_tokens(salt: str | None) -> int:
+        engine.add_request([*SYSTEM, 40], SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt))
+        return [o for _ in range(10) for o in engine.step()][-1].num_cached_tokens
+
+    assert cached_tokens("alice") == 0
+    assert cached_tokens("bob") == 0  # the same prompt under another salt: nothing shared
+    assert cached_tokens(None) == 0  # an unsalted request shares nothing with salted ones
+    assert cached_tokens("alice") == 8  # the same salt does
+    assert cached_tokens(None) == 8

@@ -527,3 +527,84 @@ def test_typical_p_can_drop_the_most_likely_token():
     kept = kept_tokens(probs.log()[None], [SamplingParams(typical_p=0.4)])[0]
     assert not kept[0] and kept[1:].all()
     assert torch.equal(kept, reference_keep(probs.log(), typical_p=0.4))
+
+
+def reference_edited(logits_row: Sequence[float], prompt: Sequence[int], output: Sequence[int],
+                     params: SamplingParams) -> list[float]:
+    """Penalties and logit_bias as their definitions read, in plain Python floats: the
+    repetition penalty over the tokens of the prompt and the output, frequency and presence
+    over the output's counts only, then the bias."""
+    edited = list(logits_row)
+    if params.repetition_penalty != 1:
+        for token in set(prompt) | set(output):
+            penalty, value = params.repetition_penalty, edited[token]
+            edited[token] = value / penalty if value > 0 else value * penalty
+    for token, count in Counter(output).items():
+        edited[token] -= params.frequency_penalty * count + params.presence_penalty
+    for token, amount in params.logit_bias:
+        edited[token] += amount
+    return edited
+
+
+def test_penalties_and_bias_in_a_crowd_pick_what_the_plain_python_definition_picks():
+    # Logits peaked on a few ids that every prompt and output draws from, so each penalty
+    # decides the argmax often; every row has its own prompt, output and penalties.
+    generator = torch.Generator().manual_seed(17)
+    size, hot, vocab = 96, 12, 256
+    logits = torch.randn(size, vocab, generator=generator)
+    logits[:, :hot] += 3.0
+
+    def draw(options: Sequence, count: int = 1) -> list:
+        return [options[i] for i in torch.randint(len(options), (count,), generator=generator).tolist()]
+
+    params, prompts, outputs = [], [], []
+    for _ in range(size):
+        params.append(SamplingParams(
+            temperature=0, repetition_penalty=draw([1.0, 1.6, 0.6])[0],
+            frequency_penalty=draw([0.0, 0.9, -0.7])[0], presence_penalty=draw([0.0, 1.2, -0.8])[0],
+            logit_bias=dict(zip(draw(range(hot), 2), draw([0.0, 1.5, -1.5], 2), strict=True))))
+        prompts.append(draw(range(hot), 6))
+        outputs.append(draw(range(hot), 5))
+    rows = [SamplingRow(p, seed=i, position=5, prompt_ids=prompt, output_ids=out)
+            for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs, strict=True))]
+    picked = sample(logits, rows).token_ids.tolist()
+    moved = 0
+    for i, row in enumerate(rows):
+        edited = reference_edited(logits[i].tolist(), row.prompt_ids, row.output_ids, row.params)
+        expected = torch.tensor(edited, dtype=torch.float64)
+        top2 = expected.topk(2).values
+        assert top2[0] - top2[1] > 1e-4, "a near tie: choose another generator seed"
+        assert picked[i] == expected.argmax().item(), (i, row.params, row.prompt_ids, row.output_ids)
+        moved += expected.argmax().item() != logits[i].argmax().item()
+    assert moved > size // 3, "the edits rarely decided the pick: the test would not see them"
+
+
+def test_each_rows_logit_bias_moves_its_own_row_only_in_a_crowd_of_different_biases():
+    size = 10
+    logits = random_logits(size, seed=23)
+    greedy = [SamplingParams(temperature=0, logit_bias={100 + 7 * i: 40.0, int(logits[i].argmax()): -40.0})
+              for i in range(size)]
+    # Two tokens per row lifted far above the rest: the seed picks between them.
+    seeded = [SamplingParams(temperature=1.0, top_p=0.99, logit_bias={3 + i: 50.0, 1000 + 9 * i: 50.0})
+              for i in range(size)]
+    picks = {}
+    for name, params in (("greedy", greedy), ("seeded", seeded)):
+        rows = rows_of(params, seeds=range(50, 50 + size))
+        picks[name] = sample(logits, rows).token_ids.tolist()
+        alone = [sample(logits[i:i + 1].clone(), rows[i:i + 1]).token_ids.item() for i in range(size)]
+        assert picks[name] == alone, name
+    assert picks["greedy"] == [100 + 7 * i for i in range(size)]
+    assert all(pick in (3 + i, 1000 + 9 * i) for i, pick in enumerate(picks["seeded"]))
+
+
+def test_min_tokens_masks_the_stop_ids_of_each_row_by_its_own_count_in_a_crowd():
+    size = 12
+    logits = random_logits(size, seed=31)
+    logits[:, EOS] = 50.0  # every row would stop now, were it allowed to
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, min_tokens=i % 5) for i in range(size)]
+    positions = [(3 * i) % 7 for i in range(size)]  # both sides of each min_tokens, and on it
+    rows = rows_of(params, positions=positions, seeds=range(size))
+    picked = sample(logits, rows).token_ids.tolist()
+    stops = [pick == EOS for pick in picked]
+    assert stops == [position >= p.min_tokens for position, p in zip(positions, params, strict=True)]
+    assert picked == [sample(logits[i:i + 1].clone(), rows[i:i + 1]).token_ids.item() for i in range(size)]

@@ -56,9 +56,14 @@ def test_top_p_refuses_values_outside_zero_exclusive_one_inclusive(value):
     refused("top_p", top_p=value)
 
 
-@pytest.mark.parametrize("value", [0, -2, 1.5, 2.0, True, False, "3"])
-def test_top_k_refuses_anything_but_minus_one_or_a_positive_int(value):
+@pytest.mark.parametrize("value", [-2, 1.5, 2.0, True, False, "3"])
+def test_top_k_refuses_anything_but_minus_one_zero_or_a_positive_int(value):
     refused("top_k", top_k=value)
+
+
+def test_top_k_zero_is_no_limit_as_in_vllm():
+    assert not SamplingParams(top_k=0).is_greedy
+    SamplingParams(top_k=0, temperature=0.8)  # accepted
 
 
 @pytest.mark.parametrize("value", [-0.01, 1.01, *NOT_FINITE])

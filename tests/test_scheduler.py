@@ -241,3 +241,96 @@ def test_caching_off_registers_and_finds_nothing():
         scheduler.add(make_request(rid, 9, max_tokens=1))
         run_step(scheduler)
     assert scheduler.pool.num_cached_blocks == 0 and scheduler.prefix_cache_queries == 0
+
+
+def cached_tokens_at_admission(scheduler, rid, prompt):
+    """How many tokens of a new request `prompt` the prefix cache supplies when it is admitted."""
+    request = Request(rid, list(prompt), SamplingParams(max_tokens=1), seed=0)
+    scheduler.add(request)
+    plan = run_step(scheduler)
+    [chunk] = [c for c in plan.chunks if c.request is request]
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    return chunk.start
+
+
+def test_a_blocks_cache_key_covers_every_token_before_it_however_its_keys_were_computed():
+    """The prompt's keys are computed at admission, the blocks decoding fills one at a time
+    later: either way the same tokens at another position, or after another prefix, hold
+    other K/V and must not be served."""
+    scheduler = make_scheduler(prefix_caching=True, max_tokens_per_step=4)
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=8), seed=0)
+    scheduler.add(a)
+    while scheduler.has_unfinished():  # the model samples 7: blocks 2 and 3 fill while decoding
+        run_step(scheduler)
+    first, second, third, fourth = (a.token_ids(4 * i, 4 * i + 4) for i in range(4))
+    assert (third, fourth) == ([9, 7, 7, 7], [7, 7, 7, 7])
+    assert cached_tokens_at_admission(scheduler, "b", [*first, *second, *third, *fourth, 20]) == 16
+    for rid, shifted in (("c", second), ("d", third), ("e", fourth)):
+        assert cached_tokens_at_admission(scheduler, rid, [*shifted, 20]) == 0, shifted
+    assert cached_tokens_at_admission(scheduler, "f", [0, 2, 3, 4, *second, *third, 20]) == 0
+
+
+def test_only_full_computed_blocks_are_cached_and_a_block_filled_by_decoding_is_found():
+    scheduler = make_scheduler(prefix_caching=True, max_tokens_per_step=64)
+    a = make_request("a", 9, max_tokens=4)  # 9 prompt tokens, block 2 holds 1 of them
+    scheduler.add(a)
+    run_step(scheduler)
+    assert scheduler.pool.num_cached_blocks == 2, "a block still filling was cached"
+    while scheduler.has_unfinished():  # decoding fills block 2 (tokens 8..11) and starts block 3
+        run_step(scheduler)
+    assert scheduler.pool.num_cached_blocks == 3
+    tokens = a.prompt_ids + a.output_ids  # 13 tokens: the last one never had its K/V computed
+    assert cached_tokens_at_admission(scheduler, "b", [*tokens[:12], 40]) == 12
+    assert cached_tokens_at_admission(scheduler, "c", [*tokens[:11], 40]) == 8
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.one_of(
+        st.tuples(st.just("add"), st.lists(st.sampled_from([1, 2]), min_size=1, max_size=14),
+                  st.integers(1, 6)),
+        st.tuples(st.just("step")),
+    ), max_size=40),
+    st.integers(2, 4), st.integers(1, 9), st.integers(4, 24),
+)
+def test_a_block_served_from_the_cache_holds_exactly_the_tokens_up_to_its_end(ops, block_size, budget,
+                                                                              num_blocks):
+    """Prompts over two token ids, so equal blocks at other positions and after other prefixes
+    are everywhere; a model of each block's content (what was computed into it, erased when
+    the block is handed out fresh) must agree with every cache hit, and every cached block
+    must be full and computed."""
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=4,
+                               max_tokens_per_step=budget, prefix_caching=True)
+    content: dict[int, tuple[int, ...]] = {}  # block id -> every token up to the block's end
+    for i, op in enumerate(ops + [("step",)] * 200):
+        if op[0] == "add":
+            try:
+                scheduler.check_fits(len(op[1]), op[2])
+            except InvalidRequestError:
+                continue
+            scheduler.add(Request(str(i), list(op[1]), SamplingParams(max_tokens=op[2]), seed=0))
+            continue
+        if not scheduler.has_unfinished():
+            break
+        held_before = {r.request_id: len(r.block_ids) for r in scheduler.running}
+        plan = scheduler.schedule()
+        new_tokens = []
+        for chunk in plan.chunks:
+            request, tokens = chunk.request, chunk.request.token_ids(0, chunk.request.num_tokens)
+            hits = 0 if request.request_id in held_before else chunk.start // block_size
+            for index in range(hits):
+                assert content.get(request.block_ids[index]) == tuple(tokens[:(index + 1) * block_size])
+            for block in request.block_ids[max(hits, held_before.get(request.request_id, 0)):]:
+                content.pop(block, None)  # handed out fresh: whatever it held is gone
+            end = chunk.start + chunk.num_tokens
+            for index in range(chunk.start // block_size, end // block_size):
+                content[request.block_ids[index]] = tuple(tokens[:(index + 1) * block_size])
+            if chunk.samples:
+                last = len(request.output_ids) + 1 >= request.params.max_tokens
+                new_tokens.append(NewToken(request.request_id, 1 + sum(tokens) % 2,
+                                           RequestStatus.FINISHED_LENGTH if last else None))
+        scheduler.update_after_step(plan, new_tokens)
+        scheduler.pool.check()
+        assert scheduler.pool.num_cached_blocks <= len(content), "a block not full and computed is cached"
+    assert scheduler.pool.is_completely_free

@@ -11,6 +11,11 @@ runner = CliRunner()
 @pytest.mark.parametrize(("args", "env", "option"), [
     (["--api-key", ""], {}, "--api-key"),
     (["--api-key", "  "], {}, "--api-key"),
+    (["--api-key", " k1 "], {}, "--api-key"),
+    (["--api-key", "clé"], {}, "--api-key"),
+    (["--api-key", "two words"], {}, "--api-key"),
+    ([], {"NANOSERVE_API_KEY": "k1\n"}, "--api-key"),
+    (["--header-timeout-s", "0"], {}, "--header-timeout-s"),
     ([], {"NANOSERVE_API_KEY": ""}, "--api-key"),
     (["--log-level", "verbose"], {}, "--log-level"),
     (["--log-level", ""], {}, "--log-level"),

@@ -159,6 +159,15 @@ def test_health_models_and_metrics(client: httpx.Client) -> None:
         assert name in metrics.text
 
 
+def test_a_model_by_id_the_version_and_a_404_that_says_why_for_embeddings(client: httpx.Client) -> None:
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert client.get("/v1/models/tiny-alias").json()["id"] == "tiny-alias"
+    assert_error(client.get("/v1/models/gpt-9"), 404, "model", code="model_not_found")
+    assert client.get("/version").json()["version"]
+    error = assert_error(client.post("/v1/embeddings", json={"input": "hi"}), 404, None)
+    assert "embedding" in error["message"]
+
+
 def test_health_is_503_while_the_model_loads(tiny_model_dir) -> None:
     release = threading.Event()
 
@@ -232,6 +241,20 @@ def test_a_repeated_prompt_reports_cached_tokens_and_counts_prefix_cache_hits(
     assert served.engine.pool.is_completely_free  # cached blocks count as free
 
 
+def test_a_cache_salt_keeps_another_users_prefix_out_of_reach(client: httpx.Client) -> None:
+    prompt = list(range(340, 300, -1))  # two full blocks and a bit, seen by no other test
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    def cached(**fields) -> int:
+        usage = client.post("/v1/completions", json={**body, **fields}).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="secret-of-alice") == 0
+    assert cached() == 0 and cached(cache_salt="guess") == 0  # no hit tells them anything
+    assert cached(cache_salt="secret-of-alice") == 32
+    assert_error(client.post("/v1/completions", json={**body, "cache_salt": ""}), 400, "cache_salt")
+
+
 def test_model_alias_and_missing_model_are_accepted(client: httpx.Client) -> None:
     for body in ({"model": "tiny-alias"}, {}):
         response = client.post("/v1/completions", json={**body, "prompt": "Hi", "max_tokens": 2})
@@ -284,6 +307,91 @@ def test_stop_string_ends_the_choice_before_it(client: httpx.Client) -> None:
     assert cut["text"] == full[: full.index(stop)]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(client: httpx.Client,
+                                                                            offline: LLM) -> None:
+    base = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+    full = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    stop = full[3:6]
+    kept = client.post("/v1/completions", json={**base, "stop": [stop], "include_stop_str_in_output": True})
+    assert kept.json()["choices"][0]["text"] == full[: full.index(stop) + len(stop)]
+    greedy = offline.generate("Hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [greedy.token_ids[2]], "include_stop_str_in_output": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    first = greedy.token_ids.index(greedy.token_ids[2])
+    assert choice["text"] == offline.tokenizer.decode(greedy.token_ids[:first + 1])
+
+
+def test_skip_special_tokens_false_shows_them(client: httpx.Client, offline: LLM) -> None:
+    [eos] = offline.tokenizer.eos_token_ids
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(eos): 100}}
+    hidden = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    shown = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert "choices" in shown, shown
+    assert hidden == "" and shown["choices"][0]["text"] == offline.tokenizer.eos_token * 2
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(client: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]
+    allowed = client.post("/v1/completions", json={**body, "allowed_token_ids": [40]}).json()
+    only_40 = client.post("/detokenize", json={"tokens": [40] * 6}).json()["prompt"]
+    assert allowed["choices"][0]["text"] == only_40
+    word = free["logprobs"]["tokens"][0].strip()
+    if word:
+        banned = client.post("/v1/completions", json={**body, "bad_words": [word]}).json()["choices"][0]
+        assert banned["logprobs"]["tokens"][0] != free["logprobs"]["tokens"][0]
+    assert_error(client.post("/v1/completions", json={**body, "allowed_token_ids": [99999]}), 400,
+                 "allowed_token_ids")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(client: httpx.Client) -> None:
+    body = {"prompt": list(range(50, 90)), "max_tokens": 3, "temperature": 0}
+    cut = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 7}).json()
+    tail = client.post("/v1/completions", json={**body, "prompt": list(range(83, 90))}).json()
+    assert cut["usage"]["prompt_tokens"] == 7
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+
+
+def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client: httpx.Client) -> None:
+    body = {"prompt": "Once upon", "max_tokens": 4, "temperature": 0}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]["text"]
+    assert echoed == "Once upon" + plain
+    streamed = chunks_of(client.post("/v1/completions", json={**body, "echo": True, "stream": True}))
+    assert streamed[0]["choices"][0]["text"] == "Once upon"
+    assert "".join(c["choices"][0]["text"] for c in streamed) == echoed
+    assert_error(client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}), 400, "echo")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *content, last = chunks_of(client.post("/v1/completions", json=body))
+    assert [c["usage"]["completion_tokens"] for c in content] == [1, 2, 3, 4]
+    assert last["usage"]["completion_tokens"] == 4
+
+
+def test_a_request_chat_template_needs_a_trusting_server(tiny_model_dir, client: httpx.Client) -> None:
+    template = "{{ greeting }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+            "chat_template_kwargs": {"greeting": "Hey"}}
+    assert_error(client.post("/tokenize", json=body), 400, "chat_template", code="unsupported")
+    clash = {"messages": body["messages"], "chat_template_kwargs": {"messages": []}}
+    assert_error(client.post("/tokenize", json=clash), 400, "chat_template_kwargs")
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL],
+                    limits=ServerLimits(trust_request_chat_template=True))
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        tokens = httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
+        expected = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "Hey[hi]"}).json()["tokens"]
+        assert tokens == expected
+        chat = httpx.post(f"{server.base_url}/v1/chat/completions",
+                          json={**body, "max_tokens": 2, "temperature": 0}).json()
+        assert chat["usage"]["prompt_tokens"] == len(expected)
+
+
 def test_stop_token_id_is_named_and_eos_is_not(client: httpx.Client, offline: LLM) -> None:
     greedy = offline.generate("Hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     stop_id = greedy.token_ids[2]
@@ -296,10 +404,13 @@ def test_stop_token_id_is_named_and_eos_is_not(client: httpx.Client, offline: LL
     assert forced["finish_reason"] == "stop" and forced["stop_reason"] is None and forced["text"] == ""
 
 
-def test_max_tokens_absent_runs_to_the_server_limit(client: httpx.Client) -> None:
+def test_max_tokens_absent_is_16_for_completions_and_the_limit_for_chat(client: httpx.Client) -> None:
     data = client.post("/v1/completions", json={"prompt": "Hi", "temperature": 0, "ignore_eos": True}).json()
-    assert data["usage"]["completion_tokens"] == LIMITS.max_tokens
+    assert data["usage"]["completion_tokens"] == 16  # OpenAI's and vLLM's default
     assert data["choices"][0]["finish_reason"] == "length"
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                     "temperature": 0, "ignore_eos": True}).json()
+    assert chat["usage"]["completion_tokens"] == LIMITS.max_tokens
 
 
 def test_completion_logprobs_in_the_legacy_format(client: httpx.Client) -> None:
@@ -612,6 +723,36 @@ def test_a_body_that_stalls_is_answered_408_within_the_body_timeout(served: Serv
     assert time.monotonic() - started < LIMITS.body_timeout_s + 2
 
 
+def test_connections_that_send_no_request_head_are_closed_after_the_header_timeout(tiny_model_dir) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
+    with BackgroundServer(app, header_timeout_s=0.5) as server:
+        wait_healthy(server.base_url)
+        host, port = server.base_url.removeprefix("http://").split(":")
+        silent, partial = (socket.create_connection((host, int(port))) for _ in range(2))
+        partial.sendall(b"GET /health HT")  # half a request line, then nothing
+        for sock in (silent, partial):
+            sock.settimeout(10)  # bounded: a server that never closes fails here, not hangs
+            start = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the server
+            assert time.monotonic() - start < 5
+            sock.close()
+        with httpx.Client(base_url=server.base_url) as http:  # keep-alive: the deadline re-arms
+            assert http.get("/health").status_code == 200
+            assert http.get("/health").status_code == 200
+
+
+def test_a_long_prefill_logs_its_progress(tiny_model_dir, caplog: pytest.LogCaptureFixture) -> None:
+    app = build_app(lambda: tiny_engine(tiny_model_dir, max_num_batched_tokens=16), model_names=[MODEL],
+                    prefill_log_s=0.0)
+    with caplog.at_level(logging.INFO, logger="nanoserve.server"), BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        body = {"prompt": [7] * 100, "max_tokens": 1, "temperature": 0}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "prefill" in r.getMessage()]
+    assert any("prefilled 16 of 100 prompt tokens (16%)" in line for line in lines), lines
+    assert any("prefill of 100 prompt tokens done" in line for line in lines), lines
+
+
 def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
         served: Served, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="nanoserve.server")
@@ -657,7 +798,9 @@ def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
     ({"prompt": "x", "top_n_sigma": 0}, "top_n_sigma"),
     ({"prompt": "x", "top_n_sigma": -2}, "top_n_sigma"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 2}, "echo"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "chat_template": "{{ 1 }}"}, "chat_template"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -689,7 +832,8 @@ def test_completion_validation_failures_are_400_naming_the_field(served: Served,
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(i): 1 for i in range(1025)}},
      "logit_bias"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
+     "messages[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "typical_p": -0.1}, "typical_p"),
@@ -721,8 +865,18 @@ def test_context_overflow_is_400_before_engine_work(served: Served, client: http
     assert served.engine.stats.steps == steps
 
 
-def test_unknown_fields_are_tolerated(client: httpx.Client) -> None:
-    body = {"prompt": "Hi", "max_tokens": 2, "frobnicate": {"a": [1]}, "user": "me", "metadata": None}
+def test_unknown_fields_are_400_naming_them_with_a_suggestion(client: httpx.Client) -> None:
+    error = assert_error(client.post("/v1/completions", json={"prompt": "Hi", "temprature": 0.5}), 400,
+                         "temprature", code="unknown_field")
+    assert "'temperature'" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}
+    assert_error(client.post("/v1/chat/completions", json=chat), 400, "messages[0].colour",
+                 code="unknown_field")
+
+
+def test_harmless_values_of_refused_fields_are_accepted(client: httpx.Client) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2, "user": "me", "metadata": None, "best_of": 1, "echo": False,
+            "suffix": None, "priority": 0, "use_beam_search": False}
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
@@ -736,6 +890,13 @@ def test_unknown_model_is_404(client: httpx.Client) -> None:
 def test_oversized_body_is_413(client: httpx.Client) -> None:
     response = client.post("/v1/completions", json={"prompt": "x" * (LIMITS.max_body_bytes + 1)})
     assert_error(response, 413, "body")
+
+
+def test_a_trailing_slash_is_served_not_redirected(client: httpx.Client) -> None:
+    response = client.post("/v1/completions/", json={"prompt": "Hi", "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert client.get("/metrics/").status_code == 200
+    assert client.get("/v1/models/").status_code == 200
 
 
 def test_unknown_route_and_wrong_method_keep_the_error_shape(client: httpx.Client) -> None:

@@ -184,7 +184,9 @@ async def read_stream(client: httpx.AsyncClient, call: Call) -> None:
     ids = set()
     async with client.stream("POST", call.path, json=call.body) as response:
         assert response.status_code == 200
-        events = [line.removeprefix("data: ") async for line in response.aiter_lines() if line]
+        # Lines starting with ":" are SSE comments (keep-alives while a stream waits): not events.
+        events = [line.removeprefix("data: ") async for line in response.aiter_lines()
+                  if line and not line.startswith(":")]
     assert events[-1] == "[DONE]"
     for event in events[:-1]:
         chunk = json.loads(event)
@@ -329,7 +331,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server: Server) -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
             short = {"prompt": "Count with me: one, two,", "max_tokens": 6, "temperature": 0,
                      "ignore_eos": True, "stream": True}
-            long = {"prompt": "Tell me a long story.", "temperature": 0, "ignore_eos": True, "stream": True}
+            # Completions default to 16 tokens; this one must outlast the drain.
+            long = {"prompt": "Tell me a long story.", "max_tokens": 800, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
             started = asyncio.Event(), asyncio.Event()
             tasks = [asyncio.create_task(collect(client, body, flag))
                      for body, flag in ((short, started[0]), (long, started[1]))]

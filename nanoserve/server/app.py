@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from nanoserve.server import routes
-from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import (
@@ -43,16 +43,17 @@ DRAIN_GRACE_S = 3.0
 def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               aliases: tuple[str, ...] = (), api_key: str | None = None,
               limits: ServerLimits | None = None, seed: int | None = None,
-              sse_keep_alive_s: float = 15.0) -> FastAPI:
+              sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `seed`: unseeded requests draw their seeds, in
     arrival order, from a generator seeded with it (None: the engine picks each at random).
-    `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment."""
+    `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment.
+    `prefill_log_s`: a prefill running that long gets a progress line in the log, then again."""
     limits = limits or ServerLimits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(build_engine, asyncio.get_running_loop())
+        async_engine = AsyncEngine(build_engine, asyncio.get_running_loop(), prefill_log_s=prefill_log_s)
         app.state.server = ServerState(
             async_engine, list(model_names), frozenset((*model_names, *aliases)), api_key, limits,
             ServerMetrics(model_names[0]), sse_keep_alive_s=sse_keep_alive_s,
@@ -63,11 +64,15 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
         finally:
             await async_engine.stop()
 
-    app = FastAPI(title="nanoserve", version="0.1.0", lifespan=lifespan)
+    # No 307 to the other spelling of a path: a client that does not follow it loses its POST
+    # body. `TrailingSlashes` serves both spellings instead.
+    app = FastAPI(title="nanoserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.add_middleware(TrailingSlashes)
     install_handlers(app)
     app.include_router(_v1_router())
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/version", routes.version, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=PlainTextResponse)
     _document_bodies(app)
     return app
@@ -76,6 +81,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
 def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(routes.require_api_key)])
     router.add_api_route("/models", routes.list_models, methods=["GET"])
+    router.add_api_route("/models/{model_id:path}", routes.retrieve_model, methods=["GET"])
+    router.add_api_route("/embeddings", routes.embeddings, methods=["POST"])
     router.add_api_route("/completions", routes.create_completion, methods=["POST"],
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
@@ -91,6 +98,19 @@ def _tokenizer_router() -> APIRouter:
     router.add_api_route("/detokenize", routes.detokenize, methods=["POST"],
                          openapi_extra=_body_schema(DetokenizeRequest))
     return router
+
+
+class TrailingSlashes:
+    """Serve `/v1/completions/` as `/v1/completions` (and so for every path)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        await self.app(scope, receive, send)
 
 
 def start_drain(app: FastAPI, drain_s: float) -> None:

@@ -1,7 +1,8 @@
 """The engine loop thread: runs the synchronous `Engine` off the event loop.
 
 Owns: one thread that builds the engine (so the server answers 503 while it loads) and then
-steps it while there is work, sleeping on a condition when there is none; a command queue
+steps it while there is work, sleeping on a condition when there is none (and logs how far a
+prefill has got every `prefill_log_s` it keeps running, so a long prompt is visibly working); a command queue
 (add, abort, stop) that is the only way the event loop touches the engine; per-request
 `asyncio.Queue`s fed by one `loop.call_soon_threadsafe` per step; the health flag, cleared
 if the loop dies, which fails every open stream; and the engine snapshot for /metrics.
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
+PREFILL_LOG_S = 10.0  # a prefill still running after this long gets a progress line, then again
 
 
 class EngineUnavailableError(RuntimeError):
@@ -50,8 +53,12 @@ class _Abort:
 class AsyncEngine:
     """Bridges the event loop and the engine thread. Public methods run on the event loop."""
 
-    def __init__(self, build_engine: Callable[[], Engine], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, build_engine: Callable[[], Engine], loop: asyncio.AbstractEventLoop, *,
+                 prefill_log_s: float = PREFILL_LOG_S) -> None:
         self._build_engine = build_engine
+        self._prefill_log_s = prefill_log_s
+        self._prefill_logged_s: dict[str, float] = {}  # engine thread: when each prefill last logged
+        self._arrivals: dict[str, float] = {}  # engine thread: arrival of each prefill logged
         self._loop = loop
         self._commands: deque[_Add | _Abort] = deque()
         self._wake = threading.Condition()
@@ -185,7 +192,9 @@ class AsyncEngine:
             return False
         delivered: list[RequestOutput | tuple[str, BaseException]] = self._apply(commands)
         if engine.has_unfinished():
-            delivered += engine.step()
+            outputs = engine.step()
+            self._log_long_prefills(outputs)
+            delivered += outputs
         self._publish_snapshot()
         if delivered:
             self._call_soon(self._deliver, delivered)
@@ -202,6 +211,30 @@ class AsyncEngine:
             except Exception as error:  # checked before; a late refusal only fails this request
                 rejected.append((command.request_id, error))
         return rejected
+
+    def _log_long_prefills(self, outputs: list[RequestOutput]) -> None:
+        """A line per prefill that has run `prefill_log_s` since its request arrived (or since
+        its last line), and one when such a prefill is done (its first token came out)."""
+        now = time.monotonic()
+        logged, self._prefill_logged_s = self._prefill_logged_s, {}
+        for output in outputs:
+            if output.request_id in logged and output.num_output_tokens == 1:
+                log.info("request %s: prefill of %d prompt tokens done in %.1f s", output.request_id,
+                         output.num_prompt_tokens, now - self._arrivals.pop(output.request_id, now))
+        for request in self.engine.scheduler.running:
+            done, total = request.num_computed_tokens, len(request.prompt_ids)
+            if done >= total:
+                continue
+            last = logged.get(request.request_id, request.arrival_s)
+            if now - last >= self._prefill_log_s:
+                log.info("request %s: prefilled %d of %d prompt tokens (%.0f%%) in %.1f s",
+                         request.request_id, done, total, 100 * done / total, now - request.arrival_s)
+                self._arrivals[request.request_id] = request.arrival_s
+                last = now
+            if request.request_id in self._arrivals:
+                self._prefill_logged_s[request.request_id] = last
+        for request_id in set(self._arrivals) - set(self._prefill_logged_s):
+            del self._arrivals[request_id]  # finished or aborted before its prefill was done
 
     def _abort_all(self) -> None:
         for request_id in list(self.engine.requests):

@@ -61,6 +61,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    echo: str = ""  # text before the generated text (completions' echo)
     last_s: float = 0.0
     text_offset: TextOffset = field(default_factory=TextOffset)  # streamed completion logprobs
     aborted: bool = False  # ended with no finish: by the server, or by `close` (hang-up, failure)
@@ -94,7 +95,7 @@ class Generation:
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{seq.index}" for seq in plan]
         choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
-                                  stop_token_ids=seq.params.stop_token_ids,
+                                  stop_token_ids=seq.params.stop_token_ids, echo=seq.echo,
                                   tool_reader=seq.tools.reader() if seq.tools is not None else None)
                    for seq_id, seq in zip(ids, plan, strict=True)}
         generation = cls(state, request_id, arrival_s, queue, choices)
@@ -216,7 +217,7 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
     choices = []
     for choice in sorted(generation.choices.values(), key=lambda c: c.index):
         logprobs = logprobs_body(kind, choice.logprobs, names, 0) if choice.logprobs is not None else None
-        text = "".join(choice.texts)
+        text = choice.echo + "".join(choice.texts)
         if choice.tool_reader is not None and choice.finish_reason == "stop":
             content, calls = choice.tool_reader.read(text)
             if calls:

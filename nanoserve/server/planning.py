@@ -1,8 +1,9 @@
 """Request planning: from a validated body to the engine's sequences, or a 4xx naming the field.
 
-Owns: `check_body` (what can be refused without the engine: the model name, unsupported fields,
-the server's limits) and `plan` (tokenize each prompt, fill in max_tokens and per-choice seeds,
-build the `SamplingParams` and run every engine check), so a request that gets past planning
+Owns: `check_body` (what can be refused without the engine: the model name and the server's
+limits; fields the server does not honour were refused as the body was parsed) and `plan`
+(tokenize each prompt, fill in max_tokens and per-choice seeds, build the `SamplingParams`
+and run every engine check), so a request that gets past planning
 costs the engine nothing it could refuse later. `refusals_as_400` is the one place an
 `InvalidRequestError` from the tokenizer, `SamplingParams` or the engine becomes a 400, naming
 the field the client sent rather than the engine's name for it.
@@ -19,7 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_SEED, SamplingParams, StructuredOutputs
+from nanoserve.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_SEED,
+    SamplingParams,
+    StructuredOutputs,
+    keep_last_tokens,
+)
 from nanoserve.server import protocol
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
@@ -38,6 +45,13 @@ class PlannedSequence:
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolPlan | None = None  # the chat's tools and tool_choice, read back from the reply
+    echo: str = ""  # text the choice starts with (completions' echo: the prompt's)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedPrompt:
+    ids: list[int]
+    echo: str = ""
 
 
 # -- the one conversion -------------------------------------------------------------------------
@@ -69,7 +83,21 @@ def client_param(body: RequestBody, param: str | None) -> str | None:
 def check_body(state: ServerState, body: RequestBody) -> None:
     """Refuse what the body asks for that this server does not serve or allow: 404 or 400."""
     _check_model(state, body.model)
-    _check_supported(body, state.limits)
+    _check_limits(body, state.limits)
+    if isinstance(body, ChatCompletionRequest):
+        check_chat_template(body, state.limits)
+    elif body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's logprobs, which are not supported yet",
+                          "echo", code="unsupported")
+
+
+def check_chat_template(body: protocol.ChatTemplateFlags, limits: ServerLimits) -> None:
+    """A template from a request runs on the server (sandboxed, but as long as it likes): only
+    a server started with --trust-request-chat-template takes one, as in vLLM."""
+    if body.chat_template is not None and not limits.trust_request_chat_template:
+        raise bad_request("this server does not take chat templates from requests (start it with "
+                          "--trust-request-chat-template to allow them)", "chat_template",
+                          code="unsupported")
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -78,10 +106,7 @@ def _check_model(state: ServerState, model: str | None) -> None:
                             f"{state.model_names[0]!r}", param="model", code="model_not_found")
 
 
-def _check_supported(body: RequestBody, limits: ServerLimits) -> None:
-    refused = body.unsupported()
-    if refused is not None:
-        raise bad_request(refused[1], refused[0], code="unsupported")
+def _check_limits(body: RequestBody, limits: ServerLimits) -> None:
     if body.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n} on this server; got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
@@ -112,13 +137,15 @@ def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
                           "prompt" if body.prompt is None else "messages")
     tokenizer = state.engine.tokenizer
     if body.prompt is not None:
-        return tokenizer.encode(body.prompt)
+        return tokenizer.encode(body.prompt, add_bos=False if body.add_special_tokens is False else None)
+    check_chat_template(body, state.limits)
     try:
         messages = body.chat_messages()
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
     try:
-        return tokenizer.encode_chat(messages, **body.template_flags())
+        return tokenizer.encode_chat(messages, **body.template_flags(),
+                                     add_special_tokens=bool(body.add_special_tokens))
     except InvalidRequestError as error:
         raise bad_request(error.message, error.param or "messages") from None
 
@@ -140,23 +167,23 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
     engine = state.engine
     tools = ToolPlan.from_body(body) if kind == "chat" else None
-    prompts = _prompt_ids(engine, kind, body, state.limits)
+    prompts = _prompts(engine, kind, body, state.limits)
     base = _base_params(body, state.default_seed() if body.seed is None else body.seed)
     sequences = []
-    for prompt_index, prompt_ids in enumerate(prompts):
-        max_tokens = _max_tokens(engine, body, len(prompt_ids), state.limits)
+    for prompt_index, prompt in enumerate(prompts):
+        max_tokens = _max_tokens(engine, body, len(prompt.ids), state.limits)
         for j in range(body.n):
             params = _params_for(body, base, max_tokens, j)
             with refusals_as_400(body):
-                engine.check_request(prompt_ids, params)
-            sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt_ids, params,
-                                             tools))
+                engine.check_request(prompt.ids, params)
+            sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt.ids, params,
+                                             tools, prompt.echo))
     return sequences
 
 
-def _prompt_ids(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[list[int]]:
+def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[PlannedPrompt]:
     if kind == "chat":
-        return [_chat_prompt_ids(engine, body)]
+        return [PlannedPrompt(_chat_prompt_ids(engine, body))]
     prompt = body.prompt
     single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
     prompts = [prompt] if single else list(prompt)
@@ -165,8 +192,21 @@ def _prompt_ids(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLim
                           "prompt")
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"at most {limits.max_prompts} prompts per request; got {len(prompts)}", "prompt")
-    return [_encode(engine, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+    return [_completion_prompt(engine, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             for i, p in enumerate(prompts)]
+
+
+def _completion_prompt(engine: Engine, body: CompletionRequest, prompt: str | list[int],
+                       param: str) -> PlannedPrompt:
+    if isinstance(prompt, str) and body.add_special_tokens is False:
+        prompt = engine.tokenizer.encode(prompt, add_bos=False) or prompt  # "": refused as empty below
+    ids = _encode(engine, body, prompt, param)
+    if not body.echo:
+        return PlannedPrompt(ids)
+    # vLLM echoes a text prompt as sent; token ids (or a truncated prompt) as they decode.
+    whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+    text = prompt if whole else engine.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+    return PlannedPrompt(ids, text)
 
 
 def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
@@ -177,13 +217,16 @@ def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
     tools = ToolPlan.from_body(body)
     with refusals_as_400(body):
         prompt_ids = engine.tokenizer.encode_chat(messages, tools=tools and tools.template_tools(),
-                                                  **body.template_flags())
+                                                  **body.template_flags(),
+                                                  add_special_tokens=bool(body.add_special_tokens))
     return _encode(engine, body, prompt_ids, "messages")
 
 
 def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt's token ids, checked, and truncated as truncate_prompt_tokens asks."""
     with refusals_as_400(body, param=param):
-        return engine.encode_prompt(prompt)
+        ids = engine.encode_prompt(prompt)
+    return keep_last_tokens(ids, body.truncate_prompt_tokens)
 
 
 def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
@@ -193,7 +236,10 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "typical_p": body.typical_p, "top_n_sigma": body.top_n_sigma,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
-        "ignore_eos": body.ignore_eos, "seed": seed,
+        "ignore_eos": body.ignore_eos, "seed": seed, "cache_salt": body.cache_salt,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": body.skip_special_tokens,
+        "bad_words": body.bad_words, "allowed_token_ids": body.allowed_token_ids,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
@@ -238,11 +284,16 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: ServerLimits) -> int:
-    """What the body asks for, within the server's limit; absent: all the room the context leaves."""
+    """What the body asks for, within the server's limit. Absent, as OpenAI and vLLM have it:
+    16 for a completion, and for a chat all the room the context leaves (within the limit)."""
     asked = body.max_tokens
     name = "max_tokens"
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         asked, name = body.max_completion_tokens, "max_completion_tokens"
+    if asked is None and isinstance(body, CompletionRequest):
+        asked = protocol.COMPLETION_DEFAULT_MAX_TOKENS
+        if limits.max_tokens is not None:
+            asked = min(asked, limits.max_tokens)
     if asked is not None:
         if limits.max_tokens is not None and asked > limits.max_tokens:
             raise bad_request(f"{name} must be at most {limits.max_tokens} on this server; got {asked}", name)

@@ -1,20 +1,24 @@
 """OpenAI's completions and chat completions protocol: request models and response bodies.
 
-Owns: the pydantic request models (unknown fields tolerated, types checked strictly from
-JSON, so `"n": "2"` is a 400 rather than a guess), the list of accepted-but-unsupported
-fields that would change output (refused by name, never silently ignored), and the small
-functions that build response, chunk and usage bodies as plain dicts (the streaming hot path
-does not pay for a pydantic model per token).
+Owns: the pydantic request models (types checked strictly from JSON, so `"n": "2"` is a 400
+rather than a guess), `REFUSED`, the one table of fields a client may send that this server
+does not honour, and `refused_field`, the one rule over both: every field of a body is either
+declared on its model (honoured) or named in a 400 (a field in `REFUSED` with the sentence
+there, any other field as unknown); nothing is silently dropped. Also the small functions that
+build response, chunk and usage bodies as plain dicts (the streaming hot path does not pay
+for a pydantic model per token).
 Refuses: range checks of sampling values; `SamplingParams` is the one place those live.
 """
 
 from __future__ import annotations
 
 import codecs
+import difflib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -27,18 +31,182 @@ if TYPE_CHECKING:
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Kind = Literal["completion", "chat"]  # which endpoint: picks the request model and response shapes
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # Extra keys are kept, not dropped, so that `refused_field` can name each one: a body
+    # with a field nobody declared is a 400, never a request that quietly does something else.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False,
+                              json_schema_extra={"additionalProperties": False})
+
+
+# -- the fields this server does not honour: refused by name ------------------------------------
+
+def _absent(value: Any, _: BaseModel) -> bool:
+    return value is None
+
+
+def _absent_or(*harmless: Any) -> Callable[[Any, BaseModel], bool]:
+    """Null, or one of the values that ask for nothing this server does not do."""
+    def check(value: Any, _: BaseModel) -> bool:
+        return value is None or any(value == h and type(value) is type(h) for h in harmless)
+    return check
+
+
+def _empty(value: Any, _: BaseModel) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _best_of_is_n(value: Any, body: BaseModel) -> bool:
+    return value is None or value == getattr(body, "n", 1)
+
+
+def _no_special_tokens_shown(value: Any, body: BaseModel) -> bool:
+    """vLLM's default (true) asks nothing while special tokens are skipped: none are in the text."""
+    return value is None or value is False or (value is True and getattr(body, "skip_special_tokens", True))
+
+
+def _off_or_not_chat(value: Any, body: BaseModel) -> bool:
+    """Completions implement echo; chat's echo (vLLM's: prefix the last message) is another thing."""
+    return value is None or value is False or "messages" not in type(body).model_fields
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a field is refused, and which of its values ask for nothing (accepted as if absent)."""
+
+    why: str
+    harmless: Callable[[Any, BaseModel], bool] = _absent
+
+
+_NOT_YET = "is not supported yet"
+_STRUCTURED = "llguidance is the one backend; send structured_outputs, response_format or guided_*"
+_TEXT_ONLY = "only text content parts are supported"
+
+# Field -> why it is refused. A key names a body field, or a nested one by its path
+# ("messages[].tool_calls"). A field listed here is refused whether or not its model declares
+# it, unless its value is harmless; to implement one, declare it on the model and delete its
+# line here (tests/test_protocol_fields.py checks every known OpenAI and vLLM field is one or
+# the other).
+REFUSED: dict[str, Refusal] = {
+    # OpenAI's
+    "suffix": Refusal("suffix (insertion) is not supported", _absent_or("")),
+    "best_of": Refusal("best_of is not supported (only best_of equal to n)", _best_of_is_n),
+    "functions": Refusal("the deprecated functions field is not supported: send tools", _empty),
+    "function_call": Refusal("the deprecated function_call is not supported: send tool_choice",
+                             _absent_or("none", "auto")),
+    "audio": Refusal("audio output is not supported"),
+    "modalities": Refusal("only the text modality is supported", _absent_or(["text"])),
+    "prediction": Refusal("predicted outputs are not supported"),
+    "reasoning_effort": Refusal("reasoning_effort is not supported; chat_template_kwargs passes "
+                                "switches to templates that read them"),
+    "verbosity": Refusal("verbosity is not supported"),
+    "web_search_options": Refusal("web search is not supported"),
+    "store": Refusal("stored completions are not supported", _absent_or(False)),
+    "metadata": Refusal("metadata belongs to stored completions, which are not supported", _empty),
+    "service_tier": Refusal("service tiers are not supported", _absent_or("auto", "default")),
+    "moderation": Refusal("moderation is not supported"),
+    "prompt_cache_key": Refusal("prompt_cache_key is not supported: the prefix cache needs no "
+                                "hint, and cache_salt keeps users' caches apart"),
+    "prompt_cache_retention": Refusal("prompt_cache_retention is not supported: cached blocks "
+                                      "stay until the pool needs their room"),
+    "prompt_cache_options": Refusal("prompt_cache_options are not supported"),
+    # vLLM's
+    "structural_tag": Refusal("structural_tag is not supported: " + _STRUCTURED),
+    "guided_decoding_backend": Refusal("guided_decoding_backend is not supported: " + _STRUCTURED,
+                                       _absent_or("auto", "guidance")),
+    "guided_whitespace_pattern": Refusal("guided_whitespace_pattern is not supported: JSON is "
+                                         "generated with fixed separators and no free whitespace"),
+    "prompt_logprobs": Refusal("prompt_logprobs " + _NOT_YET),
+    "spaces_between_special_tokens": Refusal("spaces_between_special_tokens " + _NOT_YET
+                                             + " (special tokens are joined without spaces)",
+                                             _no_special_tokens_shown),
+    "use_beam_search": Refusal("beam search is not supported", _absent_or(False)),
+    "length_penalty": Refusal("length_penalty only applies to beam search, which is not supported",
+                              _absent_or(1, 1.0)),
+    "priority": Refusal("priority scheduling is not supported: requests run first come, first "
+                        "served", _absent_or(0)),
+    "request_id": Refusal("request_id is not supported: responses carry the server's own id"),
+    "logits_processors": Refusal("custom logits processors are not supported", _empty),
+    "return_tokens_as_token_ids": Refusal("return_tokens_as_token_ids is not supported",
+                                          _absent_or(False)),
+    "return_token_ids": Refusal("return_token_ids is not supported", _absent_or(False)),
+    "prompt_embeds": Refusal("prompt embeddings are not supported"),
+    "mm_processor_kwargs": Refusal("multimodal inputs are not supported", _empty),
+    "kv_transfer_params": Refusal("disaggregated serving (kv_transfer_params) is not supported"),
+    "vllm_xargs": Refusal("vllm_xargs (custom extensions) are not supported", _empty),
+    "include_reasoning": Refusal("reasoning parsing is not supported", _absent_or(True)),
+    "echo": Refusal("echo on chat completions (the new message prefixed with the last one) is "
+                    "not supported", _off_or_not_chat),
+    "return_token_strs": Refusal("return_token_strs is not supported", _absent_or(False)),
+    "stream_options.include_obfuscation": Refusal("stream obfuscation is not supported",
+                                                  _absent_or(False)),
+    # nested fields
+    "messages[].function_call": Refusal("function calling is not supported"),
+    "messages[].audio": Refusal("audio is not supported"),
+    "messages[].refusal": Refusal("refusal messages in the history are not supported"),
+    "messages[].reasoning_content": Refusal("reasoning content in the history is not supported"),
+    "messages[].content[].image_url": Refusal(_TEXT_ONLY),
+    "messages[].content[].input_audio": Refusal(_TEXT_ONLY),
+    "messages[].content[].file": Refusal(_TEXT_ONLY),
+    "messages[].content[].video_url": Refusal(_TEXT_ONLY),
+    "messages[].content[].audio_url": Refusal(_TEXT_ONLY),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRefusal:
+    param: str  # where the field is, as the client sent it: "messages[1].tool_calls"
+    message: str
+    code: str  # "unsupported" (a known field) or "unknown_field"
+
+
+def refused_field(body: BaseModel) -> FieldRefusal | None:
+    """The first field of `body` (nested ones too) that this server does not honour."""
+    for key, param, value, model in _sent_fields(body, "", ""):
+        name = key.rsplit(".", 1)[-1]
+        refusal = REFUSED.get(key)
+        if refusal is not None and not refusal.harmless(value, body):
+            return FieldRefusal(param, f"{param}: {refusal.why}", "unsupported")
+        if refusal is None and name not in type(model).model_fields:
+            return FieldRefusal(param, _unknown(param, key, model), "unknown_field")
+    return None
+
+
+def _sent_fields(model: BaseModel, key: str, param: str) -> Iterator[tuple[str, str, Any, BaseModel]]:
+    """(table key, client path, value, owning model) of every field the client sent, depth first."""
+    sent = [*model.model_fields_set, *(model.model_extra or {})]
+    for name in sent:
+        value = getattr(model, name) if name in type(model).model_fields else model.model_extra[name]
+        shown = name or '""'  # a JSON key may be empty; the error still names it
+        field_key, field_param = f"{key}.{name}" if key else name, f"{param}.{shown}" if param else shown
+        yield field_key, field_param, value, model
+        if isinstance(value, BaseModel):
+            yield from _sent_fields(value, field_key, field_param)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from _sent_fields(item, f"{field_key}[]", f"{field_param}[{i}]")
+
+
+def _unknown(param: str, key: str, model: BaseModel) -> str:
+    name = key.rsplit(".", 1)[-1]
+    prefix = key[: -len(name)]
+    known = [*type(model).model_fields,
+             *(k[len(prefix):] for k in REFUSED if k.startswith(prefix) and "." not in k[len(prefix):])]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{param}: unknown field{hint} (fields this server does not know are refused, not ignored)"
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(default=False, description="Usage so far on every chunk (vLLM's).")
 
 
 class SamplingFields(OpenAIModel):
-    """Fields both endpoints share: OpenAI's, then vLLM's extensions."""
+    """Fields both endpoints share: OpenAI's, then vLLM's extensions, then nanoserve's."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -55,15 +223,28 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    top_k: int | None = None
+    user: str | None = Field(default=None, description="The end user's id; changes nothing generated.")
+    safety_identifier: str | None = Field(default=None, description="As user.")
+    top_k: int | None = Field(default=None, description="0 or -1: no limit (as vLLM).")
     min_p: float | None = None
-    typical_p: float | None = None
-    top_n_sigma: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    cache_salt: str | None = Field(default=None, description=(
+        "Requests share cached prompt blocks only with requests of the same salt (vLLM's)."))
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: list[str] | None = Field(default=None, description=(
+        "Words never generated: each word's last token is banned where the output ends with the rest."))
+    allowed_token_ids: list[TokenId] | None = Field(default=None, description="Sample only these ids.")
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, description=(
+        "Keep only the prompt's last N tokens."))
+    add_special_tokens: bool | None = Field(default=None, description=(
+        "Add the tokenizer's BOS to the prompt: default true for completions, false for chat "
+        "(whose template writes BOS itself)."))
     p_less: bool | None = None
     # Structured outputs (server/structured_fields.py turns them into one spec).
     response_format: dict[str, Any] | None = None
@@ -77,19 +258,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0)
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, why) for the first field set to a value this server cannot honour."""
-        if self.echo:
-            return "echo", "echo is not supported: the response never repeats the prompt"
-        if self.suffix:
-            return "suffix", "suffix (insertion) is not supported"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", "best_of is not supported (only best_of equal to n)"
-        return None
+    echo: bool = Field(default=False, description="The prompt's text before each choice's text.")
 
 
 class ContentPart(OpenAIModel):
@@ -109,15 +278,23 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatTemplateFlags(OpenAIModel):
-    """vLLM's chat-template switches: open a new assistant turn (the default), or continue the
-    last message as it stands."""
+    """vLLM's chat-template fields: open a new assistant turn (the default) or continue the last
+    message as it stands; a template of the request's own (only where the server trusts them);
+    extra variables for the template (`chat_template_kwargs`, RAG `documents`)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
-    def template_flags(self) -> dict[str, bool]:
+    def template_flags(self) -> dict[str, Any]:
+        extra = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            extra["documents"] = self.documents
         return {"add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message,
+                "chat_template": self.chat_template, "template_kwargs": extra}
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
@@ -128,15 +305,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: Any = None
-
-    def unsupported(self) -> tuple[str, str] | None:
-        if self.functions:
-            return "functions", "the deprecated functions field is not supported: send tools"
-        if self.function_call not in (None, "none", "auto"):
-            return "function_call", "the deprecated function_call is not supported: send tool_choice"
-        return None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: role, text content, and the tool calls and
@@ -153,6 +321,7 @@ class TokenizeRequest(ChatTemplateFlags):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # as generation does: true for a prompt, false for messages
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages or [])]

@@ -1,5 +1,6 @@
-"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize and
-/detokenize, /health and /metrics.
+"""The endpoints: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}),
+vLLM's /tokenize, /detokenize and /version, /health and /metrics; /v1/embeddings answers a 404
+that says why.
 
 Owns: the API key check, reading a body no larger than the server's limit and validating it,
 and the order one generation request goes through: the body checks, the engine's
@@ -56,10 +57,38 @@ async def metrics(request: Request) -> PlainTextResponse:
 
 
 async def list_models(request: Request) -> JSONResponse:
-    state = state_of(request)
+    return JSONResponse(list_models_body(state_of(request)))
+
+
+def list_models_body(state: ServerState) -> dict:
     engine = state.engine
     max_model_len = engine.max_model_len if engine is not None else None
-    return JSONResponse(protocol.model_list(state.model_names, max_model_len, state.created))
+    return protocol.model_list(state.model_names, max_model_len, state.created)
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    state = state_of(request)
+    model_id = request.path_params["model_id"]
+    if model_id not in state.accepted_names:
+        raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                            f"{state.model_names[0]!r}", param="model", code="model_not_found")
+    listed = list_models_body(state)["data"]
+    return JSONResponse(next((m for m in listed if m["id"] == model_id), {**listed[0], "id": model_id}))
+
+
+async def version(_: Request) -> JSONResponse:
+    from nanoserve import __version__
+
+    return JSONResponse({"version": __version__})
+
+
+async def embeddings(_: Request) -> JSONResponse:
+    # A decision, not a gap: the served models are chat models, whose pooled hidden states are
+    # not trained embeddings; an endpoint that answered would return vectors nobody should use.
+    raise APIError(404, "/v1/embeddings is not served: nanoserve runs generative models, and a "
+                        "generative model's pooled hidden state is not an embedding (vLLM pools only "
+                        "models run with --task embed); use an embedding model server",
+                   code="not_found")
 
 
 async def tokenize(request: Request) -> JSONResponse:
@@ -101,9 +130,13 @@ async def _parse(request: Request, model: type[ParsedBody]) -> ParsedBody:
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
     raw = await _read_body(request, state_of(request).limits)
     try:
-        return model.model_validate_json(raw, strict=True)
+        body = model.model_validate_json(raw, strict=True)
     except ValidationError as error:
         raise from_validation_error(error.errors(include_url=False)) from None
+    refused = protocol.refused_field(body)
+    if refused is not None:
+        raise APIError(400, refused.message, param=refused.param, code=refused.code)
+    return body
 
 
 async def _read_body(request: Request, limits: ServerLimits) -> bytes:

@@ -37,6 +37,7 @@ class ServerLimits:
     max_waiting: int = 256  # sequences queued beyond the engine's running batch
     retry_after_s: int = 1
     body_timeout_s: float = 30.0  # to send the whole body: a client that stalls is answered 408
+    trust_request_chat_template: bool = False  # take a request's own chat_template (vLLM's flag)
 
 
 @dataclass(slots=True)

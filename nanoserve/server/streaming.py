@@ -53,8 +53,10 @@ class EventStreamResponse(StreamingResponse):
 
 
 def stream_response(kind: Kind, generation: Generation, model: str, body: RequestBody) -> EventStreamResponse:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _stream_events(kind, generation, model, include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(include_usage and options.continuous_usage_stats)
+    events = _stream_events(kind, generation, model, include_usage, continuous)
     return EventStreamResponse(events, on_close=generation.close)
 
 
@@ -63,13 +65,13 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 async def _stream_events(kind: Kind, generation: Generation, model: str,
-                         include_usage: bool) -> AsyncIterator[str]:
+                         include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
     created = protocol.now_s()
     head = protocol.envelope(kind, generation.request_id, model, created, chunk=True)
     if include_usage:
         head["usage"] = None
     try:
-        async for events in _chunks(kind, generation, head):
+        async for events in _chunks(kind, generation, head, continuous_usage):
             yield events
         if generation.error is not None:
             yield sse(unavailable(str(generation.error), generation.state.limits).body())
@@ -81,12 +83,18 @@ async def _stream_events(kind: Kind, generation: Generation, model: str,
     yield SSE_DONE
 
 
-async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any]) -> AsyncIterator[str]:
+async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any],
+                  continuous_usage: bool) -> AsyncIterator[str]:
+    """Chunks with content; with `continuous_usage` (vLLM's continuous_usage_stats) each also
+    carries the usage so far."""
     names = token_text(generation.state)
+    ordered = sorted(generation.choices.values(), key=lambda c: c.index)
     if kind == "chat":
         yield "".join(sse({**head, "choices": [protocol.chat_delta_choice(
-            c.index, {"role": "assistant", "content": ""}, None, None, None)]})
-            for c in sorted(generation.choices.values(), key=lambda c: c.index))
+            c.index, {"role": "assistant", "content": ""}, None, None, None)]}) for c in ordered)
+    elif any(c.echo for c in ordered):
+        yield "".join(sse({**head, "choices": [protocol.completion_choice(
+            c.index, c.echo, None, None, None)]}) for c in ordered if c.echo)
     keep_alive_s = generation.state.sse_keep_alive_s
     while not generation.done:
         try:
@@ -96,7 +104,8 @@ async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any]) -> A
         except TimeoutError:
             yield SSE_KEEP_ALIVE
             continue
-        events = [sse({**head, "choices": [delta]}) for choice, output in outputs
+        usage = {"usage": generation.usage()} if continuous_usage else {}
+        events = [sse({**head, "choices": [delta], **usage}) for choice, output in outputs
                   if output.text or output.logprobs or choice.finished
                   for delta in _delta_choices(kind, choice, output, names)]
         if events:
