@@ -194,8 +194,9 @@ class SamplingParams:
 
     `structured_outputs`: the output must match a JSON schema, regex, choice or grammar
     (`StructuredOutputs`); each request's matcher masks its own row, and the request stops
-    ("stop") when the grammar is complete. It cannot be combined with min_tokens: the grammar
-    alone decides where the output may end.
+    ("stop") when the grammar is complete. It cannot be combined with min_tokens (the grammar
+    alone decides where the output may end), allowed_token_ids or bad_words (a ban could leave
+    the grammar no token to take).
 
     `stop`: generation stops at the first stop string to be completed, and the returned text
     excludes it (`include_stop_str_in_output` keeps it, and the text of a stop token id);
@@ -311,6 +312,14 @@ class SamplingParams:
         if self.min_tokens:
             raise _refuse("min_tokens", self.min_tokens,
                           f"0 with {spec.param}: the grammar alone decides where the output ends")
+        # A ban can leave a grammar no token to take (allowed_token_ids outside it, a bad word
+        # it forces): the row's logits would all be -inf. Refused, never a silently cut answer.
+        if self.allowed_token_ids is not None:
+            raise _refuse("allowed_token_ids", list(self.allowed_token_ids),
+                          f"null with {spec.param}: the grammar alone decides which tokens may come")
+        if self.bad_words:
+            raise _refuse("bad_words", list(self.bad_words),
+                          f"empty with {spec.param}: a banned word the grammar needs would leave no token")
 
     @property
     def is_greedy(self) -> bool:

@@ -119,6 +119,8 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(served: Served)
     ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a+"}, "min_tokens": 2}, "min_tokens"),
+    ({"structured_outputs": {"regex": "a+"}, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"guided_choice": ["yes", "no"], "bad_words": ["yes"]}, "bad_words"),
 ])
 def test_bad_structured_output_requests_are_400_naming_the_field_before_engine_work(
         served: Served, client: httpx.Client, extra: dict, param: str) -> None:

@@ -139,6 +139,16 @@ def test_min_tokens_cannot_be_combined_with_a_grammar():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs(regex="a+"))
 
 
+@pytest.mark.parametrize(("ban", "param"), [({"allowed_token_ids": [5]}, "allowed_token_ids"),
+                                            ({"bad_words": ["a"]}, "bad_words")])
+def test_a_ban_that_could_leave_the_grammar_no_token_is_refused_with_a_grammar(ban, param):
+    # allowed_token_ids outside the grammar's tokens masked the whole row to -inf, and the
+    # request ended "stop" with an answer the grammar refuses.
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(structured_outputs=StructuredOutputs(regex="[xyz]{3}"), **ban)
+    assert error.value.param == param
+
+
 REAL_SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 150},
