@@ -662,7 +662,7 @@ def _p_less_keep(probs: Tensor, keep: Tensor, rows: Tensor | None) -> Tensor:
     part, part_keep = _rows(probs, rows), _rows(keep, rows)
     kept = part * part_keep
     total = _mass(kept).sum(-1).double() * 2.0**-MASS_BITS
-    cut = torch.minimum(_fixed_sum(kept.double().square()) / total, part.amax(-1).double())
+    cut = torch.minimum(_fixed_sum_(kept.double().square()) / total, part.amax(-1).double())
     return _put_rows(keep, rows, part_keep & (part.double() >= cut[:, None]))
 
 
