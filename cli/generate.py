@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from nanoserve.errors import NanoserveError
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputs
 from nanoserve_cli import options
 from nanoserve_cli.app import app
 
@@ -35,6 +36,13 @@ def generate(
     top_n_sigma: Annotated[float, typer.Option(
         help="Keep tokens whose logit is at least max - n x the logits' std (after temperature); "
              "-1 is off.")] = -1.0,
+    p_less: Annotated[bool, typer.Option(
+        "--p-less", help="p-less sampling: keep tokens at least as likely as two draws agreeing "
+                         "(the sum of squared probabilities).")] = False,
+    json_schema: Annotated[Path | None, typer.Option(
+        help="Constrain the output to this JSON schema (a file).", dir_okay=False)] = None,
+    regex: Annotated[str | None, typer.Option(
+        help="Constrain the output to this regular expression.")] = None,
     seed: Annotated[int | None, typer.Option(help="Same seed, same text.")] = None,
     stop: Annotated[list[str] | None, typer.Option(
         help="Stop at the first of these strings to complete, left out of the text (repeatable).")] = None,
@@ -63,7 +71,8 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, min_p=min_p, typical_p=typical_p,
                                 top_n_sigma=top_n_sigma, seed=seed, stop=tuple(stop or ()),
-                                stop_token_ids=tuple(stop_token_id or ()))
+                                stop_token_ids=tuple(stop_token_id or ()), p_less=p_less,
+                                structured_outputs=_structured(json_schema, regex))
     except NanoserveError as error:
         options.fail_for(error)
     config = options.engine_config(model=model, dtype=dtype, device=device,
@@ -88,6 +97,20 @@ def generate(
         _stream(llm, llm.tokenizer.encode_chat(messages) if chat else prompt, params)
     except NanoserveError as error:
         options.fail_for(error)
+
+
+def _structured(json_schema: Path | None, regex: str | None) -> StructuredOutputs | None:
+    if json_schema is not None and regex is not None:
+        options.fail("give at most one of --json-schema and --regex")
+    if regex is not None:
+        return StructuredOutputs(regex=regex, param="regex")
+    if json_schema is None:
+        return None
+    try:
+        text = json_schema.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        options.fail(f"--json-schema: cannot read {json_schema}: {error}")
+    return StructuredOutputs(json=text, param="json_schema")
 
 
 def _stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> None:

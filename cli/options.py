@@ -66,6 +66,7 @@ FIELD_TO_OPTION = {
     "repetition_penalty": "--repetition-penalty", "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty", "logprobs": "--logprobs",
     "threads": "--threads", "linear_kernel": "--linear-kernel", "quantize": "--quantize",
+    "p_less": "--p-less", "json_schema": "--json-schema", "regex": "--regex",
 }
 
 

@@ -47,6 +47,7 @@ from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.spec_decode import DraftState, SpecConfig, accepted_prefix
+from nanoserve.structured import GrammarCompiler
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_weights
 
@@ -187,6 +188,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
                                   device=self.device)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
+                                        eos_token_ids=self.tokenizer.eos_token_ids)
         self.readbacks = ReadbackCounter()
         self.stats = EngineStats()
         # Profiling only: wait for the GPU at each phase's end so its time lands in that phase,
@@ -303,6 +306,8 @@ class Engine:
         """Every check a request must pass, before it costs the engine anything (admission)."""
         params.validate_for_vocab(self.vocab_size)
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)  # compiled here once, then cached
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -316,7 +321,9 @@ class Engine:
         # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         output_state = self.outputs.new_state(params, prompt_ids)
-        request = Request(request_id, prompt_ids, params, seed, output_state=output_state)
+        spec = params.structured_outputs
+        grammar = self.grammars.new_grammar(spec) if spec is not None else None
+        request = Request(request_id, prompt_ids, params, seed, output_state=output_state, grammar=grammar)
         self.scheduler.add(request)
         return request_id
 
@@ -353,7 +360,9 @@ class Engine:
         if not self.spec.enabled:
             return
         for request in self.scheduler.running:
-            if request.num_uncomputed_tokens != 1:
+            # A draft row would need the grammar's state after the drafts before it: constrained
+            # requests decode one token a step.
+            if request.num_uncomputed_tokens != 1 or request.grammar is not None:
                 request.draft_ids = []
                 continue
             if request.draft_state is None:

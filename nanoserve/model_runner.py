@@ -119,7 +119,8 @@ class ModelRunner:
         request = chunk.request
         output = request.output_ids
         edits = self._row_edits(request)
-        rows = [SamplingRow(request.params, request.seed, len(output), request.prompt_ids, output, edits)]
+        rows = [SamplingRow(request.params, request.seed, len(output), request.prompt_ids, output, edits,
+                            request.grammar)]
         for i in range(1, len(chunk.draft_ids) + 1):
             ahead = output + list(chunk.draft_ids[:i])
             edits = edits.fork(ahead)

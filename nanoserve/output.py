@@ -164,20 +164,23 @@ class OutputProcessor:
 
     def _advance(self, request: Request, token_id: int,
                  num_output: int) -> tuple[str, RequestStatus | None, str | int | None]:
-        """Stop rules, in order: stop token (EOS unless ignored), stop string, max_tokens.
+        """Stop rules, in order: stop token (EOS unless ignored), stop string, the grammar's end,
+        max_tokens.
 
         `token_id` is output token number `num_output`. Neither a stop token nor a stop string
         completed by one of the first min_tokens tokens ends the request.
         """
         params, state = request.params, request.output_state
         past_min_tokens = num_output > params.min_tokens
+        # A constrained request's matcher takes the token now, after the step's one readback.
+        grammar_done = request.grammar is not None and request.grammar.accept(token_id)
         if token_id in state.stop_token_ids and past_min_tokens:
             text = state.stop_matcher.flush()
             if params.include_stop_str_in_output:
                 text += state.detokenizer.push([token_id]) + state.detokenizer.flush()
             return text, RequestStatus.FINISHED_STOPPED, token_id
         text = state.detokenizer.push([token_id])
-        if num_output >= params.max_tokens:
+        if num_output >= params.max_tokens or grammar_done:
             text += state.detokenizer.flush()  # release a held-back partial character
         # Text before min_tokens goes through the hold-back too, unarmed: a stop string that
         # completes there is plain text, but one straddling the boundary is still found.
@@ -186,6 +189,8 @@ class OutputProcessor:
             if params.include_stop_str_in_output:
                 text += state.stop_matcher.matched
             return text, RequestStatus.FINISHED_STOPPED, state.stop_matcher.matched
+        if grammar_done:  # the output is complete: a "stop", even on the last allowed token
+            return text + state.stop_matcher.flush(), RequestStatus.FINISHED_STOPPED, None
         if num_output >= params.max_tokens:
             return text + state.stop_matcher.flush(), RequestStatus.FINISHED_LENGTH, None
         return text, None, None

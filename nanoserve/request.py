@@ -15,6 +15,7 @@ from nanoserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from nanoserve.sampler import RowEdits
     from nanoserve.spec_decode import DraftState
+    from nanoserve.structured import RowGrammar
     from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -65,7 +66,8 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
     is never computed yet: the next step feeds it to the model. `output_state` is the text
     side (detokenizer, stop-string matcher), `sampler_edits` the sampler's (its penalty and
-    logit_bias cells on the device) and `draft_state` the speculative proposer's, so a live
+    logit_bias cells on the device), `grammar` the structured-output matcher and `draft_state`
+    the speculative proposer's, so a live
     request's state is all in one place and goes when the request does.
     """
 
@@ -87,6 +89,7 @@ class Request:
     # what its budget allows), and the proposer's own state (n-gram index, back-off).
     draft_ids: list[int] = field(default_factory=list)
     draft_state: DraftState | None = None
+    grammar: RowGrammar | None = None  # the structured-output matcher of a constrained request
 
     @property
     def num_tokens(self) -> int:

@@ -11,16 +11,24 @@ frequency and presence penalties (counts of generated tokens), then logit_bias, 
 min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`)
 and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
 with the rest of it; `allowed_token_ids`: every other id is -inf), then temperature,
-top_n_sigma, top_k, typical_p, top_p and min_p. Each filter after temperature sees the
+top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after temperature sees the
 distribution the ones before it left, renormalized over their survivors: top_n_sigma keeps
 the tokens whose scaled logit is at least max - n x std (std over the row's
 finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likely survivors;
 typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)|
 smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass;
-top_p then holds top_p of the mass left, and min_p keeps q >= min_p x the largest q left. So
+top_p then holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and
+p_less keeps q >= sum(q**2) of what all of them left (never above the largest q). So
 every filter keeps at least one token, and no combination of values empties a row. Greedy rows
 (temperature 0, or below `MIN_TEMPERATURE`, or top_k 1) take the first argmax, ignore every
 filter, and never call `uniform_from_counter`.
+
+Constrained rows (structured outputs): before anything else, each such row's logits are
+-inf wherever its grammar's bitmask (`GrammarMask`, filled on the host from the request's
+matcher and uploaded once per step) forbids the token, so a forbidden token is never drawn,
+greedy or sampled. Logprobs are read after this mask, as vLLM reads them (a constrained row's
+logprobs are over the tokens its grammar allows); penalties and temperature still come after.
+Rows without a grammar never see the mask: a step with none does no mask work at all.
 
 How a sampled row draws: top_k, top_p and min_p are thresholds on the row's softmax
 probabilities p, so without top_n_sigma or typical_p the kept set is {p >= threshold} (ties at
@@ -34,7 +42,8 @@ device (`uniform_from_counter`), picks the first token in vocabulary order whose
 passes `u * total` (group sums of 64 first, then inside the chosen group). The only float
 reductions are softmax and log_softmax, whose kernels work row by row on CPU and CUDA; every
 sum after them is over integers, exact in any order (the entropy of typical_p and the mean and
-std of top_n_sigma are sums of fixed-point integers, `FIXED_BITS` bits after the point). So a
+std of top_n_sigma, and p_less's sum of squares, are sums of fixed-point integers,
+`FIXED_BITS` bits after the point). So a
 row gives bit-identically the same token and logprobs in any batch, at any index, beside any
 neighbours, which is what makes batching and preemption invisible to a seeded request.
 
@@ -63,6 +72,7 @@ import torch
 from torch import Tensor
 
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured import BITS_PER_WORD, RowGrammar, fill_bitmasks
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 MASS_BITS = 60  # p * 2**60 is exact in float32 and sums of softmax mass stay below 2**63
@@ -97,6 +107,7 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]  # tokens generated so far
     edits: RowEdits | None = None  # the request's own, kept across steps; None: built for this step
+    grammar: RowGrammar | None = None  # the request's structured-output matcher, if constrained
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +115,7 @@ class SampledTokens:
     """One step's picks, still on the device; the output processor reads them back once."""
 
     token_ids: Tensor  # [rows] int64
-    logprobs: Tensor | None  # [rows] float32, log_softmax of the raw logits, if any row asked
+    logprobs: Tensor | None  # [rows] float32, log_softmax of the raw (grammar-masked) logits, if asked
     top_ids: Tensor | None  # [rows, N] int64, N = the most alternatives any row asked (N >= 1)
     top_logprobs: Tensor | None  # [rows, N] float32, highest first, ties by token id
 
@@ -276,6 +287,8 @@ class DrawParams:
     any_nucleus: bool  # some row has top_p < 1 without top_k: the radix select runs
     nucleus_rows: Tensor | None  # [m] int64 into the n, those rows; None when all n are
     shape: ShapeParams | None  # the rows with top_n_sigma or typical_p; None when none has
+    p_less_rows: Tensor | None  # [l] int64 into the n: rows with p_less; None when all n are
+    any_p_less: bool
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], drawing: list[int], vocab_size: int,
@@ -285,6 +298,7 @@ class DrawParams:
         top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # >= vocab: no cut
         windowed = [i for i, k in enumerate(top_k) if k]
         nucleus = [i for i, (k, p) in enumerate(zip(top_k, params, strict=True)) if not k and p.top_p < 1]
+        p_less = [i for i, p in enumerate(params) if p.p_less]
 
         def upload(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -307,6 +321,8 @@ class DrawParams:
             any_nucleus=bool(nucleus),
             nucleus_rows=subset(nucleus, len(params)) if nucleus else None,
             shape=ShapeParams.build(params, top_k, upload, subset),
+            p_less_rows=subset(p_less, len(params)) if p_less else None,
+            any_p_less=bool(p_less),
         )
 
 
@@ -326,6 +342,7 @@ class SamplingBatch:
     allowed: tuple[Tensor, Tensor] | None  # (rows, [r, vocab] masks): allowed_token_ids rows only
     want_logprobs: bool
     num_top_logprobs: int
+    grammar: GrammarMask | None = None  # the constrained rows' bitmasks; None when no row has one
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], *, vocab_size: int,
@@ -341,6 +358,27 @@ class SamplingBatch:
             allowed=_allowed_rows(rows, vocab_size, device),
             want_logprobs=bool(asked),
             num_top_logprobs=max(asked, default=0),
+            grammar=GrammarMask.build(rows, vocab_size, device),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarMask:
+    """The constrained rows' allowed tokens: bit j of int32 word w allows token 32 w + j."""
+
+    rows: Tensor | None  # [c] int64, the constrained rows; None when every row is
+    bitmask: Tensor  # [c, ceil(vocab / 32)] int32
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
+              device: torch.device | str) -> GrammarMask | None:
+        constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if not constrained:
+            return None
+        bitmask = fill_bitmasks([rows[i].grammar for i in constrained], vocab_size)
+        return cls(
+            rows=None if len(constrained) == len(rows) else torch.tensor(constrained, device=device),
+            bitmask=torch.from_numpy(bitmask).to(device, non_blocking=True),
         )
 
 
@@ -419,7 +457,18 @@ class BatchedSampler:
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SampledTokens:
         raw = logits.float().contiguous()  # bf16 rows are widened; contiguous rows stay row-local
+        if batch.grammar is not None:
+            raw = _apply_grammar(raw, batch.grammar)
         return _with_logprobs(raw, _pick(_apply_edits(raw, batch), batch), batch)
+
+
+def _apply_grammar(logits: Tensor, mask: GrammarMask) -> Tensor:
+    """The logits with each constrained row's forbidden tokens at -inf (a new tensor)."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=logits.device)
+    allowed = ((mask.bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    constrained = _rows(logits, mask.rows).masked_fill(~allowed, -torch.inf)
+    return _put_rows(logits, mask.rows, constrained)
 
 
 def _pick(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -497,6 +546,8 @@ def _kept_mass(logits: Tensor, draw: DrawParams) -> Tensor:
         if draw.shape is not None:
             probs = _shaped_probs(scaled, probs, draw.shape)
     keep = probs >= _thresholds(probs, draw)[:, None]
+    if draw.any_p_less:
+        keep = _p_less_keep(probs, keep, draw.p_less_rows)
     # In place from here: probs is this function's own tensor, and fresh [rows, vocab] buffers
     # cost page faults on CPU.
     return probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
@@ -602,6 +653,17 @@ def _thresholds(probs: Tensor, draw: DrawParams) -> Tensor:
         cut = _top_p_by_radix(nucleus, _mass(nucleus), _rows(draw.top_p, draw.nucleus_rows))
         threshold = _raise_rows(threshold, draw.nucleus_rows, cut)
     return threshold
+
+
+def _p_less_keep(probs: Tensor, keep: Tensor, rows: Tensor | None) -> Tensor:
+    """p-less last: of what the other filters kept (q = p / P over it), keep q >= sum(q**2),
+    that is p >= sum(p**2) / P. Both sums are exact (integer mass, fixed-point squares), and
+    the cut is capped at the largest p so rounding never empties a uniform row."""
+    part, part_keep = _rows(probs, rows), _rows(keep, rows)
+    kept = part * part_keep
+    total = _mass(kept).sum(-1).double() * 2.0**-MASS_BITS
+    cut = torch.minimum(_fixed_sum_(kept.double().square()) / total, part.amax(-1).double())
+    return _put_rows(keep, rows, part_keep & (part.double() >= cut[:, None]))
 
 
 def _top_k_cut(probs: Tensor, draw: DrawParams) -> Tensor:

@@ -10,9 +10,10 @@ engine calls once it knows the vocabulary size.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from nanoserve.errors import InvalidRequestError
 
@@ -127,6 +128,65 @@ def keep_last_tokens(prompt_ids: list[int], keep: int | None) -> list[int]:
     return prompt_ids if keep is None or len(prompt_ids) <= keep else prompt_ids[-keep:]
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regex, a choice
+    of strings, or a grammar (Lark, or llama.cpp's GBNF). Checked here for shape only; whether
+    the grammar library can enforce it is `nanoserve.structured`'s verdict, at admission.
+
+    `param` is the field the client sent it in (response_format, structured_outputs, tools...),
+    so a refusal names that field; it is not part of the spec's identity.
+    """
+
+    json: str | Mapping | bool | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise _refuse(self.param, given or "nothing",
+                          f"exactly one of {', '.join(STRUCTURED_KINDS)}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json, self.param))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _choices(self.choice, self.param))
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _refuse(f"{self.param}.{kind}", value, "a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
+
+def _schema_text(schema: object, param: str) -> str:
+    """A JSON schema as JSON text (key order kept: it is the order properties come out in)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as error:
+            raise _refuse(param, schema[:80], f"a JSON schema (the text is not JSON: {error})") from None
+    if not isinstance(schema, Mapping | bool):
+        raise _refuse(param, schema, "a JSON schema: an object (or true)")
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+def _choices(value: object, param: str) -> tuple[str, ...]:
+    items = tuple(value) if isinstance(value, Iterable) and not isinstance(value, str | Mapping) else ()
+    if not items or not all(isinstance(item, str) and item for item in items):
+        raise _refuse(f"{param}.choice", value, "a non-empty list of non-empty strings")
+    return items
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
@@ -139,7 +199,14 @@ class SamplingParams:
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the
     std of the row's finite scaled logits (llama.cpp's --top-nsigma); -1, llama.cpp's default,
     switches it off. `typical_p`: locally typical sampling (transformers' typical_p); 1 keeps
-    every token.
+    every token. `p_less`: keep the tokens whose probability is at least the sum of the
+    squared probabilities (p-less sampling, Tan et al. 2025): no parameter to tune.
+
+    `structured_outputs`: the output must match a JSON schema, regex, choice or grammar
+    (`StructuredOutputs`); each request's matcher masks its own row, and the request stops
+    ("stop") when the grammar is complete. It cannot be combined with min_tokens (the grammar
+    alone decides where the output may end), allowed_token_ids or bad_words (a ban could leave
+    the grammar no token to take).
 
     `stop`: generation stops at the first stop string to be completed, and the returned text
     excludes it (`include_stop_str_in_output` keeps it, and the text of a stop token id);
@@ -179,6 +246,8 @@ class SamplingParams:
     # bad_words as token ids, each word with and without a leading space; the engine fills it
     # in from its tokenizer (`with_bad_words_token_ids`), as vLLM's update_from_tokenizer does.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    p_less: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -233,15 +302,34 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
                        f"null or an integer in [0, {MAX_LOGPROBS}]")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "p_less"):
             if not isinstance(getattr(self, name), bool):
                 raise _refuse(name, getattr(self, name), "true or false")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
+        self._check_structured()
 
     def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
         return keep_last_tokens(prompt_ids, self.truncate_prompt_tokens)
+
+    def _check_structured(self) -> None:
+        spec = self.structured_outputs
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutputs):
+            raise _refuse("structured_outputs", spec, "a StructuredOutputs")
+        if self.min_tokens:
+            raise _refuse("min_tokens", self.min_tokens,
+                          f"0 with {spec.param}: the grammar alone decides where the output ends")
+        # A ban can leave a grammar no token to take (allowed_token_ids outside it, a bad word
+        # it forces): the row's logits would all be -inf. Refused, never a silently cut answer.
+        if self.allowed_token_ids is not None:
+            raise _refuse("allowed_token_ids", list(self.allowed_token_ids),
+                          f"null with {spec.param}: the grammar alone decides which tokens may come")
+        if self.bad_words:
+            raise _refuse("bad_words", list(self.bad_words),
+                          f"empty with {spec.param}: a banned word the grammar needs would leave no token")
 
     @property
     def is_greedy(self) -> bool:

@@ -121,7 +121,8 @@ class Tokenizer:
         return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, *, chat_template: str | None = None,
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
                             template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text for a chat, rendered by the model's own jinja2 template (or
         `chat_template`, one given for this call).
@@ -139,13 +140,16 @@ class Tokenizer:
             )
         fixed = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                  "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        if tools is not None:
+            fixed["tools"] = tools
         clash = sorted(set(template_kwargs or {}) & set(fixed))
         if clash:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(clash)}",
                                       param="chat_template_kwargs")
         template = self._template() if chat_template is None else _compile_template(chat_template)
         try:
-            rendered = template.render({**self.special_tokens, **(template_kwargs or {}), **fixed})
+            rendered = template.render({**self.special_tokens, "tools": None, **(template_kwargs or {}),
+                                        **fixed})
         except TemplateError as err:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {err}", param="messages"
@@ -153,7 +157,8 @@ class Tokenizer:
         return _open_final_message(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
     def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template: str | None = None,
+                    continue_final_message: bool = False,
+                    tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
                     template_kwargs: Mapping[str, Any] | None = None,
                     add_special_tokens: bool = False) -> list[int]:
         """Token ids of a chat, ready to generate the assistant's reply: the template rendered,
@@ -161,7 +166,7 @@ class Tokenizer:
         BOS itself where the model wants one. `generate --chat`, `LLM.chat` and the server's
         chat endpoint all encode a chat here."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message,
+                                        continue_final_message=continue_final_message, tools=tools,
                                         chat_template=chat_template, template_kwargs=template_kwargs)
         return self.encode(text, add_bos=None if add_special_tokens else False)
 

@@ -138,6 +138,25 @@ def test_typical_p_and_top_n_sigma_mixes_reach_the_params_and_only_typical_p_get
         ("nanoserve", "mixed")]
 
 
+def test_p_less_and_structured_mixes_reach_the_params_and_get_no_baseline():
+    assert offline.sampling_params("p_less", 0, 8).p_less
+    structured = offline.sampling_params("structured", 3, 8)
+    assert structured.top_p == 0.9 and structured.seed == offline.SEED_BASE + 3
+    assert structured.structured_outputs.json is not None
+    spec = offline.SweepSpec(slots=(1,), params=("p_less", "structured"), baseline="transformers")
+    assert [(c.engine, c.params) for c in spec.configs()] == [("nanoserve", "p_less"),
+                                                              ("nanoserve", "structured")]
+
+
+def test_the_structured_mix_outlasts_a_bench_output_under_its_grammar(tiny_model_dir):
+    from nanoserve.llm import LLM
+
+    params = offline.sampling_params("structured", 0, 64)
+    completion = LLM(str(tiny_model_dir)).generate(["hi"], [params])[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 64
+    assert completion.text.startswith('[{"name": "')
+
+
 def test_synthetic_prompts_have_exactly_the_asked_length_and_are_reproducible():
     prompts = offline.synthetic_prompts(3, 7, vocab_size=384)
     assert [len(p) for p in prompts] == [7, 7, 7]

@@ -114,6 +114,32 @@ def test_generate_samples_with_typical_p_and_top_n_sigma_as_the_library_does(tin
     assert expected in result.stdout
 
 
+def test_generate_constrains_to_a_json_schema_file_or_a_regex_and_samples_p_less(tiny_model_dir, tmp_path):
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    base = ["hi", "--model", str(tiny_model_dir), "--max-tokens", "20", "--temperature", "1.0", "--seed", "1"]
+    answer = generate(*base, "--json-schema", str(tmp_path / "schema.json"), "--p-less")
+    assert answer.exit_code == 0, answer.output
+    assert 0 <= json.loads(answer.stdout.strip())["n"] <= 99
+    answer = generate(*base, "--regex", "[xyz]{3}")
+    assert answer.exit_code == 0 and set(answer.stdout.strip()) <= set("xyz")
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--regex", "(?<=a)b"], "--regex"), (["--json-schema", "SCHEMA"], "--json-schema"),
+    (["--json-schema", "MISSING"], "--json-schema"), (["--regex", "a", "--json-schema", "SCHEMA"], "--regex"),
+])
+def test_a_bad_constraint_exits_2_naming_the_option(args, option, tiny_model_dir, tmp_path):
+    (tmp_path / "bad.json").write_text('{"type": "foo"}')
+    paths = {"SCHEMA": str(tmp_path / "bad.json"), "MISSING": str(tmp_path / "missing.json")}
+    result = generate("hi", "--model", str(tiny_model_dir), *[paths.get(a, a) for a in args])
+    assert result.exit_code == 2, result.output
+    assert option in result.output and "Traceback" not in result.output
+
+
 def test_a_dash_prompt_is_read_from_stdin(tiny_model_dir):
     args = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "4"]
     piped = runner.invoke(app, [*args, "-"], input="hello there")

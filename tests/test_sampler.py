@@ -55,6 +55,7 @@ params_strategy = st.builds(
     min_p=st.sampled_from([0.0, 0.05]),
     typical_p=st.sampled_from([1.0, 1.0, 0.9, 0.3]),
     top_n_sigma=st.sampled_from([-1.0, -1.0, 1.0, 2.5]),
+    p_less=st.sampled_from([False, False, True]),
     logprobs=st.sampled_from([None, 0, 3, 7]),
     repetition_penalty=st.sampled_from([1.0, 1.3]),
     frequency_penalty=st.sampled_from([0.0, 0.7]),
@@ -163,7 +164,7 @@ def test_the_uniform_is_the_position_th_output_of_splitmix64(seed):
 
 def reference_keep(logits: torch.Tensor, *, temperature: float = 1.0, top_n_sigma: float = -1.0,
                    top_k: int = -1, typical_p: float = 1.0, top_p: float = 1.0,
-                   min_p: float = 0.0) -> torch.Tensor:
+                   min_p: float = 0.0, p_less: bool = False) -> torch.Tensor:
     """The whole filter chain on one row, the slow way: float64, full sorts, and each filter
     renormalizing over what the ones before it kept."""
     scaled = logits.double() / temperature
@@ -189,7 +190,11 @@ def reference_keep(logits: torch.Tensor, *, temperature: float = 1.0, top_n_sigm
         ordered = q.sort(descending=True).values
         keep &= q >= ordered[min(int((ordered.cumsum(0) < top_p).sum()), len(ordered) - 1)]
     q = survivors()
-    return keep & (q >= min_p * q.max())
+    keep &= q >= min_p * q.max()
+    if p_less:
+        q = survivors()
+        keep &= q >= (q * q).sum()
+    return keep
 
 
 def reference_probs(logits: torch.Tensor, **filters: float) -> torch.Tensor:
@@ -228,6 +233,8 @@ PEAKED = torch.log(1.0 / torch.arange(1, 257, dtype=torch.float64) ** 1.3)[
     {"temperature": 1.5, "top_n_sigma": 1.0},
     {"temperature": 1.0, "top_n_sigma": 1.0, "top_p": 0.9},
     {"temperature": 0.9, "top_n_sigma": 2.0, "top_k": 20, "typical_p": 0.8, "top_p": 0.9, "min_p": 0.02},
+    {"temperature": 1.0, "p_less": True},
+    {"temperature": 1.4, "top_k": 40, "p_less": True},
 ], ids=str)
 def test_draws_follow_the_filtered_renormalized_softmax(filters):
     expected = reference_probs(PEAKED, **filters)
@@ -429,6 +436,24 @@ def test_the_kept_tokens_of_every_filter_combination_match_the_float64_chain():
     for row, filters in enumerate(FILTER_GRID):
         expected = reference_keep(logits[row], **filters)
         assert torch.equal(kept[row], expected), filters
+
+
+@pytest.mark.parametrize("filters", [{}, {"temperature": 0.6}, {"temperature": 2.0, "top_k": 40},
+                                     {"top_n_sigma": 1.0}, {"typical_p": 0.9, "top_p": 0.95},
+                                     {"top_p": 0.8, "min_p": 0.05}], ids=str)
+def test_p_less_keeps_exactly_the_tokens_at_or_above_the_sum_of_squared_probabilities(filters):
+    logits = random_logits(16, 512, seed=8, scale=2.5)
+    logits[::4] = logits[::4].bfloat16().float()  # exact ties too
+    kept = kept_tokens(logits, [SamplingParams(p_less=True, **filters)] * 16)
+    for row in range(16):
+        assert torch.equal(kept[row], reference_keep(logits[row], p_less=True, **filters))
+    assert torch.all(kept.sum(-1) >= 1)
+
+
+def test_p_less_keeps_every_token_of_a_uniform_row():
+    # sum(p**2) == max(p) there: rounding must never lift the cut above the tokens themselves.
+    kept = kept_tokens(torch.zeros(3, 768), [SamplingParams(p_less=True)] * 3)
+    assert torch.all(kept)
 
 
 def test_top_n_sigma_then_top_p_renormalizes_over_the_survivors():

@@ -842,9 +842,9 @@ def test_completion_validation_failures_are_400_naming_the_field(served: Served,
     ({"messages": [{"role": "user", "content": "hi"}], "top_n_sigma": "wide"}, "top_n_sigma"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
      "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
 ])
 def test_chat_validation_failures_are_400_naming_the_field(client: httpx.Client, body: dict,
                                                            param: str) -> None:

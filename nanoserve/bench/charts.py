@@ -42,7 +42,7 @@ def machine_line(frame: pd.DataFrame) -> str:
 
 
 def _in_mix_order(frame: pd.DataFrame) -> pd.DataFrame:
-    mixes = ("greedy", "top_p", "top_k", "typical_p", "top_n_sigma", "mixed")
+    mixes = ("greedy", "top_p", "top_k", "typical_p", "top_n_sigma", "p_less", "mixed", "structured")
     order = {mix: i for i, mix in enumerate(mixes)}
     return frame.sort_values(["engine", "params", "slots"], kind="stable",
                              key=lambda column: column.map(order) if column.name == "params" else column)

@@ -1,8 +1,9 @@
 """The offline bench: synthetic workloads through the closed-loop driver, per-config metrics.
 
 Owns: prompts of exactly `input_len` token ids, the sampling mixes (greedy, top_p, top_k,
-typical_p, top_n_sigma and mixed per row), the sweep (each config run through
-`driver.run_closed_loop` with `slots` requests in flight), the figures made from its timings
+typical_p, top_n_sigma, p_less, mixed per row, and structured: top_p under a JSON schema),
+the sweep (each config run through `driver.run_closed_loop` with `slots` requests in
+flight), the figures made from its timings
 (tokens/s, requests/s, time to first token, time per output token, decode step time,
 readbacks per step, peak memory), the roofline columns (achieved GB/s and GFLOP/s against the
 probes of `hardware`), and Hugging Face transformers' `generate` on the same workload, in the
@@ -35,7 +36,7 @@ from nanoserve.bench.hardware import HardwareLimits, Machine, PeakMemory, descri
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine import DTYPES, Engine
 from nanoserve.quant import is_quantized
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputs
 
 # Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
 SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {
@@ -44,8 +45,18 @@ SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {
     "top_k": {"temperature": 0.8, "top_k": 50},
     "typical_p": {"temperature": 0.8, "typical_p": 0.9},
     "top_n_sigma": {"temperature": 1.0, "top_n_sigma": 1.0},
+    "p_less": {"temperature": 1.0, "p_less": True},
 }
-PARAM_MIXES = (*SAMPLING_SETTINGS, "mixed")  # mixed: rows cycle greedy, top_p, top_k
+# mixed: rows cycle greedy, top_p, top_k. structured: top_p's sampling, every row held to
+# STRUCTURED_SCHEMA by its own grammar matcher.
+PARAM_MIXES = (*SAMPLING_SETTINGS, "mixed", "structured")
+# A list of records whose shortest answer is longer than a bench output, so constrained rows
+# end by length like every other mix's rather than leaving the batch early.
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 16, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                     "score": {"type": "integer"}, "tags": {"type": "array", "items": {
+                                         "enum": ["new", "old", "hot"]}}},
+    "required": ["name", "score", "tags"], "additionalProperties": False}}
 # The mixes transformers' generate can run: it has no top_n_sigma and no per-row settings.
 BASELINE_MIXES = ("greedy", "top_p", "top_k", "typical_p")
 BASELINES = ("transformers",)
@@ -57,13 +68,15 @@ def row_settings(mix: str, row: int) -> dict[str, float | int]:
     """The sampling settings of request `row` in mix `mix`."""
     if mix == "mixed":
         return SAMPLING_SETTINGS[("greedy", "top_p", "top_k")[row % 3]]
-    return SAMPLING_SETTINGS[mix]
+    return SAMPLING_SETTINGS["top_p" if mix == "structured" else mix]
 
 
 def sampling_params(mix: str, row: int, output_len: int, *, ignore_eos: bool = True) -> SamplingParams:
     settings = row_settings(mix, row)
     seed = SEED_BASE + row if settings["temperature"] > 0 else None
-    return SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, seed=seed, **settings)
+    structured = StructuredOutputs(json=STRUCTURED_SCHEMA) if mix == "structured" else None
+    return SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos, seed=seed,
+                          structured_outputs=structured, **settings)
 
 
 def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int = 0,
@@ -467,6 +480,7 @@ class Sweep:
             figures |= step_metrics(run, runner.cost, limits) | runner.engine.kernel_choice.columns()
             figures |= {"weight_format": runner.engine.weight_format,
                         "weight_mb": runner.engine.weights_nbytes / 1e6}
+            figures |= grammar_columns(runner.engine)
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
             "batch_invariant": config.batch_invariant, "prefix_caching": config.prefix_caching,
@@ -482,6 +496,14 @@ class Sweep:
 
     def _vocab_size(self) -> int:
         return next(iter(self._engines.values())).engine.vocab_size
+
+
+def grammar_columns(engine: Engine) -> dict[str, float]:
+    """Grammar compiles since the engine started, their time and the cache hits: one compile
+    per distinct schema however many requests use it."""
+    stats = engine.grammars.stats
+    return {"grammar_compiles": stats.compiles, "grammar_compile_ms": 1000 * stats.compile_s,
+            "grammar_cache_hits": stats.hits}
 
 
 def _side_by_side(configs: list[BenchConfig]) -> list[list[BenchConfig]]:

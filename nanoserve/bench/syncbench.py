@@ -35,11 +35,12 @@ SETTINGS: dict[str, SamplingParams] = {
     "min_p": SamplingParams(temperature=1.0, min_p=0.05),
     "typical_p": SamplingParams(temperature=0.8, typical_p=0.9),
     "top_n_sigma": SamplingParams(temperature=1.0, top_n_sigma=1.0),
+    "p_less": SamplingParams(temperature=1.0, p_less=True),
     "penalties": SamplingParams(temperature=0.7, repetition_penalty=1.1, frequency_penalty=0.3,
                                 presence_penalty=0.2),
 }
 MIXED_CYCLE = ("greedy", "top_p", "top_k", "min_p", "penalties")
-MIXES = ("greedy", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma", "mixed")
+MIXES = ("greedy", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma", "p_less", "mixed")
 PERTURBATION = 0.05  # per-row noise on the logits, in logits: rows differ, the shape stays
 HISTORY = 24  # prompt and generated tokens per row, for the penalties
 
@@ -124,6 +125,9 @@ def _per_row_filters(logits: Tensor, row: SamplingRow) -> Tensor:
     if p.min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), -torch.inf)
+    if p.p_less:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < probs.square().sum(), -torch.inf)
     return logits
 
 

@@ -28,6 +28,7 @@ from nanoserve.server.state import ServerState, unavailable
 if TYPE_CHECKING:
     from nanoserve.output import RequestOutput, TokenLogprob
     from nanoserve.server.planning import PlannedSequence
+    from nanoserve.server.tool_calls import ToolCallReader
 
 
 def check_capacity(state: ServerState, num_sequences: int) -> None:
@@ -64,6 +65,13 @@ class Choice:
     last_s: float = 0.0
     text_offset: TextOffset = field(default_factory=TextOffset)  # streamed completion logprobs
     aborted: bool = False  # ended with no finish: by the server, or by `close` (hang-up, failure)
+    tool_reader: ToolCallReader | None = None  # a chat with tools: reads calls out of the text
+
+    @property
+    def reported_finish_reason(self) -> str | None:
+        """OpenAI's "tool_calls" when the reply ended by making calls."""
+        calls = self.tool_reader is not None and self.tool_reader.streamed_calls
+        return "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
 
     @property
     def finished(self) -> bool:
@@ -87,7 +95,8 @@ class Generation:
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{seq.index}" for seq in plan]
         choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
-                                  stop_token_ids=seq.params.stop_token_ids, echo=seq.echo)
+                                  stop_token_ids=seq.params.stop_token_ids, echo=seq.echo,
+                                  tool_reader=seq.tools.reader() if seq.tools is not None else None)
                    for seq_id, seq in zip(ids, plan, strict=True)}
         generation = cls(state, request_id, arrival_s, queue, choices)
         for seq_id, seq in zip(ids, plan, strict=True):
@@ -208,8 +217,14 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
     choices = []
     for choice in sorted(generation.choices.values(), key=lambda c: c.index):
         logprobs = logprobs_body(kind, choice.logprobs, names, 0) if choice.logprobs is not None else None
-        choices.append(make(choice.index, choice.echo + "".join(choice.texts), logprobs,
-                            choice.finish_reason, choice.stop_reason))
+        text = choice.echo + "".join(choice.texts)
+        if choice.tool_reader is not None and choice.finish_reason == "stop":
+            content, calls = choice.tool_reader.read(text)
+            if calls:
+                choices.append(protocol.chat_choice(choice.index, content, logprobs, "tool_calls",
+                                                    choice.stop_reason, calls))
+                continue
+        choices.append(make(choice.index, text, logprobs, choice.finish_reason, choice.stop_reason))
     body["choices"] = choices
     body["usage"] = generation.usage()
     return body

@@ -20,11 +20,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_SEED, SamplingParams, keep_last_tokens
+from nanoserve.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_SEED,
+    SamplingParams,
+    StructuredOutputs,
+    keep_last_tokens,
+)
 from nanoserve.server import protocol
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.state import ServerLimits, ServerState
+from nanoserve.server.structured_fields import structured_outputs
+from nanoserve.server.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
@@ -36,6 +44,7 @@ class PlannedSequence:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    tools: ToolPlan | None = None  # the chat's tools and tool_choice, read back from the reply
     echo: str = ""  # text the choice starts with (completions' echo: the prompt's)
 
 
@@ -157,6 +166,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     """Tokenize, fill in max_tokens and seeds, and run every engine check: 400s happen here.
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
     engine = state.engine
+    tools = ToolPlan.from_body(body) if kind == "chat" else None
     prompts = _prompts(engine, kind, body, state.limits)
     base = _base_params(body, state.default_seed() if body.seed is None else body.seed)
     sequences = []
@@ -167,7 +177,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
             with refusals_as_400(body):
                 engine.check_request(prompt.ids, params)
             sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt.ids, params,
-                                             prompt.echo))
+                                             tools, prompt.echo))
     return sequences
 
 
@@ -204,8 +214,10 @@ def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
         messages = body.chat_messages()
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
+    tools = ToolPlan.from_body(body)
     with refusals_as_400(body):
-        prompt_ids = engine.tokenizer.encode_chat(messages, **body.template_flags(),
+        prompt_ids = engine.tokenizer.encode_chat(messages, tools=tools and tools.template_tools(),
+                                                  **body.template_flags(),
                                                   add_special_tokens=bool(body.add_special_tokens))
     return _encode(engine, body, prompt_ids, "messages")
 
@@ -231,12 +243,25 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
+        "p_less": body.p_less, "structured_outputs": _constraint(body),
     }
     given = {name: value for name, value in fields.items() if value is not None}
     # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.
     given["max_tokens"] = max(1, body.min_tokens or 0)
     with refusals_as_400(body):
         return SamplingParams(**given)
+
+
+def _constraint(body: RequestBody) -> StructuredOutputs | None:
+    """The one grammar the output follows: the tools' (tool_choice required or named), or the
+    structured-output fields'."""
+    tools = ToolPlan.from_body(body) if isinstance(body, ChatCompletionRequest) else None
+    from_tools = tools.constraint() if tools is not None else None
+    asked = structured_outputs(body)
+    if from_tools is not None and asked is not None:
+        raise bad_request(f"tool_choice {tools.choice!r} constrains the output already; drop "
+                          f"{asked.param.split('.')[0]}", asked.param.split(".")[0])
+    return from_tools or asked
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,10 +58,6 @@ def _empty(value: Any, _: BaseModel) -> bool:
     return value is None or value == [] or value == {}
 
 
-def _text_format(value: Any, _: BaseModel) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _best_of_is_n(value: Any, body: BaseModel) -> bool:
     return value is None or value == getattr(body, "n", 1)
 
@@ -75,10 +72,6 @@ def _off_or_not_chat(value: Any, body: BaseModel) -> bool:
     return value is None or value is False or "messages" not in type(body).model_fields
 
 
-def _not_tool_role(value: Any, _: BaseModel) -> bool:
-    return value != "tool"
-
-
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a field is refused, and which of its values ask for nothing (accepted as if absent)."""
@@ -88,8 +81,7 @@ class Refusal:
 
 
 _NOT_YET = "is not supported yet"
-_STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not supported yet"
-_TOOLS = "tool calling is not supported yet"
+_STRUCTURED = "llguidance is the one backend; send structured_outputs, response_format or guided_*"
 _TEXT_ONLY = "only text content parts are supported"
 
 # Field -> why it is refused. A key names a body field, or a nested one by its path
@@ -101,14 +93,9 @@ REFUSED: dict[str, Refusal] = {
     # OpenAI's
     "suffix": Refusal("suffix (insertion) is not supported", _absent_or("")),
     "best_of": Refusal("best_of is not supported (only best_of equal to n)", _best_of_is_n),
-    "tools": Refusal(_TOOLS, _empty),
-    "tool_choice": Refusal(_TOOLS, _absent_or("none", "auto")),
-    "parallel_tool_calls": Refusal(_TOOLS + " (parallel_tool_calls means nothing without tools)",
-                                   _absent_or(True, False)),
-    "functions": Refusal("function calling is not supported", _empty),
-    "function_call": Refusal("function calling is not supported", _absent_or("none", "auto")),
-    "response_format": Refusal(_STRUCTURED + "; only response_format {\"type\": \"text\"}",
-                               _text_format),
+    "functions": Refusal("the deprecated functions field is not supported: send tools", _empty),
+    "function_call": Refusal("the deprecated function_call is not supported: send tool_choice",
+                             _absent_or("none", "auto")),
     "audio": Refusal("audio output is not supported"),
     "modalities": Refusal("only the text modality is supported", _absent_or(["text"])),
     "prediction": Refusal("predicted outputs are not supported"),
@@ -126,15 +113,11 @@ REFUSED: dict[str, Refusal] = {
                                       "stay until the pool needs their room"),
     "prompt_cache_options": Refusal("prompt_cache_options are not supported"),
     # vLLM's
-    "structured_outputs": Refusal(_STRUCTURED),
-    "guided_json": Refusal(_STRUCTURED),
-    "guided_regex": Refusal(_STRUCTURED),
-    "guided_choice": Refusal(_STRUCTURED),
-    "guided_grammar": Refusal(_STRUCTURED),
-    "structural_tag": Refusal(_STRUCTURED),
-    "guided_decoding_backend": Refusal(_STRUCTURED),
-    "guided_whitespace_pattern": Refusal(_STRUCTURED),
-    "p_less": Refusal("p_less " + _NOT_YET),
+    "structural_tag": Refusal("structural_tag is not supported: " + _STRUCTURED),
+    "guided_decoding_backend": Refusal("guided_decoding_backend is not supported: " + _STRUCTURED,
+                                       _absent_or("auto", "guidance")),
+    "guided_whitespace_pattern": Refusal("guided_whitespace_pattern is not supported: JSON is "
+                                         "generated with fixed separators and no free whitespace"),
     "prompt_logprobs": Refusal("prompt_logprobs " + _NOT_YET),
     "spaces_between_special_tokens": Refusal("spaces_between_special_tokens " + _NOT_YET
                                              + " (special tokens are joined without spaces)",
@@ -160,9 +143,6 @@ REFUSED: dict[str, Refusal] = {
     "stream_options.include_obfuscation": Refusal("stream obfuscation is not supported",
                                                   _absent_or(False)),
     # nested fields
-    "messages[].role": Refusal("tool messages " + _NOT_YET, _not_tool_role),
-    "messages[].tool_calls": Refusal("tool calls in the history " + _NOT_YET, _empty),
-    "messages[].tool_call_id": Refusal("tool messages " + _NOT_YET),
     "messages[].function_call": Refusal("function calling is not supported"),
     "messages[].audio": Refusal("audio is not supported"),
     "messages[].refusal": Refusal("refusal messages in the history are not supported"),
@@ -265,6 +245,14 @@ class SamplingFields(OpenAIModel):
     add_special_tokens: bool | None = Field(default=None, description=(
         "Add the tokenizer's BOS to the prompt: default true for completions, false for chat "
         "(whose template writes BOS itself)."))
+    p_less: bool | None = None
+    # Structured outputs (server/structured_fields.py turns them into one spec).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -285,6 +273,8 @@ class ChatMessage(OpenAIModel):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatTemplateFlags(OpenAIModel):
@@ -312,10 +302,14 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: role and text content."""
-        return [{"role": m.role, "content": _text_of(m, i)} for i, m in enumerate(self.messages)]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them: role, text content, and the tool calls and
+        tool_call_id of a tool-calling turn."""
+        return [_template_message(m, i) for i, m in enumerate(self.messages)]
 
 
 RequestBody = CompletionRequest | ChatCompletionRequest  # a validated body of either endpoint
@@ -344,6 +338,35 @@ class UnsupportedContentError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": _text_of(message, index)}
+    if message.tool_calls:
+        rendered["tool_calls"] = [_template_tool_call(call, f"messages[{index}].tool_calls[{j}]")
+                                  for j, call in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """An earlier call as templates read it (as transformers and vLLM hand it over): the
+    arguments as an object, not OpenAI's JSON string."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise UnsupportedContentError("a tool call needs a function with a name", param=f"{where}.function")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise UnsupportedContentError("tool call arguments must be a JSON object (as a string)",
+                                          param=f"{where}.function.arguments") from None
+    if not isinstance(arguments, dict):
+        raise UnsupportedContentError("tool call arguments must be a JSON object",
+                                      param=f"{where}.function.arguments")
+    return {**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -383,9 +406,12 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: str | int | None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message,
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 

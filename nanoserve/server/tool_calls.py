@@ -1,0 +1,219 @@
+"""Tool calling on /v1/chat/completions: the request's tools, the constraint they imply, and
+the reply's tool calls, whole or streamed.
+
+Owns: `ToolPlan.from_body` (checks `tools` and `tool_choice`, 400s naming the field; the
+tools as the chat template wants them), the schema a `"required"` or named choice constrains
+the output to (vLLM's shapes: a JSON array of {"name", "parameters"}, of one item with
+`parallel_tool_calls: false`, or the named function's arguments alone), and
+`ToolCallReader`, which turns the generated text into content and `tool_calls`. For "auto"
+it reads Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks and Llama-3.1
+JSON (`{"name", "parameters"}`, optionally after `<|python_tag|>`); text that is not a call
+stays content, and a call to a function that is not in `tools` is content.
+Streaming: a named function streams its arguments as they come; otherwise content streams
+until the text could be a call, which is then held and sent whole when the choice ends.
+Refuses: deprecated `functions` / `function_call` (protocol refuses them by name).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanoserve.sampling_params import StructuredOutputs
+from nanoserve.server.errors import bad_request
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_OPEN = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def for_template(self) -> dict[str, Any]:
+        function = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What the body's tools ask of this request: `choice` is none, auto, required or a name."""
+
+    tools: tuple[Tool, ...]
+    choice: str
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false makes "required" one call
+
+    @classmethod
+    def from_body(cls, body: Any) -> ToolPlan | None:
+        if not body.tools:
+            if body.tool_choice not in (None, "none", "auto"):
+                raise bad_request("tool_choice needs tools to choose from", "tool_choice")
+            return None
+        tools = tuple(_tool(item, i) for i, item in enumerate(body.tools))
+        names = [tool.name for tool in tools]
+        if len(set(names)) != len(names):
+            raise bad_request("each tool needs its own function name", "tools")
+        parallel = getattr(body, "parallel_tool_calls", None) is not False
+        return cls(tools, _choice(body.tool_choice, names), parallel)
+
+    @property
+    def named(self) -> Tool | None:
+        return next((tool for tool in self.tools if tool.name == self.choice), None)
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        return [tool.for_template() for tool in self.tools]
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The schema the output must follow: a named function's arguments, or for "required"
+        a non-empty array of calls; None for "auto" and "none"."""
+        if self.named is not None:
+            return StructuredOutputs(json=self.named.parameters, param="tool_choice")
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object",
+                  "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
+                  "required": ["name", "parameters"], "additionalProperties": False} for tool in self.tools]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputs(json=array, param="tools")
+
+    def reader(self) -> ToolCallReader | None:
+        return None if self.choice == "none" else ToolCallReader(self)
+
+
+def _tool(item: Any, i: int) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(item, dict) or item.get("type") != "function":
+        raise bad_request('each tool must be {"type": "function", "function": {...}}', f"{where}.type")
+    function = item.get("function")
+    if not isinstance(function, dict):
+        raise bad_request("a tool needs a function object", f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        raise bad_request("a function name is 1 to 64 letters, digits, '_', '.' or '-'",
+                          f"{where}.function.name")
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request("a function description must be a string", f"{where}.function.description")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict):
+        raise bad_request("function parameters must be a JSON schema object", f"{where}.function.parameters")
+    return Tool(name, description, parameters)
+
+
+def _choice(value: Any, names: list[str]) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in CHOICES:
+            raise bad_request(f"tool_choice must be one of {', '.join(CHOICES)} or a named function; "
+                              f"got {value!r}", "tool_choice")
+        return value
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad_request('a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                          "tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice names {name!r}, which is not in tools ({', '.join(names)})",
+                          "tool_choice")
+    return name
+
+
+# -- reading the reply ---------------------------------------------------------------------------
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(slots=True)
+class ToolCallReader:
+    """One choice's text into content and tool calls; `feed` for streams, `read` for the end."""
+
+    plan: ToolPlan
+    held: str = ""  # streamed text not yet sent: it may be (part of) a call
+    streamed_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls) of a whole reply."""
+        if self.plan.named is not None:
+            return None, [tool_call(self.plan.named.name, text)]
+        if self.plan.choice == "required":
+            calls = _json(text)
+            if isinstance(calls, list):
+                return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                              for c in calls]
+            return text, []
+        return self._read_auto(text)
+
+    def _read_auto(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        names = {tool.name for tool in self.plan.tools}
+        if HERMES_OPEN in text:
+            content = text[:text.index(HERMES_OPEN)].strip()
+            calls = [_call(_json(body), names) for body in HERMES_CALL.findall(text)]
+        else:
+            content = ""
+            calls = [_call(_json(part), names) for part in text.removeprefix(PYTHON_TAG).strip().split(";")]
+        if not calls or None in calls:
+            return text, []
+        return content or None, calls
+
+    def feed(self, delta: str, finished: bool) -> list[dict[str, Any]]:
+        """The stream deltas for `delta`: content now, or tool-call parts (held when unsure)."""
+        if self.plan.named is not None:
+            return self._feed_named(delta)
+        text = self.held + delta
+        self.held = ""
+        if not self._could_be_call(text):
+            return [{"content": text}] if text else []
+        if not finished:
+            self.held = text
+            return []
+        content, calls = self.read(text)
+        self.streamed_calls = calls
+        deltas = [{"content": content}] if content else []
+        return deltas + [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
+
+    def _feed_named(self, delta: str) -> list[dict[str, Any]]:
+        if not self.streamed_calls:
+            self.streamed_calls = [tool_call(self.plan.named.name, delta)]
+            return [{"tool_calls": [{"index": 0, **self.streamed_calls[0]}]}]
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}] if delta else []
+
+    def _could_be_call(self, text: str) -> bool:
+        """Whether `text` is, or may grow into, a call: held back rather than sent as content."""
+        if self.plan.choice == "required":
+            return True
+        start = text.lstrip()
+        markers = (HERMES_OPEN, PYTHON_TAG, "{")
+        return not start or any(start.startswith(m) or m.startswith(start) for m in markers)
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _call(value: Any, names: set[str]) -> dict[str, Any] | None:
+    """A call from {"name", "arguments"} (Hermes) or {"name", "parameters"} (Llama 3.1)."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = _json(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return tool_call(value["name"], json.dumps(arguments, ensure_ascii=False))
