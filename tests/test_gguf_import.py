@@ -225,6 +225,7 @@ def test_without_native_kernels_a_gguf_is_dequantized_at_load_and_says_so(wide_m
     assert torch.equal(plain.prompt_logits(prompts), exact.prompt_logits(prompts))
 
 
+@needs_native  # without the library every type is dequantized, and the note says that instead
 def test_a_type_without_a_kernel_is_dequantized_at_load_naming_the_type(wide_model_dir, tmp_path,
                                                                          private_cache):
     path = _quantized_gguf(wide_model_dir, tmp_path, "Q5_0")
