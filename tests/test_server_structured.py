@@ -12,10 +12,16 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from server_harness import BackgroundServer
-from test_server_api import MODEL, Served, assert_error, chunks_of, tiny_engine, wait_healthy, wait_idle
-
-from nanoserve.server.app import build_app
+from test_server_api import (
+    MODEL,
+    Served,
+    assert_error,
+    chunks_of,
+    idle_client,
+    serving,
+    tiny_engine,
+    wait_idle,
+)
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 6}, "rank": {"type": "integer", "minimum": 1, "maximum": 9},
@@ -26,17 +32,14 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL])
-    with BackgroundServer(app) as server:
-        wait_healthy(server.base_url)
-        yield Served(server.base_url, app)
+    with serving(lambda: tiny_engine(tiny_model_dir)) as server:
+        yield server
 
 
 @pytest.fixture
 def client(served: Served) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served.base_url, timeout=60) as http:
+    with idle_client(served) as http:
         yield http
-    wait_idle(served)
 
 
 def json_schema_format(schema: dict) -> dict:
