@@ -5,7 +5,8 @@ too slow for this on 2 shared cores: its batch-invariant prefill of the long pro
 takes most of a minute; `NANOSERVE_CROWD_MODEL=default` runs the same test on SmolLM2-135M),
 with a KV pool small enough that the crowd preempts. Every request first runs alone; then 40
 clients at once mix streaming and unary, completions and chat, greedy and seeded sampling,
-short and long prompts, n=2, and six of them hang up mid-request. Each finished request must
+short and long prompts, n=2, and six of them hang up mid-request; three long runners, any two of
+which outgrow the pool together, make the preemption certain. Each finished request must
 match its solo run exactly (so none received another's tokens), the pool must come back
 completely free, and the process must still be healthy. Then the official `openai` client, and
 last a SIGTERM that drains and exits 0.
@@ -38,6 +39,7 @@ NUM_CLIENTS = 40
 HANG_UPS = {3, 9, 14, 22, 29, 35}  # streaming: read one chunk and leave; unary: time out
 DRAIN_S = 2.0
 MAX_TOKENS_LIMIT = 900
+LONG_RUN_TOKENS = 440  # with its prompt, within the tiny model's 512-token context
 CROWD_TIMEOUT_S = 240.0
 LONG_TEXT = (
     "The history of the city begins with a small settlement on the river, where traders met to "
@@ -56,6 +58,8 @@ LONG_PROMPT = LONG_TEXT[:700] if REAL else LONG_TEXT[:400]
 # Small enough that the crowd must preempt even with prefix-cache hits from the solo runs: 52
 # blocks of 16 tokens on the tiny model. (0.001 GiB stopped preempting once steps got faster.)
 KV_CACHE_GB = "0.03" if REAL else "0.0004"
+# (Arrival order alone did not make it preempt: on the torch path, one CI run never did; the
+# long runners below make it certain.)
 
 
 @dataclass
@@ -162,6 +166,14 @@ def crowd_calls() -> list[Call]:
             body |= {"max_tokens": 400, "ignore_eos": True}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         calls.append(Call(i, path, body, hang_up))
+    # Long runners: each alone fits the pool, any two running together outgrow it (2 x ~460
+    # tokens against 52 blocks of 16), so the crowd preempts however its arrivals interleave;
+    # one is seeded, so a preempted sampled row is also checked against its solo run.
+    for j, sampling in enumerate(({"temperature": 0}, {"temperature": 0.8, "seed": 77},
+                                  {"temperature": 0})):
+        body = {"prompt": f"Note {NUM_CLIENTS + j}. Keep writing.", "max_tokens": LONG_RUN_TOKENS,
+                "ignore_eos": True, "stream": j == 1, **sampling}
+        calls.append(Call(NUM_CLIENTS + j, "/v1/completions", body))
     return calls
 
 
