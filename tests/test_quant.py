@@ -141,7 +141,7 @@ def test_kernel_refuses_activations_of_the_wrong_shape_before_touching_a_pointer
 
 
 @needs_native
-@pytest.mark.parametrize("format_name", ["q8_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("format_name", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
 def test_quantized_kernel_passes_the_batch_invariance_self_test(format_name):
     k = 256 if FORMATS[format_name].values == 256 else 96
     layer = [random_weight(format_name, 40, k, seed=1), random_weight(format_name, 33, k, seed=2)]
