@@ -290,8 +290,21 @@ def test_ci_check_passes_above_its_floors_and_fails_below_them(tiny_model_dir, t
 def test_committed_ci_thresholds_name_a_workload_and_positive_floors():
     thresholds = ci_check.load_thresholds(ci_check.THRESHOLDS_PATH)
     assert thresholds["workload"]["slots"] > 1
-    assert set(thresholds["floors"]) <= {"batched_over_single", "over_transformers"}
+    assert set(thresholds["floors"]) <= {"batched_over_single", "over_transformers", "quantized_over_float32"}
     assert all(floor > 0 for floor in thresholds["floors"].values())
+    if "quantized_over_float32" in thresholds["floors"]:
+        assert thresholds["workload"]["quantized_dtype"] in ("auto", "quantized")
+
+
+def test_ci_ratios_pair_each_dtype_with_its_own_rows():
+    """quantized_over_float32 is the quantized engine's 1-slot figure over the float32 one's;
+    batched_over_single stays within the float32 rows."""
+    frame = pd.DataFrame({
+        "engine": ["nanoserve"] * 4, "dtype": ["float32", "float32", "auto", "auto"],
+        "slots": [1, 8, 1, 8], "output_tokens_per_s": [10.0, 40.0, 25.0, 60.0],
+        "tokens_per_s_runs": ["10 10", "40 40", "25 25", "60 60"], "ratio_to_baseline": [float("nan")] * 4})
+    ratios = ci_check.measured_ratios(frame, {"slots": 8, "dtype": "float32", "quantized_dtype": "auto"})
+    assert ratios == {"batched_over_single": 4.0, "quantized_over_float32": 2.5}
 
 
 def test_machine_description_and_probes_give_plausible_figures():

@@ -4,7 +4,10 @@
 and 8, greedy, 32-token prompts, 32 new tokens, the median of a few repeats) with Hugging Face
 transformers' `generate` beside it, and compares two ratios against `results/ci_thresholds.json`:
 - batched_over_single: the engine's output tokens/s at 8 slots over its own at 1 slot;
-- over_transformers: the engine's output tokens/s over transformers' at 8 slots.
+- over_transformers: the engine's output tokens/s over transformers' at 8 slots;
+- quantized_over_float32 (when the workload names a `quantized_dtype`): the default model in
+  its own GGUF quantization over the same model dequantized to float32, at 1 slot, where the
+  quantized kernels' advantage is widest (a slower integer kernel shows here first).
 It prints one line per ratio and a final PASS or FAIL line; a FAIL exits 1. Absolute times are
 never compared: a slower or busier machine moves both sides of each ratio together.
 """
@@ -47,17 +50,23 @@ def load_thresholds(path: Path) -> dict:
 
 def spec_from(thresholds: dict, model: str | None, *, with_baseline: bool) -> SweepSpec:
     w = thresholds["workload"]
+    dtypes = (w["dtype"], w["quantized_dtype"]) if "quantized_dtype" in w else (w["dtype"],)
     return SweepSpec(
-        slots=(1, w["slots"]), params=("greedy",), dtypes=(w["dtype"],), model=model, device="cpu",
+        slots=(1, w["slots"]), params=("greedy",), dtypes=dtypes, model=model, device="cpu",
         baseline="transformers" if with_baseline else None,
         workload=Workload(w["input_len"], w["output_len"], None, w["warmup"], w["repeat"]))
 
 
-def measured_ratios(frame: pd.DataFrame, slots: int) -> dict[str, float]:
-    ours = frame[frame.engine == "nanoserve"].set_index("slots")
+def measured_ratios(frame: pd.DataFrame, workload: dict) -> dict[str, float]:
+    slots = workload["slots"]
+    engine = frame[frame.engine == "nanoserve"]
+    ours = engine[engine.dtype == workload["dtype"]].set_index("slots")
     ratios = {"batched_over_single": paired_ratio(ours.loc[slots], ours.loc[1])}
     if "transformers" in set(frame.engine):
         ratios["over_transformers"] = float(ours.ratio_to_baseline[slots])
+    if "quantized_dtype" in workload:
+        quantized = engine[engine.dtype == workload["quantized_dtype"]].set_index("slots")
+        ratios["quantized_over_float32"] = paired_ratio(quantized.loc[1], ours.loc[1])
     return ratios
 
 
@@ -82,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     spec = spec_from(thresholds, args.model, with_baseline="over_transformers" in floors)
     result = Sweep(spec).run()
-    ratios = measured_ratios(result.frame, thresholds["workload"]["slots"])
+    ratios = measured_ratios(result.frame, thresholds["workload"])
     checks = [Check(name, ratios[name], floor) for name, floor in floors.items()]
     print(f"machine: {result.machine.label}; commit {result.machine.git_commit}")
     for row in result.frame.itertuples():
-        print(f"  {row.engine} {row.slots} slots: {row.output_tokens_per_s:.1f} output tokens/s "
+        print(f"  {row.engine} {row.dtype} {row.slots} slots: {row.output_tokens_per_s:.1f} output tokens/s "
               f"(runs {row.tokens_per_s_runs})")
     for check in checks:
         print(check.line())

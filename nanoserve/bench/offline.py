@@ -415,6 +415,11 @@ class Sweep:
         for config in configs:  # load everything before timing anything
             if config.engine == "nanoserve":
                 self._engine_of(config)
+        # transformers runs dense weights only: no baseline beside an engine that runs GGUF blocks
+        # (its figure would be another model's, dequantized, not a side-by-side comparison).
+        blocks = {c.dtype for c in configs
+                  if c.engine == "nanoserve" and self._engine_of(c).engine.model.weights.is_quantized()}
+        configs = [c for c in configs if c.engine == "nanoserve" or c.dtype not in blocks]
         for config in configs:
             if config.engine != "nanoserve":
                 self.baseline(config.dtype)
