@@ -7,7 +7,6 @@ connections, lets in-flight requests finish for at most --drain-s seconds, then 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -115,16 +114,22 @@ def serve(
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model_dir = resolve_model(model, float_weights=False).dir  # for its name: no weights converted
+        source = resolve_model(model, float_weights=False)  # for its name: no weights converted
     except NanoserveError as error:
         options.fail_for(error)
-    names = list(served_model_name or [_served_name(model, model_dir)])
+    names = list(served_model_name or [_served_name(model, source.dir, source.gguf)])
     aliases = (model,) if model else ()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
                           max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
-    server_app = build_app(lambda: _build_engine(config, str(model_dir)), model_names=names,
-                           aliases=aliases, api_key=api_key, limits=limits, seed=seed)
+    engine_deaths: list[BaseException] = []
+
+    def stop_on_engine_death(error: BaseException) -> None:
+        engine_deaths.append(error)
+        server.should_exit = True  # uvicorn's own exit path: stop accepting, close, return
+
+    server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
+                           api_key=api_key, limits=limits, seed=seed, on_engine_death=stop_on_engine_death)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))
@@ -134,6 +139,13 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if engine_deaths:  # a model that cannot load is the user's to fix: exit 2 naming it
+        error = engine_deaths[0]
+        if isinstance(error, NanoserveError):
+            options.fail_for(error)
+        typer.secho(f"Error: the engine stopped: {error!r} (the log above has the traceback)", err=True,
+                    fg=typer.colors.RED)
+        raise typer.Exit(code=1)
 
 
 def _check_api_key(api_key: str | None) -> None:
@@ -168,17 +180,23 @@ def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float
     return DrainingServer(config)
 
 
-def _served_name(model: str | None, model_dir: Path) -> str:
+def _served_name(model: str | None, model_dir: Path, gguf: Path | None = None) -> str:
     """What clients call the model: a hub id as given (its snapshot folder is a commit hash),
-    else the checkpoint's folder name."""
+    else a GGUF's file name without `.gguf` (as llama.cpp's server names it; its folder here
+    is a cache entry), else the checkpoint's folder name."""
     from nanoserve.hub import parse_hub_id
 
     if model and not Path(model).exists() and (hub_id := parse_hub_id(model)) is not None:
         return hub_id.repo_id
+    if gguf is not None:
+        return gguf.stem
     return model_dir.name
 
 
-def _build_engine(config: EngineConfig, model_dir: str) -> Engine:
+def _build_engine(config: EngineConfig) -> Engine:
+    """The engine of `config` as the user gave it: the engine resolves the model itself (a
+    resolved folder alone would lose what it was resolved from, such as a GGUF file whose
+    blocks `--dtype auto` runs)."""
     from nanoserve.engine import Engine
 
-    return Engine(dataclasses.replace(config, model=model_dir))
+    return Engine(config)

@@ -1,5 +1,7 @@
 """`nanoserve serve` refuses a bad start before it loads anything: exit 2, naming the option."""
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -36,3 +38,27 @@ def test_a_hub_id_is_served_under_its_own_name_not_its_snapshot_hash(tmp_path):
     assert _served_name("org/tiny@main", snapshot) == "org/tiny"
     assert _served_name(str(tmp_path), tmp_path) == tmp_path.name
     assert _served_name(None, tmp_path) == tmp_path.name
+    assert _served_name(None, tmp_path, Path("/models/SmolLM2-135M-Instruct.Q4_1.gguf")) == (
+        "SmolLM2-135M-Instruct.Q4_1")
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_exit_2_naming_it(tiny_model_dir, tmp_path):
+    """The engine loads on its own thread after the socket is up; when the load fails the
+    server must not stay up answering 503 for ever: it exits 2 with the loader's message."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken, ignore=shutil.ignore_patterns("*.safetensors*"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve", "--model", str(broken),
+         "--port", str(port)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "has no .safetensors weights" in result.stderr
+    assert "Traceback" not in result.stderr

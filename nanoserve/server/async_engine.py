@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nanoserve.errors import NanoserveError
 from nanoserve.server.metrics import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -54,8 +55,12 @@ class AsyncEngine:
     """Bridges the event loop and the engine thread. Public methods run on the event loop."""
 
     def __init__(self, build_engine: Callable[[], Engine], loop: asyncio.AbstractEventLoop, *,
-                 prefill_log_s: float = PREFILL_LOG_S) -> None:
+                 prefill_log_s: float = PREFILL_LOG_S,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        """`on_death` runs on the event loop once the engine thread has died (a model that
+        fails to load included), after every stream has been failed."""
         self._build_engine = build_engine
+        self._on_death = on_death
         self._prefill_log_s = prefill_log_s
         self._prefill_logged_s: dict[str, float] = {}  # engine thread: when each prefill last logged
         self._arrivals: dict[str, float] = {}  # engine thread: arrival of each prefill logged
@@ -175,9 +180,14 @@ class AsyncEngine:
                 pass
             self._abort_all()
         except BaseException as error:  # the loop is dead: say so, fail every stream
-            log.exception("the engine loop died")
+            if isinstance(error, NanoserveError):  # a model that cannot load: its message is the news
+                log.error("the engine stopped: %s", error)
+            else:
+                log.exception("the engine loop died")
             self.dead = error
             self._call_soon(self._fail_all, EngineUnavailableError(f"the engine loop died: {error!r}"))
+            if self._on_death is not None:
+                self._call_soon(self._on_death, error)
 
     def _loop_once(self) -> bool:
         """Apply pending commands, run one step if there is work; False once told to stop."""
