@@ -196,6 +196,16 @@ def test_a_prefix_caching_sweep_hits_the_shared_prefix_and_changes_no_token(tiny
     assert sweep.engine("float32", True, False).engine.scheduler.prefix_cache_queries == 0
 
 
+def test_a_speculation_sweep_compares_the_same_prompts_token_for_token(tiny_model_dir):
+    """Each timed turn draws new prompts: the tokens compared must be every turn's, not each
+    config's median run (which can come from different turns, so its digest never matched)."""
+    spec = offline.SweepSpec(slots=(1,), model=str(tiny_model_dir), device="cpu", speculative_tokens=(0, 4),
+                             workload=offline.Workload(input_len=12, output_len=6, warmup=0, repeat=4))
+    frame = offline.Sweep(spec).run().frame
+    assert frame.same_tokens_as_no_speculation.all()
+    assert frame.output_digest.nunique() == 1
+
+
 def test_ratios_pair_each_row_with_its_baseline_and_its_plain_kernels():
     frame = pd.DataFrame({
         "engine": ["nanoserve", "nanoserve", "transformers"], "slots": [4, 4, 4],

@@ -14,6 +14,7 @@ the engine itself (`driver` does).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import time
@@ -491,7 +492,9 @@ class Sweep:
             "batch_invariant": config.batch_invariant, "prefix_caching": config.prefix_caching,
             "speculative_tokens": config.speculative_tokens, "prompts": w.prompts,
             "spec_draft_tokens": run.spec_draft_tokens, "spec_accepted_tokens": run.spec_accepted_tokens,
-            "output_digest": run.output_digest,
+            # Every turn's tokens, not the median run's: each turn draws new prompts, and two
+            # configs' median runs can come from different turns.
+            "output_digest": hashlib.sha256(" ".join(r.output_digest for r in runs).encode()).hexdigest()[:16],
             "shared_prefix_len": w.shared_prefix_len, "input_len": w.input_len,
             "output_len": w.output_len, "repeat": w.repeat,
             "tokens_per_s_runs": " ".join(f"{r.tokens_per_s:.2f}" for r in runs),
