@@ -117,6 +117,16 @@ def check_linear_kernel(name: str | None) -> None:
         fail(f"--linear-kernel must be one of {', '.join(names)}; got {name!r}")
 
 
+def slots_or_deprecated(slots: tuple[int, ...], old: tuple[int, ...] | None,
+                        old_name: str) -> tuple[int, ...]:
+    """`--slots`, or the value of its old spelling (kept hidden so recorded commands still run),
+    with one line saying the new name."""
+    if old is None:
+        return slots
+    typer.secho(f"{old_name} is deprecated: use --slots", err=True, fg=typer.colors.YELLOW)
+    return old
+
+
 def fail(message: str) -> NoReturn:
     """Exit with status 2 and a one-line message: the usage-error convention, no traceback."""
     typer.secho(f"Error: {message}", err=True, fg=typer.colors.RED)

@@ -30,10 +30,11 @@ def _mix(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    from nanoserve.engine import DTYPES
+    from nanoserve.engine import DTYPES, QUANTIZED
 
-    if text not in DTYPES:
-        raise ValueError(f"{text!r} is not one of {', '.join(DTYPES)}")
+    choices = (*DTYPES, QUANTIZED, "auto")
+    if text not in choices:
+        raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
     return text
 
 
@@ -45,20 +46,40 @@ def _switches(text: str | None) -> tuple[bool, ...] | None:
     return tuple(value == "on" for value in parse_choice_list(text, ("off", "on")))
 
 
-BatchSizes = Annotated[str, typer.Option(
-    callback=checked(_batch_sizes), metavar="N,N,...", help="Requests decoding together.")]
-Dtype = Annotated[str, typer.Option(callback=checked(_dtype), help="float32, bfloat16 or float16.")]
+def _one_switch(text: str) -> bool:
+    switches = _switches(text)
+    if len(switches) != 1:  # bench sweeps both; a profile measures one engine
+        raise ValueError(f"profile runs one engine: give off or on, not {text!r}")
+    return switches[0]
+
+
+def _slots(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else _batch_sizes(text)
+
+
+# One name for "requests decoding together" across bench, profile and syncbench: --slots.
+Slots = Annotated[str, typer.Option(
+    callback=checked(_slots), metavar="N,N,...", help="Requests decoding together (concurrent slots).")]
+OldBatchSizes = Annotated[str | None, typer.Option(
+    "--batch-sizes", hidden=True, callback=checked(_slots), help="Deprecated spelling of --slots.")]
+Dtype = Annotated[str, typer.Option(callback=checked(_dtype), help=(
+    "auto (as generate and serve: the default model's GGUF in its own quantization), quantized, "
+    "float32, bfloat16 or float16; the CSV's weight_format column says what ran."))]
+PrefixCaching = Annotated[str, typer.Option(
+    "--prefix-caching", callback=checked(_one_switch), metavar="off|on",
+    help="Automatic prefix caching, as bench's option (one engine here: off or on).")]
 
 
 @app.command()
 def profile(
-    batch_sizes: BatchSizes = "1,2,4,8,16",
+    slots: Slots = "1,2,4,8,16",
     input_len: Annotated[int, typer.Option(min=1, help="Prompt length in tokens.")] = 32,
     output_len: Annotated[int, typer.Option(min=2, help="Tokens generated per request.")] = 64,
     params: Annotated[str, typer.Option(
         callback=checked(_mix), help="Sampling mix: greedy, top_p, top_k or mixed.")] = "greedy",
     dtype: Dtype = "float32",
     batch_invariant: options.BatchInvariant = True,
+    prefix_caching: PrefixCaching = "on",
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
     model: options.Model = None,
@@ -71,6 +92,7 @@ def profile(
         callback=checked(_switches), metavar="off|on|off,on",
         help="The forward's small ops in C (on) or torch (off); off,on alternates them per batch "
              "size in one engine. Default: as the engine runs them.")] = None,
+    batch_sizes: OldBatchSizes = None,
 ) -> None:
     """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect),
     and the forward split into its matrix multiplies and the rest."""
@@ -79,9 +101,11 @@ def profile(
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         options.fail(f"--device must be cpu or cuda; got {device!r}")
     options.check_linear_kernel(linear_kernel)
-    spec = ProfileSpec(batch_sizes=batch_sizes, input_len=input_len, output_len=output_len, params=params,
-                       dtype=dtype, batch_invariant=batch_invariant, model=model, device=device,
-                       threads=threads, linear_kernel=linear_kernel, trace_path=trace, native_ops=native_ops)
+    spec = ProfileSpec(batch_sizes=options.slots_or_deprecated(slots, batch_sizes, "--batch-sizes"),
+                       input_len=input_len, output_len=output_len, params=params,
+                       dtype=dtype, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
+                       model=model, device=device, threads=threads, linear_kernel=linear_kernel,
+                       trace_path=trace, native_ops=native_ops)
     run_profile(spec, out, chart=chart)
 
 

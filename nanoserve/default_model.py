@@ -139,9 +139,8 @@ def convert_once(gguf_path: Path, target: Path, *, weights: bool = True) -> Path
     if _is_current(target, stamp):
         return target
     # Said before the work starts: a first start (or a first `serve`) spends seconds here.
-    if weights:
-        log.info("converting %s to float32 safetensors in %s (once; later starts reuse it)",
-                 gguf_path, target)
+    _announce(f"converting {gguf_path} to float32 safetensors in {target} (once; later starts reuse it)"
+              if weights else f"reading the config and tokenizer of {gguf_path} into {target} (once)")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     started = time.perf_counter()
@@ -160,6 +159,16 @@ def convert_once(gguf_path: Path, target: Path, *, weights: bool = True) -> Path
     if weights:
         log.info("converted %s in %.1f s", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _announce(message: str) -> None:
+    """In the log when one is set up (serve); otherwise one line on stderr unless it is a
+    terminal (which gets the progress bar): a first run in a script or CI is not seconds of
+    silence."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(message)
+    elif not sys.stderr.isatty():
+        print(f"nanoserve: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

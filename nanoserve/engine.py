@@ -6,6 +6,7 @@ Each step, one readback:
                `Scheduler.schedule`: which requests, how many tokens, drafts as extra rows
     prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group
     forward    logits of every sampled row: a decode's newest token and each of its drafts
+               (and of each prompt row a prompt_logprobs request scores, read back with them)
     sample     one token per row on the device, row i of a drafting request keyed and penalized
                as if drafts[:i] were already its output
     collect    the readback; per request, the run the verification accepts (drafts equal to
@@ -324,6 +325,8 @@ class Engine:
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
         request = Request(request_id, prompt_ids, params, seed, output_state=output_state, grammar=grammar)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)
         return request_id
 
@@ -376,6 +379,9 @@ class Engine:
         run) judged by the stop rules token by token; then the update."""
         host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
         drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
+        for scored in host.prompt:  # before the runs: a request's first output carries them
+            request = self.requests[scored.request_id]
+            request.prompt_logprobs[scored.position] = scored.entry.narrowed(request.params.prompt_logprobs)
         new_tokens, outputs = [], []
         for request_id, token_ids, logprobs in host.runs():
             request = self.requests[request_id]

@@ -9,10 +9,12 @@ Code written for vLLM's offline API runs unchanged for what both have:
 `llm.generate(prompts, sampling_params)` takes a string, token ids, `{"prompt": ...}` or
 `{"prompt_token_ids": ...}` (optionally with `"cache_salt"`), or a list of them; each result
 has `.prompt`, `.prompt_token_ids` and `.outputs[i]` (`.text`, `.token_ids`, `.logprobs`,
-`.finish_reason`, `.stop_reason`, `.cumulative_logprob`), one per `SamplingParams.n`. Beside
+`.finish_reason`, `.stop_reason`, `.cumulative_logprob`), one per `SamplingParams.n`, and
+`.prompt_logprobs` when `SamplingParams.prompt_logprobs` asks (scored once, by choice 0). Beside
 vLLM's shape, a result's own `.text`, `.token_ids`, `.logprobs` and `.finish_reason` are its
 first output's. Differences: `.logprobs` is a list of `TokenLogprob` (id, logprob, top
-alternatives), not vLLM's dict per position; there is no `use_tqdm` (`progress`).
+alternatives), not vLLM's dict per position, and so is `.prompt_logprobs` (None first, as
+vLLM; each entry's `rank` set); there is no `use_tqdm` (`progress`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class Completion:
     prompt_token_ids: list[int]
     prompt: str | None = None  # the prompt text, when it was given as text
     outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput(0)])
+    # SamplingParams.prompt_logprobs: entry p scores prompt token p given those before it (0: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -129,7 +133,7 @@ class LLM:
         prompt_list = [prompts] if _is_single(prompts) else list(prompts)
         params_list = _params_per_prompt(sampling_params if params is None else params, len(prompt_list))
         engine = self.engine
-        completions: list[Completion] = []
+        completions: dict[str, Completion] = {}  # by the request id of each prompt's choice 0
         choices: dict[str, CompletionOutput] = {}
         for prompt, prompt_params in zip(prompt_list, params_list, strict=True):
             text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
@@ -138,16 +142,18 @@ class LLM:
                 request_id = engine.add_request(ids_or_text, _choice_params(prompt_params, i))
                 if completion is None:
                     completion = Completion(request_id, engine.requests[request_id].prompt_ids, text, [])
+                    completions[request_id] = completion
                 completion.outputs.append(CompletionOutput(i))
                 choices[request_id] = completion.outputs[-1]
-            completions.append(completion)
         with Progress(disable=not progress, transient=True, console=Console(stderr=True)) as bar:
             task = bar.add_task("generating", total=len(choices))
             while engine.has_unfinished():
                 for output in engine.step():
                     choices[output.request_id].add(output)
+                    if output.prompt_logprobs is not None:
+                        completions[output.request_id].prompt_logprobs = output.prompt_logprobs
                     bar.advance(task, int(output.finished))
-        return completions
+        return list(completions.values())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs as they land; closing the iterator aborts the request."""
@@ -217,13 +223,17 @@ def _unpack(prompt: Prompt, params: SamplingParams) -> tuple[str | None, str | l
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` of n: seed + index, so seeded choices differ and reproduce (as the server)."""
-    if params.seed is None or index == 0:
+    """Choice `index` of n: seed + index, so seeded choices differ and reproduce (as the server);
+    the prompt's logprobs are scored once, by choice 0."""
+    if index == 0:
         return params
-    if params.seed + index >= MAX_SEED:
-        raise InvalidRequestError(f"seed + n - 1 must stay below 2**63; got seed {params.seed}, n {params.n}",
-                                  param="seed")
-    return dataclasses.replace(params, seed=params.seed + index)
+    changes: dict[str, Any] = {"prompt_logprobs": None}
+    if params.seed is not None:
+        if params.seed + index >= MAX_SEED:
+            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63; got seed {params.seed}, "
+                                      f"n {params.n}", param="seed")
+        changes["seed"] = params.seed + index
+    return dataclasses.replace(params, **changes)
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

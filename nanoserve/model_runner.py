@@ -3,8 +3,8 @@
 Owns the layout of a step: decode rows first, as one attention group (a decode's speculative
 drafts are rows of that group too, each a one-row sequence over the request's blocks), then
 each prefill chunk as a group of its own; the flat cache slot of every row; which rows need logits
-(a drafting chunk's newest-token row and every draft row); and the sampling rows in the same
-order, with the request id of each.
+(a drafting chunk's newest-token row and every draft row, then the prompt rows a request asking
+for prompt_logprobs scores); and the sampling rows in the same order, with the request id of each.
 """
 
 from __future__ import annotations
@@ -15,10 +15,30 @@ import torch
 
 from nanoserve.kv_cache import KVCache
 from nanoserve.model import AttentionGroup, ForwardBatch, Llama
-from nanoserve.output import TokenBatch
+from nanoserve.output import PromptTokens, TokenBatch
 from nanoserve.request import Request
-from nanoserve.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow
+from nanoserve.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow, score_tokens
 from nanoserve.scheduler import ScheduledChunk
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The logits rows after the sampled ones that score prompt tokens (prompt_logprobs): row i
+    is position `positions[i] - 1` of `request_ids[i]`, scoring prompt token `positions[i]`."""
+
+    request_ids: list[str]
+    positions: list[int]
+    token_ids: list[int]
+    num_top: int  # the most alternatives any of the step's requests asked for
+
+    def add(self, request: Request, start: int, stop: int) -> int:
+        """Rows for the chunk's positions in [start, stop) that have a next prompt token; how many."""
+        scored = range(start + 1, min(stop, len(request.prompt_ids) - 1) + 1)
+        self.request_ids += [request.request_id] * len(scored)
+        self.positions += scored
+        self.token_ids += (request.prompt_ids[p] for p in scored)
+        self.num_top = max(self.num_top, request.params.prompt_logprobs)
+        return len(scored)
 
 
 @dataclass(slots=True)
@@ -26,6 +46,7 @@ class PreparedStep:
     batch: ForwardBatch
     sampling: SamplingBatch | None
     sampled_request_ids: list[str]
+    prompt_rows: PromptRows | None = None
 
 
 class ModelRunner:
@@ -44,34 +65,49 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows, prompt_logits_rows = PromptRows([], [], [], 0), []
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
             known_stop = stop - len(chunk.draft_ids)
+            first_row = len(input_ids)
             input_ids += chunk.request.token_ids(chunk.start, known_stop) + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
             if chunk.samples:  # the newest token's row, then one per draft
                 logits_rows += range(len(input_ids) - 1 - len(chunk.draft_ids), len(input_ids))
+            if chunk.request.scores_prompt:
+                prompt_logits_rows += range(first_row, first_row + prompt_rows.add(chunk.request,
+                                                                                   chunk.start, stop))
         batch = ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             groups=self._groups(ordered),
-            logits_rows=self._tensor(logits_rows),
+            logits_rows=self._tensor(logits_rows + prompt_logits_rows),
         )
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
-                            [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))])
+                            [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))],
+                            prompt_rows if prompt_logits_rows else None)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
-        """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order."""
+        """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order,
+        then of each prompt row scored for prompt_logprobs."""
         return self.model.forward(step.batch, self.kv_cache)
 
     def sample(self, logits: torch.Tensor, step: PreparedStep) -> TokenBatch | None:
-        """The step's new tokens, still on the device; None when no chunk reached its end."""
-        if step.sampling is None:
+        """The step's new tokens, and its scored prompt tokens, still on the device; None when
+        the step has neither."""
+        num_sampled = len(step.sampled_request_ids)
+        sampled = self.sampler(logits[:num_sampled], step.sampling) if step.sampling is not None else None
+        prompt = None
+        if step.prompt_rows is not None:
+            rows = step.prompt_rows
+            scores = score_tokens(logits[num_sampled:], self._tensor(rows.token_ids), rows.num_top)
+            prompt = PromptTokens(scores, rows.request_ids, rows.positions, rows.token_ids)
+        if sampled is None and prompt is None:
             return None
-        return TokenBatch(self.sampler(logits, step.sampling), step.sampled_request_ids)
+        return TokenBatch(sampled, step.sampled_request_ids, prompt)
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size

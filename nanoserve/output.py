@@ -1,8 +1,9 @@
 """From sampled tokens on the device to what callers see: one readback per step.
 
 Owns: `TokenBatch` (the step's sampled tokens, still on the device, and the request owning
-each row), the readback counter, the stop rules (EOS, stop token ids, stop strings,
-max_tokens), incremental detokenization, and `RequestOutput`, the record a caller receives.
+each row; and the prompt tokens a prefill scored for prompt_logprobs), the readback counter,
+the stop rules (EOS, stop token ids, stop strings, max_tokens), incremental detokenization,
+and `RequestOutput`, the record a caller receives.
 Refuses: reading a tensor back more than once per step; changing request state beyond its text
 (the verdict on each token goes to `Scheduler.update_after_step`, which applies it).
 """
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from nanoserve.request import NewToken, OutputState, Request, RequestStatus
-from nanoserve.sampler import SampledTokens
+from nanoserve.sampler import PromptScores, SampledTokens
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -26,6 +27,19 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the top-N alternatives, most likely first
+    rank: int | None = None  # a prompt token's rank in its distribution (1: the most likely)
+
+    def narrowed(self, num_top: int) -> TokenLogprob:
+        return TokenLogprob(self.token_id, self.logprob, self.top[:num_top], self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPosition:
+    """A prompt token scored this step: `entry` is prompt token `position` of `request_id`."""
+
+    request_id: str
+    position: int
+    entry: TokenLogprob
 
 
 @dataclass(slots=True)
@@ -35,6 +49,7 @@ class HostTokens:
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt: list[PromptPosition] = field(default_factory=list)  # prompt_logprobs scored this step
 
     def rows(self) -> Iterator[tuple[str, int, TokenLogprob | None]]:
         return zip(self.request_ids, self.token_ids, self.logprobs, strict=True)
@@ -58,30 +73,88 @@ class ReadbackCounter:
 
 
 @dataclass(slots=True)
-class TokenBatch:
-    """A step's sampled tokens on the device, and the request id of each row."""
+class PromptTokens:
+    """Prompt tokens a step's prefill rows scored (prompt_logprobs): on the device, and for row i
+    the request and the prompt position it scored, with that position's token id."""
 
-    sampled: SampledTokens
+    scores: PromptScores
     request_ids: list[str]
+    positions: list[int]
+    token_ids: list[int]
+
+    def columns(self) -> torch.Tensor:
+        """[rows, 2 + 2N] float32: logprob, rank, top ids, top logprobs (ranks and ids exact)."""
+        s = self.scores
+        parts = [s.logprobs.unsqueeze(1), s.ranks.unsqueeze(1).float()]
+        if s.top_ids is not None:
+            parts += [s.top_ids.float(), s.top_logprobs]
+        return torch.cat(parts, dim=1)
+
+    def from_host(self, values: list[float]) -> list[PromptPosition]:
+        width = 2 + (2 * self.scores.top_ids.shape[1] if self.scores.top_ids is not None else 0)
+        n = (width - 2) // 2
+        positions = []
+        for i, (request_id, position, token_id) in enumerate(
+                zip(self.request_ids, self.positions, self.token_ids, strict=True)):
+            row = values[i * width:(i + 1) * width]
+            top = tuple(zip(map(int, row[2:2 + n]), row[2 + n:], strict=True))
+            positions.append(PromptPosition(request_id, position,
+                                            TokenLogprob(token_id, row[0], top, int(row[1]))))
+        return positions
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """A step's sampled tokens on the device, and the request id of each row; and the prompt
+    tokens its prefill rows scored, if any asked (a step may score without sampling)."""
+
+    sampled: SampledTokens | None
+    request_ids: list[str]
+    prompt: PromptTokens | None = None
 
     def to_host(self, readbacks: ReadbackCounter) -> HostTokens:
-        """Bring tokens (and logprobs, if any row asked) back in exactly one transfer."""
+        """Bring tokens (and logprobs, if any row asked; prompt logprobs too) back in exactly
+        one transfer."""
         s = self.sampled
-        if s.logprobs is None:
+        if self.prompt is None and s is not None and s.logprobs is None:
             return HostTokens(self.request_ids, readbacks.read(s.token_ids),
                               [None] * len(self.request_ids))
-        # Token ids are exact in float32 below 2**24, far above any vocabulary.
-        parts = [s.token_ids.unsqueeze(1).float(), s.logprobs.unsqueeze(1).float()]
-        if s.top_ids is not None:
-            parts += [s.top_ids.float(), s.top_logprobs.float()]
-        rows = readbacks.read(torch.cat(parts, dim=1))
-        n = s.top_ids.shape[1] if s.top_ids is not None else 0
-        tokens = [int(row[0]) for row in rows]
-        logprobs = [
-            TokenLogprob(int(row[0]), row[1], tuple(zip(map(int, row[2:2 + n]), row[2 + n:], strict=True)))
-            for row in rows
-        ]
-        return HostTokens(self.request_ids, tokens, logprobs)
+        blocks = [] if s is None else [_sampled_columns(s)]
+        if self.prompt is not None:
+            blocks.append(self.prompt.columns())
+        values = readbacks.read(torch.cat([block.flatten() for block in blocks]))
+        host = HostTokens([], [], [])
+        if s is not None:
+            width = blocks[0].shape[1]
+            cut = width * len(self.request_ids)
+            host = _sampled_from_host(self.request_ids, values[:cut], width, s.logprobs is not None)
+            values = values[cut:]
+        if self.prompt is not None:
+            host.prompt = self.prompt.from_host(values)
+        return host
+
+
+def _sampled_columns(s: SampledTokens) -> torch.Tensor:
+    """[rows, 1 or 2 + 2N] float32: token id, then logprob and top ids and logprobs if asked.
+    Token ids are exact in float32 below 2**24, far above any vocabulary."""
+    parts = [s.token_ids.unsqueeze(1).float()]
+    if s.logprobs is not None:
+        parts.append(s.logprobs.unsqueeze(1).float())
+    if s.top_ids is not None:
+        parts += [s.top_ids.float(), s.top_logprobs.float()]
+    return torch.cat(parts, dim=1)
+
+
+def _sampled_from_host(request_ids: list[str], values: list[float], width: int,
+                       with_logprobs: bool) -> HostTokens:
+    rows = [values[i * width:(i + 1) * width] for i in range(len(request_ids))]
+    tokens = [int(row[0]) for row in rows]
+    if not with_logprobs:
+        return HostTokens(request_ids, tokens, [None] * len(request_ids))
+    n = (width - 2) // 2
+    logprobs = [TokenLogprob(int(row[0]), row[1],
+                             tuple(zip(map(int, row[2:2 + n]), row[2 + n:], strict=True))) for row in rows]
+    return HostTokens(request_ids, tokens, logprobs)
 
 
 @dataclass(slots=True)
@@ -98,6 +171,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
+    # prompt_logprobs, on a request's first output only: entry p scores prompt token p (0: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _own_logprobs(logprobs: Sequence[TokenLogprob | None], wanted: int | None) -> list[TokenLogprob] | None:
@@ -105,7 +180,7 @@ def _own_logprobs(logprobs: Sequence[TokenLogprob | None], wanted: int | None) -
     its rows asked for, so a neighbour's request must not widen (or create) this one's."""
     if wanted is None or not logprobs or logprobs[0] is None:
         return None
-    return [TokenLogprob(entry.token_id, entry.logprob, entry.top[:wanted]) for entry in logprobs]
+    return [entry.narrowed(wanted) for entry in logprobs]
 
 
 class OutputProcessor:
@@ -121,8 +196,9 @@ class OutputProcessor:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                             prompt_ids=prompt_ids)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
         return OutputState(detokenizer, StopStringMatcher(params.stop), stop_ids)
 
     def judge(self, request: Request, token_id: int,
@@ -159,6 +235,7 @@ class OutputProcessor:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids) + len(kept),
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=list(request.prompt_logprobs) if request.scores_prompt else None,
         )
         return new_tokens, output
 

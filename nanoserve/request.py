@@ -90,6 +90,10 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)
     draft_state: DraftState | None = None
     grammar: RowGrammar | None = None  # the structured-output matcher of a constrained request
+    # prompt_logprobs: entry p (an output.TokenLogprob) scores prompt token p; entry 0 stays None
+    # (nothing comes before it). Filled as prefill chunks compute them, handed out with the first
+    # output. Untyped here: output imports this module, not the other way round.
+    prompt_logprobs: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +106,12 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill still owes prompt logprobs (asked for, first output not out yet):
+        then every prompt position needs logits, so none may come from the prefix cache."""
+        return self.prompt_logprobs is not None and not self.output_ids
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids in [start, stop) across prompt and output."""

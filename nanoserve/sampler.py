@@ -3,8 +3,9 @@
 Owns: `SamplingRow` (what the engine knows about one row), `RowEdits` (one request's penalty
 and logit_bias cells on the device, built once per request and grown by each new token),
 `SamplingBatch` (the rows as per-row parameter tensors on the device, built once per step),
-`BatchedSampler` (logits to token ids, and logprobs when asked) and `uniform_from_counter`,
-the one source of randomness.
+`BatchedSampler` (logits to token ids, and logprobs when asked), `score_tokens` (prompt
+tokens' logprobs, by the same computation as sampled ones) and `uniform_from_counter`, the one
+source of randomness.
 
 Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
 frequency and presence penalties (counts of generated tokens), then logit_bias, then the
@@ -754,18 +755,46 @@ def uniform_from_counter(seed: Tensor, position: Tensor) -> Tensor:
 def _with_logprobs(raw: Tensor, token_ids: Tensor, batch: SamplingBatch) -> SampledTokens:
     if not batch.want_logprobs:
         return SampledTokens(token_ids, None, None, None)
+    _, chosen, top_ids, top_logprobs = _logprobs_of(raw, token_ids, batch.num_top_logprobs)
+    return SampledTokens(token_ids, chosen, top_ids, top_logprobs)
+
+
+def _logprobs_of(raw: Tensor, token_ids: Tensor,
+                 num_top: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Each row's log_softmax, the logprob of its token, and its top `num_top` (None for 0).
+    The one computation behind sampled and prompt logprobs, so a token scored in the prompt
+    gets the bits it gets when generated."""
     # From the model's own logits, before penalties and temperature (as OpenAI and vLLM report).
     # A row whose every logit is -inf has no distribution: its logprobs are -inf, not NaN.
     logprobs = torch.log_softmax(raw, dim=-1).nan_to_num_(nan=-torch.inf, neginf=-torch.inf)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    if batch.num_top_logprobs == 0:
-        return SampledTokens(token_ids, chosen, None, None)
-    top_logprobs, top_ids = logprobs.topk(batch.num_top_logprobs, dim=-1)
+    if num_top == 0:
+        return logprobs, chosen, None, None
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     # topk leaves the order of tied values to the device; list ties by token id.
     by_id = top_ids.argsort(dim=-1)
     top_ids, top_logprobs = top_ids.gather(1, by_id), top_logprobs.gather(1, by_id)
     by_value = top_logprobs.sort(dim=-1, descending=True, stable=True).indices
-    return SampledTokens(token_ids, chosen, top_ids.gather(1, by_value), top_logprobs.gather(1, by_value))
+    return logprobs, chosen, top_ids.gather(1, by_value), top_logprobs.gather(1, by_value)
 
 
-__all__ = ["BatchedSampler", "SampledTokens", "SamplingBatch", "SamplingRow", "uniform_from_counter"]
+@dataclass(frozen=True, slots=True)
+class PromptScores:
+    """Prompt tokens scored by the logits of the position before each (prompt_logprobs), still
+    on the device: row i is the logprob of `token_ids[i]`, its rank, and the row's top N."""
+
+    logprobs: Tensor  # [rows] float32
+    ranks: Tensor  # [rows] int64: tokens at least as likely as this one, itself included (vLLM's)
+    top_ids: Tensor | None  # [rows, N] int64, most likely first, ties by token id; None for N = 0
+    top_logprobs: Tensor | None  # [rows, N] float32
+
+
+def score_tokens(logits: Tensor, token_ids: Tensor, num_top: int) -> PromptScores:
+    """`token_ids[i]`'s logprob under row i of `logits` (raw: no edits apply to a prompt)."""
+    logprobs, chosen, top_ids, top_logprobs = _logprobs_of(logits, token_ids, num_top)
+    ranks = (logprobs >= chosen[:, None]).sum(dim=-1)
+    return PromptScores(chosen, ranks, top_ids, top_logprobs)
+
+
+__all__ = ["BatchedSampler", "PromptScores", "SampledTokens", "SamplingBatch", "SamplingRow", "score_tokens",
+           "uniform_from_counter"]

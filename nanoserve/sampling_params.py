@@ -214,9 +214,16 @@ class SamplingParams:
     only when a token past the first `min_tokens` completes it (it may start earlier).
 
     As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
-    `skip_special_tokens` leaves special tokens out of the text, `truncate_prompt_tokens`
+    `skip_special_tokens` leaves special tokens out of the text (shown, they are set apart by
+    spaces unless `spaces_between_special_tokens` is false), `truncate_prompt_tokens`
     keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
     defaults to 1.0 (as in vLLM and OpenAI; `nanoserve generate` defaults to 0, greedy).
+
+    `prompt_logprobs` (vLLM's): for every prompt position after the first, the logprob of the
+    prompt's own token given the tokens before it, and the top-N alternatives (0: the token
+    alone). They are the same values those tokens get when generated: the raw model
+    distribution, before penalties, bias or temperature. A request asking for them takes no
+    prefix-cache hits (a cached position has K/V but no logits), as in vLLM V1.
     """
 
     max_tokens: int = 16
@@ -233,6 +240,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -240,6 +248,7 @@ class SamplingParams:
     cache_salt: str | None = None  # requests share cached prefix blocks only with the same salt
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
@@ -299,10 +308,12 @@ class SamplingParams:
     def _check_rest(self) -> None:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED - 1, "null or an integer in [0, 2**63)")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
-                       f"null or an integer in [0, {MAX_LOGPROBS}]")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "p_less"):
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS,
+                           f"null or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "p_less"):
             if not isinstance(getattr(self, name), bool):
                 raise _refuse(name, getattr(self, name), "true or false")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):

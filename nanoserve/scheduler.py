@@ -228,8 +228,9 @@ class Scheduler:
 
     def _take_cached_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks its tokens start with;
-        how many tokens they hold. The last token is left out, so it is always computed."""
-        if not self.config.enable_prefix_caching or request.num_computed_tokens:
+        how many tokens they hold. The last token is left out, so it is always computed. A
+        request still owing prompt logprobs takes none (cached positions have no logits)."""
+        if not self.config.enable_prefix_caching or request.num_computed_tokens or request.scores_prompt:
             return 0
         hit_ids = self.pool.lookup(self._keys(request, (request.num_tokens - 1) // self.pool.block_size))
         self.pool.take(hit_ids)

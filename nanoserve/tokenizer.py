@@ -107,8 +107,29 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
+        """The text of `token_ids`. `spaces_between_special_tokens` (vLLM's, true by default there;
+        it matters only while special tokens are shown): each special token and the text runs
+        around it are joined by a space, as transformers' and vLLM's slow detokenizers join them;
+        false joins them with nothing, as this (fast) tokenizer does."""
+        ids = list(token_ids)
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for token in ids:
+            if token in self._special_ids:
+                pieces += [self.backend.decode(run)] if run else []
+                pieces.append(self.backend.decode([token], skip_special_tokens=False))
+                run = []
+            else:
+                run.append(token)
+        pieces += [self.backend.decode(run)] if run else []
+        return " ".join(pieces)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, added in self.backend.get_added_tokens_decoder().items() if added.special)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for, as logprobs report them; a piece may be part of
@@ -326,14 +347,17 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = ()) -> None:
+                 prompt_ids: Sequence[int] = (), spaces_between_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens
         self._window: list[int] = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
         self._context_len = len(self._window)  # leading window tokens whose text was already emitted
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The newly completed text after appending `token_ids` ("" while incomplete)."""
+        if not token_ids:  # nothing new: keep the context the next token's text depends on
+            return ""
         self._window.extend(token_ids)
         new_text = self._pending_text()
         if new_text.endswith(REPLACEMENT_CHAR):
@@ -356,7 +380,8 @@ class IncrementalDetokenizer:
         self._context_len = len(self._window)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens,
+                                      spaces_between_special_tokens=self._spaces_between_special_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -253,7 +253,9 @@ def test_bad_bench_options_exit_2_naming_the_option(args, option):
 
 
 @pytest.mark.parametrize(("args", "option"), [
+    (["--slots", "2,zero"], "--slots"),
     (["--batch-sizes", "2,zero"], "--batch-sizes"),
+    (["--prefix-caching", "off,on"], "--prefix-caching"),
     (["--params", "nucleus"], "--params"),
     (["--dtype", "int4"], "--dtype"),
     (["--native-ops", "maybe"], "--native-ops"),
@@ -266,7 +268,7 @@ def test_bad_profile_options_exit_2_naming_the_option(args, option):
 
 def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collect(tiny_model_dir, tmp_path):
     out, trace = tmp_path / "profile.csv", tmp_path / "trace.json"
-    result = invoke("profile", "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--input-len", "4",
+    result = invoke("profile", "--model", str(tiny_model_dir), "--slots", "1,3", "--input-len", "4",
                     "--output-len", "4", "--device", "cpu", "--out", str(out), "--trace", str(trace))
     assert result.exit_code == 0, result.output
     frame = pd.read_csv(out)
@@ -282,6 +284,19 @@ def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collec
     assert total.tolist() == pytest.approx(frame.forward_ms.tolist(), rel=1e-4)
     assert "nanoserve.forward" in trace.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_profile_takes_dtype_auto_and_prefix_caching_off_and_the_old_batch_sizes_spelling(tiny_model_dir,
+                                                                                          tmp_path):
+    out = tmp_path / "profile.csv"
+    result = invoke("profile", "--model", str(tiny_model_dir), "--batch-sizes", "2", "--input-len", "4",
+                    "--output-len", "3", "--device", "cpu", "--out", str(out), "--dtype", "auto",
+                    "--prefix-caching", "off", "--no-chart")
+    assert result.exit_code == 0, result.output
+    assert "--batch-sizes is deprecated: use --slots" in result.output
+    frame = pd.read_csv(out)
+    assert frame.batch_size.tolist() == [2] and frame.dtype.tolist() == ["auto"]
+    assert frame.prefix_caching.tolist() == [False] and frame.weight_format.notna().all()
 
 
 def test_ci_check_passes_above_its_floors_and_fails_below_them(tiny_model_dir, tmp_path, capsys):
@@ -327,7 +342,7 @@ def test_machine_description_and_probes_give_plausible_figures():
 
 def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir, tmp_path):
     out = tmp_path / "profile.csv"
-    result = invoke("profile", "--model", str(tiny_model_dir), "--batch-sizes", "2", "--input-len", "4",
+    result = invoke("profile", "--model", str(tiny_model_dir), "--slots", "2", "--input-len", "4",
                     "--output-len", "3", "--device", "cpu", "--out", str(out), "--native-ops", "off,on",
                     "--no-chart")
     if "native small ops do not run here" in result.output:

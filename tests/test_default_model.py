@@ -243,3 +243,12 @@ def test_default_model_tensors_have_smollm2_shapes(default_model_dir):
         "input_layernorm.weight": (576,),
         "post_attention_layernorm.weight": (576,),
     }
+
+
+def test_a_first_conversion_without_a_terminal_or_a_log_says_one_line(cache, tiny_gguf, monkeypatch, capsys):
+    monkeypatch.setattr(default_model.sys.stderr, "isatty", lambda: False)
+    resolve_model_dir(tiny_gguf)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("nanoserve: converting") and "once" in lines[0]
+    resolve_model_dir(tiny_gguf)
+    assert capsys.readouterr().err == "", "a cached conversion says nothing"

@@ -332,14 +332,20 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_token(cli
     assert choice["text"] == offline.tokenizer.decode(greedy.token_ids[:first + 1])
 
 
-def test_skip_special_tokens_false_shows_them(client: httpx.Client, offline: LLM) -> None:
+def test_skip_special_tokens_false_shows_them_spaced_apart_unless_asked_not_to(client: httpx.Client,
+                                                                              offline: LLM) -> None:
     [eos] = offline.tokenizer.eos_token_ids
     body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
             "logit_bias": {str(eos): 100}}
     hidden = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     shown = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    joined = client.post("/v1/completions", json={**body, "skip_special_tokens": False,
+                                                  "spaces_between_special_tokens": False}).json()
     assert "choices" in shown, shown
-    assert hidden == "" and shown["choices"][0]["text"] == offline.tokenizer.eos_token * 2
+    assert hidden == ""
+    # vLLM's default spaces_between_special_tokens sets each apart (from "Hello" too); false joins them.
+    assert shown["choices"][0]["text"] == f" {offline.tokenizer.eos_token} {offline.tokenizer.eos_token}"
+    assert joined["choices"][0]["text"] == offline.tokenizer.eos_token * 2
 
 
 def test_allowed_token_ids_and_bad_words_reach_the_sampler(client: httpx.Client) -> None:
@@ -372,7 +378,53 @@ def test_echo_puts_the_prompt_before_the_text_unary_and_streamed(client: httpx.C
     streamed = chunks_of(client.post("/v1/completions", json={**body, "echo": True, "stream": True}))
     assert streamed[0]["choices"][0]["text"] == "Once upon"
     assert "".join(c["choices"][0]["text"] for c in streamed) == echoed
-    assert_error(client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}), 400, "echo")
+    assert_error(client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1, "stream": True}),
+                 400, "echo", "unsupported")
+
+
+def test_echo_with_logprobs_puts_the_prompts_tokens_first_in_openais_shape(client: httpx.Client) -> None:
+    """The prompt's tokens lead (the first with null logprob and alternatives), scored with the
+    values prompt_logprobs gives; the generated tokens follow, offsets running on."""
+    body = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json={**body, "logprobs": 2}).json()["choices"][0]
+    echoed = client.post("/v1/completions", json={**body, "logprobs": 2, "echo": True}).json()["choices"][0]
+    scored = client.post("/v1/completions", json={**body, "prompt_logprobs": 2}).json()["choices"][0]
+    logprobs, prompt = echoed["logprobs"], scored["prompt_logprobs"]
+    n = len(prompt)
+    assert echoed["text"] == "Once upon a time" + plain["text"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
+    assert logprobs["tokens"][n:] == plain["logprobs"]["tokens"]
+    assert logprobs["token_logprobs"][1:n] == [next(iter(position.values()))["logprob"]
+                                               for position in prompt[1:]]
+    assert all(len(top) in (2, 3) for top in logprobs["top_logprobs"][1:])
+    assert "".join(logprobs["tokens"][:n]) == "Once upon a time"
+    assert logprobs["text_offset"][n] == len("Once upon a time")
+    assert logprobs["text_offset"][:n] == sorted(logprobs["text_offset"][:n])
+
+
+def test_prompt_logprobs_in_vllms_shape_on_both_endpoints(client: httpx.Client) -> None:
+    """Completions: per choice; chat: once, beside the choices. Null first, then a map of token
+    id to logprob, rank and text, the prompt's own token first."""
+    body = {"max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    ids = client.post("/tokenize", json={"prompt": "the cat sat"}).json()["tokens"]
+    completion = client.post("/v1/completions", json={**body, "prompt": ids, "n": 2}).json()
+    first, second = (choice["prompt_logprobs"] for choice in completion["choices"])
+    assert first == second and first[0] is None and len(first) == len(ids)
+    for position, token in zip(first[1:], ids[1:], strict=True):
+        assert next(iter(position)) == str(token)
+        top_ranks = [entry["rank"] for key, entry in position.items() if key != str(token)]
+        assert len(position) in (2, 3) and top_ranks == sorted(top_ranks) and set(top_ranks) <= {1, 2}
+        assert position[str(token)]["rank"] >= 1
+        assert position[str(token)]["decoded_token"] == client.post(
+            "/detokenize", json={"tokens": [token]}).json()["prompt"]
+    chat = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200, chat.text
+    chat_prompt = chat.json()["prompt_logprobs"]
+    assert chat_prompt[0] is None and len(chat_prompt) == chat.json()["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in chat.json()["choices"][0]
+    plain = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client: httpx.Client) -> None:
@@ -814,7 +866,10 @@ def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
     ({"prompt": "x", "top_n_sigma": 0}, "top_n_sigma"),
     ({"prompt": "x", "top_n_sigma": -2}, "top_n_sigma"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ({"prompt": "x", "echo": True, "logprobs": 2}, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 2, "stream": True}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "x", "chat_template": "{{ 1 }}"}, "chat_template"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),

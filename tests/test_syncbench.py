@@ -60,12 +60,14 @@ nanoserve = typer.main.get_group(app)
 
 
 @pytest.mark.parametrize(("args", "option"), [
-    (["--rows", "1,x"], "--rows"), (["--rows", "0"], "--rows"), (["--rows", ""], "--rows"),
+    (["--slots", "1,x"], "--slots"), (["--slots", "0"], "--slots"), (["--slots", ""], "--slots"),
+    (["--rows", "0"], "--rows"), (["--dtype", "int4"], "--dtype"), (["--device", "tpu"], "--device"),
+    (["--threads", "0"], "--threads"),
     (["--mixes", "greedy,nucleus"], "--mixes"), (["--repeat", "0"], "--repeat"),
     (["--warmup", "-1"], "--warmup"),
 ])
 def test_bad_options_exit_with_status_2_naming_the_option(args, option, monkeypatch):
-    def no_model(_model):
+    def no_model(*_, **__):
         raise AssertionError("loaded a model before checking the options")
 
     monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", no_model)
@@ -74,18 +76,23 @@ def test_bad_options_exit_with_status_2_naming_the_option(args, option, monkeypa
     assert option in result.output
 
 
+def synthetic_row(*_, **__):
+    """Stands in for the model's logits row (whatever model, dtype, device and threads)."""
+    return synthetic_logits_row(256)
+
+
 def test_the_command_writes_both_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", lambda _model: synthetic_logits_row(256))
-    result = runner.invoke(nanoserve, ["syncbench", "--rows", "2", "--mixes", "greedy,top_p", "--repeat", "1",
-                                 "--warmup", "0", "--out-dir", str(tmp_path)])
+    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", synthetic_row)
+    result = runner.invoke(nanoserve, ["syncbench", "--slots", "2", "--mixes", "greedy,top_p",
+                                       "--repeat", "1", "--warmup", "0", "--out-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "syncbench.csv").exists() and (tmp_path / "syncbench.png").exists()
 
 
 def test_out_names_the_csv_and_the_png_goes_beside_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", lambda _model: synthetic_logits_row(256))
-    result = runner.invoke(nanoserve, ["syncbench", "--rows", "2", "--mixes", "greedy,typical_p,top_n_sigma",
-                                       "--repeat", "1", "--warmup", "0",
+    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", synthetic_row)
+    result = runner.invoke(nanoserve, ["syncbench", "--slots", "2", "--mixes",
+                                       "greedy,typical_p,top_n_sigma", "--repeat", "1", "--warmup", "0",
                                        "--out", str(tmp_path / "modes.csv")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "modes.csv").exists() and (tmp_path / "modes.png").exists()
@@ -102,3 +109,30 @@ def test_the_per_row_baseline_keeps_the_tokens_the_batched_sampler_keeps(mix):
     kept = _kept_mass(logits, batch.draw) > 0
     for i, row in enumerate(rows):
         assert torch.equal(_per_row_filters(logits[i].clone(), row) > -torch.inf, kept[i])
+
+
+def test_a_noisy_run_is_said_to_be_noisy_and_a_quiet_one_is_not(frame):
+    from nanoserve.bench.syncbench import NOISY_SPREAD, noise_warning
+
+    quiet = frame.assign(load_avg_1m=0.0, engine_spread=0.0, baseline_spread=0.0)
+    assert noise_warning(quiet) is None
+    loaded = quiet.assign(load_avg_1m=float(frame.cores.iloc[0]) + 3)
+    assert "load average" in noise_warning(loaded)
+    spread = quiet.assign(baseline_spread=[NOISY_SPREAD * 2] + [0.0] * (len(quiet) - 1))
+    assert f"1 of {len(quiet)} rows" in noise_warning(spread)
+
+
+def test_the_spread_is_the_interquartile_range_over_the_median():
+    from nanoserve.bench.syncbench import StepTimes
+
+    times = StepTimes(times_s=[1.0, 2.0, 3.0, 4.0, 5.0])
+    assert times.spread == pytest.approx((4.0 - 2.0) / 3.0)
+
+
+def test_the_old_rows_spelling_still_runs_and_says_the_new_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(nanoserve_cli.syncbench, "model_logits_row", synthetic_row)
+    result = runner.invoke(nanoserve, ["syncbench", "--rows", "3", "--mixes", "greedy", "--repeat", "1",
+                                       "--warmup", "0", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "--rows is deprecated: use --slots" in result.output
+    assert pd.read_csv(tmp_path / "syncbench.csv").rows.tolist() == [3]

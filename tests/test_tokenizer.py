@@ -51,6 +51,29 @@ def test_decode_inverts_encode(tiny_tokenizer, text):
     assert tiny_tokenizer.decode(tiny_tokenizer.encode(text)) == text
 
 
+def test_spaces_between_special_tokens_set_shown_special_tokens_apart_as_transformers_slow_decode(
+        tiny_tokenizer):
+    """vLLM's spaces_between_special_tokens: true joins each special token and the text runs
+    around it with a space (transformers' and vLLM's slow detokenizers); false joins them bare."""
+    ids = tiny_tokenizer.encode("<|im_start|>user\nHi<|im_end|><|im_end|> there")
+    spaced = tiny_tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True)
+    assert spaced == "<|im_start|> user\nHi <|im_end|> <|im_end|>  there"
+    joined = tiny_tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert joined == "<|im_start|>user\nHi<|im_end|><|im_end|> there"
+    assert tiny_tokenizer.decode(ids, spaces_between_special_tokens=True) == "user\nHi there"
+
+
+@given(chunks=st.lists(st.lists(st.sampled_from([0, 1, 2, 72, 105, 300]), max_size=4), max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_a_spaced_stream_joins_to_the_spaced_decode(tiny_tokenizer, chunks):
+    detokenizer = IncrementalDetokenizer(tiny_tokenizer, skip_special_tokens=False,
+                                         spaces_between_special_tokens=True)
+    streamed = "".join([detokenizer.push(chunk) for chunk in chunks] + [detokenizer.flush()])
+    ids = [token for chunk in chunks for token in chunk]
+    assert streamed == tiny_tokenizer.decode(ids, skip_special_tokens=False,
+                                             spaces_between_special_tokens=True)
+
+
 def test_special_tokens_in_text_encode_to_their_ids(tiny_tokenizer):
     ids = tiny_tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == tiny_tokenizer.bos_token_id == 1
@@ -257,10 +280,10 @@ def test_detokenizer_decodes_a_bounded_window(tiny_tokenizer):
     ids = tiny_tokenizer.encode(" ".join(["The quick brown fox 🚀 jumps."] * 40))
 
     class WindowLimit(Tokenizer):
-        def decode(self, token_ids, skip_special_tokens=True):
+        def decode(self, token_ids, skip_special_tokens=True, **options):
             if len(token_ids) > 16:
                 raise AssertionError(f"decoded {len(token_ids)} tokens for one push")
-            return super().decode(token_ids, skip_special_tokens)
+            return super().decode(token_ids, skip_special_tokens, **options)
 
     limited = WindowLimit(tiny_tokenizer.backend)
     assert "".join(_stream(limited, [[i] for i in ids])) == tiny_tokenizer.decode(ids)

@@ -125,6 +125,7 @@ class ProfileSpec:
     params: str = "greedy"
     dtype: str = "float32"
     batch_invariant: bool = True
+    prefix_caching: bool = True
     model: str | None = None
     device: str | None = None
     threads: int | None = None
@@ -143,7 +144,7 @@ def build_engine(spec: ProfileSpec) -> Engine:
         max_model_len=spec.input_len + spec.output_len + 1, batch_invariant=spec.batch_invariant,
         num_kv_blocks=kv_blocks_for(biggest, spec.input_len + spec.output_len + 1),
         max_num_batched_tokens=max(512, spec.input_len * biggest), threads=spec.threads,
-        linear_kernel=spec.linear_kernel))
+        linear_kernel=spec.linear_kernel, enable_prefix_caching=spec.prefix_caching))
 
 
 ProgressCallback = Callable[[int, int, int], None]
@@ -184,7 +185,8 @@ def profile_engine(engine: Engine, spec: ProfileSpec,
     if progress:
         progress(spec.batch_sizes[-1], len(spec.batch_sizes), len(spec.batch_sizes))
     frame = pd.DataFrame(rows)
-    return frame.assign(params=spec.params, dtype=spec.dtype, batch_invariant=spec.batch_invariant,
+    return frame.assign(params=spec.params, dtype=spec.dtype, weight_format=engine.weight_format,
+                        batch_invariant=spec.batch_invariant, prefix_caching=spec.prefix_caching,
                         input_len=spec.input_len, output_len=spec.output_len)
 
 

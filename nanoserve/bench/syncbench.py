@@ -3,13 +3,16 @@
 Owns: the sampling mixes of the sweep, a [rows, vocab] logits batch made from one row, the
 per-row loop a naive engine would run (kept here as the baseline only: each row's filters in
 plain torch with a full sort for top_p, `torch.multinomial` with its own `torch.Generator`,
-one `.item()` per row), the timing of both in the same run, readbacks counted per step, and
-the CSV written to results/ with its chart beside it. Refuses: asserting timings, printing
-(the CLI does) and drawing (`charts.syncbench_chart` does).
+one `.item()` per row), the timing of both in the same run, readbacks counted per step, the
+verdict on whether a run was too noisy to read (`noise_warning`: the load average over the
+cores, or timed steps spreading too far around their median), and the CSV written to results/
+with its chart beside it. Refuses: asserting timings, printing (the CLI does) and drawing
+(`charts.syncbench_chart` does).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -43,6 +46,9 @@ MIXED_CYCLE = ("greedy", "top_p", "top_k", "min_p", "penalties")
 MIXES = ("greedy", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma", "p_less", "mixed")
 PERTURBATION = 0.05  # per-row noise on the logits, in logits: rows differ, the shape stays
 HISTORY = 24  # prompt and generated tokens per row, for the penalties
+# A row's timed steps whose interquartile range exceeds this fraction of their median did not
+# measure one cost: something else took the cores in between, and its speedup is not a figure.
+NOISY_SPREAD = 0.25
 
 
 def params_for(mix: str, row: int) -> SamplingParams:
@@ -183,6 +189,11 @@ class StepTimes:
     def readbacks_per_step(self) -> float:
         return self.counter.count / len(self.times_s)
 
+    @property
+    def spread(self) -> float:
+        """The interquartile range of the timed steps over their median (0: every step alike)."""
+        return (percentile(self.times_s, 75) - percentile(self.times_s, 25)) / percentile(self.times_s, 50)
+
 
 def _measure(logits: Tensor, mix: str, *, repeat: int, warmup: int) -> dict[str, object]:
     rows = sampling_rows(mix, logits.shape[0], logits.shape[1])
@@ -201,6 +212,7 @@ def _measure(logits: Tensor, mix: str, *, repeat: int, warmup: int) -> dict[str,
     return {"rows": logits.shape[0], "mix": mix, "vocab": logits.shape[1],
             "engine_ms": engine.median_ms, "baseline_ms": baseline.median_ms,
             "speedup": baseline.median_ms / engine.median_ms,
+            "engine_spread": engine.spread, "baseline_spread": baseline.spread,
             "engine_readbacks_per_step": engine.readbacks_per_step,
             "baseline_readbacks_per_step": baseline.readbacks_per_step}
 
@@ -213,7 +225,7 @@ def run_syncbench(logits_row: Tensor, rows_list: Sequence[int] = ROWS,
     `logits_row` is one [vocab] row (from the model, or `synthetic_logits_row`); each step
     samples from it stacked `rows` times with small per-row noise, on its device.
     """
-    records = []
+    records, load_before = [], os.getloadavg()[0]
     for rows in rows_list:
         logits = batch_logits(logits_row, rows)
         records += [_measure(logits, mix, repeat=repeat, warmup=warmup) for mix in mixes]
@@ -223,7 +235,26 @@ def run_syncbench(logits_row: Tensor, rows_list: Sequence[int] = ROWS,
         frame[f"{who}_vs_greedy"] = frame[f"{who}_ms"] / frame.rows.map(greedy[f"{who}_ms"])
     machine = describe_machine(logits_row.device).columns()
     return frame.assign(logits_source=logits_source, dtype=str(logits_row.dtype).removeprefix("torch."),
-                        repeat=repeat, warmup=warmup, **machine)
+                        repeat=repeat, warmup=warmup, load_avg_1m=max(load_before, os.getloadavg()[0]),
+                        **machine)
+
+
+def noise_warning(frame: pd.DataFrame) -> str | None:
+    """Why this run's ratios should not be read as figures, or None: a load average above the
+    cores (others' work ran between the timed steps), or rows whose timed steps spread more
+    than NOISY_SPREAD around their median."""
+    reasons = []
+    load, cores = frame.load_avg_1m.max(), frame.cores.iloc[0]
+    if load > cores:
+        reasons.append(f"the load average was {load:.1f} on {cores} cores")
+    noisy = frame[(frame.engine_spread > NOISY_SPREAD) | (frame.baseline_spread > NOISY_SPREAD)]
+    if len(noisy):
+        reasons.append(f"{len(noisy)} of {len(frame)} rows had timed steps spreading more than "
+                       f"{NOISY_SPREAD:.0%} around their median (engine_spread, baseline_spread)")
+    if not reasons:
+        return None
+    return ("warning: noisy measurement: " + "; ".join(reasons)
+            + ". The speedups are not figures; rerun on an idle machine (or with more --repeat).")
 
 
 def write_syncbench_outputs(frame: pd.DataFrame, out_dir: Path,

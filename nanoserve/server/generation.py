@@ -66,6 +66,10 @@ class Choice:
     text_offset: TextOffset = field(default_factory=TextOffset)  # streamed completion logprobs
     aborted: bool = False  # ended with no finish: by the server, or by `close` (hang-up, failure)
     tool_reader: ToolCallReader | None = None  # a chat with tools: reads calls out of the text
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # scored by a prompt's first choice
+    prompt_logprobs_asked: int | None = None  # vLLM's prompt_logprobs field
+    echo_logprobs: int | None = None  # completions' echo with logprobs N
 
     @property
     def reported_finish_reason(self) -> str | None:
@@ -96,7 +100,9 @@ class Generation:
         ids = [f"{request_id}-{seq.index}" for seq in plan]
         choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
                                   stop_token_ids=seq.params.stop_token_ids, echo=seq.echo,
-                                  tool_reader=seq.tools.reader() if seq.tools is not None else None)
+                                  tool_reader=seq.tools.reader() if seq.tools is not None else None,
+                                  prompt_ids=seq.prompt_ids, prompt_logprobs_asked=seq.prompt_logprobs,
+                                  echo_logprobs=seq.echo_logprobs)
                    for seq_id, seq in zip(ids, plan, strict=True)}
         generation = cls(state, request_id, arrival_s, queue, choices)
         for seq_id, seq in zip(ids, plan, strict=True):
@@ -136,6 +142,8 @@ class Generation:
         choice.last_s = now
         choice.num_tokens = output.num_output_tokens
         choice.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            choice.prompt_logprobs = output.prompt_logprobs
         if output.finished:
             if output.finish_reason == "abort":
                 self.error = EngineUnavailableError("the request was aborted by the server")
@@ -214,9 +222,11 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
     body = protocol.envelope(kind, generation.request_id, model, protocol.now_s(), chunk=False)
     names = token_text(generation.state)
     make = protocol.chat_choice if kind == "chat" else protocol.completion_choice
+    ordered = sorted(generation.choices.values(), key=lambda c: c.index)
+    scored = {c.prompt_index: c.prompt_logprobs for c in ordered if c.prompt_logprobs is not None}
     choices = []
-    for choice in sorted(generation.choices.values(), key=lambda c: c.index):
-        logprobs = logprobs_body(kind, choice.logprobs, names, 0) if choice.logprobs is not None else None
+    for choice in ordered:
+        logprobs = _choice_logprobs(kind, choice, scored.get(choice.prompt_index), names)
         text = choice.echo + "".join(choice.texts)
         if choice.tool_reader is not None and choice.finish_reason == "stop":
             content, calls = choice.tool_reader.read(text)
@@ -225,9 +235,30 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
                                                     choice.stop_reason, calls))
                 continue
         choices.append(make(choice.index, text, logprobs, choice.finish_reason, choice.stop_reason))
+        if kind == "completion" and choice.prompt_logprobs_asked is not None:  # vLLM's, per choice
+            choices[-1]["prompt_logprobs"] = _prompt_logprobs(choice, scored, names)
     body["choices"] = choices
+    if kind == "chat" and ordered[0].prompt_logprobs_asked is not None:  # vLLM's, once per response
+        body["prompt_logprobs"] = _prompt_logprobs(ordered[0], scored, names)
     body["usage"] = generation.usage()
     return body
+
+
+def _choice_logprobs(kind: Kind, choice: Choice, prompt_entries: list[TokenLogprob | None] | None,
+                     names: TokenText) -> dict | None:
+    """The choice's logprobs; with completions' echo, the prompt's tokens first (OpenAI's shape:
+    the first token has no logprob), offsets running on into the generated text."""
+    if choice.echo_logprobs is None:
+        return logprobs_body(kind, choice.logprobs, names, 0) if choice.logprobs is not None else None
+    offset = TextOffset()
+    prompt = protocol.echo_logprobs(choice.prompt_ids, prompt_entries, names, offset, choice.echo_logprobs)
+    generated = protocol.completion_logprobs(choice.logprobs or [], names, offset)
+    return {key: prompt[key] + generated[key] for key in prompt}
+
+
+def _prompt_logprobs(choice: Choice, scored: dict[int, list[TokenLogprob | None]],
+                     names: TokenText) -> list[dict | None]:
+    return protocol.prompt_logprobs_body(scored[choice.prompt_index], choice.prompt_logprobs_asked, names)
 
 
 # -- shared with streaming ----------------------------------------------------------------------

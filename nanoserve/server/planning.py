@@ -46,6 +46,8 @@ class PlannedSequence:
     params: SamplingParams
     tools: ToolPlan | None = None  # the chat's tools and tool_choice, read back from the reply
     echo: str = ""  # text the choice starts with (completions' echo: the prompt's)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as the body asked
+    echo_logprobs: int | None = None  # completions' echo with logprobs N: the prompt's tokens lead them
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +88,9 @@ def check_body(state: ServerState, body: RequestBody) -> None:
     _check_limits(body, state.limits)
     if isinstance(body, ChatCompletionRequest):
         check_chat_template(body, state.limits)
-    elif body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt's logprobs, which are not supported yet",
-                          "echo", code="unsupported")
+    elif body.echo and body.logprobs is not None and body.stream:
+        raise bad_request("echo with logprobs is not available with stream: true (the prompt's "
+                          "logprobs come with the whole response)", "echo", code="unsupported")
 
 
 def check_chat_template(body: protocol.ChatTemplateFlags, limits: ServerLimits) -> None:
@@ -116,6 +118,13 @@ def _check_limits(body: RequestBody, limits: ServerLimits) -> None:
         raise bad_request(f"{name} must be at most {limits.max_top_logprobs}; got {top}", name)
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.prompt_logprobs is not None:
+        if body.stream:  # vLLM refuses them with stream too
+            raise bad_request("prompt_logprobs are not available with stream: true", "prompt_logprobs",
+                              code="unsupported")
+        if body.prompt_logprobs > limits.max_top_logprobs:
+            raise bad_request(f"prompt_logprobs must be at most {limits.max_top_logprobs}; got "
+                              f"{body.prompt_logprobs}", "prompt_logprobs")
 
 
 def _top_logprobs(body: RequestBody) -> tuple[int | None, str]:
@@ -176,8 +185,10 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
             params = _params_for(body, base, max_tokens, j)
             with refusals_as_400(body):
                 engine.check_request(prompt.ids, params)
-            sequences.append(PlannedSequence(prompt_index * body.n + j, prompt_index, prompt.ids, params,
-                                             tools, prompt.echo))
+            sequences.append(PlannedSequence(
+                prompt_index * body.n + j, prompt_index, prompt.ids, params, tools, prompt.echo,
+                body.prompt_logprobs, body.logprobs if isinstance(body, CompletionRequest) and body.echo
+                else None))
     return sequences
 
 
@@ -205,7 +216,9 @@ def _completion_prompt(engine: Engine, body: CompletionRequest, prompt: str | li
         return PlannedPrompt(ids)
     # vLLM echoes a text prompt as sent; token ids (or a truncated prompt) as they decode.
     whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
-    text = prompt if whole else engine.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+    text = prompt if whole else engine.tokenizer.decode(
+        ids, skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens)
     return PlannedPrompt(ids, text)
 
 
@@ -239,6 +252,8 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "ignore_eos": body.ignore_eos, "seed": seed, "cache_salt": body.cache_salt,
         "include_stop_str_in_output": body.include_stop_str_in_output,
         "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "prompt_logprobs": prompt_logprobs_asked(body),
         "bad_words": body.bad_words, "allowed_token_ids": body.allowed_token_ids,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
@@ -250,6 +265,14 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
     given["max_tokens"] = max(1, body.min_tokens or 0)
     with refusals_as_400(body):
         return SamplingParams(**given)
+
+
+def prompt_logprobs_asked(body: RequestBody) -> int | None:
+    """How many alternatives per prompt position the engine scores: what prompt_logprobs asks,
+    or completions' echo with logprobs (OpenAI's prompt tokens in the logprobs), the more of the two."""
+    echoed = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
+    asked = [n for n in (body.prompt_logprobs, echoed) if n is not None]
+    return max(asked) if asked else None
 
 
 def _constraint(body: RequestBody) -> StructuredOutputs | None:
@@ -309,6 +332,8 @@ def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: Serv
 def _params_for(body: RequestBody, base: SamplingParams, max_tokens: int, j: int) -> SamplingParams:
     """Choice j's parameters: its max_tokens, and seed + j so n seeded choices differ yet reproduce."""
     changes: dict[str, Any] = {"max_tokens": max_tokens}
+    if j:
+        changes["prompt_logprobs"] = None  # a prompt is scored once, by its first choice
     if base.seed is not None and j:
         if base.seed + j >= MAX_SEED:
             raise bad_request(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got seed "

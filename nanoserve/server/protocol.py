@@ -62,11 +62,6 @@ def _best_of_is_n(value: Any, body: BaseModel) -> bool:
     return value is None or value == getattr(body, "n", 1)
 
 
-def _no_special_tokens_shown(value: Any, body: BaseModel) -> bool:
-    """vLLM's default (true) asks nothing while special tokens are skipped: none are in the text."""
-    return value is None or value is False or (value is True and getattr(body, "skip_special_tokens", True))
-
-
 def _off_or_not_chat(value: Any, body: BaseModel) -> bool:
     """Completions implement echo; chat's echo (vLLM's: prefix the last message) is another thing."""
     return value is None or value is False or "messages" not in type(body).model_fields
@@ -118,10 +113,6 @@ REFUSED: dict[str, Refusal] = {
                                        _absent_or("auto", "guidance")),
     "guided_whitespace_pattern": Refusal("guided_whitespace_pattern is not supported: JSON is "
                                          "generated with fixed separators and no free whitespace"),
-    "prompt_logprobs": Refusal("prompt_logprobs " + _NOT_YET),
-    "spaces_between_special_tokens": Refusal("spaces_between_special_tokens " + _NOT_YET
-                                             + " (special tokens are joined without spaces)",
-                                             _no_special_tokens_shown),
     "use_beam_search": Refusal("beam search is not supported", _absent_or(False)),
     "length_penalty": Refusal("length_penalty only applies to beam search, which is not supported",
                               _absent_or(1, 1.0)),
@@ -237,6 +228,12 @@ class SamplingFields(OpenAIModel):
         "Requests share cached prompt blocks only with requests of the same salt (vLLM's)."))
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(default=True, description=(
+        "With skip_special_tokens false: a space between each shown special token and its "
+        "neighbours (as transformers' and vLLM's slow detokenizers); false joins them."))
+    prompt_logprobs: int | None = Field(default=None, ge=0, description=(
+        "vLLM's: per prompt position, the prompt token's logprob and rank and the top N "
+        "alternatives (the first position null). Not with stream; takes no prefix-cache hits."))
     bad_words: list[str] | None = Field(default=None, description=(
         "Words never generated: each word's last token is banned where the output ends with the rest."))
     allowed_token_ids: list[TokenId] | None = Field(default=None, description="Sample only these ids.")
@@ -530,3 +527,30 @@ def chat_logprobs(entries: Sequence[TokenLogprob], names: TokenText) -> dict:
         {**record(entry.token_id, entry.logprob),
          "top_logprobs": [record(token_id, logprob) for token_id, logprob in entry.top]}
         for entry in entries]}
+
+
+def echo_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprob | None], names: TokenText,
+                  offset: TextOffset, num_top: int) -> dict:
+    """The prompt's tokens in the legacy completions format (echo with logprobs): the first
+    has no logprob and no alternatives (null), as OpenAI and vLLM report it."""
+    first = prompt_ids[0]
+    head = {"tokens": [names.name(first)], "token_logprobs": [None], "top_logprobs": [None],
+            "text_offset": [offset.advance(names.text_bytes(first))]}
+    rest = completion_logprobs([entry.narrowed(num_top) for entry in entries[1:]], names, offset)
+    return {key: head[key] + rest[key] for key in head}
+
+
+def prompt_logprobs_body(entries: Sequence[TokenLogprob | None], num_top: int, names: TokenText) -> list:
+    """vLLM's prompt_logprobs: per prompt position a map of token id (a string key, as JSON has
+    it) to its logprob, rank and text, the prompt's own token first, then the top `num_top`;
+    null for the first position."""
+    def record(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": clamp_logprob(logprob), "rank": rank, "decoded_token": names.text(token_id)}
+
+    body: list[dict | None] = [None]
+    for entry in entries[1:]:
+        ranked = {str(entry.token_id): record(entry.logprob, entry.rank, entry.token_id)}
+        for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1):
+            ranked.setdefault(str(token_id), record(logprob, rank, token_id))
+        body.append(ranked)
+    return body
