@@ -770,12 +770,26 @@ def _logprobs_of(raw: Tensor, token_ids: Tensor,
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     if num_top == 0:
         return logprobs, chosen, None, None
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    top_ids = _top_ids_ties_by_id(logprobs, num_top)
+    top_logprobs = logprobs.gather(1, top_ids)
     # topk leaves the order of tied values to the device; list ties by token id.
     by_id = top_ids.argsort(dim=-1)
     top_ids, top_logprobs = top_ids.gather(1, by_id), top_logprobs.gather(1, by_id)
     by_value = top_logprobs.sort(dim=-1, descending=True, stable=True).indices
     return logprobs, chosen, top_ids.gather(1, by_value), top_logprobs.gather(1, by_value)
+
+
+def _top_ids_ties_by_id(logprobs: Tensor, num_top: int) -> Tensor:
+    """The ids of each row's `num_top` largest values, a tie at the cut going to the smaller
+    ids. topk alone picks among values tied at the cut as the device likes, and which one it
+    picks changes with k: a row asking 3 alternatives beside a row asking 5 (the batch takes
+    5) listed other tokens than alone. Here the cut is made on an integer key that is unique
+    per row: every value above the k-th first, then the tied ones by increasing id."""
+    vocab = logprobs.shape[-1]
+    kth = logprobs.topk(num_top, dim=-1).values[:, -1:]  # the values themselves never depend on ties
+    ids = torch.arange(vocab, device=logprobs.device)
+    key = torch.where(logprobs > kth, 2 * vocab - ids, torch.where(logprobs == kth, vocab - ids, -1))
+    return key.topk(num_top, dim=-1).indices
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,19 @@ def test_a_row_in_any_batch_gives_bit_identically_its_solo_token_and_logprobs(
             assert torch.equal(crowd.top_logprobs[index, :asked], alone.top_logprobs[0, :asked])
 
 
+def test_alternatives_tied_at_the_cut_are_the_same_whatever_the_batch_asks_for():
+    """Tied values at the k-th place: a row asking 3 alternatives beside a row asking 8 (the
+    batch takes 8) must list the tokens it lists alone: the tie goes to the smaller ids."""
+    logits = torch.zeros(2, 64)
+    logits[:, 40] = 2.0
+    logits[:, [50, 7, 33, 12, 61]] = 1.0  # one leader, then five tied for the next places
+    rows = rows_of([SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0, logprobs=8)])
+    crowd, alone = sample(logits, rows), sample(logits[:1].clone(), rows[:1])
+    assert alone.top_ids[0].tolist() == [40, 7, 12]
+    assert torch.equal(crowd.top_ids[0, :3], alone.top_ids[0])
+    assert crowd.top_ids[1, :6].tolist() == [40, 7, 12, 33, 50, 61]
+
+
 def test_top_k_one_at_temperature_1_7_equals_greedy():
     logits = random_logits(16)
     top1 = sample(logits, rows_of([SamplingParams(temperature=1.7, top_k=1)] * 16))
