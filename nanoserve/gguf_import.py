@@ -6,7 +6,9 @@ BPE tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json). A
 way in: `gguf_weights` reads the tensors as they are (blocks stay blocks, one copy out of the
 file's memory map, Q/K rows permuted as whole rows of blocks) for runs in the file's own
 quantization; `import_metadata` then writes only the config and tokenizer files.
-Refuses: architectures other than llama, tokenizer models other than gpt2 (byte-level BPE),
+Architectures: llama, qwen2, qwen3 (their `{arch}.*` metadata; only llama's Q/K rows are
+permuted by llama.cpp's converter, the others keep HF's rotate_half layout).
+Refuses: other architectures, tokenizer models other than gpt2 (byte-level BPE),
 pre-tokenizers without a verified recipe here, and rope scaling other than llama3.
 It writes into the directory it is given; caching and atomic placement belong to
 `default_model`.
@@ -33,6 +35,9 @@ from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
+# GGUF architecture -> (HF model_type, HF architecture).
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 WEIGHTS_FILE = "model.safetensors"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
@@ -51,6 +56,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
 
@@ -112,10 +119,10 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 def check_architecture(meta: dict[str, Any]) -> None:
     architecture = meta.get("general.architecture")
-    if architecture != SUPPORTED_ARCHITECTURE:
+    if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {architecture!r} is not supported: "
-            f"only {SUPPORTED_ARCHITECTURE!r} models can be imported"
+            f"only {' / '.join(repr(a) for a in ARCHITECTURES)} models can be imported"
         )
 
 
@@ -127,15 +134,20 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
-    """config.json for the HF llama layout, from `llama.*` metadata and the tensor list."""
+    """config.json for the HF layout of the file's architecture, from its `{arch}.*` metadata
+    and the tensor list."""
+    arch = meta.get("general.architecture", "llama")
+    model_type, hf_architecture = ARCHITECTURES[arch]
+    meta = {key.replace(f"{arch}.", "llama.", 1) if key.startswith(f"{arch}.") else key: value
+            for key, value in meta.items()}
     hidden_size = _require_int(meta, "llama.embedding_length")
     num_heads = _require_int(meta, "llama.attention.head_count")
     head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
     rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
     _check_full_rotary(meta, head_dim)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_architecture],
+        "model_type": model_type,
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "hidden_size": hidden_size,
         "intermediate_size": _require_int(meta, "llama.feed_forward_length"),
@@ -228,7 +240,7 @@ def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: floa
 def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
                progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every GGUF tensor as float32 under its HF name, Q/K back in HF (rotate_half) layout."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    heads = _permuted_heads(config)
     weights = {}
     for done, (name, tensor) in enumerate(tensors.items(), start=1):
         if progress is not None:
@@ -237,7 +249,7 @@ def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
             continue  # folded into config["rope_scaling"]
         values = dequantize_tensor(tensor)
         kind = name.split(".")[-2]
-        if kind in heads:
+        if kind in heads and name.endswith(".weight"):
             values = unpermute_qk(values, heads[kind])
         weights[hf_tensor_name(name)] = torch.from_numpy(values)
     check_shapes(weights, config)
@@ -250,7 +262,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
     block format (the file's bytes, copied once out of its memory map; Q and K rows taken in
     HF order as whole rows of blocks), float32 otherwise. A matrix in a type with no kernel is
     dequantized, and `log_line` hears one line per such type."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    heads = _permuted_heads(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, int] = {}
     for tensor in open_gguf(gguf_path).tensors:
@@ -276,6 +288,13 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
                      "to float32 at load")
     check_shapes(weights, config)
     return weights
+
+
+def _permuted_heads(config: dict[str, Any]) -> dict[str, int]:
+    """The tensors llama.cpp's converter permuted (llama's Q and K), with their head counts."""
+    if config.get("model_type", "llama") != "llama":
+        return {}
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
 
 def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
@@ -311,8 +330,8 @@ def hf_tensor_name(gguf_name: str) -> str:
     if suffix == "weight" and stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.weight"
     match = _LAYER_TENSOR_NAME.fullmatch(stem)
-    if suffix == "weight" and match and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+    if suffix in ("weight", "bias") and match and match[2] in _LAYER_TENSORS:
+        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{suffix}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a llama checkpoint")
 
 
@@ -332,9 +351,14 @@ def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
     }
+    if config.get("model_type") == "qwen3":
+        layer |= {"self_attn.q_norm": (config["head_dim"],), "self_attn.k_norm": (config["head_dim"],)}
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{part}.weight": shape for part, shape in layer.items()}
+        if config.get("model_type") == "qwen2":  # q/k/v biases
+            shapes |= {f"model.layers.{i}.self_attn.{x}_proj.bias": (rows,)
+                       for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
     shapes["model.norm.weight"] = (hidden,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)

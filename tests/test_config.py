@@ -50,23 +50,30 @@ def test_llama3_scaling_is_read_from_either_config_style(style):
 
 
 @pytest.mark.parametrize(("changes", "field"), [
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope_parameters"),
-    ({"rope_parameters": ..., "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4},
-     "sliding_window"),
+    ({"rope_parameters": {"rope_type": "mrope", "factor": 2.0, "rope_theta": 10000.0}}, "rope_parameters"),
+    ({"rope_parameters": ..., "rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "beta_medium": 3}},
+     "rope_parameters"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+    ({"hidden_act": "gelu_new"}, "hidden_act"),
+    ({"attention_bias": 1}, "attention_bias"),
+    ({"sliding_window": 4}, "sliding_window"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"num_local_experts": 8}, "num_local_experts"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization_config"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-                          "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}},
+                          "chunked_attention": {"rope_theta": 1e4, "rope_type": "default"}}},
      "rope_parameters"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "attention_bias": ..., "mlp_bias": ...,
+      "query_pre_attn_scalar": 64},
+     "query_pre_attn_scalar"),
+    ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "mlp_bias": ...,
+      "use_bidirectional_attention": True},
+     "use_bidirectional_attention"),
+    ({"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}, "architectures"),
+    ({"vision_config": {"hidden_size": 8}}, "vision_config"),
     ({"some_future_switch": True}, "some_future_switch"),
 ])
 def test_a_field_not_implemented_is_refused_by_name(changes, field):
@@ -76,8 +83,31 @@ def test_a_field_not_implemented_is_refused_by_name(changes, field):
 
 def test_a_sliding_window_no_shorter_than_the_context_is_no_window():
     mistral = config(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=2048)
-    assert ModelConfig.from_hf_dict(mistral).max_position_embeddings == 2048
-    assert ModelConfig.from_hf_dict(config(sliding_window=None)).num_layers == 2
+    assert ModelConfig.from_hf_dict(mistral).sliding_window == 0
+    assert ModelConfig.from_hf_dict(config(sliding_window=None)).sliding_window == 0
+
+
+def test_a_mistral_window_shorter_than_the_context_slides_every_layer():
+    mistral = ModelConfig.from_hf_dict(config(model_type="mistral", architectures=["MistralForCausalLM"],
+                                              sliding_window=4))
+    assert [mistral.window(i) for i in range(2)] == [4, 4]
+
+
+def test_an_unknown_model_type_is_refused_naming_it():
+    with pytest.raises(UnsupportedModelError, match="'mixtral'"):
+        ModelConfig.from_hf_dict(config(model_type="mixtral", architectures=["MixtralForCausalLM"]))
+
+
+def test_longrope_runs_the_original_context_where_transformers_uses_the_short_factors():
+    half = 8
+    raw = config(model_type="phi3", architectures=["Phi3ForCausalLM"], max_position_embeddings=8192,
+                 original_max_position_embeddings=2048, head_dim=...,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * half,
+                                  "long_factor": [2.0] * half})
+    raw = {k: v for k, v in raw.items() if k not in ("attention_bias", "mlp_bias")}
+    parsed = ModelConfig.from_hf_dict(raw)
+    assert parsed.max_position_embeddings == 2048
+    assert parsed.rope_scaling["factor"] == 4.0
 
 
 def test_rope_theta_that_contradicts_rope_parameters_is_refused():
