@@ -8,10 +8,12 @@ a norm read as w instead of 1 + w, or a dropped bias), at a scale where logits a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nanoserve.kv_cache import KVCache
@@ -161,8 +163,10 @@ def greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
 
 
 def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
-    """The checkpoint as llama.cpp's converter writes a GGUF of `architecture` (float32; the
-    qwen families keep HF's rotate_half Q/K layout), with a stand-in byte-level vocabulary."""
+    """The checkpoint as llama.cpp's converter (convert_hf_to_gguf.py) writes a GGUF of
+    `architecture`, float32, with a stand-in byte-level vocabulary: Q/K rows in HF's layout
+    (only llama permutes them), Gemma's norms as 1 + w and its softcaps and window in the
+    metadata, Phi-3's fused matrices under attn_qkv / ffn_up and its LongRoPE factors as tensors."""
     import json
 
     import gguf
@@ -180,7 +184,25 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    full = rope.get("full_attention", rope)
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            getattr(writer, f"add_{key}")(config[key])
+    if full["rope_type"] == "longrope":
+        original = full["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            factors = np.array(full[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     tokens = ["a", "b", "ab"] + [f"<t{i}>" for i in range(3, config["vocab_size"])]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
@@ -189,11 +211,14 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    gemma = architecture.startswith("gemma")
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-             "self_attn.k_norm": "attn_k_norm"}
+             "post_attention_layernorm": "post_attention_norm" if gemma else "ffn_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         stem, _, suffix = name.rpartition(".")
@@ -202,7 +227,10 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
         else:
             _, _, layer, part = stem.split(".", 3)
             gguf_name = f"blk.{layer}.{names[part]}.{suffix}"
-        writer.add_tensor(gguf_name, tensor.float().numpy().copy())
+        values = tensor.float().numpy().copy()
+        if gemma and name.endswith("norm.weight"):
+            values = values + np.float32(1.0)
+        writer.add_tensor(gguf_name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -121,7 +121,14 @@ def test_a_request_is_bit_identical_alone_and_in_a_crowd(checkpoint, native):
         assert torch.equal(alone, crowded)
 
 
-GGUF_CASES = [c for c in CASES if c.gguf]
+# llama.cpp keeps some of Gemma's settings in code, not in the file: the query scale is
+# 1/sqrt(head_dim) and Gemma 3 slides five layers of six. Its GGUF cases say the same in HF terms.
+GGUF_CASES = [c for c in CASES if c.gguf] + [
+    Case("phi3-gguf", "Phi3Config", CASES[10].fields, gguf="phi3"),
+    Case("gemma2-gguf", "Gemma2Config", {**CASES[11].fields, "query_pre_attn_scalar": 16}, gguf="gemma2"),
+    Case("gemma3-gguf", "Gemma3TextConfig",
+         {**CASES[12].fields, "layer_types": ["sliding_attention", "sliding_attention"]}, gguf="gemma3"),
+]
 
 
 @pytest.mark.parametrize("case", GGUF_CASES, ids=[c.name for c in GGUF_CASES])
