@@ -40,6 +40,8 @@ _INERT_FIELDS = frozenset({
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     # dropout probabilities (Phi-3) and cache hints (Gemma 2) act only in training / in HF's cache
     "resid_pdrop", "embd_pdrop", "cache_implementation", "_sliding_window_pattern",
+    # where trust_remote_code would find modeling code (Phi-3): nanoserve runs its own
+    "auto_map",
 })
 # Fields every family reads into ModelConfig values.
 _READ_FIELDS = frozenset({
@@ -90,7 +92,8 @@ FAMILIES = (
            {"hidden_act": ACTIVATIONS, "original_max_position_embeddings": _ANY}),
     Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",),
            {"hidden_act": ACTIVATIONS, "hidden_activation": ACTIVATIONS, "attention_bias": (False,),
-            "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY}),
+            "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY,
+            "sliding_window_size": _ANY}),
     Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",),
            {"hidden_act": ACTIVATIONS, "hidden_activation": ACTIVATIONS, "attention_bias": (False,),
             "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY,
@@ -272,6 +275,9 @@ def _window(raw: dict[str, Any], family: Family, types: list[str], context: int)
     """The sliding layers' window in positions; 0 when it is no shorter than the context (then
     it hides nothing) or there is none."""
     window = raw.get("sliding_window")
+    if raw.get("sliding_window_size", window) != window:  # Gemma 2's older spelling, kept beside
+        raise _refuse("sliding_window_size", raw["sliding_window_size"],
+                      f"contradicts sliding_window {window!r}")
     if family.name in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         return 0  # transformers drops the window unless use_sliding_window says otherwise
     if "sliding_attention" in types and window is None:
