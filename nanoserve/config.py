@@ -407,11 +407,11 @@ class ModelConfig:
 
     @property
     def is_plain_llama(self) -> bool:
-        """Every switch off: the forward runs the Llama loop and nothing else."""
+        """Every switch off: the forward runs the Llama loop and nothing else (Phi-3 without a
+        window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
         return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
                      or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope)
-                and self.hidden_act == "silu" and self.family not in ("phi3",)
-                and self.attention_scale in (None, self.head_dim ** -0.5))
+                and self.hidden_act == "silu" and self.attention_scale in (None, self.head_dim ** -0.5))
 
     def window(self, layer: int) -> int:
         """How many last positions `layer` attends to; 0: all of them."""

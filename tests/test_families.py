@@ -145,3 +145,40 @@ def test_a_gguf_of_the_same_weights_matches_transformers(case, tmp_path):
         reference = families.reference_logits(hf_model, prompt)
         torch.testing.assert_close(prefill_logits(imported, prompt), reference, atol=1e-4, rtol=0)
         torch.testing.assert_close(prefill_logits(blocks, prompt), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
+def test_soft_capped_attention_runs_in_torch_beside_native_small_ops(tmp_path):
+    """The native attention kernel has no soft-capping: Gemma 2 attends in torch, its norms and
+    RoPE tables stay native, and its logits still match (the test above checks them)."""
+    case = next(c for c in CASES if c.config_class == "Gemma2Config")
+    families.write_checkpoint(case, tmp_path)
+    model = load_model(tmp_path)
+    assert model.ops is not None and not model.native_attention
+    plain = load_model(tmp_path, native=False)
+    assert plain.ops is None
+    torch.testing.assert_close(prefill_logits(model, PROMPTS[1]), prefill_logits(plain, PROMPTS[1]),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3-head-dim-32", "gemma2-softcap-window-5"])
+def test_the_engine_serves_a_family_end_to_end(name, tmp_path, tiny_model_dir):
+    """Through LLM (the engine's own kernel choice, scheduler and sampler): greedy tokens of a
+    family checkpoint equal transformers', alone and beside another request."""
+    import shutil
+
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    case = next(c for c in CASES if c.name == name)
+    case = Case(case.name, case.config_class, {**case.fields, "vocab_size": 400})  # the tokenizer's 384 fit
+    hf_model = families.write_checkpoint(case, tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, tmp_path / file)
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt, other = PROMPTS[0], PROMPTS[2]
+    results = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": other}], params)
+    alone = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    expected = reference_greedy(hf_model, prompt, 12)
+    assert results[0].outputs[0].token_ids == alone.outputs[0].token_ids == expected
