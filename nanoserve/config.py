@@ -1,18 +1,23 @@
 """Configuration: what the model is (from config.json, read by `weights`) and how the engine runs it.
 
 `ModelConfig.from_hf_dict` is the one reader of a Hugging Face config. It accepts a field only
-where this engine computes what the field says: a value it does not implement (biases, another
-activation, a RoPE scaling type, a sliding window, experts, a quantization scheme) is refused
-with an `UnsupportedModelError` naming the field and its value, never defaulted. Fields that do
-not change the forward (token ids, training-time settings, bookkeeping) are listed as such; any
-other field is refused too, so a checkpoint of a newer or different design cannot load and
-silently compute something else. Both config styles are read: transformers 4's top-level
-`rope_theta` / `rope_scaling` and transformers 5's `rope_parameters`.
+where this engine computes what the field says: a value it does not implement (another
+activation, a RoPE scaling type, experts, a quantization scheme, partial rotary embeddings) is
+refused with an `UnsupportedModelError` naming the field and its value, never defaulted.
+Fields that do not change the forward (token ids, training-time settings, bookkeeping) are
+listed as such; any other field is refused too, so a checkpoint of a newer or different design
+cannot load and silently compute something else. Both config styles are read: transformers 4's
+top-level `rope_theta` / `rope_scaling` and transformers 5's `rope_parameters` (per layer type
+where it has one).
+
+Families (`FAMILIES`): llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 (text). Each is the
+Llama forward with a few named switches (`ModelConfig`'s fields below the Llama ones); the
+family decides which fields its config may carry and what the switches are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.errors import UnsupportedModelError
@@ -33,97 +38,186 @@ _INERT_FIELDS = frozenset({
     "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
     "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    # dropout probabilities (Phi-3) and cache hints (Gemma 2) act only in training / in HF's cache
+    "resid_pdrop", "embd_pdrop", "cache_implementation", "_sliding_window_pattern",
+    # where trust_remote_code would find modeling code (Phi-3): nanoserve runs its own
+    "auto_map",
 })
-# Fields the reader turns into ModelConfig values below.
+# Fields every family reads into ModelConfig values.
 _READ_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "rope_parameters", "tie_word_embeddings",
+    "rope_scaling", "rope_parameters", "tie_word_embeddings", "layer_types", "sliding_window",
 })
-# Fields whose value changes the forward: each is accepted at the value listed (the one this
-# engine computes), and refused at any other.
+# Fields whose value changes the forward, accepted only at the values listed, in every family.
 _ONLY_VALUE = {
-    "hidden_act": ("silu",),
-    "attention_bias": (False,),
-    "mlp_bias": (False,),
-    "use_sliding_window": (False,),
     "partial_rotary_factor": (1.0, 1),
     "quantization_config": (None,),
     "num_local_experts": (None, 0, 1),
     "num_experts": (None, 0, 1),
+    "use_bidirectional_attention": (None, False),
+    "attention_bias": (False,),
+    "mlp_bias": (False,),
 }
-# RoPE types whose frequencies `model.rope_inv_freq` computes.
-IMPLEMENTED_ROPE_TYPES = ("default", "llama3")
-_ROPE_KEYS = {
-    "default": {"rope_type", "type", "rope_theta"},
-    "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"},
-}
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What one architecture's config.json may say, beyond the Llama fields every family reads.
+
+    `fields`: accepted extra fields -> the values accepted (None: any value, read below).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    fields: dict[str, tuple[Any, ...] | None] = field(default_factory=dict)
+
+
+_ANY = None
+FAMILIES = (
+    Family("llama", ("llama",), ("LlamaForCausalLM",),
+           {"hidden_act": ACTIVATIONS, "attention_bias": (True, False), "mlp_bias": (True, False)}),
+    Family("mistral", ("mistral",), ("MistralForCausalLM",), {"hidden_act": ACTIVATIONS}),
+    Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",),
+           # transformers gives Qwen2's q/k/v biases whatever attention_bias says
+           {"hidden_act": ACTIVATIONS, "use_sliding_window": (True, False), "max_window_layers": _ANY,
+            "attention_bias": _ANY}),
+    Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",),
+           {"hidden_act": ACTIVATIONS, "attention_bias": (True, False), "use_sliding_window": (True, False),
+            "max_window_layers": _ANY}),
+    Family("phi3", ("phi3",), ("Phi3ForCausalLM",),
+           {"hidden_act": ACTIVATIONS, "original_max_position_embeddings": _ANY}),
+    Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",),
+           {"hidden_act": ACTIVATIONS, "hidden_activation": ACTIVATIONS, "attention_bias": (False,),
+            "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY,
+            "sliding_window_size": _ANY}),
+    Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",),
+           {"hidden_act": ACTIVATIONS, "hidden_activation": ACTIVATIONS, "attention_bias": (False,),
+            "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY,
+            "rope_local_base_freq": _ANY, "sliding_window_pattern": _ANY}),
+)
+FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+FAMILY_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
+# Checkpoints of these designs hold vision/audio towers or experts: refused by name.
+_MULTIMODAL_FIELDS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_projector_type")
 
 
 def _refuse(field: str, value: Any, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"config.json field {field!r} = {value!r}: {why}")
 
 
-def _check_fields(raw: dict[str, Any]) -> None:
-    for field, value in raw.items():
-        if field in _INERT_FIELDS or field in _READ_FIELDS:
+def family_of(raw: dict[str, Any]) -> Family:
+    """The family `model_type` (or else `architectures`) names; refused naming both otherwise."""
+    for name in _MULTIMODAL_FIELDS:
+        if raw.get(name) is not None:
+            raise _refuse(name, "...", "multimodal checkpoints are not supported: nanoserve runs text "
+                                       "decoders (a Gemma 3 text checkpoint is model_type 'gemma3_text')")
+    model_type = raw.get("model_type")
+    architectures = list(raw.get("architectures") or [])
+    family = FAMILY_BY_MODEL_TYPE.get(model_type)
+    if family is None and model_type is None:
+        family = next((FAMILY_BY_ARCHITECTURE[a] for a in architectures if a in FAMILY_BY_ARCHITECTURE), None)
+    if family is None:
+        supported = ", ".join(t for f in FAMILIES for t in f.model_types)
+        raise UnsupportedModelError(
+            f"config.json: model_type {model_type!r} / architectures {architectures} is not supported; "
+            f"nanoserve runs {supported}")
+    other = [a for a in architectures if a not in family.architectures]
+    if other:
+        raise _refuse("architectures", architectures,
+                      f"model_type {model_type!r} runs as {family.architectures[0]} only")
+    return family
+
+
+def _check_fields(raw: dict[str, Any], family: Family) -> None:
+    for name, value in raw.items():
+        if name in _INERT_FIELDS or name in _READ_FIELDS:
             continue
-        if field in _ONLY_VALUE:
-            if value not in _ONLY_VALUE[field] or isinstance(value, bool) != isinstance(
-                    _ONLY_VALUE[field][0], bool):
-                accepted = " or ".join(repr(v) for v in _ONLY_VALUE[field])
-                raise _refuse(field, value, f"nanoserve implements only {accepted}")
-        elif field == "sliding_window":
-            _check_sliding_window(raw, value)
-        elif field == "layer_types":
-            other = sorted(set(value) - {"full_attention"})
-            if other:
-                raise _refuse(field, other, "only full attention layers are implemented")
-        else:
-            raise _refuse(field, value, "nanoserve does not implement this field, and will not "
-                                        "run a model whose config it cannot honour")
+        accepted = family.fields[name] if name in family.fields else _ONLY_VALUE.get(name, ...)
+        if accepted is ...:
+            raise _refuse(name, value, f"nanoserve does not implement this field for {family.name}, "
+                                       "and will not run a model whose config it cannot honour")
+        if accepted is not _ANY and (value not in accepted or any(
+                isinstance(value, bool) != isinstance(a, bool) for a in accepted if a == value)):
+            raise _refuse(name, value, "nanoserve implements only " + " or ".join(repr(v) for v in accepted))
 
 
-def _check_sliding_window(raw: dict[str, Any], window: Any) -> None:
-    # A window at least as long as the model's context never hides a position: no window at all.
-    if window is None or raw.get("use_sliding_window") is False:
-        return
-    context = raw.get("max_position_embeddings", 2048)
-    if not isinstance(window, int) or window < context:
-        raise _refuse("sliding_window", window,
-                      f"a sliding attention window shorter than the context ({context}) is not implemented")
+# RoPE types whose frequencies `rope_frequencies` computes, and the keys each may carry.
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    # transformers recomputes dynamic NTK frequencies only past max_position_embeddings, which
+    # is the longest context nanoserve runs: inside it they are the default ones.
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "original_max_position_embeddings", "truncate"},
+    "longrope": {"factor", "attention_factor", "short_factor", "long_factor",
+                 "original_max_position_embeddings"},
+}
+IMPLEMENTED_ROPE_TYPES = tuple(_ROPE_KEYS)
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either config style; refuses what is not implemented."""
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """One rotary embedding: base theta and a scaling dict (rope_type first) or None."""
+
+    theta: float
+    scaling: dict[str, Any] | None = None
+
+
+def _rope_parameters(raw: dict[str, Any], layer_types: set[str]) -> dict[str, dict[str, Any] | None]:
+    """Layer type -> that type's RoPE dict as the config states it (None: top-level fields)."""
     parameters = raw.get("rope_parameters")
-    if parameters is not None and "rope_theta" not in parameters and "rope_type" not in parameters:
-        # transformers 5 keys parameters by layer type when the model has several kinds of layer.
-        if set(parameters) != {"full_attention"}:
-            raise _refuse("rope_parameters", sorted(parameters), "per-layer-type RoPE is not implemented")
-        parameters = parameters["full_attention"]
+    if parameters is None or "rope_theta" in parameters or "rope_type" in parameters or "type" in parameters:
+        return {kind: parameters for kind in layer_types}
+    unknown = sorted(set(parameters) - set(ATTENTION_LAYER_TYPES))
+    missing = sorted(layer_types - set(parameters))
+    if unknown or missing:
+        raise _refuse("rope_parameters", sorted(parameters),
+                      f"per-layer-type RoPE must name exactly the layer types {sorted(layer_types)}")
+    return {kind: parameters[kind] for kind in layer_types}
+
+
+def _rope(raw: dict[str, Any], parameters: dict[str, Any] | None, *, local: bool = False) -> Rope:
+    """One layer type's Rope from either config style; refuses what is not implemented."""
     legacy = raw.get("rope_scaling")
-    if parameters is not None and legacy is not None and not _same_rope(legacy, parameters):
+    if local and parameters is None and raw.get("model_type") == "gemma3_text":
+        return Rope(float(raw.get("rope_local_base_freq", 10000.0)))  # Gemma 3's sliding layers: never scaled
+    if parameters is not None and legacy is not None and not _same_rope(legacy, parameters) and not local:
         raise _refuse("rope_scaling", legacy, f"contradicts rope_parameters {parameters!r}")
     scaling = dict(parameters if parameters is not None else legacy or {})
     theta = scaling.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if "rope_theta" in scaling and "rope_theta" in raw and raw["rope_theta"] != theta:
+    if "rope_theta" in scaling and "rope_theta" in raw and raw["rope_theta"] != theta and not local:
         raise _refuse("rope_theta", raw["rope_theta"], f"contradicts rope_parameters' {theta!r}")
-    field = "rope_parameters" if parameters is not None else "rope_scaling"
+    name = "rope_parameters" if parameters is not None else "rope_scaling"
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in IMPLEMENTED_ROPE_TYPES:
-        raise _refuse(field, scaling, f"RoPE type {kind!r} is not implemented "
-                                      f"(nanoserve implements {', '.join(IMPLEMENTED_ROPE_TYPES)})")
-    unknown = sorted(set(scaling) - _ROPE_KEYS[kind])
+    if kind not in _ROPE_KEYS:
+        raise _refuse(name, scaling, f"RoPE type {kind!r} is not implemented "
+                                     f"(nanoserve implements {', '.join(IMPLEMENTED_ROPE_TYPES)})")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(name, scaling, "partial rotary embeddings are not implemented")
+    unknown = sorted(set(scaling) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta",
+                                                        "partial_rotary_factor"})
     if unknown:
-        raise _refuse(field, scaling, f"RoPE parameters {unknown} are not implemented for type {kind!r}")
+        raise _refuse(name, scaling, f"RoPE parameters {unknown} are not implemented for type {kind!r}")
     if kind == "default":
-        return float(theta), None
-    scaling.pop("type", None)
-    scaling.pop("rope_theta", None)
-    scaling["rope_type"] = kind
-    return float(theta), scaling
+        return Rope(float(theta))
+    out = {"rope_type": kind, **{k: v for k, v in scaling.items() if k in _ROPE_KEYS[kind]}}
+    if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in out:
+        out["original_max_position_embeddings"] = raw.get("original_max_position_embeddings",
+                                                          raw.get("max_position_embeddings", 2048))
+    if kind == "longrope":
+        if out.get("factor") is None:  # transformers: the extension ratio of max_position_embeddings
+            out["factor"] = raw.get("max_position_embeddings", 2048) / out["original_max_position_embeddings"]
+        half = _head_dim(raw) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(out.get(key) or ()) != half:
+                raise _refuse(name, scaling, f"longrope needs {key} of head_dim / 2 = {half} values")
+    return Rope(float(theta), out)
 
 
 def _same_rope(legacy: dict[str, Any], parameters: dict[str, Any]) -> bool:
@@ -132,6 +226,10 @@ def _same_rope(legacy: dict[str, Any], parameters: dict[str, Any]) -> bool:
 
     return kind(legacy) == kind(parameters) and all(
         parameters.get(key) == value for key, value in legacy.items() if key not in ("type", "rope_type"))
+
+
+def _head_dim(raw: dict[str, Any]) -> int:
+    return raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
 
 
 def _check_shapes(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> None:
@@ -144,11 +242,101 @@ def _check_shapes(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> Non
         raise UnsupportedModelError(
             f"config.json: num_attention_heads {num_heads} is not divisible by "
             f"num_key_value_heads {num_kv_heads}")
+    if _head_dim(raw) % 2:
+        raise _refuse("head_dim", _head_dim(raw), "rotary embeddings need an even head_dim")
+
+
+def _layer_types(raw: dict[str, Any], family: Family) -> list[str]:
+    """Each layer's attention type, as transformers 5 derives it when the config has no list."""
+    layers = raw["num_hidden_layers"]
+    stated = raw.get("layer_types")
+    if stated is not None:
+        other = sorted(set(stated) - set(ATTENTION_LAYER_TYPES))
+        if other or len(stated) != layers:
+            raise _refuse("layer_types", stated, f"expected {layers} entries of {ATTENTION_LAYER_TYPES}")
+        return list(stated)
+    window = raw.get("sliding_window")
+    if family.name in ("qwen2", "qwen3"):
+        sliding = window is not None and raw.get("use_sliding_window", False)
+        first = raw.get("max_window_layers", 28)
+        return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
+    if family.name in ("gemma2", "gemma3"):
+        pattern = 2 if family.name == "gemma2" else raw.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if family.name in ("mistral", "phi3") and window is not None:
+        return ["sliding_attention"] * layers
+    if window is not None and family.name == "llama":
+        raise _refuse("sliding_window", window, "Llama has no sliding window (a Mistral checkpoint says "
+                                                "model_type 'mistral')")
+    return ["full_attention"] * layers
+
+
+def _window(raw: dict[str, Any], family: Family, types: list[str], context: int) -> int:
+    """The sliding layers' window in positions; 0 when it is no shorter than the context (then
+    it hides nothing) or there is none."""
+    window = raw.get("sliding_window")
+    if raw.get("sliding_window_size", window) != window:  # Gemma 2's older spelling, kept beside
+        raise _refuse("sliding_window_size", raw["sliding_window_size"],
+                      f"contradicts sliding_window {window!r}")
+    if family.name in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return 0  # transformers drops the window unless use_sliding_window says otherwise
+    if "sliding_attention" in types and window is None:
+        raise _refuse("layer_types", types, "sliding layers but no sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise _refuse("sliding_window", window, "expected a positive number of positions")
+    if window is None or window >= context or "sliding_attention" not in types:
+        return 0
+    return window
+
+
+def _softcap(raw: dict[str, Any], name: str) -> float:
+    value = raw.get(name)
+    if value is None:
+        return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise _refuse(name, value, "expected a positive number or null")
+    return float(value)
+
+
+def _family_switches(raw: dict[str, Any], family: Family, head_dim: int) -> dict[str, Any]:
+    name = family.name
+    gemma = name in ("gemma2", "gemma3")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    stated = raw.get("hidden_activation")
+    if stated is not None and raw.get("hidden_act") not in (None, stated):
+        raise _refuse("hidden_act", raw["hidden_act"], f"contradicts hidden_activation {stated!r}")
+    bias = bool(raw.get("attention_bias", False)) and name != "qwen2"
+    scalar = raw.get("query_pre_attn_scalar") if gemma else None
+    if scalar is not None and (not isinstance(scalar, (int, float)) or scalar <= 0):
+        raise _refuse("query_pre_attn_scalar", scalar, "expected a positive number")
+    return {
+        "family": name,
+        "qkv_bias": bias or name == "qwen2",
+        "o_bias": bias,
+        "mlp_bias": bool(raw.get("mlp_bias", False)),
+        "hidden_act": act,
+        "qk_norm": name in ("qwen3", "gemma3"),
+        "gemma_norms": gemma,
+        "attn_softcap": _softcap(raw, "attn_logit_softcapping") if gemma else 0.0,
+        "final_softcap": _softcap(raw, "final_logit_softcapping") if gemma else 0.0,
+        "attention_scale": float(scalar) ** -0.5 if scalar is not None else head_dim ** -0.5,
+    }
+
+
+def _context(raw: dict[str, Any], ropes: list[Rope]) -> int:
+    """The longest context computed as transformers computes it. LongRoPE switches every
+    position of a batch to its long factors once any sequence passes the original context
+    (a batch-dependent switch): nanoserve runs the short factors, up to that context."""
+    context = raw.get("max_position_embeddings", 2048)
+    for rope in ropes:
+        if rope.scaling and rope.scaling["rope_type"] == "longrope":
+            context = min(context, rope.scaling["original_max_position_embeddings"])
+    return context
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The Llama-family hyperparameters, in Hugging Face `config.json` terms."""
+    """The hyperparameters, in Hugging Face `config.json` terms, and each family's switches."""
 
     vocab_size: int
     hidden_size: int
@@ -162,15 +350,42 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
+    # The switches (all off: Llama). Weight layouts follow `family` (Phi-3's fused matrices).
+    family: str = "llama"
+    qkv_bias: bool = False  # q, k and v projections have biases (Qwen2; attention_bias)
+    o_bias: bool = False  # the output projection too (Llama / Qwen3 attention_bias)
+    mlp_bias: bool = False  # gate, up and down have biases
+    hidden_act: str = "silu"  # the gate's activation
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Gemma: RMSNorm scaled by (1 + weight), norms after attention and MLP too, embedding
+    # multiplied by sqrt(hidden_size).
+    gemma_norms: bool = False
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap); 0: none
+    final_softcap: float = 0.0  # the same on the logits
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Layers of the sliding type attend to their last `sliding_window` positions (0: no window
+    # shorter than the context) and rotate by `local_rope` where it is set (Gemma 3).
+    sliding_layers: tuple[bool, ...] = ()  # (): none
+    sliding_window: int = 0
+    local_rope: Rope | None = None
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """The config, or an UnsupportedModelError naming the first field not implemented here."""
-        _check_fields(raw)
+        family = family_of(raw)
+        _check_fields(raw, family)
         num_heads = raw["num_attention_heads"]
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
         _check_shapes(raw, num_heads, num_kv_heads)
-        rope_theta, rope_scaling = _rope(raw)
+        head_dim = _head_dim(raw)
+        types = _layer_types(raw, family)
+        parameters = _rope_parameters(raw, set(types))
+        full = _rope(raw, parameters.get("full_attention", parameters.get("sliding_attention")))
+        local = full
+        if "sliding_attention" in parameters:
+            local = _rope(raw, parameters["sliding_attention"], local=True)
+        context = _context(raw, [full, local])
+        window = _window(raw, family, types, context)
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -178,13 +393,34 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            head_dim=head_dim,
+            max_position_embeddings=context,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            rope_theta=full.theta,
+            rope_scaling=full.scaling,
+            tie_word_embeddings=raw.get("tie_word_embeddings", family.name in ("gemma2", "gemma3")),
+            sliding_layers=tuple(t == "sliding_attention" for t in types) if local != full or window else (),
+            sliding_window=window,
+            local_rope=local if local != full else None,
+            **_family_switches(raw, family, head_dim),
         )
+
+    @property
+    def is_plain_llama(self) -> bool:
+        """Every switch off: the forward runs the Llama loop and nothing else (Phi-3 without a
+        window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
+        return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
+                     or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope)
+                and self.hidden_act == "silu" and self.attention_scale in (None, self.head_dim ** -0.5))
+
+    def window(self, layer: int) -> int:
+        """How many last positions `layer` attends to; 0: all of them."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
+
+    def rope_of(self, layer: int) -> Rope:
+        if self.local_rope is not None and self.sliding_layers[layer]:
+            return self.local_rope
+        return Rope(self.rope_theta, self.rope_scaling)
 
     @property
     def num_params(self) -> int:

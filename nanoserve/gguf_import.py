@@ -6,7 +6,14 @@ BPE tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json). A
 way in: `gguf_weights` reads the tensors as they are (blocks stay blocks, one copy out of the
 file's memory map, Q/K rows permuted as whole rows of blocks) for runs in the file's own
 quantization; `import_metadata` then writes only the config and tokenizer files.
-Refuses: architectures other than llama, tokenizer models other than gpt2 (byte-level BPE),
+Architectures: llama, qwen2, qwen3, phi3, gemma2, gemma3 (their `{arch}.*` metadata; only
+llama's Q/K rows are permuted by llama.cpp's converter, the others keep HF's rotate_half
+layout). What llama.cpp keeps in code rather than in the file is restated here: Gemma's norms
+are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/sqrt(head_dim)
+except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
+(Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
+rotate with base 10000 unless it says `rope.freq_base_swa`.
+Refuses: other architectures, tokenizer models other than gpt2 (byte-level BPE),
 pre-tokenizers without a verified recipe here, and rope scaling other than llama3.
 It writes into the directory it is given; caching and atomic placement belong to
 `default_model`.
@@ -33,6 +40,13 @@ from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
+# GGUF architecture -> (HF model_type, HF architecture).
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
+                 "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+# Phi-3's LongRoPE factors, folded into config.json's rope_scaling.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 WEIGHTS_FILE = "model.safetensors"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
@@ -51,7 +65,16 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Where an architecture names a layer tensor otherwise than llama does.
+_LAYER_TENSORS_BY_TYPE = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_LAYER_TENSORS_BY_TYPE["gemma3_text"] = _LAYER_TENSORS_BY_TYPE["gemma2"]
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
 
 # Llama 3.x checkpoints all use these; the stored factors are checked against them, so a
@@ -112,10 +135,10 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 def check_architecture(meta: dict[str, Any]) -> None:
     architecture = meta.get("general.architecture")
-    if architecture != SUPPORTED_ARCHITECTURE:
+    if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {architecture!r} is not supported: "
-            f"only {SUPPORTED_ARCHITECTURE!r} models can be imported"
+            f"only {' / '.join(repr(a) for a in ARCHITECTURES)} models can be imported"
         )
 
 
@@ -127,15 +150,26 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
-    """config.json for the HF llama layout, from `llama.*` metadata and the tensor list."""
+    """config.json for the HF layout of the file's architecture, from its `{arch}.*` metadata
+    and the tensor list."""
+    arch = meta.get("general.architecture", "llama")
+    model_type, hf_architecture = ARCHITECTURES[arch]
+    meta = {key.replace(f"{arch}.", "llama.", 1) if key.startswith(f"{arch}.") else key: value
+            for key, value in meta.items()}
+    config = _llama_layout_config(arch, model_type, hf_architecture, meta, tensors)
+    return _gemma3_rope(config, meta) if arch == "gemma3" else config
+
+
+def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta: dict[str, Any],
+                         tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
     hidden_size = _require_int(meta, "llama.embedding_length")
     num_heads = _require_int(meta, "llama.attention.head_count")
     head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
     rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
     _check_full_rotary(meta, head_dim)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_architecture],
+        "model_type": model_type,
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "hidden_size": hidden_size,
         "intermediate_size": _require_int(meta, "llama.feed_forward_length"),
@@ -151,7 +185,58 @@ def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
+    } | _family_config(arch, meta, tensors, head_dim)
+
+
+def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor],
+                   head_dim: int) -> dict[str, Any]:
+    """The config.json fields of the families beyond llama (meta's keys read as `llama.*`)."""
+    layers = meta["llama.block_count"]
+    window = meta.get("llama.attention.sliding_window")
+    if arch == "phi3":
+        config: dict[str, Any] = {"sliding_window": window}
+        if LONGROPE_TENSORS[0] in tensors:
+            original = _require_int(meta, "llama.rope.scaling.original_context_length")
+            config["original_max_position_embeddings"] = original
+            config["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": dequantize_tensor(tensors[LONGROPE_TENSORS[0]]).tolist(),
+                "short_factor": dequantize_tensor(tensors[LONGROPE_TENSORS[1]]).tolist(),
+                "original_max_position_embeddings": original}
+            if "llama.rope.scaling.attn_factor" in meta:
+                factor = meta["llama.rope.scaling.attn_factor"]
+                config["rope_scaling"]["attention_factor"] = _f32_to_float(factor)
+        return config
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+    pattern = meta.get("llama.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    # An integer n: every n-th layer is global; a list: each layer's "is sliding".
+    if isinstance(pattern, list):
+        sliding = [bool(s) for s in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise UnsupportedModelError(f"GGUF sliding_window_pattern {pattern!r} does not cover {layers} layers")
+    config = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if arch == "gemma2" and layers == 46 else head_dim,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
     }
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = _f32_to_float(meta.get("llama.attn_logit_softcapping", 50.0))
+        config["final_logit_softcapping"] = _f32_to_float(meta.get("llama.final_logit_softcapping", 30.0))
+    return config
+
+
+def _gemma3_rope(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type RoPE: the file's scaling applies to its global layers only."""
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    full |= config.pop("rope_scaling") or {}
+    local_theta = meta.get("llama.rope.freq_base_swa", 10000.0)
+    local = {"rope_type": "default", "rope_theta": _f32_to_float(local_theta)}
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
 
 
 def _require(meta: dict[str, Any], key: str) -> Any:
@@ -185,10 +270,13 @@ def _check_full_rotary(meta: dict[str, Any], head_dim: int) -> None:
 def rope_scaling(
     meta: dict[str, Any], tensors: dict[str, ReaderTensor], head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
-    """None, or the HF llama3 dict recovered from llama.cpp's `rope_freqs` tensor."""
+    """None, linear scaling, or the HF llama3 dict recovered from llama.cpp's `rope_freqs` tensor."""
     kind = meta.get("llama.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32_to_float(_require(meta, "llama.rope.scaling.factor"))}
     if kind != "none":
-        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported; only llama3 scaling is")
+        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported; only linear and "
+                                    "llama3 are")
     if ROPE_FREQS_TENSOR not in tensors:
         return None
     stored = dequantize_tensor(tensors[ROPE_FREQS_TENSOR])
@@ -228,18 +316,18 @@ def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: floa
 def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
                progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every GGUF tensor as float32 under its HF name, Q/K back in HF (rotate_half) layout."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    heads = _permuted_heads(config)
     weights = {}
     for done, (name, tensor) in enumerate(tensors.items(), start=1):
         if progress is not None:
             progress(done, len(tensors))
-        if name == ROPE_FREQS_TENSOR:
+        if name == ROPE_FREQS_TENSOR or name in LONGROPE_TENSORS:
             continue  # folded into config["rope_scaling"]
-        values = dequantize_tensor(tensor)
+        values = _hf_norm(name, dequantize_tensor(tensor), config)
         kind = name.split(".")[-2]
-        if kind in heads:
+        if kind in heads and name.endswith(".weight"):
             values = unpermute_qk(values, heads[kind])
-        weights[hf_tensor_name(name)] = torch.from_numpy(values)
+        weights[hf_tensor_name(name, config.get("model_type"))] = torch.from_numpy(values)
     check_shapes(weights, config)
     return weights
 
@@ -250,16 +338,16 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
     block format (the file's bytes, copied once out of its memory map; Q and K rows taken in
     HF order as whole rows of blocks), float32 otherwise. A matrix in a type with no kernel is
     dequantized, and `log_line` hears one line per such type."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    heads = _permuted_heads(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, int] = {}
     for tensor in open_gguf(gguf_path).tensors:
-        if tensor.name == ROPE_FREQS_TENSOR:
+        if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
         kind = tensor.name.split(".")[-2]
         fmt = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))
         if fmt is None:
-            values = dequantize_tensor(tensor)
+            values = _hf_norm(tensor.name, dequantize_tensor(tensor), config)
             if values.ndim == 2 and tensor.tensor_type.name != "F32":
                 dequantized[tensor.tensor_type.name] = dequantized.get(tensor.tensor_type.name, 0) + 1
             weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
@@ -269,13 +357,27 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
             # One copy either way: a row gather for Q and K, a plain copy for the rest.
             blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
             weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
-        weights[hf_tensor_name(tensor.name)] = weight
+        weights[hf_tensor_name(tensor.name, config.get("model_type"))] = weight
     for type_name, count in dequantized.items():
         if log_line is not None:
             log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
                      "to float32 at load")
     check_shapes(weights, config)
     return weights
+
+
+def _hf_norm(name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Gemma's norms as HF stores them: llama.cpp's converter wrote 1 + w."""
+    if config.get("model_type") in GEMMA_MODEL_TYPES and name.endswith("norm.weight"):
+        return values - np.float32(1.0)
+    return values
+
+
+def _permuted_heads(config: dict[str, Any]) -> dict[str, int]:
+    """The tensors llama.cpp's converter permuted (llama's Q and K), with their head counts."""
+    if config.get("model_type", "llama") != "llama":
+        return {}
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
 
 def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
@@ -306,13 +408,14 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, model_type: str | None = "llama") -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix == "weight" and stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.weight"
     match = _LAYER_TENSOR_NAME.fullmatch(stem)
-    if suffix == "weight" and match and match[2] in _LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.weight"
+    names = _LAYER_TENSORS | _LAYER_TENSORS_BY_TYPE.get(model_type or "llama", {})
+    if suffix in ("weight", "bias") and match and match[2] in names:
+        return f"model.layers.{match[1]}.{names[match[2]]}.{suffix}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a llama checkpoint")
 
 
@@ -332,9 +435,14 @@ def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
     }
+    if config.get("model_type") == "qwen3":
+        layer |= {"self_attn.q_norm": (config["head_dim"],), "self_attn.k_norm": (config["head_dim"],)}
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{part}.weight": shape for part, shape in layer.items()}
+        if config.get("model_type") == "qwen2":  # q/k/v biases
+            shapes |= {f"model.layers.{i}.self_attn.{x}_proj.bias": (rows,)
+                       for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
     shapes["model.norm.weight"] = (hidden,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
@@ -343,7 +451,10 @@ def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | QuantizedWeight],
                  config: dict[str, Any]) -> None:
-    expected = hf_tensor_shapes(config)
+    from nanoserve.config import ModelConfig
+    from nanoserve.model import hf_tensor_shapes as family_shapes
+
+    expected = family_shapes(ModelConfig.from_hf_dict(config))
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors a llama model needs: {missing[:5]}")

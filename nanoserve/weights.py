@@ -19,13 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import ModelConfig, family_of
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.gguf_import import gguf_weights
 from nanoserve.linear import LinearKernel
-from nanoserve.model import Llama, LlamaWeights
-
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+from nanoserve.model import Llama, LlamaWeights, hf_tensor_shapes
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -33,13 +31,11 @@ def read_config(model_dir: Path) -> ModelConfig:
     if not path.is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
     raw = json.loads(path.read_text())
-    architectures = set(raw.get("architectures") or [])
-    if raw.get("model_type") != "llama" and not architectures & SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{model_dir}: model_type {raw.get('model_type')!r} / architectures "
-            f"{sorted(architectures)} is not supported; nanoserve runs Llama-family models"
-        )
-    return ModelConfig.from_hf_dict(raw)
+    try:
+        family_of(raw)
+        return ModelConfig.from_hf_dict(raw)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"{model_dir}: {error}") from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -73,14 +69,28 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
         tensors = gguf_weights(gguf, raw, log_line)
     else:
         tensors = load_state_dict(model_dir)
-    missing = [name for name in ("model.embed_tokens.weight", "model.norm.weight") if name not in tensors]
-    if missing:
-        raise UnsupportedModelError(f"{model_dir}: missing tensors {missing}")
+    check_tensors(model_dir, config, tensors)
     weights = LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
     if gguf is not None:
         del tensors
         release_freed_memory()
     return config, weights
+
+
+def check_tensors(model_dir: Path, config: ModelConfig, tensors: dict) -> None:
+    """Every tensor the architecture needs is there in its shape; refused naming it otherwise
+    (before any is converted). Extra tensors (rotary caches some exporters add) are ignored."""
+    expected = hf_tensor_shapes(config)
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        shown = ", ".join(f"{name} {expected[name]}" for name in missing[:4])
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise UnsupportedModelError(f"{model_dir}: the checkpoint lacks tensors a {config.family} model with "
+                                    f"this config.json needs: {shown}{more}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise UnsupportedModelError(f"{model_dir}: tensor {name} has shape {tuple(tensors[name].shape)}; "
+                                        f"config.json implies {shape}")
 
 
 def release_freed_memory() -> None:

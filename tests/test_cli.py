@@ -146,3 +146,21 @@ def test_a_dash_prompt_is_read_from_stdin(tiny_model_dir):
     given = runner.invoke(app, [*args, "hello there"])
     assert piped.exit_code == 0 and given.exit_code == 0, piped.output
     assert piped.stdout == given.stdout
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "'mixtral'"),
+    ({"num_local_experts": 8}, "'num_local_experts' = 8"),
+    ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "'mrope'"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads 3"),
+])
+def test_a_config_nanoserve_cannot_honour_exits_2_naming_the_field(tmp_path, tiny_model_dir, change, named):
+    import json
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **change}))
+    result = generate("hi", "--model", str(target))
+    assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output

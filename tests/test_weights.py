@@ -55,3 +55,44 @@ def test_directory_without_weights_is_refused(tmp_path, tiny_model_dir):
     (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     with pytest.raises(ModelNotFoundError, match="safetensors"):
         load(tmp_path)
+
+
+def _copy_with(tmp_path, source, change_tensors=None, change_config=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "model"
+    shutil.copytree(source, target)
+    if change_tensors is not None:
+        tensors = load_file(str(target / "model.safetensors"))
+        change_tensors(tensors)
+        save_file(tensors, str(target / "model.safetensors"))
+    if change_config is not None:
+        config = json.loads((target / "config.json").read_text())
+        config.update(change_config)
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_a_missing_tensor_is_refused_naming_it_and_its_shape(tmp_path, tiny_model_dir):
+    name = "model.layers.1.mlp.up_proj.weight"
+    target = _copy_with(tmp_path, tiny_model_dir, lambda t: t.pop(name))
+    with pytest.raises(UnsupportedModelError, match=rf"lacks tensors .*{name} \(128, 64\)"):
+        load(target)
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_naming_both_shapes(tmp_path, tiny_model_dir):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    target = _copy_with(tmp_path, tiny_model_dir, lambda t: t.update({name: t[name][:16].clone()}))
+    shapes = r"has shape \(16, 64\); config.json implies \(32, 64\)"
+    with pytest.raises(UnsupportedModelError, match=rf"{name} {shapes}"):
+        load(target)
+
+
+def test_a_family_needs_its_own_tensors(tmp_path, tiny_model_dir):
+    """A Llama checkpoint relabelled Qwen3 lacks the q/k head norms: refused by name, not run without them."""
+    target = _copy_with(tmp_path, tiny_model_dir, change_config={"model_type": "qwen3",
+                                                                 "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(UnsupportedModelError, match=r"self_attn.q_norm.weight \(16,\)"):
+        load(target)
