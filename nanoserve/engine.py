@@ -4,7 +4,8 @@ Each step, one readback:
 
     schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`), then
                `Scheduler.schedule`: which requests, how many tokens, drafts as extra rows
-    prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group
+    prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group;
+               a token still pending from the step in flight is copied in on the device
     forward    logits of every sampled row: a decode's newest token and each of its drafts
     sample     one token per row on the device, row i of a drafting request keyed and penalized
                as if drafts[:i] were already its output
@@ -13,10 +14,30 @@ Each step, one readback:
                stop rules; then `Scheduler.update_after_step` (tokens appended, accepted drafts
                computed, rejected drafts' blocks freed)
 
-Deferred output (resolving step N on the host while step N+1 runs) is not built yet: the
-next step starts after this one's collect. Every phase's time and readbacks are counted in
-`EngineStats`, so `profile` reads them without touching the engine.
-`LLM` (llm.py) is the offline and streaming front over this class.
+Deferred output (`async_scheduling`, vLLM's --async-scheduling) reorders the same phases:
+`step()` launches step N+1 (schedule .. sample; `Scheduler.commit` counts its tokens computed
+and its new tokens pending) and only then collects step N, whose tokens were copied to the host
+behind its own kernels, so on a GPU the host's stop rules and text for step N run while step
+N+1 computes. Without it, `step()` launches and collects the same step:
+
+    call k:   [schedule prepare forward sample](N+1)   [collect](N)     -> outputs of step N
+    off:      [schedule prepare forward sample](N)     [collect](N)     -> outputs of step N
+
+Step N+1's decode inputs for step N's tokens come from step N's device tensor, never a host
+list. A request step N ends by a stop token or string was scheduled once too often: its row in
+step N+1 is discarded at collect (its request is no longer the live one of that id), and its
+blocks were freed when step N finished it. One ending by max_tokens is known ahead and not
+scheduled again. A step is collected at once, even with deferred output on, when a request it
+samples needs its new token on the host before its next step (`needs_token_on_host`): with
+speculation on (drafts come from the tokens), a grammar (its matcher takes each token), or a
+penalty or bad word that counts the output. On CPU the forward runs in the calling thread, so
+the reordering hides nothing there yet; it is off by default on every device
+(`ASYNC_SCHEDULING_DEFAULT`) until a side-by-side measurement shows it pays.
+
+Every phase's time and readbacks are counted in `EngineStats` (with deferred output, the
+discarded overshoot rows and the readbacks made with no later step launched), so `profile`
+reads them without touching the engine. `LLM` (llm.py) is the offline and streaming front
+over this class.
 """
 
 from __future__ import annotations
@@ -34,7 +55,7 @@ from torch.profiler import record_function
 
 from nanoserve import native
 from nanoserve.block_pool import BlockPool
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig, ModelConfig
 from nanoserve.default_model import ModelSource, resolve_model
 from nanoserve.errors import InvalidRequestError
 from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
@@ -75,6 +96,10 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    # Deferred output: sampled rows of requests already finished when their step was resolved
+    # (the one step too many), and readbacks made with no later step launched ahead of them.
+    discarded_tokens: int = 0
+    blocking_readbacks: int = 0
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     phase_readbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
@@ -192,6 +217,9 @@ class Engine:
                                         eos_token_ids=self.tokenizer.eos_token_ids)
         self.readbacks = ReadbackCounter()
         self.stats = EngineStats()
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else ASYNC_SCHEDULING_DEFAULT.get(self.device.type, False))
+        self._in_flight: LaunchedStep | None = None  # deferred output: launched, not yet resolved
         # Profiling only: wait for the GPU at each phase's end so its time lands in that phase,
         # and name each phase in a torch.profiler trace (a few microseconds a phase).
         self.sync_phases = False
@@ -335,25 +363,58 @@ class Engine:
         return self.outputs.aborted(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then resolve the one in flight (deferred output), or this one.
+
+        Returns the outputs resolved in this call: with deferred output, those of the step
+        launched by the previous call.
+        """
         timer = PhaseTimer(self.stats, self.readbacks, sync_cuda=self.sync_phases, label=self.label_phases)
+        in_flight, self._in_flight = self._in_flight, None
+        launched = self._launch(timer, in_flight)
+        outputs = []
+        if in_flight is not None:
+            outputs += self._resolve(timer, in_flight, next_launched=launched is not None)
+        if launched is not None and launched.deferred:
+            self._in_flight = launched
+        elif launched is not None:
+            outputs += self._resolve(timer, launched, next_launched=False)
+        return outputs
+
+    def _launch(self, timer: PhaseTimer, in_flight: LaunchedStep | None) -> LaunchedStep | None:
+        """Schedule, prepare, forward and sample a step; its tokens stay on the device."""
         with timer("schedule"):
             self._propose_drafts()
             plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return None
         with timer("prepare"):
-            prepared = self.runner.prepare(plan.chunks)
+            prepared = self.runner.prepare(plan.chunks, in_flight.tokens if in_flight is not None else None)
         with timer("forward"):
             logits = self.runner.forward(prepared)
         with timer("sample"):
-            token_batch = self.runner.sample(logits, prepared)
-        with timer("collect"):
-            outputs = self._collect(plan, token_batch)
+            tokens = self.runner.sample(logits, prepared)
+            deferred = self._defers(plan)
+            if deferred:
+                self.scheduler.commit(plan)
+                if tokens is not None:
+                    tokens.start_readback()
         self._count_step(plan)
-        return outputs
+        return LaunchedStep(plan, tokens, deferred)
+
+    def _defers(self, plan: SchedulerOutput) -> bool:
+        """Whether a step is resolved one step late: only with deferred output on, and only if
+        no request it samples needs its new token on the host before its next step."""
+        return self.async_scheduling and not any(
+            needs_token_on_host(chunk.request, self.spec) for chunk in plan.chunks if chunk.samples)
+
+    def _resolve(self, timer: PhaseTimer, step: LaunchedStep, *, next_launched: bool) -> list[RequestOutput]:
+        with timer("collect"):
+            if not next_launched and step.tokens is not None:
+                self.stats.blocking_readbacks += 1
+            return self._collect(step.plan, step.tokens)
 
     def _propose_drafts(self) -> None:
         """Drafts for every decoding request, from its own tokens (prompt lookup)."""
@@ -376,9 +437,17 @@ class Engine:
         run) judged by the stop rules token by token; then the update."""
         host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
         drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
+        planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks if chunk.samples}
         new_tokens, outputs = [], []
         for request_id, token_ids, logprobs in host.runs():
-            request = self.requests[request_id]
+            if request_id not in planned:
+                raise RuntimeError(f"a sampled row names {request_id!r}, which its step does not sample")
+            request = planned[request_id]
+            if self.requests.get(request_id) is not request:
+                # Finished (or aborted) after this step was launched: the overshoot of deferred
+                # output. The id may even be a new request's by now: the token is nobody's.
+                self.stats.discarded_tokens += len(token_ids)
+                continue
             if request_id in drafts:
                 token_ids, logprobs = self._verified(request, drafts[request_id], token_ids, logprobs)
             judged, output = self.outputs.judge_run(request, token_ids, logprobs)
@@ -428,6 +497,23 @@ class Engine:
             self.scheduler.update_after_step(plan, [])  # computed, but nothing sampled
             if request.num_uncomputed_tokens == 0:
                 return logits[-1].float().cpu()
+
+
+def needs_token_on_host(request: Request, spec: SpecConfig) -> bool:
+    """Whether a request's next step must wait for its newest token on the host: to propose
+    drafts from it, to advance its grammar's matcher, or to count it in a penalty or a bad word."""
+    params = request.params
+    return (spec.enabled or request.grammar is not None or params.repetition_penalty != 1
+            or bool(params.frequency_penalty or params.presence_penalty or params.bad_words_token_ids))
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward and sampling are launched: its plan and its tokens on the device."""
+
+    plan: SchedulerOutput
+    tokens: TokenBatch | None
+    deferred: bool  # resolved after the next step is launched (its plan committed at launch)
 
 
 class PhaseTimer:

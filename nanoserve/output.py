@@ -59,22 +59,50 @@ class ReadbackCounter:
 
 @dataclass(slots=True)
 class TokenBatch:
-    """A step's sampled tokens on the device, and the request id of each row."""
+    """A step's sampled tokens on the device, and the request id of each row.
+
+    `start_readback` (deferred output, on CUDA) queues the copy to host memory behind the
+    step's kernels, so `to_host` later waits for this step's copy alone, not for the step
+    launched after it.
+    """
 
     sampled: SampledTokens
     request_ids: list[str]
+    _copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
-    def to_host(self, readbacks: ReadbackCounter) -> HostTokens:
-        """Bring tokens (and logprobs, if any row asked) back in exactly one transfer."""
+    def _packed(self) -> torch.Tensor:
+        """Everything the host needs in one tensor: token ids, or ids beside logprobs."""
         s = self.sampled
         if s.logprobs is None:
-            return HostTokens(self.request_ids, readbacks.read(s.token_ids),
-                              [None] * len(self.request_ids))
+            return s.token_ids
         # Token ids are exact in float32 below 2**24, far above any vocabulary.
         parts = [s.token_ids.unsqueeze(1).float(), s.logprobs.unsqueeze(1).float()]
         if s.top_ids is not None:
             parts += [s.top_ids.float(), s.top_logprobs.float()]
-        rows = readbacks.read(torch.cat(parts, dim=1))
+        return torch.cat(parts, dim=1)
+
+    def start_readback(self) -> None:
+        if self.sampled.token_ids.device.type != "cuda" or self._copy is not None:
+            return
+        packed = self._packed()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copy = (host, event)
+
+    def to_host(self, readbacks: ReadbackCounter) -> HostTokens:
+        """Bring tokens (and logprobs, if any row asked) back in exactly one transfer."""
+        s = self.sampled
+        if self._copy is not None:
+            host, event = self._copy
+            event.synchronize()
+            packed = host
+        else:
+            packed = self._packed()
+        if s.logprobs is None:
+            return HostTokens(self.request_ids, readbacks.read(packed), [None] * len(self.request_ids))
+        rows = readbacks.read(packed)
         n = s.top_ids.shape[1] if s.top_ids is not None else 0
         tokens = [int(row[0]) for row in rows]
         logprobs = [
