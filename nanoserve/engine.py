@@ -1,9 +1,10 @@
 """The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
 
-Each step, one readback:
+Each step, one readback (two with a draft model: its drafts, then the verification):
 
-    schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`), then
-               `Scheduler.schedule`: which requests, how many tokens, drafts as extra rows
+    schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`, or the
+               draft model's K greedy forwards, `draft_model`), then `Scheduler.schedule`:
+               which requests, how many tokens, drafts as extra rows
     prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group;
                a token still pending from the step in flight is copied in on the device
     forward    logits of every sampled row: a decode's newest token and each of its drafts
@@ -57,6 +58,7 @@ from nanoserve import native
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig, ModelConfig
 from nanoserve.default_model import ModelSource, resolve_model
+from nanoserve.draft_model import DraftModel
 from nanoserve.errors import InvalidRequestError
 from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
@@ -67,10 +69,10 @@ from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, Reque
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from nanoserve.spec_decode import DraftState, SpecConfig, accepted_prefix
+from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS, DraftState, SpecConfig, accepted_prefix
 from nanoserve.structured import GrammarCompiler
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import load_weights
+from nanoserve.weights import load_weights, read_config
 
 log = logging.getLogger("nanoserve")
 
@@ -182,7 +184,7 @@ class Engine:
         self.config = config
         self.spec = SpecConfig(config.speculative_tokens, config.speculative_method,
                                config.speculative_ngram_min, config.speculative_ngram_max)
-        self.spec.check(draft_model=None)
+        self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.threads = set_threads(config.threads)
@@ -192,6 +194,7 @@ class Engine:
         self.source = self._resolve_model()
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
         model_config, weights = self._load_weights()
         self.weights_nbytes = weights.nbytes()
         self.weight_format = _weight_format(weights)
@@ -202,6 +205,7 @@ class Engine:
                            linear_kernel=self.kernel_choice.kernel, max_positions=self.max_model_len)
         self.model_config = model_config
         num_blocks = self._num_kv_blocks()
+        self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -277,6 +281,32 @@ class Engine:
             log.warning("no batch-invariant linear kernel on this machine: a request's tokens may "
                         "depend on what shares its steps")
         return choice
+
+    def _resolve_draft_model(self) -> ModelSource:
+        """The draft model's checkpoint, refused before any weights load unless its vocabulary
+        is the model's."""
+        source = resolve_model(self.config.draft_model)
+        draft_vocab, vocab = read_config(source.dir).vocab_size, read_config(self.model_dir).vocab_size
+        if draft_vocab != vocab:
+            raise InvalidRequestError(
+                f"the draft model {self.config.draft_model} has a vocabulary of {draft_vocab} tokens and the "
+                f"model {vocab}: a draft must share the model's tokenizer", param="draft_model")
+        return source
+
+    def _load_draft_model(self, source: ModelSource, num_blocks: int) -> DraftModel:
+        """The draft model of speculative_method 'draft', in the model's dtype and kernel, with a
+        KV cache of as many blocks as the model's (smaller, as the model is) plus room for each
+        sequence's drafts."""
+        cfg = self.config
+        draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
+        max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
+        model = Llama(draft_config, weights, batch_invariant=cfg.batch_invariant,
+                      linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
+        blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
+        kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)
+        runner = ModelRunner(model, kv_cache, eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)
+        log.info(f"draft model: {source.dir.name}, {weights.nbytes() / 1e6:.1f} MB, {blocks} KV blocks")
+        return DraftModel(runner, BlockPool(blocks, cfg.block_size))
 
     @property
     def kernel_summary(self) -> str:
@@ -360,6 +390,8 @@ class Engine:
         if request is None:
             return None
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.draft is not None:
+            self.draft.release(self.requests)
         return self.outputs.aborted(request)
 
     def has_unfinished(self) -> bool:
@@ -417,20 +449,29 @@ class Engine:
             return self._collect(step.plan, step.tokens)
 
     def _propose_drafts(self) -> None:
-        """Drafts for every decoding request, from its own tokens (prompt lookup)."""
+        """Drafts for every decoding request: from its own tokens (prompt lookup), or from the
+        draft model, all drafting requests in one proposal."""
         if not self.spec.enabled:
             return
+        drafting = []
         for request in self.scheduler.running:
+            request.draft_ids = []
             # A draft row would need the grammar's state after the drafts before it: constrained
             # requests decode one token a step.
             if request.num_uncomputed_tokens != 1 or request.grammar is not None:
-                request.draft_ids = []
                 continue
             if request.draft_state is None:
                 request.draft_state = DraftState.for_config(self.spec)
             state = request.draft_state
-            request.draft_ids = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
-                                              self.spec.num_tokens)
+            if self.draft is None:
+                request.draft_ids = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
+                                                  self.spec.num_tokens)
+            elif state.ready():
+                drafting.append(request)
+        if self.draft is not None:
+            drafts = self.draft.propose(drafting, self.spec.num_tokens, self.readbacks)
+            for request in drafting:
+                request.draft_ids = drafts.get(request.request_id, [])
 
     def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
         """The step's one readback; each request's run (one token, or a verified speculative
@@ -455,6 +496,8 @@ class Engine:
             outputs.append(output)
         self.scheduler.update_after_step(plan, new_tokens)
         self.stats.generation_tokens += len(new_tokens)
+        if self.draft is not None:
+            self.draft.release(self.requests)
         return outputs
 
     def _verified(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
