@@ -31,9 +31,11 @@ blocks were freed when step N finished it. One ending by max_tokens is known ahe
 scheduled again. A step is collected at once, even with deferred output on, when a request it
 samples needs its new token on the host before its next step (`needs_token_on_host`): with
 speculation on (drafts come from the tokens), a grammar (its matcher takes each token), or a
-penalty or bad word that counts the output. On CPU the forward runs in the calling thread, so
-the reordering hides nothing there yet; it is off by default on every device
-(`ASYNC_SCHEDULING_DEFAULT`) until a side-by-side measurement shows it pays.
+penalty or bad word that counts the output. On CPU, kernels run in the calling thread, so
+there step N+1's forward and sampling run in one forward thread while the caller collects
+step N (torch releases the GIL inside its kernels; the host's bookkeeping touches no tensor the
+forward uses), and `step()` returns when both are done. Deferred output is off by default on
+every device (`ASYNC_SCHEDULING_DEFAULT`) until a side-by-side measurement shows it pays.
 
 Every phase's time and readbacks are counted in `EngineStats` (with deferred output, the
 discarded overshoot rows and the readbacks made with no later step launched), so `profile`
@@ -49,6 +51,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +67,7 @@ from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
 from nanoserve.machine import cache_root
 from nanoserve.model import Llama, LlamaWeights
-from nanoserve.model_runner import ModelRunner
+from nanoserve.model_runner import ModelRunner, PreparedStep
 from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
@@ -224,6 +227,9 @@ class Engine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else ASYNC_SCHEDULING_DEFAULT.get(self.device.type, False))
         self._in_flight: LaunchedStep | None = None  # deferred output: launched, not yet resolved
+        # Deferred output on CPU: one thread runs a step's forward while the caller collects the last.
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
+                                if self.async_scheduling and self.device.type == "cpu" else None)
         # Profiling only: wait for the GPU at each phase's end so its time lands in that phase,
         # and name each phase in a torch.profiler trace (a few microseconds a phase).
         self.sync_phases = False
@@ -409,6 +415,8 @@ class Engine:
         outputs = []
         if in_flight is not None:
             outputs += self._resolve(timer, in_flight, next_launched=launched is not None)
+        if launched is not None:
+            launched.wait()
         if launched is not None and launched.deferred:
             self._in_flight = launched
         elif launched is not None:
@@ -416,7 +424,9 @@ class Engine:
         return outputs
 
     def _launch(self, timer: PhaseTimer, in_flight: LaunchedStep | None) -> LaunchedStep | None:
-        """Schedule, prepare, forward and sample a step; its tokens stay on the device."""
+        """Schedule, prepare, forward and sample a step; its tokens stay on the device. On CPU,
+        when a step is in flight to be collected meanwhile, the forward and sampling run in the
+        forward thread (torch releases the GIL inside its kernels)."""
         with timer("schedule"):
             self._propose_drafts()
             plan = self.scheduler.schedule()
@@ -424,17 +434,26 @@ class Engine:
             return None
         with timer("prepare"):
             prepared = self.runner.prepare(plan.chunks, in_flight.tokens if in_flight is not None else None)
+        step = LaunchedStep(plan, deferred=self._defers(plan))
+        if step.deferred:
+            self.scheduler.commit(plan)
+        self._count_step(plan)
+        if step.deferred and in_flight is not None and self._forward_thread is not None:
+            # Its own timer: phase seconds only, as the readbacks meanwhile are the collector's.
+            worker_timer = PhaseTimer(self.stats, None, sync_cuda=False, label=self.label_phases)
+            step.computing = self._forward_thread.submit(self._compute, worker_timer, prepared, True)
+        else:
+            step.tokens = self._compute(timer, prepared, step.deferred)
+        return step
+
+    def _compute(self, timer: PhaseTimer, prepared: PreparedStep, deferred: bool) -> TokenBatch | None:
         with timer("forward"):
             logits = self.runner.forward(prepared)
         with timer("sample"):
             tokens = self.runner.sample(logits, prepared)
-            deferred = self._defers(plan)
-            if deferred:
-                self.scheduler.commit(plan)
-                if tokens is not None:
-                    tokens.start_readback()
-        self._count_step(plan)
-        return LaunchedStep(plan, tokens, deferred)
+            if deferred and tokens is not None:
+                tokens.start_readback()
+        return tokens
 
     def _defers(self, plan: SchedulerOutput) -> bool:
         """Whether a step is resolved one step late: only with deferred output on, and only if
@@ -555,8 +574,14 @@ class LaunchedStep:
     """A step whose forward and sampling are launched: its plan and its tokens on the device."""
 
     plan: SchedulerOutput
-    tokens: TokenBatch | None
     deferred: bool  # resolved after the next step is launched (its plan committed at launch)
+    tokens: TokenBatch | None = None
+    computing: Future | None = None  # the forward thread's work, until `wait`
+
+    def wait(self) -> None:
+        """Until the forward and sampling are done, when they ran in the forward thread."""
+        if self.computing is not None:
+            self.tokens, self.computing = self.computing.result(), None
 
 
 class PhaseTimer:
@@ -566,7 +591,7 @@ class PhaseTimer:
     and it can name each phase for a torch.profiler trace (`nanoserve.<phase>`).
     """
 
-    def __init__(self, stats: EngineStats, readbacks: ReadbackCounter, *, sync_cuda: bool,
+    def __init__(self, stats: EngineStats, readbacks: ReadbackCounter | None, *, sync_cuda: bool,
                  label: bool) -> None:
         self.stats = stats
         self.readbacks = readbacks
@@ -585,14 +610,15 @@ class PhaseTimer:
         if self.label:
             self._record = record_function(f"nanoserve.{self._phase}")
             self._record.__enter__()
-        self._start_readbacks = self.readbacks.count
+        self._start_readbacks = self.readbacks.count if self.readbacks is not None else 0
         self._start_s = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
         if self.sync:
             torch.cuda.synchronize()
         self.stats.phase_s[self._phase] += time.perf_counter() - self._start_s
-        self.stats.phase_readbacks[self._phase] += self.readbacks.count - self._start_readbacks
+        if self.readbacks is not None:
+            self.stats.phase_readbacks[self._phase] += self.readbacks.count - self._start_readbacks
         if self._record is not None:
             self._record.__exit__(*exc)
             self._record = None

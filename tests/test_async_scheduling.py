@@ -11,6 +11,7 @@ deferred run are one per step, none of them blocking while a later step is in fl
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -131,6 +132,27 @@ def test_steps_with_rows_that_need_their_token_resolve_at_once(engines):
     penalized = dataclasses.replace(PLAIN, repetition_penalty=1.3)  # as long as PLAIN
     deferred.generate(["hello world", "a b c"], [PLAIN, penalized])
     assert engine.stats.blocking_readbacks - blocking == engine.stats.steps - steps
+
+
+def test_on_cpu_the_forward_runs_in_its_thread_while_the_caller_collects(engines):
+    _, deferred, _ = engines
+    engine = deferred.engine
+    threads = []
+    forward, collect = engine.runner.forward, engine._collect
+
+    def spy(name, call):
+        def wrapped(*args):
+            threads.append((name, threading.current_thread().name))
+            return call(*args)
+        return wrapped
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine.runner, "forward", spy("forward", forward))
+        patch.setattr(engine, "_collect", spy("collect", collect))
+        deferred.generate(["hello world"], PLAIN)
+    assert ("forward", "MainThread") in threads  # the first step: nothing to collect beside it
+    assert any(name == "forward" and thread.startswith("nanoserve-forward") for name, thread in threads)
+    assert {thread for name, thread in threads if name == "collect"} == {"MainThread"}
 
 
 def test_aborting_a_request_while_its_step_is_in_flight_gives_nobody_its_token(engines):
