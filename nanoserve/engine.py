@@ -417,10 +417,10 @@ class Engine:
             outputs += self._resolve(timer, in_flight, next_launched=launched is not None)
         if launched is not None:
             launched.wait()
-        if launched is not None and launched.deferred:
-            self._in_flight = launched
-        elif launched is not None:
-            outputs += self._resolve(timer, launched, next_launched=False)
+            if launched.deferred:
+                self._in_flight = launched
+            else:
+                outputs += self._resolve(timer, launched, next_launched=False)
         return outputs
 
     def _launch(self, timer: PhaseTimer, in_flight: LaunchedStep | None) -> LaunchedStep | None:
