@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.block_pool import BlockPool
-from nanoserve.kv_cache import KVCache
 from nanoserve.model_runner import ModelRunner
 from nanoserve.output import ReadbackCounter, TokenBatch
 from nanoserve.request import Request
@@ -67,10 +66,6 @@ class DraftModel:
         self.pool = pool
         self.sequences: dict[str, DraftSequence] = {}
 
-    @property
-    def kv_cache(self) -> KVCache:
-        return self.runner.kv_cache
-
     def propose(self, requests: list[Request], k: int, readbacks: ReadbackCounter) -> dict[str, list[int]]:
         """Up to `k` greedy drafts for each request, by request id (none where the draft pool
         has no room: drafts never wait or preempt)."""
@@ -97,7 +92,10 @@ class DraftModel:
     def release(self, live: Collection[str]) -> None:
         """Free the draft blocks of every request no longer live."""
         for request_id in [rid for rid in self.sequences if rid not in live]:
-            self.pool.free(self.sequences.pop(request_id).view.block_ids)
+            self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self.pool.free(self.sequences.pop(request_id).view.block_ids)
 
     def _round(self, chunks: list[ScheduledChunk], in_flight: TokenBatch | None) -> TokenBatch:
         prepared = self.runner.prepare(chunks, in_flight)
@@ -107,6 +105,9 @@ class DraftModel:
         """The request's draft view, caught up and with blocks for its tokens and k - 1 fed
         drafts; None when the pool has no room."""
         sequence = self.sequences.get(request.request_id)
+        if sequence is not None and sequence.view.prompt_ids is not request.prompt_ids:
+            self._drop(request.request_id)  # an id reused by a new request: nothing of it is valid
+            sequence = None
         if sequence is None:
             view = Request(request.request_id, request.prompt_ids, GREEDY, 0, output_ids=request.output_ids)
             sequence = self.sequences[request.request_id] = DraftSequence(view)
