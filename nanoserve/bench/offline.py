@@ -499,7 +499,8 @@ class Sweep:
             "spec_draft_tokens": run.spec_draft_tokens, "spec_accepted_tokens": run.spec_accepted_tokens,
             # Every turn's tokens, not the median run's: each turn draws new prompts, and two
             # configs' median runs can come from different turns.
-            "output_digest": hashlib.sha256(" ".join(r.output_digest for r in runs).encode()).hexdigest()[:16],
+            "output_digest": hashlib.sha256(" ".join(r.output_digest for r in runs).encode())
+            .hexdigest()[:16],
             "shared_prefix_len": w.shared_prefix_len, "input_len": w.input_len,
             "output_len": w.output_len, "repeat": w.repeat,
             "tokens_per_s_runs": " ".join(f"{r.tokens_per_s:.2f}" for r in runs),
