@@ -111,6 +111,10 @@ SpeculativeSweep = Annotated[str, typer.Option(
     "--speculative-tokens", callback=checked(_drafts), metavar="K,K,...",
     help="Speculative drafts per request per step (0 off); 0,4 runs both side by side and reports "
          "the ratio and whether the tokens are the same.")]
+AsyncSchedulingSweep = Annotated[str, typer.Option(
+    "--async-scheduling", callback=checked(_switches), metavar="off|on|off,on",
+    help="Deferred output (each step launched before the last one's tokens are resolved); off,on "
+         "runs both side by side and reports the ratio and whether the tokens are the same.")]
 PromptKind = Annotated[str, typer.Option(
     "--prompts", callback=checked(_prompt_kind),
     help="synthetic: random ids of --input-len; repeat: chat prompts whose answer repeats code "
@@ -141,6 +145,7 @@ def bench(
     prefix_caching: PrefixCachingSweep = "on",
     shared_prefix_len: SharedPrefixLen = 0,
     speculative_tokens: SpeculativeSweep = "0",
+    async_scheduling: AsyncSchedulingSweep = "off",
     prompts: PromptKind = "synthetic",
     threads: options.Threads = None,
     linear_kernel: options.LinearKernel = None,
@@ -163,6 +168,7 @@ def bench(
         options.fail(f"--shared-prefix-len ({shared_prefix_len}) must be at most --input-len ({input_len})")
     spec = SweepSpec(slots=slots, params=params, dtypes=dtype, batch_invariant=batch_invariant,
                      prefix_caching=prefix_caching, speculative_tokens=speculative_tokens,
+                     async_scheduling=async_scheduling,
                      baseline=baseline, model=model, device=device,
                      threads=threads, linear_kernel=linear_kernel,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat,
@@ -222,6 +228,8 @@ def bench_table(result):
         engine += " (no prefix cache)" if row.engine == "nanoserve" and not row.prefix_caching else ""
         drafts = getattr(row, "speculative_tokens", 0)
         engine += f" ({drafts} drafts: x{row.ratio_to_no_speculation:.2f})" if drafts else ""
+        deferred = row.engine == "nanoserve" and bool(getattr(row, "async_scheduling", False))
+        engine += f" (deferred output: x{row.ratio_to_sync_output:.2f})" if deferred else ""
         roof_ms = max(getattr(row, "memory_limit_step_ms", float("nan")),
                       getattr(row, "compute_limit_step_ms", float("nan")))
         table.add_row(engine, row.dtype, str(row.slots), row.params, _f(row.output_tokens_per_s, 1),

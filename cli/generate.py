@@ -63,6 +63,8 @@ def generate(
     speculative_method: options.SpeculativeMethod = "ngram",
     speculative_ngram_min: options.SpeculativeNgramMin = 2,
     speculative_ngram_max: options.SpeculativeNgramMax = 4,
+    draft_model: options.DraftModel = None,
+    async_scheduling: options.AsyncScheduling = None,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
     if prompt == "-":
@@ -83,7 +85,8 @@ def generate(
                                    speculative_tokens=speculative_tokens,
                                    speculative_method=speculative_method,
                                    speculative_ngram_min=speculative_ngram_min,
-                                   speculative_ngram_max=speculative_ngram_max)
+                                   speculative_ngram_max=speculative_ngram_max,
+                                   draft_model=draft_model, async_scheduling=async_scheduling)
     try:
         from nanoserve.llm import LLM
 

@@ -50,7 +50,16 @@ SpeculativeTokens = Annotated[int, typer.Option(
     "one chunk; tokens and logprobs stay exactly as without it (under --batch-invariant). 0 is off "
     "(the default); at most 16.")]
 SpeculativeMethod = Annotated[str, typer.Option(
-    help="Where drafts come from: ngram (prompt lookup over the request's own tokens).")]
+    help="Where drafts come from: ngram (prompt lookup over the request's own tokens) or draft "
+         "(a small model with the same vocabulary, --draft-model).")]
+DraftModel = Annotated[str | None, typer.Option(
+    help="The draft model of --speculative-method draft (a directory, .gguf or hub id, as --model): "
+         "same tokenizer and vocabulary, its own KV cache; it proposes greedily.")]
+AsyncScheduling = Annotated[bool | None, typer.Option(
+    "--async-scheduling/--no-async-scheduling",
+    help="Deferred output: launch each step before the last one's tokens are resolved on the host "
+         "(outputs unchanged; steps with speculation, grammars or penalties resolve at once). "
+         "Default per device: off on CPU and CUDA until measured.")]
 SpeculativeNgramMin = Annotated[int, typer.Option(
     min=1, help="Shortest suffix n-gram prompt lookup matches.")]
 SpeculativeNgramMax = Annotated[int, typer.Option(
@@ -79,7 +88,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   linear_kernel: str | None = None, prefix_caching: bool = True,
                   quantize: str | None = None, speculative_tokens: int = 0,
                   speculative_method: str = "ngram", speculative_ngram_min: int = 2,
-                  speculative_ngram_max: int = 4) -> EngineConfig:
+                  speculative_ngram_max: int = 4, draft_model: str | None = None,
+                  async_scheduling: bool | None = None) -> EngineConfig:
     from nanoserve.engine import DTYPES, QUANTIZED
     from nanoserve.quant import QUANTIZERS
     from nanoserve.spec_decode import SpecConfig
@@ -93,7 +103,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
     check_linear_kernel(linear_kernel)
     try:
         SpecConfig(speculative_tokens, speculative_method, speculative_ngram_min,
-                   speculative_ngram_max).check(draft_model=None)
+                   speculative_ngram_max).check(draft_model=draft_model)
     except InvalidRequestError as error:
         fail_for(error)
     return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
@@ -104,7 +114,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                         enable_prefix_caching=prefix_caching, quantize=quantize,
                         speculative_tokens=speculative_tokens, speculative_method=speculative_method,
                         speculative_ngram_min=speculative_ngram_min,
-                        speculative_ngram_max=speculative_ngram_max)
+                        speculative_ngram_max=speculative_ngram_max, draft_model=draft_model,
+                        async_scheduling=async_scheduling)
 
 
 def check_linear_kernel(name: str | None) -> None:

@@ -449,6 +449,9 @@ class ModelConfig:
 
 # The default of EngineConfig.max_prefill_tokens_while_decoding (the CLI reads it here).
 MAX_PREFILL_TOKENS_WHILE_DECODING = 16
+# Deferred output (EngineConfig.async_scheduling=None) per device type: off everywhere until a
+# side-by-side measurement shows it pays there; the one place to flip it.
+ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,3 +487,9 @@ class EngineConfig:
     speculative_method: str = "ngram"
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    # speculative_method "draft": the small model (same tokenizer and vocabulary) that proposes
+    # the drafts, greedily, from its own KV cache.
+    draft_model: str | None = None
+    # Deferred output (vLLM's --async-scheduling): step N+1 is launched before step N's tokens
+    # are resolved on the host. None: ASYNC_SCHEDULING_DEFAULT for the device.
+    async_scheduling: bool | None = None

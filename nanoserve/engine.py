@@ -1,10 +1,12 @@
 """The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
 
-Each step, one readback:
+Each step, one readback (two with a draft model: its drafts, then the verification):
 
-    schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`), then
-               `Scheduler.schedule`: which requests, how many tokens, drafts as extra rows
-    prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group
+    schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`, or the
+               draft model's K greedy forwards, `draft_model`), then `Scheduler.schedule`:
+               which requests, how many tokens, drafts as extra rows
+    prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group;
+               a token still pending from the step in flight is copied in on the device
     forward    logits of every sampled row: a decode's newest token and each of its drafts
                (and of each prompt row a prompt_logprobs request scores, read back with them)
     sample     one token per row on the device, row i of a drafting request keyed and penalized
@@ -14,10 +16,32 @@ Each step, one readback:
                stop rules; then `Scheduler.update_after_step` (tokens appended, accepted drafts
                computed, rejected drafts' blocks freed)
 
-Deferred output (resolving step N on the host while step N+1 runs) is not built yet: the
-next step starts after this one's collect. Every phase's time and readbacks are counted in
-`EngineStats`, so `profile` reads them without touching the engine.
-`LLM` (llm.py) is the offline and streaming front over this class.
+Deferred output (`async_scheduling`, vLLM's --async-scheduling) reorders the same phases:
+`step()` launches step N+1 (schedule .. sample; `Scheduler.commit` counts its tokens computed
+and its new tokens pending) and only then collects step N, whose tokens were copied to the host
+behind its own kernels, so on a GPU the host's stop rules and text for step N run while step
+N+1 computes. Without it, `step()` launches and collects the same step:
+
+    call k:   [schedule prepare forward sample](N+1)   [collect](N)     -> outputs of step N
+    off:      [schedule prepare forward sample](N)     [collect](N)     -> outputs of step N
+
+Step N+1's decode inputs for step N's tokens come from step N's device tensor, never a host
+list. A request step N ends by a stop token or string was scheduled once too often: its row in
+step N+1 is discarded at collect (its request is no longer the live one of that id), and its
+blocks were freed when step N finished it. One ending by max_tokens is known ahead and not
+scheduled again. A step is collected at once, even with deferred output on, when a request it
+samples needs its new token on the host before its next step (`needs_token_on_host`): with
+speculation on (drafts come from the tokens), a grammar (its matcher takes each token), or a
+penalty or bad word that counts the output. On CPU, kernels run in the calling thread, so
+there step N+1's forward and sampling run in one forward thread while the caller collects
+step N (torch releases the GIL inside its kernels; the host's bookkeeping touches no tensor the
+forward uses), and `step()` returns when both are done. Deferred output is off by default on
+every device (`ASYNC_SCHEDULING_DEFAULT`) until a side-by-side measurement shows it pays.
+
+Every phase's time and readbacks are counted in `EngineStats` (with deferred output, the
+discarded overshoot rows and the readbacks made with no later step launched), so `profile`
+reads them without touching the engine. `LLM` (llm.py) is the offline and streaming front
+over this class.
 """
 
 from __future__ import annotations
@@ -28,6 +52,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -35,22 +60,23 @@ from torch.profiler import record_function
 
 from nanoserve import native
 from nanoserve.block_pool import BlockPool
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig, ModelConfig
 from nanoserve.default_model import ModelSource, resolve_model
+from nanoserve.draft_model import DraftModel
 from nanoserve.errors import InvalidRequestError
 from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
 from nanoserve.machine import cache_root
 from nanoserve.model import Llama, LlamaWeights
-from nanoserve.model_runner import ModelRunner
+from nanoserve.model_runner import ModelRunner, PreparedStep
 from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from nanoserve.spec_decode import DraftState, SpecConfig, accepted_prefix
+from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS, DraftState, SpecConfig, accepted_prefix
 from nanoserve.structured import GrammarCompiler
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import load_weights
+from nanoserve.weights import load_weights, read_config
 
 log = logging.getLogger("nanoserve")
 
@@ -76,6 +102,10 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    # Deferred output: sampled rows of requests already finished when their step was resolved
+    # (the one step too many), and readbacks made with no later step launched ahead of them.
+    discarded_tokens: int = 0
+    blocking_readbacks: int = 0
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     phase_readbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
 
@@ -158,7 +188,7 @@ class Engine:
         self.config = config
         self.spec = SpecConfig(config.speculative_tokens, config.speculative_method,
                                config.speculative_ngram_min, config.speculative_ngram_max)
-        self.spec.check(draft_model=None)
+        self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.threads = set_threads(config.threads)
@@ -168,6 +198,7 @@ class Engine:
         self.source = self._resolve_model()
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
         model_config, weights = self._load_weights()
         self.weights_nbytes = weights.nbytes()
         self.weight_format = _weight_format(weights)
@@ -178,6 +209,7 @@ class Engine:
                            linear_kernel=self.kernel_choice.kernel, max_positions=self.max_model_len)
         self.model_config = model_config
         num_blocks = self._num_kv_blocks()
+        self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -193,6 +225,12 @@ class Engine:
                                         eos_token_ids=self.tokenizer.eos_token_ids)
         self.readbacks = ReadbackCounter()
         self.stats = EngineStats()
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else ASYNC_SCHEDULING_DEFAULT.get(self.device.type, False))
+        self._in_flight: LaunchedStep | None = None  # deferred output: launched, not yet resolved
+        # Deferred output on CPU: one thread runs a step's forward while the caller collects the last.
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
+                                if self.async_scheduling and self.device.type == "cpu" else None)
         # Profiling only: wait for the GPU at each phase's end so its time lands in that phase,
         # and name each phase in a torch.profiler trace (a few microseconds a phase).
         self.sync_phases = False
@@ -250,6 +288,32 @@ class Engine:
             log.warning("no batch-invariant linear kernel on this machine: a request's tokens may "
                         "depend on what shares its steps")
         return choice
+
+    def _resolve_draft_model(self) -> ModelSource:
+        """The draft model's checkpoint, refused before any weights load unless its vocabulary
+        is the model's."""
+        source = resolve_model(self.config.draft_model)
+        draft_vocab, vocab = read_config(source.dir).vocab_size, read_config(self.model_dir).vocab_size
+        if draft_vocab != vocab:
+            raise InvalidRequestError(
+                f"the draft model {self.config.draft_model} has a vocabulary of {draft_vocab} tokens and the "
+                f"model {vocab}: a draft must share the model's tokenizer", param="draft_model")
+        return source
+
+    def _load_draft_model(self, source: ModelSource, num_blocks: int) -> DraftModel:
+        """The draft model of speculative_method 'draft', in the model's dtype and kernel, with a
+        KV cache of as many blocks as the model's (smaller, as the model is) plus room for each
+        sequence's drafts."""
+        cfg = self.config
+        draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
+        max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
+        model = Llama(draft_config, weights, batch_invariant=cfg.batch_invariant,
+                      linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
+        blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
+        kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)
+        runner = ModelRunner(model, kv_cache, eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)
+        log.info(f"draft model: {source.dir.name}, {weights.nbytes() / 1e6:.1f} MB, {blocks} KV blocks")
+        return DraftModel(runner, BlockPool(blocks, cfg.block_size))
 
     @property
     def kernel_summary(self) -> str:
@@ -335,56 +399,123 @@ class Engine:
         if request is None:
             return None
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.draft is not None:
+            self.draft.release(self.requests)
         return self.outputs.aborted(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step, then resolve the one in flight (deferred output), or this one.
+
+        Returns the outputs resolved in this call: with deferred output, those of the step
+        launched by the previous call.
+        """
         timer = PhaseTimer(self.stats, self.readbacks, sync_cuda=self.sync_phases, label=self.label_phases)
+        in_flight, self._in_flight = self._in_flight, None
+        launched = self._launch(timer, in_flight)
+        outputs = []
+        if in_flight is not None:
+            outputs += self._resolve(timer, in_flight, next_launched=launched is not None)
+        if launched is not None:
+            launched.wait()
+            if launched.deferred:
+                self._in_flight = launched
+            else:
+                outputs += self._resolve(timer, launched, next_launched=False)
+        return outputs
+
+    def _launch(self, timer: PhaseTimer, in_flight: LaunchedStep | None) -> LaunchedStep | None:
+        """Schedule, prepare, forward and sample a step; its tokens stay on the device. On CPU,
+        when a step is in flight to be collected meanwhile, the forward and sampling run in the
+        forward thread (torch releases the GIL inside its kernels)."""
         with timer("schedule"):
             self._propose_drafts()
             plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return None
         with timer("prepare"):
-            prepared = self.runner.prepare(plan.chunks)
+            prepared = self.runner.prepare(plan.chunks, in_flight.tokens if in_flight is not None else None)
+        step = LaunchedStep(plan, deferred=self._defers(plan))
+        if step.deferred:
+            self.scheduler.commit(plan)
+        self._count_step(plan)
+        if step.deferred and in_flight is not None and self._forward_thread is not None:
+            # Its own timer: phase seconds only, as the readbacks meanwhile are the collector's.
+            worker_timer = PhaseTimer(self.stats, None, sync_cuda=False, label=self.label_phases)
+            step.computing = self._forward_thread.submit(self._compute, worker_timer, prepared, True)
+        else:
+            step.tokens = self._compute(timer, prepared, step.deferred)
+        return step
+
+    def _compute(self, timer: PhaseTimer, prepared: PreparedStep, deferred: bool) -> TokenBatch | None:
         with timer("forward"):
             logits = self.runner.forward(prepared)
         with timer("sample"):
-            token_batch = self.runner.sample(logits, prepared)
+            tokens = self.runner.sample(logits, prepared)
+            if deferred and tokens is not None:
+                tokens.start_readback()
+        return tokens
+
+    def _defers(self, plan: SchedulerOutput) -> bool:
+        """Whether a step is resolved one step late: only with deferred output on, and only if
+        no request it samples needs its new token on the host before its next step."""
+        return self.async_scheduling and not any(
+            needs_token_on_host(chunk.request, self.spec) for chunk in plan.chunks if chunk.samples)
+
+    def _resolve(self, timer: PhaseTimer, step: LaunchedStep, *, next_launched: bool) -> list[RequestOutput]:
         with timer("collect"):
-            outputs = self._collect(plan, token_batch)
-        self._count_step(plan)
-        return outputs
+            if not next_launched and step.tokens is not None:
+                self.stats.blocking_readbacks += 1
+            return self._collect(step.plan, step.tokens)
 
     def _propose_drafts(self) -> None:
-        """Drafts for every decoding request, from its own tokens (prompt lookup)."""
+        """Drafts for every decoding request: from its own tokens (prompt lookup), or from the
+        draft model, all drafting requests in one proposal."""
         if not self.spec.enabled:
             return
+        drafting = []
         for request in self.scheduler.running:
+            request.draft_ids = []
             # A draft row would need the grammar's state after the drafts before it: constrained
             # requests decode one token a step.
             if request.num_uncomputed_tokens != 1 or request.grammar is not None:
-                request.draft_ids = []
                 continue
             if request.draft_state is None:
                 request.draft_state = DraftState.for_config(self.spec)
             state = request.draft_state
-            request.draft_ids = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
-                                              self.spec.num_tokens)
+            if self.draft is None:
+                request.draft_ids = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
+                                                  self.spec.num_tokens)
+            elif state.ready():
+                drafting.append(request)
+        if self.draft is not None:
+            drafts = self.draft.propose(drafting, self.spec.num_tokens, self.readbacks)
+            for request in drafting:
+                request.draft_ids = drafts.get(request.request_id, [])
 
     def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
         """The step's one readback; each request's run (one token, or a verified speculative
         run) judged by the stop rules token by token; then the update."""
         host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
         drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
+        planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks if chunk.samples}
         for scored in host.prompt:  # before the runs: a request's first output carries them
-            request = self.requests[scored.request_id]
+            request = self.requests.get(scored.request_id)
+            if request is None:  # aborted while its step was in flight (deferred output)
+                continue
             request.prompt_logprobs[scored.position] = scored.entry.narrowed(request.params.prompt_logprobs)
         new_tokens, outputs = [], []
         for request_id, token_ids, logprobs in host.runs():
-            request = self.requests[request_id]
+            if request_id not in planned:
+                raise RuntimeError(f"a sampled row names {request_id!r}, which its step does not sample")
+            request = planned[request_id]
+            if self.requests.get(request_id) is not request:
+                # Finished (or aborted) after this step was launched: the overshoot of deferred
+                # output. The id may even be a new request's by now: the token is nobody's.
+                self.stats.discarded_tokens += len(token_ids)
+                continue
             if request_id in drafts:
                 token_ids, logprobs = self._verified(request, drafts[request_id], token_ids, logprobs)
             judged, output = self.outputs.judge_run(request, token_ids, logprobs)
@@ -392,6 +523,8 @@ class Engine:
             outputs.append(output)
         self.scheduler.update_after_step(plan, new_tokens)
         self.stats.generation_tokens += len(new_tokens)
+        if self.draft is not None:
+            self.draft.release(self.requests)
         return outputs
 
     def _verified(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
@@ -436,6 +569,29 @@ class Engine:
                 return logits[-1].float().cpu()
 
 
+def needs_token_on_host(request: Request, spec: SpecConfig) -> bool:
+    """Whether a request's next step must wait for its newest token on the host: to propose
+    drafts from it, to advance its grammar's matcher, or to count it in a penalty or a bad word."""
+    params = request.params
+    return (spec.enabled or request.grammar is not None or params.repetition_penalty != 1
+            or bool(params.frequency_penalty or params.presence_penalty or params.bad_words_token_ids))
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward and sampling are launched: its plan and its tokens on the device."""
+
+    plan: SchedulerOutput
+    deferred: bool  # resolved after the next step is launched (its plan committed at launch)
+    tokens: TokenBatch | None = None
+    computing: Future | None = None  # the forward thread's work, until `wait`
+
+    def wait(self) -> None:
+        """Until the forward and sampling are done, when they ran in the forward thread."""
+        if self.computing is not None:
+            self.tokens, self.computing = self.computing.result(), None
+
+
 class PhaseTimer:
     """Adds each phase's wall time and readbacks to `EngineStats`.
 
@@ -443,7 +599,7 @@ class PhaseTimer:
     and it can name each phase for a torch.profiler trace (`nanoserve.<phase>`).
     """
 
-    def __init__(self, stats: EngineStats, readbacks: ReadbackCounter, *, sync_cuda: bool,
+    def __init__(self, stats: EngineStats, readbacks: ReadbackCounter | None, *, sync_cuda: bool,
                  label: bool) -> None:
         self.stats = stats
         self.readbacks = readbacks
@@ -462,14 +618,15 @@ class PhaseTimer:
         if self.label:
             self._record = record_function(f"nanoserve.{self._phase}")
             self._record.__enter__()
-        self._start_readbacks = self.readbacks.count
+        self._start_readbacks = self.readbacks.count if self.readbacks is not None else 0
         self._start_s = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
         if self.sync:
             torch.cuda.synchronize()
         self.stats.phase_s[self._phase] += time.perf_counter() - self._start_s
-        self.stats.phase_readbacks[self._phase] += self.readbacks.count - self._start_readbacks
+        if self.readbacks is not None:
+            self.stats.phase_readbacks[self._phase] += self.readbacks.count - self._start_readbacks
         if self._record is not None:
             self._record.__exit__(*exc)
             self._record = None

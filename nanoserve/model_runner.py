@@ -5,6 +5,10 @@ drafts are rows of that group too, each a one-row sequence over the request's bl
 each prefill chunk as a group of its own; the flat cache slot of every row; which rows need logits
 (a drafting chunk's newest-token row and every draft row, then the prompt rows a request asking
 for prompt_logprobs scores); and the sampling rows in the same order, with the request id of each.
+
+With deferred output a decode's newest token may still be pending (sampled by the step in
+flight, not yet on the host): its input row is then filled on the device from that step's
+`TokenBatch`, never from a host list, so preparing needs no readback.
 """
 
 from __future__ import annotations
@@ -59,18 +63,24 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> PreparedStep:
+    def prepare(self, chunks: list[ScheduledChunk], in_flight: TokenBatch | None = None) -> PreparedStep:
+        """The step's tensors; `in_flight` holds the tokens still pending on the host."""
         ordered = sorted(chunks, key=lambda chunk: not chunk.is_decode)  # decodes first, stable
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         prompt_rows, prompt_logits_rows = PromptRows([], [], [], 0), []
+        pending: list[tuple[int, str]] = []  # (input row, request id) filled from `in_flight`
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
             known_stop = stop - len(chunk.draft_ids)
             first_row = len(input_ids)
-            input_ids += chunk.request.token_ids(chunk.start, known_stop) + list(chunk.draft_ids)
+            known = chunk.request.token_ids(chunk.start, known_stop)
+            if len(known) < known_stop - chunk.start:  # the newest token is pending
+                pending.append((len(input_ids) + len(known), chunk.request.request_id))
+                known.append(0)
+            input_ids += known + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
             if chunk.samples:  # the newest token's row, then one per draft
@@ -79,7 +89,7 @@ class ModelRunner:
                 prompt_logits_rows += range(first_row, first_row + prompt_rows.add(chunk.request,
                                                                                    chunk.start, stop))
         batch = ForwardBatch(
-            input_ids=self._tensor(input_ids),
+            input_ids=self._filled(self._tensor(input_ids), pending, in_flight),
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             groups=self._groups(ordered),
@@ -108,6 +118,18 @@ class ModelRunner:
         if sampled is None and prompt is None:
             return None
         return TokenBatch(sampled, step.sampled_request_ids, prompt)
+
+    def _filled(self, input_ids: torch.Tensor, pending: list[tuple[int, str]],
+                 in_flight: TokenBatch | None) -> torch.Tensor:
+        """`input_ids` with each pending token copied in from the step in flight (on the device)."""
+        if not pending:
+            return input_ids
+        if in_flight is None:
+            raise ValueError("a chunk's newest token is pending, and no step is in flight")
+        source_row = {request_id: row for row, request_id in enumerate(in_flight.request_ids)}
+        rows = self._tensor([row for row, _ in pending])
+        sources = self._tensor([source_row[request_id] for _, request_id in pending])
+        return input_ids.index_copy(0, rows, in_flight.sampled.token_ids.index_select(0, sources))
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
@@ -155,7 +177,10 @@ class ModelRunner:
         request = chunk.request
         output = request.output_ids
         edits = self._row_edits(request)
-        rows = [SamplingRow(request.params, request.seed, len(output), request.prompt_ids, output, edits,
+        # A pending token counts for the position (its value matters only to rows that need it
+        # on the host, and those steps are never deferred).
+        position = len(output) + request.num_pending_tokens
+        rows = [SamplingRow(request.params, request.seed, position, request.prompt_ids, output, edits,
                             request.grammar)]
         for i in range(1, len(chunk.draft_ids) + 1):
             ahead = output + list(chunk.draft_ids[:i])

@@ -106,26 +106,58 @@ class PromptTokens:
 @dataclass(slots=True)
 class TokenBatch:
     """A step's sampled tokens on the device, and the request id of each row; and the prompt
-    tokens its prefill rows scored, if any asked (a step may score without sampling)."""
+    tokens its prefill rows scored, if any asked (a step may score without sampling).
+
+    `start_readback` (deferred output, on CUDA) queues the copy to host memory behind the
+    step's kernels, so `to_host` later waits for this step's copy alone, not for the step
+    launched after it.
+    """
 
     sampled: SampledTokens | None
     request_ids: list[str]
     prompt: PromptTokens | None = None
+    _copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    @property
+    def _ids_only(self) -> bool:
+        return self.prompt is None and self.sampled is not None and self.sampled.logprobs is None
+
+    def _packed(self) -> torch.Tensor:
+        """Everything the host needs in one tensor: the token ids alone, or every block (ids
+        beside logprobs, then the scored prompt tokens) flattened."""
+        if self._ids_only:
+            return self.sampled.token_ids
+        blocks = [] if self.sampled is None else [_sampled_columns(self.sampled)]
+        if self.prompt is not None:
+            blocks.append(self.prompt.columns())
+        return torch.cat([block.flatten() for block in blocks])
+
+    def start_readback(self) -> None:
+        on_device = self.sampled.token_ids if self.sampled is not None else self.prompt.scores.logprobs
+        if on_device.device.type != "cuda" or self._copy is not None:
+            return
+        packed = self._packed()
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copy = (host, event)
 
     def to_host(self, readbacks: ReadbackCounter) -> HostTokens:
         """Bring tokens (and logprobs, if any row asked; prompt logprobs too) back in exactly
         one transfer."""
-        s = self.sampled
-        if self.prompt is None and s is not None and s.logprobs is None:
-            return HostTokens(self.request_ids, readbacks.read(s.token_ids),
-                              [None] * len(self.request_ids))
-        blocks = [] if s is None else [_sampled_columns(s)]
-        if self.prompt is not None:
-            blocks.append(self.prompt.columns())
-        values = readbacks.read(torch.cat([block.flatten() for block in blocks]))
-        host = HostTokens([], [], [])
+        if self._copy is not None:
+            host, event = self._copy
+            event.synchronize()
+            packed = host
+        else:
+            packed = self._packed()
+        values = readbacks.read(packed)
+        if self._ids_only:
+            return HostTokens(self.request_ids, values, [None] * len(self.request_ids))
+        s, host = self.sampled, HostTokens([], [], [])
         if s is not None:
-            width = blocks[0].shape[1]
+            width = 1 if s.logprobs is None else 2 + (2 * s.top_ids.shape[1] if s.top_ids is not None else 0)
             cut = width * len(self.request_ids)
             host = _sampled_from_host(self.request_ids, values[:cut], width, s.logprobs is not None)
             values = values[cut:]

@@ -64,7 +64,11 @@ class Request:
     """Token ids so far, how many of them have K/V in the cache, and the blocks holding it.
 
     `num_computed_tokens` counts tokens whose K/V sit in the cache. The newest sampled token
-    is never computed yet: the next step feeds it to the model. `output_state` is the text
+    is never computed yet: the next step feeds it to the model. With deferred output the newest
+    token may be pending: sampled on the device by a step whose tokens the host has not
+    resolved yet (`num_pending_tokens`: 1, or 2 between the next step's launch and this one's
+    resolution); it counts in `num_tokens` but not in `output_ids`, and the next step reads it
+    from the device. `output_state` is the text
     side (detokenizer, stop-string matcher), `sampler_edits` the sampler's (its penalty and
     logit_bias cells on the device), `grammar` the structured-output matcher and `draft_state`
     the speculative proposer's, so a live
@@ -78,6 +82,7 @@ class Request:
     arrival_s: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled on the device, not yet appended to output_ids
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
@@ -97,7 +102,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -114,7 +119,7 @@ class Request:
         return self.prompt_logprobs is not None and not self.output_ids
 
     def token_ids(self, start: int, stop: int) -> list[int]:
-        """Token ids in [start, stop) across prompt and output."""
+        """Token ids in [start, stop) across prompt and output (a pending token is not there)."""
         num_prompt = len(self.prompt_ids)
         if stop <= num_prompt:
             return self.prompt_ids[start:stop]

@@ -31,6 +31,14 @@ appended, computed tokens advance (a chunk's drafts only as far as its run accep
 blocks a step filled with computed tokens are registered in the prefix cache, blocks that only
 rejected drafts reached are freed, and requests the stop rules ended are finished. The
 scheduler's `requests` is the one registry of live requests; `waiting` and `running` order them.
+
+Deferred output splits that update in two. `commit(plan)`, when the engine launches a step it
+will resolve one step late, counts the planned tokens as computed at once and marks each
+sampling chunk's newest token pending (`Request.num_pending_tokens`: on the device, value
+unknown here); so the next `schedule` sees a decode to run for it, from the device. The
+step's `update_after_step` later appends the values. A request whose pending token is its
+last (max_tokens) is not scheduled again; one that a pending token ends otherwise (a stop
+token or string) runs one step too many, and the engine discards that overshoot row.
 """
 
 from __future__ import annotations
@@ -75,11 +83,13 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     draft_ids: tuple[int, ...] = ()
+    # Whether this chunk reaches the newest token, so its last row yields a new token (fixed
+    # when scheduled: a committed step's request grows before the step is resolved).
+    samples: bool = field(init=False, default=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the newest token, so its last row yields a new token."""
-        return self.start + self.num_tokens - len(self.draft_ids) == self.request.num_tokens
+    def __post_init__(self) -> None:
+        reaches = self.start + self.num_tokens - len(self.draft_ids) == self.request.num_tokens
+        object.__setattr__(self, "samples", reaches)
 
     @property
     def is_decode(self) -> bool:
@@ -110,6 +120,7 @@ class StepBudget:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    committed: bool = False  # its computed tokens counted at launch (deferred output)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -181,6 +192,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_pending_tokens and request.num_tokens >= request.max_total_tokens:
+                continue  # its pending token is its last: max_tokens ends it when resolved
             num_tokens = budget.grant(request)
             if num_tokens == 0:
                 continue
@@ -213,6 +226,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: admitted once the token is known
             hits = self._take_cached_prefix(request)
             num_tokens = budget.grant(request)
             if num_tokens == 0 or not self._reserve(request, request.num_computed_tokens + num_tokens):
@@ -299,18 +314,36 @@ class Scheduler:
         self.pool.free(request.block_ids)
         request.block_ids = []
 
+    def commit(self, plan: SchedulerOutput) -> None:
+        """A step launched ahead of its resolution (deferred output, never with drafts): its
+        planned tokens are computed from now on, and each sampling chunk's new token is pending
+        until `update_after_step` brings its value."""
+        if any(chunk.draft_ids for chunk in plan.chunks):
+            raise ValueError("a step with speculative drafts is resolved before the next one")
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            chunk.request.num_pending_tokens += chunk.samples
+        plan.committed = True
+
     def update_after_step(self, plan: SchedulerOutput, new_tokens: Iterable[NewToken]) -> None:
         """What a step changes in request state: each new token is appended to its request, the
         planned tokens are now computed (of a chunk's drafts, those its run accepted: every
-        token it emitted but the last), and a request a new token ends is finished."""
+        token it emitted but the last), and a request a new token ends is finished.
+
+        For a committed plan the tokens were counted computed at launch, and each new token
+        replaces its request's pending one; a request that was finished or preempted since
+        (an overshoot row, already dropped by the engine) changes no further."""
         new_tokens = list(new_tokens)
         emitted = Counter(new.request_id for new in new_tokens)
         for new in new_tokens:
-            self.requests[new.request_id].output_ids.append(new.token_id)
+            request = self.requests[new.request_id]
+            request.output_ids.append(new.token_id)
+            request.num_pending_tokens -= plan.committed
         for chunk in plan.chunks:
             request = chunk.request
             accepted = max(0, emitted[request.request_id] - 1) if chunk.draft_ids else 0
-            request.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids) + accepted
+            if not plan.committed:
+                request.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids) + accepted
             if request.status.is_finished:
                 continue
             if self.config.enable_prefix_caching:

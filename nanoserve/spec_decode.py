@@ -3,7 +3,8 @@
 Owns: the options (`SpecConfig`), the prompt-lookup (n-gram) proposer, each request's drafting
 state (`DraftState`, kept on the request: its n-gram index and its back-off when acceptance
 falls), and `accepted_prefix`, the one rule of verification. The engine asks each decoding
-request's `DraftState` for drafts after every step; the scheduler budgets them.
+request's `DraftState` for drafts after every step (or, with method "draft", whether it is
+drafting, and asks `draft_model.DraftModel` for the drafts); the scheduler budgets them.
 Refuses: sampling, stop rules and K/V bookkeeping. The verification itself is ordinary
 sampling: the request's last token and its K drafts run as one chunk of K+1 rows, each row
 sampled exactly as it would be without speculation (same (seed, position) key, penalties
@@ -58,11 +59,11 @@ class SpecConfig:
                 f"speculative_method must be one of {', '.join(METHODS)}; got {self.method!r}",
                 param="speculative_method")
         if self.method == "draft" and draft_model is None:
-            raise InvalidRequestError("speculative_method 'draft' needs a draft model (draft_model)",
-                                      param="speculative_method")
-        if self.method == "draft":
-            raise InvalidRequestError("speculative_method 'draft' is not implemented yet; use 'ngram'",
-                                      param="speculative_method")
+            raise InvalidRequestError("speculative_method 'draft' needs a draft model: set draft_model "
+                                      "(--draft-model)", param="speculative_method")
+        if self.method != "draft" and draft_model is not None:
+            raise InvalidRequestError(f"draft_model is used only by speculative_method 'draft', not "
+                                      f"{self.method!r}", param="draft_model")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(
                 f"speculative_ngram_min must be in [1, speculative_ngram_max={self.ngram_max}]; "
@@ -131,13 +132,17 @@ class DraftState:
     def num_indexed(self) -> int:
         return len(self.index.tokens)
 
-    def propose(self, new_tokens: list[int], k: int) -> list[int]:
-        """Drafts to follow the request's tokens, given those since the last call."""
-        self.index.extend(new_tokens)
+    def ready(self) -> bool:
+        """Whether to draft this step (a step of a pause counts down here)."""
         if self.paused_for:
             self.paused_for -= 1
-            return []
-        return self.index.propose(k)
+            return False
+        return True
+
+    def propose(self, new_tokens: list[int], k: int) -> list[int]:
+        """Drafts to follow the request's tokens (by prompt lookup), given those since the last call."""
+        self.index.extend(new_tokens)
+        return self.index.propose(k) if self.ready() else []
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verification's outcome."""

@@ -206,6 +206,18 @@ def test_a_speculation_sweep_compares_the_same_prompts_token_for_token(tiny_mode
     assert frame.output_digest.nunique() == 1
 
 
+def test_an_async_scheduling_sweep_runs_both_side_by_side_with_the_same_tokens(tiny_model_dir):
+    spec = offline.SweepSpec(slots=(1, 2), model=str(tiny_model_dir), device="cpu",
+                             async_scheduling=(False, True),
+                             workload=offline.Workload(input_len=5, output_len=4, warmup=0))
+    sweep = offline.Sweep(spec)
+    frame = sweep.run().frame
+    assert list(frame.async_scheduling) == [False, True] * 2
+    assert frame.same_tokens_as_sync_output.all() and (frame.output_tokens == frame.slots * 4).all()
+    assert (frame[~frame.async_scheduling].ratio_to_sync_output == 1).all()
+    assert sweep.engine("float32", True, True, 0, True).engine.async_scheduling
+
+
 def test_ratios_pair_each_row_with_its_baseline_and_its_plain_kernels():
     frame = pd.DataFrame({
         "engine": ["nanoserve", "nanoserve", "transformers"], "slots": [4, 4, 4],
@@ -243,6 +255,7 @@ def test_append_keeps_earlier_rows_and_replaces_the_ones_measured_again(tiny_mod
     (["--params", "greedy,nucleus"], "--params"),
     (["--dtype", "float8"], "--dtype"),
     (["--batch-invariant", "maybe"], "--batch-invariant"),
+    (["--async-scheduling", "sometimes"], "--async-scheduling"),
     (["--baseline", "vllm"], "--baseline"),
     (["--output-len", "0"], "--output-len"),
 ])

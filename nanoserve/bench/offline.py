@@ -173,12 +173,14 @@ class BenchConfig:
     batch_invariant: bool = False
     prefix_caching: bool = True
     speculative_tokens: int = 0
+    async_scheduling: bool = False
 
     @property
     def label(self) -> str:
         kernels = ", batch-invariant" if self.batch_invariant else ""
         cache = "" if self.prefix_caching else ", no prefix cache"
         spec = f", {self.speculative_tokens} drafts" if self.speculative_tokens else ""
+        spec += ", deferred output" if self.async_scheduling else ""
         return f"{self.engine} {self.dtype}{kernels}{cache}{spec}: {self.slots} slots, {self.params}"
 
 
@@ -348,6 +350,7 @@ class SweepSpec:
     batch_invariant: tuple[bool, ...] = (True,)
     prefix_caching: tuple[bool, ...] = (True,)
     speculative_tokens: tuple[int, ...] = (0,)
+    async_scheduling: tuple[bool, ...] = (False,)
     baseline: str | None = None
     workload: Workload = Workload()
     model: str | None = None
@@ -359,9 +362,10 @@ class SweepSpec:
         """Interleaved, so a config and its baseline run next to each other in time."""
         configs = []
         for dtype, mix, slots in itertools.product(self.dtypes, self.params, self.slots):
-            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv, cache, spec)
-                        for inv, cache, spec in itertools.product(self.batch_invariant, self.prefix_caching,
-                                                                  self.speculative_tokens)]
+            configs += [BenchConfig("nanoserve", slots, mix, dtype, inv, cache, spec, deferred)
+                        for inv, cache, spec, deferred in itertools.product(
+                            self.batch_invariant, self.prefix_caching, self.speculative_tokens,
+                            self.async_scheduling)]
             if self.baseline and mix in BASELINE_MIXES:
                 configs.append(BenchConfig(self.baseline, slots, mix, dtype))
         return configs
@@ -382,15 +386,15 @@ class Sweep:
 
     def __init__(self, spec: SweepSpec) -> None:
         self.spec = spec
-        self._engines: dict[tuple[str, bool, bool, int], EngineRunner] = {}
+        self._engines: dict[tuple[str, bool, bool, int, bool], EngineRunner] = {}
         self._baselines: dict[str, TransformersRunner] = {}
         # Every run gets fresh prompts (only a shared prefix repeats), so no run hits the prefix
         # cache with prompts an earlier run left there.
         self._prompt_seeds = itertools.count()
 
     def engine(self, dtype: str, batch_invariant: bool, prefix_caching: bool = True,
-               speculative_tokens: int = 0) -> EngineRunner:
-        key = (dtype, batch_invariant, prefix_caching, speculative_tokens)
+               speculative_tokens: int = 0, async_scheduling: bool = False) -> EngineRunner:
+        key = (dtype, batch_invariant, prefix_caching, speculative_tokens, async_scheduling)
         if key not in self._engines:
             w = self.spec.workload
             max_len = (w.input_len if w.prompts == "synthetic" else REPEAT_PROMPT_MAX_LEN) + w.output_len + 1
@@ -401,7 +405,7 @@ class Sweep:
                 max_num_batched_tokens=max(512, w.input_len * max(self.spec.slots)),
                 batch_invariant=batch_invariant, threads=self.spec.threads,
                 linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching,
-                speculative_tokens=speculative_tokens))
+                speculative_tokens=speculative_tokens, async_scheduling=async_scheduling))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:
@@ -467,7 +471,7 @@ class Sweep:
 
     def _engine_of(self, config: BenchConfig) -> EngineRunner:
         return self.engine(config.dtype, config.batch_invariant, config.prefix_caching,
-                           config.speculative_tokens)
+                           config.speculative_tokens, config.async_scheduling)
 
     def _prompts(self, count: int) -> list[list[int]]:
         w = self.spec.workload
@@ -490,7 +494,8 @@ class Sweep:
         return {
             "engine": config.engine, "slots": config.slots, "params": config.params, "dtype": config.dtype,
             "batch_invariant": config.batch_invariant, "prefix_caching": config.prefix_caching,
-            "speculative_tokens": config.speculative_tokens, "prompts": w.prompts,
+            "speculative_tokens": config.speculative_tokens, "async_scheduling": config.async_scheduling,
+            "prompts": w.prompts,
             "spec_draft_tokens": run.spec_draft_tokens, "spec_accepted_tokens": run.spec_accepted_tokens,
             # Every turn's tokens, not the median run's: each turn draws new prompts, and two
             # configs' median runs can come from different turns.
@@ -525,7 +530,7 @@ def _median_run(runs: Sequence[RunRecord]) -> RunRecord:
 
 
 KEY = ["slots", "params", "dtype"]
-ROW_KEY = ["engine", *KEY, "batch_invariant", "prefix_caching", "speculative_tokens"]
+ROW_KEY = ["engine", *KEY, "batch_invariant", "prefix_caching", "speculative_tokens", "async_scheduling"]
 
 
 def merge_rows(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
@@ -534,6 +539,8 @@ def merge_rows(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
         old = old.assign(prefix_caching=True)  # written before the prefix cache existed
     if "speculative_tokens" not in old:
         old = old.assign(speculative_tokens=0)  # written before speculative decoding existed
+    if "async_scheduling" not in old:
+        old = old.assign(async_scheduling=False)  # written before deferred output existed
     remeasured = pd.MultiIndex.from_frame(new[ROW_KEY])
     kept = old[~pd.MultiIndex.from_frame(old[ROW_KEY]).isin(remeasured)]
     merged = pd.concat([kept, new], ignore_index=True)
@@ -556,6 +563,14 @@ def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
         frame.loc[frame.engine != "nanoserve", "ratio_to_no_speculation"] = float("nan")
         reference = frame[plain_decoding].drop_duplicates(KEY).set_index(KEY)["output_digest"]
         frame["same_tokens_as_no_speculation"] = [
+            digest == reference.get(tuple(key), None) for key, digest in
+            zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
+    if "async_scheduling" in frame:
+        resolved_at_once = (frame.engine == "nanoserve") & ~frame.async_scheduling.astype(bool)
+        frame["ratio_to_sync_output"] = _ratio(frame, resolved_at_once)
+        frame.loc[frame.engine != "nanoserve", "ratio_to_sync_output"] = float("nan")
+        reference = frame[resolved_at_once].drop_duplicates(KEY).set_index(KEY)["output_digest"]
+        frame["same_tokens_as_sync_output"] = [
             digest == reference.get(tuple(key), None) for key, digest in
             zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
     return frame
