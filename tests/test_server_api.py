@@ -7,6 +7,7 @@ logprobs, and that a client hanging up frees its blocks. The server runs in a th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -615,6 +616,29 @@ def test_chat_logprobs_name_tokens_with_bytes(client: httpx.Client) -> None:
 
 
 # -- streaming ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_outputs_taken_in_one_batch_still_finish_on_their_last_chunk_only(client, path, monkeypatch):
+    """Under load the stream takes several outputs of a choice at once (the choice has then
+    recorded the last of them): only the chunk of the finishing output may carry the finish."""
+    from nanoserve.server import generation
+
+    take_all = generation.Generation.next_outputs
+
+    async def late(self):  # let the whole answer queue up before taking any of it
+        while not self.queue.qsize() or not any(
+                getattr(item, "finished", True) for item in list(self.queue._queue)):
+            await asyncio.sleep(0.01)
+        return await take_all(self)
+
+    monkeypatch.setattr(generation.Generation, "next_outputs", late)
+    body = {"max_tokens": 6, "temperature": 0, "stream": True, "ignore_eos": True}
+    body |= ({"messages": [{"role": "user", "content": "Once upon a time"}]} if "chat" in path
+             else {"prompt": "Once upon a time"})
+    choices = [c["choices"][0] for c in chunks_of(client.post(path, json=body)) if c["choices"]]
+    assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert all(c["finish_reason"] is None for c in choices[:-1]), [c["finish_reason"] for c in choices]
+
 
 def test_streamed_completion_equals_unary_and_ends_with_usage(client: httpx.Client) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0}

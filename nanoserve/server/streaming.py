@@ -106,7 +106,7 @@ async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any],
             continue
         usage = {"usage": generation.usage()} if continuous_usage else {}
         events = [sse({**head, "choices": [delta], **usage}) for choice, output in outputs
-                  if output.text or output.logprobs or choice.finished
+                  if output.text or output.logprobs or output.finished
                   for delta in _delta_choices(kind, choice, output, names)]
         if events:
             yield "".join(events)
@@ -115,21 +115,25 @@ async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any],
 def _delta_choices(kind: Kind, choice: Choice, output: RequestOutput,
                    names: TokenText) -> list[dict[str, Any]]:
     """One choice entry per chunk; a chat with tools may need several (content, then calls),
-    the finish on the last."""
+    the finish on the last. The finish is the output's, not the choice's: outputs are taken in
+    batches, and the choice has already recorded the batch's last one (an earlier output of the
+    same batch must not carry its finish_reason)."""
+    final = output.finished
     logprobs = None
     if output.logprobs is not None:
         logprobs = logprobs_body(kind, output.logprobs, names, choice.text_offset)  # advances it
     if kind == "completion":
-        return [protocol.completion_choice(choice.index, output.text, logprobs, choice.finish_reason,
-                                           choice.stop_reason)]
+        return [protocol.completion_choice(choice.index, output.text, logprobs,
+                                           choice.finish_reason if final else None,
+                                           choice.stop_reason if final else None)]
     if choice.tool_reader is None:
         deltas = [{"content": output.text}] if output.text else []
     else:
-        deltas = choice.tool_reader.feed(output.text, finished=choice.finished)
-    if not deltas and (logprobs is not None or choice.finished):
+        deltas = choice.tool_reader.feed(output.text, finished=final)
+    if not deltas and (logprobs is not None or final):
         deltas = [{}]
     last = len(deltas) - 1
     return [protocol.chat_delta_choice(choice.index, delta, logprobs if i == 0 else None,
-                                       choice.reported_finish_reason if i == last else None,
-                                       choice.stop_reason if i == last else None)
+                                       choice.reported_finish_reason if final and i == last else None,
+                                       choice.stop_reason if final and i == last else None)
             for i, delta in enumerate(deltas)]
