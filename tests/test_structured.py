@@ -182,3 +182,17 @@ def test_default_model_answers_validate_greedy_and_sampled(default_model_dir):
     for completion, schema in zip(llm.generate(prompts, params), cases, strict=True):
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.real_model
+def test_default_model_answers_to_fifty_generated_schemas_validate_greedy_and_sampled(default_model_dir):
+    """The issue's goal on the model itself: 50 generated schemas (nesting, enums, arrays,
+    required fields, numbers) x greedy and sampled, each answer parsed and validated."""
+    llm = LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25, max_num_seqs=32)
+    cases = [(schema, temperature) for schema in schemas(50, seed=7) for temperature in (0.0, 0.8)]
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Answer with a JSON object."}])
+    params = [constrained(StructuredOutputs(json=schema), temperature=t, seed=i, max_tokens=400)
+              for i, (schema, t) in enumerate(cases)]
+    for completion, (schema, _) in zip(llm.generate([prompt] * len(cases), params), cases, strict=True):
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
