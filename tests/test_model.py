@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from families import Cache as PagedCache
+from families import step
 
 from nanoserve.config import ModelConfig
-from nanoserve.kv_cache import KVCache
 from nanoserve.linear import KERNELS, LinearKernel, kernels_for, self_test
-from nanoserve.model import AttentionGroup, ForwardBatch, Llama, LlamaWeights, rope_inv_freq
+from nanoserve.model import Llama, LlamaWeights, rope_inv_freq
 from nanoserve.native import ops as native_ops
 
-BLOCK = 4
 CONFIG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
                      rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True)
@@ -72,49 +72,11 @@ def dense_forward(token_ids):
     return norm(x, WEIGHTS.norm) @ WEIGHTS.lm_head.T
 
 
-class Cache:
-    """A KV cache plus a trivial block allocator for hand-made batches."""
+class Cache(PagedCache):
+    """families.py's paged cache and block allocator, sized for CONFIG."""
 
     def __init__(self):
-        self.kv = KVCache(CONFIG, 128, BLOCK, torch.float32, torch.device("cpu"))
-        self.next_block = 0
-        self.tables: dict[str, list[int]] = {}
-
-    def blocks(self, seq, num_tokens):
-        table = self.tables.setdefault(seq, [])
-        while len(table) * BLOCK < num_tokens:
-            table.append(self.next_block)
-            self.next_block += 1
-        return table
-
-
-def step(model, cache, chunks):
-    """chunks: (seq, token_ids, start). Decodes (1 token) first as one group, then prefills."""
-    chunks = sorted(chunks, key=lambda c: len(c[1]) > 1)
-    ids, positions, slots, groups, last_rows = [], [], [], [], []
-    decodes = [c for c in chunks if len(c[1]) == 1]
-    units = ([decodes] if decodes else []) + [[c] for c in chunks if len(c[1]) > 1]
-    for unit in units:
-        row_start = len(ids)
-        tables = []
-        for seq, tokens, start in unit:
-            table = cache.blocks(seq, start + len(tokens))
-            tables.append(table)
-            for p, token in enumerate(tokens, start):
-                ids.append(token)
-                positions.append(p)
-                slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
-            last_rows.append(len(ids) - 1)
-        width = max(len(t) for t in tables)
-        groups.append(AttentionGroup(
-            row_start, len(unit), len(unit[0][1]),
-            torch.tensor([list(range(s, s + len(t))) for _, t, s in unit]),
-            torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            first_positions=tuple(start for _, _, start in unit)))
-    batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), groups,
-                         torch.tensor(last_rows))
-    logits = model.forward(batch, cache.kv)
-    return {seq: logits[i] for i, (seq, _, _) in enumerate(c for unit in units for c in unit)}
+        super().__init__(CONFIG, 128)
 
 
 def invariant_kernels() -> list[str]:
