@@ -559,21 +559,22 @@ def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
     frame.loc[frame.engine != "nanoserve", "ratio_to_plain_kernels"] = float("nan")
     if "speculative_tokens" in frame:
         plain_decoding = (frame.engine == "nanoserve") & (frame.speculative_tokens == 0)
-        frame["ratio_to_no_speculation"] = _ratio(frame, plain_decoding)
-        frame.loc[frame.engine != "nanoserve", "ratio_to_no_speculation"] = float("nan")
-        reference = frame[plain_decoding].drop_duplicates(KEY).set_index(KEY)["output_digest"]
-        frame["same_tokens_as_no_speculation"] = [
-            digest == reference.get(tuple(key), None) for key, digest in
-            zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
+        _against(frame, plain_decoding, "no_speculation")
     if "async_scheduling" in frame:
         resolved_at_once = (frame.engine == "nanoserve") & ~frame.async_scheduling.astype(bool)
-        frame["ratio_to_sync_output"] = _ratio(frame, resolved_at_once)
-        frame.loc[frame.engine != "nanoserve", "ratio_to_sync_output"] = float("nan")
-        reference = frame[resolved_at_once].drop_duplicates(KEY).set_index(KEY)["output_digest"]
-        frame["same_tokens_as_sync_output"] = [
-            digest == reference.get(tuple(key), None) for key, digest in
-            zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
+        _against(frame, resolved_at_once, "sync_output")
     return frame
+
+
+def _against(frame: pd.DataFrame, reference_rows: pd.Series, name: str) -> None:
+    """Columns ratio_to_<name> and same_tokens_as_<name>: each nanoserve row's throughput over,
+    and its tokens against, the reference row of its slots/params/dtype."""
+    frame[f"ratio_to_{name}"] = _ratio(frame, reference_rows)
+    frame.loc[frame.engine != "nanoserve", f"ratio_to_{name}"] = float("nan")
+    reference = frame[reference_rows].drop_duplicates(KEY).set_index(KEY)["output_digest"]
+    frame[f"same_tokens_as_{name}"] = [
+        digest == reference.get(tuple(key), None) for key, digest in
+        zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
 
 
 def _ratio(frame: pd.DataFrame, reference_rows: pd.Series) -> pd.Series:

@@ -199,13 +199,6 @@ static void dot_rows_portable(int fmt, const uint8_t *w, const xblock *x, int64_
 /* ---- AVX2 dot products ------------------------------------------------------------------- */
 
 #ifdef NS_QUANT_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256i nibbles16(const uint8_t *qs) { /* 16 bytes -> 32 codes, low nibbles first */
     __m128i packed = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
@@ -307,7 +300,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
     }
     if (sub < xblocks) sub_block_step_avx2(fmt, rows, w, x, xblocks, sub, acc, offsets, 0);
     for (int r = 0; r < rows; r++)
-        out[r * n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) +
+        out[r * n] = ns_hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) +
                      _mm_cvtss_f32(_mm_add_ss(offsets[r][0], offsets[r][1]));
 }
 
@@ -433,7 +426,7 @@ static inline __attribute__((always_inline)) void dot_pair_tile_avx2(const int f
     if (blocks & 1) pair_step_avx2(fmt, rows, w, x, pairs, blocks / 2, 0, acc, offsets);
     for (int r = 0; r < rows; r++) {
         __m128 o = offsets[r];
-        out[r * n] = hsum256(acc[r]) + (_mm_cvtss_f32(_mm_shuffle_ps(o, o, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(o, o, 3)));
+        out[r * n] = ns_hsum256(acc[r]) + (_mm_cvtss_f32(_mm_shuffle_ps(o, o, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(o, o, 3)));
     }
 }
 

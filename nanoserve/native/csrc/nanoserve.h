@@ -26,4 +26,16 @@
 #define NS_EXPORT __attribute__((visibility("default")))
 #endif
 
+#if defined(__AVX__)
+#include <immintrin.h>
+/* The sum of a vector's eight lanes, in one fixed order (low half + high half, then pairs):
+ * every kernel that ends a row's reduction this way ends it the same way. */
+static inline float ns_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 #endif

@@ -72,13 +72,6 @@ static const VecOps PORTABLE = {dot_portable, sum_squares_portable, axpy_portabl
 #ifdef NS_OPS_AVX2
 
 /* Lanes summed in one fixed order, so a reduction's bits depend on its length only. */
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* exp(x) for 8 lanes, Cephes' expf: x = n ln2 + r (ln2 in two parts), a degree-5 polynomial
  * for exp(r), then 2^n through the exponent bits. About 1 ulp; underflows to 0 below -87.3. */
 static inline __m256 exp256(__m256 x) {
@@ -103,7 +96,7 @@ static float dot_avx2(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float sum = hsum256(acc);
+    float sum = ns_hsum256(acc);
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
