@@ -25,8 +25,27 @@ MaxNumSeqs = Annotated[int, typer.Option(min=1, help="Most requests in one step.
 MaxBatchedTokens = Annotated[int, typer.Option(
     min=1, help="Token budget of one step (prefill chunks + decodes).")]
 MaxPrefillWhileDecoding = Annotated[int, typer.Option(
-    min=1, help="Most prompt tokens one step computes while other requests decode: a long prompt "
-                "then slows them by a bounded factor, and prefills over more steps.")]
+    min=1, help="Most prompt tokens one step computes while other requests decode; a prompt up to "
+                "this long prefills at once, a longer one in chunks of its fair share (--fair-share-rows).")]
+def parse_fair_share_rows(value: str) -> float:
+    """`off`, or row units >= 0 (typer's own range check cannot spell `off`)."""
+    if value.strip().lower() == "off":
+        return float("inf")
+    try:
+        rows = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"a number of row units >= 0, or off; got {value!r}") from None
+    if not rows >= 0:
+        raise typer.BadParameter(f"must be >= 0, or off; got {value!r}")
+    return rows
+
+
+FairShareRows = Annotated[float | None, typer.Option(
+    parser=parse_fair_share_rows, metavar="ROWS|off",
+    help="While more than one client request runs, each takes at most the lightest one's rows "
+         "(plus their attention context) plus ROWS a step, so one request with many choices, a "
+         "long context or a long prompt slows the others by a bounded factor; tokens unchanged. "
+         "off: no share. Default per device: 2 on CPU (measured), off on CUDA.")]
 MaxModelLen = Annotated[int | None, typer.Option(min=2, help="Context length limit; default: the model's.")]
 KvCacheGb = Annotated[float | None, typer.Option(
     min=0.0001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
@@ -89,7 +108,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   quantize: str | None = None, speculative_tokens: int = 0,
                   speculative_method: str = "ngram", speculative_ngram_min: int = 2,
                   speculative_ngram_max: int = 4, draft_model: str | None = None,
-                  async_scheduling: bool | None = None) -> EngineConfig:
+                  async_scheduling: bool | None = None,
+                  fair_share_rows: float | None = None) -> EngineConfig:
     from nanoserve.engine import DTYPES, QUANTIZED
     from nanoserve.quant import QUANTIZERS
     from nanoserve.spec_decode import SpecConfig
@@ -115,7 +135,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                         speculative_tokens=speculative_tokens, speculative_method=speculative_method,
                         speculative_ngram_min=speculative_ngram_min,
                         speculative_ngram_max=speculative_ngram_max, draft_model=draft_model,
-                        async_scheduling=async_scheduling)
+                        async_scheduling=async_scheduling, fair_share_rows=fair_share_rows)
 
 
 def check_linear_kernel(name: str | None) -> None:

@@ -447,11 +447,18 @@ class ModelConfig:
         return 2.0 * self.matmul_params + attention
 
 
-# The default of EngineConfig.max_prefill_tokens_while_decoding (the CLI reads it here).
-MAX_PREFILL_TOKENS_WHILE_DECODING = 16
+# The default of EngineConfig.max_prefill_tokens_while_decoding (the CLI reads it here): an
+# arriving prompt up to this long prefills in one step (a one-off cost; the fair share leaves it
+# alone), a longer one in chunks of its fair share while others decode.
+MAX_PREFILL_TOKENS_WHILE_DECODING = 64
 # Deferred output (EngineConfig.async_scheduling=None) per device type: off everywhere until a
 # side-by-side measurement shows it pays there; the one place to flip it.
 ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
+# The fair share (EngineConfig.fair_share_rows=None) per device type: on CPU a step's cost grows
+# with every row (fair_share.py), and 2 extra row units bound one heavy request's slowdown of a
+# one-row decode to ~1.8x (results/neighbours.csv); on CUDA rows are nearly free until the
+# batch is large, and no GPU has measured it: off.
+FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,8 +474,8 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    # While any request decodes, a step computes at most this many prompt tokens, so a long
-    # prompt slows the decodes beside it by a bounded factor (measured: results/README.md).
+    # While any request decodes, a step computes at most this many prompt tokens; a prompt
+    # longer than that prefills in chunks of its fair share (fair_share.py; results/README.md).
     max_prefill_tokens_while_decoding: int = MAX_PREFILL_TOKENS_WHILE_DECODING
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
@@ -493,3 +500,10 @@ class EngineConfig:
     # Deferred output (vLLM's --async-scheduling): step N+1 is launched before step N's tokens
     # are resolved on the host. None: ASYNC_SCHEDULING_DEFAULT for the device.
     async_scheduling: bool | None = None
+    # While more than one client request runs, each takes at most the lightest one's row units
+    # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
+    fair_share_rows: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
+            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")

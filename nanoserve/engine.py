@@ -60,7 +60,7 @@ from torch.profiler import record_function
 
 from nanoserve import native
 from nanoserve.block_pool import BlockPool
-from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig, ModelConfig
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, FAIR_SHARE_ROWS_DEFAULT, EngineConfig, ModelConfig
 from nanoserve.default_model import ModelSource, resolve_model
 from nanoserve.draft_model import DraftModel
 from nanoserve.errors import InvalidRequestError
@@ -215,7 +215,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding),
+                            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+                            fair_share_rows=self._fair_share_rows()),
             self.pool,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
@@ -288,6 +289,12 @@ class Engine:
             log.warning("no batch-invariant linear kernel on this machine: a request's tokens may "
                         "depend on what shares its steps")
         return choice
+
+    def _fair_share_rows(self) -> float:
+        """The configured fair share, or the device's default (off where none is measured)."""
+        if self.config.fair_share_rows is not None:
+            return self.config.fair_share_rows
+        return FAIR_SHARE_ROWS_DEFAULT.get(self.device.type, float("inf"))
 
     def _resolve_draft_model(self) -> ModelSource:
         """The draft model's checkpoint, refused before any weights load unless its vocabulary
@@ -375,7 +382,9 @@ class Engine:
             self.grammars.check(params.structured_outputs)  # compiled here once, then cached
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, parent_id: str | None = None) -> str:
+        """Queue a request; `parent_id` names the client request it is one choice of (the
+        scheduler's fair share divides steps between parents; None: a parent of its own)."""
         params = (params or SamplingParams()).with_bad_words_token_ids(
             lambda text: self.tokenizer.encode(text, add_bos=False))
         prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
@@ -388,7 +397,8 @@ class Engine:
         output_state = self.outputs.new_state(params, prompt_ids)
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
-        request = Request(request_id, prompt_ids, params, seed, output_state=output_state, grammar=grammar)
+        request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
+                          output_state=output_state, grammar=grammar)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)

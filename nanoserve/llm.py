@@ -138,8 +138,9 @@ class LLM:
         for prompt, prompt_params in zip(prompt_list, params_list, strict=True):
             text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
             completion = None
-            for i in range(prompt_params.n):
-                request_id = engine.add_request(ids_or_text, _choice_params(prompt_params, i))
+            for i in range(prompt_params.n):  # the prompt's choices share one parent: choice 0
+                request_id = engine.add_request(ids_or_text, _choice_params(prompt_params, i),
+                                                parent_id=completion.request_id if completion else None)
                 if completion is None:
                     completion = Completion(request_id, engine.requests[request_id].prompt_ids, text, [])
                     completions[request_id] = completion

@@ -80,6 +80,9 @@ class Request:
     params: SamplingParams
     seed: int
     arrival_s: float = field(default_factory=time.monotonic)
+    # The client request this one belongs to (an HTTP request's n choices share it); None: its own.
+    # The scheduler's fair share (fair_share.py) divides steps between parents.
+    parent_id: str | None = None
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled on the device, not yet appended to output_ids
@@ -99,6 +102,10 @@ class Request:
     # (nothing comes before it). Filled as prefill chunks compute them, handed out with the first
     # output. Untyped here: output imports this module, not the other way round.
     prompt_logprobs: list | None = None
+
+    @property
+    def parent(self) -> str:
+        return self.parent_id if self.parent_id is not None else self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,13 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
 
+While requests of more than one client request (a parent: an HTTP request's n choices) run and
+one decodes, each parent takes at most its fair share of a step's rows (`fair_share.py`: the
+lightest parent's demand plus `fair_share_rows`), its requests least advanced first, so one
+request with many choices, a long context or a long prompt slows the others by a bounded
+factor; an arriving prompt that fits whole in the prefill budget is exempt (a one-off cost).
+A request its parent's share holds back lets the ones behind it in the queue pass.
+
 With speculation, a decoding request also carries the drafts the engine proposed for it
 (`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
 its chunk; when the pool has no room for them it decodes plainly instead (drafts never preempt).
@@ -49,6 +56,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.errors import InvalidRequestError
+from nanoserve.fair_share import FairShare
 from nanoserve.request import NewToken, Request, RequestStatus
 
 
@@ -61,6 +69,9 @@ class SchedulerConfig:
     # Prompt tokens one step may compute while another request decodes; None: no bound but the
     # step's. The engine's default is measured (EngineConfig).
     max_prefill_tokens_while_decoding: int | None = None
+    # Row units a parent may take in a step beyond the lightest running parent's (fair_share.py);
+    # inf: no fair share.
+    fair_share_rows: float = float("inf")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -69,6 +80,8 @@ class SchedulerConfig:
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None and cap < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
+        if not self.fair_share_rows >= 0:
+            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +116,7 @@ class StepBudget:
 
     tokens: int
     prefill_tokens: int
+    decoding: bool = False  # some running request decodes this step
 
     def grant(self, request: Request) -> int:
         """How many of the request's uncomputed tokens fit: a decode (one token) needs only the
@@ -141,6 +155,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
         self.prefix_cache_hits = 0  # of those, tokens the cache supplied
+        self.share = FairShare(config.fair_share_rows)
 
     @property
     def max_request_tokens(self) -> int:
@@ -175,36 +190,62 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._step_budget()
+        self.share.begin_step(self._demands(budget), budget.decoding)
         self._schedule_running(out, budget)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        self.share.end_step()
         return out
 
     def _step_budget(self) -> StepBudget:
         tokens = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         decoding = any(request.num_uncomputed_tokens == 1 for request in self.running)
-        return StepBudget(tokens, min(tokens, cap) if decoding and cap is not None else tokens)
+        return StepBudget(tokens, min(tokens, cap) if decoding and cap is not None else tokens, decoding)
+
+    def _demands(self, budget: StepBudget) -> dict[str, float]:
+        """The row units each running parent would take this step with no fair share."""
+        demands: dict[str, float] = {}
+        for request in self.running:
+            wanted = request.num_uncomputed_tokens
+            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, budget.prefill_tokens)
+            units = self.share.units(tokens, request.num_computed_tokens + tokens)
+            demands[request.parent] = demands.get(request.parent, 0.0) + units
+        return demands
+
+    def _running_order(self) -> list[Request]:
+        """Oldest first; while sharing, each parent's requests together at its oldest one's place,
+        least advanced first (stable), so the choices its share holds back take turns."""
+        if not self.share.active:
+            return list(self.running)
+        by_parent: dict[str, list[Request]] = {}
+        for request in self.running:
+            by_parent.setdefault(request.parent, []).append(request)
+        return [request for group in by_parent.values()
+                for request in sorted(group, key=lambda request: request.num_tokens)]
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        for request in list(self.running):
+        for request in self._running_order():
             if budget.tokens == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if request.num_pending_tokens and request.num_tokens >= request.max_total_tokens:
                 continue  # its pending token is its last: max_tokens ends it when resolved
-            num_tokens = budget.grant(request)
+            start = request.num_computed_tokens
+            num_tokens = self.share.affordable(request.parent, start, budget.grant(request))
             if num_tokens == 0:
                 continue
             drafts = self._drafts(request, budget.tokens - num_tokens)
-            if drafts and not self._reserve(request, request.num_computed_tokens + num_tokens + len(drafts)):
+            drafts = drafts[:self.share.affordable(request.parent, start, num_tokens + len(drafts),
+                                                   optional=True) - num_tokens]
+            if drafts and not self._reserve(request, start + num_tokens + len(drafts)):
                 drafts = ()  # no room for them: decode plainly rather than preempt anyone
             if not self._reserve_or_preempt(request, num_tokens, out):
                 continue
-            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens,
-                                             num_tokens + len(drafts), drafts))
+            out.chunks.append(ScheduledChunk(request, start, num_tokens + len(drafts), drafts))
             budget.spend(request, num_tokens + len(drafts))  # drafts ride on a decode: no prefill budget
+            self.share.spend(request.parent, start, num_tokens + len(drafts))
 
     def _drafts(self, request: Request, spare_budget: int) -> tuple[int, ...]:
         """The request's proposed drafts that fit: a decode only, within the spare budget, and
@@ -215,31 +256,48 @@ class Scheduler:
         return tuple(request.draft_ids[:max(0, room)])
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Make room for `num_tokens` more tokens of `request`, preempting the newest others."""
+        """Make room for `num_tokens` more tokens of `request`, preempting the newest others that
+        this step has not scheduled yet (a fair share's order may have scheduled newer ones)."""
+        scheduled = {id(chunk.request) for chunk in out.chunks}
         while not self._reserve(request, request.num_computed_tokens + num_tokens):
-            victim = self.running[-1]
+            victim = next(other for other in reversed(self.running) if id(other) not in scheduled)
             self._preempt(victim, out)
             if victim is request:
                 return False
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admitted once the token is known
             hits = self._take_cached_prefix(request)
             num_tokens = budget.grant(request)
+            self.share.admit(request.parent, decoding=budget.decoding,
+                             others_running=any(other.parent != request.parent for other in self.running))
+            whole = num_tokens == request.num_uncomputed_tokens  # an arrival's one-off: no share
+            if not whole:
+                num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
+                if num_tokens == 0 and budget.grant(request) > 0:
+                    self._unadmit(request)
+                    continue  # its parent's share is spent this step: the next in line may run
             if num_tokens == 0 or not self._reserve(request, request.num_computed_tokens + num_tokens):
-                self._release(request)
-                request.num_computed_tokens = 0
-                break  # FCFS: no one overtakes the head of the queue
+                self._unadmit(request)
+                break  # FCFS: no one overtakes the head of the queue for budget or blocks
             self._count_lookup(request, hits)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget.spend(request, num_tokens)
+            if not whole:
+                self.share.spend(request.parent, request.num_computed_tokens, num_tokens)
+
+    def _unadmit(self, request: Request) -> None:
+        """Give back the cached blocks a request that is not admitted after all took."""
+        self._release(request)
+        request.num_computed_tokens = 0
 
     def _take_cached_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks its tokens start with;

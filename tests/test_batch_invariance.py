@@ -201,3 +201,35 @@ def test_a_request_gets_the_logprobs_it_asked_for_whatever_its_neighbours_asked(
             assert seen[request_id] == [None] * 4
         else:
             assert all(len(entries) == 1 and len(entries[0].top) == wanted for entries in seen[request_id])
+
+
+def test_a_fair_share_holds_a_many_choice_request_back_and_changes_no_bit(tiny_model_dir):
+    """Six choices beside a one-choice request: the share computes the six a few at a time, and
+    every token and logprob of every choice is what it is with no share."""
+    prompts = ["many choices:", "one choice:"]
+    params = [SamplingParams(n=6, max_tokens=12, temperature=0.9, top_p=0.9, seed=5, logprobs=LOGPROBS,
+                             ignore_eos=True), params_for(0, max_tokens=12)]
+
+    def run(fair_share_rows: float) -> tuple[list, int]:
+        llm = LLM(str(tiny_model_dir), device="cpu", fair_share_rows=fair_share_rows)
+        scheduler, most_rows = llm.engine.scheduler, [0]
+        schedule = scheduler.schedule
+
+        def recording():
+            plan = schedule()
+            parents = [chunk.request.parent for chunk in plan.chunks if chunk.is_decode]
+            if len(set(parents)) > 1:
+                most_rows[0] = max(most_rows[0], max(parents.count(p) for p in parents))
+            return plan
+
+        scheduler.schedule = recording
+        done = llm.generate(prompts, params)
+        return [[(e.token_id, e.logprob, e.top) for out in c.outputs for e in out.logprobs] for c in done], \
+            most_rows[0]
+
+    unshared, unshared_rows = run(float("inf"))
+    shared, shared_rows = run(0.0)
+    # fair_share_rows 0: the lightest's one row a step, and now and then a second from what
+    # the share carried over (a row's cost grows with its context, so shares are fractional).
+    assert unshared_rows == 6 and shared_rows <= 2, "the share did not hold the six back"
+    assert shared == unshared

@@ -72,3 +72,9 @@ def test_chat_takes_one_conversation_or_a_batch_and_template_options(llm: LLM) -
     assert custom.prompt_token_ids == llm.tokenizer.encode("hello1", add_bos=False)
     [open_turn] = llm.chat(one, params, add_generation_prompt=False)
     assert open_turn.prompt_token_ids != single.prompt_token_ids
+
+
+@pytest.mark.parametrize("rows", [-1.0, float("nan")])
+def test_a_bad_fair_share_is_refused_naming_the_field_before_the_model_loads(rows, tmp_path):
+    with pytest.raises(ValueError, match="fair_share_rows"):
+        LLM(str(tmp_path / "missing"), fair_share_rows=rows)

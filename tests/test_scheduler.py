@@ -1,5 +1,6 @@
 """Scheduler rules, pinned on plain integers: budgets, chunked prefill, preemption, abort."""
 
+import itertools
 import subprocess
 import sys
 
@@ -15,20 +16,26 @@ from nanoserve.scheduler import NewToken, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256,
-                   prefix_caching=False, prefill_cap=None):
+                   prefix_caching=False, prefill_cap=None, fair_share=float("inf")):
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_len,
                                      enable_prefix_caching=prefix_caching,
-                                     max_prefill_tokens_while_decoding=prefill_cap), pool)
+                                     max_prefill_tokens_while_decoding=prefill_cap,
+                                     fair_share_rows=fair_share), pool)
 
 
-def make_request(rid, prompt_len, max_tokens=8):
-    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=0)
+def make_request(rid, prompt_len, max_tokens=8, parent=None):
+    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=0,
+                   parent_id=parent)
 
 
 def run_step(scheduler):
     """Run the planned step with a model that always samples 7 and stops only at max_tokens."""
     plan = scheduler.schedule()
+    for chunk in plan.chunks:  # every planned token has a cache slot: no chunk of a preempted request
+        assert chunk.request.status is RequestStatus.RUNNING, chunk.request.request_id
+        needed = scheduler.pool.blocks_for_tokens(chunk.start + chunk.num_tokens)
+        assert len(chunk.request.block_ids) >= needed
     new_tokens = []
     for chunk in plan.chunks:
         if chunk.samples:
@@ -156,14 +163,16 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     st.integers(6, 40),
     st.booleans(),
     st.sampled_from([None, 1, 5]),
+    st.sampled_from([float("inf"), 0.0, 2.0]),
 )
-def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, prefix_caching, prefill_cap):
+def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, prefix_caching, prefill_cap,
+                                                              fair_share):
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_tokens_per_step=24,
-                               prefix_caching=prefix_caching, prefill_cap=prefill_cap)
+                               prefix_caching=prefix_caching, prefill_cap=prefill_cap, fair_share=fair_share)
     live: list[Request] = []
     for i, (op, size, max_tokens) in enumerate(ops):
-        if op == "add":
-            request = make_request(i, size, max_tokens)
+        if op == "add":  # three parents, so a fair share has someone to divide between
+            request = make_request(i, size, max_tokens, parent=f"client-{size % 3}")
             try:
                 scheduler.check_fits(size, max_tokens)
             except InvalidRequestError:
@@ -181,9 +190,10 @@ def test_random_add_step_abort_never_leaks_or_exceeds_budgets(ops, num_blocks, p
             assert plan.num_batched_tokens <= 24
             if decoding and prefill_cap is not None:
                 assert sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1) <= prefill_cap
-            # A prompt never crowds out a decode: each runs, unless the pool preempted it.
+            # A prompt never crowds out a decode: each runs, unless the pool preempted it (or a
+            # fair share holds its parent back; the drain below shows it is never for ever).
             served = {c.request.request_id for c in plan.chunks} | {r.request_id for r in plan.preempted}
-            assert decoding <= served
+            assert decoding <= served or fair_share != float("inf")
             assert len(scheduler.running) <= 4
             ids = [c.request.request_id for c in plan.chunks]
             assert len(ids) == len(set(ids))
@@ -364,3 +374,107 @@ def test_a_block_served_from_the_cache_holds_exactly_the_tokens_up_to_its_end(op
         scheduler.pool.check()
         assert scheduler.pool.num_cached_blocks <= len(content), "a block not full and computed is cached"
     assert scheduler.pool.is_completely_free
+
+
+# The fair share (fair_share.py): while more than one parent (client request) runs and one
+# decodes, each parent takes at most the lightest parent's row units plus `fair_share_rows`.
+
+def decoding_crowd(scheduler, parents: dict[str, int], prompt_len=2, max_tokens=40):
+    """`parents[p]` requests of each parent, prefilled (one step each, nothing decoding yet)."""
+    requests = [make_request(f"{p}{i}", prompt_len, max_tokens, parent=p)
+                for p, count in parents.items() for i in range(count)]
+    for request in requests:
+        scheduler.add(request)
+    while any(not r.output_ids for r in requests):
+        run_step(scheduler)
+    return requests
+
+
+def rows_by_parent(plan):
+    rows: dict[str, int] = {}
+    for chunk in plan.chunks:
+        rows[chunk.request.parent] = rows.get(chunk.request.parent, 0) + chunk.num_tokens
+    return rows
+
+
+def test_a_parent_with_many_choices_takes_the_lightest_share_plus_the_extra_rows():
+    scheduler = make_scheduler(max_num_seqs=16, max_tokens_per_step=64, fair_share=2.0)
+    decoding_crowd(scheduler, {"heavy": 8, "light": 1})
+    for _ in range(6):
+        rows = rows_by_parent(run_step(scheduler))
+        assert rows["light"] == 1  # the lightest runs whole
+        assert 2 <= rows["heavy"] <= 3  # 1 + 2 row units, less what the short contexts cost
+
+
+def test_choices_a_share_holds_back_take_turns():
+    scheduler = make_scheduler(max_num_seqs=16, max_tokens_per_step=64, fair_share=2.0)
+    heavy = [r for r in decoding_crowd(scheduler, {"heavy": 8, "light": 1}) if r.parent == "heavy"]
+    for _ in range(12):
+        run_step(scheduler)
+        counts = [len(r.output_ids) for r in heavy]
+        assert max(counts) - min(counts) <= 1, counts  # least advanced first
+
+
+def test_a_parent_alone_and_a_crowd_of_equals_are_never_held_back():
+    alone = make_scheduler(max_num_seqs=16, max_tokens_per_step=64, fair_share=0.0)
+    decoding_crowd(alone, {"only": 8})
+    assert rows_by_parent(run_step(alone)) == {"only": 8}
+    equals = make_scheduler(max_num_seqs=16, max_tokens_per_step=64, fair_share=0.0)
+    decoding_crowd(equals, {f"client{i}": 1 for i in range(8)})
+    assert len(run_step(equals).chunks) == 8
+
+
+def test_without_a_share_the_heavy_parent_takes_every_row():
+    scheduler = make_scheduler(max_num_seqs=16, max_tokens_per_step=64)  # fair_share inf: off
+    decoding_crowd(scheduler, {"heavy": 8, "light": 1})
+    assert rows_by_parent(run_step(scheduler)) == {"heavy": 8, "light": 1}
+
+
+def test_a_row_over_a_long_context_runs_every_few_steps_never_never():
+    scheduler = make_scheduler(num_blocks=1200, max_tokens_per_step=512, max_len=8192, fair_share=2.0)
+    long = make_request("long", 4000, max_tokens=40, parent="long")
+    scheduler.add(long)
+    while not long.output_ids:
+        run_step(scheduler)
+    decoding_crowd(scheduler, {"light": 1})
+    # One row over 4,000 tokens costs 1 + 4000/400 = 11 units; the share gives 1 + 2 a step.
+    ran = [any(c.request is long for c in run_step(scheduler).chunks) for _ in range(16)]
+    assert 3 <= sum(ran) <= 5, ran
+    assert not any(a and b for a, b in itertools.pairwise(ran)), "it saved its share, not banked more"
+
+
+def test_a_long_prompt_is_chunked_to_its_share_and_a_short_arrival_prefills_whole():
+    scheduler = make_scheduler(max_tokens_per_step=512, prefill_cap=64, fair_share=2.0)
+    decoding_crowd(scheduler, {"light": 1})
+    scheduler.add(make_request("long", 300, parent="long"))
+    sizes = [rows_by_parent(run_step(scheduler)).get("long", 0) for _ in range(4)]
+    assert all(1 <= size <= 3 for size in sizes), sizes
+    scheduler.add(make_request("short", 40, parent="short"))
+    assert rows_by_parent(run_step(scheduler))["short"] == 40  # a one-off: no share
+
+
+def test_a_request_its_share_holds_back_lets_the_next_in_queue_pass():
+    scheduler = make_scheduler(max_tokens_per_step=512, prefill_cap=64, fair_share=2.0)
+    decoding_crowd(scheduler, {"light": 1})
+    scheduler.add(make_request("long0", 300, parent="long"))
+    scheduler.add(make_request("long1", 300, parent="long"))  # its sibling spent the share
+    scheduler.add(make_request("other", 30, parent="other"))
+    ran = {c.request.request_id for c in run_step(scheduler).chunks}
+    assert ran == {"light0", "long0", "other"}
+
+
+def test_a_negative_fair_share_is_refused_by_name():
+    with pytest.raises(ValueError, match="fair_share_rows"):
+        SchedulerConfig(fair_share_rows=-1.0)
+
+
+def test_out_of_blocks_never_preempts_a_request_the_share_already_scheduled_this_step():
+    # The share orders parents' requests together (A0, A1, then B0), so the newest running
+    # request (A1) may already be in the plan when B0 needs a block the pool does not have.
+    scheduler = make_scheduler(num_blocks=3, block_size=4, max_tokens_per_step=64, fair_share=5.0)
+    for rid, prompt, parent in (("A0", 2, "A"), ("B0", 4, "B"), ("A1", 2, "A")):
+        scheduler.add(make_request(rid, prompt, max_tokens=4, parent=parent))
+    run_step(scheduler)  # prefill: one block each, the pool full
+    plan = run_step(scheduler)  # B0's decode needs a second block
+    assert [r.request_id for r in plan.preempted] == ["B0"]
+    assert {c.request.request_id for c in plan.chunks} == {"A0", "A1"}

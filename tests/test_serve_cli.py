@@ -22,6 +22,9 @@ runner = CliRunner()
     (["--log-level", "verbose"], {}, "--log-level"),
     (["--log-level", ""], {}, "--log-level"),
     (["--seed", "-1"], {}, "--seed"),
+    (["--fair-share-rows", "-1"], {}, "--fair-share-rows"),
+    (["--fair-share-rows", "nan"], {}, "--fair-share-rows"),
+    (["--fair-share-rows", "some"], {}, "--fair-share-rows"),
 ])
 def test_a_bad_serve_option_exits_2_naming_it_before_loading_the_model(args, env, option, tmp_path):
     # The model path does not exist: reaching it would fail naming --model instead.

@@ -44,6 +44,7 @@ class _Add:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    parent_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +113,12 @@ class AsyncEngine:
             raise EngineUnavailableError("the model is still loading")
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue) -> None:
-        """Queue a sequence; its outputs (or an exception) arrive on `queue`."""
+            queue: asyncio.Queue, *, parent_id: str | None = None) -> None:
+        """Queue a sequence, one choice of the client request `parent_id`; its outputs (or an
+        exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params))
+        self._send(_Add(request_id, prompt_ids, params, parent_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a sequence (its reader is gone): no more outputs, its blocks freed at once."""
@@ -217,7 +219,8 @@ class AsyncEngine:
                 self.engine.abort(command.request_id)
                 continue
             try:
-                self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+                self.engine.add_request(command.prompt_ids, command.params, command.request_id,
+                                        parent_id=command.parent_id)
             except Exception as error:  # checked before; a late refusal only fails this request
                 rejected.append((command.request_id, error))
         return rejected

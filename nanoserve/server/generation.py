@@ -107,7 +107,7 @@ class Generation:
         generation = cls(state, request_id, arrival_s, queue, choices)
         for seq_id, seq in zip(ids, plan, strict=True):
             try:
-                state.async_engine.add(seq_id, seq.prompt_ids, seq.params, queue)
+                state.async_engine.add(seq_id, seq.prompt_ids, seq.params, queue, parent_id=request_id)
             except EngineUnavailableError as error:
                 generation.close()
                 raise unavailable(str(error), state.limits) from None

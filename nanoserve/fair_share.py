@@ -1,0 +1,108 @@
+"""Fair share of a step: no client request slows the ones beside it by more than a bounded factor.
+
+Plain Python over numbers (no torch); the scheduler asks it how much of a step each request may take.
+
+Why: on a CPU a step's cost grows with its rows from the first one (the quantized kernels are
+compute-bound at one row: 12.4 ms at 1 row, 18.8 at 2, 59.3 at 16; Zen 3, Q4_1) and with each
+row's attention context (a decode row over 4,000 cached tokens costs about 10 short rows). So a
+request with n=16 choices, a long prompt or a long cached context would make every step of an
+ordinary request beside it several times longer (results/neighbours.csv).
+
+The unit is a *row unit*: one computed token (a decode row, a draft, a prompt token) attending
+over a short context; a token attending over C earlier tokens costs 1 + C / context_tokens_per_row
+units. Requests are grouped by *parent*, the client request they belong to (an HTTP request's n
+choices, one prompt's choices in `LLM.generate`). Model a step as a + b * units, and call the
+fixed part a / b the step's fixed cost in units (about 3 here). A parent p running beside the
+lightest parent, of u units, slows it by (a + b (u + u_p)) / (a + b u); so while more than one
+parent runs and some request decodes, each parent takes at most u + extra_rows units a step,
+u the smallest demand among the running parents. The lightest runs whole; equal requests (a
+plain crowd) are never held back, since each demands what the lightest does; one heavy parent
+is held to a bounded slowdown of the rest (extra_rows = 2: 1 + (u + 2) / (3 + u) <= 1.76 for a
+one-row decode).
+
+- A parent's requests go least advanced first, so all its choices progress in turn.
+- What a parent leaves unspent carries to the next step only up to the cost of the row that did
+  not fit: a row that costs more than a step's share (a decode over a long context) runs every
+  few steps instead of never, and no parent banks a share.
+- An arriving prompt that fits whole in the step's prefill budget is computed at once: that is
+  the one-off cost of an arrival, not the steady cost this bounds; a longer prompt is chunked
+  to its share.
+- A parent alone, or steps where nothing decodes, are never held back.
+
+Which step computes a token never changes the token (batch invariance), so tokens and logprobs
+are the same with the share on or off; only who waits changes, and the heavy request's own
+throughput drops while it has neighbours. vLLM and SGLang bound prefill per step but not a
+request's decode rows; a client that splits its work into many requests (or many `user`s) is
+not one parent here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Attention context tokens that cost as much as one extra row: a decode row over 4,000 cached
+# tokens took ~30 ms more than over 16, and one more row ~3 ms, on the Q4_1 default (2-core Zen 3;
+# the command is in results/README.md).
+CONTEXT_TOKENS_PER_ROW = 400
+
+
+@dataclass(slots=True)
+class FairShare:
+    """Each parent's row units for the step being scheduled, and what carries to the next."""
+
+    extra_rows: float
+    context_tokens_per_row: int = CONTEXT_TOKENS_PER_ROW
+    credit: dict[str, float] = field(default_factory=dict)  # units left this step, by parent
+    blocked: dict[str, float] = field(default_factory=dict)  # cost of the row that did not fit
+    lightest: float = 0.0  # the smallest demand among the parents running at the step's start
+    active: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.extra_rows >= 0:  # also refuses NaN
+            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.extra_rows}")
+
+    def units(self, num_tokens: int, context: int) -> float:
+        """The cost of `num_tokens` tokens whose last attends over `context` tokens (a bound)."""
+        return num_tokens * (1 + context / self.context_tokens_per_row)
+
+    def begin_step(self, demands: dict[str, float], decoding: bool) -> None:
+        """Give each running parent its share, from what each would take unbounded."""
+        self.lightest = min(demands.values(), default=0.0)
+        self.active = decoding and len(demands) > 1 and self.extra_rows != float("inf")
+        if not self.active:
+            self.credit.clear()
+            self.blocked.clear()
+            return
+        share = self.lightest + self.extra_rows
+        self.credit = {parent: self.credit.get(parent, 0.0) + share for parent in demands}
+        self.blocked = {}
+
+    def admit(self, parent: str, *, others_running: bool, decoding: bool) -> None:
+        """A parent arriving mid-step shares from now on if another parent runs and one decodes."""
+        if others_running and decoding and self.extra_rows != float("inf"):
+            self.active = True
+            self.credit.setdefault(parent, self.lightest + self.extra_rows)
+
+    def affordable(self, parent: str, start: int, wanted: int, *, optional: bool = False) -> int:
+        """How many of `wanted` tokens from position `start` the parent's share pays for now;
+        `optional` tokens (drafts) that do not fit are simply left out, not waited for."""
+        if not self.active or parent not in self.credit:
+            return wanted
+        left = self.credit[parent]
+        granted = 0
+        while granted < wanted and self.units(granted + 1, start + granted + 1) <= left:
+            granted += 1
+        if granted < wanted and not optional:
+            self.blocked.setdefault(parent, self.units(granted + 1, start + granted + 1)
+                                    - self.units(granted, start + granted))
+        return granted
+
+    def spend(self, parent: str, start: int, num_tokens: int) -> None:
+        if self.active and parent in self.credit:
+            self.credit[parent] -= self.units(num_tokens, start + num_tokens)
+
+    def end_step(self) -> None:
+        """Carry a blocked parent's unspent units, up to the row it waits for; no one else's."""
+        if self.active:
+            self.credit = {parent: min(left, self.blocked[parent])
+                           for parent, left in self.credit.items() if parent in self.blocked}
