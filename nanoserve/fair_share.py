@@ -10,15 +10,17 @@ ordinary request beside it several times longer (results/neighbours.csv).
 
 The unit is a *row unit*: one computed token (a decode row, a draft, a prompt token) attending
 over a short context; a token attending over C earlier tokens costs 1 + C / context_tokens_per_row
-units. Requests are grouped by *parent*, the client request they belong to (an HTTP request's n
-choices, one prompt's choices in `LLM.generate`). Model a step as a + b * units, and call the
+units, and a row that samples (not greedy) or reports top logprobs costs what the sampler's exact
+path and the host's formatting add (`sampling_units`). Requests are grouped by *parent*, the
+client request they belong to (an HTTP request's n choices, one prompt's choices in
+`LLM.generate`). Model a step as a + b * units, and call the
 fixed part a / b the step's fixed cost in units (about 3 here). A parent p running beside the
 lightest parent, of u units, slows it by (a + b (u + u_p)) / (a + b u); so while more than one
 parent runs and some request decodes, each parent takes at most u + extra_rows units a step,
 u the smallest demand among the running parents. The lightest runs whole; equal requests (a
 plain crowd) are never held back, since each demands what the lightest does; one heavy parent
-is held to a bounded slowdown of the rest (extra_rows = 2: 1 + (u + 2) / (3 + u) <= 1.76 for a
-one-row decode).
+is held to a bounded slowdown of the rest: with extra_rows = 2, 1 + (u + 2) / (3 + u), 1.75 for a
+one-row decode (u = 1) and below 2 for any u.
 
 - A parent's requests go least advanced first, so all its choices progress in turn.
 - What a parent leaves unspent carries to the next step only up to the cost of the row that did
@@ -39,11 +41,33 @@ not one parent here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoserve.sampling_params import SamplingParams
 
 # Attention context tokens that cost as much as one extra row: a decode row over 4,000 cached
 # tokens took ~30 ms more than over 16, and one more row ~3 ms, on the Q4_1 default (2-core Zen 3;
 # the command is in results/README.md).
 CONTEXT_TOKENS_PER_ROW = 400
+# What a decode row's sampling adds, in row units (a model row is ~3 ms here): the sampler's
+# exact draw for one row beside a greedy one, timed on the default model's vocabulary (49,152)
+# the way `nanoserve syncbench` times its mixes: a plain temperature draw ~0.9 ms, typical_p
+# ~2.9 ms, top_n_sigma ~2.0 ms, both ~4.5 ms, 20 top logprobs ~2.5 ms (top-k and log-softmax
+# over the vocabulary, then the host formats them).
+SAMPLED_ROW_UNITS = 0.3
+TYPICAL_ROW_UNITS = 1.0
+SIGMA_ROW_UNITS = 0.7
+LOGPROB_ALTERNATIVE_UNITS = 0.04
+
+
+def sampling_units(params: SamplingParams) -> float:
+    """What a decode row of a request with these parameters costs beyond its model row."""
+    units = (params.logprobs or 0) * LOGPROB_ALTERNATIVE_UNITS
+    if params.is_greedy:
+        return units
+    return (units + SAMPLED_ROW_UNITS + TYPICAL_ROW_UNITS * (params.typical_p < 1)
+            + SIGMA_ROW_UNITS * (params.top_n_sigma > 0))
 
 
 @dataclass(slots=True)
@@ -61,9 +85,10 @@ class FairShare:
         if not self.extra_rows >= 0:  # also refuses NaN
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.extra_rows}")
 
-    def units(self, num_tokens: int, context: int) -> float:
-        """The cost of `num_tokens` tokens whose last attends over `context` tokens (a bound)."""
-        return num_tokens * (1 + context / self.context_tokens_per_row)
+    def units(self, num_tokens: int, context: int, extra: float = 0.0) -> float:
+        """The cost of `num_tokens` tokens whose last attends over `context` tokens (a bound),
+        each costing `extra` more (a sampled decode row's `sampling_units`)."""
+        return num_tokens * (1 + extra + context / self.context_tokens_per_row)
 
     def begin_step(self, demands: dict[str, float], decoding: bool) -> None:
         """Give each running parent its share, from what each would take unbounded."""
@@ -83,23 +108,24 @@ class FairShare:
             self.active = True
             self.credit.setdefault(parent, self.lightest + self.extra_rows)
 
-    def affordable(self, parent: str, start: int, wanted: int, *, optional: bool = False) -> int:
+    def affordable(self, parent: str, start: int, wanted: int, extra: float = 0.0, *,
+                   optional: bool = False) -> int:
         """How many of `wanted` tokens from position `start` the parent's share pays for now;
         `optional` tokens (drafts) that do not fit are simply left out, not waited for."""
         if not self.active or parent not in self.credit:
             return wanted
         left = self.credit[parent]
         granted = 0
-        while granted < wanted and self.units(granted + 1, start + granted + 1) <= left:
+        while granted < wanted and self.units(granted + 1, start + granted + 1, extra) <= left:
             granted += 1
         if granted < wanted and not optional:
-            self.blocked.setdefault(parent, self.units(granted + 1, start + granted + 1)
-                                    - self.units(granted, start + granted))
+            self.blocked.setdefault(parent, self.units(granted + 1, start + granted + 1, extra)
+                                    - self.units(granted, start + granted, extra))
         return granted
 
-    def spend(self, parent: str, start: int, num_tokens: int) -> None:
+    def spend(self, parent: str, start: int, num_tokens: int, extra: float = 0.0) -> None:
         if self.active and parent in self.credit:
-            self.credit[parent] -= self.units(num_tokens, start + num_tokens)
+            self.credit[parent] -= self.units(num_tokens, start + num_tokens, extra)
 
     def end_step(self) -> None:
         """Carry a blocked parent's unspent units, up to the row it waits for; no one else's."""

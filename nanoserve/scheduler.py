@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.errors import InvalidRequestError
-from nanoserve.fair_share import FairShare
+from nanoserve.fair_share import FairShare, sampling_units
 from nanoserve.request import NewToken, Request, RequestStatus
 
 
@@ -209,9 +209,15 @@ class Scheduler:
         for request in self.running:
             wanted = request.num_uncomputed_tokens
             tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, budget.prefill_tokens)
-            units = self.share.units(tokens, request.num_computed_tokens + tokens)
+            units = self.share.units(tokens, request.num_computed_tokens + tokens, self._row_extra(request))
             demands[request.parent] = demands.get(request.parent, 0.0) + units
         return demands
+
+    @staticmethod
+    def _row_extra(request: Request) -> float:
+        """What each of the request's rows costs the fair share beyond its model row: a decode
+        row (and each draft) samples; a prompt chunk's rows do not."""
+        return sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
 
     def _running_order(self) -> list[Request]:
         """Oldest first; while sharing, each parent's requests together at its oldest one's place,
@@ -232,12 +238,12 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.num_pending_tokens and request.num_tokens >= request.max_total_tokens:
                 continue  # its pending token is its last: max_tokens ends it when resolved
-            start = request.num_computed_tokens
-            num_tokens = self.share.affordable(request.parent, start, budget.grant(request))
+            start, extra = request.num_computed_tokens, self._row_extra(request)
+            num_tokens = self.share.affordable(request.parent, start, budget.grant(request), extra)
             if num_tokens == 0:
                 continue
             drafts = self._drafts(request, budget.tokens - num_tokens)
-            drafts = drafts[:self.share.affordable(request.parent, start, num_tokens + len(drafts),
+            drafts = drafts[:self.share.affordable(request.parent, start, num_tokens + len(drafts), extra,
                                                    optional=True) - num_tokens]
             if drafts and not self._reserve(request, start + num_tokens + len(drafts)):
                 drafts = ()  # no room for them: decode plainly rather than preempt anyone
@@ -245,7 +251,7 @@ class Scheduler:
                 continue
             out.chunks.append(ScheduledChunk(request, start, num_tokens + len(drafts), drafts))
             budget.spend(request, num_tokens + len(drafts))  # drafts ride on a decode: no prefill budget
-            self.share.spend(request.parent, start, num_tokens + len(drafts))
+            self.share.spend(request.parent, start, num_tokens + len(drafts), extra)
 
     def _drafts(self, request: Request, spare_budget: int) -> tuple[int, ...]:
         """The request's proposed drafts that fit: a decode only, within the spare budget, and

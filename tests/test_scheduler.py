@@ -24,9 +24,10 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_s
                                      fair_share_rows=fair_share), pool)
 
 
-def make_request(rid, prompt_len, max_tokens=8, parent=None):
-    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), seed=0,
-                   parent_id=parent)
+def make_request(rid, prompt_len, max_tokens=8, parent=None, **params):
+    params = {"temperature": 0.0} | params  # greedy unless asked: a sampled row costs the share more
+    return Request(str(rid), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **params),
+                   seed=0, parent_id=parent)
 
 
 def run_step(scheduler):
@@ -379,9 +380,9 @@ def test_a_block_served_from_the_cache_holds_exactly_the_tokens_up_to_its_end(op
 # The fair share (fair_share.py): while more than one parent (client request) runs and one
 # decodes, each parent takes at most the lightest parent's row units plus `fair_share_rows`.
 
-def decoding_crowd(scheduler, parents: dict[str, int], prompt_len=2, max_tokens=40):
+def decoding_crowd(scheduler, parents: dict[str, int], prompt_len=2, max_tokens=40, **params):
     """`parents[p]` requests of each parent, prefilled (one step each, nothing decoding yet)."""
-    requests = [make_request(f"{p}{i}", prompt_len, max_tokens, parent=p)
+    requests = [make_request(f"{p}{i}", prompt_len, max_tokens, parent=p, **params)
                 for p, count in parents.items() for i in range(count)]
     for request in requests:
         scheduler.add(request)
@@ -404,6 +405,16 @@ def test_a_parent_with_many_choices_takes_the_lightest_share_plus_the_extra_rows
         rows = rows_by_parent(run_step(scheduler))
         assert rows["light"] == 1  # the lightest runs whole
         assert 2 <= rows["heavy"] <= 3  # 1 + 2 row units, less what the short contexts cost
+
+
+def test_sampled_rows_and_top_logprobs_cost_the_share_more_than_greedy_rows():
+    rows = {}
+    for name, params in {"greedy": {}, "sampled": {"temperature": 1.0, "logprobs": 20}}.items():
+        scheduler = make_scheduler(max_num_seqs=16, max_tokens_per_step=64, fair_share=2.0)
+        decoding_crowd(scheduler, {"heavy": 8}, **params)
+        decoding_crowd(scheduler, {"light": 1})
+        rows[name] = sum(rows_by_parent(run_step(scheduler))["heavy"] for _ in range(8))
+    assert rows["sampled"] * 1.5 <= rows["greedy"], rows  # 1 + 0.3 + 20 x 0.04 units a row against 1
 
 
 def test_choices_a_share_holds_back_take_turns():
