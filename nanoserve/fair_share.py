@@ -12,15 +12,15 @@ The unit is a *row unit*: one computed token (a decode row, a draft, a prompt to
 over a short context; a token attending over C earlier tokens costs 1 + C / context_tokens_per_row
 units, and a row that samples (not greedy) or reports top logprobs costs what the sampler's exact
 path and the host's formatting add (`sampling_units`). Requests are grouped by *parent*, the
-client request they belong to (an HTTP request's n choices, one prompt's choices in
-`LLM.generate`). Model a step as a + b * units, and call the
-fixed part a / b the step's fixed cost in units (about 3 here). A parent p running beside the
-lightest parent, of u units, slows it by (a + b (u + u_p)) / (a + b u); so while more than one
-parent runs and some request decodes, each parent takes at most u + extra_rows units a step,
-u the smallest demand among the running parents. The lightest runs whole; equal requests (a
-plain crowd) are never held back, since each demands what the lightest does; one heavy parent
-is held to a bounded slowdown of the rest: with extra_rows = 2, 1 + (u + 2) / (3 + u), 1.75 for a
-one-row decode (u = 1) and below 2 for any u.
+client request they belong to (an HTTP request with all its prompts and n choices, one
+`LLM.generate` call). Model a step as a + b * units, and call the fixed part a / b the step's
+fixed cost in units (about 3 here). A parent p running beside the lightest parent, of u units,
+slows it by (a + b (u + u_p)) / (a + b u); so while more than one parent runs and some request
+decodes, each parent takes at most u + extra_rows units a step, u the smallest demand among the
+running parents. The lightest runs whole; equal requests (a plain crowd) are never held back,
+since each demands what the lightest does; one heavy parent is held to a bounded slowdown of
+the rest: with extra_rows = 2, 1 + (u + 2) / (3 + u), 1.75 for a one-row decode (u = 1) and
+below 2 for any u.
 
 - A parent's requests go least advanced first, so all its choices progress in turn.
 - What a parent leaves unspent carries to the next step only up to the cost of the row that did

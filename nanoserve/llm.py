@@ -135,12 +135,14 @@ class LLM:
         engine = self.engine
         completions: dict[str, Completion] = {}  # by the request id of each prompt's choice 0
         choices: dict[str, CompletionOutput] = {}
+        parent_id = None  # one call is one client request for the fair share: its first request
         for prompt, prompt_params in zip(prompt_list, params_list, strict=True):
             text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
             completion = None
-            for i in range(prompt_params.n):  # the prompt's choices share one parent: choice 0
+            for i in range(prompt_params.n):
                 request_id = engine.add_request(ids_or_text, _choice_params(prompt_params, i),
-                                                parent_id=completion.request_id if completion else None)
+                                                parent_id=parent_id)
+                parent_id = parent_id or request_id
                 if completion is None:
                     completion = Completion(request_id, engine.requests[request_id].prompt_ids, text, [])
                     completions[request_id] = completion

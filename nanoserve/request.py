@@ -80,7 +80,8 @@ class Request:
     params: SamplingParams
     seed: int
     arrival_s: float = field(default_factory=time.monotonic)
-    # The client request this one belongs to (an HTTP request's n choices share it); None: its own.
+    # The client request this one belongs to (an HTTP request's prompts and n choices share it);
+    # None: its own.
     # The scheduler's fair share (fair_share.py) divides steps between parents.
     parent_id: str | None = None
     output_ids: list[int] = field(default_factory=list)

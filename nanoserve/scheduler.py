@@ -22,12 +22,13 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
 
-While requests of more than one client request (a parent: an HTTP request's n choices) run and
-one decodes, each parent takes at most its fair share of a step's rows (`fair_share.py`: the
-lightest parent's demand plus `fair_share_rows`), its requests least advanced first, so one
-request with many choices, a long context or a long prompt slows the others by a bounded
-factor; an arriving prompt that fits whole in the prefill budget is exempt (a one-off cost).
-A request its parent's share holds back lets the ones behind it in the queue pass.
+While requests of more than one client request (a parent: an HTTP request's prompts and
+choices) run and one decodes, each parent takes at most its fair share of a step's rows
+(`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its requests least
+advanced first, so one request with many choices, a long context or a long prompt slows the
+others by a bounded factor; an arriving prompt that fits whole in the prefill budget is exempt
+(a one-off cost). A request its parent's share holds back lets the ones behind it in the queue
+pass.
 
 With speculation, a decoding request also carries the drafts the engine proposed for it
 (`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of

@@ -5,6 +5,8 @@ Every engine here is built with no batch-invariance or kernel option: the defaul
 Logprobs are compared as floats with ==, so one flipped low bit anywhere in the forward fails.
 """
 
+import dataclasses
+
 import pytest
 
 import nanoserve.model
@@ -204,28 +206,29 @@ def test_a_request_gets_the_logprobs_it_asked_for_whatever_its_neighbours_asked(
 
 
 def test_a_fair_share_holds_a_many_choice_request_back_and_changes_no_bit(tiny_model_dir):
-    """Six choices beside a one-choice request: the share computes the six a few at a time, and
-    every token and logprob of every choice is what it is with no share."""
-    prompts = ["many choices:", "one choice:"]
-    params = [SamplingParams(n=6, max_tokens=12, temperature=0.9, top_p=0.9, seed=5, logprobs=LOGPROBS,
-                             ignore_eos=True), params_for(0, max_tokens=12)]
+    """Six choices of one client request beside another's one: the share computes the six a few
+    at a time, and every token and logprob of every choice is what it is with no share."""
+    many = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, logprobs=LOGPROBS, ignore_eos=True)
+    arrivals = [("many choices:", dataclasses.replace(many, seed=i), "many") for i in range(6)]
+    arrivals.append(("one choice:", params_for(0, max_tokens=12), "one"))
 
     def run(fair_share_rows: float) -> tuple[list, int]:
-        llm = LLM(str(tiny_model_dir), device="cpu", fair_share_rows=fair_share_rows)
-        scheduler, most_rows = llm.engine.scheduler, [0]
-        schedule = scheduler.schedule
+        engine = LLM(str(tiny_model_dir), device="cpu", fair_share_rows=fair_share_rows).engine
+        ids = [engine.add_request(prompt, sp, parent_id=parent) for prompt, sp, parent in arrivals]
+        entries, most_rows, schedule = {i: [] for i in ids}, [0], engine.scheduler.schedule
 
-        def recording():
+        def recording():  # the most decode rows "many" got in a step it shared with "one"
             plan = schedule()
             parents = [chunk.request.parent for chunk in plan.chunks if chunk.is_decode]
-            if len(set(parents)) > 1:
-                most_rows[0] = max(most_rows[0], max(parents.count(p) for p in parents))
+            if "one" in parents:
+                most_rows[0] = max(most_rows[0], parents.count("many"))
             return plan
 
-        scheduler.schedule = recording
-        done = llm.generate(prompts, params)
-        return [[(e.token_id, e.logprob, e.top) for out in c.outputs for e in out.logprobs] for c in done], \
-            most_rows[0]
+        engine.scheduler.schedule = recording
+        while engine.has_unfinished():
+            for out in engine.step():
+                entries[out.request_id] += [(e.token_id, e.logprob, e.top) for e in out.logprobs]
+        return [entries[i] for i in ids], most_rows[0]
 
     unshared, unshared_rows = run(float("inf"))
     shared, shared_rows = run(0.0)

@@ -295,6 +295,24 @@ def test_n_choices_with_a_seed_differ_and_reproduce_as_seed_plus_i(client: httpx
     assert solo["choices"][0]["text"] == texts[2]
 
 
+def test_one_requests_choices_share_a_parent_for_the_fair_share(client: httpx.Client, served: Served,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    parents: list[str | None] = []
+    add_request = served.engine.add_request
+
+    def recording(*args, parent_id=None, **kwargs):
+        parents.append(parent_id)
+        return add_request(*args, parent_id=parent_id, **kwargs)
+
+    monkeypatch.setattr(served.engine, "add_request", recording)
+    for _ in range(2):
+        body = {"prompt": ["The dog", "A cat"], "n": 2, "max_tokens": 2, "temperature": 0}
+        assert client.post("/v1/completions", json=body).status_code == 200
+    # Each HTTP request is one parent: its prompts and choices together, apart from the other.
+    assert len(parents) == 8 and None not in parents
+    assert len(set(parents[:4])) == 1 and len(set(parents[4:])) == 1 and parents[0] != parents[4]
+
+
 def test_typical_p_and_top_n_sigma_reach_the_sampler_from_both_endpoints(client: httpx.Client,
                                                                           offline: LLM) -> None:
     modes = {"temperature": 1.5, "seed": 11, "typical_p": 0.6, "top_n_sigma": 1.0}
