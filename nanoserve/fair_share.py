@@ -46,10 +46,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from nanoserve.sampling_params import SamplingParams
 
-# Attention context tokens that cost as much as one extra row: a decode row over 4,000 cached
-# tokens took ~30 ms more than over 16, and one more row ~3 ms, on the Q4_1 default (2-core Zen 3;
-# the command is in results/README.md).
-CONTEXT_TOKENS_PER_ROW = 400
+# Attention context tokens that cost as much as one extra row: a decode row's attention over
+# 4,000 cached tokens takes ~0.6 ms a layer, ~20 ms a step, against ~3 ms for one more row, on
+# the Q4_1 default (2-core Zen 3; the native kernel reads each K/V head once for its group of
+# query heads; results/README.md has the commands).
+CONTEXT_TOKENS_PER_ROW = 600
 # What a decode row's sampling adds, in row units (a model row is ~3 ms here): the sampler's
 # exact draw for one row beside a greedy one, timed on the default model's vocabulary (49,152)
 # the way `nanoserve syncbench` times its mixes: a plain temperature draw ~0.9 ms, typical_p

@@ -203,6 +203,24 @@ def test_a_rows_attention_bits_are_the_same_alone_in_a_prefill_chunk_and_in_a_cr
 
 
 @needs_native
+@pytest.mark.parametrize("path", PATHS)
+def test_a_query_heads_bits_do_not_depend_on_the_heads_sharing_its_kv_head(path):
+    """The kernel reads each K/V head once for all the query heads that share it: each head's
+    output must still be the bits it has computed as the only head over that K/V head."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    tables, k_cache, v_cache = paged_setup([200, 65, 1], heads, kv_heads, dim, block_size)
+    q = torch.randn(3, heads * dim, generator=torch.Generator().manual_seed(4))
+    context = PagedContext(tables, torch.tensor([0, 1, 2]), torch.tensor([199, 64, 0]))
+    ops = kernels(path)
+    grouped = ops.paged_attention(q, k_cache, v_cache, context, heads, 0.125)
+    for h in range(heads):
+        kv = slice(h // (heads // kv_heads), h // (heads // kv_heads) + 1)
+        alone = ops.paged_attention(q[:, h * dim : (h + 1) * dim].contiguous(), k_cache[kv].contiguous(),
+                                    v_cache[kv].contiguous(), context, 1, 0.125)
+        assert torch.equal(alone, grouped[:, h * dim : (h + 1) * dim]), f"head {h}"
+
+
+@needs_native
 def test_bad_tensors_raise_before_any_pointer_reaches_c():
     x = torch.randn(2, 8)
     with pytest.raises(NativeOpsError, match="float32"):

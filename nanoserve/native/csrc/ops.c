@@ -13,7 +13,7 @@
  * bit. Attention reads exactly the slots a row can see (never the padding), scores them in slot
  * order, and sums its softmax-weighted values in CONTEXT_CHUNK pieces whose partials are added
  * in chunk order, so the result depends on the row's own context and position only. Threads
- * split (row, head) pairs or rows, never a row's reduction.
+ * split (row, head) pairs (attention: (row, K/V head) pairs) or rows, never a row's reduction.
  *
  * Each kernel is exported twice: ns_X runs the widest vector path compiled in, ns_X_portable
  * the plain C one the tests hold it against. Both share one body, parametrized by a table of
@@ -241,63 +241,88 @@ static inline void cursor_next(SlotCursor *at, const float *cache) {
     }
 }
 
-/* One query head of one row over context slots [first, last]. `scores` holds last + 1 floats,
- * `scaled_q`, `chunk_out`, `out` dim floats each. The softmax's max is over the visible slots;
- * each chunk's exp-weighted values are summed in slot order into chunk_out, and the chunks'
- * partials (values and weights) are added in chunk order. */
-static void attend_head(const VecOps *ops, const PagedCache *c, const int64_t *table, int64_t kv_head,
-                        const float *q, float scale, int64_t first, int64_t last, float *scores,
-                        float *scaled_q, float *chunk_out, float *out) {
-    int64_t dim = c->dim;
-    for (int64_t i = 0; i < dim; i++) scaled_q[i] = q[i] * scale;
-    float max_score = -INFINITY;
+/* The `group` query heads of one row that share K/V head `kv_head` (grouped-query attention),
+ * over context slots [first, last], in one pass over its K rows and one over its V rows: each
+ * K/V row is read once for the group instead of once per head, which is what bounds attention
+ * over a long context. Each head's arithmetic is exactly what it would be alone: its scores in
+ * slot order, the softmax's max over the visible slots, each chunk's exp-weighted values summed
+ * in slot order into its chunk_out, and the chunks' partials (values and weights) added in
+ * chunk order. q and out hold the group's heads back to back (dim floats each); scratch holds
+ * group * (scores_len + 2 * dim + 3) floats. */
+static void attend_group(const VecOps *ops, const PagedCache *c, const int64_t *table, int64_t kv_head,
+                         const float *q, int64_t group, float scale, int64_t first, int64_t last,
+                         int64_t scores_len, float *scratch, float *out) {
+    int64_t dim = c->dim, count = last - first + 1;
+    float *scores = scratch, *scaled_q = scores + group * scores_len, *chunk_out = scaled_q + group * dim;
+    float *max_score = chunk_out + group * dim, *total = max_score + group, *chunk_total = total + group;
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t i = 0; i < dim; i++) scaled_q[g * dim + i] = q[g * dim + i] * scale;
+        max_score[g] = -INFINITY;
+    }
     SlotCursor k = cursor_at(c, c->k_cache, table, kv_head, first);
     for (int64_t j = first; j <= last; j++) {
-        scores[j] = ops->dot(scaled_q, cursor_row(&k), dim);
-        max_score = scores[j] > max_score ? scores[j] : max_score;
+        const float *k_row = cursor_row(&k);
+        for (int64_t g = 0; g < group; g++) {
+            float score = ops->dot(scaled_q + g * dim, k_row, dim);
+            scores[g * scores_len + j] = score;
+            max_score[g] = score > max_score[g] ? score : max_score[g];
+        }
         if (j < last) cursor_next(&k, c->k_cache);
     }
-    ops->exp_shifted(scores + first, max_score, scores + first, last - first + 1);
-    float total = 0.0f;
-    memset(out, 0, (size_t)dim * sizeof(float));
+    for (int64_t g = 0; g < group; g++) {
+        float *row_scores = scores + g * scores_len + first;
+        ops->exp_shifted(row_scores, max_score[g], row_scores, count);
+        total[g] = 0.0f;
+    }
+    memset(out, 0, (size_t)(group * dim) * sizeof(float));
     SlotCursor v = cursor_at(c, c->v_cache, table, kv_head, first);
     for (int64_t start = first; start <= last;) {
         int64_t stop = (start / NS_CONTEXT_CHUNK + 1) * NS_CONTEXT_CHUNK; /* the chunk's end */
         stop = stop > last + 1 ? last + 1 : stop;
-        float chunk_total = 0.0f;
-        memset(chunk_out, 0, (size_t)dim * sizeof(float));
+        memset(chunk_out, 0, (size_t)(group * dim) * sizeof(float));
+        for (int64_t g = 0; g < group; g++) chunk_total[g] = 0.0f;
         for (int64_t j = start; j < stop; j++) {
-            chunk_total += scores[j];
-            ops->axpy(scores[j], cursor_row(&v), chunk_out, dim);
+            const float *v_row = cursor_row(&v);
+            for (int64_t g = 0; g < group; g++) {
+                float weight = scores[g * scores_len + j];
+                chunk_total[g] += weight;
+                ops->axpy(weight, v_row, chunk_out + g * dim, dim);
+            }
             if (j < last) cursor_next(&v, c->v_cache);
         }
-        total += chunk_total;
-        for (int64_t i = 0; i < dim; i++) out[i] += chunk_out[i];
+        for (int64_t g = 0; g < group; g++) {
+            total[g] += chunk_total[g];
+            for (int64_t i = 0; i < dim; i++) out[g * dim + i] += chunk_out[g * dim + i];
+        }
         start = stop;
     }
-    float inv_total = 1.0f / total;
-    for (int64_t i = 0; i < dim; i++) out[i] *= inv_total;
+    for (int64_t g = 0; g < group; g++) {
+        float inv_total = 1.0f / total[g];
+        for (int64_t i = 0; i < dim; i++) out[g * dim + i] *= inv_total;
+    }
 }
 
 /* q [rows, q_row_stride] (heads * dim used); out [rows, heads * dim]. Row r attends over the
  * context of sequence row_seq[r] (its block table) up to its position; with window > 0, only
- * the last `window` slots of it. */
+ * the last `window` slots of it. Threads split (row, K/V head) pairs: query head h reads K/V
+ * head h / (heads / kv_heads), so a pair's query heads are consecutive. */
 static void paged_attention(const VecOps *ops, const float *q, int64_t q_row_stride, const PagedCache *c,
                             const int64_t *row_seq, const int64_t *positions, float *out, int64_t rows,
                             int64_t heads, int64_t kv_heads, float scale, int64_t window, int num_threads) {
-    int64_t dim = c->dim, per_kv = heads / kv_heads, longest = 0;
+    int64_t dim = c->dim, group = heads / kv_heads, longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-    int64_t units = rows * heads;
-#pragma omp parallel num_threads(num_threads) if (units > 1 && units * longest * dim >= NS_PARALLEL_MIN_WORK)
+    int64_t units = rows * kv_heads;
+#pragma omp parallel num_threads(num_threads) if (units > 1 && units * group * longest * dim >= NS_PARALLEL_MIN_WORK)
     {
-        float *scratch = malloc((size_t)(longest + 2 * dim) * sizeof(float));
+        float *scratch = malloc((size_t)(group * (longest + 2 * dim + 3)) * sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < units; unit++) {
-            int64_t r = unit / heads, h = unit % heads, last = positions[r];
+            int64_t r = unit / kv_heads, kv_head = unit % kv_heads, last = positions[r];
             int64_t first = window > 0 && last + 1 > window ? last + 1 - window : 0;
-            attend_head(ops, c, c->block_tables + row_seq[r] * c->table_width, h / per_kv,
-                        q + r * q_row_stride + h * dim, scale, first, last, scratch, scratch + longest,
-                        scratch + longest + dim, out + (r * heads + h) * dim);
+            int64_t h = kv_head * group; /* the group's first query head */
+            attend_group(ops, c, c->block_tables + row_seq[r] * c->table_width, kv_head,
+                         q + r * q_row_stride + h * dim, group, scale, first, last, longest, scratch,
+                         out + (r * heads + h) * dim);
         }
         free(scratch);
     }
