@@ -10,10 +10,12 @@ How one proposal runs, for all drafting requests at once (K forwards of the draf
 round 0 computes each request's tokens the draft cache lacks (a prefill chunk the first time,
 then usually the tokens the last verification emitted) and picks the argmax after its newest
 token; rounds 1 .. K-1 feed that pick back as a one-row decode, read from the device (the
-model runner's pending-token path: no readback between rounds). The K picks per request come
-back to the host in one readback, since the scheduler and the verification need them there.
-After the verification, the draft cache is valid as far as the drafts it fed were accepted:
-the next proposal recomputes from there.
+model runner's pending-token path: no readback between rounds). The K picks per request stay
+on the device (`DeviceDrafts`): the scheduler needs only how many there are, the verification
+step's input rows are filled from them on the device, and they come back to the host in the
+verification's own readback, beside the tokens they are checked against (one readback a step).
+The verification then tells each sequence which drafts it fed (`confirm`); the draft cache is
+valid as far as those were accepted, and the next proposal recomputes from there.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.block_pool import BlockPool
-from nanoserve.model_runner import ModelRunner
-from nanoserve.output import ReadbackCounter, TokenBatch
+from nanoserve.model_runner import DeviceDrafts, ModelRunner
+from nanoserve.output import TokenBatch
 from nanoserve.request import Request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import ScheduledChunk
@@ -40,24 +42,27 @@ class DraftSequence:
 
     `view` shares the request's prompt and output lists (no copy) and holds the draft pool's
     blocks; `view.num_computed_tokens` counts the tokens whose draft K/V are right.
-    `fed_from` and `fed` are the position and tokens of the drafts the last proposal fed to
-    the draft model (all but its last pick), to be checked against what the request kept.
+    `fed_from` is the position of the drafts the last proposal fed to the draft model (all but
+    its last pick; None: nothing fed since the last catch-up), `num_fed` how many, and `fed`
+    their values as far as the verification read them back (`DraftModel.confirm`): only those
+    can be checked against what the request kept, so only those can stay valid.
     """
 
     view: Request
-    fed_from: int = 0
+    fed_from: int | None = None
+    num_fed: int = 0
     fed: tuple[int, ...] = ()
 
     def catch_up(self, request: Request) -> None:
         """Trust the draft K/V only as far as the fed drafts match the request's tokens now."""
         view = self.view
         view.prompt_ids, view.output_ids = request.prompt_ids, request.output_ids
-        if self.fed:
+        if self.fed_from is not None:
             kept = request.token_ids(self.fed_from, self.fed_from + len(self.fed))
             valid = self.fed_from + accepted_prefix(self.fed, kept)
             view.num_computed_tokens = min(view.num_computed_tokens, valid)
         view.num_computed_tokens = min(view.num_computed_tokens, request.num_tokens - 1)
-        self.fed = ()
+        self.fed_from, self.num_fed, self.fed = None, 0, ()
 
 
 class DraftModel:
@@ -66,14 +71,14 @@ class DraftModel:
         self.pool = pool
         self.sequences: dict[str, DraftSequence] = {}
 
-    def propose(self, requests: list[Request], k: int, readbacks: ReadbackCounter) -> dict[str, list[int]]:
-        """Up to `k` greedy drafts for each request, by request id (none where the draft pool
-        has no room: drafts never wait or preempt)."""
+    def propose(self, requests: list[Request], k: int) -> DeviceDrafts | None:
+        """`k` greedy drafts for each request, on the device (none for a request the draft pool
+        has no room for: drafts never wait or preempt); no readback."""
         if k == 0:
-            return {}
+            return None
         views = [view for view in (self._view(request, k) for request in requests) if view is not None]
         if not views:
-            return {}
+            return None
         chunks = [ScheduledChunk(v, v.num_computed_tokens, v.num_uncomputed_tokens) for v in views]
         tokens = self._round(chunks, None)
         by_id = {view.request_id: view for view in views}
@@ -84,10 +89,16 @@ class DraftModel:
                 view.num_pending_tokens = r  # the picks so far, on the device
             tokens = self._round([ScheduledChunk(v, v.num_tokens - 1, 1) for v in order], tokens)
             picks.append(tokens.sampled.token_ids)
-        drafts = readbacks.read(torch.stack(picks, dim=1))
-        for view, row in zip(order, drafts, strict=True):
-            self._fed(view, row, k)
-        return {view.request_id: row for view, row in zip(order, drafts, strict=True)}
+        for view in order:
+            self._fed(view, k)
+        return DeviceDrafts(torch.stack(picks, dim=1), [view.request_id for view in order])
+
+    def confirm(self, request_id: str, drafts: list[int]) -> None:
+        """The verification read back `drafts`, the first of the request's proposal: those the
+        draft model was fed can now be checked at the next catch-up."""
+        sequence = self.sequences.get(request_id)
+        if sequence is not None and sequence.fed_from is not None:
+            sequence.fed = tuple(drafts[:sequence.num_fed])
 
     def release(self, live: Collection[str]) -> None:
         """Free the draft blocks of every request no longer live."""
@@ -120,10 +131,9 @@ class DraftModel:
             view.block_ids.extend(self.pool.allocate(missing))
         return view
 
-    def _fed(self, view: Request, drafts: list[int], k: int) -> None:
+    def _fed(self, view: Request, k: int) -> None:
         """After a proposal: K/V computed for the newest token and the first k - 1 drafts."""
         sequence = self.sequences[view.request_id]
         view.num_pending_tokens = 0
-        sequence.fed_from = view.num_tokens
-        sequence.fed = tuple(drafts[:k - 1])
+        sequence.fed_from, sequence.num_fed, sequence.fed = view.num_tokens, k - 1, ()
         view.num_computed_tokens = view.num_tokens + k - 1

@@ -1,17 +1,20 @@
 """The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
 
-Each step, one readback (two with a draft model: its drafts, then the verification):
+Each step, one readback (a draft model's drafts too come back in it):
 
     schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`, or the
-               draft model's K greedy forwards, `draft_model`), then `Scheduler.schedule`:
+               draft model's K greedy forwards, `draft_model`, whose picks stay on the device),
+               then `Scheduler.schedule`:
                which requests, how many tokens, drafts as extra rows
     prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group;
-               a token still pending from the step in flight is copied in on the device
+               a token still pending from the step in flight, and a draft model's drafts, are
+               copied in on the device
     forward    logits of every sampled row: a decode's newest token and each of its drafts
                (and of each prompt row a prompt_logprobs request scores, read back with them)
     sample     one token per row on the device, row i of a drafting request keyed and penalized
                as if drafts[:i] were already its output
-    collect    the readback; per request, the run the verification accepts (drafts equal to
+    collect    the readback (with a draft model's drafts beside the tokens they are checked
+               against); per request, the run the verification accepts (drafts equal to
                what was sampled, then the first that differs), judged token by token by the
                stop rules; then `Scheduler.update_after_step` (tokens appended, accepted drafts
                computed, rejected drafts' blocks freed)
@@ -68,12 +71,12 @@ from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
 from nanoserve.machine import cache_root
 from nanoserve.model import Llama, LlamaWeights
-from nanoserve.model_runner import ModelRunner, PreparedStep
+from nanoserve.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS, DraftState, SpecConfig, accepted_prefix
+from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS, ON_DEVICE, DraftState, SpecConfig, accepted_prefix
 from nanoserve.structured import GrammarCompiler
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import load_weights, read_config
@@ -441,12 +444,13 @@ class Engine:
         when a step is in flight to be collected meanwhile, the forward and sampling run in the
         forward thread (torch releases the GIL inside its kernels)."""
         with timer("schedule"):
-            self._propose_drafts()
+            device_drafts = self._propose_drafts()
             plan = self.scheduler.schedule()
         if plan.is_empty:
             return None
         with timer("prepare"):
-            prepared = self.runner.prepare(plan.chunks, in_flight.tokens if in_flight is not None else None)
+            prepared = self.runner.prepare(plan.chunks, in_flight.tokens if in_flight is not None else None,
+                                           device_drafts)
         step = LaunchedStep(plan, deferred=self._defers(plan))
         if step.deferred:
             self.scheduler.commit(plan)
@@ -480,17 +484,22 @@ class Engine:
                 self.stats.blocking_readbacks += 1
             return self._collect(step.plan, step.tokens)
 
-    def _propose_drafts(self) -> None:
+    def _propose_drafts(self) -> DeviceDrafts | None:
         """Drafts for every decoding request: from its own tokens (prompt lookup), or from the
-        draft model, all drafting requests in one proposal."""
+        draft model, all drafting requests in one proposal that stays on the device (the
+        requests' draft ids say how many, as `ON_DEVICE`)."""
         if not self.spec.enabled:
-            return
+            return None
         drafting = []
         for request in self.scheduler.running:
             request.draft_ids = []
             # A draft row would need the grammar's state after the drafts before it: constrained
             # requests decode one token a step.
             if request.num_uncomputed_tokens != 1 or request.grammar is not None:
+                continue
+            # A penalty or bad word reads the drafts' values to sample the rows after them, and a
+            # draft model's drafts reach the host only with the verification: those decode plainly.
+            if self.draft is not None and request.params.reads_output_values:
                 continue
             if request.draft_state is None:
                 request.draft_state = DraftState.for_config(self.spec)
@@ -500,16 +509,21 @@ class Engine:
                                                   self.spec.num_tokens)
             elif state.ready():
                 drafting.append(request)
-        if self.draft is not None:
-            drafts = self.draft.propose(drafting, self.spec.num_tokens, self.readbacks)
-            for request in drafting:
-                request.draft_ids = drafts.get(request.request_id, [])
+        if self.draft is None:
+            return None
+        drafts = self.draft.propose(drafting, self.spec.num_tokens)
+        for request_id in drafts.request_ids if drafts is not None else ():
+            self.requests[request_id].draft_ids = [ON_DEVICE] * self.spec.num_tokens
+        return drafts
 
     def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
         """The step's one readback; each request's run (one token, or a verified speculative
         run) judged by the stop rules token by token; then the update."""
         host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
         drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
+        drafts.update(host.drafts)  # a draft model's, seen here first
+        for request_id, draft_ids in host.drafts.items():
+            self.draft.confirm(request_id, draft_ids)
         planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks if chunk.samples}
         for scored in host.prompt:  # before the runs: a request's first output carries them
             request = self.requests.get(scored.request_id)
@@ -582,9 +596,7 @@ class Engine:
 def needs_token_on_host(request: Request, spec: SpecConfig) -> bool:
     """Whether a request's next step must wait for its newest token on the host: to propose
     drafts from it, to advance its grammar's matcher, or to count it in a penalty or a bad word."""
-    params = request.params
-    return (spec.enabled or request.grammar is not None or params.repetition_penalty != 1
-            or bool(params.frequency_penalty or params.presence_penalty or params.bad_words_token_ids))
+    return spec.enabled or request.grammar is not None or request.params.reads_output_values
 
 
 @dataclass(slots=True)

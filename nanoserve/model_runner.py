@@ -8,7 +8,10 @@ for prompt_logprobs scores); and the sampling rows in the same order, with the r
 
 With deferred output a decode's newest token may still be pending (sampled by the step in
 flight, not yet on the host): its input row is then filled on the device from that step's
-`TokenBatch`, never from a host list, so preparing needs no readback.
+`TokenBatch`, never from a host list, so preparing needs no readback. The same holds for a
+draft model's drafts (`DeviceDrafts`): a chunk whose draft ids are `spec_decode.ON_DEVICE` has
+its draft rows filled on the device from the proposal, and the sampled `TokenBatch` carries
+those drafts, so the host reads them back with the tokens they are verified against.
 """
 
 from __future__ import annotations
@@ -19,10 +22,20 @@ import torch
 
 from nanoserve.kv_cache import KVCache
 from nanoserve.model import AttentionGroup, ForwardBatch, Llama
-from nanoserve.output import PromptTokens, TokenBatch
+from nanoserve.output import DraftTokens, PromptTokens, TokenBatch
 from nanoserve.request import Request
 from nanoserve.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow, score_tokens
 from nanoserve.scheduler import ScheduledChunk
+from nanoserve.spec_decode import ON_DEVICE
+
+
+@dataclass(slots=True)
+class DeviceDrafts:
+    """A draft model's proposals, still on the device: row i of `token_ids` ([requests, K]) holds
+    the K drafts of `request_ids[i]` (a chunk takes the first `len(draft_ids)` of its row)."""
+
+    token_ids: torch.Tensor
+    request_ids: list[str]
 
 
 @dataclass(slots=True)
@@ -51,6 +64,7 @@ class PreparedStep:
     sampling: SamplingBatch | None
     sampled_request_ids: list[str]
     prompt_rows: PromptRows | None = None
+    draft_rows: tuple[torch.Tensor, list[str]] | None = None  # device-filled drafts' input rows
 
 
 class ModelRunner:
@@ -63,8 +77,10 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
 
-    def prepare(self, chunks: list[ScheduledChunk], in_flight: TokenBatch | None = None) -> PreparedStep:
-        """The step's tensors; `in_flight` holds the tokens still pending on the host."""
+    def prepare(self, chunks: list[ScheduledChunk], in_flight: TokenBatch | None = None,
+                drafts: DeviceDrafts | None = None) -> PreparedStep:
+        """The step's tensors; `in_flight` holds the tokens still pending on the host, `drafts`
+        the drafts the host has not seen."""
         ordered = sorted(chunks, key=lambda chunk: not chunk.is_decode)  # decodes first, stable
         input_ids: list[int] = []
         positions: list[int] = []
@@ -72,6 +88,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         prompt_rows, prompt_logits_rows = PromptRows([], [], [], 0), []
         pending: list[tuple[int, str]] = []  # (input row, request id) filled from `in_flight`
+        device_drafts: list[tuple[int, str, int]] = []  # (input row, request id, draft) from `drafts`
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
             known_stop = stop - len(chunk.draft_ids)
@@ -80,6 +97,9 @@ class ModelRunner:
             if len(known) < known_stop - chunk.start:  # the newest token is pending
                 pending.append((len(input_ids) + len(known), chunk.request.request_id))
                 known.append(0)
+            if chunk.draft_ids and chunk.draft_ids[0] == ON_DEVICE:
+                first, request_id = len(input_ids) + len(known), chunk.request.request_id
+                device_drafts += ((first + j, request_id, j) for j in range(len(chunk.draft_ids)))
             input_ids += known + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
@@ -88,8 +108,10 @@ class ModelRunner:
             if chunk.request.scores_prompt:
                 prompt_logits_rows += range(first_row, first_row + prompt_rows.add(chunk.request,
                                                                                    chunk.start, stop))
+        input_tensor = self._with_drafts(self._filled(self._tensor(input_ids), pending, in_flight),
+                                         device_drafts, drafts)
         batch = ForwardBatch(
-            input_ids=self._filled(self._tensor(input_ids), pending, in_flight),
+            input_ids=input_tensor,
             positions=self._tensor(positions),
             slot_mapping=self._tensor(slots),
             groups=self._groups(ordered),
@@ -98,7 +120,8 @@ class ModelRunner:
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
                             [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))],
-                            prompt_rows if prompt_logits_rows else None)
+                            prompt_rows if prompt_logits_rows else None,
+                            self._draft_rows(device_drafts))
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order,
@@ -117,7 +140,11 @@ class ModelRunner:
             prompt = PromptTokens(scores, rows.request_ids, rows.positions, rows.token_ids)
         if sampled is None and prompt is None:
             return None
-        return TokenBatch(sampled, step.sampled_request_ids, prompt)
+        drafts = None
+        if step.draft_rows is not None:
+            rows, request_ids = step.draft_rows
+            drafts = DraftTokens(step.batch.input_ids.index_select(0, rows), request_ids)
+        return TokenBatch(sampled, step.sampled_request_ids, prompt, drafts)
 
     def _filled(self, input_ids: torch.Tensor, pending: list[tuple[int, str]],
                  in_flight: TokenBatch | None) -> torch.Tensor:
@@ -130,6 +157,24 @@ class ModelRunner:
         rows = self._tensor([row for row, _ in pending])
         sources = self._tensor([source_row[request_id] for _, request_id in pending])
         return input_ids.index_copy(0, rows, in_flight.sampled.token_ids.index_select(0, sources))
+
+    def _with_drafts(self, input_ids: torch.Tensor, rows: list[tuple[int, str, int]],
+                     drafts: DeviceDrafts | None) -> torch.Tensor:
+        """`input_ids` with each device-only draft copied in from the proposal (on the device)."""
+        if not rows:
+            return input_ids
+        if drafts is None:
+            raise ValueError("a chunk's drafts are on the device, and no proposal was given")
+        width = drafts.token_ids.shape[1]
+        proposal_row = {request_id: row for row, request_id in enumerate(drafts.request_ids)}
+        sources = self._tensor([proposal_row[request_id] * width + j for _, request_id, j in rows])
+        return input_ids.index_copy(0, self._tensor([row for row, _, _ in rows]),
+                                    drafts.token_ids.reshape(-1).index_select(0, sources))
+
+    def _draft_rows(self, rows: list[tuple[int, str, int]]) -> tuple[torch.Tensor, list[str]] | None:
+        if not rows:
+            return None
+        return self._tensor([row for row, _, _ in rows]), [request_id for _, request_id, _ in rows]
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
@@ -182,6 +227,9 @@ class ModelRunner:
         position = len(output) + request.num_pending_tokens
         rows = [SamplingRow(request.params, request.seed, position, request.prompt_ids, output, edits,
                             request.grammar)]
+        if chunk.draft_ids and chunk.draft_ids[0] == ON_DEVICE and request.params.reads_output_values:
+            raise ValueError(f"{request.request_id}'s rows read its output's values (a penalty or a "
+                             "bad word), and its drafts are on the device only")
         for i in range(1, len(chunk.draft_ids) + 1):
             ahead = output + list(chunk.draft_ids[:i])
             edits = edits.fork(ahead)

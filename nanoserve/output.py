@@ -50,6 +50,7 @@ class HostTokens:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt: list[PromptPosition] = field(default_factory=list)  # prompt_logprobs scored this step
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's drafts, verified this step
 
     def rows(self) -> Iterator[tuple[str, int, TokenLogprob | None]]:
         return zip(self.request_ids, self.token_ids, self.logprobs, strict=True)
@@ -104,9 +105,26 @@ class PromptTokens:
 
 
 @dataclass(slots=True)
+class DraftTokens:
+    """The drafts a step verified that the host has not seen (a draft model's, filled into their
+    input rows on the device): `token_ids[i]` is a draft of `request_ids[i]`, in row order."""
+
+    token_ids: torch.Tensor
+    request_ids: list[str]
+
+    def from_host(self, values: list) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {}
+        for request_id, token_id in zip(self.request_ids, values, strict=True):
+            drafts.setdefault(request_id, []).append(int(token_id))
+        return drafts
+
+
+@dataclass(slots=True)
 class TokenBatch:
     """A step's sampled tokens on the device, and the request id of each row; and the prompt
-    tokens its prefill rows scored, if any asked (a step may score without sampling).
+    tokens its prefill rows scored, if any asked (a step may score without sampling); and the
+    drafts it verified that are known on the device only (a draft model's), so the host learns
+    them in the same transfer as the tokens they are checked against.
 
     `start_readback` (deferred output, on CUDA) queues the copy to host memory behind the
     step's kernels, so `to_host` later waits for this step's copy alone, not for the step
@@ -116,6 +134,7 @@ class TokenBatch:
     sampled: SampledTokens | None
     request_ids: list[str]
     prompt: PromptTokens | None = None
+    drafts: DraftTokens | None = None
     _copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     @property
@@ -124,12 +143,14 @@ class TokenBatch:
 
     def _packed(self) -> torch.Tensor:
         """Everything the host needs in one tensor: the token ids alone, or every block (ids
-        beside logprobs, then the scored prompt tokens) flattened."""
+        beside logprobs, then the scored prompt tokens) flattened; then the device-only drafts."""
+        drafts = [] if self.drafts is None else [self.drafts.token_ids]
         if self._ids_only:
-            return self.sampled.token_ids
+            return torch.cat([self.sampled.token_ids, *drafts]) if drafts else self.sampled.token_ids
         blocks = [] if self.sampled is None else [_sampled_columns(self.sampled)]
         if self.prompt is not None:
             blocks.append(self.prompt.columns())
+        blocks += [draft_ids.float() for draft_ids in drafts]  # exact in float32, as token ids are
         return torch.cat([block.flatten() for block in blocks])
 
     def start_readback(self) -> None:
@@ -153,8 +174,12 @@ class TokenBatch:
         else:
             packed = self._packed()
         values = readbacks.read(packed)
+        drafts = {}
+        if self.drafts is not None:
+            cut = len(values) - len(self.drafts.request_ids)
+            values, drafts = values[:cut], self.drafts.from_host(values[cut:])
         if self._ids_only:
-            return HostTokens(self.request_ids, values, [None] * len(self.request_ids))
+            return HostTokens(self.request_ids, values, [None] * len(self.request_ids), drafts=drafts)
         s, host = self.sampled, HostTokens([], [], [])
         if s is not None:
             width = 1 if s.logprobs is None else 2 + (2 * s.top_ids.shape[1] if s.top_ids is not None else 0)
@@ -163,6 +188,7 @@ class TokenBatch:
             values = values[cut:]
         if self.prompt is not None:
             host.prompt = self.prompt.from_host(values)
+        host.drafts = drafts
         return host
 
 

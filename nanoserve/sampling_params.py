@@ -347,6 +347,13 @@ class SamplingParams:
         """Greedy requests take the argmax: temperature 0 or top_k 1."""
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def reads_output_values(self) -> bool:
+        """Whether a draw depends on the values of the tokens generated so far (a penalty counts
+        them, a bad word matches them), not only on how many there are."""
+        return self.repetition_penalty != 1 or bool(self.frequency_penalty or self.presence_penalty
+                                                    or self.bad_words_token_ids)
+
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Refuse token ids the model cannot produce (called once the model is known)."""
         allowed = f"token ids in [0, {vocab_size})"

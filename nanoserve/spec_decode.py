@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 
 from nanoserve.errors import InvalidRequestError
 
+# A draft id the host does not know: a draft model's draft, which stays on the device until the
+# verification's readback (the model runner fills its input row from the proposal tensor).
+ON_DEVICE = -1
 MAX_SPECULATIVE_TOKENS = 16  # more drafts than this never pays: acceptance falls geometrically
 METHODS = ("ngram", "draft")
 # After a verification that accepts nothing, a request stops drafting for 1, 2, 4 ... steps,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from click.testing import Result
 from hypothesis import HealthCheck, given, settings
+from test_engine import readbacks_raise_outside_the_output_processor
 from test_spec_decode import BLOCK_SIZE, MODES, NUM_BLOCKS, assert_same_outputs, run_staggered, workloads
 from tiny_model import write_tiny_llama
 from typer.testing import CliRunner
@@ -121,3 +122,22 @@ def test_the_cli_refuses_the_draft_method_without_a_draft_model_or_with_another_
     other_vocab = generate(*common, "--draft-model", str(wide))
     assert other_vocab.exit_code == 2
     assert "--draft-model" in other_vocab.output and "vocabulary" in other_vocab.output
+
+
+def test_a_drafting_step_reads_back_once_drafts_and_verification_together(engines):
+    """The draft model's K picks stay on the device: the verification's input rows are filled
+    from them there, and they come back in the step's one readback with the sampled tokens."""
+    _, same, _ = engines
+    engine = same.engine
+    # No logprobs: the drafts ride with the token ids alone (the other tests pack logprobs too).
+    engine.add_request([3, 9, 4, 17] * 2, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
+    engine.add_request([5, 9, 6, 17], SamplingParams(max_tokens=10, seed=4, temperature=0.9, top_p=0.9,
+                                                     ignore_eos=True))
+    reads_per_step, drafted = [], engine.stats.spec_draft_tokens
+    while engine.has_unfinished():
+        with readbacks_raise_outside_the_output_processor() as reads:
+            engine.step()
+        reads_per_step.append(len(reads))
+    assert engine.stats.spec_draft_tokens > drafted, "no step drafted"
+    assert reads_per_step and set(reads_per_step) == {1}
+    assert engine.draft.pool.is_completely_free and engine.pool.is_completely_free
