@@ -64,6 +64,8 @@ def generate(
     speculative_ngram_min: options.SpeculativeNgramMin = 2,
     speculative_ngram_max: options.SpeculativeNgramMax = 4,
     draft_model: options.DraftModel = None,
+    speculative_policy: options.SpeculativePolicy = "cost",
+    speculative_disable_by_batch_size: options.SpeculativeDisableByBatchSize = None,
     async_scheduling: options.AsyncScheduling = None,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
@@ -86,7 +88,9 @@ def generate(
                                    speculative_method=speculative_method,
                                    speculative_ngram_min=speculative_ngram_min,
                                    speculative_ngram_max=speculative_ngram_max,
-                                   draft_model=draft_model, async_scheduling=async_scheduling)
+                                   draft_model=draft_model, speculative_policy=speculative_policy,
+                                   speculative_disable_by_batch_size=speculative_disable_by_batch_size,
+                                   async_scheduling=async_scheduling)
     try:
         from nanoserve.llm import LLM
 

@@ -83,6 +83,12 @@ SpeculativeNgramMin = Annotated[int, typer.Option(
     min=1, help="Shortest suffix n-gram prompt lookup matches.")]
 SpeculativeNgramMax = Annotated[int, typer.Option(
     min=1, help="Longest suffix n-gram prompt lookup tries first.")]
+SpeculativePolicy = Annotated[str, typer.Option(
+    help="How many drafts a request carries: cost (default: only as many as its measured acceptance "
+         "pays for at the step's batch size, so speculation is not expected to lose) or always "
+         "(every draft it can).")]
+SpeculativeDisableByBatchSize = Annotated[int | None, typer.Option(
+    help="No drafts while at least this many requests decode (vLLM's option); default: no cut-off.")]
 
 # Maps a SamplingParams / engine field to the command-line option that sets it.
 FIELD_TO_OPTION = {
@@ -108,6 +114,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   quantize: str | None = None, speculative_tokens: int = 0,
                   speculative_method: str = "ngram", speculative_ngram_min: int = 2,
                   speculative_ngram_max: int = 4, draft_model: str | None = None,
+                  speculative_policy: str = "cost", speculative_disable_by_batch_size: int | None = None,
                   async_scheduling: bool | None = None,
                   fair_share_rows: float | None = None) -> EngineConfig:
     from nanoserve.engine import DTYPES, QUANTIZED
@@ -122,8 +129,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
         fail(f"--device must be cpu or cuda; got {device!r}")
     check_linear_kernel(linear_kernel)
     try:
-        SpecConfig(speculative_tokens, speculative_method, speculative_ngram_min,
-                   speculative_ngram_max).check(draft_model=draft_model)
+        SpecConfig(speculative_tokens, speculative_method, speculative_ngram_min, speculative_ngram_max,
+                   speculative_policy, speculative_disable_by_batch_size).check(draft_model=draft_model)
     except InvalidRequestError as error:
         fail_for(error)
     return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
@@ -135,6 +142,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                         speculative_tokens=speculative_tokens, speculative_method=speculative_method,
                         speculative_ngram_min=speculative_ngram_min,
                         speculative_ngram_max=speculative_ngram_max, draft_model=draft_model,
+                        speculative_policy=speculative_policy,
+                        speculative_disable_by_batch_size=speculative_disable_by_batch_size,
                         async_scheduling=async_scheduling, fair_share_rows=fair_share_rows)
 
 

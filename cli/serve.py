@@ -63,6 +63,8 @@ def serve(
     speculative_ngram_min: options.SpeculativeNgramMin = 2,
     speculative_ngram_max: options.SpeculativeNgramMax = 4,
     draft_model: options.DraftModel = None,
+    speculative_policy: options.SpeculativePolicy = "cost",
+    speculative_disable_by_batch_size: options.SpeculativeDisableByBatchSize = None,
     async_scheduling: options.AsyncScheduling = None,
     fair_share_rows: options.FairShareRows = None,
     max_tokens_limit: Annotated[int | None, typer.Option(
@@ -114,8 +116,9 @@ def serve(
                                    speculative_method=speculative_method,
                                    speculative_ngram_min=speculative_ngram_min,
                                    speculative_ngram_max=speculative_ngram_max,
-                                   draft_model=draft_model, async_scheduling=async_scheduling,
-                                   fair_share_rows=fair_share_rows)
+                                   draft_model=draft_model, speculative_policy=speculative_policy,
+                                   speculative_disable_by_batch_size=speculative_disable_by_batch_size,
+                                   async_scheduling=async_scheduling, fair_share_rows=fair_share_rows)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

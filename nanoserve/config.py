@@ -494,6 +494,11 @@ class EngineConfig:
     speculative_method: str = "ngram"
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    # How many drafts a request carries: "cost" (as many as pay for their rows, by its measured
+    # acceptance and the step's cost by rows: spec_decode's docstring) or "always" (all it can);
+    # and vLLM's cut-off: no drafts while at least this many requests decode (None: no cut-off).
+    speculative_policy: str = "cost"
+    speculative_disable_by_batch_size: int | None = None
     # speculative_method "draft": the small model (same tokenizer and vocabulary) that proposes
     # the drafts, greedily, from its own KV cache.
     draft_model: str | None = None

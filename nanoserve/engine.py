@@ -190,7 +190,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.spec = SpecConfig(config.speculative_tokens, config.speculative_method,
-                               config.speculative_ngram_min, config.speculative_ngram_max)
+                               config.speculative_ngram_min, config.speculative_ngram_max,
+                               config.speculative_policy, config.speculative_disable_by_batch_size)
         self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
@@ -485,36 +486,57 @@ class Engine:
             return self._collect(step.plan, step.tokens)
 
     def _propose_drafts(self) -> DeviceDrafts | None:
-        """Drafts for every decoding request: from its own tokens (prompt lookup), or from the
-        draft model, all drafting requests in one proposal that stays on the device (the
-        requests' draft ids say how many, as `ON_DEVICE`)."""
+        """Drafts for every decoding request, as many as `SpecConfig.allot` finds worth their
+        rows: from its own tokens (prompt lookup), or from the draft model, all drafting
+        requests in one proposal that stays on the device (the requests' draft ids say how
+        many, as `ON_DEVICE`)."""
         if not self.spec.enabled:
             return None
-        drafting = []
         for request in self.scheduler.running:
             request.draft_ids = []
+        decoding = [request for request in self.scheduler.running if request.num_uncomputed_tokens == 1]
+        candidates = self._draft_candidates(decoding)
+        counts = self.spec.allot([(request.draft_state.acceptance, self.spec.num_tokens if lookup is None
+                                   else len(lookup)) for request, lookup in candidates], len(decoding))
+        for (request, lookup), k in zip(candidates, counts, strict=True):
+            if k == 0:
+                request.draft_state.idle()
+            elif lookup is not None:
+                request.draft_ids = lookup[:k]
+        if self.draft is None:
+            return None
+        chosen = {request.request_id: k for (request, _), k in zip(candidates, counts, strict=True) if k}
+        drafts = self.draft.propose([self.requests[request_id] for request_id in chosen],
+                                    max(chosen.values(), default=0))
+        for request_id in drafts.request_ids if drafts is not None else ():
+            self.requests[request_id].draft_ids = [ON_DEVICE] * chosen[request_id]
+        return drafts
+
+    def _draft_candidates(self, decoding: list[Request]) -> list[tuple[Request, list[int] | None]]:
+        """The decoding requests that may draft this step, each with its prompt-lookup drafts
+        (None: the draft model's, not proposed yet); the others' estimates recover a step."""
+        candidates = []
+        for request in decoding:
             # A draft row would need the grammar's state after the drafts before it: constrained
-            # requests decode one token a step.
-            if request.num_uncomputed_tokens != 1 or request.grammar is not None:
-                continue
-            # A penalty or bad word reads the drafts' values to sample the rows after them, and a
-            # draft model's drafts reach the host only with the verification: those decode plainly.
-            if self.draft is not None and request.params.reads_output_values:
+            # requests decode one token a step. A penalty or bad word reads the drafts' values to
+            # sample the rows after them, and a draft model's drafts reach the host only with
+            # the verification: with a draft model, those decode plainly too.
+            if request.grammar is not None or (self.draft is not None and request.params.reads_output_values):
                 continue
             if request.draft_state is None:
                 request.draft_state = DraftState.for_config(self.spec)
             state = request.draft_state
             if self.draft is None:
-                request.draft_ids = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
-                                                  self.spec.num_tokens)
-            elif state.ready():
-                drafting.append(request)
-        if self.draft is None:
-            return None
-        drafts = self.draft.propose(drafting, self.spec.num_tokens)
-        for request_id in drafts.request_ids if drafts is not None else ():
-            self.requests[request_id].draft_ids = [ON_DEVICE] * self.spec.num_tokens
-        return drafts
+                lookup = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
+                                       self.spec.num_tokens)
+                drafting = bool(lookup)
+            else:
+                lookup, drafting = None, state.ready()
+            if drafting:
+                candidates.append((request, lookup))
+            else:
+                state.idle()
+        return candidates
 
     def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
         """The step's one readback; each request's run (one token, or a verified speculative

@@ -19,10 +19,30 @@ from `ngram_max` down to `ngram_min`, find the most recent earlier occurrence of
 last n tokens in its prompt and output; the (up to) K tokens that followed it are the drafts.
 Each request keeps a dict from every n-gram it has seen to where it last ended, grown by the
 new tokens only, so a proposal costs O(ngram_max) dict lookups whatever the context length.
+
+How many drafts a request carries (`SpecConfig.allot`; policy "cost", the default): a draft row
+costs compute, and on a CPU whose kernels are compute-bound from one row a step's time grows
+with its rows (`STEP_COST_MS`, measured), so a draft pays only if it is likely to be accepted.
+Each request keeps an estimate `a` of how often a draft of its is accepted given the drafts
+before it were (`DraftState.acceptance`: the accepted share of its last verifications, moving
+back towards 1 a little each step it does not draft, which is how a request that stopped
+drafting tries again). Its i-th draft is then worth a^i expected tokens. With B requests
+decoding, a step with n draft rows is expected to emit T = B + (the worth of its drafts)
+tokens in time c(B + n); the step takes the drafts, most likely first, that make T / c(B + n)
+largest, and none if no choice beats B / c(B). So at 1 slot a request whose drafts are
+accepted half the time still drafts (three drafts make a step of four rows, barely dearer
+than two), and at 16 slots, where a row costs as much as the step's tokens average, only a
+request accepted nearly always does: speculation is never expected to lose. Policy "always"
+drafts as many as it can (the proposer's and the scheduler's limits only), and
+`disable_by_batch_size` (vLLM's --speculative-disable-by-batch-size) turns drafting off while
+that many requests decode.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nanoserve.errors import InvalidRequestError
@@ -32,6 +52,18 @@ from nanoserve.errors import InvalidRequestError
 ON_DEVICE = -1
 MAX_SPECULATIVE_TOKENS = 16  # more drafts than this never pays: acceptance falls geometrically
 METHODS = ("ngram", "draft")
+POLICIES = ("cost", "always")
+# A decode step's forward time (ms) by rows, `nanoserve profile` on Zen 3 (2 cores), the default
+# model in Q4_1, batch-invariant (results/profile_q4_1.csv); linear between the points and past
+# the last at its slope. Only ratios matter to the rule. Four rows cost barely more than two: the
+# integer kernels work on rows four at a time, one row takes its own (cheaper) path.
+STEP_COST_MS = ((1, 12.4), (2, 18.8), (4, 19.5), (8, 35.3), (16, 59.3))
+# The weight of the newest verification in a request's acceptance estimate: half, so a request
+# that stops repeating its context stops drafting within a step or two.
+ACCEPTANCE_WEIGHT = 0.5
+# Each step a request decodes without drafts, its estimate moves this share of the way back to
+# 1: from 0 it is back at 0.5 after 22 steps (drafting again at 1 slot), at 0.8 after 51.
+ACCEPTANCE_RECOVERY = 1 / 32
 # After a verification that accepts nothing, a request stops drafting for 1, 2, 4 ... steps,
 # at most this many; any accepted draft resets it. A text that never repeats pays one wasted
 # row now and then, not K rows every step.
@@ -46,10 +78,21 @@ class SpecConfig:
     method: str = "ngram"
     ngram_min: int = 2
     ngram_max: int = 4
+    policy: str = "cost"
+    disable_by_batch_size: int | None = None  # no drafts while this many requests decode
 
     @property
     def enabled(self) -> bool:
         return self.num_tokens > 0
+
+    def allot(self, candidates: Sequence[tuple[float, int]], decoding: int) -> list[int]:
+        """How many drafts each candidate carries this step, given its (acceptance estimate,
+        most drafts it can use) and the number of requests decoding (the module docstring)."""
+        if self.disable_by_batch_size is not None and decoding >= self.disable_by_batch_size:
+            return [0] * len(candidates)
+        if self.policy == "always":
+            return [min(limit, self.num_tokens) for _, limit in candidates]
+        return cheapest_drafts(candidates, decoding, self.num_tokens)
 
     def check(self, *, draft_model: str | None) -> None:
         """Refuse what cannot run, naming the field (the CLI maps it to the option)."""
@@ -67,10 +110,55 @@ class SpecConfig:
         if self.method != "draft" and draft_model is not None:
             raise InvalidRequestError(f"draft_model is used only by speculative_method 'draft', not "
                                       f"{self.method!r}", param="draft_model")
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(
+                f"speculative_policy must be one of {', '.join(POLICIES)}; got {self.policy!r}",
+                param="speculative_policy")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise InvalidRequestError(
+                f"speculative_disable_by_batch_size must be at least 1 (or unset); got "
+                f"{self.disable_by_batch_size}", param="speculative_disable_by_batch_size")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise InvalidRequestError(
                 f"speculative_ngram_min must be in [1, speculative_ngram_max={self.ngram_max}]; "
                 f"got {self.ngram_min}", param="speculative_ngram_min")
+
+
+def step_cost(rows: int, table: Sequence[tuple[int, float]] = STEP_COST_MS) -> float:
+    """A step's time with `rows` decode rows, interpolated in `table` (rows ascending)."""
+    for (low, low_ms), (high, high_ms) in itertools.pairwise(table):
+        if rows <= high or high == table[-1][0]:
+            return low_ms + (high_ms - low_ms) * (rows - low) / (high - low)
+    return table[0][1]
+
+
+def cheapest_drafts(candidates: Sequence[tuple[float, int]], decoding: int, max_drafts: int,
+                    cost=step_cost) -> list[int]:
+    """Drafts per candidate that make the step's expected tokens per unit of time largest.
+
+    Candidate r's i-th draft is worth acceptance_r ** i tokens; drafts are taken most likely
+    first, and the step keeps the longest run of them whose T / c(rows) is the best seen,
+    where T = `decoding` + their worth and rows = `decoding` + their number.
+    """
+    counts = [0] * len(candidates)
+    heap = [(-acceptance, r, 1) for r, (acceptance, limit) in enumerate(candidates)
+            if min(limit, max_drafts) > 0 and acceptance > 0]
+    heapq.heapify(heap)
+    tokens, rows = float(decoding), decoding
+    best, taken = tokens / cost(rows), []
+    best_len = 0
+    while heap:
+        worth, r, i = heapq.heappop(heap)
+        tokens, rows = tokens - worth, rows + 1
+        taken.append(r)
+        if tokens / cost(rows) > best:
+            best, best_len = tokens / cost(rows), len(taken)
+        acceptance, limit = candidates[r]
+        if i < min(limit, max_drafts):
+            heapq.heappush(heap, (-acceptance ** (i + 1), r, i + 1))
+    for r in taken[:best_len]:
+        counts[r] += 1
+    return counts
 
 
 @dataclass(slots=True)
@@ -117,15 +205,19 @@ class NgramIndex:
 
 @dataclass(slots=True)
 class DraftState:
-    """One request's drafting (kept on the request): its n-gram index and its back-off.
+    """One request's drafting (kept on the request): its n-gram index, its back-off and its
+    acceptance estimate.
 
     After a verification that accepts nothing, drafting pauses for 1, 2, 4 ... steps (at most
-    `MAX_BACKOFF_STEPS`); any accepted draft resets it.
+    `MAX_BACKOFF_STEPS`); any accepted draft resets it. `acceptance` estimates the chance that
+    a draft is accepted given that the ones before it were (starting at 1: a request's first
+    drafts are tried).
     """
 
     index: NgramIndex
     backoff_steps: int = 0  # how long the last pause was (0: none since the last acceptance)
     paused_for: int = 0  # steps left before drafting again
+    acceptance: float = 1.0
 
     @classmethod
     def for_config(cls, config: SpecConfig) -> DraftState:
@@ -147,6 +239,10 @@ class DraftState:
         self.index.extend(new_tokens)
         return self.index.propose(k) if self.ready() else []
 
+    def idle(self) -> None:
+        """A step decoded without drafts: the estimate moves back towards 1 (to try again)."""
+        self.acceptance += (1 - self.acceptance) * ACCEPTANCE_RECOVERY
+
     def record(self, drafted: int, accepted: int) -> None:
         """A verification's outcome."""
         if accepted:
@@ -154,6 +250,10 @@ class DraftState:
         elif drafted:
             self.backoff_steps = min(2 * self.backoff_steps or 1, MAX_BACKOFF_STEPS)
             self.paused_for = self.backoff_steps
+        if drafted:
+            # Drafts after the first rejected one were never tried: they say nothing.
+            share = accepted / min(accepted + 1, drafted)
+            self.acceptance += (share - self.acceptance) * ACCEPTANCE_WEIGHT
 
 
 def accepted_prefix(drafts: tuple[int, ...] | list[int], sampled: list[int]) -> int:

@@ -20,7 +20,15 @@ from nanoserve.llm import LLM
 from nanoserve.request import NewToken, Request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Scheduler, SchedulerConfig
-from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS, DraftState, NgramIndex, SpecConfig, accepted_prefix
+from nanoserve.spec_decode import (
+    MAX_SPECULATIVE_TOKENS,
+    DraftState,
+    NgramIndex,
+    SpecConfig,
+    accepted_prefix,
+    cheapest_drafts,
+    step_cost,
+)
 
 # ---- the proposer and the rule, alone ------------------------------------------------------
 
@@ -80,11 +88,25 @@ def test_drafting_backs_off_twice_as_long_after_each_fruitless_verification():
                                               ("speculative_tokens", MAX_SPECULATIVE_TOKENS + 1),
                                               ("speculative_method", "eagle"),
                                               ("speculative_method", "draft"),
-                                              ("speculative_ngram_min", 0)])
+                                              ("speculative_ngram_min", 0),
+                                              ("speculative_policy", "never"),
+                                              ("speculative_disable_by_batch_size", 0)])
 def test_bad_speculation_settings_raise_a_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field) as caught:
         Engine.__init__(Engine.__new__(Engine), _config(**{field: value}))
     assert isinstance(caught.value, InvalidRequestError) and caught.value.param == field
+
+
+@pytest.mark.parametrize(("option", "value"), [("--speculative-policy", "never"),
+                                                ("--speculative-disable-by-batch-size", "0")])
+def test_the_cli_refuses_a_bad_draft_policy_naming_the_option(tiny_model_dir, option, value):
+    from typer.testing import CliRunner
+
+    from nanoserve_cli.main import app
+
+    result = CliRunner().invoke(app, ["generate", "hello", "--model", str(tiny_model_dir), "--device", "cpu",
+                                      "--speculative-tokens", "2", option, value])
+    assert result.exit_code == 2 and option in result.output
 
 
 def _config(**fields):
@@ -96,6 +118,62 @@ def _config(**fields):
 def test_spec_config_accepts_its_stated_range():
     for k in (0, 1, MAX_SPECULATIVE_TOKENS):
         SpecConfig(k).check(draft_model=None)
+
+
+# ---- the cost rule: how many drafts pay for their rows -----------------------------------------
+
+
+def test_the_cost_rule_drafts_nothing_for_a_request_whose_drafts_are_never_accepted():
+    for decoding in (1, 2, 16):
+        assert cheapest_drafts([(0.0, 16)] * decoding, decoding, 16) == [0] * decoding
+
+
+def test_the_cost_rule_drafts_all_it_can_for_a_request_whose_drafts_are_always_accepted():
+    # Rows cost less than the tokens they bring whenever every draft is accepted (a step has a
+    # fixed cost), whatever the batch: full acceptance drafts to the limit.
+    for decoding in (1, 2, 16):
+        assert cheapest_drafts([(1.0, 16)] * decoding, decoding, 16) == [16] * decoding
+        assert cheapest_drafts([(1.0, 3)] * decoding, decoding, 16) == [3] * decoding  # its own limit
+        assert cheapest_drafts([(1.0, 16)] * decoding, decoding, 4) == [4] * decoding  # K
+
+
+def test_the_cost_rule_drafts_half_accepted_requests_at_one_slot_and_not_at_sixteen():
+    assert cheapest_drafts([(0.5, 16)], 1, 16) == [3]  # four rows cost barely more than two
+    assert cheapest_drafts([(0.5, 16)] * 16, 16, 16) == [0] * 16
+
+
+def test_the_drafts_the_cost_rule_takes_beat_every_other_choice_for_one_request():
+    """Exhaustively, for one request: its k drafts give the best expected tokens per unit of cost."""
+    def rate(decoding: int, acceptance: float, k: int) -> float:
+        return (decoding + sum(acceptance ** i for i in range(1, k + 1))) / step_cost(decoding + k)
+
+    for decoding in (1, 2, 4, 8, 16):
+        for acceptance in (0.2, 0.5, 0.7, 0.9, 0.97):
+            [k, *others] = cheapest_drafts([(acceptance, 16)] + [(0.0, 16)] * (decoding - 1), decoding, 16)
+            best = max(rate(decoding, acceptance, j) for j in range(17))
+            assert rate(decoding, acceptance, k) == best and not any(others), (decoding, acceptance)
+
+
+def test_a_request_stops_drafting_when_its_drafts_are_rejected_and_tries_again_later():
+    state = DraftState(index_of([1, 2, 1, 2, 1]))
+    assert cheapest_drafts([(state.acceptance, 4)], 1, 4) == [4]
+    state.record(drafted=4, accepted=0)
+    state.record(drafted=4, accepted=0)
+    assert cheapest_drafts([(state.acceptance, 4)], 1, 4) == [0]
+    steps = 0
+    while cheapest_drafts([(state.acceptance, 4)], 1, 4) == [0]:
+        state.idle()
+        steps += 1
+    assert steps < 64
+
+
+def test_the_policy_always_and_the_batch_size_cut_off():
+    always = SpecConfig(4, policy="always")
+    assert always.allot([(0.0, 4), (1.0, 2)], 2) == [4, 2]
+    cut = SpecConfig(4, policy="always", disable_by_batch_size=3)
+    assert cut.allot([(1.0, 4)] * 2, 2) == [4, 4]
+    assert cut.allot([(1.0, 4)] * 3, 3) == [0, 0, 0]
+    assert SpecConfig(4, disable_by_batch_size=3).allot([(1.0, 4)] * 3, 3) == [0, 0, 0]
 
 
 # ---- the scheduler's share: budget, max_tokens, no preemption for drafts, rollback -----------
@@ -259,6 +337,20 @@ def test_the_random_workloads_do_draft_accept_and_preempt(engines):
     assert stats.spec_accepted_tokens - before[1] > 0
     assert stats.spec_draft_tokens - before[0] > stats.spec_accepted_tokens - before[1]  # some rejected
     assert spec.engine.scheduler.num_preemptions > before[2]
+
+
+def test_no_drafts_are_proposed_while_the_batch_is_at_the_cut_off(tiny_model_dir):
+    common = {"device": "cpu", "block_size": BLOCK_SIZE, "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 6}
+    plain = LLM(str(tiny_model_dir), **common)
+    spec = LLM(str(tiny_model_dir), speculative_tokens=4, speculative_ngram_min=1,
+               speculative_policy="always", speculative_disable_by_batch_size=2, **common)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    pair = [[5, 6, 7, 8] * 4, [9, 6, 7, 8] * 4]  # repeating prompts: prompt lookup finds drafts
+    stats = spec.engine.stats
+    assert spec.generate(pair, greedy) == plain.generate(pair, greedy)  # two decode in every step
+    assert stats.spec_draft_tokens == 0
+    assert spec.generate(pair[:1], greedy) == plain.generate(pair[:1], greedy)  # alone: below the cut-off
+    assert stats.spec_draft_tokens > 0
 
 
 def oracle(futures: dict[tuple[int, ...], list[int]], wrong: bool):
