@@ -117,8 +117,9 @@ AsyncSchedulingSweep = Annotated[str, typer.Option(
          "runs both side by side and reports the ratio and whether the tokens are the same.")]
 PromptKind = Annotated[str, typer.Option(
     "--prompts", callback=checked(_prompt_kind),
-    help="synthetic: random ids of --input-len; repeat: chat prompts whose answer repeats code "
-         "given in the prompt (EOS ends a request).")]
+    help="synthetic: random ids of --input-len; repeat: chat prompts asking to fix one typo in code "
+         "given in the prompt, the reply begun with its code fence, so the answer copies the code "
+         "(EOS ends a request).")]
 Baseline = Annotated[str | None, typer.Option(
     callback=checked(_baseline), help="Also run this engine on the same workload: transformers.")]
 InputLen = Annotated[int, typer.Option(min=1, help="Prompt length in tokens (synthetic token ids).")]
@@ -227,7 +228,8 @@ def bench_table(result):
         engine = row.engine + (" (batch-inv)" if row.batch_invariant else "")
         engine += " (no prefix cache)" if row.engine == "nanoserve" and not row.prefix_caching else ""
         drafts = getattr(row, "speculative_tokens", 0)
-        engine += f" ({drafts} drafts: x{row.ratio_to_no_speculation:.2f})" if drafts else ""
+        engine += (f" ({drafts} drafts: x{row.ratio_to_no_speculation:.2f}, decoding "
+                   f"x{row.decode_ratio_to_no_speculation:.2f})" if drafts else "")
         deferred = row.engine == "nanoserve" and bool(getattr(row, "async_scheduling", False))
         engine += f" (deferred output: x{row.ratio_to_sync_output:.2f})" if deferred else ""
         roof_ms = max(getattr(row, "memory_limit_step_ms", float("nan")),

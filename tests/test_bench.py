@@ -206,6 +206,32 @@ def test_a_speculation_sweep_compares_the_same_prompts_token_for_token(tiny_mode
     assert frame.output_digest.nunique() == 1
 
 
+def test_the_decode_ratio_leaves_the_prefill_out_reading_time_per_output_token():
+    frame = pd.DataFrame({
+        "engine": ["nanoserve"] * 2, "slots": [1, 1], "params": ["greedy"] * 2, "dtype": ["auto"] * 2,
+        "batch_invariant": [True] * 2, "speculative_tokens": [0, 4], "output_digest": ["a", "a"],
+        "output_tokens_per_s": [40.0, 60.0], "tpot_median_ms": [12.0, 5.0]})
+    ratios = offline.add_ratios(frame)
+    assert ratios.ratio_to_no_speculation.tolist() == [1.0, 1.5]
+    assert ratios.decode_ratio_to_no_speculation.tolist() == [1.0, 2.4]
+
+
+def test_the_repeat_workload_asks_for_its_own_code_back_with_one_typo_fixed(tiny_model_dir):
+    """The answer copies the prompt's code: the reply is begun with the code's fence, and the
+    code (its own per prompt) holds the one typo the instruction names."""
+    from nanoserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    prompts = offline.repeat_prompts(tokenizer, 3, seed=2)
+    reply_start = tokenizer.encode(offline.REPEAT_REPLY_START, add_bos=False)
+    assert all(prompt[-len(reply_start):] == reply_start for prompt in prompts)
+    passages = [offline.repeat_passage(2000 + i) for i in range(3)]
+    assert len(set(passages)) == 3 and all(p.count("retrun") == 1 and "retrun" in offline.REPEAT_INSTRUCTION
+                                           for p in passages)
+    assert all(tokenizer.decode(prompt).count(passage) == 1 for prompt, passage in zip(prompts, passages,
+                                                                                       strict=True))
+
+
 def test_an_async_scheduling_sweep_runs_both_side_by_side_with_the_same_tokens(tiny_model_dir):
     spec = offline.SweepSpec(slots=(1, 2), model=str(tiny_model_dir), device="cpu",
                              async_scheduling=(False, True),

@@ -93,12 +93,16 @@ def synthetic_prompts(count: int, input_len: int, vocab_size: int, *, seed: int 
 
 
 PROMPT_KINDS = ("synthetic", "repeat")
-# The "repeat" workload: the answer repeats code given in the prompt, the case prompt lookup
-# (speculative decoding by n-grams) is for. Each prompt's code is drawn from these templates
-# with its own names and numbers, so no two prompts share more than the instruction.
+# The "repeat" workload: an edit of code given in the prompt, the case prompt lookup (speculative
+# decoding by n-grams) is for. The prompt asks to fix one typo (`retrun`) in three functions or
+# classes, and the reply is begun with its code fence, as an editor's "apply this edit" prompt
+# begins it: the answer is then the code again, one token fixed. (Asked only to "repeat this
+# passage", the default 135M model paraphrases the code instead: 37% of drafts accepted.) Each
+# prompt's code is drawn from these templates with its own names and numbers, so no two prompts
+# share more than the instruction.
 _CODE_TEMPLATES = (
     "def {name}(values):\n    total = 0\n    for value in values:\n        if value > {a}:\n"
-    "            total += value * {b}\n    return total\n",
+    "            total += value * {b}\n    retrun total\n",
     "class {cls}:\n    def __init__(self, size={a}):\n        self.size = size\n"
     "        self.items = []\n\n    def add(self, item):\n"
     "        if len(self.items) < self.size:\n            self.items.append(item)\n",
@@ -106,10 +110,13 @@ _CODE_TEMPLATES = (
     "        rows.append([i * j for j in range({b})])\n    return rows\n",
 )
 _NAMES = ("parse", "score", "merge", "render", "count", "scale", "filter", "collect", "update", "report")
+REPEAT_INSTRUCTION = "Fix the typo in this code (`retrun` should be `return`). Reply with the full code only."
+REPEAT_REPLY_START = "```python\n"
 
 
 def repeat_passage(seed: int) -> str:
-    """Python code of three functions or classes, its names and numbers drawn from `seed`."""
+    """Python code of three functions or classes, one `retrun` typo in the first, its names and
+    numbers drawn from `seed`."""
     generator = torch.Generator().manual_seed(seed)
 
     def pick(options: Sequence[str]) -> str:
@@ -124,9 +131,11 @@ def repeat_passage(seed: int) -> str:
 
 
 def repeat_prompts(tokenizer, count: int, *, seed: int = 0) -> list[list[int]]:
-    """`count` chat prompts asking the model to repeat a code passage given in the prompt."""
+    """`count` chat prompts asking for a one-token fix of code given in the prompt, the reply
+    begun with its code fence."""
+    reply_start = tokenizer.encode(REPEAT_REPLY_START, add_bos=False)
     return [tokenizer.encode_chat([{"role": "user", "content": (
-        "Repeat this code exactly, with nothing before or after it:\n\n" + repeat_passage(seed * 1000 + i))}])
+        f"{REPEAT_INSTRUCTION}\n\n```python\n{repeat_passage(seed * 1000 + i)}```")}]) + reply_start
         for i in range(count)]
 
 
@@ -147,8 +156,8 @@ class Workload:
     warmup: int = 1  # untimed short runs before the timed ones, per config
     repeat: int = 1  # timed runs per config; the run with the median tokens/s is kept
     shared_prefix_len: int = 0  # leading ids every prompt shares (within input_len)
-    # synthetic: random ids of input_len; repeat: the answer repeats code in the prompt (its
-    # own length, about 200 tokens; EOS ends a request, output_len at most)
+    # synthetic: random ids of input_len; repeat: the answer copies code in the prompt, one typo
+    # fixed (about 150 tokens; EOS ends a request, output_len at most)
     prompts: str = "synthetic"
 
     def __post_init__(self) -> None:
@@ -568,13 +577,25 @@ def add_ratios(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _against(frame: pd.DataFrame, reference_rows: pd.Series, name: str) -> None:
     """Columns ratio_to_<name> and same_tokens_as_<name>: each nanoserve row's throughput over,
-    and its tokens against, the reference row of its slots/params/dtype."""
+    and its tokens against, the reference row of its slots/params/dtype; and
+    decode_ratio_to_<name>, the same for decoding alone (the reference's median time per output
+    token after the first over this row's: the prefill, which neither side speeds up, left out)."""
     frame[f"ratio_to_{name}"] = _ratio(frame, reference_rows)
     frame.loc[frame.engine != "nanoserve", f"ratio_to_{name}"] = float("nan")
+    if "tpot_median_ms" in frame:
+        _decode_ratio(frame, reference_rows, name)
     reference = frame[reference_rows].drop_duplicates(KEY).set_index(KEY)["output_digest"]
     frame[f"same_tokens_as_{name}"] = [
         digest == reference.get(tuple(key), None) for key, digest in
         zip(frame[KEY].itertuples(index=False), frame["output_digest"], strict=True)]
+
+
+def _decode_ratio(frame: pd.DataFrame, reference_rows: pd.Series, name: str) -> None:
+    reference = frame[reference_rows].drop_duplicates(KEY).set_index(KEY)["tpot_median_ms"]
+    frame[f"decode_ratio_to_{name}"] = [
+        reference.get(tuple(key), float("nan")) / tpot if engine == "nanoserve" else float("nan")
+        for key, tpot, engine in zip(frame[KEY].itertuples(index=False), frame["tpot_median_ms"],
+                                     frame["engine"], strict=True)]
 
 
 def _ratio(frame: pd.DataFrame, reference_rows: pd.Series) -> pd.Series:
