@@ -102,12 +102,12 @@ PROMPT_KINDS = ("synthetic", "repeat")
 # share more than the instruction.
 _CODE_TEMPLATES = (
     "def {name}(values):\n    total = 0\n    for value in values:\n        if value > {a}:\n"
-    "            total += value * {b}\n    retrun total\n",
+    "            total += value * {b}\n    return total\n",
     "class {cls}:\n    def __init__(self, size={a}):\n        self.size = size\n"
     "        self.items = []\n\n    def add(self, item):\n"
     "        if len(self.items) < self.size:\n            self.items.append(item)\n",
     "def {name}_table(n):\n    rows = []\n    for i in range(n):\n"
-    "        rows.append([i * j for j in range({b})])\n    return rows\n",
+    "        rows.append([i * j for j in range({b})])\n    retrun rows\n",
 )
 _NAMES = ("parse", "score", "merge", "render", "count", "scale", "filter", "collect", "update", "report")
 REPEAT_INSTRUCTION = "Fix the typo in this code (`retrun` should be `return`). Reply with the full code only."
@@ -115,7 +115,7 @@ REPEAT_REPLY_START = "```python\n"
 
 
 def repeat_passage(seed: int) -> str:
-    """Python code of three functions or classes, one `retrun` typo in the first, its names and
+    """Python code of three functions or classes, one `retrun` typo in the last, its names and
     numbers drawn from `seed`."""
     generator = torch.Generator().manual_seed(seed)
 
