@@ -65,6 +65,7 @@ def generate(
     speculative_ngram_max: options.SpeculativeNgramMax = 4,
     draft_model: options.DraftModel = None,
     async_scheduling: options.AsyncScheduling = None,
+    tensor_parallel_size: options.TensorParallelSize = 1,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
     if prompt == "-":
@@ -86,7 +87,8 @@ def generate(
                                    speculative_method=speculative_method,
                                    speculative_ngram_min=speculative_ngram_min,
                                    speculative_ngram_max=speculative_ngram_max,
-                                   draft_model=draft_model, async_scheduling=async_scheduling)
+                                   draft_model=draft_model, async_scheduling=async_scheduling,
+                                   tensor_parallel_size=tensor_parallel_size)
     try:
         from nanoserve.llm import LLM
 

@@ -65,6 +65,7 @@ def serve(
     draft_model: options.DraftModel = None,
     async_scheduling: options.AsyncScheduling = None,
     fair_share_rows: options.FairShareRows = None,
+    tensor_parallel_size: options.TensorParallelSize = 1,
     max_tokens_limit: Annotated[int | None, typer.Option(
         min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
     max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
@@ -115,7 +116,8 @@ def serve(
                                    speculative_ngram_min=speculative_ngram_min,
                                    speculative_ngram_max=speculative_ngram_max,
                                    draft_model=draft_model, async_scheduling=async_scheduling,
-                                   fair_share_rows=fair_share_rows)
+                                   fair_share_rows=fair_share_rows,
+                                   tensor_parallel_size=tensor_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -367,8 +367,9 @@ class TensorParallelGroup:
 
     def failure(self, error: Exception) -> TensorParallelError:
         """The error of a failed step, naming the ranks whose heartbeat went stale (or died)."""
-        dead = [f"rank {w.rank} (exit status {w.process.poll()})" for w in self.workers
-                if w.process.poll() is not None]
+        deadline = time.monotonic() + 2.0  # a killed worker is reaped a moment after its sockets close
+        while not (dead := self._dead_workers()) and self.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
         now, stale = time.time(), []
         for rank in range(1, self.shard.world):
             try:
@@ -379,6 +380,10 @@ class TensorParallelGroup:
                 stale.append(f"rank {rank}")
         named = ", ".join(dead or stale) or "no rank identified"
         return TensorParallelError(f"tensor parallel: a step's collective failed ({named}): {error}")
+
+    def _dead_workers(self) -> list[str]:
+        return [f"rank {w.rank} (exit status {w.process.poll()})" for w in self.workers
+                if w.process.poll() is not None]
 
     def close(self) -> None:
         """Rank 0: tell the workers to stop, and wait for them (a few seconds at most)."""
