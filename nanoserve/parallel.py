@@ -65,6 +65,7 @@ CONNECT_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_CONNECT_TIMEOUT_S", "60")
 PLAN_TIMEOUT = timedelta(days=30)
 HEARTBEAT_S = 1.0
 WATCHDOG_POLL_S = 0.2
+WATCHDOG_GRACE_S = 5.0  # after a worker died: time for the step in flight to fail on its own
 MESSAGE_START_WORDS = 4096  # the step buffer grows (both sides, by a resize message) when needed
 _STOP, _RESIZE = 0, -1  # header words other than a payload length
 
@@ -315,6 +316,7 @@ class TensorParallelGroup:
     collectives: Collectives | None = None
     message_words: int = MESSAGE_START_WORDS
     closed: bool = False
+    failed: bool = False  # a step's collective failed: close() kills the workers, asks nothing
 
     def make_collectives(self, config: ModelConfig, batch_invariant: bool) -> Collectives:
         start, count, _ = self.shard.vocab_rows(config.vocab_size)
@@ -379,6 +381,7 @@ class TensorParallelGroup:
             if now - beat > 3 * HEARTBEAT_S:
                 stale.append(f"rank {rank}")
         named = ", ".join(dead or stale) or "no rank identified"
+        self.failed = True
         return TensorParallelError(f"tensor parallel: a step's collective failed ({named}): {error}")
 
     def _dead_workers(self) -> list[str]:
@@ -390,7 +393,10 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
-        if self.shard.rank == 0:
+        if self.shard.rank == 0 and self.failed:
+            for worker in self.workers:
+                worker.process.kill()
+        elif self.shard.rank == 0:
             try:
                 self._broadcast(torch.tensor([_STOP] + [0] * (self.message_words - 1)))
             except Exception as error:
@@ -576,7 +582,9 @@ def _spawn(spec: WorkerSpec, rank: int, world: int, address: str, port: int) -> 
 
 
 def _watch_workers(group: TensorParallelGroup) -> None:
-    """Rank 0: a worker that exits while the group is open ends this process, naming its rank."""
+    """Rank 0: a worker that exits while the group is open ends this process, naming its rank.
+    A step in flight fails first, on its own (its collective errors; the server answers 503 to
+    what was in flight, then exits); an idle engine ends here, WATCHDOG_GRACE_S later."""
     while not group.closed:
         for worker in group.workers:
             status = worker.process.poll()
@@ -585,6 +593,7 @@ def _watch_workers(group: TensorParallelGroup) -> None:
                            f"exited with status {status}; stopping")
                 log.error(message)
                 print(message, file=sys.stderr, flush=True)
+                time.sleep(WATCHDOG_GRACE_S)
                 for other in group.workers:
                     if other.process.poll() is None:
                         other.process.kill()

@@ -9,6 +9,7 @@ per module; every N = 4 engine runs one thread a rank.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -307,7 +308,7 @@ def test_a_rank_that_cannot_reach_the_master_gives_up_within_its_timeout(monkeyp
     assert time.monotonic() - start < 15
 
 
-KILLED_WORKER_SCRIPT = textwrap.dedent("""
+FAULTY_WORKER_SCRIPT = textwrap.dedent("""
     import sys
     from nanoserve import LLM, SamplingParams
     llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
@@ -318,19 +319,27 @@ KILLED_WORKER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_worker_killed_mid_generation_ends_the_engine_naming_its_rank_within_30_s(tiny_model_dir):
-    engine = subprocess.Popen([sys.executable, "-c", KILLED_WORKER_SCRIPT, str(tiny_model_dir)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize(("fault", "signal_number"), [("killed", signal.SIGKILL), ("hung", signal.SIGSTOP)])
+def test_a_worker_killed_or_hung_mid_generation_ends_the_engine_naming_its_rank_within_30_s(
+        tiny_model_dir, fault, signal_number):
+    # A hung rank is found by the step's collective timing out: 5 s here, 30 s by default.
+    env = {**os.environ, "NANOSERVE_TP_TIMEOUT_S": "5"}
+    engine = subprocess.Popen([sys.executable, "-c", FAULTY_WORKER_SCRIPT, str(tiny_model_dir)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    worker_pid = None
     try:
         worker_pid = int(engine.stdout.readline().split()[1])
         assert engine.stdout.readline().strip() == "generated"  # generating now, again
-        os.kill(worker_pid, signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(worker_pid, signal_number)
+        struck = time.monotonic()
         status = engine.wait(timeout=30)
-        assert time.monotonic() - killed < 30
+        assert time.monotonic() - struck < 30
     finally:
         if engine.poll() is None:
             engine.kill()
+        if worker_pid is not None and fault == "hung":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker_pid, signal.SIGKILL)
     assert status != 0
     assert "rank 1" in engine.stderr.read()
 
