@@ -368,21 +368,26 @@ class TensorParallelGroup:
         self.plan_group.broadcast(message, 0).wait(timedelta(seconds=STEP_TIMEOUT_S))
 
     def failure(self, error: Exception) -> TensorParallelError:
-        """The error of a failed step, naming the ranks whose heartbeat went stale (or died)."""
-        deadline = time.monotonic() + 2.0  # a killed worker is reaped a moment after its sockets close
-        while not (dead := self._dead_workers()) and self.workers and time.monotonic() < deadline:
-            time.sleep(0.05)
+        """The error of a failed step, naming the ranks that died (local workers, reaped a moment
+        after their sockets close) or whose heartbeat went stale (any rank, a few seconds on)."""
+        deadline = time.monotonic() + (2.0 if self.workers else 4.5 * HEARTBEAT_S)
+        while not (named := self._dead_workers() or self._stale_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.failed = True
+        return TensorParallelError(f"tensor parallel: a step's collective failed "
+                                   f"({', '.join(named) or 'no rank identified'}): {error}")
+
+    def _stale_ranks(self) -> list[str]:
         now, stale = time.time(), []
         for rank in range(1, self.shard.world):
-            try:
-                beat = float(self.store.get(f"heartbeat/{rank}").decode())
-            except Exception:
+            key = f"heartbeat/{rank}"
+            try:  # check first: a get of a key never set waits for the store's whole timeout
+                beat = float(self.store.get(key).decode()) if self.store.check([key]) else 0.0
+            except Exception:  # the store itself may be gone with the rank
                 beat = 0.0
             if now - beat > 3 * HEARTBEAT_S:
-                stale.append(f"rank {rank}")
-        named = ", ".join(dead or stale) or "no rank identified"
-        self.failed = True
-        return TensorParallelError(f"tensor parallel: a step's collective failed ({named}): {error}")
+                stale.append(f"rank {rank} (silent for over {3 * HEARTBEAT_S:.0f} s)")
+        return stale
 
     def _dead_workers(self) -> list[str]:
         return [f"rank {w.rank} (exit status {w.process.poll()})" for w in self.workers
@@ -430,6 +435,11 @@ class ShardedModel:
 def _launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
                                                     and "MASTER_ADDR" in os.environ)
+
+
+def is_torchrun_worker() -> bool:
+    """Whether this process is a rank > 0 of a torchrun launch (it runs no front end)."""
+    return _launched_by_torchrun() and int(os.environ["RANK"]) > 0
 
 
 def local_ranks(config: EngineConfig) -> int:

@@ -359,7 +359,7 @@ def test_a_two_node_torchrun_launch_on_loopback_decodes_the_text_of_one_process(
     nodes = [subprocess.Popen([*launch, "--node-rank", str(rank), *generate], cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
     try:
-        outputs = [node.communicate(timeout=180) for node in nodes]
+        outputs = [node.communicate(timeout=300) for node in nodes]
     finally:
         for node in nodes:
             if node.poll() is None:
