@@ -222,7 +222,10 @@ class Engine:
         self.tp = parallel.start(config, read_config(self.model_dir), model_dir=self.model_dir,
                                  gguf=self._gguf_blocks(), device=self.device)
         model_config, weights = self._load_weights()
-        self.weights_nbytes = weights.nbytes()
+        self.weights_nbytes = weights.nbytes()  # this rank's, with tensor parallelism
+        if self.tp is not None:
+            self.weight_notes.append(f"tensor parallel: {config.tensor_parallel_size} ranks; rank 0 holds "
+                                     f"{self.weights_nbytes / 1e6:.1f} MB of weights")
         self.weight_format = _weight_format(weights)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)

@@ -200,15 +200,15 @@ def shard_tensor(name: str, read: Callable[[int | None, Ranges], torch.Tensor | 
     return weight
 
 
-def shard_loaded(tensors: dict, config: ModelConfig, shard: Shard) -> dict:
-    """Every tensor of an in-memory checkpoint cut to `shard` (GGUF files: their blocks are read
-    whole by gguf_import, then cut here, tensor by tensor)."""
-    out = {}
-    for name in list(tensors):
-        whole = tensors.pop(name)
-        out[name] = shard_tensor(name, lambda dim, ranges, w=whole, n=name: w if dim is None
-                                 else take(w, dim, ranges, n), config, shard)
-    return out
+def shard_of(config: ModelConfig, shard: Shard) -> Callable[[str, torch.Tensor | QuantizedWeight],
+                                                          torch.Tensor | QuantizedWeight]:
+    """Cut a tensor already in memory to `shard` (GGUF files: gguf_import reads each tensor's
+    blocks whole, and keeps this part of it)."""
+    def keep(name: str, whole: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        def read(dim: int | None, ranges: Ranges) -> torch.Tensor | QuantizedWeight:
+            return whole if dim is None else take(whole, dim, ranges, name)
+        return shard_tensor(name, read, config, shard)
+    return keep
 
 
 # ---- the collectives of one rank's forward ---------------------------------------------------

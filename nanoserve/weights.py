@@ -25,7 +25,7 @@ from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.gguf_import import gguf_weights
 from nanoserve.linear import LinearKernel
 from nanoserve.model import Llama, LlamaWeights, hf_tensor_shapes
-from nanoserve.parallel import Shard, local_config, shard_loaded, shard_tensor
+from nanoserve.parallel import Shard, local_config, shard_of, shard_tensor
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -88,9 +88,8 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     world = shard.world if shard is not None else 1
     if gguf is not None:
         raw = json.loads((model_dir / "config.json").read_text())
-        tensors = gguf_weights(gguf, raw, log_line)
-        if shard is not None:
-            tensors = shard_loaded(tensors, config, shard)
+        keep = shard_of(config, shard) if shard is not None else None
+        tensors = gguf_weights(gguf, raw, log_line, keep=keep)
     elif shard is not None:
         tensors = load_shard_state_dict(model_dir, config, shard)
     else:
