@@ -41,7 +41,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +54,17 @@ from nanoserve.native import ops as native_ops
 from nanoserve.native.ops import NativeOps, PagedContext
 from nanoserve.quant import QuantizedWeight, Weight
 
-if TYPE_CHECKING:
-    from nanoserve.parallel import Collectives
-
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
 CONTEXT_CHUNK = 64
+
+
+class TensorParallel(Protocol):
+    """What a forward on one rank's shard asks of its ranks (nanoserve.parallel.Collectives)."""
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -541,7 +546,7 @@ def native_ops_for(like: torch.Tensor) -> NativeOps | None:
 class Llama:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
                  linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
-                 native: bool = True, tensor_parallel: Collectives | None = None) -> None:
+                 native: bool = True, tensor_parallel: TensorParallel | None = None) -> None:
         """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
         GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
         `native`: run the small ops in C where they can run here (`native_ops_for`).
