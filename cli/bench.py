@@ -156,6 +156,7 @@ def bench(
     chart: Annotated[bool, typer.Option("--chart/--no-chart", help="Write the PNG chart.")] = True,
     append: Annotated[bool, typer.Option(
         "--append", help="Keep the rows already in --out, replacing those this run measures again.")] = False,
+    tensor_parallel_size: options.TensorParallelSize = 1,
 ) -> None:
     """Offline throughput: every slots x params x dtype configuration, with its baseline beside it."""
     if ctx.invoked_subcommand is not None:
@@ -171,7 +172,7 @@ def bench(
                      prefix_caching=prefix_caching, speculative_tokens=speculative_tokens,
                      async_scheduling=async_scheduling,
                      baseline=baseline, model=model, device=device,
-                     threads=threads, linear_kernel=linear_kernel,
+                     threads=threads, linear_kernel=linear_kernel, tensor_parallel_size=tensor_parallel_size,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat,
                                        shared_prefix_len, prompts))
     run_offline(spec, out, chart=chart, append=append)

@@ -67,6 +67,7 @@ def generate(
     speculative_policy: options.SpeculativePolicy = "cost",
     speculative_disable_by_batch_size: options.SpeculativeDisableByBatchSize = None,
     async_scheduling: options.AsyncScheduling = None,
+    tensor_parallel_size: options.TensorParallelSize = 1,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
     if prompt == "-":
@@ -90,7 +91,8 @@ def generate(
                                    speculative_ngram_max=speculative_ngram_max,
                                    draft_model=draft_model, speculative_policy=speculative_policy,
                                    speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-                                   async_scheduling=async_scheduling)
+                                   async_scheduling=async_scheduling,
+                                   tensor_parallel_size=tensor_parallel_size)
     try:
         from nanoserve.llm import LLM
 

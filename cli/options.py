@@ -79,6 +79,11 @@ AsyncScheduling = Annotated[bool | None, typer.Option(
     help="Deferred output: launch each step before the last one's tokens are resolved on the host "
          "(outputs unchanged; steps with speculation, grammars or penalties resolve at once). "
          "Default per device: off on CPU and CUDA until measured.")]
+TensorParallelSize = Annotated[int, typer.Option(
+    "--tensor-parallel-size", "-tp", min=1,
+    help="Split the model over N ranks (Megatron tensor parallelism, gloo on CPU, NCCL on CUDA): "
+         "the engine starts N-1 worker processes, or joins a torchrun launch of N; each rank runs "
+         "on its share of the cores (--threads sets it).")]
 SpeculativeNgramMin = Annotated[int, typer.Option(
     min=1, help="Shortest suffix n-gram prompt lookup matches.")]
 SpeculativeNgramMax = Annotated[int, typer.Option(
@@ -116,7 +121,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   speculative_ngram_max: int = 4, draft_model: str | None = None,
                   speculative_policy: str = "cost", speculative_disable_by_batch_size: int | None = None,
                   async_scheduling: bool | None = None,
-                  fair_share_rows: float | None = None) -> EngineConfig:
+                  fair_share_rows: float | None = None, tensor_parallel_size: int = 1) -> EngineConfig:
     from nanoserve.engine import DTYPES, QUANTIZED
     from nanoserve.quant import QUANTIZERS
     from nanoserve.spec_decode import SpecConfig
@@ -144,7 +149,8 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                         speculative_ngram_max=speculative_ngram_max, draft_model=draft_model,
                         speculative_policy=speculative_policy,
                         speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-                        async_scheduling=async_scheduling, fair_share_rows=fair_share_rows)
+                        async_scheduling=async_scheduling, fair_share_rows=fair_share_rows,
+                        tensor_parallel_size=tensor_parallel_size)
 
 
 def check_linear_kernel(name: str | None) -> None:
@@ -174,6 +180,11 @@ def fail(message: str) -> NoReturn:
 
 
 def fail_for(error: NanoserveError) -> NoReturn:
+    from nanoserve.parallel import TensorParallelError
+
+    if isinstance(error, TensorParallelError):  # a rank died or hung: a failure, not a usage error
+        typer.secho(f"Error: {error}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(code=1)
     if isinstance(error, InvalidRequestError) and error.param:
         option = FIELD_TO_OPTION.get(error.param, f"--{error.param.replace('_', '-')}")
         fail(f"invalid value for {option}: {error.message}")

@@ -93,6 +93,7 @@ def profile(
         help="The forward's small ops in C (on) or torch (off); off,on alternates them per batch "
              "size in one engine. Default: as the engine runs them.")] = None,
     batch_sizes: OldBatchSizes = None,
+    tensor_parallel_size: options.TensorParallelSize = 1,
 ) -> None:
     """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect),
     and the forward split into its matrix multiplies and the rest."""
@@ -105,7 +106,7 @@ def profile(
                        input_len=input_len, output_len=output_len, params=params,
                        dtype=dtype, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
                        model=model, device=device, threads=threads, linear_kernel=linear_kernel,
-                       trace_path=trace, native_ops=native_ops)
+                       trace_path=trace, native_ops=native_ops, tensor_parallel_size=tensor_parallel_size)
     run_profile(spec, out, chart=chart)
 
 

@@ -67,6 +67,7 @@ def serve(
     speculative_disable_by_batch_size: options.SpeculativeDisableByBatchSize = None,
     async_scheduling: options.AsyncScheduling = None,
     fair_share_rows: options.FairShareRows = None,
+    tensor_parallel_size: options.TensorParallelSize = 1,
     max_tokens_limit: Annotated[int | None, typer.Option(
         min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
     max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
@@ -118,9 +119,17 @@ def serve(
                                    speculative_ngram_max=speculative_ngram_max,
                                    draft_model=draft_model, speculative_policy=speculative_policy,
                                    speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-                                   async_scheduling=async_scheduling, fair_share_rows=fair_share_rows)
+                                   async_scheduling=async_scheduling, fair_share_rows=fair_share_rows,
+                                   tensor_parallel_size=tensor_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from nanoserve.parallel import is_torchrun_worker
+
+    if is_torchrun_worker():  # a rank > 0 of a torchrun launch serves rank 0's steps, not HTTP
+        try:
+            _build_engine(config)  # runs the worker's loop, then exits
+        except NanoserveError as error:
+            options.fail_for(error)
     try:
         source = resolve_model(model, float_weights=False)  # for its name: no weights converted
     except NanoserveError as error:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.errors import UnsupportedModelError
+from nanoserve.errors import InvalidRequestError, UnsupportedModelError
 
 # Fields that do not change the forward pass: token ids, training-only settings, and what
 # transformers writes into every config. `pretraining_tp` only split Llama's training matmuls.
@@ -508,7 +508,13 @@ class EngineConfig:
     # While more than one client request runs, each takes at most the lightest one's row units
     # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
     fair_share_rows: float | None = None
+    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
+    # one process each (nanoserve.parallel); 1: one process, exactly the code it always ran.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InvalidRequestError(f"tensor_parallel_size must be an integer of at least 1; got "
+                                      f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")

@@ -57,11 +57,12 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
-from nanoserve import native
+from nanoserve import native, parallel
 from nanoserve.block_pool import BlockPool
 from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, FAIR_SHARE_ROWS_DEFAULT, EngineConfig, ModelConfig
 from nanoserve.default_model import ModelSource, resolve_model
@@ -178,6 +179,24 @@ def available_memory_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
+def load_rank_weights(config: EngineConfig, model_dir: Path, gguf: Path | None, dtype: torch.dtype,
+                      device: torch.device, shard: parallel.Shard | None,
+                      notes: list[str]) -> tuple[ModelConfig, LlamaWeights]:
+    """The weights this process runs (a rank's shard with `shard`), quantized by --quantize, and
+    dequantized where no native kernel runs their blocks; `notes` hears how, in one line each."""
+    model_config, weights = load_weights(model_dir, dtype=dtype, device=device, gguf=gguf,
+                                         log_line=notes.append, shard=shard)
+    if config.quantize is not None:
+        weights = weights.quantized(config.quantize)
+    if weights.is_quantized() and native.library() is None:
+        notes.append(f"weights: {_weight_format(weights)} dequantized to float32 at load "
+                     "(the native kernels that run its blocks are off)")
+        weights = weights.dequantized()
+    elif weights.is_quantized():
+        notes.append(f"weights: {_weight_format(weights)} blocks, {weights.nbytes() / 1e6:.1f} MB")
+    return model_config, weights
+
+
 def _weight_format(weights: LlamaWeights) -> str:
     """How the matrices are held: 'q4_1+q8_0' (layers' formats, then the head's), or a dtype."""
     from nanoserve.quant import format_names
@@ -195,7 +214,7 @@ class Engine:
         self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.threads = set_threads(config.threads)
+        self.threads = set_threads(parallel.rank_threads(config))
         # Built (or found in the cache) before the weights load: the kernel choice may use it.
         self.native_summary = native.status()
         self.weight_notes: list[str] = []  # start-up lines on how the weights were loaded
@@ -203,18 +222,30 @@ class Engine:
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
+        # Tensor parallelism: the workers start here, after every check that needs none of them.
+        self.tp = parallel.start(config, read_config(self.model_dir), model_dir=self.model_dir,
+                                 gguf=self._gguf_blocks(), device=self.device)
         model_config, weights = self._load_weights()
-        self.weights_nbytes = weights.nbytes()
+        self.weights_nbytes = weights.nbytes()  # this rank's, with tensor parallelism
+        if self.tp is not None:
+            self.weight_notes.append(f"tensor parallel: {config.tensor_parallel_size} ranks; rank 0 holds "
+                                     f"{self.weights_nbytes / 1e6:.1f} MB of weights")
         self.weight_format = _weight_format(weights)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.kernel_choice = self._choose_linear_kernel(weights)
-        self.model = Llama(model_config, weights, batch_invariant=config.batch_invariant,
-                           linear_kernel=self.kernel_choice.kernel, max_positions=self.max_model_len)
+        collectives = self.tp.make_collectives(model_config, config.batch_invariant) if self.tp else None
+        # With tensor parallelism, `model` is rank 0's shard (its config the shard's) and the
+        # runner's model is every rank's (`parallel.ShardedModel`).
+        self.model = Llama(parallel.local_config(model_config, config.tensor_parallel_size), weights,
+                           batch_invariant=config.batch_invariant, linear_kernel=self.kernel_choice.kernel,
+                           max_positions=self.max_model_len, tensor_parallel=collectives)
         self.model_config = model_config
         num_blocks = self._num_kv_blocks()
+        if self.tp is not None:
+            parallel.send_setup(self.tp, self.kernel_choice.kernel.name, num_blocks, self.max_model_len)
         self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.model.config, num_blocks, config.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -223,7 +254,8 @@ class Engine:
                             fair_share_rows=self._fair_share_rows()),
             self.pool,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
+        runner_model = parallel.ShardedModel(self.model, model_config, self.tp) if self.tp else self.model
+        self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
                                   device=self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
@@ -265,20 +297,19 @@ class Engine:
                                      "(the native kernels that run its blocks are off)")
         return source
 
+    def _gguf_blocks(self) -> Path | None:
+        """The GGUF file whose blocks the weights are read from, if they are."""
+        return self.source.gguf if wants_blocks(self.config, self.device) else None
+
     def _load_weights(self) -> tuple[ModelConfig, LlamaWeights]:
-        gguf = self.source.gguf if wants_blocks(self.config, self.device) else None
-        model_config, weights = load_weights(self.model_dir, dtype=self.dtype, device=self.device, gguf=gguf,
-                                             log_line=self.weight_notes.append)
-        if self.config.quantize is not None:
-            weights = weights.quantized(self.config.quantize)
-        if weights.is_quantized() and native.library() is None:
-            self.weight_notes.append(f"weights: {_weight_format(weights)} dequantized to float32 at load "
-                                     "(the native kernels that run its blocks are off)")
-            weights = weights.dequantized()
-        elif weights.is_quantized():
-            self.weight_notes.append(f"weights: {_weight_format(weights)} blocks, "
-                                     f"{weights.nbytes() / 1e6:.1f} MB")
-        return model_config, weights
+        shard = self.tp.shard if self.tp is not None else None
+        return load_rank_weights(self.config, self.model_dir, self._gguf_blocks(), self.dtype, self.device,
+                                 shard, self.weight_notes)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _choose_linear_kernel(self, weights: LlamaWeights) -> KernelChoice:
         cfg = self.config
@@ -344,9 +375,10 @@ class Engine:
             budget = min(budget, CPU_DEFAULT_KV_CACHE_BYTES)
         # No point holding more than every sequence at full length could use.
         useful = cfg.max_num_seqs * self.max_model_len
-        per_block = bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        # The model's own config: with tensor parallelism, a rank holds only its K/V heads.
+        per_block = bytes_per_block(self.model.config, cfg.block_size, self.dtype)
         wanted = min(int(budget), -(-useful // cfg.block_size) * per_block)
-        return num_blocks_for_budget(self.model_config, cfg.block_size, self.dtype, wanted)
+        return num_blocks_for_budget(self.model.config, cfg.block_size, self.dtype, wanted)
 
     @property
     def kv_cache_summary(self) -> str:

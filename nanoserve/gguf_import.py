@@ -332,12 +332,18 @@ def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
     return weights
 
 
+GGUFTensor = torch.Tensor | QuantizedWeight
+
+
 def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
-                 log_line: Callable[[str], None] | None = None) -> dict[str, torch.Tensor | QuantizedWeight]:
+                 log_line: Callable[[str], None] | None = None,
+                 keep: Callable[[str, GGUFTensor], GGUFTensor] | None = None) -> dict[str, GGUFTensor]:
     """Every tensor under its HF name: a QuantizedWeight where nanoserve has a kernel for its
     block format (the file's bytes, copied once out of its memory map; Q and K rows taken in
     HF order as whole rows of blocks), float32 otherwise. A matrix in a type with no kernel is
-    dequantized, and `log_line` hears one line per such type."""
+    dequantized, and `log_line` hears one line per such type. `keep(name, tensor)`: the part
+    to keep of each tensor as it is read (a tensor-parallel rank's shard: then only one whole
+    tensor is ever held at a time, and the caller checks the shapes)."""
     heads = _permuted_heads(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, int] = {}
@@ -357,12 +363,14 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
             # One copy either way: a row gather for Q and K, a plain copy for the rest.
             blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
             weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
-        weights[hf_tensor_name(tensor.name, config.get("model_type"))] = weight
+        name = hf_tensor_name(tensor.name, config.get("model_type"))
+        weights[name] = weight if keep is None else keep(name, weight)
     for type_name, count in dequantized.items():
         if log_line is not None:
             log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
                      "to float32 at load")
-    check_shapes(weights, config)
+    if keep is None:
+        check_shapes(weights, config)
     return weights
 
 

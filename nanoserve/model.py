@@ -41,6 +41,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,14 @@ from nanoserve.quant import QuantizedWeight, Weight
 # Context chunk of the batch-invariant attention: scores and P@V run on fixed [*, CONTEXT_CHUNK]
 # pieces and the pieces are summed in order, so zero-padded context never moves a bit.
 CONTEXT_CHUNK = 64
+
+
+class TensorParallel(Protocol):
+    """What a forward on one rank's shard asks of its ranks (nanoserve.parallel.Collectives)."""
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -537,11 +546,15 @@ def native_ops_for(like: torch.Tensor) -> NativeOps | None:
 class Llama:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
                  linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
-                 native: bool = True) -> None:
+                 native: bool = True, tensor_parallel: TensorParallel | None = None) -> None:
         """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
         GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
-        `native`: run the small ops in C where they can run here (`native_ops_for`)."""
+        `native`: run the small ops in C where they can run here (`native_ops_for`).
+        `tensor_parallel`: this rank's collectives, when `config` and `weights` are one rank's
+        shard (nanoserve.parallel): the same forward, an all-reduce after o and after down, the
+        embedding summed over ranks and the logits of this rank's vocabulary rows."""
         self.config = config
+        self.tp = tensor_parallel
         self.ops = native_ops_for(weights.embed) if native else None
         self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
         self.weights = weights.packed_for(self.linear_kernel)
@@ -574,7 +587,10 @@ class Llama:
         residual adds done in place and fused with the norm that follows them.
         """
         step = self._step_context(batch, kv_cache)  # built once per step, used by every layer
-        hidden = quant.embedding(batch.input_ids, self.weights.embed)
+        if self.tp is None:
+            hidden = quant.embedding(batch.input_ids, self.weights.embed)
+        else:
+            hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
         if self.switched:
             delta = self._switched_layers(hidden, step, kv_cache)
         else:
@@ -637,7 +653,7 @@ class Llama:
             plan = step.window_plan if window else step.plan
             out = self._torch_attention(index, qkv, step, kv_cache, cos=cos, sin=sin, plan=plan,
                                         softcap=cfg.attn_softcap)
-        out = self.linear(out, layer.o)
+        out = self._reduced(self.linear(out, layer.o))
         if layer.o_bias is not None:
             out += layer.o_bias
         return out
@@ -660,7 +676,7 @@ class Llama:
             # Row by row over the strided `gate` view, as `_mlp` does (batch-invariant).
             gate, up = gate_up.chunk(2, dim=-1)
             activated = self.activation(gate) * up
-        out = self.linear(activated, layer.down)
+        out = self._reduced(self.linear(activated, layer.down))
         if layer.down_bias is not None:
             out += layer.down_bias
         return out
@@ -718,7 +734,11 @@ class Llama:
             out = self._native_attention(index, qkv, step, kv_cache)
         else:
             out = self._torch_attention(index, qkv, step, kv_cache)
-        return self.linear(out, layer.o)
+        return self._reduced(self.linear(out, layer.o))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split matrix's output summed over the ranks (itself with one rank)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _native_attention(self, index: int, qkv: torch.Tensor, step: StepContext,
                           kv_cache: KVCache) -> torch.Tensor:
@@ -835,8 +855,8 @@ class Llama:
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         gate_up = self.linear(x, layer.gate_up)
         if self.ops is not None:
-            return self.linear(self.ops.silu_mul(gate_up, step.activated), layer.down)
+            return self._reduced(self.linear(self.ops.silu_mul(gate_up, step.activated), layer.down))
         # SiLU runs row by row over the strided `gate` view, so each row takes the same
         # vectorized path whatever the batch (tests/test_model.py pins this).
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, layer.down)
+        return self._reduced(self.linear(F.silu(gate) * up, layer.down))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig, family_of
@@ -24,6 +25,7 @@ from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.gguf_import import gguf_weights
 from nanoserve.linear import LinearKernel
 from nanoserve.model import Llama, LlamaWeights, hf_tensor_shapes
+from nanoserve.parallel import Shard, local_config, shard_of, shard_tensor
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -59,18 +61,41 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def load_shard_state_dict(model_dir: Path, config: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
+    """Rank `shard`'s part of every tensor, read as safetensors slices: no rank reads the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as file:
+            for name in file.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                def read(dim: int | None, ranges: list[tuple[int, int]], name: str = name) -> torch.Tensor:
+                    if dim is None:
+                        return file.get_tensor(name)
+                    part = file.get_slice(name)
+                    pieces = [part[a:b] if dim == 0 else part[:, a:b] for a, b in ranges]
+                    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+                tensors[name] = shard_tensor(name, read, config, shard)
+    return tensors
+
+
 def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, gguf: Path | None = None,
-                 log_line: Callable[[str], None] | None = None) -> tuple[ModelConfig, LlamaWeights]:
+                 log_line: Callable[[str], None] | None = None,
+                 shard: Shard | None = None) -> tuple[ModelConfig, LlamaWeights]:
     """`gguf`: read the tensors from that file as they are (blocks stay blocks); `model_dir`
-    then only supplies config.json. `log_line` hears what the GGUF path dequantized, and why."""
+    then only supplies config.json. `log_line` hears what the GGUF path dequantized, and why.
+    `shard`: only that rank's part of every tensor (nanoserve.parallel); the config returned
+    is still the whole model's."""
     config = read_config(model_dir)
+    world = shard.world if shard is not None else 1
     if gguf is not None:
         raw = json.loads((model_dir / "config.json").read_text())
-        tensors = gguf_weights(gguf, raw, log_line)
+        keep = shard_of(config, shard) if shard is not None else None
+        tensors = gguf_weights(gguf, raw, log_line, keep=keep)
+    elif shard is not None:
+        tensors = load_shard_state_dict(model_dir, config, shard)
     else:
         tensors = load_state_dict(model_dir)
-    check_tensors(model_dir, config, tensors)
-    weights = LlamaWeights.from_hf_state_dict(config, tensors).to(dtype, device)
+    check_tensors(model_dir, local_config(config, world), tensors)
+    weights = LlamaWeights.from_hf_state_dict(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:
         del tensors
         release_freed_memory()

@@ -366,6 +366,7 @@ class SweepSpec:
     device: str | None = None
     threads: int | None = None
     linear_kernel: str | None = None
+    tensor_parallel_size: int = 1  # every engine of the sweep (threads are per rank)
 
     def configs(self) -> list[BenchConfig]:
         """Interleaved, so a config and its baseline run next to each other in time."""
@@ -414,7 +415,8 @@ class Sweep:
                 max_num_batched_tokens=max(512, w.input_len * max(self.spec.slots)),
                 batch_invariant=batch_invariant, threads=self.spec.threads,
                 linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching,
-                speculative_tokens=speculative_tokens, async_scheduling=async_scheduling))
+                speculative_tokens=speculative_tokens, async_scheduling=async_scheduling,
+                tensor_parallel_size=self.spec.tensor_parallel_size))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:
@@ -450,7 +452,8 @@ class Sweep:
         if progress:
             progress(configs[-1], len(configs), len(configs))
         frame = add_ratios(pd.DataFrame(rows))
-        frame = frame.assign(**machine.columns(), **limits.columns())
+        frame = frame.assign(**machine.columns(), **limits.columns(),
+                             tensor_parallel_size=self.spec.tensor_parallel_size)
         return SweepResult(machine, limits, frame)
 
     def run_group(self, group: list[BenchConfig], limits: HardwareLimits) -> list[dict[str, object]]:

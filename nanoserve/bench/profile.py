@@ -36,6 +36,7 @@ class StepCost:
     readbacks: dict[str, int]
     rows: int
     linear_s: float  # inside the forward's matrix multiplies
+    allreduce_s: float = 0.0  # rank 0 inside the tensor-parallel all-reduces (waiting included)
 
 
 class LinearTimer:
@@ -75,17 +76,23 @@ def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: i
     """Run the prompts to completion through the bench's one driver; the cost of each decode
     step, as the differences of the engine's own per-phase counters across it."""
     stats = engine.stats
+    collectives = engine.tp.collectives if engine.tp is not None else None
     costs = []
     with timed_linears(engine) as linears:
-        before = (dict(stats.phase_s), dict(stats.phase_readbacks), linears.seconds)
+        def counters() -> tuple:
+            reduce_s = collectives.reduce_s if collectives is not None else 0.0
+            return dict(stats.phase_s), dict(stats.phase_readbacks), linears.seconds, reduce_s
+
+        before = counters()
 
         def on_step(step: StepRecord) -> None:
             nonlocal before
-            after = (dict(stats.phase_s), dict(stats.phase_readbacks), linears.seconds)
+            after = counters()
             if step.is_decode:
                 phase_s = {p: after[0][p] - before[0][p] for p in PHASES}
                 readbacks = {p: after[1][p] - before[1][p] for p in PHASES}
-                costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows, after[2] - before[2]))
+                costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows, after[2] - before[2],
+                                      after[3] - before[3]))
             before = after
 
         work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
@@ -112,6 +119,8 @@ def summarize(batch_size: int, costs: list[StepCost]) -> dict[str, float]:
     row["forward_linear_ms"] = 1000 * linear_s
     row["forward_rest_ms"] = row["forward_ms"] - row["forward_linear_ms"]
     row["forward_rest_ms_per_row"] = row["forward_rest_ms"] / row["mean_rows"]
+    # Tensor parallelism: the all-reduces' share of the forward (0 with one rank).
+    row["forward_allreduce_ms"] = 1000 * sum(c.allreduce_s for c in costs) / steps
     row["readbacks_per_step"] = sum(sum(c.readbacks.values()) for c in costs) / steps
     row["decode_tokens_per_s"] = row["mean_rows"] / wall_s
     return row
@@ -135,6 +144,7 @@ class ProfileSpec:
     # The forward's small ops: native (True) and/or torch (False), alternated per batch size
     # in one engine, so the two are measured side by side; None: as the engine runs them.
     native_ops: tuple[bool, ...] | None = None
+    tensor_parallel_size: int = 1
 
 
 def build_engine(spec: ProfileSpec) -> Engine:
@@ -144,7 +154,8 @@ def build_engine(spec: ProfileSpec) -> Engine:
         max_model_len=spec.input_len + spec.output_len + 1, batch_invariant=spec.batch_invariant,
         num_kv_blocks=kv_blocks_for(biggest, spec.input_len + spec.output_len + 1),
         max_num_batched_tokens=max(512, spec.input_len * biggest), threads=spec.threads,
-        linear_kernel=spec.linear_kernel, enable_prefix_caching=spec.prefix_caching))
+        linear_kernel=spec.linear_kernel, enable_prefix_caching=spec.prefix_caching,
+        tensor_parallel_size=spec.tensor_parallel_size))
 
 
 ProgressCallback = Callable[[int, int, int], None]

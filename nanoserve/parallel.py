@@ -1,0 +1,687 @@
+"""Tensor parallelism over torch.distributed: shard arithmetic, process groups, a step's
+collectives, the worker loop, and the watchdog.
+
+Owns:
+- which rows and columns of every checkpoint tensor rank r holds, as Megatron splits a layer:
+  q/k/v and gate/up by output (whole heads; K/V heads split when N divides them, else each rank
+  keeps the one K/V head its query heads read, which needs N to be a multiple of them), o and
+  down by input (their partial outputs summed by one all-reduce each), the embedding and the
+  head by vocabulary (ceil(V / N) rows a rank, the last padded with zero rows). Everything else
+  (norms, o/down biases, q/k norms) is replicated. `local_config` is the model one rank runs:
+  the same forward (model.py) on fewer heads, a slice of the MLP and of the vocabulary.
+- starting the N-1 local workers (`python -m nanoserve.parallel`, one process a rank) or
+  joining a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), after every check
+  that can fail without them (heads that do not divide, N above the cores or GPUs, a port in use).
+- the step message: rank 0 alone schedules and samples; each step it broadcasts the
+  `ForwardBatch` as ONE int64 buffer (a header, the batch's shapes, its tensors flattened),
+  every rank runs its shard of the forward, and rank 0 gathers the logits each rank owns.
+- the collectives of a forward (`Collectives`): with batch invariance on, the all-reduce is an
+  all-gather of the partials summed in rank order 0..N-1 on every rank, so a row's bits never
+  depend on how a ring all-reduce chunked the batch; off, gloo's (or NCCL's) own all-reduce.
+  The vocabulary-parallel embedding is exact either way (one rank's row plus -0.0 elsewhere).
+- faults: rank 0 polls its local workers and exits naming the rank of one that died; every
+  collective of a step times out after STEP_TIMEOUT_S, and the error names the ranks whose
+  heartbeat (a store key each worker refreshes every second) went stale; a worker whose rank 0
+  is gone exits. Connecting to MASTER_ADDR gives up after CONNECT_TIMEOUT_S.
+Refuses: pipeline parallelism, a draft model beside tensor parallelism, and GGUF blocks split by
+input where a rank's share is not a whole number of blocks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanoserve import quant
+from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.errors import InvalidRequestError, NanoserveError
+from nanoserve.model import AttentionGroup, ForwardBatch
+from nanoserve.quant import QuantizedWeight
+
+log = logging.getLogger("nanoserve")
+
+OPTION = "tensor_parallel_size"
+# A step's collectives: a rank silent this long is dead or hung (the test: within 30 s).
+STEP_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_TIMEOUT_S", "30"))
+# Joining the group: a rank that cannot reach MASTER_ADDR:MASTER_PORT gives up after this.
+CONNECT_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_CONNECT_TIMEOUT_S", "60"))
+# A worker waits for the next step as long as the server idles.
+PLAN_TIMEOUT = timedelta(days=30)
+HEARTBEAT_S = 1.0
+WATCHDOG_POLL_S = 0.2
+WATCHDOG_GRACE_S = 5.0  # after a worker died: time for the step in flight to fail on its own
+MESSAGE_START_WORDS = 4096  # the step buffer grows (both sides, by a resize message) when needed
+_STOP, _RESIZE = 0, -1  # header words other than a payload length
+
+
+class TensorParallelError(NanoserveError):
+    """A rank died, hung or could not be reached; the message names it."""
+
+
+# ---- shard arithmetic: what rank r of N holds ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    rank: int
+    world: int
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
+        """(first id, ids held, rows every rank holds): ceil(V / N) rows a rank, padded."""
+        per_rank = -(-vocab_size // self.world)
+        start = min(vocab_size, self.rank * per_rank)
+        return start, min(vocab_size, start + per_rank) - start, per_rank
+
+
+def check_shardable(config: ModelConfig, world: int) -> None:
+    """The split `local_config` makes exists for this model, else an error naming the option."""
+    if world < 1:
+        raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {world}", param=OPTION)
+    heads, kv_heads, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if heads % world:
+        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's {heads} "
+                                  "attention heads", param=OPTION)
+    if kv_heads % world and world % kv_heads:
+        raise InvalidRequestError(f"tensor_parallel_size {world} neither divides the model's {kv_heads} "
+                                  "key/value heads nor is a multiple of them", param=OPTION)
+    if ffn % world:
+        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's MLP width "
+                                  f"{ffn}", param=OPTION)
+
+
+def local_config(config: ModelConfig, world: int) -> ModelConfig:
+    """The model one rank runs: its heads, its K/V heads, its MLP slice, its vocabulary rows."""
+    if world == 1:
+        return config
+    return dataclasses.replace(config, num_heads=config.num_heads // world,
+                               num_kv_heads=max(1, config.num_kv_heads // world),
+                               intermediate_size=config.intermediate_size // world,
+                               vocab_size=Shard(0, world).vocab_rows(config.vocab_size)[2])
+
+
+Ranges = list[tuple[int, int]]
+
+
+def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ranges] | None:
+    """(dim, [(start, stop)...]) of the HF tensor `name` that `shard` holds; None: replicated.
+    Several ranges are concatenated (Phi-3's fused qkv and gate_up)."""
+    d, world, r = config.head_dim, shard.world, shard.rank
+    q_rows = config.num_heads // world * d
+    q = (r * q_rows, (r + 1) * q_rows)
+    if config.num_kv_heads % world == 0:
+        kv_rows = config.num_kv_heads // world * d
+        kv = (r * kv_rows, (r + 1) * kv_rows)
+    else:  # world is a multiple of the K/V heads: the one head this rank's queries read
+        head = r * config.num_kv_heads // world
+        kv = (head * d, (head + 1) * d)
+    ffn = config.intermediate_size // world
+    mlp = (r * ffn, (r + 1) * ffn)
+    kind, last = name.split(".")[-2], name.split(".")[-1]
+    if kind == "q_proj":
+        return 0, [q]
+    if kind in ("k_proj", "v_proj"):
+        return 0, [kv]
+    if kind == "qkv_proj":
+        k0, v0 = config.num_heads * d, (config.num_heads + config.num_kv_heads) * d
+        return 0, [q, (k0 + kv[0], k0 + kv[1]), (v0 + kv[0], v0 + kv[1])]
+    if kind in ("gate_proj", "up_proj"):
+        return 0, [mlp]
+    if kind == "gate_up_proj":
+        return 0, [mlp, (config.intermediate_size + mlp[0], config.intermediate_size + mlp[1])]
+    if kind == "o_proj" and last == "weight":
+        return 1, [q]
+    if kind == "down_proj" and last == "weight":
+        return 1, [mlp]
+    if kind in ("embed_tokens", "lm_head"):
+        start, count, _ = shard.vocab_rows(config.vocab_size)
+        return 0, [(start, start + count)]
+    return None
+
+
+def take(weight: torch.Tensor | QuantizedWeight, dim: int, ranges: Ranges, name: str = "tensor"
+         ) -> torch.Tensor | QuantizedWeight:
+    """The `ranges` of `weight` along `dim`, concatenated; GGUF blocks split by rows (whole rows
+    of blocks), or by columns at whole blocks only."""
+    if isinstance(weight, torch.Tensor):
+        return torch.cat([weight.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
+    fmt, (rows, cols) = weight.format, weight.shape
+    if dim == 0:
+        blocks = torch.cat([weight.blocks[a:b] for a, b in ranges])
+        return QuantizedWeight(fmt, (blocks.shape[0], cols), blocks.contiguous())
+    if any(a % fmt.values or b % fmt.values for a, b in ranges):
+        raise InvalidRequestError(
+            f"{name}: {fmt.name} blocks hold {fmt.values} values, and a rank's {ranges[0][1] - ranges[0][0]} "
+            f"inputs of {cols} are not whole blocks; choose a tensor_parallel_size that splits them so",
+            param=OPTION)
+    per = fmt.bytes
+    blocks = torch.cat([weight.blocks[:, a // fmt.values * per: b // fmt.values * per] for a, b in ranges],
+                       dim=1)
+    return QuantizedWeight(fmt, (rows, sum(b - a for a, b in ranges)), blocks.contiguous())
+
+
+def pad_rows(weight: torch.Tensor | QuantizedWeight, rows: int) -> torch.Tensor | QuantizedWeight:
+    """`weight` with zero rows added up to `rows` (the last rank's vocabulary; zero bytes are a
+    zero in every block format)."""
+    missing = rows - weight.shape[0]
+    if missing <= 0:
+        return weight
+    if isinstance(weight, torch.Tensor):
+        return F.pad(weight, (0, 0, 0, missing))
+    blocks = F.pad(weight.blocks, (0, 0, 0, missing))
+    return QuantizedWeight(weight.format, (rows, weight.shape[1]), blocks)
+
+
+def shard_tensor(name: str, read: Callable[[int | None, Ranges], torch.Tensor | QuantizedWeight],
+                 config: ModelConfig, shard: Shard) -> torch.Tensor | QuantizedWeight:
+    """Rank `shard`'s part of tensor `name`: `read(dim, ranges)` reads those ranges (dim None:
+    the whole tensor), so a lazy reader never touches the rest."""
+    split = tensor_split(name, config, shard)
+    if split is None:
+        return read(None, [])
+    weight = read(*split)
+    if split[1] and name.split(".")[-2] in ("embed_tokens", "lm_head"):
+        weight = pad_rows(weight, shard.vocab_rows(config.vocab_size)[2])
+    return weight
+
+
+def shard_of(config: ModelConfig, shard: Shard) -> Callable[[str, torch.Tensor | QuantizedWeight],
+                                                          torch.Tensor | QuantizedWeight]:
+    """Cut a tensor already in memory to `shard` (GGUF files: gguf_import reads each tensor's
+    blocks whole, and keeps this part of it)."""
+    def keep(name: str, whole: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        def read(dim: int | None, ranges: Ranges) -> torch.Tensor | QuantizedWeight:
+            return whole if dim is None else take(whole, dim, ranges, name)
+        return shard_tensor(name, read, config, shard)
+    return keep
+
+
+# ---- the collectives of one rank's forward ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class Collectives:
+    """What model.py calls with tensor parallelism on: two all-reduces a layer, the embedding."""
+
+    group: dist.ProcessGroup
+    shard: Shard
+    vocab_start: int
+    vocab_count: int
+    ordered: bool  # batch-invariant: all-gather, then sum in rank order
+    reduce_s: float = 0.0  # seconds inside the all-reduces, for `nanoserve profile`
+    reduces: int = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.ordered:
+            parts = [torch.empty_like(x) for _ in range(self.shard.world)]
+            self.group.allgather([parts], [x.contiguous()]).wait()
+            out = parts[0]
+            for part in parts[1:]:
+                out += part
+        else:
+            out = x.contiguous()
+            self.group.allreduce([out]).wait()
+        self.reduce_s += time.perf_counter() - start
+        self.reduces += 1
+        return out
+
+    def embedding(self, ids: torch.Tensor, table: quant.Weight) -> torch.Tensor:
+        """Rows of the ids this rank holds, -0.0 for the rest, summed over ranks: exact, since
+        x + (-0.0) is x for every x, in any order."""
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_count)
+        rows = quant.embedding(torch.where(inside, local, 0), table)
+        rows.masked_fill_(~inside.unsqueeze(-1), -0.0)
+        self.group.allreduce([rows]).wait()
+        return rows
+
+
+# ---- the step message ------------------------------------------------------------------------
+
+
+def encode_batch(batch: ForwardBatch) -> torch.Tensor:
+    """The batch as one flat int64 tensor: [meta length, meta..., data...]; no readback."""
+    meta = [len(batch.groups), batch.input_ids.shape[0], batch.logits_rows.shape[0]]
+    data = [batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_rows]
+    for group in batch.groups:
+        firsts = group.first_positions
+        meta += [group.row_start, group.num_seqs, group.rows_per_seq, *group.block_tables.shape,
+                 firsts is not None, *(firsts or ())]
+        data += [group.positions.reshape(-1), group.block_tables.reshape(-1)]
+    head = torch.tensor([len(meta), *meta], dtype=torch.long)
+    return torch.cat([head, *(t.to("cpu", torch.long).reshape(-1) for t in data)])
+
+
+def decode_batch(words: torch.Tensor, device: torch.device) -> ForwardBatch:
+    meta_len = int(words[0])
+    meta = words[1:1 + meta_len].tolist()
+    data = words[1 + meta_len:].to(device)
+    num_groups, rows, logits = meta[:3]
+    at = 0
+
+    def next_tensor(count: int, shape: tuple[int, ...]) -> torch.Tensor:
+        nonlocal at
+        at += count
+        return data[at - count:at].view(shape)
+
+    input_ids, positions, slots = (next_tensor(rows, (rows,)) for _ in range(3))
+    logits_rows = next_tensor(logits, (logits,))
+    groups, m = [], 3
+    for _ in range(num_groups):
+        row_start, seqs, per_seq, t_rows, t_cols, has_firsts = meta[m:m + 6]
+        firsts = tuple(meta[m + 6:m + 6 + seqs]) if has_firsts else None
+        m += 6 + (seqs if has_firsts else 0)
+        group_positions = next_tensor(seqs * per_seq, (seqs, per_seq))
+        tables = next_tensor(t_rows * t_cols, (t_rows, t_cols))
+        groups.append(AttentionGroup(row_start, seqs, per_seq, group_positions, tables, firsts))
+    return ForwardBatch(input_ids, positions, slots, groups, logits_rows)
+
+
+# ---- the group: joining, the step's messages, faults ------------------------------------------
+
+
+@dataclass(slots=True)
+class Worker:
+    rank: int
+    process: subprocess.Popen
+
+
+@dataclass
+class TensorParallelGroup:
+    """One rank's membership: the plan group (gloo, waits as long as the server idles), the step
+    group (gloo or NCCL, STEP_TIMEOUT_S), and on rank 0 the local workers it started."""
+
+    shard: Shard
+    store: dist.Store
+    plan_group: dist.ProcessGroup
+    step_group: dist.ProcessGroup
+    device: torch.device
+    workers: list[Worker] = field(default_factory=list)
+    collectives: Collectives | None = None
+    message_words: int = MESSAGE_START_WORDS
+    closed: bool = False
+    failed: bool = False  # a step's collective failed: close() kills the workers, asks nothing
+
+    def make_collectives(self, config: ModelConfig, batch_invariant: bool) -> Collectives:
+        start, count, _ = self.shard.vocab_rows(config.vocab_size)
+        self.collectives = Collectives(self.step_group, self.shard, start, count, batch_invariant)
+        return self.collectives
+
+    # Rank 0's side of a step.
+    def send_batch(self, batch: ForwardBatch) -> None:
+        payload = encode_batch(batch)
+        words = payload.shape[0] + 1
+        if words > self.message_words:
+            grown = max(words, 2 * self.message_words)
+            self._broadcast(torch.tensor([_RESIZE, grown] + [0] * (self.message_words - 2)))
+            self.message_words = grown
+        message = torch.zeros(self.message_words, dtype=torch.long)
+        message[0] = payload.shape[0]
+        message[1:words] = payload
+        self._broadcast(message)
+
+    def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        parts = [torch.empty_like(logits) for _ in range(self.shard.world)]
+        self.step_group.gather([parts], [logits], dist.GatherOptions()).wait()
+        return torch.cat(parts, dim=1)[:, :vocab_size]
+
+    # A worker's side.
+    def receive_batch(self) -> ForwardBatch | None:
+        while True:
+            message = torch.empty(self.message_words, dtype=torch.long)
+            self.plan_group.broadcast(message, 0).wait()
+            words = int(message[0])
+            if words == _STOP:
+                return None
+            if words == _RESIZE:
+                self.message_words = int(message[1])
+                continue
+            return decode_batch(message[1:1 + words], self.device)
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        self.step_group.gather([], [logits], dist.GatherOptions()).wait()
+
+    def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
+        """Rank 0's `values` on every rank (start-up settings), over the plan group."""
+        buffer = torch.tensor(values, dtype=torch.long) if values is not None else torch.empty(count,
+                                                                                              dtype=torch.long)
+        self.plan_group.broadcast(buffer, 0).wait()
+        return buffer.tolist()
+
+    def _broadcast(self, message: torch.Tensor) -> None:
+        self.plan_group.broadcast(message, 0).wait(timedelta(seconds=STEP_TIMEOUT_S))
+
+    def failure(self, error: Exception) -> TensorParallelError:
+        """The error of a failed step, naming the ranks that died (local workers, reaped a moment
+        after their sockets close) or whose heartbeat went stale (any rank, a few seconds on)."""
+        deadline = time.monotonic() + (2.0 if self.workers else 4.5 * HEARTBEAT_S)
+        while not (named := self._dead_workers() or self._stale_ranks()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.failed = True
+        return TensorParallelError(f"tensor parallel: a step's collective failed "
+                                   f"({', '.join(named) or 'no rank identified'}): {error}")
+
+    def _stale_ranks(self) -> list[str]:
+        now, stale = time.time(), []
+        for rank in range(1, self.shard.world):
+            key = f"heartbeat/{rank}"
+            try:  # check first: a get of a key never set waits for the store's whole timeout
+                beat = float(self.store.get(key).decode()) if self.store.check([key]) else 0.0
+            except Exception:  # the store itself may be gone with the rank
+                beat = 0.0
+            if now - beat > 3 * HEARTBEAT_S:
+                stale.append(f"rank {rank} (silent for over {3 * HEARTBEAT_S:.0f} s)")
+        return stale
+
+    def _dead_workers(self) -> list[str]:
+        return [f"rank {w.rank} (exit status {w.process.poll()})" for w in self.workers
+                if w.process.poll() is not None]
+
+    def close(self) -> None:
+        """Rank 0: tell the workers to stop, and wait for them (a few seconds at most)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.shard.rank == 0 and self.failed:
+            for worker in self.workers:
+                worker.process.kill()
+        elif self.shard.rank == 0:
+            try:
+                self._broadcast(torch.tensor([_STOP] + [0] * (self.message_words - 1)))
+            except Exception as error:
+                log.debug(f"tensor parallel: stop message not delivered: {error}")
+            for worker in self.workers:
+                try:
+                    worker.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    worker.process.kill()
+
+
+class ShardedModel:
+    """Rank 0's model across every rank, what `ModelRunner` calls: the full config (for the
+    sampler's vocabulary), and a forward that sends the batch, runs rank 0's shard and gathers
+    the logits every rank owns."""
+
+    def __init__(self, local, config: ModelConfig, group: TensorParallelGroup) -> None:
+        self.local = local
+        self.config = config
+        self.group = group
+
+    def forward(self, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        try:
+            self.group.send_batch(batch)
+            logits = self.local.forward(batch, kv_cache)
+            return self.group.gather_logits(logits, self.config.vocab_size)
+        except RuntimeError as error:  # gloo's and NCCL's errors: timeouts, closed connections
+            raise self.group.failure(error) from error
+
+
+def _launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                    and "MASTER_ADDR" in os.environ)
+
+
+def is_torchrun_worker() -> bool:
+    """Whether this process is a rank > 0 of a torchrun launch (it runs no front end)."""
+    return _launched_by_torchrun() and int(os.environ["RANK"]) > 0
+
+
+def local_ranks(config: EngineConfig) -> int:
+    """How many ranks share this machine's cores."""
+    if _launched_by_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return config.tensor_parallel_size
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_threads(config: EngineConfig) -> int | None:
+    """CPU threads of each rank: --threads, else the cores divided among the local ranks."""
+    ranks = local_ranks(config)
+    if config.threads is not None or ranks == 1:
+        return config.threads
+    return max(1, cores() // ranks)
+
+
+def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    """Everything that can fail before a worker starts: the split, the devices or cores, torchrun's
+    world against the option."""
+    world = config.tensor_parallel_size
+    check_shardable(model_config, world)
+    if config.draft_model is not None and world > 1:
+        raise InvalidRequestError("a draft model does not run beside tensor parallelism; use "
+                                  "--speculative-method ngram or tensor_parallel_size 1", param=OPTION)
+    if _launched_by_torchrun():
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != world:
+            raise InvalidRequestError(f"torchrun started {launched} processes and tensor_parallel_size is "
+                                      f"{world}: they must be equal", param=OPTION)
+        return
+    if device.type == "cuda" and world > torch.cuda.device_count():
+        raise InvalidRequestError(f"tensor_parallel_size {world} is more than the "
+                                  f"{torch.cuda.device_count()} GPUs torch sees", param=OPTION)
+    if device.type == "cpu" and world > cores() and config.threads is None:
+        raise InvalidRequestError(f"tensor_parallel_size {world} is more ranks than this machine's {cores()} "
+                                  "cores; pass --threads 1 to run them anyway, sharing cores", param=OPTION)
+
+
+def _master() -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT (a free port when unset), refused if the port is taken."""
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    with socket.socket() as probe:
+        try:
+            probe.bind((address, port))
+        except OSError as error:
+            raise InvalidRequestError(f"MASTER_PORT {port} on {address} is not free for the tensor-parallel "
+                                      f"group ({error.strerror}); set MASTER_PORT to a free port",
+                                      param=OPTION) from None
+        return address, probe.getsockname()[1]
+
+
+def join(rank: int, world: int, address: str, port: int, device: torch.device) -> TensorParallelGroup:
+    """Rendezvous at address:port (rank 0 serves the store) and build the two groups."""
+    url = f"tcp://{address}:{port}?rank={rank}&world_size={world}"
+    try:
+        store, _, _ = next(dist.rendezvous(url, timeout=timedelta(seconds=CONNECT_TIMEOUT_S)))
+    except (RuntimeError, ValueError, OSError) as error:  # DistStoreError is a RuntimeError
+        raise TensorParallelError(f"tensor parallel: rank {rank} could not reach the group at "
+                                  f"{address}:{port} within {CONNECT_TIMEOUT_S:.0f} s (MASTER_ADDR, "
+                                  f"MASTER_PORT): {error}") from None
+    return _groups(store, rank, world, device)
+
+
+def _groups(store: dist.Store, rank: int, world: int, device: torch.device) -> TensorParallelGroup:
+    plan = dist.ProcessGroupGloo(dist.PrefixStore("plan", store), rank, world, PLAN_TIMEOUT)
+    step_store = dist.PrefixStore("step", store)
+    if device.type == "cuda":
+        step = dist.ProcessGroupNCCL(step_store, rank, world)
+    else:
+        step = dist.ProcessGroupGloo(step_store, rank, world, timedelta(seconds=STEP_TIMEOUT_S))
+    return TensorParallelGroup(Shard(rank, world), store, plan, step, device)
+
+
+def join_torchrun(device: torch.device) -> TensorParallelGroup:
+    """The group of a torchrun launch (env:// rendezvous: its agent's store where it has one)."""
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=CONNECT_TIMEOUT_S)))
+    except (RuntimeError, ValueError, OSError) as error:
+        master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise TensorParallelError(f"tensor parallel: could not reach MASTER_ADDR {master} within "
+                                  f"{CONNECT_TIMEOUT_S:.0f} s: {error}") from None
+    return _groups(store, rank, world, device)
+
+
+def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, gguf: Path | None,
+          device: torch.device) -> TensorParallelGroup | None:
+    """Rank 0's group, its local workers started (None with one rank). Under torchrun a process
+    of rank > 0 serves as a worker here and exits: it never returns to its caller."""
+    if config.tensor_parallel_size == 1 and not _launched_by_torchrun():
+        return None
+    check_launch(config, model_config, device)
+    spec = WorkerSpec(dataclasses.asdict(config), str(model_dir), str(gguf) if gguf else None,
+                      rank_threads(config), str(device))
+    if _launched_by_torchrun():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        spec.device = f"cuda:{local}" if device.type == "cuda" else spec.device
+        group = join_torchrun(_rank_device(spec.device))
+        if group.shard.rank != 0:
+            sys.exit(serve(spec, group))
+        return _on_rank_zero(group)
+    address, port = _master()
+    world = config.tensor_parallel_size
+    workers = [Worker(rank, _spawn(spec, rank, world, address, port)) for rank in range(1, world)]
+    try:
+        group = join(0, world, address, port, device)
+    except TensorParallelError:
+        for worker in workers:
+            worker.process.kill()
+        raise
+    group.workers = workers
+    log.info("tensor parallel: " + ", ".join(f"rank {w.rank} pid {w.process.pid}" for w in workers))
+    threading.Thread(target=_watch_workers, args=(group,), daemon=True, name="nanoserve-tp-watchdog").start()
+    return _on_rank_zero(group)
+
+
+def _on_rank_zero(group: TensorParallelGroup) -> TensorParallelGroup:
+    atexit.register(group.close)
+    return group
+
+
+def _rank_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker needs to build its rank: the engine's config, the model rank 0 resolved."""
+
+    engine: dict
+    model_dir: str
+    gguf: str | None
+    threads: int | None
+    device: str
+
+
+def _spawn(spec: WorkerSpec, rank: int, world: int, address: str, port: int) -> subprocess.Popen:
+    device = f"cuda:{rank}" if spec.device.startswith("cuda") else spec.device
+    payload = json.dumps({**dataclasses.asdict(spec), "device": device, "rank": rank, "world": world,
+                          "address": address, "port": port, "parent": os.getpid()})
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", payload])
+
+
+def _watch_workers(group: TensorParallelGroup) -> None:
+    """Rank 0: a worker that exits while the group is open ends this process, naming its rank.
+    A step in flight fails first, on its own (its collective errors; the server answers 503 to
+    what was in flight, then exits); an idle engine ends here, WATCHDOG_GRACE_S later."""
+    while not group.closed:
+        for worker in group.workers:
+            status = worker.process.poll()
+            if status is not None and not group.closed:
+                message = (f"nanoserve: tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
+                           f"exited with status {status}; stopping")
+                log.error(message)
+                print(message, file=sys.stderr, flush=True)
+                time.sleep(WATCHDOG_GRACE_S)
+                for other in group.workers:
+                    if other.process.poll() is None:
+                        other.process.kill()
+                os._exit(1)
+        time.sleep(WATCHDOG_POLL_S)
+
+
+def _heartbeat(group: TensorParallelGroup) -> None:
+    while True:
+        try:
+            group.store.set(f"heartbeat/{group.shard.rank}", str(time.time()))
+        except Exception:
+            return
+        time.sleep(HEARTBEAT_S)
+
+
+def _watch_parent(parent: int) -> None:
+    """A local worker whose rank 0 is gone (even killed) exits too."""
+    while os.getppid() == parent:
+        time.sleep(HEARTBEAT_S)
+    os._exit(1)
+
+
+def serve(spec: WorkerSpec, group: TensorParallelGroup) -> int:
+    """A worker's life: load its shard, build its model and KV cache as rank 0 says, then run
+    every step rank 0 sends until it says stop. Returns the exit status."""
+    from nanoserve.engine import load_rank_weights, pick_dtype, set_threads
+    from nanoserve.kv_cache import KVCache
+    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
+    from nanoserve.model import Llama
+
+    threading.Thread(target=_heartbeat, args=(group,), daemon=True).start()
+    config = EngineConfig(**spec.engine)
+    set_threads(spec.threads)
+    device = group.device
+    dtype = pick_dtype(config.dtype, device)
+    gguf = Path(spec.gguf) if spec.gguf else None
+    model_config, weights = load_rank_weights(config, Path(spec.model_dir), gguf, dtype, device, group.shard,
+                                              [])
+    kernel_index, num_blocks, max_positions = group.broadcast_ints(None, 3)
+    kernel = [*KERNELS.values(), *QUANTIZED_KERNELS.values()][kernel_index]
+    shard_config = local_config(model_config, group.shard.world)
+    model = Llama(shard_config, weights, batch_invariant=config.batch_invariant, linear_kernel=kernel,
+                  max_positions=max_positions,
+                  tensor_parallel=group.make_collectives(model_config, config.batch_invariant))
+    kv_cache = KVCache(shard_config, num_blocks, config.block_size, dtype, device)
+    try:
+        while (batch := group.receive_batch()) is not None:
+            group.send_logits(model.forward(batch, kv_cache))
+    except RuntimeError as error:
+        print(f"nanoserve: tensor-parallel rank {group.shard.rank}: lost the group ({error}); exiting",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def send_setup(group: TensorParallelGroup, kernel_name: str, num_blocks: int, max_positions: int) -> None:
+    """Rank 0's start-up choices every worker takes as they are (so every rank runs one kernel
+    and holds as many KV blocks)."""
+    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
+
+    names = [*KERNELS, *QUANTIZED_KERNELS]
+    group.broadcast_ints([names.index(kernel_name), num_blocks, max_positions], 3)
+
+
+def _worker_main(argv: list[str]) -> int:
+    raw = json.loads(argv[0])
+    threading.Thread(target=_watch_parent, args=(raw.pop("parent"),), daemon=True).start()
+    rank, world, address, port = (raw.pop(k) for k in ("rank", "world", "address", "port"))
+    spec = WorkerSpec(**raw)
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
+    try:
+        group = join(rank, world, address, port, _rank_device(spec.device))
+    except TensorParallelError as error:
+        print(f"nanoserve: {error}", file=sys.stderr, flush=True)
+        return 1
+    return serve(spec, group)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))
