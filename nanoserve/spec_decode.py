@@ -31,8 +31,9 @@ decoding, a step with n draft rows is expected to emit T = B + (the worth of its
 tokens in time c(B + n); the step takes the drafts, most likely first, that make T / c(B + n)
 largest, and none if no choice beats B / c(B). So at 1 slot a request whose drafts are
 accepted half the time still drafts (three drafts make a step of four rows, barely dearer
-than two), and at 16 slots, where a row costs as much as the step's tokens average, only a
-request accepted nearly always does: speculation is never expected to lose. Policy "always"
+than two), and at 16 slots, where the rows fill whole groups of the kernels (four rows at a
+time) and one more row costs a group, drafts run only when enough of them, accepted nearly
+always, fill a group: speculation is never expected to lose. Policy "always"
 drafts as many as it can (the proposer's and the scheduler's limits only), and
 `disable_by_batch_size` (vLLM's --speculative-disable-by-batch-size) turns drafting off while
 that many requests decode.
@@ -53,10 +54,15 @@ ON_DEVICE = -1
 MAX_SPECULATIVE_TOKENS = 16  # more drafts than this never pays: acceptance falls geometrically
 METHODS = ("ngram", "draft")
 POLICIES = ("cost", "always")
+# The integer kernels compute activation rows four at a time (2 and 4 rows cost the same step:
+# 18.8 and 19.5 ms; 8 rows 35.3), so a step costs what its rows rounded up to a multiple of four
+# cost: one draft row past a full group costs a whole group, not a linear share of one (with
+# linear steps the rule drafted at 16 slots and lost 10%, results/spec_decode_synthetic.csv).
+KERNEL_ROW_GROUP = 4
 # A decode step's forward time (ms) by rows, `nanoserve profile` on Zen 3 (2 cores), the default
-# model in Q4_1, batch-invariant (results/profile_q4_1.csv); linear between the points and past
-# the last at its slope. Only ratios matter to the rule. Four rows cost barely more than two: the
-# integer kernels work on rows four at a time, one row takes its own (cheaper) path.
+# model in Q4_1, batch-invariant (results/profile_q4_1.csv); rows rounded up to the row group,
+# then linear between the points and past the last at its slope. Only ratios matter to the rule.
+# One row takes its own (cheaper) path.
 STEP_COST_MS = ((1, 12.4), (2, 18.8), (4, 19.5), (8, 35.3), (16, 59.3))
 # The weight of the newest verification in a request's acceptance estimate: half, so a request
 # that stops repeating its context stops drafting within a step or two.
@@ -124,8 +130,12 @@ class SpecConfig:
                 f"got {self.ngram_min}", param="speculative_ngram_min")
 
 
-def step_cost(rows: int, table: Sequence[tuple[int, float]] = STEP_COST_MS) -> float:
-    """A step's time with `rows` decode rows, interpolated in `table` (rows ascending)."""
+def step_cost(rows: int, table: Sequence[tuple[int, float]] = STEP_COST_MS,
+              row_group: int = KERNEL_ROW_GROUP) -> float:
+    """A step's time with `rows` decode rows: its rows rounded up to the kernels' row group
+    (past one row), interpolated in `table` (rows ascending)."""
+    if rows > 1:
+        rows = -(-rows // row_group) * row_group
     for (low, low_ms), (high, high_ms) in itertools.pairwise(table):
         if rows <= high or high == table[-1][0]:
             return low_ms + (high_ms - low_ms) * (rows - low) / (high - low)

@@ -130,11 +130,21 @@ def test_the_cost_rule_drafts_nothing_for_a_request_whose_drafts_are_never_accep
 
 def test_the_cost_rule_drafts_all_it_can_for_a_request_whose_drafts_are_always_accepted():
     # Rows cost less than the tokens they bring whenever every draft is accepted (a step has a
-    # fixed cost), whatever the batch: full acceptance drafts to the limit.
+    # fixed cost), whatever the batch: full acceptance drafts to the limit, except a draft that
+    # would open a row group of the kernels (four rows) of its own: that one costs a group.
     for decoding in (1, 2, 16):
-        assert cheapest_drafts([(1.0, 16)] * decoding, decoding, 16) == [16] * decoding
         assert cheapest_drafts([(1.0, 3)] * decoding, decoding, 16) == [3] * decoding  # its own limit
-        assert cheapest_drafts([(1.0, 16)] * decoding, decoding, 4) == [4] * decoding  # K
+    assert cheapest_drafts([(1.0, 16)] * 16, 16, 16) == [16] * 16  # 272 rows: whole groups
+    assert cheapest_drafts([(1.0, 16)] * 16, 16, 4) == [4] * 16  # K
+    assert cheapest_drafts([(1.0, 16)], 1, 16) == [15]  # 16 rows; a 17th would open a group
+    assert sum(cheapest_drafts([(1.0, 16)] * 2, 2, 4)) == 6  # 8 rows, not 10 in a group of 12
+
+
+def test_one_draft_past_a_full_row_group_is_not_worth_a_group_at_sixteen_slots():
+    # 16 rows fill four groups; a 17th row costs a fifth (~12 ms), more than 0.9 of a token
+    # is worth when the step's 16 tokens take 59 ms: what made speculation lose at 16 slots.
+    assert cheapest_drafts([(0.9, 4)] + [(0.0, 4)] * 15, 16, 4) == [0] * 16
+    assert step_cost(17) == step_cost(20) > step_cost(16) + 3 * (step_cost(16) - step_cost(8)) / 8
 
 
 def test_the_cost_rule_drafts_half_accepted_requests_at_one_slot_and_not_at_sixteen():
@@ -156,7 +166,7 @@ def test_the_drafts_the_cost_rule_takes_beat_every_other_choice_for_one_request(
 
 def test_a_request_stops_drafting_when_its_drafts_are_rejected_and_tries_again_later():
     state = DraftState(index_of([1, 2, 1, 2, 1]))
-    assert cheapest_drafts([(state.acceptance, 4)], 1, 4) == [4]
+    assert cheapest_drafts([(state.acceptance, 4)], 1, 4) == [3]  # a fourth would open a row group
     state.record(drafted=4, accepted=0)
     state.record(drafted=4, accepted=0)
     assert cheapest_drafts([(state.acceptance, 4)], 1, 4) == [0]
