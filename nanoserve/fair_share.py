@@ -82,9 +82,10 @@ class FairShare:
     lightest: float = 0.0  # the smallest demand among the parents running at the step's start
     active: bool = False
 
-    def __post_init__(self) -> None:
-        if not self.extra_rows >= 0:  # also refuses NaN
-            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.extra_rows}")
+    @property
+    def enabled(self) -> bool:
+        """Whether any step may be shared (inf extra rows: never); SchedulerConfig checks the value."""
+        return self.extra_rows != float("inf")
 
     def units(self, num_tokens: int, context: int, extra: float = 0.0) -> float:
         """The cost of `num_tokens` tokens whose last attends over `context` tokens (a bound),
@@ -94,7 +95,7 @@ class FairShare:
     def begin_step(self, demands: dict[str, float], decoding: bool) -> None:
         """Give each running parent its share, from what each would take unbounded."""
         self.lightest = min(demands.values(), default=0.0)
-        self.active = decoding and len(demands) > 1 and self.extra_rows != float("inf")
+        self.active = decoding and len(demands) > 1 and self.enabled
         if not self.active:
             self.credit.clear()
             self.blocked.clear()
@@ -105,7 +106,7 @@ class FairShare:
 
     def admit(self, parent: str, *, others_running: bool, decoding: bool) -> None:
         """A parent arriving mid-step shares from now on if another parent runs and one decodes."""
-        if others_running and decoding and self.extra_rows != float("inf"):
+        if others_running and decoding and self.enabled:
             self.active = True
             self.credit.setdefault(parent, self.lightest + self.extra_rows)
 

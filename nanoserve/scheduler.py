@@ -191,7 +191,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._step_budget()
-        self.share.begin_step(self._demands(budget), budget.decoding)
+        self.share.begin_step(self._demands(budget) if self.share.enabled else {}, budget.decoding)
         self._schedule_running(out, budget)
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -265,8 +265,9 @@ class Scheduler:
     def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others that
         this step has not scheduled yet (a fair share's order may have scheduled newer ones)."""
-        scheduled = {id(chunk.request) for chunk in out.chunks}
+        scheduled = None  # built at the first shortage only: most steps preempt no one
         while not self._reserve(request, request.num_computed_tokens + num_tokens):
+            scheduled = scheduled or {id(chunk.request) for chunk in out.chunks}
             victim = next(other for other in reversed(self.running) if id(other) not in scheduled)
             self._preempt(victim, out)
             if victim is request:
