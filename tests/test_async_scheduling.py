@@ -16,7 +16,13 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from test_engine import readbacks_raise_outside_the_output_processor
-from test_spec_decode import BLOCK_SIZE, NUM_BLOCKS, assert_same_outputs, run_staggered, workloads
+from test_spec_decode import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    assert_engines_agree,
+    run_staggered,
+    workloads,
+)
 
 from nanoserve.config import ASYNC_SCHEDULING_DEFAULT
 from nanoserve.llm import LLM
@@ -44,10 +50,7 @@ def test_the_default_is_the_named_constant_for_the_device(tiny_model_dir):
 @given(jobs=workloads())
 def test_random_workloads_give_the_same_tokens_logprobs_and_text_with_deferred_output(engines, jobs):
     at_once, deferred, deferred_spec = engines
-    expected, aborted_at_once = run_staggered(at_once, jobs)
-    for engine in (deferred, deferred_spec):
-        got, aborted = run_staggered(engine, jobs)
-        assert_same_outputs(expected, got, aborted_at_once, aborted)
+    assert_engines_agree(at_once, (deferred, deferred_spec), jobs)
 
 
 def test_the_workloads_do_defer_overshoot_and_preempt(engines):

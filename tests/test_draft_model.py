@@ -13,7 +13,14 @@ import pytest
 from click.testing import Result
 from hypothesis import HealthCheck, given, settings
 from test_engine import readbacks_raise_outside_the_output_processor
-from test_spec_decode import BLOCK_SIZE, MODES, NUM_BLOCKS, assert_same_outputs, run_staggered, workloads
+from test_spec_decode import (
+    BLOCK_SIZE,
+    MODES,
+    NUM_BLOCKS,
+    assert_engines_agree,
+    run_staggered,
+    workloads,
+)
 from tiny_model import write_tiny_llama
 from typer.testing import CliRunner
 
@@ -88,10 +95,7 @@ def test_drafted_outputs_alone_equal_drafted_outputs_in_a_crowd_that_preempts(en
 @given(jobs=workloads())
 def test_random_workloads_give_the_same_outputs_with_a_draft_model(engines, jobs):
     plain, same, other = engines
-    expected, aborted_plain = run_staggered(plain, jobs)
-    for llm in (same, other):
-        got, aborted = run_staggered(llm, jobs)
-        assert_same_outputs(expected, got, aborted_plain, aborted)
+    assert_engines_agree(plain, (same, other), jobs)
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused_naming_the_field(tiny_model_dir, tmp_path):

@@ -310,6 +310,14 @@ def run_staggered(llm: LLM, jobs, propose=None) -> tuple[dict[int, tuple], dict[
     return {i: (t, lp, "".join(text), reason) for i, (t, lp, text, reason) in got.items()}, aborted
 
 
+def assert_engines_agree(reference: LLM, others, jobs) -> None:
+    """Every engine in `others` gives the reference's outputs for the same staggered jobs."""
+    expected, aborted_expected = run_staggered(reference, jobs)
+    for llm in others:
+        got, aborted = run_staggered(llm, jobs)
+        assert_same_outputs(expected, got, aborted_expected, aborted)
+
+
 def assert_same_outputs(plain, spec, aborted_plain, aborted_spec):
     for i in set(plain) | set(spec):
         if i in aborted_plain or i in aborted_spec:
