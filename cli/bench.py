@@ -52,7 +52,7 @@ def _params(text: str) -> tuple[str, ...]:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     from nanoserve.bench.offline import parse_choice_list
-    from nanoserve.engine import DTYPES, QUANTIZED
+    from nanoserve.worker.rank import DTYPES, QUANTIZED
 
     return parse_choice_list(text, (*DTYPES, QUANTIZED, "auto"))
 
@@ -65,7 +65,7 @@ def _switches(text: str) -> tuple[bool, ...]:
 
 def _drafts(text: str) -> tuple[int, ...]:
     from nanoserve.bench.offline import parse_int_list
-    from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS
+    from nanoserve.engine.spec_decode import MAX_SPECULATIVE_TOKENS
 
     values = parse_int_list(text, minimum=0)
     if any(value > MAX_SPECULATIVE_TOKENS for value in values):

@@ -122,9 +122,9 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
                   speculative_policy: str = "cost", speculative_disable_by_batch_size: int | None = None,
                   async_scheduling: bool | None = None,
                   fair_share_rows: float | None = None, tensor_parallel_size: int = 1) -> EngineConfig:
-    from nanoserve.engine import DTYPES, QUANTIZED
+    from nanoserve.engine.spec_decode import SpecConfig
     from nanoserve.quant import QUANTIZERS
-    from nanoserve.spec_decode import SpecConfig
+    from nanoserve.worker.rank import DTYPES, QUANTIZED
 
     if dtype not in (*DTYPES, "auto", QUANTIZED):
         fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {dtype!r}")
@@ -156,7 +156,7 @@ def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_
 def check_linear_kernel(name: str | None) -> None:
     """A name that is no kernel at all fails here, before the model loads; whether this machine
     can run it, and whether it passes the self-test, the engine finds out at start-up."""
-    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
+    from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
 
     names = [*KERNELS, *QUANTIZED_KERNELS]
     if name is not None and name not in names:
@@ -180,7 +180,7 @@ def fail(message: str) -> NoReturn:
 
 
 def fail_for(error: NanoserveError) -> NoReturn:
-    from nanoserve.parallel import TensorParallelError
+    from nanoserve.distributed.group import TensorParallelError
 
     if isinstance(error, TensorParallelError):  # a rank died or hung: a failure, not a usage error
         typer.secho(f"Error: {error}", err=True, fg=typer.colors.RED)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -99,7 +99,7 @@ def serve(
     """
     import uvicorn
 
-    from nanoserve.default_model import resolve_model
+    from nanoserve.loading.default_model import resolve_model
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
 
@@ -123,7 +123,7 @@ def serve(
                                    tensor_parallel_size=tensor_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from nanoserve.parallel import is_torchrun_worker
+    from nanoserve.distributed.group import is_torchrun_worker
 
     if is_torchrun_worker():  # a rank > 0 of a torchrun launch serves rank 0's steps, not HTTP
         try:
@@ -201,7 +201,7 @@ def _served_name(model: str | None, model_dir: Path, gguf: Path | None = None) -
     """What clients call the model: a hub id as given (its snapshot folder is a commit hash),
     else a GGUF's file name without `.gguf` (as llama.cpp's server names it; its folder here
     is a cache entry), else the checkpoint's folder name."""
-    from nanoserve.hub import parse_hub_id
+    from nanoserve.loading.hub import parse_hub_id
 
     if model and not Path(model).exists() and (hub_id := parse_hub_id(model)) is not None:
         return hub_id.repo_id
@@ -214,6 +214,6 @@ def _build_engine(config: EngineConfig) -> Engine:
     """The engine of `config` as the user gave it: the engine resolves the model itself (a
     resolved folder alone would lose what it was resolved from, such as a GGUF file whose
     blocks `--dtype auto` runs)."""
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
     return Engine(config)

@@ -30,9 +30,9 @@ from rich.console import Console
 from rich.progress import Progress
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
+from nanoserve.engine.output import RequestOutput, TokenLogprob
 from nanoserve.errors import InvalidRequestError
-from nanoserve.output import RequestOutput, TokenLogprob
 from nanoserve.sampling_params import MAX_SEED, SamplingParams
 from nanoserve.tokenizer import Tokenizer
 

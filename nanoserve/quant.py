@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,17 +151,6 @@ def stack_rows(parts: list[Weight]) -> Weight:
                                torch.cat([p.blocks for p in parts]))
     flat = [q for p in parts for q in (p.parts if isinstance(p, QuantizedStack) else (p,))]
     return QuantizedStack(tuple(flat))
-
-
-def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized)."""
-    if isinstance(table, torch.Tensor):
-        return F.embedding(ids, table)
-    from nanoserve.native import quant as native_quant
-
-    if native_quant.runs(table.format):
-        return native_quant.dequantize_rows(table, ids)
-    return table.rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, table.shape[1])
 
 
 # ---- reference dequantizers: uint8 [n, bytes] -> float32 [n, values] --------------------------

@@ -136,7 +136,7 @@ class StructuredOutputs:
     """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
     schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regex, a choice
     of strings, or a grammar (Lark, or llama.cpp's GBNF). Checked here for shape only; whether
-    the grammar library can enforce it is `nanoserve.structured`'s verdict, at admission.
+    the grammar library can enforce it is `nanoserve.engine.structured`'s verdict, at admission.
 
     `param` is the field the client sent it in (response_format, structured_outputs, tools...),
     so a refusal names that field; it is not part of the spec's identity.
@@ -193,7 +193,7 @@ class SamplingParams:
 
     Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
     the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p and min_p, each
-    on what the ones before it kept, renormalized (see `nanoserve.sampler`). `is_greedy`
+    on what the ones before it kept, renormalized (see `nanoserve.engine.sampler`). `is_greedy`
     requests take the argmax, ignore the filters and consume no randomness.
 
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the

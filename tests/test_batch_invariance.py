@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-import nanoserve.model
+import nanoserve.model.decoder
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ def test_tiny_crowd_gives_every_request_its_solo_tokens_and_logprobs(tiny):
 
 def test_with_the_torch_ops_a_tiny_crowd_still_gets_its_solo_tokens(tiny_model_dir, monkeypatch):
     """The path NANOSERVE_NO_NATIVE=1 (and half precision) takes, without the native small ops."""
-    monkeypatch.setattr(nanoserve.model, "native_ops_for", lambda like: None)
+    monkeypatch.setattr(nanoserve.model.decoder, "native_ops_for", lambda like: None)
     llm = LLM(str(tiny_model_dir), device="cpu")
     assert llm.engine.model.ops is None
     prompts, params = crowd_prompts(6), [params_for(i) for i in range(6)]

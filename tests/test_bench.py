@@ -23,7 +23,7 @@ from nanoserve.bench import ci_check, hardware, offline, serve
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
 from nanoserve.sampling_params import SamplingParams
 from nanoserve_cli.app import app
 

@@ -83,7 +83,7 @@ def test_chat_wraps_the_prompt_in_the_models_template(tiny_model_dir):
 def test_a_kernel_this_machine_cannot_run_exits_2_naming_the_option(tiny_model_dir):
     """oneDNN kernels are CPU-only: asking for one on CUDA (or for one that fails the
     self-test) is refused at start-up by name, never swapped for another without a word."""
-    from nanoserve.linear import KERNELS, LinearKernel
+    from nanoserve.model.linear import KERNELS, LinearKernel
 
     refused = LinearKernel("cuda-only", "test", lambda w: w, KERNELS["aten"].apply, ("cuda",))
     KERNELS["cuda-only"] = refused

@@ -17,9 +17,11 @@ from tiny_model import CORPUS, llama_cpp_permute, read_weights, write_tiny_gguf,
 from tokenizers import Tokenizer
 
 from nanoserve import native
+from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
-from nanoserve.gguf_import import convert_gguf, gguf_weights, hf_tensor_shapes, unpermute_qk
 from nanoserve.llm import LLM
+from nanoserve.loading.gguf import convert_gguf, gguf_weights, unpermute_qk
+from nanoserve.loading.hf_names import hf_tensor_shapes
 from nanoserve.quant import QuantizedWeight, dense
 from nanoserve.sampling_params import SamplingParams
 
@@ -61,7 +63,7 @@ def test_import_recovers_config(fixture, request, tmp_path):
 
 def test_imported_weights_match_the_shapes_config_implies(tiny_model_dir_untied, tmp_path):
     imported = _round_trip(tiny_model_dir_untied, tmp_path)
-    shapes = hf_tensor_shapes(_read_json(imported / "config.json"))
+    shapes = hf_tensor_shapes(ModelConfig.from_hf_dict(_read_json(imported / "config.json")))
     assert {name: tuple(t.shape) for name, t in read_weights(imported).items()} == shapes
 
 

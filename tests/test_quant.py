@@ -18,7 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from nanoserve import native
-from nanoserve.linear import QUANTIZED_KERNELS, ProbeShape, choose_kernel, self_test
+from nanoserve.model.linear import QUANTIZED_KERNELS, ProbeShape, choose_kernel, self_test
 from nanoserve.quant import FORMATS, QUANTIZERS, QuantizedStack, QuantizedWeight, quantize, stack_rows
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve import sampler as sampler_module
-from nanoserve.sampler import (
+from nanoserve.engine import sampler as sampler_module
+from nanoserve.engine.sampler import (
     BatchedSampler,
     RowEdits,
     SampledTokens,

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_pool import BlockPool
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.engine.scheduler import NewToken, Scheduler, SchedulerConfig
 from nanoserve.errors import InvalidRequestError
-from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import NewToken, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256,
@@ -48,7 +48,8 @@ def run_step(scheduler):
 
 
 def test_scheduler_module_does_not_import_torch():
-    code = "import sys, nanoserve.scheduler, nanoserve.block_pool; print('torch' in sys.modules)"
+    code = ("import sys, nanoserve.engine.scheduler, nanoserve.engine.block_pool; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

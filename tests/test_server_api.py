@@ -22,9 +22,9 @@ import pytest
 from server_harness import BackgroundServer
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
+from nanoserve.engine.output import TokenLogprob
 from nanoserve.llm import LLM
-from nanoserve.output import TokenLogprob
 from nanoserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
 from nanoserve.server.planning import _base_params

@@ -25,7 +25,7 @@ from nanoserve import native
 from nanoserve.bench.driver import StepRecord, run_closed_loop
 from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
-from nanoserve.engine import PHASES, Engine
+from nanoserve.engine.core import PHASES, Engine
 from nanoserve.errors import InvalidRequestError
 
 

@@ -32,7 +32,7 @@ from nanoserve.server.protocol import (
 from nanoserve.server.state import ServerLimits, ServerState
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 __all__ = ["DRAIN_GRACE_S", "ServerLimits", "build_app", "start_drain"]
 

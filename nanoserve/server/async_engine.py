@@ -27,8 +27,8 @@ from nanoserve.errors import NanoserveError
 from nanoserve.server.metrics import EngineSnapshot
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
-    from nanoserve.output import RequestOutput
+    from nanoserve.engine.core import Engine
+    from nanoserve.engine.output import RequestOutput
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")

@@ -26,7 +26,7 @@ from nanoserve.server.protocol import Kind, TextOffset, TokenText
 from nanoserve.server.state import ServerState, unavailable
 
 if TYPE_CHECKING:
-    from nanoserve.output import RequestOutput, TokenLogprob
+    from nanoserve.engine.output import RequestOutput, TokenLogprob
     from nanoserve.server.planning import PlannedSequence
     from nanoserve.server.tool_calls import ToolCallReader
 

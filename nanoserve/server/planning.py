@@ -35,7 +35,7 @@ from nanoserve.server.structured_fields import structured_outputs
 from nanoserve.server.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import TokenText
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 
 @dataclass(frozen=True, slots=True)

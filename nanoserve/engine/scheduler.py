@@ -55,10 +55,10 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nanoserve.block_pool import BlockPool, block_keys, chain_root
+from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
+from nanoserve.engine.fair_share import FairShare
+from nanoserve.engine.request import NewToken, Request, RequestStatus
 from nanoserve.errors import InvalidRequestError
-from nanoserve.fair_share import FairShare, sampling_units
-from nanoserve.request import NewToken, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,11 +214,10 @@ class Scheduler:
             demands[request.parent] = demands.get(request.parent, 0.0) + units
         return demands
 
-    @staticmethod
-    def _row_extra(request: Request) -> float:
+    def _row_extra(self, request: Request) -> float:
         """What each of the request's rows costs the fair share beyond its model row: a decode
         row (and each draft) samples; a prompt chunk's rows do not."""
-        return sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
+        return self.share.cost.sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
 
     def _running_order(self) -> list[Request]:
         """Oldest first; while sharing, each parent's requests together at its oldest one's place,

@@ -36,7 +36,9 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
+from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.loading.hf_names import hf_tensor_shapes
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
@@ -427,42 +429,9 @@ def hf_tensor_name(gguf_name: str, model_type: str | None = "llama") -> str:
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a llama checkpoint")
 
 
-def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The name and shape of every tensor an HF llama checkpoint with `config` holds."""
-    hidden, ffn = config["hidden_size"], config["intermediate_size"]
-    q_rows = config["num_attention_heads"] * config["head_dim"]
-    kv_rows = config["num_key_value_heads"] * config["head_dim"]
-    layer = {
-        "self_attn.q_proj": (q_rows, hidden),
-        "self_attn.k_proj": (kv_rows, hidden),
-        "self_attn.v_proj": (kv_rows, hidden),
-        "self_attn.o_proj": (hidden, q_rows),
-        "mlp.gate_proj": (ffn, hidden),
-        "mlp.up_proj": (ffn, hidden),
-        "mlp.down_proj": (hidden, ffn),
-        "input_layernorm": (hidden,),
-        "post_attention_layernorm": (hidden,),
-    }
-    if config.get("model_type") == "qwen3":
-        layer |= {"self_attn.q_norm": (config["head_dim"],), "self_attn.k_norm": (config["head_dim"],)}
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        shapes |= {f"model.layers.{i}.{part}.weight": shape for part, shape in layer.items()}
-        if config.get("model_type") == "qwen2":  # q/k/v biases
-            shapes |= {f"model.layers.{i}.self_attn.{x}_proj.bias": (rows,)
-                       for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
-    shapes["model.norm.weight"] = (hidden,)
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    return shapes
-
-
 def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | QuantizedWeight],
                  config: dict[str, Any]) -> None:
-    from nanoserve.config import ModelConfig
-    from nanoserve.model import hf_tensor_shapes as family_shapes
-
-    expected = family_shapes(ModelConfig.from_hf_dict(config))
+    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors a llama model needs: {missing[:5]}")

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from nanoserve import native, quant
 from nanoserve.machine import cpu_model, vector_flags
 from nanoserve.native import matmul as native_matmul
+from nanoserve.native import quant as native_quant
 
 log = logging.getLogger("nanoserve")
 
@@ -123,7 +124,6 @@ def left_out(device: torch.device) -> dict[str, str]:
 
 
 def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
-    from nanoserve.native import quant as native_quant
 
     if isinstance(weight, quant.QuantizedWeight):
         return native_quant.matmul(x, weight)
@@ -137,6 +137,25 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
 )}
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | quant.QuantizedWeight) -> torch.Tensor:
+    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized)."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    if native_quant.runs(table.format):
+        return native_quant.dequantize_rows(table, ids)
+    return table.rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, table.shape[1])
+
+
+
+# Every kernel by name, float and quantized, in a fixed order (tensor-parallel ranks are told
+# the kernel by its index here).
+KERNEL_NAMES = (*KERNELS, *QUANTIZED_KERNELS)
+
+
+def kernel_named(name: str) -> LinearKernel:
+    return {**KERNELS, **QUANTIZED_KERNELS}[name]
 
 
 def quantized_kernels_for(device: torch.device) -> list[LinearKernel]:
