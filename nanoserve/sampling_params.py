@@ -213,7 +213,7 @@ class SamplingParams:
     if two complete at the same character, the longer one is reported. A stop string counts
     only when a token past the first `min_tokens` completes it (it may start earlier).
 
-    As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
+    As in vLLM: `n` choices per prompt (`LLM.generate`, the server; choice i is `for_choice(i)`),
     `skip_special_tokens` leaves special tokens out of the text (shown, they are set apart by
     spaces unless `spaces_between_special_tokens` is false), `truncate_prompt_tokens`
     keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
@@ -319,6 +319,18 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
         self._check_structured()
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of a request's n: seed + index, so n seeded choices differ yet each
+        reproduces; the prompt's logprobs are scored once, by choice 0."""
+        if index == 0:
+            return self
+        if self.seed is None:
+            return replace(self, prompt_logprobs=None)
+        if self.seed + index >= MAX_SEED:
+            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got "
+                                      f"seed {self.seed} for choice {index}", param="seed")
+        return replace(self, seed=self.seed + index, prompt_logprobs=None)
 
     def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
