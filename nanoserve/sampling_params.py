@@ -19,6 +19,7 @@ from nanoserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # seeds live in int64 tensors on the device
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI allows 300; a bias is built once per request, but not for free
@@ -356,8 +357,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy requests take the argmax: temperature 0 or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy requests take the argmax and draw nothing: temperature 0 (or below
+        `MIN_TEMPERATURE`, too small to divide logits by) or top_k 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def reads_output_values(self) -> bool:

@@ -14,6 +14,7 @@ from nanoserve.sampling_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
     SamplingParams,
 )
 
@@ -177,6 +178,11 @@ def test_is_greedy_means_temperature_zero_or_top_k_one():
     assert not SamplingParams(temperature=0.01, top_k=2).is_greedy
 
 
+
+
+def test_a_temperature_too_small_to_divide_logits_by_is_greedy():
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 10).is_greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).is_greedy
 
 
 def test_choice_j_draws_with_seed_plus_j_and_only_choice_0_scores_the_prompt():
