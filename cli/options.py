@@ -183,9 +183,9 @@ def engine_options(*, only: Collection[str] | None = None,
 
     The command declares `engine: EngineOptions` (keyword-only, after a bare `*`: it has no
     default); typer sees one option per field in its place (so --help lists them there), and the
-    command receives their parsed values as one object.
-    Typer reads a command's parameters from its signature and has no notion of a parameter
-    object, so the decorated command's signature is rewritten to spell the fields out.
+    command receives their parsed values as one object. Typer reads a command's options from its
+    signature and has no notion of a parameter object, so the signature is rewritten to spell the
+    fields out. A name in `only` or `omit` that is no field fails here, at import.
     """
     unknown = set(only or ()).union(omit) - {f.name for f in fields(EngineOptions)}
     if unknown:

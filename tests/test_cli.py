@@ -206,3 +206,12 @@ def test_a_draft_model_reaches_the_engine_config_with_its_method(built_configs):
                       "--draft-model", "org/draft")
     assert result.exit_code == 2, result.output
     assert (built_configs[0].speculative_method, built_configs[0].draft_model) == ("draft", "org/draft")
+
+
+def test_engine_options_refuse_a_name_that_is_no_option_and_a_command_without_the_parameter():
+    from nanoserve_cli.options import engine_options
+
+    with pytest.raises(ValueError, match="no_such_option"):
+        engine_options(omit=("no_such_option",))
+    with pytest.raises(TypeError, match="engine"):
+        engine_options()(lambda prompt: None)
