@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nanoserve.config import MAX_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
+from nanoserve.config import EngineConfig
 from nanoserve.errors import NanoserveError
 from nanoserve_cli import options
 from nanoserve_cli.app import app
@@ -34,8 +34,8 @@ MAX_SEED = 2**63  # as nanoserve.sampling_params.MAX_SEED; the cli imports no en
 
 
 @app.command()
+@options.engine_options()
 def serve(
-    model: options.Model = None,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
@@ -45,29 +45,8 @@ def serve(
     api_key: Annotated[str | None, typer.Option(
         envvar=API_KEY_ENV, help=f"Require 'Authorization: Bearer KEY' on /v1 (or set ${API_KEY_ENV}).")]
     = None,
-    dtype: options.Dtype = "auto",
-    device: options.Device = None,
-    max_num_seqs: options.MaxNumSeqs = 32,
-    max_num_batched_tokens: options.MaxBatchedTokens = 512,
-    max_prefill_tokens_while_decoding: options.MaxPrefillWhileDecoding = MAX_PREFILL_TOKENS_WHILE_DECODING,
-    max_model_len: options.MaxModelLen = None,
-    kv_cache_gb: options.KvCacheGb = None,
-    block_size: options.BlockSize = 16,
-    batch_invariant: options.BatchInvariant = True,
-    prefix_caching: options.PrefixCaching = True,
-    threads: options.Threads = None,
-    linear_kernel: options.LinearKernel = None,
-    quantize: options.Quantize = None,
-    speculative_tokens: options.SpeculativeTokens = 0,
-    speculative_method: options.SpeculativeMethod = "ngram",
-    speculative_ngram_min: options.SpeculativeNgramMin = 2,
-    speculative_ngram_max: options.SpeculativeNgramMax = 4,
-    draft_model: options.DraftModel = None,
-    speculative_policy: options.SpeculativePolicy = "cost",
-    speculative_disable_by_batch_size: options.SpeculativeDisableByBatchSize = None,
-    async_scheduling: options.AsyncScheduling = None,
-    fair_share_rows: options.FairShareRows = None,
-    tensor_parallel_size: options.TensorParallelSize = 1,
+    *,
+    engine: options.EngineOptions,
     max_tokens_limit: Annotated[int | None, typer.Option(
         min=1, help="Most tokens one sequence may ask for; default: the context.")] = None,
     max_n: Annotated[int, typer.Option(min=1, help="Most choices (n) per request.")] = 16,
@@ -106,21 +85,7 @@ def serve(
     _check_api_key(api_key)
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
-    config = options.engine_config(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
-                                   max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-                                   block_size=block_size, batch_invariant=batch_invariant,
-                                   threads=threads, linear_kernel=linear_kernel,
-                                   prefix_caching=prefix_caching, quantize=quantize,
-                                   speculative_tokens=speculative_tokens,
-                                   speculative_method=speculative_method,
-                                   speculative_ngram_min=speculative_ngram_min,
-                                   speculative_ngram_max=speculative_ngram_max,
-                                   draft_model=draft_model, speculative_policy=speculative_policy,
-                                   speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-                                   async_scheduling=async_scheduling, fair_share_rows=fair_share_rows,
-                                   tensor_parallel_size=tensor_parallel_size)
+    config = engine.config()
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nanoserve.distributed.group import is_torchrun_worker
@@ -131,11 +96,11 @@ def serve(
         except NanoserveError as error:
             options.fail_for(error)
     try:
-        source = resolve_model(model, float_weights=False)  # for its name: no weights converted
+        source = resolve_model(engine.model, float_weights=False)  # for its name: no weights converted
     except NanoserveError as error:
         options.fail_for(error)
-    names = list(served_model_name or [_served_name(model, source.dir, source.gguf)])
-    aliases = (model,) if model else ()
+    names = list(served_model_name or [_served_name(engine.model, source.dir, source.gguf)])
+    aliases = (engine.model,) if engine.model else ()
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
                           max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)

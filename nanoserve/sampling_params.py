@@ -19,6 +19,7 @@ from nanoserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # seeds live in int64 tensors on the device
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI allows 300; a bias is built once per request, but not for free
@@ -213,7 +214,7 @@ class SamplingParams:
     if two complete at the same character, the longer one is reported. A stop string counts
     only when a token past the first `min_tokens` completes it (it may start earlier).
 
-    As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
+    As in vLLM: `n` choices per prompt (`LLM.generate`, the server; choice i is `for_choice(i)`),
     `skip_special_tokens` leaves special tokens out of the text (shown, they are set apart by
     spaces unless `spaces_between_special_tokens` is false), `truncate_prompt_tokens`
     keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
@@ -320,6 +321,18 @@ class SamplingParams:
             raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
         self._check_structured()
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of a request's n: seed + index, so n seeded choices differ yet each
+        reproduces; the prompt's logprobs are scored once, by choice 0."""
+        if index == 0:
+            return self
+        if self.seed is None:
+            return replace(self, prompt_logprobs=None)
+        if self.seed + index >= MAX_SEED:
+            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got "
+                                      f"seed {self.seed} for choice {index}", param="seed")
+        return replace(self, seed=self.seed + index, prompt_logprobs=None)
+
     def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
         return keep_last_tokens(prompt_ids, self.truncate_prompt_tokens)
@@ -344,8 +357,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy requests take the argmax: temperature 0 or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy requests take the argmax and draw nothing: temperature 0 (or below
+        `MIN_TEMPERATURE`, too small to divide logits by) or top_k 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def reads_output_values(self) -> bool:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import nanoserve_cli.bench
-import nanoserve_cli.profile  # noqa: F401  (registers the command)
+import nanoserve_cli.profile
 from nanoserve.bench import ci_check, hardware, offline, serve
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
@@ -303,6 +303,30 @@ def test_bad_profile_options_exit_2_naming_the_option(args, option):
     result = invoke("profile", *args)
     assert result.exit_code == 2
     assert option in result.output
+
+
+
+def test_the_options_every_engine_of_a_sweep_shares_reach_its_spec(monkeypatch):
+    specs = []
+    monkeypatch.setattr(nanoserve_cli.bench, "run_offline", lambda spec, out, **kwargs: specs.append(spec))
+    result = invoke("bench", "--model", "some/model", "--device", "cpu", "--threads", "1",
+                    "--linear-kernel", "aten", "-tp", "2", "--dtype", "float32,bfloat16")
+    assert result.exit_code == 0, result.output
+    (spec,) = specs
+    assert (spec.model, spec.device, spec.threads, spec.linear_kernel, spec.tensor_parallel_size) == (
+        "some/model", "cpu", 1, "aten", 2)
+    assert spec.dtypes == ("float32", "bfloat16")
+
+
+def test_the_engine_options_of_a_profile_reach_its_spec(monkeypatch):
+    specs = []
+    monkeypatch.setattr(nanoserve_cli.profile, "run_profile", lambda spec, out, **kwargs: specs.append(spec))
+    result = invoke("profile", "--model", "some/model", "--device", "cpu", "--no-batch-invariant",
+                    "--threads", "1", "--linear-kernel", "aten", "-tp", "2")
+    assert result.exit_code == 0, result.output
+    (spec,) = specs
+    assert (spec.model, spec.device, spec.batch_invariant, spec.threads, spec.linear_kernel,
+            spec.tensor_parallel_size) == ("some/model", "cpu", False, 1, "aten", 2)
 
 
 def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collect(tiny_model_dir, tmp_path):

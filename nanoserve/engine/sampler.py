@@ -21,8 +21,8 @@ smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p 
 top_p then holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and
 p_less keeps q >= sum(q**2) of what all of them left (never above the largest q). So
 every filter keeps at least one token, and no combination of values empties a row. Greedy rows
-(temperature 0, or below `MIN_TEMPERATURE`, or top_k 1) take the first argmax, ignore every
-filter, and never call `uniform_from_counter`.
+(`SamplingParams.is_greedy`: temperature 0 or below `MIN_TEMPERATURE`, or top_k 1) take the
+first argmax, ignore every filter, and never call `uniform_from_counter`.
 
 Constrained rows (structured outputs): before anything else, each such row's logits are
 -inf wherever its grammar's bitmask (`GrammarMask`, filled on the host from the request's
@@ -75,7 +75,6 @@ from torch import Tensor
 from nanoserve.engine.structured import BITS_PER_WORD, RowGrammar, fill_bitmasks
 from nanoserve.sampling_params import SamplingParams
 
-MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 MASS_BITS = 60  # p * 2**60 is exact in float32 and sums of softmax mass stay below 2**63
 # Two-level argmax and draw: read per-group maxima or sums first, then one group. The argmax
 # beats torch.argmax on CPU (results/README.md, "Measured design choices"), and the draw needs
@@ -349,7 +348,7 @@ class SamplingBatch:
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], *, vocab_size: int,
               eos_token_ids: Collection[int], device: torch.device | str) -> SamplingBatch:
-        drawing = [i for i, row in enumerate(rows) if not _is_greedy(row.params)]
+        drawing = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
         return cls(
             vocab_size=vocab_size,
@@ -382,10 +381,6 @@ class GrammarMask:
             rows=None if len(constrained) == len(rows) else torch.tensor(constrained, device=device),
             bitmask=torch.from_numpy(bitmask).to(device, non_blocking=True),
         )
-
-
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.is_greedy or params.temperature < MIN_TEMPERATURE
 
 
 def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> LogitEdits | None:
