@@ -41,6 +41,7 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         add_bos_token: bool = False,
+        add_eos_token: bool = False,
         chat_template: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         special_tokens: Mapping[str, Any] | None = None,
@@ -49,6 +50,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
         self.chat_template = chat_template
         # Every special token of tokenizer_config.json, by its config key (unk_token, pad_token,
         # additional_special_tokens...): HF hands them all to the chat template.
@@ -70,6 +72,7 @@ class Tokenizer:
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
             add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
             chat_template=_chat_template(config, path),
             extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
             special_tokens=_special_tokens(config),
@@ -96,8 +99,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; BOS first when `add_bos` (default: what the config says).
+    def encode(self, text: str, *, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
+        """Token ids of `text`; BOS first when `add_bos`, EOS last when `add_eos` (defaults: what
+        the config says).
 
         A chat goes through `encode_chat`, not here: its template places BOS itself.
         """
@@ -105,6 +109,9 @@ class Tokenizer:
         wants_bos = self.add_bos_token if add_bos is None else add_bos
         if wants_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
+        wants_eos = self.add_eos_token if add_eos is None else add_eos
+        if wants_eos and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
@@ -189,7 +196,8 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, tools=tools,
                                         chat_template=chat_template, template_kwargs=template_kwargs)
-        return self.encode(text, add_bos=None if add_special_tokens else False)
+        default = None if add_special_tokens else False
+        return self.encode(text, add_bos=default, add_eos=default)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
