@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
@@ -166,7 +166,7 @@ def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
             continue
         name = hf_tensor_name(tensor.name, config.get("model_type"))
         shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
-        _check_type(tensor, shape)
+        _check_type(tensor)
         if tensor.name == "token_embd.weight" and shape[0] != config["vocab_size"]:
             raise UnsupportedModelError(
                 f"GGUF tensor 'token_embd.weight' has {shape[0]} rows but 'tokenizer.ggml.tokens' "
@@ -180,16 +180,11 @@ def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
         raise UnsupportedModelError(f"GGUF lacks tensors a {config['model_type']} model needs: {missing[:5]}")
 
 
-def _check_type(tensor: ReaderTensor, shape: tuple[int, ...]) -> None:
+def _check_type(tensor: ReaderTensor) -> None:
     type_name = tensor.tensor_type.name
     if type_name in _NOT_WEIGHT_TYPES:
         raise UnsupportedModelError(
             f"GGUF tensor {tensor.name!r} is of type {type_name}, which holds no weights")
-    block_values = GGML_QUANT_SIZES[tensor.tensor_type][0]
-    if shape[-1] % block_values:
-        raise UnsupportedModelError(
-            f"GGUF tensor {tensor.name!r}: rows of {shape[-1]} values do not fill whole {type_name} "
-            f"blocks of {block_values}")
 
 
 def write_json(path: Path, obj: Any) -> None:
