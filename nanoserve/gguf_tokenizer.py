@@ -144,11 +144,33 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> GGUFTokenizer:
         raise UnsupportedModelError(
             f"GGUF key {MODEL_KEY!r} = {model!r}: tokenizer model not supported; supported: "
             "'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
-    return GGUFTokenizer(
+    tokenizer = GGUFTokenizer(
         backend,
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
     )
+    _check_special_ids(meta, tokenizer)
+    return tokenizer
+
+
+def _check_special_ids(meta: dict[str, Any], tokenizer: GGUFTokenizer) -> None:
+    """BOS and EOS ids name tokens of the vocabulary, and one the file says to add is there."""
+    for name, wanted in (("bos", tokenizer.add_bos), ("eos", tokenizer.add_eos)):
+        key = f"tokenizer.ggml.{name}_token_id"
+        if wanted and key not in meta:
+            raise UnsupportedModelError(
+                f"GGUF key {key!r} is missing, but the tokenizer adds a {name.upper()} token "
+                f"(tokenizer.ggml.add_{name}_token or its default for this tokenizer)")
+        _token_id(meta, key)
+
+
+def _token_id(meta: dict[str, Any], key: str) -> int | None:
+    """The id under `key`, refused when it is no token of the vocabulary."""
+    token_id = meta.get(key)
+    if token_id is not None and not 0 <= token_id < len(meta["tokenizer.ggml.tokens"]):
+        raise UnsupportedModelError(
+            f"GGUF key {key!r} = {token_id}: not an id of the {len(meta['tokenizer.ggml.tokens'])} tokens")
+    return token_id
 
 
 def _recipe(name: Any) -> ByteLevelRecipe:
@@ -202,7 +224,7 @@ def _sentencepiece_bpe(meta: dict[str, Any]) -> Tokenizer:
             "supported for SentencePiece vocabularies")
     add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     byte_fallback = TokenType.BYTE in types
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk_id = _token_id(meta, "tokenizer.ggml.unknown_token_id")
     model = BPE(vocab={token: token_id for token_id, token in enumerate(tokens)},
                 merges=score_merges(tokens, scores, types), byte_fallback=byte_fallback,
                 unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True)

@@ -99,9 +99,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, *, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
-        """Token ids of `text`; BOS first when `add_bos`, EOS last when `add_eos` (defaults: what
-        the config says).
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. `add_bos` None: the special tokens the config asks for (BOS first
+        when add_bos_token, EOS last when add_eos_token); True: BOS; False: the text's ids alone.
 
         A chat goes through `encode_chat`, not here: its template places BOS itself.
         """
@@ -109,8 +109,7 @@ class Tokenizer:
         wants_bos = self.add_bos_token if add_bos is None else add_bos
         if wants_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
-        wants_eos = self.add_eos_token if add_eos is None else add_eos
-        if wants_eos and self.eos_token_id is not None:
+        if add_bos is None and self.add_eos_token and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
         return ids
 
@@ -196,8 +195,7 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, tools=tools,
                                         chat_template=chat_template, template_kwargs=template_kwargs)
-        default = None if add_special_tokens else False
-        return self.encode(text, add_bos=default, add_eos=default)
+        return self.encode(text, add_bos=None if add_special_tokens else False)
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

@@ -259,6 +259,7 @@ def test_bos_follows_llama_cpp_default_unless_the_file_says(pre, add_bos, byte_l
                                             "tokenizer.ggml.add_eos_token": True}), tmp_path / "said")
     ids = said.encode("hi")
     assert (ids[0] == 1) is (not add_bos) and ids[-1] == 2
+    assert said.encode("hi", add_bos=False) == default.encode("hi", add_bos=False)  # the text alone
 
 
 # ---- SentencePiece ------------------------------------------------------------------------------
@@ -385,6 +386,19 @@ def test_byte_level_streaming_joins_characters_split_across_tokens(byte_level_vo
 ])
 def test_an_unknown_tokenizer_is_refused_naming_the_key(keys, named, byte_level_vocab, tmp_path):
     path = _write_vocab_gguf(tmp_path / "refused.gguf", {**byte_level_vocab, **keys})
+    with pytest.raises(UnsupportedModelError, match=named):
+        tokenizer_from_gguf(read_metadata(open_gguf(path)))
+
+
+@pytest.mark.parametrize(("keys", "named"), [
+    ({"eos_id": 99999}, r"'tokenizer\.ggml\.eos_token_id' = 99999"),
+    ({"bos_id": None}, r"'tokenizer\.ggml\.bos_token_id' is missing"),  # llama-bpe adds BOS
+])
+def test_a_special_token_id_outside_the_vocabulary_is_refused_naming_the_key(keys, named, byte_level_vocab,
+                                                                              tmp_path):
+    keys = {k: v for k, v in ({"bos_id": 1, "eos_id": 2} | keys).items() if v is not None}
+    path = _write_vocab_gguf(tmp_path / "ids.gguf", {"model": "gpt2", "pre": "llama-bpe", **byte_level_vocab,
+                                                      **keys})
     with pytest.raises(UnsupportedModelError, match=named):
         tokenizer_from_gguf(read_metadata(open_gguf(path)))
 
