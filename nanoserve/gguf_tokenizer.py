@@ -204,12 +204,12 @@ def _byte_level_bpe(meta: dict[str, Any], recipe: ByteLevelRecipe) -> Tokenizer:
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:
-    # llama.cpp splits at the first space after the first character: a merge's left part may
-    # not be empty, and byte-level text has no literal spaces otherwise.
-    left, space, right = merge.partition(" ")
-    if not space or not left or not right:
+    # Split at the first space after the first character, as llama.cpp does: the left part is
+    # never empty, so a merge of a space-like piece still reads one way.
+    cut = merge.find(" ", 1)
+    if cut < 0 or cut == len(merge) - 1:
         raise UnsupportedModelError(f"GGUF key 'tokenizer.ggml.merges' holds {merge!r}, not 'LEFT RIGHT'")
-    return left, right
+    return merge[:cut], merge[cut + 1:]
 
 
 def _sentencepiece_bpe(meta: dict[str, Any]) -> Tokenizer:

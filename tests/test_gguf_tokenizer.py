@@ -383,6 +383,7 @@ def test_byte_level_streaming_joins_characters_split_across_tokens(byte_level_vo
     ({"model": "bert"}, r"'tokenizer\.ggml\.model' = 'bert'"),
     ({"model": "gpt2", "pre": "falcon"}, r"'tokenizer\.ggml\.pre' = 'falcon'"),
     ({"model": "gpt2", "pre": None}, r"'tokenizer\.ggml\.pre' = None"),
+    ({"model": "gpt2", "pre": "qwen2", "merges": ["nospace"]}, r"'tokenizer\.ggml\.merges' holds 'nospace'"),
 ])
 def test_an_unknown_tokenizer_is_refused_naming_the_key(keys, named, byte_level_vocab, tmp_path):
     path = _write_vocab_gguf(tmp_path / "refused.gguf", {**byte_level_vocab, **keys})
