@@ -35,7 +35,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
-from nanoserve.gguf_tokenizer import GGUFTokenizer, tokenizer_from_gguf
+from nanoserve.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
@@ -543,9 +543,8 @@ def tokenizer_config(meta: dict[str, Any], tokenizer: GGUFTokenizer) -> dict[str
 
 
 def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """bos and every end token: eos plus end-of-turn / end-of-message where the file has them."""
-    end_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    end_ids = sorted({meta[f"tokenizer.ggml.{k}"] for k in end_keys if f"tokenizer.ggml.{k}" in meta})
+    """bos and every end token (`gguf_tokenizer.end_token_ids`)."""
+    end_ids = end_token_ids(meta)
     return {
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": end_ids[0] if len(end_ids) == 1 else end_ids or None,

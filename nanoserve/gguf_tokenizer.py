@@ -2,7 +2,8 @@
 
 Owns: turning the vocabulary, merges or scores, token types and pre-tokenizer name of a GGUF
 into the pipeline of the model's own tokenizer, and what llama.cpp reads beside them (BOS and
-EOS defaults per tokenizer kind). Two kinds, as llama.cpp names them in `tokenizer.ggml.model`:
+EOS defaults per tokenizer kind, the tokens that end a turn). Two kinds, as llama.cpp names
+them in `tokenizer.ggml.model`:
 - `gpt2`, byte-level BPE: the vocabulary and merges as they are; the normalizer and
   pre-tokenizer of the original model's tokenizer.json, chosen by `tokenizer.ggml.pre`
   (`PRE_TOKENIZERS`: the regexes are the originals, which llama.cpp's llama-vocab.cpp keeps
@@ -171,6 +172,24 @@ def _token_id(meta: dict[str, Any], key: str) -> int | None:
         raise UnsupportedModelError(
             f"GGUF key {key!r} = {token_id}: not an id of the {len(meta['tokenizer.ggml.tokens'])} tokens")
     return token_id
+
+
+# End-of-turn tokens llama.cpp stops at by their text, because converters write no key for them
+# (Gemma's <end_of_turn>, Phi-3's <|end|>); Hugging Face lists the same ones in these models'
+# generation_config.json. llama.cpp's list also has <|endoftext|>, left out here: SmolLM and
+# Qwen use it between documents, and their generation configs do not stop at it.
+END_OF_TURN_TOKENS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>",
+                                "<end_of_turn>", "<EOT>", "_<EOT>", "<|return|>", "<|call|>",
+                                "<end_of_utterance>"})
+_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def end_token_ids(meta: dict[str, Any]) -> list[int]:
+    """Every id that ends generation: EOS, end-of-turn and end-of-message where the file names
+    them, and the end-of-turn tokens llama.cpp finds by their text."""
+    named = {_token_id(meta, key) for key in _END_KEYS} - {None}
+    tokens = meta["tokenizer.ggml.tokens"]
+    return sorted(named | {token_id for token_id, token in enumerate(tokens) if token in END_OF_TURN_TOKENS})
 
 
 def _recipe(name: Any) -> ByteLevelRecipe:

@@ -262,6 +262,13 @@ def test_bos_follows_llama_cpp_default_unless_the_file_says(pre, add_bos, byte_l
     assert said.encode("hi", add_bos=False) == default.encode("hi", add_bos=False)  # the text alone
 
 
+@pytest.mark.parametrize(("eos_id", "ends"), [(2, {2}), (0, {0, 2})])
+def test_end_of_turn_tokens_end_generation_as_in_llama_cpp(eos_id, ends, byte_level_vocab, tmp_path):
+    """<|im_end|> ends a turn by its text; <|endoftext|> only when the file names it EOS."""
+    ours = _read_tokenizer(_bpe_gguf(byte_level_vocab, "smollm", tmp_path, eos_id=eos_id), tmp_path)
+    assert ours.eos_token_ids == ends
+
+
 # ---- SentencePiece ------------------------------------------------------------------------------
 
 # Each family's trainer and normalizer settings (from their tokenizer.model files): BPE pieces,
@@ -354,6 +361,12 @@ def test_sentencepiece_bos_is_added_by_default(sentencepiece_model, tmp_path):
     _, sp, ours = _spm_tokenizer(sentencepiece_model, tmp_path)
     assert ours.encode("The capital")[0] == sp.bos_id()
     assert ours.eos_token_id == sp.eos_id()
+
+
+def test_gemma_stops_at_end_of_turn_though_the_file_names_only_eos(sentencepiece_model, tmp_path):
+    family, sp, ours = _spm_tokenizer(sentencepiece_model, tmp_path)
+    turn_end = {sp.piece_to_id("<end_of_turn>")} if family == "gemma" else set()
+    assert ours.eos_token_ids == {sp.eos_id()} | turn_end
 
 
 @pytest.mark.parametrize("text", ["🦙 llamas 🚀🚀 ok", "日本語のテキスト", "caf\u00e9 ✓ 👨‍👩‍👧‍👦"])
