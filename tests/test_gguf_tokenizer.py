@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 from gguf import GGUFWriter, TokenType
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tiny_model import CORPUS, write_tiny_gguf, write_tiny_llama
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, pre_tokenizers
@@ -65,6 +67,15 @@ ADVERSARIAL = [
     "  \n\n  \t  x  ",
 ]
 TRAINING_TEXT = [*CORPUS, *ADVERSARIAL]
+
+# Pieces random texts are made of: the corpus's words and the adversarial corpus's hard parts.
+FRAGMENTS = sorted({*" ".join(CORPUS).split(" "), " ", "  ", "\n", "\n\n", "\t", "\r\n", "'s", "'S", "'LL",
+                    "'ve", "'D", "'", "0", "12", "345", "6789", "٣", "🚀", "🦙", "👍🏽", "\u200d", "e\u0301",
+                    "\u0308", "Ｆｕｌｌ", "１２", "　", "中文", "ქართ", "ΣΊΣ", *BPE_SPECIALS, "<s>", "</s>",
+                    BPE_USER_DEFINED, "<start_of_turn>", "...", "!!", "-", "_", "/", "\\"})
+random_texts = st.lists(st.sampled_from(FRAGMENTS), max_size=24).map("".join)
+any_text_settings = settings(max_examples=150, deadline=None,
+                             suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _read_tokenizer(gguf_path: Path, tmp_path: Path) -> Tokenizer:
@@ -221,6 +232,19 @@ def test_byte_level_ids_equal_the_original_pipeline_on_the_adversarial_corpus(pr
         assert ours.encode(text, add_bos=False) == reference.encode(text, add_special_tokens=False).ids, text
 
 
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "tekken", "gpt-4o", "smollm"])
+def test_byte_level_ids_equal_the_original_pipeline_on_random_texts(pre, byte_level_vocab, tmp_path):
+    ours = _read_tokenizer(_bpe_gguf(byte_level_vocab, pre, tmp_path), tmp_path)
+    reference = _reference_bpe(byte_level_vocab, pre)
+
+    @any_text_settings
+    @given(text=random_texts)
+    def agrees(text):
+        assert ours.encode(text, add_bos=False) == reference.encode(text, add_special_tokens=False).ids
+
+    agrees()
+
+
 @pytest.mark.parametrize("pre", sorted(ORIGINAL_PIPELINES))
 def test_byte_level_decode_inverts_encode(pre, byte_level_vocab, tmp_path):
     ours = _read_tokenizer(_bpe_gguf(byte_level_vocab, pre, tmp_path), tmp_path)
@@ -344,6 +368,17 @@ def test_sentencepiece_ids_equal_sentencepiece_on_the_adversarial_corpus(sentenc
     family, sp, ours = _spm_tokenizer(sentencepiece_model, tmp_path)
     for text in [*ADVERSARIAL, *CORPUS, SPM_SPECIAL_TEXT]:
         assert ours.encode(text, add_bos=False) == _reference_sentencepiece(sp, family, text), text
+
+
+def test_sentencepiece_ids_equal_sentencepiece_on_random_texts(sentencepiece_model, tmp_path):
+    family, sp, ours = _spm_tokenizer(sentencepiece_model, tmp_path)
+
+    @any_text_settings
+    @given(text=random_texts)
+    def agrees(text):
+        assert ours.encode(text, add_bos=False) == _reference_sentencepiece(sp, family, text)
+
+    agrees()
 
 
 def test_sentencepiece_falls_back_to_bytes_and_decodes_like_sentencepiece(sentencepiece_model, tmp_path):
