@@ -13,8 +13,10 @@ are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/s
 except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
 (Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
 rotate with base 10000 unless it says `rope.freq_base_swa`.
-Refuses: other architectures, tokenizers `gguf_tokenizer` refuses, and rope scaling other than
-llama3.
+Refuses: other architectures, tokenizers `gguf_tokenizer` refuses, rope scaling other than
+llama3, and a file whose tensors disagree with its metadata (a tensor of another shape or of an
+integer type, an embedding with another row count than the vocabulary, a missing tensor): each
+named, from the tensor list, before any weight is read.
 It writes into the directory it is given; caching and atomic placement belong to
 `default_model`.
 """

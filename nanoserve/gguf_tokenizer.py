@@ -17,9 +17,11 @@ them in `tokenizer.ggml.model`:
 Control and unknown-type tokens become special added tokens (matched in text, dropped by
 `skip_special_tokens`), user-defined ones plain added tokens.
 Refuses, naming the key: any other tokenizer model, a `tokenizer.ggml.pre` without a recipe
-here (or none at all), and SentencePiece options whose effect is not reproduced
-(`remove_extra_whitespaces`). Nothing is guessed: llama.cpp's fallback to its 'default' regexes
-for a missing name is not taken; a file that says 'default' gets exactly those regexes.
+here (or none at all), SentencePiece options whose effect is not reproduced
+(`remove_extra_whitespaces`), a special-token id outside the vocabulary (or missing where the
+file says to add it), and lists that do not line up (types or scores per token, merges of two
+parts). Nothing is guessed: llama.cpp's fallback to its 'default' regexes for a missing name is
+not taken; a file that says 'default' gets exactly those regexes.
 """
 
 from __future__ import annotations
