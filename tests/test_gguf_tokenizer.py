@@ -542,5 +542,5 @@ def test_a_gguf_cut_inside_its_metadata_is_refused_naming_the_file(byte_level_vo
 def test_the_checks_pass_a_sound_file(byte_level_vocab, tmp_path):
     keys = {"model": "gpt2", "pre": "qwen2", **byte_level_vocab}
     converted = convert_gguf(_model_gguf(tmp_path, keys), tmp_path / "out")
-    assert np.array_equal(Tokenizer.from_dir(converted).encode("hi 123"),
-                          _reference_bpe(byte_level_vocab, "qwen2").encode("hi 123").ids)
+    reference = _reference_bpe(byte_level_vocab, "qwen2")
+    assert Tokenizer.from_dir(converted).encode("hi 123") == reference.encode("hi 123").ids
