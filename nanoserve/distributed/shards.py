@@ -153,7 +153,7 @@ def shard_tensor(name: str, read: Callable[[int | None, Ranges], torch.Tensor | 
 
 def shard_of(config: ModelConfig, shard: Shard) -> Callable[[str, torch.Tensor | QuantizedWeight],
                                                           torch.Tensor | QuantizedWeight]:
-    """Cut a tensor already in memory to `shard` (GGUF files: gguf_import reads each tensor's
+    """Cut a tensor already in memory to `shard` (GGUF files: loading.gguf reads each tensor's
     blocks whole, and keeps this part of it)."""
     def keep(name: str, whole: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
         def read(dim: int | None, ranges: Ranges) -> torch.Tensor | QuantizedWeight:

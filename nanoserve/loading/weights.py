@@ -1,7 +1,7 @@
 """Loading a Hugging Face style checkpoint directory into a `Llama`.
 
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
-first converted into such a directory (`gguf_import`, `default_model`), so this is the one
+first converted into such a directory (`loading.gguf`, `loading.default_model`), so this is the one
 place weights enter the engine, and the one place config.json is read: `load_weights` returns
 the `ModelConfig` beside the weights. A GGUF run in its own quantization reads its tensors
 from the file instead (`gguf=`): the matrices stay GGUF blocks (nanoserve.quant).
