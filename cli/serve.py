@@ -2,7 +2,11 @@
 
 Binds 127.0.0.1 unless told otherwise. The model loads on the engine thread after the socket
 is up, so /health answers 503 until it is ready. SIGTERM (or Ctrl-C) stops accepting
-connections, lets in-flight requests finish for at most --drain-s seconds, then exits 0.
+connections, lets in-flight requests finish for at most --drain-s seconds, then exits 0. A
+second SIGTERM or SIGINT during that drain ends it at once (uvicorn's and vLLM's convention):
+in-flight streams get their error event, unary requests a 503, and the process exits
+128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process the
+signal killed, so a supervisor can tell a forced stop from a clean one.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -156,6 +161,8 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    if server.forced_by is not None:
+        _exit_forced(server.forced_by)
     if engine_deaths:  # a model that cannot load is the user's to fix: exit 2 naming it
         error = engine_deaths[0]
         if isinstance(error, NanoserveError):
@@ -183,18 +190,43 @@ def _check_api_key(api_key: str | None) -> None:
 
 
 def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float) -> uvicorn.Server:
-    """uvicorn, plus: the first SIGTERM or SIGINT starts the app's bounded drain."""
+    """uvicorn, plus: the first SIGTERM or SIGINT starts the app's bounded drain, a second one
+    ends it at once (`forced_by` names that signal)."""
     import uvicorn
 
-    from nanoserve.server.app import start_drain
+    from nanoserve.server.app import start_drain, stop_now
 
     class DrainingServer(uvicorn.Server):
+        forced_by: int | None = None
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
                 start_drain(server_app, drain_s)
-            super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
+                return
+            # Not uvicorn's own: it forces only on a second SIGINT, and then cuts every stream
+            # without its error event.
+            if self.forced_by is None:
+                self.forced_by = sig
+                logging.getLogger("nanoserve.server").warning(
+                    "second %s: stopping now, in-flight requests end with an error", signal.Signals(sig).name)
+                if stop_now(server_app, then=self.force):
+                    return
+            self.force()
+
+        def force(self) -> None:
+            self.force_exit = True
 
     return DrainingServer(config)
+
+
+def _exit_forced(sig: int) -> None:
+    """Leave at once with 128 + the signal's number. Not through interpreter shutdown: the
+    engine thread may be in the middle of a step in native code, and it dies with the process."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + sig)
 
 
 def _served_name(model: str | None, model_dir: Path, gguf: Path | None = None) -> str:

@@ -3,7 +3,8 @@
 Owns: building the app (the engine thread starts with the app and stops with it, the state
 every request reads, the routes and their paths, the API key on /v1, /tokenize and
 /detokenize, OpenAI-shaped errors), the OpenAPI description of the bodies the routes parse
-by hand, and `start_drain`, the bounded shutdown that `nanoserve serve` starts on SIGTERM.
+by hand, `start_drain`, the bounded shutdown that `nanoserve serve` starts on SIGTERM, and
+`stop_now`, which ends that shutdown at once on a second signal.
 Refuses: the path of a request (`routes`, `planning`, `generation`, `streaming` own it), and
 running uvicorn (`nanoserve serve` does; tests have their own harness).
 """
@@ -20,7 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
 from nanoserve.server import routes
-from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine
+from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import (
@@ -34,10 +35,12 @@ from nanoserve.server.state import ServerLimits, ServerState
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
 
-__all__ = ["DRAIN_GRACE_S", "ServerLimits", "build_app", "start_drain"]
+__all__ = ["DRAIN_GRACE_S", "STOP_NOW_GRACE_S", "ServerLimits", "build_app", "start_drain", "stop_now"]
 
 # After the drain deadline, time for the error events to reach clients before uvicorn cuts.
 DRAIN_GRACE_S = 3.0
+# After a second signal, time for the error events (already queued) to be written.
+STOP_NOW_GRACE_S = 0.5
 
 
 def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
@@ -125,6 +128,29 @@ def start_drain(app: FastAPI, drain_s: float) -> None:
     if state is not None:
         with contextlib.suppress(RuntimeError):  # the loop has already closed
             state.async_engine.loop.call_soon_threadsafe(state.async_engine.drain, drain_s)
+
+
+def stop_now(app: FastAPI, then: Callable[[], None]) -> bool:
+    """End a shutdown at once (a second SIGTERM or SIGINT): every open stream gets its error
+    event and every unary request its 503 now, the engine is left in the middle of its step,
+    and `then` runs on the event loop `STOP_NOW_GRACE_S` later (uvicorn's force exit: by then
+    the error events are written). Safe from a signal handler. False before startup has
+    finished: there is nothing to end, and `then` is the caller's to run."""
+    state: ServerState | None = getattr(app.state, "server", None)
+    if state is None:
+        return False
+    loop = state.async_engine.loop
+
+    def stop() -> None:
+        state.async_engine.stop_now(EngineUnavailableError(
+            "the server was stopped by a second shutdown signal before the request finished"))
+        loop.call_later(STOP_NOW_GRACE_S, then)
+
+    try:
+        loop.call_soon_threadsafe(stop)
+    except RuntimeError:  # the loop has already closed
+        return False
+    return True
 
 
 # -- OpenAPI: document the bodies the routes parse by hand ----------------------------------------
