@@ -1,8 +1,9 @@
-"""`nanoserve serve` as a real process: a second SIGTERM or SIGINT ends the drain at once.
+"""`nanoserve serve` as a real process, and the signals it obeys.
 
-The first signal starts a drain long enough that the test would time out waiting for it; the
-second must end the server now, give the stream in flight its error event and `[DONE]`, and
-exit 128 + the signal's number (a forced stop, not the clean 0 of a drain that finished).
+A second SIGTERM or SIGINT ends the drain at once: the first signal starts a drain long enough
+that the test would time out waiting for it; the second must end the server now, give the
+stream in flight its error event and `[DONE]`, and exit 128 + the signal's number (a forced
+stop, not the clean 0 of a drain that finished). SIGHUP re-reads the API keys file.
 """
 
 from __future__ import annotations
@@ -80,3 +81,34 @@ def test_a_second_signal_ends_the_drain_at_once_with_error_events(tiny_model_dir
     chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
     finished = [choice for chunk in chunks for choice in chunk["choices"] if choice.get("finish_reason")]
     assert finished == []  # cut, not finished: the drain had far longer to go
+
+
+def test_sighup_re_reads_the_keys_file(tiny_model_dir, tmp_path) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path, keys = tmp_path / "serve.log", tmp_path / "keys"
+    keys.write_text("alice alice-key\nbob bob-key\n")
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
+               "--model", str(tiny_model_dir), "--port", str(port), "--api-keys-file", str(keys),
+               "--log-level", "warning"]
+
+    def status(key: str) -> int:
+        return httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code
+
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_until(lambda: health(base_url) == 200, "the server never became healthy", log_path)
+        assert (status("alice-key"), status("carol-key")) == (200, 401)
+        keys.write_text("bob bob-key\ncarol carol-key\n")
+        process.send_signal(signal.SIGHUP)
+        wait_until(lambda: (status("alice-key"), status("carol-key")) == (401, 200),
+                   "SIGHUP did not reload the keys", log_path, timeout_s=20)
+        assert status("bob-key") == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)

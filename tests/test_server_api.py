@@ -795,7 +795,7 @@ def finished_count(metrics: str, reason: str) -> int:
     prefix = "nanoserve_request_success_total{"
     (line,) = [line for line in metrics.splitlines()
                if line.startswith(prefix) and f'finished_reason="{reason}"' in line]
-    return int(line.rsplit(" ", 1)[1])
+    return int(float(line.rsplit(" ", 1)[1]))
 
 
 def test_a_hang_up_mid_stream_counts_one_abort_per_sequence(served: Served, client: httpx.Client) -> None:

@@ -19,6 +19,7 @@ from server_harness import BackgroundServer
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.server.app import build_app
+from nanoserve.server.tenants import Tenancy, tenants_from_options
 
 KEY = "sesame"
 OPEN_PATHS = {"/health", "/version", "/metrics"}
@@ -43,7 +44,7 @@ def guarded(tiny_model_dir) -> Iterator[tuple[str, FastAPI]]:
     def engine() -> Engine:
         return Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32, max_num_seqs=2))
 
-    app = build_app(engine, model_names=["tiny"], api_key=KEY)
+    app = build_app(engine, model_names=["tiny"], tenancy=Tenancy(tuple(tenants_from_options([KEY]))))
     with BackgroundServer(app) as server:
         deadline = time.monotonic() + 60
         while httpx.get(f"{server.base_url}/health").status_code != 200:

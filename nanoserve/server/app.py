@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
 from nanoserve.server import routes
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
@@ -31,11 +31,13 @@ from nanoserve.server.protocol import (
     TokenizeRequest,
 )
 from nanoserve.server.state import ServerLimits, ServerState
+from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
     from nanoserve.engine import Engine
 
-__all__ = ["DRAIN_GRACE_S", "STOP_NOW_GRACE_S", "ServerLimits", "build_app", "start_drain", "stop_now"]
+__all__ = ["DRAIN_GRACE_S", "STOP_NOW_GRACE_S", "ServerLimits", "Tenancy", "build_app", "reload_keys",
+           "start_drain", "stop_now"]
 
 # After the drain deadline, time for the error events to reach clients before uvicorn cuts.
 DRAIN_GRACE_S = 3.0
@@ -44,26 +46,29 @@ STOP_NOW_GRACE_S = 0.5
 
 
 def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
-              aliases: tuple[str, ...] = (), api_key: str | None = None,
+              aliases: tuple[str, ...] = (), tenancy: Tenancy | None = None,
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
               on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
-    /health and every /v1 request answer 503. `seed`: unseeded requests draw their seeds, in
+    /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
+    the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
     arrival order, from a generator seeded with it (None: the engine picks each at random).
     `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment.
     `prefill_log_s`: a prefill running that long gets a progress line in the log, then again.
     `on_engine_death`: called on the event loop if the engine thread dies (`nanoserve serve`
     stops the server and exits non-zero, rather than answering 503 for ever)."""
     limits = limits or ServerLimits()
+    tenancy = tenancy or Tenancy()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine = AsyncEngine(build_engine, asyncio.get_running_loop(), prefill_log_s=prefill_log_s,
                                    on_death=on_engine_death)
         app.state.server = ServerState(
-            async_engine, list(model_names), frozenset((*model_names, *aliases)), api_key, limits,
-            ServerMetrics(model_names[0]), sse_keep_alive_s=sse_keep_alive_s,
+            async_engine, list(model_names), frozenset((*model_names, *aliases)), tenancy, limits,
+            ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),
+            sse_keep_alive_s=sse_keep_alive_s,
             default_seeds=None if seed is None else random.Random(seed))
         async_engine.start()
         try:
@@ -80,7 +85,7 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
-    app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=PlainTextResponse)
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=Response)
     _document_bodies(app)
     return app
 
@@ -128,6 +133,20 @@ def start_drain(app: FastAPI, drain_s: float) -> None:
     if state is not None:
         with contextlib.suppress(RuntimeError):  # the loop has already closed
             state.async_engine.loop.call_soon_threadsafe(state.async_engine.drain, drain_s)
+
+
+def reload_keys(app: FastAPI) -> None:
+    """Re-read the API keys file (SIGHUP), on the event loop; safe from a signal handler. A file
+    that no longer reads is logged and the keys in use stay."""
+    state: ServerState | None = getattr(app.state, "server", None)
+
+    def reload() -> None:
+        if state.tenancy.reload():
+            state.metrics.add_tenants(tuple(t.name for t in state.tenancy.tenants))
+
+    if state is not None:
+        with contextlib.suppress(RuntimeError):  # the loop has already closed
+            state.async_engine.loop.call_soon_threadsafe(reload)
 
 
 def stop_now(app: FastAPI, then: Callable[[], None]) -> bool:
