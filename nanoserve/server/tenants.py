@@ -143,9 +143,11 @@ class Tenancy:
             raise TenancyError("--max-concurrent-requests-per-tenant must be >= 1; got "
                                f"{self.max_concurrent}")
         self.tenants = self._read()
-        if self.max_concurrent is not None and not self.tenants:
-            raise TenancyError("--max-concurrent-requests-per-tenant needs --api-key or --api-keys-file: "
-                                   "without keys there are no tenants")
+        for option, value in (("--max-concurrent-requests-per-tenant", self.max_concurrent),
+                              ("--prefix-cache-scope", self.cache_scope)):
+            if value is not None and not self.tenants:
+                raise TenancyError(f"{option} needs --api-key or --api-keys-file: without keys there are "
+                                   "no tenants")
 
     def _read(self) -> tuple[Tenant, ...]:
         tenants = [*self.option_tenants, *(read_keys_file(self.keys_file) if self.keys_file else [])]
