@@ -2,7 +2,11 @@
 
 Binds 127.0.0.1 unless told otherwise. The model loads on the engine thread after the socket
 is up, so /health answers 503 until it is ready. SIGTERM (or Ctrl-C) stops accepting
-connections, lets in-flight requests finish for at most --drain-s seconds, then exits 0.
+connections, lets in-flight requests finish for at most --drain-s seconds, then exits 0. A
+second SIGTERM or SIGINT during that drain ends it at once (uvicorn's and vLLM's convention):
+in-flight streams get their error event, unary requests a 503, and the process exits
+128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process the
+signal killed, so a supervisor can tell a forced stop from a clean one.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from nanoserve.engine.core import Engine
+    from nanoserve.server.tenants import Tenancy
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -42,9 +48,17 @@ def serve(
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="Name clients send as `model` (repeatable; the first is listed). Default: the model "
              "directory's name.")] = None,
-    api_key: Annotated[str | None, typer.Option(
-        envvar=API_KEY_ENV, help=f"Require 'Authorization: Bearer KEY' on /v1 (or set ${API_KEY_ENV}).")]
-    = None,
+    api_key: Annotated[list[str] | None, typer.Option(
+        help=f"Require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (or set ${API_KEY_ENV}). "
+             "Repeatable: each key is a tenant, named api-key-1, api-key-2, ... in /metrics.")] = None,
+    api_keys_file: Annotated[Path | None, typer.Option(
+        help="A file of keys, one 'name key' a line (# comments), each a tenant of that name; re-read "
+             "on SIGHUP (a file that no longer reads keeps the keys in use).")] = None,
+    prefix_cache_scope: Annotated[str | None, typer.Option(
+        help="tenant: no tenant's cached prefix serves another's (as if each sent its own cache_salt); "
+             "shared: one cache for all. Default: tenant with more than one key, else shared.")] = None,
+    max_concurrent_requests_per_tenant: Annotated[int | None, typer.Option(
+        help="Generation requests one API key may have in flight; past it: 429 + Retry-After.")] = None,
     *,
     engine: options.EngineOptions,
     max_tokens_limit: Annotated[int | None, typer.Option(
@@ -72,7 +86,8 @@ def serve(
     """Serve the model over OpenAI's completions and chat completions API.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-    GET /v1/models/{id}, POST /tokenize, POST /detokenize (behind --api-key), and GET /health,
+    GET /v1/models/{id}, POST /tokenize, POST /detokenize (behind --api-key or --api-keys-file,
+    each key a tenant), and GET /health,
     GET /metrics (Prometheus), GET /version, GET /docs (OpenAPI). Request fields the server does
     not honour are refused with a 400 naming them (README: "Request fields").
     """
@@ -82,7 +97,7 @@ def serve(
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
 
-    _check_api_key(api_key)
+    tenancy = _tenancy(api_key, api_keys_file, prefix_cache_scope, max_concurrent_requests_per_tenant)
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     config = engine.config()
@@ -111,7 +126,7 @@ def serve(
         server.should_exit = True  # uvicorn's own exit path: stop accepting, close, return
 
     server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
-                           api_key=api_key, limits=limits, seed=seed, on_engine_death=stop_on_engine_death)
+                           tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))
@@ -120,7 +135,13 @@ def serve(
     # process leaves through the normal exit path with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    if api_keys_file is not None:
+        from nanoserve.server.app import reload_keys
+
+        signal.signal(signal.SIGHUP, lambda *_: reload_keys(server_app))
     server.run()
+    if server.forced_by is not None:
+        _exit_forced(server.forced_by)
     if engine_deaths:  # a model that cannot load is the user's to fix: exit 2 naming it
         error = engine_deaths[0]
         if isinstance(error, NanoserveError):
@@ -130,36 +151,59 @@ def serve(
         raise typer.Exit(code=1)
 
 
-def _check_api_key(api_key: str | None) -> None:
-    """An empty key would leave the server open while the operator thinks it is guarded; one no
-    client can send exactly (surrounding spaces, which HTTP strips from a header value, or
-    characters outside printable ASCII) would lock every client out. Both are refused here."""
-    # click reads an empty environment variable as unset, so look at it here.
-    if (api_key is not None and not api_key.strip()) or (api_key is None and API_KEY_ENV in os.environ):
-        options.fail(f"--api-key (or ${API_KEY_ENV}) must not be empty; leave it unset for no key")
-    if api_key is None:
-        return
-    if api_key != api_key.strip():
-        options.fail(f"--api-key (or ${API_KEY_ENV}) must not start or end with whitespace: HTTP drops "
-                     "it from the Authorization header, so no client could send the key as given")
-    if not (api_key.isascii() and api_key.isprintable()) or " " in api_key:
-        options.fail(f"--api-key (or ${API_KEY_ENV}) must be printable ASCII without spaces (as a "
-                     "bearer token is): clients send the Authorization header as ASCII")
+def _tenancy(api_keys: list[str] | None, keys_file: Path | None, cache_scope: str | None,
+             max_per_tenant: int | None) -> Tenancy:
+    """The keys and what the server keeps apart between them, or exit 2 naming what is wrong."""
+    from nanoserve.server.tenants import Tenancy, TenancyError, tenants_from_options
+
+    option = "--api-key"
+    if not api_keys and API_KEY_ENV in os.environ:  # read here: click reads an empty one as unset
+        api_keys, option = [os.environ[API_KEY_ENV]], f"--api-key (or ${API_KEY_ENV})"
+    try:
+        return Tenancy(tuple(tenants_from_options(api_keys or [], option)), keys_file, cache_scope,
+                       max_per_tenant)
+    except TenancyError as error:
+        options.fail(str(error))
 
 
 def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float) -> uvicorn.Server:
-    """uvicorn, plus: the first SIGTERM or SIGINT starts the app's bounded drain."""
+    """uvicorn, plus: the first SIGTERM or SIGINT starts the app's bounded drain, a second one
+    ends it at once (`forced_by` names that signal)."""
     import uvicorn
 
-    from nanoserve.server.app import start_drain
+    from nanoserve.server.app import start_drain, stop_now
 
     class DrainingServer(uvicorn.Server):
+        forced_by: int | None = None
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
                 start_drain(server_app, drain_s)
-            super().handle_exit(sig, frame)
+                super().handle_exit(sig, frame)
+                return
+            # Not uvicorn's own: it forces only on a second SIGINT, and then cuts every stream
+            # without its error event.
+            if self.forced_by is None:
+                self.forced_by = sig
+                logging.getLogger("nanoserve.server").warning(
+                    "second %s: stopping now, in-flight requests end with an error", signal.Signals(sig).name)
+                if stop_now(server_app, then=self.force):
+                    return
+            self.force()
+
+        def force(self) -> None:
+            self.force_exit = True
 
     return DrainingServer(config)
+
+
+def _exit_forced(sig: int) -> None:
+    """Leave at once with 128 + the signal's number. Not through interpreter shutdown: the
+    engine thread may be in the middle of a step in native code, and it dies with the process."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + sig)
 
 
 def _served_name(model: str | None, model_dir: Path, gguf: Path | None = None) -> str:

@@ -373,3 +373,66 @@ def test_a_two_node_torchrun_launch_on_loopback_decodes_the_text_of_one_process(
     _, _, one = solo
     alone = one.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
     assert outputs[0][0] in (alone[0].outputs[0].text, alone[0].outputs[0].text + "\n")
+
+
+def test_a_served_engine_whose_worker_dies_answers_503_then_the_server_exits_naming_the_rank(
+        tiny_model_dir, tmp_path):
+    """`nanoserve serve --tensor-parallel-size 2`: killing rank 1 mid-request fails the request
+    in flight with a 503 (not a hang, not a 500), and the process exits non-zero naming rank 1."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve", "--model",
+               str(tiny_model_dir), "--port", str(port), "--tensor-parallel-size", "2", "--threads", "1",
+               "--log-level", "warning"]
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "NANOSERVE_TP_TIMEOUT_S": "5"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        (worker,) = _children_running(server.pid, "nanoserve.worker")
+        answer: list[httpx.Response] = []
+        body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        request = threading.Thread(target=lambda: answer.append(
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)))
+        request.start()
+        while "nanoserve_requests_running" not in _running_lines(base_url):
+            assert request.is_alive(), "the request finished before the worker was killed"
+            time.sleep(0.02)
+        os.kill(worker, signal.SIGKILL)
+        request.join(timeout=60)
+        status = server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
+    assert answer and answer[0].status_code == 503, answer and answer[0].text
+    assert answer[0].json()["error"]["code"] == "service_unavailable"
+    assert status != 0
+    assert "rank 1" in log_path.read_text()
+
+
+def _children_running(pid: int, module: str) -> list[int]:
+    """The child processes of `pid` (spawned by any of its threads) whose command line names `module`."""
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    return [child for child in children if module in Path(f"/proc/{child}/cmdline").read_text()]
+
+
+def _running_lines(base_url: str) -> str:
+    """The /metrics lines that show a running sequence (empty while none runs)."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith("nanoserve_requests_running{") and float(line.split()[-1]) > 0)

@@ -405,6 +405,6 @@ def test_metrics_export_drafted_and_accepted_tokens():
     from nanoserve.server.metrics import EngineSnapshot, ServerMetrics
 
     snapshot = EngineSnapshot(spec_draft_tokens=5, spec_accepted_tokens=3)
-    text = ServerMetrics("m").render(snapshot, healthy=True)
-    assert 'nanoserve_spec_decode_draft_tokens_total{model_name="m"} 5' in text
-    assert 'nanoserve_spec_decode_accepted_tokens_total{model_name="m"} 3' in text
+    text = ServerMetrics("m").render(snapshot, healthy=True).decode()
+    assert 'nanoserve_spec_decode_draft_tokens_total{model_name="m"} 5.0' in text
+    assert 'nanoserve_spec_decode_accepted_tokens_total{model_name="m"} 3.0' in text

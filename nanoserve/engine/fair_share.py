@@ -29,13 +29,17 @@ below 2 for any u.
 - An arriving prompt that fits whole in the step's prefill budget is computed at once: that is
   the one-off cost of an arrival, not the steady cost this bounds; a longer prompt is chunked
   to its share.
-- A parent alone, or steps where nothing decodes, are never held back.
+- A parent alone is never held back. A step where nothing decodes is shared only when another
+  parent runs or waits (the scheduler's contended step: a waiting parent's next prompt is one
+  of the demands, and each prompt's demand is its parent's slice of the prefill budget), so an
+  arrival is not stuck behind a long prompt that was prefilling alone.
 
 Which step computes a token never changes the token (batch invariance), so tokens and logprobs
 are the same with the share on or off; only who waits changes, and the heavy request's own
 throughput drops while it has neighbours. vLLM and SGLang bound prefill per step but not a
-request's decode rows; a client that splits its work into many requests (or many `user`s) is
-not one parent here.
+request's decode rows. A client that splits its work into many requests is one parent only
+when the server knows it: `nanoserve serve` with more than one API key makes each tenant one
+parent (server/tenants.py); otherwise each HTTP request is its own.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ class FairShare:
         return self.cost.units(num_tokens, context, extra)
 
     def begin_step(self, demands: dict[str, float], decoding: bool) -> None:
-        """Give each running parent its share, from what each would take unbounded."""
+        """Give each parent its share, from what each would take unbounded; `decoding`: whether
+        the step is shared at all (some request decodes, or the scheduler finds it contended)."""
         self.lightest = min(demands.values(), default=0.0)
         self.active = decoding and len(demands) > 1 and self.enabled
         if not self.active:
