@@ -228,12 +228,13 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
     for choice in ordered:
         logprobs = _choice_logprobs(kind, choice, scored.get(choice.prompt_index), names)
         text = choice.echo + "".join(choice.texts)
-        if choice.tool_reader is not None and choice.finish_reason == "stop":
-            content, calls = choice.tool_reader.read(text)
-            if calls:
-                choices.append(protocol.chat_choice(choice.index, content, logprobs, "tool_calls",
-                                                    choice.stop_reason, calls))
-                continue
+        if choice.tool_reader is not None and choice.finish_reason in ("stop", "length"):
+            cut = choice.finish_reason == "length"
+            content, calls = choice.tool_reader.read(text, cut=cut)
+            finish_reason = "tool_calls" if calls and not cut else choice.finish_reason
+            choices.append(protocol.chat_choice(choice.index, content, logprobs, finish_reason,
+                                                choice.stop_reason, calls))
+            continue
         choices.append(make(choice.index, text, logprobs, choice.finish_reason, choice.stop_reason))
         if kind == "completion" and choice.prompt_logprobs_asked is not None:  # vLLM's, per choice
             choices[-1]["prompt_logprobs"] = _prompt_logprobs(choice, scored, names)

@@ -129,7 +129,7 @@ def _delta_choices(kind: Kind, choice: Choice, output: RequestOutput,
     if choice.tool_reader is None:
         deltas = [{"content": output.text}] if output.text else []
     else:
-        deltas = choice.tool_reader.feed(output.text, finished=final)
+        deltas = choice.tool_reader.feed(output.text, finished=final, cut=output.finish_reason == "length")
     if not deltas and (logprobs is not None or final):
         deltas = [{}]
     last = len(deltas) - 1
