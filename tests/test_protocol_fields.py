@@ -65,14 +65,14 @@ PROBES: dict[str, object] = {
     "length_penalty": 0.5, "priority": 1, "request_id": "r", "logits_processors": ["m.P"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "prompt_embeds": "AAAA",
     "mm_processor_kwargs": {"a": 1}, "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
-    "include_reasoning": False, "echo": True, "return_token_strs": True,
+    "echo": True, "return_token_strs": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 4,
     "bad_words": ["x"], "allowed_token_ids": [1], "chat_template": "{{ 1 }}",
     "chat_template_kwargs": {"a": 1}, "documents": [{"title": "t"}], "add_special_tokens": True,
     "stream_options.include_obfuscation": True, "stream_options.continuous_usage_stats": True,
     "messages[].role": "tool", "messages[].tool_calls": [{"id": "c"}], "messages[].tool_call_id": "c",
     "messages[].function_call": {"name": "f"}, "messages[].audio": {"id": "a"}, "messages[].refusal": "no",
-    "messages[].reasoning_content": "hm", "messages[].content[].image_url": {"url": "x"},
+    "messages[].content[].image_url": {"url": "x"},
     "messages[].content[].input_audio": {}, "messages[].content[].file": {},
     "messages[].content[].video_url": {}, "messages[].content[].audio_url": {},
 }
@@ -165,3 +165,4 @@ def test_an_unknown_field_is_refused_as_unknown(body: dict, param: str) -> None:
 def test_a_misspelled_field_is_answered_with_the_likely_one() -> None:
     refusal = refused_field(CompletionRequest.model_validate({"prompt": "x", "max_token": 3}))
     assert refusal is not None and "'max_tokens'" in refusal.message
+

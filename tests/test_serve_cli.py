@@ -25,6 +25,8 @@ runner = CliRunner()
     (["--fair-share-rows", "-1"], {}, "--fair-share-rows"),
     (["--fair-share-rows", "nan"], {}, "--fair-share-rows"),
     (["--fair-share-rows", "some"], {}, "--fair-share-rows"),
+    (["--reasoning-parser", "qwen"], {}, "--reasoning-parser"),
+    (["--reasoning-budget", "-1"], {}, "--reasoning-budget"),
 ])
 def test_a_bad_serve_option_exits_2_naming_it_before_loading_the_model(args, env, option, tmp_path):
     # The model path does not exist: reaching it would fail naming --model instead.

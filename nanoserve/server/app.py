@@ -29,6 +29,7 @@ from nanoserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.server.reasoning import ReasoningConfig
 from nanoserve.server.state import ServerLimits, ServerState
 
 if TYPE_CHECKING:
@@ -44,24 +45,33 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               aliases: tuple[str, ...] = (), api_key: str | None = None,
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
-              on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_engine_death: Callable[[BaseException], None] | None = None,
+              reasoning: ReasoningConfig | None = None) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `seed`: unseeded requests draw their seeds, in
     arrival order, from a generator seeded with it (None: the engine picks each at random).
     `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment.
     `prefill_log_s`: a prefill running that long gets a progress line in the log, then again.
     `on_engine_death`: called on the event loop if the engine thread dies (`nanoserve serve`
-    stops the server and exits non-zero, rather than answering 503 for ever)."""
+    stops the server and exits non-zero, rather than answering 503 for ever).
+    `reasoning`: the reasoning parser and default budget; a named parser the model's
+    vocabulary cannot serve stops the engine at startup."""
     limits = limits or ServerLimits()
+    reasoning = reasoning or ReasoningConfig()
+
+    def build_checked_engine() -> Engine:
+        engine = build_engine()
+        reasoning.tags(engine.tokenizer)
+        return engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(build_engine, asyncio.get_running_loop(), prefill_log_s=prefill_log_s,
-                                   on_death=on_engine_death)
+        async_engine = AsyncEngine(build_checked_engine, asyncio.get_running_loop(),
+                                   prefill_log_s=prefill_log_s, on_death=on_engine_death)
         app.state.server = ServerState(
             async_engine, list(model_names), frozenset((*model_names, *aliases)), api_key, limits,
             ServerMetrics(model_names[0]), sse_keep_alive_s=sse_keep_alive_s,
-            default_seeds=None if seed is None else random.Random(seed))
+            default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning)
         async_engine.start()
         try:
             yield

@@ -127,7 +127,6 @@ REFUSED: dict[str, Refusal] = {
     "mm_processor_kwargs": Refusal("multimodal inputs are not supported", _empty),
     "kv_transfer_params": Refusal("disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": Refusal("vllm_xargs (custom extensions) are not supported", _empty),
-    "include_reasoning": Refusal("reasoning parsing is not supported", _absent_or(True)),
     "echo": Refusal("echo on chat completions (the new message prefixed with the last one) is "
                     "not supported", _off_or_not_chat),
     "return_token_strs": Refusal("return_token_strs is not supported", _absent_or(False)),
@@ -137,7 +136,6 @@ REFUSED: dict[str, Refusal] = {
     "messages[].function_call": Refusal("function calling is not supported"),
     "messages[].audio": Refusal("audio is not supported"),
     "messages[].refusal": Refusal("refusal messages in the history are not supported"),
-    "messages[].reasoning_content": Refusal("reasoning content in the history is not supported"),
     "messages[].content[].image_url": Refusal(_TEXT_ONLY),
     "messages[].content[].input_audio": Refusal(_TEXT_ONLY),
     "messages[].content[].file": Refusal(_TEXT_ONLY),
@@ -272,6 +270,7 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking, for templates that show it
 
 
 class ChatTemplateFlags(OpenAIModel):
@@ -302,6 +301,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = Field(default=True, description=(
+        "vLLM's: with a reasoning parser the thinking comes back as reasoning_content; false: left out."))
+    thinking_token_budget: int | None = Field(default=None, ge=0, description=(
+        "Most tokens the thinking may take: then the end tag is forced and the answer follows "
+        "(default: serve --reasoning-budget). Needs a reasoning parser."))
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: role, text content, and the tool calls and
@@ -344,6 +348,8 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
                                   for j, call in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
     return rendered
 
 
@@ -385,10 +391,14 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 # -- response bodies ----------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def envelope(kind: Kind, request_id: str, model: str, created: int, *, chunk: bool) -> dict[str, Any]:
@@ -404,8 +414,11 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+                stop_reason: str | int | None, tool_calls: list[dict] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message.update(reasoning_content=reasoning, reasoning=reasoning)  # vLLM's older and newer names
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message,

@@ -126,10 +126,15 @@ def _delta_choices(kind: Kind, choice: Choice, output: RequestOutput,
         return [protocol.completion_choice(choice.index, output.text, logprobs,
                                            choice.finish_reason if final else None,
                                            choice.stop_reason if final else None)]
+    text, deltas = output.text, []
+    if choice.reasoning is not None:
+        reasoning, text = choice.reasoning.feed(text, final=final)
+        if reasoning and choice.reasoning_shown:
+            deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})  # vLLM's two names
     if choice.tool_reader is None:
-        deltas = [{"content": output.text}] if output.text else []
+        deltas += [{"content": text}] if text else []
     else:
-        deltas = choice.tool_reader.feed(output.text, finished=final, cut=output.finish_reason == "length")
+        deltas += choice.tool_reader.feed(text, finished=final, cut=output.finish_reason == "length")
     if not deltas and (logprobs is not None or final):
         deltas = [{}]
     last = len(deltas) - 1
