@@ -249,3 +249,21 @@ def test_the_reader_holds_a_tag_cut_between_two_pieces(thinking_model_dir) -> No
                                       include=True).reader()
     pieces = [reader.feed(piece, final=False) for piece in ("<thi", "nk>wh", "y</th", "ink>so")]
     assert pieces == [("", ""), ("wh", ""), ("y", ""), ("", "so")]
+
+
+def test_anthropic_thinking_comes_back_as_a_thinking_block(served: Served, client: httpx.Client) -> None:
+    import anthropic
+
+    # A prefilled assistant turn (Anthropic's way to continue one) opens the block.
+    prefilled = [*HI, {"role": "assistant", "content": "<think>\nSo"}]
+    chat = client.post("/v1/chat/completions", json={
+        "messages": prefilled, "temperature": 0, "max_tokens": 30, "thinking_token_budget": 3,
+        "continue_final_message": True, "add_generation_prompt": False}).json()
+    with anthropic.Anthropic(base_url=served.base_url, api_key="none", max_retries=0) as messages:
+        reply = messages.messages.create(model="tiny", max_tokens=30, messages=prefilled,
+                                         thinking={"type": "enabled", "budget_tokens": 3},
+                                         extra_body={"temperature": 0})
+    message = chat["choices"][0]["message"]
+    assert [block.type for block in reply.content] == ["thinking", "text"]
+    assert reply.content[0].thinking == message["reasoning_content"]
+    assert reply.content[1].text == message["content"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 
-from nanoserve.server import routes
+from nanoserve.server import anthropic, routes
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
@@ -84,6 +84,9 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     app.add_middleware(TrailingSlashes)
     install_handlers(app)
     app.include_router(_v1_router())
+    # Behind its own key check: Anthropic's clients send x-api-key, and errors in Anthropic's shape.
+    app.add_api_route("/v1/messages", anthropic.create_message, methods=["POST"],
+                      openapi_extra=_body_schema(anthropic.MessagesRequest))
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
@@ -153,7 +156,8 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          anthropic.MessagesRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

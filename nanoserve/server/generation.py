@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -184,14 +185,18 @@ class Generation:
 
 # -- the unary response -------------------------------------------------------------------------
 
-async def unary_response(request: Request, kind: Kind, generation: Generation, model: str) -> Response:
+async def unary_response(request: Request, kind: Kind, generation: Generation, model: str,
+                         translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Response:
+    """The whole answer once every choice is done; `translate` turns the chat completion body
+    into another protocol's (Messages, Responses)."""
     try:
         await _until_done_or_disconnect(request, generation)
     except ClientDisconnectedError:
         return Response(status_code=499)  # nobody is listening; the sequences are aborted below
     finally:
         generation.close()
-    return JSONResponse(_unary_body(kind, generation, model))
+    body = _unary_body(kind, generation, model)
+    return JSONResponse(translate(body) if translate is not None else body)
 
 
 class ClientDisconnectedError(Exception):
