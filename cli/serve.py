@@ -77,15 +77,21 @@ def serve(
     header_timeout_s: Annotated[float, typer.Option(
         min=0.1, help="A connection that sends no complete request head this long after opening (or "
                       "after its last response) is closed; the body then has 30 s.")] = 10.0,
+    reasoning_parser: Annotated[str, typer.Option(
+        help="How a reasoning model's thinking is told from its answer (vLLM's names): qwen3, "
+             "deepseek_r1; auto: from the chat template where it is certain; none: off.")] = "auto",
+    reasoning_budget: Annotated[int | None, typer.Option(
+        min=0, help="Thinking tokens a request gets unless it sets thinking_token_budget: then the "
+                    "end tag is forced and the answer follows. Default: no limit.")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
     seed: Annotated[int | None, typer.Option(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
 ) -> None:
-    """Serve the model over OpenAI's completions and chat completions API.
+    """Serve the model over OpenAI's completions and chat completions API (and Anthropic's Messages).
 
-    Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+    Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages, GET /v1/models,
     GET /v1/models/{id}, POST /tokenize, POST /detokenize (behind --api-key or --api-keys-file,
     each key a tenant), and GET /health,
     GET /metrics (Prometheus), GET /version, GET /docs (OpenAPI). Request fields the server does
@@ -96,8 +102,13 @@ def serve(
     from nanoserve.loading.default_model import resolve_model
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
+    from nanoserve.server.reasoning import ReasoningConfig
 
     tenancy = _tenancy(api_key, api_keys_file, prefix_cache_scope, max_concurrent_requests_per_tenant)
+    try:
+        reasoning = ReasoningConfig(reasoning_parser, reasoning_budget)
+    except NanoserveError as error:
+        options.fail_for(error)
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     config = engine.config()
@@ -126,7 +137,8 @@ def serve(
         server.should_exit = True  # uvicorn's own exit path: stop accepting, close, return
 
     server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
-                           tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death)
+                           tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death,
+                           reasoning=reasoning)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))

@@ -133,11 +133,30 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkingPrefix:
+    """A reasoning model's think block ahead of the answer: the output thinks (at most
+    `budget_tokens` tokens, after which only the end tag may come), then takes the end tag
+    token, then the answer. Where the output begins: inside the block (the prompt opened it),
+    or, with `start_token_id`, at the start tag, which it may take first (`start_optional`) or
+    must take unless `may_skip` lets it answer at once. `end_tag` is the end token's text,
+    which the thinking may not spell out of other tokens either."""
+
+    end_token_id: int
+    end_tag: str
+    start_token_id: int | None = None
+    start_optional: bool = False
+    may_skip: bool = False
+    budget_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
     schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regex, a choice
     of strings, or a grammar (Lark, or llama.cpp's GBNF). Checked here for shape only; whether
     the grammar library can enforce it is `nanoserve.engine.structured`'s verdict, at admission.
+    With `thinking`, the spec holds the answer after a think block (and none of the kinds
+    leaves that answer free).
 
     `param` is the field the client sent it in (response_format, structured_outputs, tools...),
     so a refusal names that field; it is not part of the spec's identity.
@@ -148,11 +167,12 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    thinking: ThinkingPrefix | None = None
     param: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
         given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
+        if len(given) > 1 or (not given and self.thinking is None):
             raise _refuse(self.param, given or "nothing",
                           f"exactly one of {', '.join(STRUCTURED_KINDS)}")
         if self.json is not None:
@@ -165,8 +185,9 @@ class StructuredOutputs:
                 raise _refuse(f"{self.param}.{kind}", value, "a non-empty string")
 
     @property
-    def kind(self) -> str:
-        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+    def kind(self) -> str | None:
+        """The answer's kind; None: a free answer after the think block."""
+        return next((kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)), None)
 
 
 def _schema_text(schema: object, param: str) -> str:

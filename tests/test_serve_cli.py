@@ -33,6 +33,8 @@ runner = CliRunner()
      "--max-concurrent-requests-per-tenant"),
     (["--max-concurrent-requests-per-tenant", "2"], {}, "--max-concurrent-requests-per-tenant"),
     (["--api-keys-file", "/no/such/keys"], {}, "--api-keys-file"),
+    (["--reasoning-parser", "qwen"], {}, "--reasoning-parser"),
+    (["--reasoning-budget", "-1"], {}, "--reasoning-budget"),
 ])
 def test_a_bad_serve_option_exits_2_naming_it_before_loading_the_model(args, env, option, tmp_path):
     # The model path does not exist: reaching it would fail naming --model instead.

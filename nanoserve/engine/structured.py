@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ import llguidance.numpy
 import numpy as np
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import StructuredOutputs
+from nanoserve.sampling_params import StructuredOutputs, ThinkingPrefix
 
 log = logging.getLogger("nanoserve")
 
@@ -48,6 +49,44 @@ BITS_PER_WORD = 32  # llguidance's bitmask: bit j of int32 word w allows token 3
 
 def grammar_text(spec: StructuredOutputs) -> str:
     """The llguidance grammar for a spec; a ValueError for what does not even parse."""
+    if spec.thinking is None:
+        return _answer_grammar(spec)
+    answer = _named_answer(_answer_grammar(spec)) if spec.kind is not None else None
+    top = {"name": "thinking", "lark_grammar": _thinking_lark(spec.thinking, answer is not None)}
+    return json.dumps({"grammars": [top, *([answer] if answer else [])]})
+
+
+def _thinking_lark(thinking: ThinkingPrefix, constrained: bool) -> str:
+    """The think block, then the end tag token, then the answer (`@answer`, or free text).
+
+    The tags are matched as tokens (`<[id]>`): llguidance keeps added tokens apart from text,
+    and the thinking may not spell the end tag out of other tokens either, so the answer
+    starts exactly where the one end token is. `max_tokens` bounds the thinking's lexeme:
+    when the budget is spent only the end token is allowed (the budget forced)."""
+    end = f"<[{thinking.end_token_id}]>"
+    start = "" if thinking.start_token_id is None else f"<[{thinking.start_token_id}]>"
+    if start and thinking.start_optional:
+        start += "?"
+    budget = "" if thinking.budget_tokens is None else f"[max_tokens={thinking.budget_tokens}]"
+    tag = re.escape(thinking.end_tag).replace("/", "\\/")
+    rules = [f"start: block answer{' | answer' if thinking.may_skip else ''}",
+             f"block: {start} think {end}",
+             f"think{budget}: THOUGHT",
+             f"THOUGHT: /(?s:.*)/ & ~/(?s:.*{tag}.*)/",
+             "answer: @answer" if constrained else "answer: ANSWER\nANSWER: /(?s:.*)/"]
+    return "\n".join(rules)
+
+
+def _named_answer(text: str) -> dict:
+    """The answer's grammar as the sub-grammar `answer`: llguidance's JSON form or Lark text."""
+    if text.lstrip().startswith("{"):
+        grammars = json.loads(text)["grammars"]
+        if len(grammars) == 1:
+            return {**grammars[0], "name": "answer"}
+    return {"name": "answer", "lark_grammar": text}
+
+
+def _answer_grammar(spec: StructuredOutputs) -> str:
     kind = spec.kind
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
@@ -136,7 +175,7 @@ class GrammarCompiler:
 
 def _refusal(spec: StructuredOutputs, reason: str) -> InvalidRequestError:
     what = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
-            "choice": "the choice", "grammar": "the grammar"}[spec.kind]
+            "choice": "the choice", "grammar": "the grammar", None: "the thinking budget"}[spec.kind]
     # The library's messages can run over several lines with a caret line under the source.
     lines = [line.strip() for line in reason.splitlines() if line.strip().strip("^")]
     reason = " ".join(lines)[:300] or "no reason given"

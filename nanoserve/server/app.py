@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import routes
+from nanoserve.server import anthropic, routes
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
@@ -30,6 +30,7 @@ from nanoserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.server.reasoning import ReasoningConfig
 from nanoserve.server.state import ServerLimits, ServerState
 from nanoserve.server.tenants import Tenancy
 
@@ -49,7 +50,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               aliases: tuple[str, ...] = (), tenancy: Tenancy | None = None,
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
-              on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_engine_death: Callable[[BaseException], None] | None = None,
+              reasoning: ReasoningConfig | None = None) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
     the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
@@ -57,19 +59,27 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment.
     `prefill_log_s`: a prefill running that long gets a progress line in the log, then again.
     `on_engine_death`: called on the event loop if the engine thread dies (`nanoserve serve`
-    stops the server and exits non-zero, rather than answering 503 for ever)."""
+    stops the server and exits non-zero, rather than answering 503 for ever).
+    `reasoning`: the reasoning parser and default budget; a named parser the model's
+    vocabulary cannot serve stops the engine at startup."""
     limits = limits or ServerLimits()
     tenancy = tenancy or Tenancy()
+    reasoning = reasoning or ReasoningConfig()
+
+    def build_checked_engine() -> Engine:
+        engine = build_engine()
+        reasoning.tags(engine.tokenizer)
+        return engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(build_engine, asyncio.get_running_loop(), prefill_log_s=prefill_log_s,
-                                   on_death=on_engine_death)
+        async_engine = AsyncEngine(build_checked_engine, asyncio.get_running_loop(),
+                                   prefill_log_s=prefill_log_s, on_death=on_engine_death)
         app.state.server = ServerState(
             async_engine, list(model_names), frozenset((*model_names, *aliases)), tenancy, limits,
             ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),
             sse_keep_alive_s=sse_keep_alive_s,
-            default_seeds=None if seed is None else random.Random(seed))
+            default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning)
         async_engine.start()
         try:
             yield
@@ -82,6 +92,9 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     app.add_middleware(TrailingSlashes)
     install_handlers(app)
     app.include_router(_v1_router())
+    # Behind its own key check: Anthropic's clients send x-api-key, and errors in Anthropic's shape.
+    app.add_api_route("/v1/messages", anthropic.create_message, methods=["POST"],
+                      openapi_extra=_body_schema(anthropic.MessagesRequest))
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
@@ -188,7 +201,8 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          anthropic.MessagesRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

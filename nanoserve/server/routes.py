@@ -2,9 +2,10 @@
 vLLM's /tokenize, /detokenize and /version, /health and /metrics; /v1/embeddings answers a 404
 that says why.
 
-Owns: the API key check, reading a body no larger than the server's limit and validating it,
-and the order one generation request goes through: the body checks, the engine's
-availability, planning (off the event loop), admission, then a stream or a unary answer.
+Owns: the API key check, reading a body no larger than the server's limit and validating it
+(`parse_body`), and the order one generation request goes through (`serve_generation`): the
+body checks, the engine's availability, planning (off the event loop), admission, then a
+stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages).
 Refuses: the work of each step (planning, generation and streaming own it), and touching the
 engine from the event loop; only `AsyncEngine` does, from its thread.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -104,7 +106,7 @@ async def embeddings(_: Request) -> JSONResponse:
 
 async def tokenize(request: Request) -> JSONResponse:
     state = state_of(request)
-    body = await _parse(request, protocol.TokenizeRequest)
+    body = await parse_body(request, protocol.TokenizeRequest)
     _check_available(state)
     tokens = await asyncio.to_thread(planning.tokenize, state, body)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
@@ -112,7 +114,7 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     state = state_of(request)
-    body = await _parse(request, protocol.DetokenizeRequest)
+    body = await parse_body(request, protocol.DetokenizeRequest)
     _check_available(state)
     return JSONResponse({"prompt": await asyncio.to_thread(planning.detokenize, state, body)})
 
@@ -135,16 +137,16 @@ def _check_available(state: ServerState) -> None:
 # -- the two generation routes ------------------------------------------------------------------
 
 async def create_completion(request: Request) -> Response:
-    body = await _parse(request, CompletionRequest)
-    return await _serve(request, "completion", body)
+    body = await parse_body(request, CompletionRequest)
+    return await serve_generation(request, "completion", body)
 
 
 async def create_chat_completion(request: Request) -> Response:
-    body = await _parse(request, ChatCompletionRequest)
-    return await _serve(request, "chat", body)
+    body = await parse_body(request, ChatCompletionRequest)
+    return await serve_generation(request, "chat", body)
 
 
-async def _parse(request: Request, model: type[ParsedBody]) -> ParsedBody:
+async def parse_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
     # Parsed by hand, not by FastAPI: the body's size is bounded before it is read whole, and
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
     raw = await _read_body(request, state_of(request).limits)
@@ -192,7 +194,14 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-async def _serve(request: Request, kind: Kind, body: RequestBody) -> Response:
+# How a protocol built on chat completions (Messages, Responses) answers a started generation.
+Answer = Callable[[Request, Generation, str], Awaitable[Response]]
+
+
+async def serve_generation(request: Request, kind: Kind, body: RequestBody, answer: Answer | None = None
+                           ) -> Response:
+    """One generation request, in the one order: body checks, availability, planning,
+    admission, then the answer (OpenAI's stream or unary body, or `answer`'s)."""
     arrival_s = time.perf_counter()
     state = state_of(request)
     tenant = tenant_of(request)
@@ -204,6 +213,8 @@ async def _serve(request: Request, kind: Kind, body: RequestBody) -> Response:
     check_tenant_room(state, tenant)  # again: others of the tenant may have started meanwhile
     generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind), tenant=tenant)
     model = body.model or state.model_names[0]
+    if answer is not None:
+        return await answer(request, generation, model)
     if body.stream:
         return stream_response(kind, generation, model, body)
     return await unary_response(request, kind, generation, model)

@@ -21,6 +21,7 @@ from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import TokenText
+from nanoserve.server.reasoning import ReasoningConfig
 from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class ServerState:
     token_text: TokenText | None = None
     sse_keep_alive_s: float = 15.0  # a stream quiet this long gets a keep-alive comment
     default_seeds: random.Random | None = None  # `serve --seed`: seeds for requests that give none
+    reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)  # --reasoning-parser, -budget
 
     def default_seed(self) -> int | None:
         """The next seed for a request that gives none; None: the engine picks a random one.
