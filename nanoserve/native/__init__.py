@@ -3,8 +3,8 @@
 Owns: loading the library `build` produced (once per process), checking its ABI version,
 and the one line the engine prints at start-up saying whether native kernels run and why.
 The kernels take raw pointers to contiguous tensors (`tensor.data_ptr()`), so nothing here
-builds against torch's headers, and torch is imported first so the library shares torch's
-OpenMP runtime (its wheel ships libgomp.so.1) instead of starting a second thread pool.
+builds against torch's headers; they run on the library's own thread pool (csrc/threadpool.c),
+whose workers stay awake between the calls of a step.
 Refuses: to be required. `library()` is None where there is no compiler, the build failed,
 or NANOSERVE_NO_NATIVE=1; callers then take the torch path, which always works.
 """
@@ -17,20 +17,18 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch  # noqa: F401  (loaded first: the library then binds to torch's libgomp)
-
 from nanoserve.native.build import BuildResult, build_library
 
 log = logging.getLogger("nanoserve")
 
-ABI_VERSION = 1  # csrc/nanoserve.h's NS_ABI_VERSION
+ABI_VERSION = 2  # csrc/nanoserve.h's NS_ABI_VERSION
 DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
 
 
 @dataclass(frozen=True, slots=True)
 class NativeLibrary:
     lib: ctypes.CDLL
-    isa: str  # the widest vector path compiled in: avx512, avx2, neon or portable
+    isa: str  # the vector path compiled in: avx2 or portable
     build: BuildResult
 
 
