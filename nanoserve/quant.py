@@ -99,7 +99,7 @@ class QuantizedStack:
     Q4_K_M file keeps q and k in Q4_K, v in Q6_K): multiplied part by part, outputs side by side.
     A part may be a dense float32 matrix (a type with no kernel, dequantized at load)."""
 
-    parts: tuple[QuantizedWeight | torch.Tensor, ...]
+    parts: tuple[QuantizedWeight | torch.Tensor, ...]  # or a kernel's repacked form of a part
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -122,6 +122,12 @@ class QuantizedStack:
 
 
 Weight = torch.Tensor | QuantizedWeight | QuantizedStack
+
+
+def serves_lookups(weight: object) -> bool:
+    """A kernel's packed form of a token table that can still look rows up (`lookup(ids)`), so a
+    tied table packed for the head need not be kept twice (nanoserve.native.repack)."""
+    return callable(getattr(weight, "lookup", None))
 
 
 def is_quantized(weight: object) -> bool:
@@ -154,10 +160,13 @@ def stack_rows(parts: list[Weight]) -> Weight:
     return QuantizedStack(tuple(flat))
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized)."""
+def embedding(ids: torch.Tensor, table: Weight) -> torch.Tensor:
+    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized),
+    or a tied head's table in a kernel's layout that serves lookups (`serves_lookups`)."""
     if isinstance(table, torch.Tensor):
         return F.embedding(ids, table)
+    if serves_lookups(table):
+        return table.lookup(ids)
     from nanoserve.native import quant as native_quant
 
     if native_quant.runs(table.format):

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
+#include "quant_blocks.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -40,37 +41,6 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 
 
 #define ROW_TILE 4
 #define COLUMN_CHUNK 16 /* threads split the output columns in chunks of this many */
-
-/* One quantized activation block: 32 codes, their scale, and scale * sum(codes). */
-typedef struct {
-    int8_t qs[32];
-    float d;
-    float s;
-} xblock;
-
-static inline float f16_to_f32(const uint8_t *p) {
-#if defined(__F16C__)
-    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
-#else
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    uint32_t bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        int shift = 0;
-        while (!(mantissa & 0x400)) { mantissa <<= 1; shift++; }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 /* ---- per-format facts -------------------------------------------------------------------- */
 
@@ -148,27 +118,6 @@ static void unpack_sub_block(int fmt, const uint8_t *b, int j, int8_t q[32], int
         *A = f16_to_f32(b + 208);
         return;
     }
-    }
-}
-
-/* ---- activations ------------------------------------------------------------------------- */
-
-/* Row r of x [rows, k] -> k/32 blocks. Rounding to nearest even (nearbyintf, as the vector
- * unit rounds), so every path quantizes a row to the same codes. */
-static void quantize_row(const float *x, int64_t k, xblock *out) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        const float *v = x + 32 * b;
-        float amax = 0.0f;
-        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int l = 0; l < 32; l++) {
-            int code = (int)nearbyintf(v[l] * id);
-            out[b].qs[l] = (int8_t)code;
-            sum += code;
-        }
-        out[b].d = d;
-        out[b].s = d * (float)sum;
     }
 }
 
@@ -455,16 +404,17 @@ typedef struct {
     void (*dot)(int fmt, const uint8_t *w, const void *xq, int64_t xblocks, int rows, float *out, int64_t n);
 } kernel;
 
-static void quantize_blocks(const float *x, int64_t k, void *out) { quantize_row(x, k, out); }
+static void quantize_blocks_portable(const float *x, int64_t k, void *out) { quantize_row_portable(x, k, out); }
 static size_t block_row_bytes(int64_t k) { return sizeof(xblock) * (size_t)(k / 32); }
 
 static void dot_portable(int fmt, const uint8_t *w, const void *xq, int64_t xblocks, int rows, float *out,
                          int64_t n) {
     dot_rows_portable(fmt, w, xq, xblocks, rows, out, n);
 }
-static const kernel PORTABLE = {quantize_blocks, block_row_bytes, dot_portable};
+static const kernel PORTABLE = {quantize_blocks_portable, block_row_bytes, dot_portable};
 
 #ifdef NS_QUANT_AVX2
+static void quantize_blocks(const float *x, int64_t k, void *out) { quantize_row(x, k, out); }
 static void quantize_pairs(const float *x, int64_t k, void *out) { quantize_row_pairs(x, k, out); }
 static size_t pair_row_bytes(int64_t k) { return sizeof(xpair) * (size_t)((k / 32 + 1) / 2); }
 static void dot_avx2(int fmt, const uint8_t *w, const void *xq, int64_t xblocks, int rows, float *out, int64_t n) {
