@@ -30,7 +30,10 @@ Everything outside the matrix multiplies runs one of two ways, chosen once per m
   the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
   paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
   modes (each row alone over exactly the slots it sees, in CONTEXT_CHUNK order), and every row,
-  prefill or decode, goes through it, so the two agree bit for bit.
+  prefill or decode, goes through it, so the two agree bit for bit. Where the stack is plain
+  Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
+  kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
+  the separate calls' bits.
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): the two attention
   forms above, over K/V gathered from the cache.
 """
@@ -51,6 +54,7 @@ from nanoserve.config import ModelConfig, Rope
 from nanoserve.kv_cache import KVCache
 from nanoserve.linear import KERNELS, LinearKernel, ProbeShape
 from nanoserve.native import ops as native_ops
+from nanoserve.native.decoder import DecoderShape, NativeDecoder
 from nanoserve.native.ops import NativeOps, PagedContext
 from nanoserve.quant import QuantizedWeight, Weight
 
@@ -581,6 +585,19 @@ class Llama:
         self.activation = ACTIVATIONS[config.hidden_act]
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.gemma_norms else None)
+        self.decoder = self._native_decoder()
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        """Every layer of a step in one native call, where it computes exactly what the loop of
+        separate native calls computes: the plain Llama stack, one rank, native matrices."""
+        cfg, layers = self.config, self.weights.layers
+        if self.ops is None or not self.native_attention or self.switched or self.tp is not None:
+            return None
+        shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        return NativeDecoder.for_layers(shape, [(w.input_norm, w.post_norm) for w in layers],
+                                        [w.matrices() for w in layers], self.rope_cos, self.rope_signed_sin,
+                                        float_panels=self.linear_kernel.name == "native")
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -610,6 +627,9 @@ class Llama:
     def _llama_layers(self, hidden: torch.Tensor, step: StepContext, kv_cache: KVCache
                       ) -> torch.Tensor | None:
         """Every layer with every switch off; returns the last sublayer's output, not yet added."""
+        if self.decoder is not None and self.ops is not None:  # (a profile may swap the ops out)
+            return self.decoder.run(hidden, step.batch.slot_mapping, step.paged, kv_cache, step.normed,
+                                    step.attended, step.activated)
         delta = None  # the last sublayer's output, not yet added into `hidden`
         for index, layer in enumerate(self.weights.layers):
             normed = self._add_norm(hidden, delta, layer.input_norm, step.normed)

@@ -49,6 +49,7 @@ def _load() -> tuple[NativeLibrary | None, str]:
         return None, f"cannot load {build.path}: {error}"
     lib.ns_abi_version.restype = ctypes.c_int
     lib.ns_isa.restype = ctypes.c_char_p
+    lib.ns_native_calls.restype = ctypes.c_uint64
     if lib.ns_abi_version() != ABI_VERSION:
         return None, f"{build.path} has ABI {lib.ns_abi_version()}, expected {ABI_VERSION}"
     return NativeLibrary(lib, lib.ns_isa().decode(), build), build.reason
@@ -57,6 +58,13 @@ def _load() -> tuple[NativeLibrary | None, str]:
 def library() -> NativeLibrary | None:
     """The loaded library, or None (the reason is in `status()`)."""
     return _load()[0]
+
+
+def calls() -> int:
+    """Native kernel calls made so far in this process (0 with the library off); the profile's
+    calls per step are differences of it."""
+    native = library()
+    return 0 if native is None else native.lib.ns_native_calls()
 
 
 def status() -> str:

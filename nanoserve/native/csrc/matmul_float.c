@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
+#include "stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -258,6 +259,14 @@ static void run(const Problem *p, int num_threads, int use_isa) {
     if (num_threads > worth) num_threads = worth > 1 ? (int)worth : 1;
     PanelJob job = {p, panels, use_isa};
     ns_parallel(num_threads, panels_task, &job);
+}
+
+void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
+                    int threads) {
+    const Problem p = {x, w, y, m, n, k, 0};
+    int64_t begin, end;
+    ns_share((n + PANEL - 1) / PANEL, thread, threads, &begin, &end);
+    run_panels(&p, begin, end, 1);
 }
 
 static int matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,

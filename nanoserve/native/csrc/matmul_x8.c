@@ -19,7 +19,8 @@
  * repacked into the Q4_1 layout with m = -8 d (exact in f16), 20 bytes a block instead of 18.
  *
  * Activations: each row quantized once per call to 8-bit blocks (quant_blocks.h), rows split
- * among the threads, then one barrier.
+ * among the threads, then one barrier; a call of a few rows has each thread quantize them all
+ * instead (PRIVATE_ROWS). The codes are the same either way.
  *
  * The arithmetic of output (row, column), the same on every path and in every tile:
  *     acc = fma(float(isum_b), d_b * dx_b, acc), off = fma(m_b, sx_b, off) for b in K order,
@@ -32,8 +33,10 @@
  *
  * Blocking: a thread takes its groups one at a time for each panel of ROW_PANEL rows, and
  * runs the panel's rows in tiles of ROW_TILE against the group, whose blocks stay in L1
- * (at most a few KB per group); the panel's quantized rows stay in L2. A one-row call streams
- * the weights once.
+ * (a few KB per group). The panel's quantized rows are read again for every group, so the
+ * panel is small enough to stay in L1 at K = 576 (32 rows x 18 blocks x 40 bytes) and in L2
+ * at any K of the default model; the weights are read once per panel, so a one-row call (and
+ * any decode step of up to 32 rows) streams them once.
  */
 #include <stdlib.h>
 
@@ -46,7 +49,7 @@
 #endif
 
 enum { X8_Q4_1 = 3, X8_Q8_0 = 8 }; /* the GGML type numbers of the layouts' formats */
-enum { COLUMNS = 8, ROW_TILE = 4, ROW_PANEL = 64 };
+enum { COLUMNS = 8, ROW_TILE = 4, ROW_PANEL = 32 };
 
 static int group_block_bytes(int fmt) { return fmt == X8_Q4_1 ? 160 : fmt == X8_Q8_0 ? 272 : 0; }
 
@@ -221,23 +224,36 @@ void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t 
     x8_groups(BEST_TILE(fmt), fmt, xq, w, y, rows, n, k, thread, threads);
 }
 
+/* A call of at most this many rows has every thread quantize all of them into its own copy
+ * (a few hundred nanoseconds a row) rather than split them and wait at a barrier: on a busy
+ * machine a barrier can wait a whole time slice for a descheduled thread. */
+#define PRIVATE_ROWS 8
+
 static void x8_task(void *context, int thread, int threads) {
     const X8Job *job = context;
     const int64_t blocks = job->k / 32;
+    xblock *xq = job->xq;
     int64_t begin, end;
-    ns_share(job->rows, thread, threads, &begin, &end);
-    for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, job->xq + r * blocks);
-    ns_barrier(threads);
-    x8_groups(job->tile, job->fmt, job->xq, job->w, job->y, job->rows, job->n, job->k, thread, threads);
+    if (job->rows <= PRIVATE_ROWS) {
+        xq += thread * job->rows * blocks;
+        begin = 0, end = job->rows;
+    } else {
+        ns_share(job->rows, thread, threads, &begin, &end);
+    }
+    for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
+    if (job->rows > PRIVATE_ROWS) ns_barrier(threads);
+    x8_groups(job->tile, job->fmt, xq, job->w, job->y, job->rows, job->n, job->k, thread, threads);
 }
 
 static int matmul_x8(tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
                      const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (group_block_bytes(fmt) == 0 || k % 32 != 0) return -1;
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(rows * (k / 32)));
-    if (xq == NULL) return -2;
     int64_t groups = (n + COLUMNS - 1) / COLUMNS;
     if (num_threads > groups) num_threads = (int)groups;
+    if (num_threads < 1) num_threads = 1;
+    int64_t copies = rows <= PRIVATE_ROWS ? num_threads : 1;
+    xblock *xq = malloc(sizeof(xblock) * (size_t)(copies * rows * (k / 32)));
+    if (xq == NULL) return -2;
     X8Job job = {tile, quantize, fmt, x, w, xq, y, rows, n, k};
     ns_parallel(num_threads, x8_task, &job);
     free(xq);

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
+#include "stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -414,6 +415,39 @@ static int paged_attention(const VecOps *ops, const float *q, int64_t q_row_stri
                         rows * kv_heads, scale, 0};
     int worth = job.units > 1 && job.units * group * longest * c->dim >= NS_PARALLEL_MIN_WORK;
     ns_parallel(worth ? num_threads : 1, attention_task, &job);
+    return job.failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------- stages (stages.h) */
+
+void ns_stage_norm_rows(float *residual, const float *delta, const float *weight, float *out, int64_t dim,
+                        float eps, int64_t begin, int64_t end) {
+    NormArgs args = {BEST, residual, delta, weight, out, dim, eps};
+    for (int64_t r = begin; r < end; r++) norm_one_row(&args, r);
+}
+
+void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t begin, int64_t end) {
+    SiluArgs args = {BEST, gate_up, out, width};
+    for (int64_t r = begin; r < end; r++) silu_one_row(&args, r);
+}
+
+void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
+                        const int64_t *slots, float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads,
+                        int64_t dim, int64_t cache_slots, int64_t begin, int64_t end) {
+    RopeArgs args = {qkv, positions, slots, cos, signed_sin, k_cache, v_cache, heads, kv_heads, dim, cache_slots};
+    for (int64_t r = begin; r < end; r++) rope_one_row(&args, r);
+}
+
+int ns_stage_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
+                       const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads) {
+    PagedCache cache = {k_cache, v_cache, block_tables, table_width, block_size, num_blocks * block_size, dim};
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    AttentionJob job = {BEST, q, q_row_stride, &cache, row_seq, positions, out, heads, kv_heads, 0, longest,
+                        rows * kv_heads, scale, 0};
+    attention_task(&job, thread, threads);
     return job.failed ? -2 : 0;
 }
 

@@ -56,6 +56,8 @@ typedef struct {
 } Pool;
 
 static Pool pool = {.owner = PTHREAD_MUTEX_INITIALIZER};
+/* Every ns_parallel call, for the profile: each exported kernel enters it once per call. */
+static _Atomic uint64_t parallel_calls;
 /* The job word when each worker was started: its first job is the next one (a worker that
  * read the word itself could start after the job it was made for, and miss it). */
 static uint64_t first_seen[NS_POOL_MAX_THREADS];
@@ -139,6 +141,7 @@ static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
 static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_workers_in_child); }
 
 void ns_parallel(int threads, ns_task task, void *context) {
+    atomic_fetch_add_explicit(&parallel_calls, 1, memory_order_relaxed);
     if (threads > NS_POOL_MAX_THREADS) threads = NS_POOL_MAX_THREADS;
     if (threads <= 1 || pthread_mutex_trylock(&pool.owner) != 0) {
         task(context, 0, 1);
@@ -185,3 +188,6 @@ void ns_barrier(int threads) {
 
 /* The workers started so far (for the tests: a call must reuse them, not start new ones). */
 NS_EXPORT int ns_pool_workers(void) { return pool.workers; }
+
+/* Native kernel calls so far in this process (the profile's calls per step). */
+NS_EXPORT uint64_t ns_native_calls(void) { return atomic_load_explicit(&parallel_calls, memory_order_relaxed); }
