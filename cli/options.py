@@ -71,8 +71,9 @@ PrefixCaching = Annotated[bool, typer.Option(
 Threads = Annotated[int | None, typer.Option(
     min=1, help="CPU threads for the model; default: every core this process may use.")]
 LinearKernel = Annotated[str | None, typer.Option(
-    help="Force one matrix-multiply kernel (aten, aten-tile16, onednn, onednn-min2); default: the "
-         "fastest this machine measured that passes the batch-invariance self-test.")]
+    help="Force one matrix-multiply kernel (aten, aten-tile16, onednn, onednn-min2, native; for GGUF "
+         "blocks native-quant or native-quant-x8); default: the fastest this machine measured that "
+         "passes the batch-invariance self-test.")]
 
 SpeculativeTokens = Annotated[int, typer.Option(
     min=0, max=16, help="Speculative decoding: up to K draft tokens per request per step, verified in "

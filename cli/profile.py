@@ -156,6 +156,7 @@ def profile_table(frame, title: str):
     table.add_column("other ms", justify="right")
     table.add_column("forward: linears ms", justify="right")
     table.add_column("forward: rest ms (per row)", justify="right")
+    table.add_column("native calls", justify="right")
     table.add_column("tok/s", justify="right")
     for row in frame.itertuples():
         phases = [f"{getattr(row, f'{p}_ms'):.2f} ({getattr(row, f'{p}_readbacks'):.0f})" for p in PHASES]
@@ -163,5 +164,5 @@ def profile_table(frame, title: str):
                       *phases, f"{row.other_ms:.2f}",
                       f"{row.forward_linear_ms:.2f}",
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
-                      f"{row.decode_tokens_per_s:.1f}")
+                      f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")
     return table

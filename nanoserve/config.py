@@ -405,6 +405,14 @@ class ModelConfig:
             **_family_switches(raw, family, head_dim),
         )
 
+    @property
+    def is_plain_llama(self) -> bool:
+        """Every switch off: the layers are the Llama stack and nothing else (Phi-3 without a
+        window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
+        return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
+                     or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope)
+                and self.hidden_act == "silu" and self.attention_scale in (None, self.head_dim ** -0.5))
+
     def window(self, layer: int) -> int:
         """How many last positions `layer` attends to; 0: all of them."""
         return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0

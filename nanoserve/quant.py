@@ -98,7 +98,7 @@ class QuantizedStack:
     Q4_K_M file keeps q and k in Q4_K, v in Q6_K): multiplied part by part, outputs side by side.
     A part may be a dense float32 matrix (a type with no kernel, dequantized at load)."""
 
-    parts: tuple[QuantizedWeight | torch.Tensor, ...]
+    parts: tuple[QuantizedWeight | torch.Tensor, ...]  # or a kernel's repacked form of a part
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,6 +121,12 @@ class QuantizedStack:
 
 
 Weight = torch.Tensor | QuantizedWeight | QuantizedStack
+
+
+def serves_lookups(weight: object) -> bool:
+    """A kernel's packed form of a token table that can still look rows up (`lookup(ids)`), so a
+    tied table packed for the head need not be kept twice (nanoserve.native.repack)."""
+    return callable(getattr(weight, "lookup", None))
 
 
 def is_quantized(weight: object) -> bool:

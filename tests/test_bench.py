@@ -414,6 +414,7 @@ def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir
     frame = pd.read_csv(out)
     assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
     assert (frame.forward_rest_ms > 0).all()
+    assert frame.native_calls_per_step[1] > 0  # the native small ops' calls, counted
 
 
 def test_every_neighbour_kind_is_a_body_the_protocol_accepts_under_the_body_limit():

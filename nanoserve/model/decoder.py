@@ -22,7 +22,10 @@ two ways, chosen once per model:
   the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
   paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
   modes (each row alone over exactly the slots it sees, in context-chunk order), and every
-  row, prefill or decode, goes through it, so the two agree bit for bit.
+  row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
+  plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
+  kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
+  the separate calls' bits.
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.
@@ -44,6 +47,7 @@ from nanoserve.model.linear import KERNELS, LinearKernel, embedding
 from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import ops as native_ops
+from nanoserve.native.decoder import DecoderShape, NativeDecoder
 from nanoserve.native.ops import NativeOps
 from nanoserve.quant import Weight
 
@@ -95,6 +99,20 @@ class Llama:
         self.activation = ACTIVATIONS[config.hidden_act]
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.gemma_norms else None)
+        self.decoder = self._native_decoder()
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        """Every layer of a step in one native call, where it computes exactly what the loop of
+        separate native calls computes: the plain Llama stack, one rank, native matrices."""
+        cfg, layers = self.config, self.weights.layers
+        if self.ops is None or not self.native_attention or not cfg.is_plain_llama or self.tp is not None:
+            return None
+        shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        cos, signed_sin = self.rope_tables[0]
+        return NativeDecoder.for_layers(shape, [(w.input_norm, w.post_norm) for w in layers],
+                                        [w.matrices() for w in layers], cos, signed_sin,
+                                        float_panels=self.linear_kernel.name == "native")
 
     @property
     def native_attention(self) -> bool:
@@ -117,6 +135,22 @@ class Llama:
             hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
+        if self.decoder is not None and self.ops is not None:  # (a profile may swap the ops out)
+            delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
+                                     step.attended, step.activated)
+        else:
+            delta = self._layers(hidden, step, kv_cache)
+        if delta is not None:
+            hidden += delta
+        last = self._add_norm(hidden[batch.logits_rows], None, self.weights.norm)
+        logits = self.linear(last, self.weights.lm_head).float()
+        if self.config.final_softcap:
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _layers(self, hidden: torch.Tensor, step: StepContext, kv_cache: KVCache) -> torch.Tensor | None:
+        """Every layer, one by one; returns the last sublayer's output, not yet added."""
         delta = None
         for index, layer in enumerate(self.weights.layers):
             normed = self._add_norm(hidden, delta, layer.input_norm, step.normed)
@@ -127,14 +161,7 @@ class Llama:
             delta = self._mlp(layer, normed, step)
             if layer.mlp_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.mlp_out_norm)
-        if delta is not None:
-            hidden += delta
-        last = self._add_norm(hidden[batch.logits_rows], None, self.weights.norm)
-        logits = self.linear(last, self.weights.lm_head).float()
-        if self.config.final_softcap:
-            cap = self.config.final_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return delta
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext,
                    kv_cache: KVCache) -> torch.Tensor:

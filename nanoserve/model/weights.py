@@ -97,9 +97,12 @@ class LlamaWeights:
         return sum(m.nbytes for m in matrices)
 
     def packed_for(self, kernel: LinearKernel) -> LlamaWeights:
-        """The same weights with every matrix in `kernel`'s layout; the embedding stays a table."""
+        """The same weights with every matrix in `kernel`'s layout; the embedding stays a table,
+        unless it is the head's and the head's layout serves lookups (then it is kept once)."""
         layers = [w.with_matrices(kernel.pack) for w in self.layers]
-        return LlamaWeights(self.embed, layers, self.norm, kernel.pack(self.lm_head))
+        head = kernel.pack(self.lm_head)
+        tied = self.lm_head is self.embed and quant.serves_lookups(head)
+        return LlamaWeights(head if tied else self.embed, layers, self.norm, head)
 
     def probe_shape(self) -> ProbeShape:
         """The linears a forward runs, for measuring kernels on the model's own weights."""
