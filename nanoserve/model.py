@@ -62,7 +62,8 @@ CONTEXT_CHUNK = 64
 class TensorParallel(Protocol):
     """What a forward on one rank's shard asks of its ranks (nanoserve.parallel.Collectives)."""
 
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+    def row_parallel(self, x: torch.Tensor, weight: Weight,
+                     linear: Callable[[torch.Tensor, Weight], torch.Tensor]) -> torch.Tensor: ...
 
     def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
 
@@ -653,7 +654,7 @@ class Llama:
             plan = step.window_plan if window else step.plan
             out = self._torch_attention(index, qkv, step, kv_cache, cos=cos, sin=sin, plan=plan,
                                         softcap=cfg.attn_softcap)
-        out = self._reduced(self.linear(out, layer.o))
+        out = self._row_parallel(out, layer.o)
         if layer.o_bias is not None:
             out += layer.o_bias
         return out
@@ -676,7 +677,7 @@ class Llama:
             # Row by row over the strided `gate` view, as `_mlp` does (batch-invariant).
             gate, up = gate_up.chunk(2, dim=-1)
             activated = self.activation(gate) * up
-        out = self._reduced(self.linear(activated, layer.down))
+        out = self._row_parallel(activated, layer.down)
         if layer.down_bias is not None:
             out += layer.down_bias
         return out
@@ -734,11 +735,12 @@ class Llama:
             out = self._native_attention(index, qkv, step, kv_cache)
         else:
             out = self._torch_attention(index, qkv, step, kv_cache)
-        return self._reduced(self.linear(out, layer.o))
+        return self._row_parallel(out, layer.o)
 
-    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
-        """A row-split matrix's output summed over the ranks (itself with one rank)."""
-        return partial if self.tp is None else self.tp.all_reduce(partial)
+    def _row_parallel(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """x @ weight^T for o and down, the matrices whose input the ranks hold in shares: the
+        whole output on every rank (nanoserve.parallel decides how)."""
+        return self.linear(x, weight) if self.tp is None else self.tp.row_parallel(x, weight, self.linear)
 
     def _native_attention(self, index: int, qkv: torch.Tensor, step: StepContext,
                           kv_cache: KVCache) -> torch.Tensor:
@@ -855,8 +857,8 @@ class Llama:
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         gate_up = self.linear(x, layer.gate_up)
         if self.ops is not None:
-            return self._reduced(self.linear(self.ops.silu_mul(gate_up, step.activated), layer.down))
+            return self._row_parallel(self.ops.silu_mul(gate_up, step.activated), layer.down)
         # SiLU runs row by row over the strided `gate` view, so each row takes the same
         # vectorized path whatever the batch (tests/test_model.py pins this).
         gate, up = gate_up.chunk(2, dim=-1)
-        return self._reduced(self.linear(F.silu(gate) * up, layer.down))
+        return self._row_parallel(F.silu(gate) * up, layer.down)

@@ -5,8 +5,10 @@ Owns:
 - which rows and columns of every checkpoint tensor rank r holds, as Megatron splits a layer:
   q/k/v and gate/up by output (whole heads; K/V heads split when N divides them, else each rank
   keeps the one K/V head its query heads read, which needs N to be a multiple of them), o and
-  down by input (their partial outputs summed by one all-reduce each), the embedding and the
-  head by vocabulary (ceil(V / N) rows a rank, the last padded with zero rows). Everything else
+  down by input for float weights (their partial outputs summed by one all-reduce each) and by
+  output for GGUF blocks (the input gathered, then each rank's outputs: N ranks give one rank's
+  bits; `splits_by_output` says why), the embedding and the head by vocabulary (ceil(V / N)
+  rows a rank, the last padded with zero rows). Everything else
   (norms, o/down biases, q/k norms) is replicated. `local_config` is the model one rank runs:
   the same forward (model.py) on fewer heads, a slice of the MLP and of the vocabulary.
 - starting the N-1 local workers (`python -m nanoserve.parallel`, one process a rank) or
@@ -15,16 +17,17 @@ Owns:
 - the step message: rank 0 alone schedules and samples; each step it broadcasts the
   `ForwardBatch` as ONE int64 buffer (a header, the batch's shapes, its tensors flattened),
   every rank runs its shard of the forward, and rank 0 gathers the logits each rank owns.
-- the collectives of a forward (`Collectives`): with batch invariance on, the all-reduce is an
-  all-gather of the partials summed in rank order 0..N-1 on every rank, so a row's bits never
-  depend on how a ring all-reduce chunked the batch; off, gloo's (or NCCL's) own all-reduce.
+- the collectives of a forward (`Collectives`): an all-gather is a copy, exact; with batch
+  invariance on, the all-reduce is an all-gather of the partials summed in rank order 0..N-1 on
+  every rank, so a row's bits never depend on how a ring all-reduce chunked the batch; off,
+  gloo's (or NCCL's) own all-reduce.
   The vocabulary-parallel embedding is exact either way (one rank's row plus -0.0 elsewhere).
 - faults: rank 0 polls its local workers and exits naming the rank of one that died; every
   collective of a step times out after STEP_TIMEOUT_S, and the error names the ranks whose
   heartbeat (a store key each worker refreshes every second) went stale; a worker whose rank 0
   is gone exits. Connecting to MASTER_ADDR gives up after CONNECT_TIMEOUT_S.
-Refuses: pipeline parallelism, a draft model beside tensor parallelism, and GGUF blocks split by
-input where a rank's share is not a whole number of blocks.
+Refuses: pipeline parallelism, a draft model beside tensor parallelism, and blocks split by
+input where a rank's share is not a whole number of blocks (`take`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch.nn.functional as F
 from nanoserve import quant
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
-from nanoserve.model import AttentionGroup, ForwardBatch
+from nanoserve.model import AttentionGroup, ForwardBatch, hf_tensor_shapes
 from nanoserve.quant import QuantizedWeight
 
 log = logging.getLogger("nanoserve")
@@ -81,6 +84,8 @@ class TensorParallelError(NanoserveError):
 class Shard:
     rank: int
     world: int
+    # o and down split by output rather than by input (`splits_by_output` says when).
+    by_output: bool = False
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
         """(first id, ids held, rows every rank holds): ceil(V / N) rows a rank, padded."""
@@ -89,8 +94,21 @@ class Shard:
         return start, min(vocab_size, start + per_rank) - start, per_rank
 
 
-def check_shardable(config: ModelConfig, world: int) -> None:
-    """The split `local_config` makes exists for this model, else an error naming the option."""
+def splits_by_output(gguf: str | Path | None, quantize: str | None) -> bool:
+    """Whether o and down are split by output: when the matrices run on GGUF blocks (a GGUF file's
+    own, or --quantize). Their kernels quantize each activation row to 8-bit blocks, and that
+    rounding turns a last-bit change into a whole step of the code, which the next layers grow:
+    summing the ranks' partial products of a matrix split by input (one rounding per rank, then
+    the sum) is a last-bit change, and a Q4_1 model's text left N = 1's within ten tokens. Split
+    by output, every rank computes its outputs whole from the gathered input, with N = 1's
+    instructions: N ranks give one rank's bits. Float weights keep Megatron's split by input
+    (one all-reduce a matrix rather than two all-gathers; its sums differ in the last bits)."""
+    return gguf is not None or quantize is not None
+
+
+def check_shardable(config: ModelConfig, world: int, by_output: bool = False) -> None:
+    """The split `local_config` (and `by_output`) makes exists for this model, else an error
+    naming the option."""
     if world < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {world}", param=OPTION)
     heads, kv_heads, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
@@ -103,6 +121,10 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if ffn % world:
         raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's MLP width "
                                   f"{ffn}", param=OPTION)
+    if by_output and config.hidden_size % world:
+        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's hidden size "
+                                  f"{config.hidden_size} (quantized weights split o and down by output)",
+                                  param=OPTION)
 
 
 def local_config(config: ModelConfig, world: int) -> ModelConfig:
@@ -132,7 +154,10 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
         kv = (head * d, (head + 1) * d)
     ffn = config.intermediate_size // world
     mlp = (r * ffn, (r + 1) * ffn)
+    hidden = config.hidden_size // world
     kind, last = name.split(".")[-2], name.split(".")[-1]
+    if kind in ("o_proj", "down_proj") and last == "weight" and shard.by_output:
+        return 0, [(r * hidden, (r + 1) * hidden)]
     if kind == "q_proj":
         return 0, [q]
     if kind in ("k_proj", "v_proj"):
@@ -152,6 +177,18 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
         start, count, _ = shard.vocab_rows(config.vocab_size)
         return 0, [(start, start + count)]
     return None
+
+
+def local_shapes(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor rank `shard` holds (`hf_tensor_shapes` of its `local_config`)."""
+    shapes = hf_tensor_shapes(local_config(config, shard.world))
+    if shard.by_output:
+        rows = config.hidden_size // shard.world
+        for name in shapes:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                full = config.num_heads * config.head_dim if "o_proj" in name else config.intermediate_size
+                shapes[name] = (rows, full)
+    return shapes
 
 
 def take(weight: torch.Tensor | QuantizedWeight, dim: int, ranges: Ranges, name: str = "tensor"
@@ -216,15 +253,34 @@ def shard_of(config: ModelConfig, shard: Shard) -> Callable[[str, torch.Tensor |
 
 @dataclass(slots=True)
 class Collectives:
-    """What model.py calls with tensor parallelism on: two all-reduces a layer, the embedding."""
+    """What model.py calls with tensor parallelism on: o and down across the ranks (an all-reduce
+    each, or two all-gathers each when they are split by output), the embedding."""
 
     group: dist.ProcessGroup
     shard: Shard
     vocab_start: int
     vocab_count: int
     ordered: bool  # batch-invariant: all-gather, then sum in rank order
-    reduce_s: float = 0.0  # seconds inside the all-reduces, for `nanoserve profile`
+    reduce_s: float = 0.0  # seconds inside o's and down's collectives, for `nanoserve profile`
     reduces: int = 0
+
+    def row_parallel(self, x: torch.Tensor, weight: quant.Weight,
+                     linear: Callable[[torch.Tensor, quant.Weight], torch.Tensor]) -> torch.Tensor:
+        """x @ W^T for W = o or down, `x` this rank's share of the input columns: split by output,
+        the whole input gathered, this rank's outputs, the outputs gathered; else this rank's
+        partial product, summed over the ranks."""
+        if self.shard.by_output:
+            return self.all_gather(linear(self.all_gather(x), weight))
+        return self.all_reduce(linear(x, weight))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` [rows, cols], side by side in rank order: [rows, N * cols]. Exact."""
+        start = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.shard.world)]
+        self.group.allgather([parts], [x.contiguous()]).wait()
+        self.reduce_s += time.perf_counter() - start
+        self.reduces += 1
+        return torch.cat(parts, dim=1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -461,11 +517,12 @@ def rank_threads(config: EngineConfig) -> int | None:
     return max(1, cores() // ranks)
 
 
-def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                 by_output: bool = False) -> None:
     """Everything that can fail before a worker starts: the split, the devices or cores, torchrun's
     world against the option."""
     world = config.tensor_parallel_size
-    check_shardable(model_config, world)
+    check_shardable(model_config, world, by_output)
     if config.draft_model is not None and world > 1:
         raise InvalidRequestError("a draft model does not run beside tensor parallelism; use "
                                   "--speculative-method ngram or tensor_parallel_size 1", param=OPTION)
@@ -497,8 +554,10 @@ def _master() -> tuple[str, int]:
         return address, probe.getsockname()[1]
 
 
-def join(rank: int, world: int, address: str, port: int, device: torch.device) -> TensorParallelGroup:
-    """Rendezvous at address:port (rank 0 serves the store) and build the two groups."""
+def join(rank: int, world: int, address: str, port: int, device: torch.device,
+         by_output: bool = False) -> TensorParallelGroup:
+    """Rendezvous at address:port (rank 0 serves the store) and build the two groups; `by_output`:
+    the shard's layout (`splits_by_output`)."""
     url = f"tcp://{address}:{port}?rank={rank}&world_size={world}"
     try:
         store, _, _ = next(dist.rendezvous(url, timeout=timedelta(seconds=CONNECT_TIMEOUT_S)))
@@ -506,20 +565,21 @@ def join(rank: int, world: int, address: str, port: int, device: torch.device) -
         raise TensorParallelError(f"tensor parallel: rank {rank} could not reach the group at "
                                   f"{address}:{port} within {CONNECT_TIMEOUT_S:.0f} s (MASTER_ADDR, "
                                   f"MASTER_PORT): {error}") from None
-    return _groups(store, rank, world, device)
+    return _groups(store, Shard(rank, world, by_output), device)
 
 
-def _groups(store: dist.Store, rank: int, world: int, device: torch.device) -> TensorParallelGroup:
+def _groups(store: dist.Store, shard: Shard, device: torch.device) -> TensorParallelGroup:
+    rank, world = shard.rank, shard.world
     plan = dist.ProcessGroupGloo(dist.PrefixStore("plan", store), rank, world, PLAN_TIMEOUT)
     step_store = dist.PrefixStore("step", store)
     if device.type == "cuda":
         step = dist.ProcessGroupNCCL(step_store, rank, world)
     else:
         step = dist.ProcessGroupGloo(step_store, rank, world, timedelta(seconds=STEP_TIMEOUT_S))
-    return TensorParallelGroup(Shard(rank, world), store, plan, step, device)
+    return TensorParallelGroup(shard, store, plan, step, device)
 
 
-def join_torchrun(device: torch.device) -> TensorParallelGroup:
+def join_torchrun(device: torch.device, by_output: bool) -> TensorParallelGroup:
     """The group of a torchrun launch (env:// rendezvous: its agent's store where it has one)."""
     try:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=CONNECT_TIMEOUT_S)))
@@ -527,7 +587,7 @@ def join_torchrun(device: torch.device) -> TensorParallelGroup:
         master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         raise TensorParallelError(f"tensor parallel: could not reach MASTER_ADDR {master} within "
                                   f"{CONNECT_TIMEOUT_S:.0f} s: {error}") from None
-    return _groups(store, rank, world, device)
+    return _groups(store, Shard(rank, world, by_output), device)
 
 
 def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, gguf: Path | None,
@@ -536,13 +596,13 @@ def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, g
     of rank > 0 serves as a worker here and exits: it never returns to its caller."""
     if config.tensor_parallel_size == 1 and not _launched_by_torchrun():
         return None
-    check_launch(config, model_config, device)
     spec = WorkerSpec(dataclasses.asdict(config), str(model_dir), str(gguf) if gguf else None,
                       rank_threads(config), str(device))
+    check_launch(config, model_config, device, spec.by_output)
     if _launched_by_torchrun():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         spec.device = f"cuda:{local}" if device.type == "cuda" else spec.device
-        group = join_torchrun(_rank_device(spec.device))
+        group = join_torchrun(_rank_device(spec.device), spec.by_output)
         if group.shard.rank != 0:
             sys.exit(serve(spec, group))
         return _on_rank_zero(group)
@@ -550,7 +610,7 @@ def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, g
     world = config.tensor_parallel_size
     workers = [Worker(rank, _spawn(spec, rank, world, address, port)) for rank in range(1, world)]
     try:
-        group = join(0, world, address, port, device)
+        group = join(0, world, address, port, device, spec.by_output)
     except TensorParallelError:
         for worker in workers:
             worker.process.kill()
@@ -582,6 +642,10 @@ class WorkerSpec:
     gguf: str | None
     threads: int | None
     device: str
+
+    @property
+    def by_output(self) -> bool:
+        return splits_by_output(self.gguf, self.engine["quantize"])
 
 
 def _spawn(spec: WorkerSpec, rank: int, world: int, address: str, port: int) -> subprocess.Popen:
@@ -676,7 +740,7 @@ def _worker_main(argv: list[str]) -> int:
     spec = WorkerSpec(**raw)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
     try:
-        group = join(rank, world, address, port, _rank_device(spec.device))
+        group = join(rank, world, address, port, _rank_device(spec.device), spec.by_output)
     except TensorParallelError as error:
         print(f"nanoserve: {error}", file=sys.stderr, flush=True)
         return 1

@@ -25,7 +25,7 @@ from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.gguf_import import gguf_weights
 from nanoserve.linear import LinearKernel
 from nanoserve.model import Llama, LlamaWeights, hf_tensor_shapes
-from nanoserve.parallel import Shard, local_config, shard_of, shard_tensor
+from nanoserve.parallel import Shard, local_config, local_shapes, shard_of, shard_tensor
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -94,7 +94,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
         tensors = load_shard_state_dict(model_dir, config, shard)
     else:
         tensors = load_state_dict(model_dir)
-    check_tensors(model_dir, local_config(config, world), tensors)
+    check_tensors(model_dir, config, tensors, shard)
     weights = LlamaWeights.from_hf_state_dict(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:
         del tensors
@@ -102,10 +102,11 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     return config, weights
 
 
-def check_tensors(model_dir: Path, config: ModelConfig, tensors: dict) -> None:
-    """Every tensor the architecture needs is there in its shape; refused naming it otherwise
-    (before any is converted). Extra tensors (rotary caches some exporters add) are ignored."""
-    expected = hf_tensor_shapes(config)
+def check_tensors(model_dir: Path, config: ModelConfig, tensors: dict, shard: Shard | None = None) -> None:
+    """Every tensor the architecture needs is there in its shape (rank `shard`'s part of it);
+    refused naming it otherwise (before any is converted). Extra tensors (rotary caches some
+    exporters add) are ignored."""
+    expected = hf_tensor_shapes(config) if shard is None else local_shapes(config, shard)
     missing = [name for name in expected if name not in tensors]
     if missing:
         shown = ", ".join(f"{name} {expected[name]}" for name in missing[:4])
