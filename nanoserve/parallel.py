@@ -33,6 +33,7 @@ input where a rank's share is not a whole number of blocks (`take`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -66,7 +67,8 @@ STEP_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_TIMEOUT_S", "30"))
 CONNECT_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_CONNECT_TIMEOUT_S", "60"))
 # A worker waits for the next step as long as the server idles.
 PLAN_TIMEOUT = timedelta(days=30)
-HEARTBEAT_S = 1.0
+# A worker refreshes its heartbeat key this often (tests shorten it to keep the thread busy).
+HEARTBEAT_S = float(os.environ.get("NANOSERVE_TP_HEARTBEAT_S", "1.0"))
 WATCHDOG_POLL_S = 0.2
 WATCHDOG_GRACE_S = 5.0  # after a worker died: time for the step in flight to fail on its own
 MESSAGE_START_WORDS = 4096  # the step buffer grows (both sides, by a resize message) when needed
@@ -675,13 +677,29 @@ def _watch_workers(group: TensorParallelGroup) -> None:
         time.sleep(WATCHDOG_POLL_S)
 
 
-def _heartbeat(group: TensorParallelGroup) -> None:
-    while True:
-        try:
-            group.store.set(f"heartbeat/{group.shard.rank}", str(time.time()))
-        except Exception:
-            return
-        time.sleep(HEARTBEAT_S)
+@contextlib.contextmanager
+def _heartbeat(group: TensorParallelGroup) -> Iterator[None]:
+    """A worker's heartbeat key, refreshed every HEARTBEAT_S while the block runs, and its thread
+    joined before the block returns: a thread still inside a store call (C++, the GIL released)
+    when the interpreter finalizes is ended from inside that call, and the process aborts with
+    "terminate called without an active exception"."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            try:
+                group.store.set(f"heartbeat/{group.shard.rank}", str(time.time()))
+            except Exception:
+                return
+            stop.wait(HEARTBEAT_S)
+
+    thread = threading.Thread(target=beat, daemon=True, name="nanoserve-tp-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=STEP_TIMEOUT_S)  # a store call gives up within its own timeout
 
 
 def _watch_parent(parent: int) -> None:
@@ -694,12 +712,16 @@ def _watch_parent(parent: int) -> None:
 def serve(spec: WorkerSpec, group: TensorParallelGroup) -> int:
     """A worker's life: load its shard, build its model and KV cache as rank 0 says, then run
     every step rank 0 sends until it says stop. Returns the exit status."""
+    with _heartbeat(group):
+        return _serve(spec, group)
+
+
+def _serve(spec: WorkerSpec, group: TensorParallelGroup) -> int:
     from nanoserve.engine import load_rank_weights, pick_dtype, set_threads
     from nanoserve.kv_cache import KVCache
     from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
     from nanoserve.model import Llama
 
-    threading.Thread(target=_heartbeat, args=(group,), daemon=True).start()
     config = EngineConfig(**spec.engine)
     set_threads(spec.threads)
     device = group.device

@@ -5,12 +5,16 @@ a matrix's output (a sum of the ranks' partial products, say) becomes a whole st
 the next layer and grows from there: the default Q4_1 model's text left N = 1's within ten
 tokens. These pin that every native block type, at N = 2, 3 and 4, decodes N = 1's greedy tokens
 with N = 1's logits, first as N ranks in threads of this process (gloo over an in-process store,
-one model per rank: fast), then through the engine's worker processes (few: slow on 2 cores).
+one model per rank: fast), then through the engine's worker processes (few: slow on 2 cores),
+and that every rank exits cleanly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +35,7 @@ from nanoserve.parallel import Collectives, Shard
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.weights import load_weights, read_config
 
+REPO = Path(__file__).resolve().parents[1]
 BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
 DECODE_STEPS = 4
@@ -165,7 +170,7 @@ def assert_same_decode(got, want) -> None:
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 1e-4
 
 
-def test_three_worker_processes_on_q4_1_decode_the_tokens_and_logprobs_of_one(wide_gguf):
+def test_three_worker_processes_on_q4_1_decode_the_tokens_and_logprobs_of_one_and_exit_cleanly(wide_gguf):
     model = str(wide_gguf("Q4_1"))
     alone = decode(LLM(model, device="cpu", threads=1, num_kv_blocks=64))
     llm = LLM(model, device="cpu", threads=1, tensor_parallel_size=3, num_kv_blocks=64)
@@ -174,6 +179,21 @@ def test_three_worker_processes_on_q4_1_decode_the_tokens_and_logprobs_of_one(wi
         assert_same_decode(decode(llm), alone)
     finally:
         llm.engine.close()
+    assert [worker.process.returncode for worker in llm.engine.tp.workers] == [0, 0]
+
+
+def test_generate_with_three_ranks_exits_0_with_nothing_on_stderr_but_its_own_lines(wide_gguf):
+    # The heartbeat thread refreshing without pause: a worker that exits while it is inside a
+    # store call aborts ("terminate called without an active exception", status -6).
+    env = {**os.environ, "NANOSERVE_TP_HEARTBEAT_S": "0"}
+    command = [sys.executable, "-m", "nanoserve_cli", "generate", "-m", str(wide_gguf("Q4_1")), "-tp", "3",
+               "--threads", "1", "--max-tokens", "6", "The capital of France is"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr and "Traceback" not in result.stderr
+    alone = LLM(str(wide_gguf("Q4_1")), device="cpu", threads=1, num_kv_blocks=64).generate(
+        ["The capital of France is"], SamplingParams(max_tokens=6, temperature=0.0))[0].text
+    assert result.stdout in (alone, alone + "\n")
 
 
 @pytest.mark.real_model
