@@ -54,6 +54,8 @@ import torch.nn.functional as F
 
 from nanoserve import quant
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.distributed import shared_memory
+from nanoserve.distributed.shared_memory import SharedMemoryGroup
 from nanoserve.errors import InvalidRequestError, NanoserveError
 from nanoserve.model import AttentionGroup, ForwardBatch, hf_tensor_shapes
 from nanoserve.quant import QuantizedWeight
@@ -263,6 +265,7 @@ class Collectives:
     vocab_start: int
     vocab_count: int
     ordered: bool  # batch-invariant: all-gather, then sum in rank order
+    local: SharedMemoryGroup | None = None  # every rank on this machine: its buffer, not gloo
     reduce_s: float = 0.0  # seconds inside o's and down's collectives, for `nanoserve profile`
     reduces: int = 0
 
@@ -278,15 +281,21 @@ class Collectives:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` [rows, cols], side by side in rank order: [rows, N * cols]. Exact."""
         start = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.shard.world)]
-        self.group.allgather([parts], [x.contiguous()]).wait()
+        if self.local is not None:
+            out = self.local.all_gather(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.shard.world)]
+            self.group.allgather([parts], [x.contiguous()]).wait()
+            out = torch.cat(parts, dim=1)
         self.reduce_s += time.perf_counter() - start
         self.reduces += 1
-        return torch.cat(parts, dim=1)
+        return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        if self.ordered:
+        if self.local is not None:  # in rank order, always
+            out = self.local.all_reduce(x)
+        elif self.ordered:
             parts = [torch.empty_like(x) for _ in range(self.shard.world)]
             self.group.allgather([parts], [x.contiguous()]).wait()
             out = parts[0]
@@ -306,6 +315,8 @@ class Collectives:
         inside = (local >= 0) & (local < self.vocab_count)
         rows = quant.embedding(torch.where(inside, local, 0), table)
         rows.masked_fill_(~inside.unsqueeze(-1), -0.0)
+        if self.local is not None:
+            return self.local.all_reduce(rows.view(-1, rows.shape[-1])).view(rows.shape)
         self.group.allreduce([rows]).wait()
         return rows
 
@@ -378,8 +389,19 @@ class TensorParallelGroup:
 
     def make_collectives(self, config: ModelConfig, batch_invariant: bool) -> Collectives:
         start, count, _ = self.shard.vocab_rows(config.vocab_size)
-        self.collectives = Collectives(self.step_group, self.shard, start, count, batch_invariant)
+        self.collectives = Collectives(self.step_group, self.shard, start, count, batch_invariant,
+                                       self._shared_memory())
         return self.collectives
+
+    def _shared_memory(self) -> SharedMemoryGroup | None:
+        """The forward's collectives through one shared buffer when every rank runs on this
+        machine's CPU (the machine ids each rank stored on joining agree); gloo's otherwise."""
+        if self.device.type != "cpu" or not shared_memory.enabled():
+            return None
+        here = shared_memory.machine_id()
+        if any(self.store.get(f"machine/{rank}").decode() != here for rank in range(self.shard.world)):
+            return None
+        return SharedMemoryGroup.join(self.store, self.shard.rank, self.shard.world, STEP_TIMEOUT_S)
 
     # Rank 0's side of a step.
     def send_batch(self, batch: ForwardBatch) -> None:
@@ -456,6 +478,8 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        if self.collectives is not None and self.collectives.local is not None:
+            self.collectives.local.close()
         if self.shard.rank == 0 and self.failed:
             for worker in self.workers:
                 worker.process.kill()
@@ -573,6 +597,7 @@ def join(rank: int, world: int, address: str, port: int, device: torch.device,
 def _groups(store: dist.Store, shard: Shard, device: torch.device) -> TensorParallelGroup:
     rank, world = shard.rank, shard.world
     plan = dist.ProcessGroupGloo(dist.PrefixStore("plan", store), rank, world, PLAN_TIMEOUT)
+    store.set(f"machine/{rank}", shared_memory.machine_id())
     step_store = dist.PrefixStore("step", store)
     if device.type == "cuda":
         step = dist.ProcessGroupNCCL(step_store, rank, world)

@@ -23,8 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from families import Cache, step
-from gguf import GGMLQuantizationType
-from tiny_model import write_tiny_gguf, write_tiny_llama
 
 from nanoserve import native, parallel
 from nanoserve.errors import InvalidRequestError
@@ -42,27 +40,6 @@ DECODE_STEPS = 4
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="the native library is off: GGUF blocks "
                                 "are dequantized to float32 at load and take the float split")
-
-
-@pytest.fixture(scope="module")
-def wide_model_dir(tmp_path_factory) -> Path:
-    """12 heads (N = 2, 3, 4 divide them), every matrix's input a whole number of 256-value blocks."""
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny_wide"), num_heads=12, num_kv_heads=12,
-                            hidden_size=768, intermediate_size=768)
-
-
-@pytest.fixture(scope="module")
-def wide_gguf(wide_model_dir, tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def gguf(block_type: str) -> Path:
-        if block_type not in made:
-            path = tmp_path_factory.mktemp("gguf") / f"tiny-wide-{block_type}.gguf"
-            made[block_type] = write_tiny_gguf(path, wide_model_dir,
-                                               matrix_type=GGMLQuantizationType[block_type])
-        return made[block_type]
-
-    return gguf
 
 
 @pytest.fixture
