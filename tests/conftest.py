@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -10,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
-from tiny_model import write_tiny_llama
+from tiny_model import write_tiny_gguf, write_tiny_llama
 
 from nanoserve.loading.default_model import DEFAULT_DISTRIBUTION, INSTALL_COMMAND, resolve_model_dir
 
@@ -39,6 +41,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny_untied"), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def wide_model_dir(tmp_path_factory) -> Path:
+    """12 heads (tensor parallelism at N = 2, 3, 4 divides them), every matrix's input a whole
+    number of 256-value blocks (the K-quants')."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_wide"), num_heads=12, num_kv_heads=12,
+                            hidden_size=768, intermediate_size=768)
+
+
+@pytest.fixture(scope="session")
+def wide_gguf(wide_model_dir, tmp_path_factory) -> Callable[[str], Path]:
+    """`wide_gguf("Q4_1")`: the wide model as a GGUF of that block type, written once."""
+    made: dict[str, Path] = {}
+
+    def gguf(block_type: str) -> Path:
+        if block_type not in made:
+            path = tmp_path_factory.mktemp("gguf") / f"tiny-wide-{block_type}.gguf"
+            made[block_type] = write_tiny_gguf(path, wide_model_dir,
+                                               matrix_type=GGMLQuantizationType[block_type])
+        return made[block_type]
+
+    return gguf
 
 
 @pytest.fixture(scope="session")

@@ -361,7 +361,9 @@ def test_a_two_node_torchrun_launch_on_loopback_decodes_the_text_of_one_process(
                 "--tensor-parallel-size", "2", "--threads", "1", "The capital of France is"]
     launch = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
               "--master-port", port]
-    nodes = [subprocess.Popen([*launch, "--node-rank", str(rank), *generate], cwd=REPO, text=True,
+    # Two machines' ranks would share no memory: the forward's collectives stay gloo's.
+    env = {**os.environ, "NANOSERVE_TP_SHARED_MEMORY": "0"}
+    nodes = [subprocess.Popen([*launch, "--node-rank", str(rank), *generate], cwd=REPO, text=True, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
     try:
         outputs = [node.communicate(timeout=300) for node in nodes]

@@ -21,6 +21,7 @@ Refuses: pipeline parallelism, and a draft model beside tensor parallelism.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -38,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.distributed import shared_memory
 from nanoserve.distributed.collectives import Collectives
-from nanoserve.distributed.shards import OPTION, Shard, check_shardable
+from nanoserve.distributed.shards import OPTION, Shard, check_shardable, splits_by_output
+from nanoserve.distributed.shared_memory import SharedMemoryGroup
 from nanoserve.errors import InvalidRequestError, NanoserveError
 from nanoserve.model.batch import AttentionGroup, ForwardBatch
 from nanoserve.model.linear import KERNEL_NAMES
@@ -52,7 +56,8 @@ STEP_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_TIMEOUT_S", "30"))
 CONNECT_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_CONNECT_TIMEOUT_S", "60"))
 # A worker waits for the next step as long as the server idles.
 PLAN_TIMEOUT = timedelta(days=30)
-HEARTBEAT_S = 1.0
+# A worker refreshes its heartbeat key this often (tests shorten it to keep the thread busy).
+HEARTBEAT_S = float(os.environ.get("NANOSERVE_TP_HEARTBEAT_S", "1.0"))
 WATCHDOG_POLL_S = 0.2
 WATCHDOG_GRACE_S = 5.0  # after a worker died: time for the step in flight to fail on its own
 MESSAGE_START_WORDS = 4096  # the step buffer grows (both sides, by a resize message) when needed
@@ -142,8 +147,19 @@ class TensorParallelGroup:
 
     def make_collectives(self, config: ModelConfig, batch_invariant: bool) -> Collectives:
         start, count, _ = self.shard.vocab_rows(config.vocab_size)
-        self.collectives = Collectives(self.step_group, self.shard, start, count, batch_invariant)
+        self.collectives = Collectives(self.step_group, self.shard, start, count, batch_invariant,
+                                       self._shared_memory())
         return self.collectives
+
+    def _shared_memory(self) -> SharedMemoryGroup | None:
+        """The forward's collectives through one shared buffer when every rank runs on this
+        machine's CPU (the machine ids each rank stored on joining agree); gloo's otherwise."""
+        if self.device.type != "cpu" or not shared_memory.enabled():
+            return None
+        here = shared_memory.machine_id()
+        if any(self.store.get(f"machine/{rank}").decode() != here for rank in range(self.shard.world)):
+            return None
+        return SharedMemoryGroup.join(self.store, self.shard.rank, self.shard.world, STEP_TIMEOUT_S)
 
     # Rank 0's side of a step.
     def send_batch(self, batch: ForwardBatch) -> None:
@@ -225,6 +241,8 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        if self.collectives is not None and self.collectives.local is not None:
+            self.collectives.local.close()
         if self.shard.rank == 0 and self.failed:
             for worker in self.workers:
                 worker.process.kill()
@@ -288,11 +306,12 @@ def rank_threads(config: EngineConfig) -> int | None:
     return max(1, cores() // ranks)
 
 
-def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                 by_output: bool = False) -> None:
     """Everything that can fail before a worker starts: the split, the devices or cores, torchrun's
     world against the option."""
     world = config.tensor_parallel_size
-    check_shardable(model_config, world)
+    check_shardable(model_config, world, by_output)
     if config.draft_model is not None and world > 1:
         raise InvalidRequestError("a draft model does not run beside tensor parallelism; use "
                                   "--speculative-method ngram or tensor_parallel_size 1", param=OPTION)
@@ -324,8 +343,10 @@ def _master() -> tuple[str, int]:
         return address, probe.getsockname()[1]
 
 
-def join(rank: int, world: int, address: str, port: int, device: torch.device) -> TensorParallelGroup:
-    """Rendezvous at address:port (rank 0 serves the store) and build the two groups."""
+def join(rank: int, world: int, address: str, port: int, device: torch.device,
+         by_output: bool = False) -> TensorParallelGroup:
+    """Rendezvous at address:port (rank 0 serves the store) and build the two groups; `by_output`:
+    the shard's layout (`shards.splits_by_output`)."""
     url = f"tcp://{address}:{port}?rank={rank}&world_size={world}"
     try:
         store, _, _ = next(dist.rendezvous(url, timeout=timedelta(seconds=CONNECT_TIMEOUT_S)))
@@ -333,20 +354,22 @@ def join(rank: int, world: int, address: str, port: int, device: torch.device) -
         raise TensorParallelError(f"tensor parallel: rank {rank} could not reach the group at "
                                   f"{address}:{port} within {CONNECT_TIMEOUT_S:.0f} s (MASTER_ADDR, "
                                   f"MASTER_PORT): {error}") from None
-    return _groups(store, rank, world, device)
+    return _groups(store, Shard(rank, world, by_output), device)
 
 
-def _groups(store: dist.Store, rank: int, world: int, device: torch.device) -> TensorParallelGroup:
+def _groups(store: dist.Store, shard: Shard, device: torch.device) -> TensorParallelGroup:
+    rank, world = shard.rank, shard.world
     plan = dist.ProcessGroupGloo(dist.PrefixStore("plan", store), rank, world, PLAN_TIMEOUT)
+    store.set(f"machine/{rank}", shared_memory.machine_id())
     step_store = dist.PrefixStore("step", store)
     if device.type == "cuda":
         step = dist.ProcessGroupNCCL(step_store, rank, world)
     else:
         step = dist.ProcessGroupGloo(step_store, rank, world, timedelta(seconds=STEP_TIMEOUT_S))
-    return TensorParallelGroup(Shard(rank, world), store, plan, step, device)
+    return TensorParallelGroup(shard, store, plan, step, device)
 
 
-def join_torchrun(device: torch.device) -> TensorParallelGroup:
+def join_torchrun(device: torch.device, by_output: bool) -> TensorParallelGroup:
     """The group of a torchrun launch (env:// rendezvous: its agent's store where it has one)."""
     try:
         store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=CONNECT_TIMEOUT_S)))
@@ -354,7 +377,7 @@ def join_torchrun(device: torch.device) -> TensorParallelGroup:
         master = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         raise TensorParallelError(f"tensor parallel: could not reach MASTER_ADDR {master} within "
                                   f"{CONNECT_TIMEOUT_S:.0f} s: {error}") from None
-    return _groups(store, rank, world, device)
+    return _groups(store, Shard(rank, world, by_output), device)
 
 
 def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, gguf: Path | None,
@@ -364,20 +387,20 @@ def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, g
     (`group.spec` says what to build)."""
     if config.tensor_parallel_size == 1 and not _launched_by_torchrun():
         return None
-    check_launch(config, model_config, device)
     spec = WorkerSpec(dataclasses.asdict(config), str(model_dir), str(gguf) if gguf else None,
                       rank_threads(config), str(device))
+    check_launch(config, model_config, device, spec.by_output)
     if _launched_by_torchrun():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         spec.device = f"cuda:{local}" if device.type == "cuda" else spec.device
-        group = join_torchrun(rank_device(spec.device))
+        group = join_torchrun(rank_device(spec.device), spec.by_output)
         group.spec = spec
         return group if group.shard.rank != 0 else _on_rank_zero(group)
     address, port = _master()
     world = config.tensor_parallel_size
     workers = [Worker(rank, _spawn(spec, rank, world, address, port)) for rank in range(1, world)]
     try:
-        group = join(0, world, address, port, device)
+        group = join(0, world, address, port, device, spec.by_output)
     except TensorParallelError:
         for worker in workers:
             worker.process.kill()
@@ -410,6 +433,10 @@ class WorkerSpec:
     threads: int | None
     device: str
 
+    @property
+    def by_output(self) -> bool:
+        return splits_by_output(self.gguf, self.engine["quantize"])
+
 
 def _spawn(spec: WorkerSpec, rank: int, world: int, address: str, port: int) -> subprocess.Popen:
     device = f"cuda:{rank}" if spec.device.startswith("cuda") else spec.device
@@ -438,11 +465,26 @@ def _watch_workers(group: TensorParallelGroup) -> None:
         time.sleep(WATCHDOG_POLL_S)
 
 
-def heartbeat(group: TensorParallelGroup) -> None:
-    """A worker's sign of life in the store, every HEARTBEAT_S, until the store is gone."""
-    while True:
-        try:
-            group.store.set(f"heartbeat/{group.shard.rank}", str(time.time()))
-        except Exception:
-            return
-        time.sleep(HEARTBEAT_S)
+@contextlib.contextmanager
+def heartbeat(group: TensorParallelGroup) -> Iterator[None]:
+    """A worker's heartbeat key, refreshed every HEARTBEAT_S while the block runs, and its thread
+    joined before the block returns: a thread still inside a store call (C++, the GIL released)
+    when the interpreter finalizes is ended from inside that call, and the process aborts with
+    "terminate called without an active exception"."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            try:
+                group.store.set(f"heartbeat/{group.shard.rank}", str(time.time()))
+            except Exception:
+                return
+            stop.wait(HEARTBEAT_S)
+
+    thread = threading.Thread(target=beat, daemon=True, name="nanoserve-tp-heartbeat")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=STEP_TIMEOUT_S)  # a store call gives up within its own timeout

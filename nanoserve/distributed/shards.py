@@ -2,8 +2,10 @@
 
 As Megatron splits a layer: q/k/v and gate/up by output (whole heads; K/V heads split when N
 divides them, else each rank keeps the one K/V head its query heads read, which needs N to be a
-multiple of them), o and down by input (their partial outputs summed by one all-reduce each),
-the embedding and the head by vocabulary (ceil(V / N) rows a rank, the last padded with zero
+multiple of them), o and down by input for float weights (their partial outputs summed by one
+all-reduce each) and by output for GGUF blocks (the input gathered, then each rank's outputs:
+N ranks give one rank's bits; `splits_by_output` says why), the embedding and the head by
+vocabulary (ceil(V / N) rows a rank, the last padded with zero
 rows). Everything else (norms, o/down biases, q/k norms) is replicated. `local_config` is the
 model one rank runs: the same forward on fewer heads, a slice of the MLP and of the vocabulary.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,8 @@ OPTION = "tensor_parallel_size"
 class Shard:
     rank: int
     world: int
+    # o and down split by output rather than by input (`splits_by_output` says when).
+    by_output: bool = False
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
         """(first id, ids held, rows every rank holds): ceil(V / N) rows a rank, padded."""
@@ -40,8 +45,21 @@ class Shard:
         return start, min(vocab_size, start + per_rank) - start, per_rank
 
 
-def check_shardable(config: ModelConfig, world: int) -> None:
-    """The split `local_config` makes exists for this model, else an error naming the option."""
+def splits_by_output(gguf: str | Path | None, quantize: str | None) -> bool:
+    """Whether o and down are split by output: when the matrices run on GGUF blocks (a GGUF file's
+    own, or --quantize). Their kernels quantize each activation row to 8-bit blocks, and that
+    rounding turns a last-bit change into a whole step of the code, which the next layers grow:
+    summing the ranks' partial products of a matrix split by input (one rounding per rank, then
+    the sum) is a last-bit change, and a Q4_1 model's text left N = 1's within ten tokens. Split
+    by output, every rank computes its outputs whole from the gathered input, with N = 1's
+    instructions: N ranks give one rank's bits. Float weights keep Megatron's split by input
+    (one all-reduce a matrix rather than two all-gathers; its sums differ in the last bits)."""
+    return gguf is not None or quantize is not None
+
+
+def check_shardable(config: ModelConfig, world: int, by_output: bool = False) -> None:
+    """The split `local_config` (and `by_output`) makes exists for this model, else an error
+    naming the option."""
     if world < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {world}", param=OPTION)
     heads, kv_heads, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
@@ -54,6 +72,10 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if ffn % world:
         raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's MLP width "
                                   f"{ffn}", param=OPTION)
+    if by_output and config.hidden_size % world:
+        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's hidden size "
+                                  f"{config.hidden_size} (quantized weights split o and down by output)",
+                                  param=OPTION)
 
 
 def local_config(config: ModelConfig, world: int) -> ModelConfig:
@@ -83,7 +105,10 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
         kv = (head * d, (head + 1) * d)
     ffn = config.intermediate_size // world
     mlp = (r * ffn, (r + 1) * ffn)
+    hidden = config.hidden_size // world
     kind, last = name.split(".")[-2], name.split(".")[-1]
+    if kind in ("o_proj", "down_proj") and last == "weight" and shard.by_output:
+        return 0, [(r * hidden, (r + 1) * hidden)]
     if kind == "q_proj":
         return 0, [q]
     if kind in ("k_proj", "v_proj"):

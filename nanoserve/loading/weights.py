@@ -96,7 +96,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
         tensors = load_shard_state_dict(model_dir, config, shard)
     else:
         tensors = load_state_dict(model_dir)
-    check_tensors(model_dir, local_config(config, world), tensors)
+    check_tensors(model_dir, config, tensors, shard)
     weights = weights_from_hf(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:
         del tensors
@@ -104,10 +104,23 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     return config, weights
 
 
-def check_tensors(model_dir: Path, config: ModelConfig, tensors: dict) -> None:
-    """Every tensor the architecture needs is there in its shape; refused naming it otherwise
-    (before any is converted). Extra tensors (rotary caches some exporters add) are ignored."""
-    expected = hf_tensor_shapes(config)
+def local_shapes(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor rank `shard` holds (`hf_tensor_shapes` of its `local_config`)."""
+    shapes = hf_tensor_shapes(local_config(config, shard.world))
+    if shard.by_output:
+        rows = config.hidden_size // shard.world
+        for name in shapes:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                full = config.num_heads * config.head_dim if "o_proj" in name else config.intermediate_size
+                shapes[name] = (rows, full)
+    return shapes
+
+
+def check_tensors(model_dir: Path, config: ModelConfig, tensors: dict, shard: Shard | None = None) -> None:
+    """Every tensor the architecture needs is there in its shape (rank `shard`'s part of it);
+    refused naming it otherwise (before any is converted). Extra tensors (rotary caches some
+    exporters add) are ignored."""
+    expected = hf_tensor_shapes(config) if shard is None else local_shapes(config, shard)
     missing = [name for name in expected if name not in tensors]
     if missing:
         shown = ", ".join(f"{name} {expected[name]}" for name in missing[:4])

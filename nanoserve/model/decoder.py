@@ -34,6 +34,7 @@ A forward is batch-invariant when both its attention and its linear kernel are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -55,7 +56,8 @@ from nanoserve.quant import Weight
 class TensorParallel(Protocol):
     """What a forward on one rank's shard asks of its ranks (nanoserve.distributed.collectives)."""
 
-    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
+    def row_parallel(self, x: torch.Tensor, weight: Weight,
+                     linear: Callable[[torch.Tensor, Weight], torch.Tensor]) -> torch.Tensor: ...
 
     def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
 
@@ -76,8 +78,8 @@ class Llama:
         GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
         `native`: run the small ops in C where they can run here (`native_ops_for`).
         `tensor_parallel`: this rank's collectives, when `config` and `weights` are one rank's
-        shard (nanoserve.distributed): the same forward, an all-reduce after o and after down,
-        the embedding summed over ranks and the logits of this rank's vocabulary rows."""
+        shard (nanoserve.distributed): the same forward, o and down across the ranks, the
+        embedding summed over ranks and the logits of this rank's vocabulary rows."""
         self.config = config
         self.tp = tensor_parallel
         self.ops = native_ops_for(weights.embed) if native else None
@@ -184,7 +186,7 @@ class Llama:
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)
-        out = self._reduced(self.linear(out, layer.o))
+        out = self._row_parallel(out, layer.o)
         if layer.o_bias is not None:
             out += layer.o_bias
         return out
@@ -208,14 +210,15 @@ class Llama:
             # same vectorized path whatever the batch (tests/test_model.py pins this).
             gate, up = gate_up.chunk(2, dim=-1)
             activated = self.activation(gate) * up
-        out = self._reduced(self.linear(activated, layer.down))
+        out = self._row_parallel(activated, layer.down)
         if layer.down_bias is not None:
             out += layer.down_bias
         return out
 
-    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
-        """A row-split matrix's output summed over the ranks (itself with one rank)."""
-        return partial if self.tp is None else self.tp.all_reduce(partial)
+    def _row_parallel(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """x @ weight^T for o and down, the matrices whose input the ranks hold in shares: the
+        whole output on every rank (`distributed.collectives` decides how)."""
+        return self.linear(x, weight) if self.tp is None else self.tp.row_parallel(x, weight, self.linear)
 
     def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor:

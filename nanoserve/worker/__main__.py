@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     spec = WorkerSpec(**raw)
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
     try:
-        group = join(rank, world, address, port, rank_device(spec.device))
+        group = join(rank, world, address, port, rank_device(spec.device), spec.by_output)
     except TensorParallelError as error:
         print(f"nanoserve: {error}", file=sys.stderr, flush=True)
         return 1

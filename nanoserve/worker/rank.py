@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,7 +220,11 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
 def serve_worker(spec: WorkerSpec, group: TensorParallelGroup) -> int:
     """A worker's life: load its shard, build its rank to rank 0's plan, then run every step
     rank 0 sends until it says stop. Returns the exit status."""
-    threading.Thread(target=tp_group.heartbeat, args=(group,), daemon=True).start()
+    with tp_group.heartbeat(group):
+        return _serve_worker(spec, group)
+
+
+def _serve_worker(spec: WorkerSpec, group: TensorParallelGroup) -> int:
     config = EngineConfig(**spec.engine)
     set_threads(spec.threads)
     dtype = pick_dtype(config.dtype, group.device)

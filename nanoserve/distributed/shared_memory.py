@@ -1,0 +1,234 @@
+"""The collectives of a forward between tensor-parallel ranks on one machine, through one buffer
+the ranks map (a file in /dev/shm), as vLLM's CPU backend and SGLang do.
+
+Owns: the buffer's layout, its creation and mapping, and two collectives over it:
+- `all_reduce`: each rank writes its partial into its slot, one barrier, and every rank sums the
+  slots in rank order 0..N-1 (so a row's bits never depend on which rank arrived first);
+- `all_gather`: the same barrier, the slots side by side.
+Layout: one counter a rank (its own cache line), then two halves of N slots of SLOT_BYTES. The
+k-th exchange uses half k % 2: a rank writes half k % 2 again at exchange k + 2 only after every
+rank published k + 1, which each did after reading exchange k, so one barrier an exchange is
+enough. A tensor larger than a slot goes in row chunks (a row's sum or copy is the same).
+Waiting spins a few microseconds, then yields the core (releasing the GIL), then sleeps: with
+more ranks than cores a spinning rank would take the core of the rank it waits for.
+Refuses: ranks on other machines (gloo's, `machine_id` tells them apart), GPUs (NCCL's), and
+CPUs other than x86: the counter is published by a plain store after the data, which x86's
+store order keeps; weaker orders would need fences Python cannot issue.
+NANOSERVE_TP_SHARED_MEMORY=0 turns it off (gloo then), for comparing the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SHM_DIR = Path("/dev/shm")
+SLOT_BYTES = 1 << 20
+COUNTER_STRIDE = 8  # int64 words: a rank's counter alone on its 64-byte cache line
+SPIN_S = 20e-6  # then yield the core
+YIELD_S = 2e-3  # then sleep
+SLEEP_S = 50e-6
+X86 = ("x86_64", "amd64", "i386", "i686")
+
+
+def enabled() -> bool:
+    """Whether this machine can run it, and it is not turned off."""
+    return (os.environ.get("NANOSERVE_TP_SHARED_MEMORY", "1") != "0" and platform.machine().lower() in X86
+            and SHM_DIR.is_dir())
+
+
+def machine_id() -> str:
+    """The same string on every process of one booted machine (containers included), else not."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass
+class SharedMemoryGroup:
+    """One rank's view of the buffer; every rank calls the same collectives in the same order."""
+
+    rank: int
+    world: int
+    path: Path
+    buffer: mmap.mmap
+    timeout_s: float
+    slot_bytes: int = SLOT_BYTES
+    counters: np.ndarray = field(init=False)
+    data: torch.Tensor = field(init=False)
+    views: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    exchanges: int = 0
+    unlinked: bool = False
+
+    def __post_init__(self) -> None:
+        self.counters = np.frombuffer(self.buffer, dtype=np.int64, count=self.world * COUNTER_STRIDE)
+        self.data = torch.frombuffer(self.buffer, dtype=torch.uint8, offset=self.counters.nbytes,
+                                     count=2 * self.world * self.slot_bytes)
+
+    @staticmethod
+    def size(world: int, slot_bytes: int = SLOT_BYTES) -> int:
+        return world * COUNTER_STRIDE * 8 + 2 * world * slot_bytes
+
+    @classmethod
+    def join(cls, store: dist.Store, rank: int, world: int, timeout_s: float,
+             slot_bytes: int = SLOT_BYTES) -> SharedMemoryGroup:
+        """Rank 0 creates the buffer and names it in the store; the others map it. Blocks no rank
+        on another (rank 0 unlinks the file once every rank has been seen in an exchange)."""
+        size = cls.size(world, slot_bytes)
+        if rank == 0:
+            path = SHM_DIR / f"nanoserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)  # zeros: every counter starts at 0
+        else:
+            path = Path(store.get("shared_memory/path").decode())
+            fd = os.open(path, os.O_RDWR)
+        try:
+            buffer = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if rank == 0:
+            store.set("shared_memory/path", str(path))  # named once it has its size
+        return cls(rank, world, path, buffer, timeout_s, slot_bytes)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `x` [rows, cols], added in rank order 0..N-1 on every rank."""
+        return self._by_row_chunks(x, self._reduce_chunk)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` [rows, cols] side by side in rank order: [rows, N * cols]."""
+        return self._by_row_chunks(x, self._gather_chunk)
+
+    def close(self) -> None:
+        self._unlink()
+
+    def _by_row_chunks(self, x: torch.Tensor, exchange) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(f"shared-memory collectives take [rows, cols] tensors; got {list(x.shape)}")
+        row_bytes = max(1, x.shape[1] * x.element_size())
+        if row_bytes > self.slot_bytes:
+            raise ValueError(f"a row of {row_bytes} bytes does not fit a {self.slot_bytes}-byte slot")
+        rows = self.slot_bytes // row_bytes
+        if x.shape[0] <= rows:
+            return exchange(x)
+        return torch.cat([exchange(part) for part in x.split(rows)])
+
+    def _reduce_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        slots = self._exchange(x)
+        out = slots[0].clone()
+        for rank in range(1, self.world):
+            out += slots[rank]
+        return out.view(x.shape)
+
+    def _gather_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        rows, cols = x.shape
+        return self._exchange(x).view(self.world, rows, cols).transpose(0, 1).reshape(rows, self.world * cols)
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Write `x` into this rank's slot, wait for every rank's; returns the N slots as a view
+        [N, x.numel()] (valid until the exchange after next)."""
+        self.exchanges += 1
+        slots = self._halves(x.dtype)[self.exchanges % 2, :, :x.numel()]
+        slots[self.rank].copy_(x.reshape(-1))
+        self.counters[self.rank * COUNTER_STRIDE] = self.exchanges  # after the data: x86 keeps the order
+        self._wait_for_all(self.exchanges)
+        if self.rank == 0 and not self.unlinked:
+            self._unlink()  # every rank has mapped the file: the name can go
+        return slots
+
+    def _halves(self, dtype: torch.dtype) -> torch.Tensor:
+        """The data as [2 halves, N slots, elements of `dtype`], made once per dtype."""
+        if dtype not in self.views:
+            self.views[dtype] = self.data.view(2, self.world, self.slot_bytes).view(dtype)
+        return self.views[dtype]
+
+    def _wait_for_all(self, exchange: int) -> None:
+        started = time.perf_counter()
+        for rank in range(self.world):
+            polls = 0
+            while self.counters[rank * COUNTER_STRIDE] < exchange:
+                polls += 1
+                if polls % 32:
+                    continue
+                waited = time.perf_counter() - started
+                if waited > self.timeout_s:
+                    raise RuntimeError(f"shared-memory collective: rank {rank} did not arrive within "
+                                       f"{self.timeout_s:.0f} s")
+                if waited > YIELD_S:
+                    time.sleep(SLEEP_S)
+                elif waited > SPIN_S:
+                    os.sched_yield()
+
+    def _unlink(self) -> None:
+        if self.rank == 0 and not self.unlinked:
+            self.unlinked = True
+            self.path.unlink(missing_ok=True)
+
+
+# ---- the microbenchmark: python -m nanoserve.distributed.shared_memory --ranks 2 -----------
+
+
+def _bench_rank(rank: int, args: argparse.Namespace) -> None:
+    store = dist.TCPStore("127.0.0.1", args.port, args.ranks, rank == 0, timedelta(seconds=60))
+    torch.set_num_threads(1)
+    x = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(rank))
+    shared = SharedMemoryGroup.join(store, rank, args.ranks, timeout_s=60)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, args.ranks, timedelta(seconds=60))
+    runs = {"shared-memory all_reduce": lambda: shared.all_reduce(x),
+            "shared-memory all_gather": lambda: shared.all_gather(x),
+            "gloo allreduce": lambda: gloo.allreduce([x.clone()]).wait()}
+    for name, run in runs.items():
+        for _ in range(args.iters // 10):  # warm-up, every rank in step
+            run()
+        gloo.barrier().wait()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            run()
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            print(f"{name}: {1e6 * elapsed / args.iters:.1f} us a collective "
+                  f"({args.ranks} ranks, [{args.rows}, {args.cols}] float32)", flush=True)
+    gloo.barrier().wait()
+    shared.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Time one collective of a decode step's size between "
+                                     "local processes: shared memory against gloo.")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=16, help="rows a step (decode: its sequences)")
+    parser.add_argument("--cols", type=int, default=576, help="the hidden size (the default model's: 576)")
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank is not None:
+        _bench_rank(args.rank, args)
+        return 0
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = ["--ranks", str(args.ranks), "--rows", str(args.rows), "--cols", str(args.cols),
+              "--iters", str(args.iters), "--port", str(port)]
+    ranks = [subprocess.Popen([sys.executable, "-m", "nanoserve.distributed.shared_memory", *common,
+                               "--rank", str(rank)]) for rank in range(args.ranks)]
+    return max(rank.wait() for rank in ranks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

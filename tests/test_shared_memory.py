@@ -1,0 +1,121 @@
+"""The shared-memory collectives (nanoserve/distributed/shared_memory.py): the rank-ordered sum
+bit for bit, the gather exact, buffers reused safely by ranks that run at different speeds, a
+rank that never arrives named within the timeout, no file left behind; and the engine at N = 2
+over them gives one rank's tokens and logprobs.
+
+Ranks run as threads of this process over one in-process store (each maps the buffer itself, as
+a process would), except in the engine test.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_parallel_blocks import decode
+
+from nanoserve import native
+from nanoserve.distributed import shared_memory
+from nanoserve.distributed.shared_memory import SharedMemoryGroup
+from nanoserve.llm import LLM
+
+pytestmark = pytest.mark.skipif(not shared_memory.enabled(), reason="no /dev/shm or not an x86 CPU: "
+                                "tensor parallelism takes gloo's collectives here")
+
+
+def in_threads(world: int, work, **options) -> list:
+    """`work(group, rank)` for each rank's SharedMemoryGroup, one thread a rank."""
+    store, results, errors = dist.HashStore(), [None] * world, []
+
+    def run(rank: int) -> None:
+        try:
+            group = SharedMemoryGroup.join(store, rank, world, **{"timeout_s": 30.0, **options})
+            results[rank] = work(group, rank)
+        except Exception as error:  # re-raised below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def partials(world: int, rows: int, cols: int = 1000) -> list[torch.Tensor]:
+    # Magnitudes 10^r apart: any other order of the sum moves low bits.
+    return [torch.randn(rows, cols, generator=torch.Generator().manual_seed(r)) * 10 ** r
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_all_reduce_is_the_sum_in_rank_order_bit_for_bit_on_every_rank(rows):
+    world = 4
+    parts = partials(world, rows)
+    in_order = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    for result in in_threads(world, lambda group, rank: group.all_reduce(parts[rank])):
+        assert torch.equal(result, in_order)
+
+
+def test_the_all_gather_puts_every_rank_side_by_side_in_rank_order():
+    parts = partials(3, 7, 5)
+    for result in in_threads(3, lambda group, rank: group.all_gather(parts[rank])):
+        assert torch.equal(result, torch.cat(parts, dim=1))
+
+
+def test_ranks_at_different_speeds_reuse_the_buffers_without_reading_a_later_write():
+    world, rounds = 3, 60
+    parts = [partials(world, 2, 16) for _ in range(rounds)]
+
+    def work(group, rank):
+        pace = random.Random(rank)
+        out = []
+        for r in range(rounds):
+            time.sleep(pace.random() * 1e-3)
+            out.append(group.all_reduce(parts[r][rank]))
+        return out
+
+    # A slot of one row: every call is two exchanges, both halves reused all along.
+    for result in in_threads(world, work, slot_bytes=64):
+        for r in range(rounds):
+            assert torch.equal(result[r], (parts[r][0] + parts[r][1]) + parts[r][2])
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout():
+    def work(group, rank):
+        if rank == 1:
+            return None
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 did not arrive within 1 s"):
+            group.all_reduce(torch.ones(1, 4))
+        return time.monotonic() - start
+
+    waited = in_threads(2, work, timeout_s=1.0)[0]
+    assert waited < 10
+
+
+def test_the_buffer_file_is_gone_once_every_rank_has_mapped_it():
+    def work(group, rank):
+        group.all_reduce(torch.ones(1, 4))
+        return group.path
+
+    paths = in_threads(2, work)
+    assert paths[0] == paths[1] and not paths[0].exists()
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library is off: no GGUF blocks to run")
+def test_two_ranks_over_shared_memory_decode_the_tokens_and_logprobs_of_one(wide_gguf):
+    model = str(wide_gguf("Q4_1"))
+    alone = decode(LLM(model, device="cpu", num_kv_blocks=64))
+    llm = LLM(model, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        assert llm.engine.tp.collectives.local is not None
+        assert decode(llm) == alone
+    finally:
+        llm.engine.close()
