@@ -17,15 +17,16 @@
  * thread, inline, with the same bits. A forked child starts with no workers and spawns its own.
  */
 #define _GNU_SOURCE
-#include <errno.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include "nanoserve.h"
 
@@ -68,6 +69,7 @@ static int64_t now_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
+#if defined(__linux__)
 static void futex_wait(_Atomic uint32_t *word, uint32_t expected) {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
 }
@@ -75,6 +77,14 @@ static void futex_wait(_Atomic uint32_t *word, uint32_t expected) {
 static void futex_wake_all(_Atomic uint32_t *word) {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
 }
+#else /* no futex: a sleeping worker polls every 100 us */
+static void futex_wait(_Atomic uint32_t *word, uint32_t expected) {
+    struct timespec nap = {0, 100000};
+    if (atomic_load(word) == expected) nanosleep(&nap, NULL);
+}
+
+static void futex_wake_all(_Atomic uint32_t *word) { (void)word; }
+#endif
 
 /* The next job word after `seen`: spin a while, then sleep until a caller posts one. */
 static uint64_t next_job(uint64_t seen) {
