@@ -19,6 +19,7 @@ from nanoserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # seeds live in int64 tensors on the device
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI allows 300; a bias is built once per request, but not for free
@@ -153,7 +154,7 @@ class StructuredOutputs:
     """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
     schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regex, a choice
     of strings, or a grammar (Lark, or llama.cpp's GBNF). Checked here for shape only; whether
-    the grammar library can enforce it is `nanoserve.structured`'s verdict, at admission.
+    the grammar library can enforce it is `nanoserve.engine.structured`'s verdict, at admission.
     With `thinking`, the spec holds the answer after a think block (and none of the kinds
     leaves that answer free).
 
@@ -214,7 +215,7 @@ class SamplingParams:
 
     Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
     the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p and min_p, each
-    on what the ones before it kept, renormalized (see `nanoserve.sampler`). `is_greedy`
+    on what the ones before it kept, renormalized (see `nanoserve.engine.sampler`). `is_greedy`
     requests take the argmax, ignore the filters and consume no randomness.
 
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the
@@ -234,7 +235,7 @@ class SamplingParams:
     if two complete at the same character, the longer one is reported. A stop string counts
     only when a token past the first `min_tokens` completes it (it may start earlier).
 
-    As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
+    As in vLLM: `n` choices per prompt (`LLM.generate`, the server; choice i is `for_choice(i)`),
     `skip_special_tokens` leaves special tokens out of the text (shown, they are set apart by
     spaces unless `spaces_between_special_tokens` is false), `truncate_prompt_tokens`
     keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
@@ -341,6 +342,18 @@ class SamplingParams:
             raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
         self._check_structured()
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of a request's n: seed + index, so n seeded choices differ yet each
+        reproduces; the prompt's logprobs are scored once, by choice 0."""
+        if index == 0:
+            return self
+        if self.seed is None:
+            return replace(self, prompt_logprobs=None)
+        if self.seed + index >= MAX_SEED:
+            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got "
+                                      f"seed {self.seed} for choice {index}", param="seed")
+        return replace(self, seed=self.seed + index, prompt_logprobs=None)
+
     def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
         return keep_last_tokens(prompt_ids, self.truncate_prompt_tokens)
@@ -365,8 +378,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy requests take the argmax: temperature 0 or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy requests take the argmax and draw nothing: temperature 0 (or below
+        `MIN_TEMPERATURE`, too small to divide logits by) or top_k 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def reads_output_values(self) -> bool:

@@ -13,6 +13,8 @@ import jsonschema
 import pytest
 from test_server_api import Served, idle_client, serving, tiny_engine, wait_idle
 
+from nanoserve.server.tenants import Tenancy, tenants_from_options
+
 KEY = "sk-test-1"
 HI = [{"role": "user", "content": "Hello there"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
@@ -23,7 +25,8 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    with serving(lambda: tiny_engine(tiny_model_dir), api_key=KEY) as server:
+    tenancy = Tenancy(tuple(tenants_from_options([KEY])))
+    with serving(lambda: tiny_engine(tiny_model_dir), tenancy=tenancy) as server:
         yield server
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
@@ -328,13 +327,16 @@ async def create_message(request: Request) -> Response:
 
 
 async def _check_key(request: Request) -> None:
-    """Anthropic's clients send the key as x-api-key; a Bearer token works as on /v1."""
-    key = state_of(request).api_key
+    """Anthropic's clients send the key as x-api-key; a Bearer token works as on /v1. Either
+    names the request's tenant, as `routes.require_api_key` does."""
+    tenancy = state_of(request).tenancy
     given = request.headers.get("x-api-key")
-    if key is None or (given is not None and secrets.compare_digest(given.strip().encode(), key.encode())):
+    if given is not None and tenancy.guarded:
+        tenant = tenancy.find(given.strip())
+        if tenant is None:
+            raise APIError(401, "incorrect API key in x-api-key", code="invalid_api_key")
+        request.state.tenant = tenant
         return
-    if given is not None:
-        raise APIError(401, "incorrect API key in x-api-key", code="invalid_api_key")
     try:
         await routes.require_api_key(request)
     except APIError:

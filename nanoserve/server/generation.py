@@ -1,9 +1,10 @@
 """Generation: one request's planned sequences running on the engine thread, and unary answers.
 
 Owns: admission (`check_capacity`: a 400 for a request that could never fit, a 503 while the
-server is full), `Generation` (adds the sequences, reads their outputs from one queue, records
-their latencies, aborts whatever is still running on `close`), and the unary response: collect
-every output, or stop early and abort if the client hangs up.
+server is full), `Generation` (adds the sequences under their tenant's cache scope and fair
+share parent, reads their outputs from one queue, records their latencies and their tenant's
+counts, aborts whatever is still running on `close` and leaves the tenant's in-flight count),
+and the unary response: collect every output, or stop early and abort if the client hangs up.
 Refuses: deciding what a request may ask for (planning did), SSE (`streaming`), and touching
 the engine other than through `AsyncEngine`.
 """
@@ -27,9 +28,10 @@ from nanoserve.server.protocol import Kind, TextOffset, TokenText
 from nanoserve.server.state import ServerState, unavailable
 
 if TYPE_CHECKING:
-    from nanoserve.output import RequestOutput, TokenLogprob
+    from nanoserve.engine.output import RequestOutput, TokenLogprob
     from nanoserve.server.planning import PlannedSequence
     from nanoserve.server.reasoning import ReasoningReader
+    from nanoserve.server.tenants import Tenant
     from nanoserve.server.tool_calls import ToolCallReader
 
 
@@ -95,11 +97,15 @@ class Generation:
     arrival_s: float
     queue: asyncio.Queue
     choices: dict[str, Choice]
+    tenant: Tenant | None = None
     error: BaseException | None = None
+    closed: bool = False
 
     @classmethod
     def start(cls, state: ServerState, plan: list[PlannedSequence], arrival_s: float, *,
-              request_id: str) -> Generation:
+              request_id: str, tenant: Tenant | None) -> Generation:
+        """Add the plan's sequences as one client request of `tenant` (None: the server has no
+        keys): its cache scope salts their params, its fair share parent groups them."""
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{seq.index}" for seq in plan]
         choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
@@ -110,10 +116,14 @@ class Generation:
                                   reasoning=seq.reasoning.reader() if seq.reasoning is not None else None,
                                   reasoning_shown=seq.reasoning is None or seq.reasoning.include)
                    for seq_id, seq in zip(ids, plan, strict=True)}
-        generation = cls(state, request_id, arrival_s, queue, choices)
+        generation = cls(state, request_id, arrival_s, queue, choices, tenant)
+        tenancy = state.tenancy
+        tenancy.enter(tenant)
+        parent_id = tenancy.parent_id(tenant, request_id)
         for seq_id, seq in zip(ids, plan, strict=True):
             try:
-                state.async_engine.add(seq_id, seq.prompt_ids, seq.params, queue, parent_id=request_id)
+                params = tenancy.scoped_params(seq.params, tenant)
+                state.async_engine.add(seq_id, seq.prompt_ids, params, queue, parent_id=parent_id)
             except EngineUnavailableError as error:
                 generation.close()
                 raise unavailable(str(error), state.limits) from None
@@ -161,18 +171,31 @@ class Generation:
             if isinstance(output.stop_reason, int) and output.stop_reason not in choice.stop_token_ids:
                 choice.stop_reason = None  # EOS, as vLLM reports it; a stop_token_ids hit names its id
             metrics.e2e.observe(now - self.arrival_s)
-            metrics.finished[output.finish_reason] += 1
+            metrics.count_finished(output.finish_reason, self._tenant_name)
 
     def close(self) -> None:
-        """Abort every sequence still running (the client left, or the request failed)."""
+        """Abort every sequence still running (the client left, or the request failed); the
+        first call also counts the request for its tenant and leaves its in-flight count."""
         for choice in self.choices.values():
             if not choice.finished and not choice.aborted:
                 self.state.async_engine.abort(choice.request_id)
                 self._count_abort(choice)
+        if self.closed:
+            return
+        self.closed = True
+        self.state.tenancy.leave(self.tenant)
+        if self.tenant is not None:
+            usage = self.usage()
+            self.state.metrics.count_tokens(self.tenant.name, usage["prompt_tokens"],
+                                            usage["completion_tokens"])
+
+    @property
+    def _tenant_name(self) -> str | None:
+        return self.tenant.name if self.tenant is not None else None
 
     def _count_abort(self, choice: Choice) -> None:
         choice.aborted = True
-        self.state.metrics.finished["abort"] += 1
+        self.state.metrics.count_finished("abort", self._tenant_name)
 
     def usage(self) -> dict[str, Any]:
         prompt_tokens = {c.prompt_index: c.num_prompt_tokens for c in self.choices.values()}

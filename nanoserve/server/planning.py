@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.errors import InvalidRequestError
 from nanoserve.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_SEED,
     SamplingParams,
     StructuredOutputs,
     keep_last_tokens,
@@ -36,7 +35,7 @@ from nanoserve.server.structured_fields import structured_outputs
 from nanoserve.server.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,14 +351,6 @@ def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: Serv
 
 
 def _params_for(body: RequestBody, base: SamplingParams, max_tokens: int, j: int) -> SamplingParams:
-    """Choice j's parameters: its max_tokens, and seed + j so n seeded choices differ yet reproduce."""
-    changes: dict[str, Any] = {"max_tokens": max_tokens}
-    if j:
-        changes["prompt_logprobs"] = None  # a prompt is scored once, by its first choice
-    if base.seed is not None and j:
-        if base.seed + j >= MAX_SEED:
-            raise bad_request(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got seed "
-                              f"{base.seed} with n={body.n}", "seed")
-        changes["seed"] = base.seed + j
+    """Choice j's parameters: its prompt's max_tokens, the rest as `SamplingParams.for_choice`."""
     with refusals_as_400(body):
-        return dataclasses.replace(base, **changes)
+        return dataclasses.replace(base.for_choice(j), max_tokens=max_tokens)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from nanoserve.output import TokenLogprob
+    from nanoserve.engine.output import TokenLogprob
     from nanoserve.tokenizer import Tokenizer
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]

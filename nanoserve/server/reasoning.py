@@ -11,7 +11,7 @@ it: `enable_thinking: false`), and the think block its grammar puts ahead of the
 structured outputs and tool grammars start at the end tag, and a thinking budget forces the
 end tag when it is spent); `ReasoningReader`, one choice's text into reasoning and content,
 whole or streamed, and its count of reasoning tokens (the block's tokens, its tags included).
-Refuses: compiling grammars (`nanoserve.structured` does) and the chat's protocol fields
+Refuses: compiling grammars (`nanoserve.engine.structured` does) and the chat's protocol fields
 (`protocol`, `planning` read them).
 """
 

@@ -27,7 +27,7 @@ from nanoserve.server.protocol import Kind, RequestBody, TokenText
 from nanoserve.server.state import unavailable
 
 if TYPE_CHECKING:
-    from nanoserve.output import RequestOutput
+    from nanoserve.engine.output import RequestOutput
 
 log = logging.getLogger("nanoserve.server")
 SSE_DONE = "data: [DONE]\n\n"

@@ -23,12 +23,26 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
 
 While requests of more than one client request (a parent: an HTTP request's prompts and
-choices) run and one decodes, each parent takes at most its fair share of a step's rows
-(`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its requests least
-advanced first, so one request with many choices, a long context or a long prompt slows the
-others by a bounded factor; an arriving prompt that fits whole in the prefill budget is exempt
-(a one-off cost). A request its parent's share holds back lets the ones behind it in the queue
-pass.
+choices, or a tenant's requests) run and one decodes, each parent takes at most its fair share
+of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
+requests least advanced first, so one request with many choices, a long context or a long
+prompt slows the others by a bounded factor; an arriving prompt that fits whole in the prefill
+budget is exempt (a one-off cost). A request its parent's share holds back lets the ones behind
+it in the queue pass.
+
+With the fair share on, a step is *contended* when more than one parent is running or waiting,
+and then no one waits behind another client's prefill:
+- the fair share holds even if nothing decodes yet, with a waiting parent's next prompt among
+  the demands and each parent's prefill demand its slice of the prefill budget (split between
+  the parents with prompt work); with nothing decoding that budget is
+  `max_prefill_tokens_while_decoding` for each such parent. So an arrival beside a long prompt
+  that was prefilling alone is admitted at once, in a short step, and two long prompts take
+  turns rather than one waiting for the other;
+- waiting requests are admitted round-robin by parent, the parents with the fewest running
+  requests first, rather than first come first served behind one client's many prompts;
+- when every slot (`max_num_seqs`) is taken and a parent with nothing running waits, the
+  newest request of the parent holding the most slots is preempted to give it one.
+A long prompt alone (one parent) still prefills with the whole step budget.
 
 With speculation, a decoding request also carries the drafts the engine proposed for it
 (`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
@@ -51,14 +65,15 @@ token or string) runs one step too many, and the engine discards that overshoot 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nanoserve.block_pool import BlockPool, block_keys, chain_root
+from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
+from nanoserve.engine.fair_share import FairShare
+from nanoserve.engine.request import NewToken, Request, RequestStatus
 from nanoserve.errors import InvalidRequestError
-from nanoserve.fair_share import FairShare, sampling_units
-from nanoserve.request import NewToken, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +133,12 @@ class StepBudget:
     tokens: int
     prefill_tokens: int
     decoding: bool = False  # some running request decodes this step
+    contended: bool = False  # the fair share is on and more than one parent runs or waits
+
+    @property
+    def shared(self) -> bool:
+        """Whether the prefill budget and the fair share hold this step."""
+        return self.decoding or self.contended
 
     def grant(self, request: Request) -> int:
         """How many of the request's uncomputed tokens fit: a decode (one token) needs only the
@@ -190,35 +211,90 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._step_budget()
-        self.share.begin_step(self._demands(budget) if self.share.enabled else {}, budget.decoding)
+        contended = self.share.enabled and len({r.parent for r in (*self.running, *self.waiting)}) > 1
+        if contended:
+            self._give_newcomers_slots(out)
+        budget = self._step_budget(contended)
+        self.share.begin_step(self._demands(budget) if self.share.enabled else {}, budget.shared)
+        num_preempted = len(out.preempted)
         self._schedule_running(out, budget)
-        if not out.preempted:
+        if len(out.preempted) == num_preempted:  # no one was preempted for blocks
             self._admit_waiting(out, budget)
         self.share.end_step()
         return out
 
-    def _step_budget(self) -> StepBudget:
+    def _step_budget(self, contended: bool) -> StepBudget:
+        """While a request decodes, prompts share the prefill cap; in a contended step where
+        none decodes yet, each parent with prompt work may have the cap's worth (so an arrival
+        beside a long prompt waits one short step, and a burst of arrivals is not slowed)."""
         tokens = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         decoding = any(request.num_uncomputed_tokens == 1 for request in self.running)
-        return StepBudget(tokens, min(tokens, cap) if decoding and cap is not None else tokens, decoding)
+        budget = StepBudget(tokens, tokens, decoding, contended)
+        if cap is not None and decoding:
+            budget.prefill_tokens = min(tokens, cap)
+        elif cap is not None and contended:
+            budget.prefill_tokens = min(tokens, cap * len(self._prefilling_parents()))
+        return budget
+
+    def _prefilling_parents(self) -> set[str]:
+        """The parents with prompt work this step: running prefills, and waiting parents' heads."""
+        return ({r.parent for r in self.running if r.num_uncomputed_tokens > 1}
+                | {r.parent for r in self._waiting_heads()})
 
     def _demands(self, budget: StepBudget) -> dict[str, float]:
-        """The row units each running parent would take this step with no fair share."""
+        """The row units each parent would take this step with no fair share: the running ones,
+        and in a contended step each waiting parent's next prompt; a prompt chunk counts at
+        most the parent's slice of the prefill budget."""
+        heads = self._waiting_heads() if budget.contended else []
+        slice_tokens = budget.prefill_tokens
+        if budget.contended:
+            slice_tokens = max(1, slice_tokens // max(1, len(self._prefilling_parents())))
         demands: dict[str, float] = {}
-        for request in self.running:
+        for request in (*self.running, *heads):
             wanted = request.num_uncomputed_tokens
-            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, budget.prefill_tokens)
+            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, slice_tokens)
             units = self.share.units(tokens, request.num_computed_tokens + tokens, self._row_extra(request))
             demands[request.parent] = demands.get(request.parent, 0.0) + units
         return demands
 
-    @staticmethod
-    def _row_extra(request: Request) -> float:
+    def _waiting_heads(self) -> list[Request]:
+        """The first waiting request of each parent with nothing running."""
+        running = {r.parent for r in self.running}
+        heads: dict[str, Request] = {}
+        for request in self.waiting:
+            if request.parent not in running:
+                heads.setdefault(request.parent, request)
+        return list(heads.values())
+
+    def _waiting_order(self, contended: bool) -> list[Request]:
+        """First come first served; in a contended step round-robin by parent, the parents with
+        the fewest running requests first (then by their first waiting request)."""
+        if not contended:
+            return list(self.waiting)
+        by_parent: dict[str, list[Request]] = {}
+        for request in self.waiting:
+            by_parent.setdefault(request.parent, []).append(request)
+        running = Counter(r.parent for r in self.running)
+        queues = sorted(by_parent.values(), key=lambda queue: running[queue[0].parent])
+        return [request for turn in itertools.zip_longest(*queues) for request in turn if request is not None]
+
+    def _give_newcomers_slots(self, out: SchedulerOutput) -> None:
+        """With every slot taken, preempt for each waiting parent with nothing running the
+        newest request of the parent holding the most slots, if it holds more than one."""
+        for newcomer in self._waiting_heads():
+            if len(self.running) < self.config.max_num_seqs or newcomer.num_pending_tokens:
+                return
+            holders = Counter(r.parent for r in self.running)
+            parent, held = holders.most_common(1)[0]
+            if held < 2:
+                return
+            self._preempt(next(r for r in reversed(self.running) if r.parent == parent), out)
+
+    def _row_extra(self, request: Request) -> float:
         """What each of the request's rows costs the fair share beyond its model row: a decode
         row (and each draft) samples; a prompt chunk's rows do not."""
-        return sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
+        return self.share.cost.sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
 
     def _running_order(self) -> list[Request]:
         """Oldest first; while sharing, each parent's requests together at its oldest one's place,
@@ -275,14 +351,14 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        for request in list(self.waiting):
+        for request in self._waiting_order(budget.contended):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admitted once the token is known
             hits = self._take_cached_prefix(request)
             num_tokens = budget.grant(request)
-            self.share.admit(request.parent, decoding=budget.decoding,
+            self.share.admit(request.parent, decoding=budget.shared,
                              others_running=any(other.parent != request.parent for other in self.running))
             whole = num_tokens == request.num_uncomputed_tokens  # an arrival's one-off: no share
             if not whole:

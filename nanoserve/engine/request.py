@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanoserve.sampler import RowEdits
-    from nanoserve.spec_decode import DraftState
-    from nanoserve.structured import RowGrammar
+    from nanoserve.engine.sampler import RowEdits
+    from nanoserve.engine.spec_decode import DraftState
+    from nanoserve.engine.structured import RowGrammar
     from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 

@@ -22,7 +22,7 @@ new tokens only, so a proposal costs O(ngram_max) dict lookups whatever the cont
 
 How many drafts a request carries (`SpecConfig.allot`; policy "cost", the default): a draft row
 costs compute, and on a CPU whose kernels are compute-bound from one row a step's time grows
-with its rows (`STEP_COST_MS`, measured), so a draft pays only if it is likely to be accepted.
+with its rows (`step_cost.StepCost.step_ms`), so a draft pays only if it is likely to be accepted.
 Each request keeps an estimate `a` of how often a draft of its is accepted given the drafts
 before it were (`DraftState.acceptance`: the accepted share of its last verifications, moving
 back towards 1 a little each step it does not draft, which is how a request that stopped
@@ -42,11 +42,15 @@ that many requests decode.
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from nanoserve.engine.step_cost import PROFILED
 from nanoserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
 
 # A draft id the host does not know: a draft model's draft, which stays on the device until the
 # verification's readback (the model runner fills its input row from the proposal tensor).
@@ -54,16 +58,6 @@ ON_DEVICE = -1
 MAX_SPECULATIVE_TOKENS = 16  # more drafts than this never pays: acceptance falls geometrically
 METHODS = ("ngram", "draft")
 POLICIES = ("cost", "always")
-# The integer kernels compute activation rows four at a time (2 and 4 rows cost the same step:
-# 18.8 and 19.5 ms; 8 rows 35.3), so a step costs what its rows rounded up to a multiple of four
-# cost: one draft row past a full group costs a whole group, not a linear share of one (with
-# linear steps the rule drafted at 16 slots and lost 10%, results/spec_decode_synthetic.csv).
-KERNEL_ROW_GROUP = 4
-# A decode step's forward time (ms) by rows, `nanoserve profile` on Zen 3 (2 cores), the default
-# model in Q4_1, batch-invariant (results/profile_q4_1.csv); rows rounded up to the row group,
-# then linear between the points and past the last at its slope. Only ratios matter to the rule.
-# One row takes its own (cheaper) path.
-STEP_COST_MS = ((1, 12.4), (2, 18.8), (4, 19.5), (8, 35.3), (16, 59.3))
 # The weight of the newest verification in a request's acceptance estimate: half, so a request
 # that stops repeating its context stops drafting within a step or two.
 ACCEPTANCE_WEIGHT = 0.5
@@ -86,6 +80,12 @@ class SpecConfig:
     ngram_max: int = 4
     policy: str = "cost"
     disable_by_batch_size: int | None = None  # no drafts while this many requests decode
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig) -> SpecConfig:
+        return cls(config.speculative_tokens, config.speculative_method, config.speculative_ngram_min,
+                   config.speculative_ngram_max, config.speculative_policy,
+                   config.speculative_disable_by_batch_size)
 
     @property
     def enabled(self) -> bool:
@@ -130,20 +130,8 @@ class SpecConfig:
                 f"got {self.ngram_min}", param="speculative_ngram_min")
 
 
-def step_cost(rows: int, table: Sequence[tuple[int, float]] = STEP_COST_MS,
-              row_group: int = KERNEL_ROW_GROUP) -> float:
-    """A step's time with `rows` decode rows: its rows rounded up to the kernels' row group
-    (past one row), interpolated in `table` (rows ascending)."""
-    if rows > 1:
-        rows = -(-rows // row_group) * row_group
-    for (low, low_ms), (high, high_ms) in itertools.pairwise(table):
-        if rows <= high or high == table[-1][0]:
-            return low_ms + (high_ms - low_ms) * (rows - low) / (high - low)
-    return table[0][1]
-
-
 def cheapest_drafts(candidates: Sequence[tuple[float, int]], decoding: int, max_drafts: int,
-                    cost=step_cost) -> list[int]:
+                    cost: Callable[[int], float] = PROFILED.step_ms) -> list[int]:
     """Drafts per candidate that make the step's expected tokens per unit of time largest.
 
     Candidate r's i-th draft is worth acceptance_r ** i tokens; drafts are taken most likely

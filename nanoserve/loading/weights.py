@@ -1,7 +1,7 @@
 """Loading a Hugging Face style checkpoint directory into a `Llama`.
 
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
-first converted into such a directory (`gguf_import`, `default_model`), so this is the one
+first converted into such a directory (`loading.gguf`, `loading.default_model`), so this is the one
 place weights enter the engine, and the one place config.json is read: `load_weights` returns
 the `ModelConfig` beside the weights. A GGUF run in its own quantization reads its tensors
 from the file instead (`gguf=`): the matrices stay GGUF blocks (nanoserve.quant).
@@ -21,11 +21,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig, family_of
+from nanoserve.distributed.shards import Shard, local_config, shard_of, shard_tensor
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
-from nanoserve.gguf_import import gguf_weights
-from nanoserve.linear import LinearKernel
-from nanoserve.model import Llama, LlamaWeights, hf_tensor_shapes
-from nanoserve.parallel import Shard, local_config, shard_of, shard_tensor
+from nanoserve.loading.gguf import gguf_weights
+from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
+from nanoserve.model.decoder import Llama
+from nanoserve.model.linear import LinearKernel
+from nanoserve.model.weights import LlamaWeights
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -82,7 +84,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
                  shard: Shard | None = None) -> tuple[ModelConfig, LlamaWeights]:
     """`gguf`: read the tensors from that file as they are (blocks stay blocks); `model_dir`
     then only supplies config.json. `log_line` hears what the GGUF path dequantized, and why.
-    `shard`: only that rank's part of every tensor (nanoserve.parallel); the config returned
+    `shard`: only that rank's part of every tensor (nanoserve.distributed.shards); the config returned
     is still the whole model's."""
     config = read_config(model_dir)
     world = shard.world if shard is not None else 1
@@ -95,7 +97,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     else:
         tensors = load_state_dict(model_dir)
     check_tensors(model_dir, local_config(config, world), tensors)
-    weights = LlamaWeights.from_hf_state_dict(local_config(config, world), tensors).to(dtype, device)
+    weights = weights_from_hf(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:
         del tensors
         release_freed_memory()

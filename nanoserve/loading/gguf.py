@@ -1,8 +1,8 @@
 """Import a llama-architecture GGUF file as a Hugging Face style checkpoint directory.
 
 Owns: turning GGUF metadata into config.json, dequantizing every tensor to float32, undoing
-llama.cpp's Q/K row permutation, renaming tensors to HF names, and rebuilding the byte-level
-BPE tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json). And the other
+llama.cpp's Q/K row permutation, renaming tensors to HF names, and writing the tokenizer that
+`gguf_tokenizer` builds (tokenizer.json, tokenizer_config.json, generation_config.json). And the other
 way in: `gguf_weights` reads the tensors as they are (blocks stay blocks, one copy out of the
 file's memory map, Q/K rows permuted as whole rows of blocks) for runs in the file's own
 quantization; `import_metadata` then writes only the config and tokenizer files.
@@ -13,8 +13,10 @@ are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/s
 except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
 (Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
 rotate with base 10000 unless it says `rope.freq_base_swa`.
-Refuses: other architectures, tokenizer models other than gpt2 (byte-level BPE),
-pre-tokenizers without a verified recipe here, and rope scaling other than llama3.
+Refuses: other architectures, tokenizers `gguf_tokenizer` refuses, rope scaling other than
+llama3, and a file whose tensors disagree with its metadata (a tensor of another shape or of an
+integer type, an embedding with another row count than the vocabulary, a missing tensor): each
+named, from the tensor list, before any weight is read.
 It writes into the directory it is given; caching and atomic placement belong to
 `default_model`.
 """
@@ -30,13 +32,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor, TokenType
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import BPE
 
+from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
+from nanoserve.loading.hf_names import hf_tensor_shapes
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
@@ -103,15 +106,22 @@ def import_metadata(source: str | Path | GGUFReader, out_dir: str | Path) -> dic
     reader = source if isinstance(source, GGUFReader) else open_gguf(source)
     meta = read_metadata(reader)
     check_architecture(meta)
-    tokenizer = build_tokenizer(meta)
+    tokenizer = tokenizer_from_gguf(meta)
     config = llama_config(meta, {tensor.name: tensor for tensor in reader.tensors})
+    check_tensors(reader, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
+    write_tokenizer(meta, tokenizer, out)
     write_json(out / "config.json", config)
-    write_json(out / "tokenizer_config.json", tokenizer_config(meta))
-    write_json(out / "generation_config.json", generation_config(meta))
     return config
+
+
+def write_tokenizer(meta: dict[str, Any], tokenizer: GGUFTokenizer, out_dir: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json, as `Tokenizer.from_dir`
+    reads them."""
+    tokenizer.backend.save(str(out_dir / "tokenizer.json"))
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config(meta, tokenizer))
+    write_json(out_dir / "generation_config.json", generation_config(meta))
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
@@ -140,6 +150,42 @@ def check_architecture(meta: dict[str, Any]) -> None:
             f"GGUF architecture {architecture!r} is not supported: "
             f"only {' / '.join(repr(a) for a in ARCHITECTURES)} models can be imported"
         )
+
+
+# Integer tensors are no weights; a file that has one is not what its metadata says.
+_NOT_WEIGHT_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
+    """Each tensor's name, type and shape against what the metadata implies, from the file's
+    tensor list alone: a file that disagrees is refused naming the tensor (or the key it
+    disagrees with) before any weight is read."""
+    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
+    present = set()
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
+            continue
+        name = hf_tensor_name(tensor.name, config.get("model_type"))
+        shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+        _check_type(tensor)
+        if tensor.name == "token_embd.weight" and shape[0] != config["vocab_size"]:
+            raise UnsupportedModelError(
+                f"GGUF tensor 'token_embd.weight' has {shape[0]} rows but 'tokenizer.ggml.tokens' "
+                f"lists {config['vocab_size']} tokens")
+        if name in expected and shape != expected[name]:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name!r} has shape {shape}; the metadata implies {expected[name]}")
+        present.add(name)
+    missing = sorted(expected.keys() - present)
+    if missing:
+        raise UnsupportedModelError(f"GGUF lacks tensors a {config['model_type']} model needs: {missing[:5]}")
+
+
+def _check_type(tensor: ReaderTensor) -> None:
+    type_name = tensor.tensor_type.name
+    if type_name in _NOT_WEIGHT_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF tensor {tensor.name!r} is of type {type_name}, which holds no weights")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -427,42 +473,9 @@ def hf_tensor_name(gguf_name: str, model_type: str | None = "llama") -> str:
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a llama checkpoint")
 
 
-def hf_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The name and shape of every tensor an HF llama checkpoint with `config` holds."""
-    hidden, ffn = config["hidden_size"], config["intermediate_size"]
-    q_rows = config["num_attention_heads"] * config["head_dim"]
-    kv_rows = config["num_key_value_heads"] * config["head_dim"]
-    layer = {
-        "self_attn.q_proj": (q_rows, hidden),
-        "self_attn.k_proj": (kv_rows, hidden),
-        "self_attn.v_proj": (kv_rows, hidden),
-        "self_attn.o_proj": (hidden, q_rows),
-        "mlp.gate_proj": (ffn, hidden),
-        "mlp.up_proj": (ffn, hidden),
-        "mlp.down_proj": (hidden, ffn),
-        "input_layernorm": (hidden,),
-        "post_attention_layernorm": (hidden,),
-    }
-    if config.get("model_type") == "qwen3":
-        layer |= {"self_attn.q_norm": (config["head_dim"],), "self_attn.k_norm": (config["head_dim"],)}
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for i in range(config["num_hidden_layers"]):
-        shapes |= {f"model.layers.{i}.{part}.weight": shape for part, shape in layer.items()}
-        if config.get("model_type") == "qwen2":  # q/k/v biases
-            shapes |= {f"model.layers.{i}.self_attn.{x}_proj.bias": (rows,)
-                       for x, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows))}
-    shapes["model.norm.weight"] = (hidden,)
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    return shapes
-
-
 def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | QuantizedWeight],
                  config: dict[str, Any]) -> None:
-    from nanoserve.config import ModelConfig
-    from nanoserve.model import hf_tensor_shapes as family_shapes
-
-    expected = family_shapes(ModelConfig.from_hf_dict(config))
+    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors a llama model needs: {missing[:5]}")
@@ -476,55 +489,7 @@ def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | Qua
 # ---- tokenizer ----------------------------------------------------------------------------
 
 
-def _byte_level() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _smollm() -> pre_tokenizers.PreTokenizer:
-    # SmolLM's own tokenizer.json: every digit is its own pre-token, then GPT-2's regex.
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
-
-
-# Keyed by llama.cpp's `tokenizer.ggml.pre` names; only recipes checked against real ids.
-_PRE_TOKENIZERS = {"gpt-2": _byte_level, "smollm": _smollm}
-
-
-def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """The byte-level BPE tokenizer the GGUF metadata describes, control tokens as specials."""
-    model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise UnsupportedModelError(
-            f"tokenizer model {model!r} is not supported: only byte-level BPE ('gpt2') is"
-        )
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(merge.split(" ", 1)) for merge in meta["tokenizer.ggml.merges"]]
-    vocab = {token: token_id for token_id, token in enumerate(tokens)}
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    tokenizer.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
-    tokenizer.add_special_tokens(_added(tokens, types, TokenType.CONTROL, special=True))
-    tokenizer.add_tokens(_added(tokens, types, TokenType.USER_DEFINED, special=False))
-    return tokenizer
-
-
-def _pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
-    if name not in _PRE_TOKENIZERS:
-        raise UnsupportedModelError(
-            f"pre-tokenizer {name!r} is not supported; supported: {sorted(_PRE_TOKENIZERS)}"
-        )
-    return _PRE_TOKENIZERS[name]()
-
-
-def _added(tokens: list[str], types: list[int], wanted: TokenType, *, special: bool) -> list[AddedToken]:
-    return [
-        AddedToken(token, special=special, normalized=False)
-        for token, kind in zip(tokens, types, strict=True)
-        if kind == wanted
-    ]
-
-
-def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+def tokenizer_config(meta: dict[str, Any], tokenizer: GGUFTokenizer) -> dict[str, Any]:
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key: str) -> str | None:
@@ -533,8 +498,8 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        # GPT-2 style vocabularies do not add BOS unless the file says so (Llama 3 does).
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": tokenizer.add_eos,
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
         "unk_token": token("unknown_token_id"),
@@ -546,9 +511,8 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    """bos and every end token: eos plus end-of-turn / end-of-message where the file has them."""
-    end_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-    end_ids = sorted({meta[f"tokenizer.ggml.{k}"] for k in end_keys if f"tokenizer.ggml.{k}" in meta})
+    """bos and every end token (`gguf_tokenizer.end_token_ids`)."""
+    end_ids = end_token_ids(meta)
     return {
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": end_ids[0] if len(end_ids) == 1 else end_ids or None,

@@ -3,18 +3,18 @@
 Plain Python over numbers (no torch); the scheduler asks it how much of a step each request may take.
 
 Why: on a CPU a step's cost grows with its rows from the first one (the quantized kernels are
-compute-bound at one row: 12.4 ms at 1 row, 18.8 at 2, 59.3 at 16; Zen 3, Q4_1) and with each
-row's attention context (a decode row over 4,000 cached tokens costs about 10 short rows). So a
+compute-bound at one row) and with each row's attention context (`step_cost` models both). So a
 request with n=16 choices, a long prompt or a long cached context would make every step of an
 ordinary request beside it several times longer (results/neighbours.csv).
 
-The unit is a *row unit*: one computed token (a decode row, a draft, a prompt token) attending
+The unit is `step_cost`'s *row unit*: one computed token (a decode row, a draft, a prompt token) attending
 over a short context; a token attending over C earlier tokens costs 1 + C / context_tokens_per_row
 units, and a row that samples (not greedy) or reports top logprobs costs what the sampler's exact
 path and the host's formatting add (`sampling_units`). Requests are grouped by *parent*, the
 client request they belong to (an HTTP request with all its prompts and n choices, one
 `LLM.generate` call). Model a step as a + b * units, and call the fixed part a / b the step's
-fixed cost in units (about 3 here). A parent p running beside the lightest parent, of u units,
+fixed cost in units (about 3 in the profiled step cost). A parent p running beside the lightest
+parent, of u units,
 slows it by (a + b (u + u_p)) / (a + b u); so while more than one parent runs and some request
 decodes, each parent takes at most u + extra_rows units a step, u the smallest demand among the
 running parents. The lightest runs whole; equal requests (a plain crowd) are never held back,
@@ -29,46 +29,24 @@ below 2 for any u.
 - An arriving prompt that fits whole in the step's prefill budget is computed at once: that is
   the one-off cost of an arrival, not the steady cost this bounds; a longer prompt is chunked
   to its share.
-- A parent alone, or steps where nothing decodes, are never held back.
+- A parent alone is never held back. A step where nothing decodes is shared only when another
+  parent runs or waits (the scheduler's contended step: a waiting parent's next prompt is one
+  of the demands, and each prompt's demand is its parent's slice of the prefill budget), so an
+  arrival is not stuck behind a long prompt that was prefilling alone.
 
 Which step computes a token never changes the token (batch invariance), so tokens and logprobs
 are the same with the share on or off; only who waits changes, and the heavy request's own
 throughput drops while it has neighbours. vLLM and SGLang bound prefill per step but not a
-request's decode rows; a client that splits its work into many requests (or many `user`s) is
-not one parent here.
+request's decode rows. A client that splits its work into many requests is one parent only
+when the server knows it: `nanoserve serve` with more than one API key makes each tenant one
+parent (server/tenants.py); otherwise each HTTP request is its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from nanoserve.sampling_params import SamplingParams
-
-# Attention context tokens that cost as much as one extra row: a decode row's attention over
-# 4,000 cached tokens takes ~0.6 ms a layer, ~20 ms a step, against ~3 ms for one more row, on
-# the Q4_1 default (2-core Zen 3; the native kernel reads each K/V head once for its group of
-# query heads; results/README.md has the commands).
-CONTEXT_TOKENS_PER_ROW = 600
-# What a decode row's sampling adds, in row units (a model row is ~3 ms here): the sampler's
-# exact draw for one row beside a greedy one, timed on the default model's vocabulary (49,152)
-# the way `nanoserve syncbench` times its mixes: a plain temperature draw ~0.9 ms, typical_p
-# ~2.9 ms, top_n_sigma ~2.0 ms, both ~4.5 ms, 20 top logprobs ~2.5 ms (top-k and log-softmax
-# over the vocabulary, then the host formats them).
-SAMPLED_ROW_UNITS = 0.3
-TYPICAL_ROW_UNITS = 1.0
-SIGMA_ROW_UNITS = 0.7
-LOGPROB_ALTERNATIVE_UNITS = 0.04
-
-
-def sampling_units(params: SamplingParams) -> float:
-    """What a decode row of a request with these parameters costs beyond its model row."""
-    units = (params.logprobs or 0) * LOGPROB_ALTERNATIVE_UNITS
-    if params.is_greedy:
-        return units
-    return (units + SAMPLED_ROW_UNITS + TYPICAL_ROW_UNITS * (params.typical_p < 1)
-            + SIGMA_ROW_UNITS * (params.top_n_sigma > 0))
+from nanoserve.engine.step_cost import PROFILED, StepCost
 
 
 @dataclass(slots=True)
@@ -76,7 +54,7 @@ class FairShare:
     """Each parent's row units for the step being scheduled, and what carries to the next."""
 
     extra_rows: float
-    context_tokens_per_row: int = CONTEXT_TOKENS_PER_ROW
+    cost: StepCost = PROFILED
     credit: dict[str, float] = field(default_factory=dict)  # units left this step, by parent
     blocked: dict[str, float] = field(default_factory=dict)  # cost of the row that did not fit
     lightest: float = 0.0  # the smallest demand among the parents running at the step's start
@@ -88,12 +66,11 @@ class FairShare:
         return self.extra_rows != float("inf")
 
     def units(self, num_tokens: int, context: int, extra: float = 0.0) -> float:
-        """The cost of `num_tokens` tokens whose last attends over `context` tokens (a bound),
-        each costing `extra` more (a sampled decode row's `sampling_units`)."""
-        return num_tokens * (1 + extra + context / self.context_tokens_per_row)
+        return self.cost.units(num_tokens, context, extra)
 
     def begin_step(self, demands: dict[str, float], decoding: bool) -> None:
-        """Give each running parent its share, from what each would take unbounded."""
+        """Give each parent its share, from what each would take unbounded; `decoding`: whether
+        the step is shared at all (some request decodes, or the scheduler finds it contended)."""
         self.lightest = min(demands.values(), default=0.0)
         self.active = decoding and len(demands) > 1 and self.enabled
         if not self.active:

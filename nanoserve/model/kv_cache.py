@@ -52,7 +52,7 @@ class KVCache:
         seqs, blocks = block_tables.shape
         flat = block_tables.reshape(-1)
         # index_select copies whole blocks; advanced indexing (cache[tables]) copies element by
-        # element and was 4x slower here.
+        # element, several times slower (results/README.md, "Measured design choices").
         k = self.k[layer].index_select(1, flat)
         v = self.v[layer].index_select(1, flat)
         shape = (k.shape[0], seqs, blocks * self.block_size, k.shape[-1])

@@ -51,47 +51,56 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
-from nanoserve import native, parallel
-from nanoserve.block_pool import BlockPool
-from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, FAIR_SHARE_ROWS_DEFAULT, EngineConfig, ModelConfig
-from nanoserve.default_model import ModelSource, resolve_model
-from nanoserve.draft_model import DraftModel
+from nanoserve import native
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, FAIR_SHARE_ROWS_DEFAULT, EngineConfig
+from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
+from nanoserve.distributed.shards import local_config
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.draft_model import DraftModel
+from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
+from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
+from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.spec_decode import (
+    MAX_SPECULATIVE_TOKENS,
+    SpecConfig,
+    accepted_prefix,
+)
+from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
-from nanoserve.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from nanoserve.linear import KernelChoice, KernelUnavailableError, choose_kernel
-from nanoserve.machine import cache_root
-from nanoserve.model import Llama, LlamaWeights
-from nanoserve.model_runner import DeviceDrafts, ModelRunner, PreparedStep
-from nanoserve.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
-from nanoserve.request import Request, RequestStatus
+from nanoserve.loading.default_model import ModelSource, resolve_model
+from nanoserve.loading.weights import load_weights, read_config
+from nanoserve.model.decoder import Llama
+from nanoserve.model.kv_cache import KVCache
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS, ON_DEVICE, DraftState, SpecConfig, accepted_prefix
-from nanoserve.structured import GrammarCompiler
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.weights import load_weights, read_config
+from nanoserve.worker.rank import (
+    Rank,
+    blocks_file,
+    choose_rank_kernel,
+    load_rank_weights,
+    num_kv_blocks,
+    pick_device,
+    pick_dtype,
+    resolve_source,
+    set_threads,
+    start_tensor_parallel,
+    weight_format,
+)
 
 log = logging.getLogger("nanoserve")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# --dtype quantized: a GGUF's matrices run as the file's own blocks (float32 activations);
-# "auto" picks it for a GGUF on a CPU with the native kernels, as llama.cpp runs GGUF files.
-QUANTIZED = "quantized"
 PHASES = ("schedule", "prepare", "forward", "sample", "collect")
-# Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
-# everything else, so a fraction of free memory alone would make start-up slow and greedy.
-CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
 
 
 @dataclass(slots=True)
@@ -118,135 +127,52 @@ class EngineStats:
         return sum(self.phase_s.values())
 
 
-def pick_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError("device 'cuda' asked for, but torch sees no CUDA GPU", param="device")
-    return device
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The dtype of activations and the KV cache (float32 for quantized weights)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == QUANTIZED:
-        return torch.float32
-    if name not in DTYPES:
-        raise InvalidRequestError(f"dtype {name!r} is not one of {sorted(DTYPES)}, {QUANTIZED!r} or 'auto'",
-                                  param="dtype")
-    return DTYPES[name]
-
-
-def check_quantize(config: EngineConfig, device: torch.device) -> None:
-    """--quantize: a known format, float32 activations, on the CPU (before any model loads)."""
-    from nanoserve.quant import QUANTIZERS
-
-    if config.quantize is None:
-        return
-    if config.quantize not in QUANTIZERS:
-        raise InvalidRequestError(f"{config.quantize!r} is not a format nanoserve quantizes to; choose "
-                                  f"from {', '.join(QUANTIZERS)}", param="quantize")
-    if config.dtype not in ("auto", "float32") or device.type != "cpu":
-        raise InvalidRequestError("quantized weights run on the CPU with float32 activations; drop "
-                                  f"--dtype {config.dtype} or --device {device.type}", param="quantize")
-
-
-def wants_blocks(config: EngineConfig, device: torch.device) -> bool:
-    """Whether a GGUF model should keep its blocks (rather than load float weights)."""
-    if device.type != "cpu" or config.quantize is not None:
-        return False
-    return config.dtype == QUANTIZED or (config.dtype == "auto" and native.library() is not None)
-
-
-def set_threads(threads: int | None) -> int:
-    """Pin torch's CPU thread count (process-wide): the kernel choice is measured at it."""
-    if threads is not None and threads < 1:
-        raise InvalidRequestError(f"threads must be at least 1; got {threads}", param="threads")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(threads or cores)
-    return torch.get_num_threads()
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
-
-
-def load_rank_weights(config: EngineConfig, model_dir: Path, gguf: Path | None, dtype: torch.dtype,
-                      device: torch.device, shard: parallel.Shard | None,
-                      notes: list[str]) -> tuple[ModelConfig, LlamaWeights]:
-    """The weights this process runs (a rank's shard with `shard`), quantized by --quantize, and
-    dequantized where no native kernel runs their blocks; `notes` hears how, in one line each."""
-    model_config, weights = load_weights(model_dir, dtype=dtype, device=device, gguf=gguf,
-                                         log_line=notes.append, shard=shard)
-    if config.quantize is not None:
-        weights = weights.quantized(config.quantize)
-    if weights.is_quantized() and native.library() is None:
-        notes.append(f"weights: {_weight_format(weights)} dequantized to float32 at load "
-                     "(the native kernels that run its blocks are off)")
-        weights = weights.dequantized()
-    elif weights.is_quantized():
-        notes.append(f"weights: {_weight_format(weights)} blocks, {weights.nbytes() / 1e6:.1f} MB")
-    return model_config, weights
-
-
-def _weight_format(weights: LlamaWeights) -> str:
-    """How the matrices are held: 'q4_1+q8_0' (layers' formats, then the head's), or a dtype."""
-    from nanoserve.quant import format_names
-
-    names = [n for m in [*weights.layers[0].matrices(), weights.lm_head] for n in format_names(m)]
-    return "+".join(dict.fromkeys(names))
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        """Check the options, build this process's rank (and start the other ranks' workers with
+        tensor parallelism), then the scheduler, the runner and the output processor."""
         self.config = config
-        self.spec = SpecConfig(config.speculative_tokens, config.speculative_method,
-                               config.speculative_ngram_min, config.speculative_ngram_max,
-                               config.speculative_policy, config.speculative_disable_by_batch_size)
+        self.spec = SpecConfig.from_engine(config)
         self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.threads = set_threads(parallel.rank_threads(config))
+        self.threads = set_threads(rank_threads(config))
         # Built (or found in the cache) before the weights load: the kernel choice may use it.
         self.native_summary = native.status()
         self.weight_notes: list[str] = []  # start-up lines on how the weights were loaded
-        self.source = self._resolve_model()
+        self.source = resolve_source(config, self.device, self.weight_notes)
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
         # Tensor parallelism: the workers start here, after every check that needs none of them.
-        self.tp = parallel.start(config, read_config(self.model_dir), model_dir=self.model_dir,
-                                 gguf=self._gguf_blocks(), device=self.device)
-        model_config, weights = self._load_weights()
+        self.tp = start_tensor_parallel(config, self.source, self.device)
+        self.model_config, weights = load_rank_weights(
+            config, self.model_dir, blocks_file(config, self.source, self.device), self.dtype, self.device,
+            self.tp.shard if self.tp is not None else None, self.weight_notes)
         self.weights_nbytes = weights.nbytes()  # this rank's, with tensor parallelism
         if self.tp is not None:
             self.weight_notes.append(f"tensor parallel: {config.tensor_parallel_size} ranks; rank 0 holds "
                                      f"{self.weights_nbytes / 1e6:.1f} MB of weights")
-        self.weight_format = _weight_format(weights)
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
-        self.kernel_choice = self._choose_linear_kernel(weights)
-        collectives = self.tp.make_collectives(model_config, config.batch_invariant) if self.tp else None
-        # With tensor parallelism, `model` is rank 0's shard (its config the shard's) and the
-        # runner's model is every rank's (`parallel.ShardedModel`).
-        self.model = Llama(parallel.local_config(model_config, config.tensor_parallel_size), weights,
-                           batch_invariant=config.batch_invariant, linear_kernel=self.kernel_choice.kernel,
-                           max_positions=self.max_model_len, tensor_parallel=collectives)
-        self.model_config = model_config
-        num_blocks = self._num_kv_blocks()
+        self.weight_format = weight_format(weights)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.kernel_choice = choose_rank_kernel(config, weights, self.device)
+        local = local_config(self.model_config, config.tensor_parallel_size)
+        plan = RankPlan(self.kernel_choice.kernel.name,
+                        num_kv_blocks(config, local, self.dtype, self.device, self.max_model_len),
+                        self.max_model_len)
         if self.tp is not None:
-            parallel.send_setup(self.tp, self.kernel_choice.kernel.name, num_blocks, self.max_model_len)
-        self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
-        self.kv_cache = KVCache(self.model.config, num_blocks, config.block_size, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks, config.block_size)
+            self.tp.send_plan(plan)
+        collectives = (self.tp.make_collectives(self.model_config, config.batch_invariant)
+                       if self.tp is not None else None)
+        rank = Rank.build(config, self.model_config, weights, plan, dtype=self.dtype, device=self.device,
+                          collectives=collectives)
+        # With tensor parallelism, `model` is rank 0's shard (its config the shard's) and the
+        # runner's model is every rank's (`ShardedModel`).
+        self.model, self.kv_cache = rank.model, rank.kv_cache
+        self.draft = self._load_draft_model(self.draft_source, plan.num_blocks) if self.draft_source else None
+        self.drafter = self._drafter()
+        self.pool = BlockPool(plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             enable_prefix_caching=config.enable_prefix_caching,
@@ -254,7 +180,7 @@ class Engine:
                             fair_share_rows=self._fair_share_rows()),
             self.pool,
         )
-        runner_model = parallel.ShardedModel(self.model, model_config, self.tp) if self.tp else self.model
+        runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
         self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
                                   device=self.device)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -279,57 +205,22 @@ class Engine:
         log.info(self.kernel_summary)
         log.info(self.kv_cache_summary)
 
-    def _resolve_model(self) -> ModelSource:
-        cfg = self.config
-        check_quantize(cfg, self.device)
-        blocks = wants_blocks(cfg, self.device)
-        source = resolve_model(cfg.model, float_weights=not blocks)
-        if cfg.quantize is not None and source.gguf is not None:
-            raise InvalidRequestError(f"{source.gguf.name} is a GGUF model, already quantized; drop "
-                                      "--quantize (the file runs in its own quantization by default)",
-                                      param="quantize")
-        if cfg.dtype == QUANTIZED and source.gguf is None:
-            raise InvalidRequestError(f"{QUANTIZED!r} runs a GGUF file's own blocks, and {source.dir} is a "
-                                      "float checkpoint; quantize it with --quantize q8_0 or q4_0",
-                                      param="dtype")
-        if source.gguf is not None and not blocks and self.device.type == "cpu" and cfg.dtype == "auto":
-            self.weight_notes.append(f"weights: {source.gguf.name} dequantized to float32 at load "
-                                     "(the native kernels that run its blocks are off)")
-        return source
-
-    def _gguf_blocks(self) -> Path | None:
-        """The GGUF file whose blocks the weights are read from, if they are."""
-        return self.source.gguf if wants_blocks(self.config, self.device) else None
-
-    def _load_weights(self) -> tuple[ModelConfig, LlamaWeights]:
-        shard = self.tp.shard if self.tp is not None else None
-        return load_rank_weights(self.config, self.model_dir, self._gguf_blocks(), self.dtype, self.device,
-                                 shard, self.weight_notes)
-
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
         if self.tp is not None:
             self.tp.close()
-
-    def _choose_linear_kernel(self, weights: LlamaWeights) -> KernelChoice:
-        cfg = self.config
-        try:
-            choice = choose_kernel(weights.probe_shape(), device=self.device, max_rows=cfg.max_num_seqs,
-                                   prefill_rows=cfg.max_num_batched_tokens,
-                                   batch_invariant=cfg.batch_invariant, forced=cfg.linear_kernel,
-                                   cache_path=cache_root() / "linear_kernels.json")
-        except KernelUnavailableError as error:
-            raise InvalidRequestError(str(error), param=error.option) from error
-        if cfg.batch_invariant and not choice.batch_invariant:
-            log.warning("no batch-invariant linear kernel on this machine: a request's tokens may "
-                        "depend on what shares its steps")
-        return choice
 
     def _fair_share_rows(self) -> float:
         """The configured fair share, or the device's default (off where none is measured)."""
         if self.config.fair_share_rows is not None:
             return self.config.fair_share_rows
         return FAIR_SHARE_ROWS_DEFAULT.get(self.device.type, float("inf"))
+
+    def _drafter(self) -> Drafter | None:
+        if not self.spec.enabled:
+            return None
+        proposer = DraftModelProposer(self.draft) if self.draft is not None else NgramProposer()
+        return Drafter(self.spec, proposer)
 
     def _resolve_draft_model(self) -> ModelSource:
         """The draft model's checkpoint, refused before any weights load unless its vocabulary
@@ -364,21 +255,6 @@ class Engine:
         cached = ", cached verdict" if choice.from_cache else ""
         return (f"linear kernel: {choice.kernel.name} ({mode} forward, {self.threads} threads{cached}): "
                 f"{choice.reason}")
-
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        budget = (cfg.kv_cache_gb * 2**30 if cfg.kv_cache_gb is not None
-                  else cfg.kv_cache_fraction * available_memory_bytes(self.device))
-        if cfg.kv_cache_gb is None and self.device.type == "cpu":
-            budget = min(budget, CPU_DEFAULT_KV_CACHE_BYTES)
-        # No point holding more than every sequence at full length could use.
-        useful = cfg.max_num_seqs * self.max_model_len
-        # The model's own config: with tensor parallelism, a rank holds only its K/V heads.
-        per_block = bytes_per_block(self.model.config, cfg.block_size, self.dtype)
-        wanted = min(int(budget), -(-useful // cfg.block_size) * per_block)
-        return num_blocks_for_budget(self.model.config, cfg.block_size, self.dtype, wanted)
 
     @property
     def kv_cache_summary(self) -> str:
@@ -445,8 +321,8 @@ class Engine:
         if request is None:
             return None
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        if self.draft is not None:
-            self.draft.release(self.requests)
+        if self.drafter is not None:
+            self.drafter.proposer.release(self.requests)
         return self.outputs.aborted(request)
 
     def has_unfinished(self) -> bool:
@@ -518,57 +394,8 @@ class Engine:
             return self._collect(step.plan, step.tokens)
 
     def _propose_drafts(self) -> DeviceDrafts | None:
-        """Drafts for every decoding request, as many as `SpecConfig.allot` finds worth their
-        rows: from its own tokens (prompt lookup), or from the draft model, all drafting
-        requests in one proposal that stays on the device (the requests' draft ids say how
-        many, as `ON_DEVICE`)."""
-        if not self.spec.enabled:
-            return None
-        for request in self.scheduler.running:
-            request.draft_ids = []
-        decoding = [request for request in self.scheduler.running if request.num_uncomputed_tokens == 1]
-        candidates = self._draft_candidates(decoding)
-        counts = self.spec.allot([(request.draft_state.acceptance, self.spec.num_tokens if lookup is None
-                                   else len(lookup)) for request, lookup in candidates], len(decoding))
-        for (request, lookup), k in zip(candidates, counts, strict=True):
-            if k == 0:
-                request.draft_state.idle()
-            elif lookup is not None:
-                request.draft_ids = lookup[:k]
-        if self.draft is None:
-            return None
-        chosen = {request.request_id: k for (request, _), k in zip(candidates, counts, strict=True) if k}
-        drafts = self.draft.propose([self.requests[request_id] for request_id in chosen],
-                                    max(chosen.values(), default=0))
-        for request_id in drafts.request_ids if drafts is not None else ():
-            self.requests[request_id].draft_ids = [ON_DEVICE] * chosen[request_id]
-        return drafts
-
-    def _draft_candidates(self, decoding: list[Request]) -> list[tuple[Request, list[int] | None]]:
-        """The decoding requests that may draft this step, each with its prompt-lookup drafts
-        (None: the draft model's, not proposed yet); the others' estimates recover a step."""
-        candidates = []
-        for request in decoding:
-            # A draft row would need the grammar's state after the drafts before it: constrained
-            # requests decode one token a step. A penalty or bad word reads the drafts' values to
-            # sample the rows after them, and a draft model's drafts reach the host only with
-            # the verification: with a draft model, those decode plainly too.
-            if request.grammar is not None or (self.draft is not None and request.params.reads_output_values):
-                continue
-            if request.draft_state is None:
-                request.draft_state = DraftState.for_config(self.spec)
-            state = request.draft_state
-            if self.draft is None:
-                lookup = state.propose(request.token_ids(state.num_indexed, request.num_tokens),
-                                       self.spec.num_tokens)
-                drafting = bool(lookup)
-            else:
-                lookup, drafting = None, state.ready()
-            if drafting:
-                candidates.append((request, lookup))
-            else:
-                state.idle()
-        return candidates
+        """This step's drafts for every decoding request (`engine.proposers`)."""
+        return self.drafter.propose(self.scheduler.running) if self.drafter is not None else None
 
     def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
         """The step's one readback; each request's run (one token, or a verified speculative
@@ -577,7 +404,7 @@ class Engine:
         drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
         drafts.update(host.drafts)  # a draft model's, seen here first
         for request_id, draft_ids in host.drafts.items():
-            self.draft.confirm(request_id, draft_ids)
+            self.drafter.proposer.confirm(request_id, draft_ids)
         planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks if chunk.samples}
         for scored in host.prompt:  # before the runs: a request's first output carries them
             request = self.requests.get(scored.request_id)
@@ -601,8 +428,8 @@ class Engine:
             outputs.append(output)
         self.scheduler.update_after_step(plan, new_tokens)
         self.stats.generation_tokens += len(new_tokens)
-        if self.draft is not None:
-            self.draft.release(self.requests)
+        if self.drafter is not None:
+            self.drafter.proposer.release(self.requests)
         return outputs
 
     def _verified(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.request import NewToken, OutputState, Request, RequestStatus
-from nanoserve.sampler import PromptScores, SampledTokens
+from nanoserve.engine.request import NewToken, OutputState, Request, RequestStatus
+from nanoserve.engine.sampler import PromptScores, SampledTokens
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 

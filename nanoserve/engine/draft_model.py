@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.block_pool import BlockPool
-from nanoserve.model_runner import DeviceDrafts, ModelRunner
-from nanoserve.output import TokenBatch
-from nanoserve.request import Request
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner
+from nanoserve.engine.output import TokenBatch
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import ScheduledChunk
+from nanoserve.engine.spec_decode import accepted_prefix
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import ScheduledChunk
-from nanoserve.spec_decode import accepted_prefix
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

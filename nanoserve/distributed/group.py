@@ -1,30 +1,21 @@
-"""Tensor parallelism over torch.distributed: shard arithmetic, process groups, a step's
-collectives, the worker loop, and the watchdog.
+"""Tensor parallelism's processes: the group, a step's messages, launching, faults.
 
 Owns:
-- which rows and columns of every checkpoint tensor rank r holds, as Megatron splits a layer:
-  q/k/v and gate/up by output (whole heads; K/V heads split when N divides them, else each rank
-  keeps the one K/V head its query heads read, which needs N to be a multiple of them), o and
-  down by input (their partial outputs summed by one all-reduce each), the embedding and the
-  head by vocabulary (ceil(V / N) rows a rank, the last padded with zero rows). Everything else
-  (norms, o/down biases, q/k norms) is replicated. `local_config` is the model one rank runs:
-  the same forward (model.py) on fewer heads, a slice of the MLP and of the vocabulary.
-- starting the N-1 local workers (`python -m nanoserve.parallel`, one process a rank) or
-  joining a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), after every check
-  that can fail without them (heads that do not divide, N above the cores or GPUs, a port in use).
+- starting the N-1 local workers (`python -m nanoserve.worker`, one process a rank) or joining
+  a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), after every check that can
+  fail without them (heads that do not divide, N above the cores or GPUs, a port in use).
+- the start-up plan (`RankPlan`: the kernel, the KV blocks, the context) rank 0 decides and
+  every worker takes as it is, so every rank runs one kernel and holds as many KV blocks.
 - the step message: rank 0 alone schedules and samples; each step it broadcasts the
   `ForwardBatch` as ONE int64 buffer (a header, the batch's shapes, its tensors flattened),
   every rank runs its shard of the forward, and rank 0 gathers the logits each rank owns.
-- the collectives of a forward (`Collectives`): with batch invariance on, the all-reduce is an
-  all-gather of the partials summed in rank order 0..N-1 on every rank, so a row's bits never
-  depend on how a ring all-reduce chunked the batch; off, gloo's (or NCCL's) own all-reduce.
-  The vocabulary-parallel embedding is exact either way (one rank's row plus -0.0 elsewhere).
 - faults: rank 0 polls its local workers and exits naming the rank of one that died; every
   collective of a step times out after STEP_TIMEOUT_S, and the error names the ranks whose
   heartbeat (a store key each worker refreshes every second) went stale; a worker whose rank 0
   is gone exits. Connecting to MASTER_ADDR gives up after CONNECT_TIMEOUT_S.
-Refuses: pipeline parallelism, a draft model beside tensor parallelism, and GGUF blocks split by
-input where a rank's share is not a whole number of blocks.
+What each rank holds is `shards`; the collectives of its forward are `collectives`; a worker's
+life is `nanoserve.worker.__main__`.
+Refuses: pipeline parallelism, and a draft model beside tensor parallelism.
 """
 
 from __future__ import annotations
@@ -39,24 +30,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from nanoserve import quant
 from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.distributed.collectives import Collectives
+from nanoserve.distributed.shards import OPTION, Shard, check_shardable
 from nanoserve.errors import InvalidRequestError, NanoserveError
-from nanoserve.model import AttentionGroup, ForwardBatch
-from nanoserve.quant import QuantizedWeight
+from nanoserve.model.batch import AttentionGroup, ForwardBatch
+from nanoserve.model.linear import KERNEL_NAMES
 
 log = logging.getLogger("nanoserve")
 
-OPTION = "tensor_parallel_size"
 # A step's collectives: a rank silent this long is dead or hung (the test: within 30 s).
 STEP_TIMEOUT_S = float(os.environ.get("NANOSERVE_TP_TIMEOUT_S", "30"))
 # Joining the group: a rank that cannot reach MASTER_ADDR:MASTER_PORT gives up after this.
@@ -72,184 +61,6 @@ _STOP, _RESIZE = 0, -1  # header words other than a payload length
 
 class TensorParallelError(NanoserveError):
     """A rank died, hung or could not be reached; the message names it."""
-
-
-# ---- shard arithmetic: what rank r of N holds ------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    rank: int
-    world: int
-
-    def vocab_rows(self, vocab_size: int) -> tuple[int, int, int]:
-        """(first id, ids held, rows every rank holds): ceil(V / N) rows a rank, padded."""
-        per_rank = -(-vocab_size // self.world)
-        start = min(vocab_size, self.rank * per_rank)
-        return start, min(vocab_size, start + per_rank) - start, per_rank
-
-
-def check_shardable(config: ModelConfig, world: int) -> None:
-    """The split `local_config` makes exists for this model, else an error naming the option."""
-    if world < 1:
-        raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {world}", param=OPTION)
-    heads, kv_heads, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
-    if heads % world:
-        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's {heads} "
-                                  "attention heads", param=OPTION)
-    if kv_heads % world and world % kv_heads:
-        raise InvalidRequestError(f"tensor_parallel_size {world} neither divides the model's {kv_heads} "
-                                  "key/value heads nor is a multiple of them", param=OPTION)
-    if ffn % world:
-        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's MLP width "
-                                  f"{ffn}", param=OPTION)
-
-
-def local_config(config: ModelConfig, world: int) -> ModelConfig:
-    """The model one rank runs: its heads, its K/V heads, its MLP slice, its vocabulary rows."""
-    if world == 1:
-        return config
-    return dataclasses.replace(config, num_heads=config.num_heads // world,
-                               num_kv_heads=max(1, config.num_kv_heads // world),
-                               intermediate_size=config.intermediate_size // world,
-                               vocab_size=Shard(0, world).vocab_rows(config.vocab_size)[2])
-
-
-Ranges = list[tuple[int, int]]
-
-
-def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ranges] | None:
-    """(dim, [(start, stop)...]) of the HF tensor `name` that `shard` holds; None: replicated.
-    Several ranges are concatenated (Phi-3's fused qkv and gate_up)."""
-    d, world, r = config.head_dim, shard.world, shard.rank
-    q_rows = config.num_heads // world * d
-    q = (r * q_rows, (r + 1) * q_rows)
-    if config.num_kv_heads % world == 0:
-        kv_rows = config.num_kv_heads // world * d
-        kv = (r * kv_rows, (r + 1) * kv_rows)
-    else:  # world is a multiple of the K/V heads: the one head this rank's queries read
-        head = r * config.num_kv_heads // world
-        kv = (head * d, (head + 1) * d)
-    ffn = config.intermediate_size // world
-    mlp = (r * ffn, (r + 1) * ffn)
-    kind, last = name.split(".")[-2], name.split(".")[-1]
-    if kind == "q_proj":
-        return 0, [q]
-    if kind in ("k_proj", "v_proj"):
-        return 0, [kv]
-    if kind == "qkv_proj":
-        k0, v0 = config.num_heads * d, (config.num_heads + config.num_kv_heads) * d
-        return 0, [q, (k0 + kv[0], k0 + kv[1]), (v0 + kv[0], v0 + kv[1])]
-    if kind in ("gate_proj", "up_proj"):
-        return 0, [mlp]
-    if kind == "gate_up_proj":
-        return 0, [mlp, (config.intermediate_size + mlp[0], config.intermediate_size + mlp[1])]
-    if kind == "o_proj" and last == "weight":
-        return 1, [q]
-    if kind == "down_proj" and last == "weight":
-        return 1, [mlp]
-    if kind in ("embed_tokens", "lm_head"):
-        start, count, _ = shard.vocab_rows(config.vocab_size)
-        return 0, [(start, start + count)]
-    return None
-
-
-def take(weight: torch.Tensor | QuantizedWeight, dim: int, ranges: Ranges, name: str = "tensor"
-         ) -> torch.Tensor | QuantizedWeight:
-    """The `ranges` of `weight` along `dim`, concatenated; GGUF blocks split by rows (whole rows
-    of blocks), or by columns at whole blocks only."""
-    if isinstance(weight, torch.Tensor):
-        return torch.cat([weight.narrow(dim, a, b - a) for a, b in ranges], dim=dim).contiguous()
-    fmt, (rows, cols) = weight.format, weight.shape
-    if dim == 0:
-        blocks = torch.cat([weight.blocks[a:b] for a, b in ranges])
-        return QuantizedWeight(fmt, (blocks.shape[0], cols), blocks.contiguous())
-    if any(a % fmt.values or b % fmt.values for a, b in ranges):
-        raise InvalidRequestError(
-            f"{name}: {fmt.name} blocks hold {fmt.values} values, and a rank's {ranges[0][1] - ranges[0][0]} "
-            f"inputs of {cols} are not whole blocks; choose a tensor_parallel_size that splits them so",
-            param=OPTION)
-    per = fmt.bytes
-    blocks = torch.cat([weight.blocks[:, a // fmt.values * per: b // fmt.values * per] for a, b in ranges],
-                       dim=1)
-    return QuantizedWeight(fmt, (rows, sum(b - a for a, b in ranges)), blocks.contiguous())
-
-
-def pad_rows(weight: torch.Tensor | QuantizedWeight, rows: int) -> torch.Tensor | QuantizedWeight:
-    """`weight` with zero rows added up to `rows` (the last rank's vocabulary; zero bytes are a
-    zero in every block format)."""
-    missing = rows - weight.shape[0]
-    if missing <= 0:
-        return weight
-    if isinstance(weight, torch.Tensor):
-        return F.pad(weight, (0, 0, 0, missing))
-    blocks = F.pad(weight.blocks, (0, 0, 0, missing))
-    return QuantizedWeight(weight.format, (rows, weight.shape[1]), blocks)
-
-
-def shard_tensor(name: str, read: Callable[[int | None, Ranges], torch.Tensor | QuantizedWeight],
-                 config: ModelConfig, shard: Shard) -> torch.Tensor | QuantizedWeight:
-    """Rank `shard`'s part of tensor `name`: `read(dim, ranges)` reads those ranges (dim None:
-    the whole tensor), so a lazy reader never touches the rest."""
-    split = tensor_split(name, config, shard)
-    if split is None:
-        return read(None, [])
-    weight = read(*split)
-    if split[1] and name.split(".")[-2] in ("embed_tokens", "lm_head"):
-        weight = pad_rows(weight, shard.vocab_rows(config.vocab_size)[2])
-    return weight
-
-
-def shard_of(config: ModelConfig, shard: Shard) -> Callable[[str, torch.Tensor | QuantizedWeight],
-                                                          torch.Tensor | QuantizedWeight]:
-    """Cut a tensor already in memory to `shard` (GGUF files: gguf_import reads each tensor's
-    blocks whole, and keeps this part of it)."""
-    def keep(name: str, whole: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
-        def read(dim: int | None, ranges: Ranges) -> torch.Tensor | QuantizedWeight:
-            return whole if dim is None else take(whole, dim, ranges, name)
-        return shard_tensor(name, read, config, shard)
-    return keep
-
-
-# ---- the collectives of one rank's forward ---------------------------------------------------
-
-
-@dataclass(slots=True)
-class Collectives:
-    """What model.py calls with tensor parallelism on: two all-reduces a layer, the embedding."""
-
-    group: dist.ProcessGroup
-    shard: Shard
-    vocab_start: int
-    vocab_count: int
-    ordered: bool  # batch-invariant: all-gather, then sum in rank order
-    reduce_s: float = 0.0  # seconds inside the all-reduces, for `nanoserve profile`
-    reduces: int = 0
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        if self.ordered:
-            parts = [torch.empty_like(x) for _ in range(self.shard.world)]
-            self.group.allgather([parts], [x.contiguous()]).wait()
-            out = parts[0]
-            for part in parts[1:]:
-                out += part
-        else:
-            out = x.contiguous()
-            self.group.allreduce([out]).wait()
-        self.reduce_s += time.perf_counter() - start
-        self.reduces += 1
-        return out
-
-    def embedding(self, ids: torch.Tensor, table: quant.Weight) -> torch.Tensor:
-        """Rows of the ids this rank holds, -0.0 for the rest, summed over ranks: exact, since
-        x + (-0.0) is x for every x, in any order."""
-        local = ids - self.vocab_start
-        inside = (local >= 0) & (local < self.vocab_count)
-        rows = quant.embedding(torch.where(inside, local, 0), table)
-        rows.masked_fill_(~inside.unsqueeze(-1), -0.0)
-        self.group.allreduce([rows]).wait()
-        return rows
 
 
 # ---- the step message ------------------------------------------------------------------------
@@ -296,6 +107,16 @@ def decode_batch(words: torch.Tensor, device: torch.device) -> ForwardBatch:
 # ---- the group: joining, the step's messages, faults ------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    """What rank 0 decides at start-up and every rank builds to: one kernel, as many KV blocks,
+    one context."""
+
+    kernel_name: str
+    num_blocks: int
+    max_positions: int
+
+
 @dataclass(slots=True)
 class Worker:
     rank: int
@@ -313,6 +134,7 @@ class TensorParallelGroup:
     step_group: dist.ProcessGroup
     device: torch.device
     workers: list[Worker] = field(default_factory=list)
+    spec: WorkerSpec | None = None  # what a torchrun worker builds (its own process knows it)
     collectives: Collectives | None = None
     message_words: int = MESSAGE_START_WORDS
     closed: bool = False
@@ -357,12 +179,17 @@ class TensorParallelGroup:
     def send_logits(self, logits: torch.Tensor) -> None:
         self.step_group.gather([], [logits], dist.GatherOptions()).wait()
 
-    def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
-        """Rank 0's `values` on every rank (start-up settings), over the plan group."""
-        buffer = torch.tensor(values, dtype=torch.long) if values is not None else torch.empty(count,
-                                                                                              dtype=torch.long)
+    def send_plan(self, plan: RankPlan) -> None:
+        """Rank 0's start-up plan to every worker, over the plan group."""
+        names = list(KERNEL_NAMES)
+        self.plan_group.broadcast(torch.tensor([names.index(plan.kernel_name), plan.num_blocks,
+                                                plan.max_positions]), 0).wait()
+
+    def receive_plan(self) -> RankPlan:
+        buffer = torch.empty(3, dtype=torch.long)
         self.plan_group.broadcast(buffer, 0).wait()
-        return buffer.tolist()
+        kernel, num_blocks, max_positions = buffer.tolist()
+        return RankPlan(list(KERNEL_NAMES)[kernel], num_blocks, max_positions)
 
     def _broadcast(self, message: torch.Tensor) -> None:
         self.plan_group.broadcast(message, 0).wait(timedelta(seconds=STEP_TIMEOUT_S))
@@ -532,8 +359,9 @@ def join_torchrun(device: torch.device) -> TensorParallelGroup:
 
 def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, gguf: Path | None,
           device: torch.device) -> TensorParallelGroup | None:
-    """Rank 0's group, its local workers started (None with one rank). Under torchrun a process
-    of rank > 0 serves as a worker here and exits: it never returns to its caller."""
+    """Rank 0's group, its local workers started (None with one rank). Under torchrun every
+    process joins here, and one of rank > 0 gets its own group, to serve as a worker
+    (`group.spec` says what to build)."""
     if config.tensor_parallel_size == 1 and not _launched_by_torchrun():
         return None
     check_launch(config, model_config, device)
@@ -542,10 +370,9 @@ def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, g
     if _launched_by_torchrun():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         spec.device = f"cuda:{local}" if device.type == "cuda" else spec.device
-        group = join_torchrun(_rank_device(spec.device))
-        if group.shard.rank != 0:
-            sys.exit(serve(spec, group))
-        return _on_rank_zero(group)
+        group = join_torchrun(rank_device(spec.device))
+        group.spec = spec
+        return group if group.shard.rank != 0 else _on_rank_zero(group)
     address, port = _master()
     world = config.tensor_parallel_size
     workers = [Worker(rank, _spawn(spec, rank, world, address, port)) for rank in range(1, world)]
@@ -566,7 +393,7 @@ def _on_rank_zero(group: TensorParallelGroup) -> TensorParallelGroup:
     return group
 
 
-def _rank_device(name: str) -> torch.device:
+def rank_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -588,7 +415,7 @@ def _spawn(spec: WorkerSpec, rank: int, world: int, address: str, port: int) -> 
     device = f"cuda:{rank}" if spec.device.startswith("cuda") else spec.device
     payload = json.dumps({**dataclasses.asdict(spec), "device": device, "rank": rank, "world": world,
                           "address": address, "port": port, "parent": os.getpid()})
-    return subprocess.Popen([sys.executable, "-m", "nanoserve.parallel", payload])
+    return subprocess.Popen([sys.executable, "-m", "nanoserve.worker", payload])
 
 
 def _watch_workers(group: TensorParallelGroup) -> None:
@@ -611,77 +438,11 @@ def _watch_workers(group: TensorParallelGroup) -> None:
         time.sleep(WATCHDOG_POLL_S)
 
 
-def _heartbeat(group: TensorParallelGroup) -> None:
+def heartbeat(group: TensorParallelGroup) -> None:
+    """A worker's sign of life in the store, every HEARTBEAT_S, until the store is gone."""
     while True:
         try:
             group.store.set(f"heartbeat/{group.shard.rank}", str(time.time()))
         except Exception:
             return
         time.sleep(HEARTBEAT_S)
-
-
-def _watch_parent(parent: int) -> None:
-    """A local worker whose rank 0 is gone (even killed) exits too."""
-    while os.getppid() == parent:
-        time.sleep(HEARTBEAT_S)
-    os._exit(1)
-
-
-def serve(spec: WorkerSpec, group: TensorParallelGroup) -> int:
-    """A worker's life: load its shard, build its model and KV cache as rank 0 says, then run
-    every step rank 0 sends until it says stop. Returns the exit status."""
-    from nanoserve.engine import load_rank_weights, pick_dtype, set_threads
-    from nanoserve.kv_cache import KVCache
-    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
-    from nanoserve.model import Llama
-
-    threading.Thread(target=_heartbeat, args=(group,), daemon=True).start()
-    config = EngineConfig(**spec.engine)
-    set_threads(spec.threads)
-    device = group.device
-    dtype = pick_dtype(config.dtype, device)
-    gguf = Path(spec.gguf) if spec.gguf else None
-    model_config, weights = load_rank_weights(config, Path(spec.model_dir), gguf, dtype, device, group.shard,
-                                              [])
-    kernel_index, num_blocks, max_positions = group.broadcast_ints(None, 3)
-    kernel = [*KERNELS.values(), *QUANTIZED_KERNELS.values()][kernel_index]
-    shard_config = local_config(model_config, group.shard.world)
-    model = Llama(shard_config, weights, batch_invariant=config.batch_invariant, linear_kernel=kernel,
-                  max_positions=max_positions,
-                  tensor_parallel=group.make_collectives(model_config, config.batch_invariant))
-    kv_cache = KVCache(shard_config, num_blocks, config.block_size, dtype, device)
-    try:
-        while (batch := group.receive_batch()) is not None:
-            group.send_logits(model.forward(batch, kv_cache))
-    except RuntimeError as error:
-        print(f"nanoserve: tensor-parallel rank {group.shard.rank}: lost the group ({error}); exiting",
-              file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-def send_setup(group: TensorParallelGroup, kernel_name: str, num_blocks: int, max_positions: int) -> None:
-    """Rank 0's start-up choices every worker takes as they are (so every rank runs one kernel
-    and holds as many KV blocks)."""
-    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
-
-    names = [*KERNELS, *QUANTIZED_KERNELS]
-    group.broadcast_ints([names.index(kernel_name), num_blocks, max_positions], 3)
-
-
-def _worker_main(argv: list[str]) -> int:
-    raw = json.loads(argv[0])
-    threading.Thread(target=_watch_parent, args=(raw.pop("parent"),), daemon=True).start()
-    rank, world, address, port = (raw.pop(k) for k in ("rank", "world", "address", "port"))
-    spec = WorkerSpec(**raw)
-    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
-    try:
-        group = join(rank, world, address, port, _rank_device(spec.device))
-    except TensorParallelError as error:
-        print(f"nanoserve: {error}", file=sys.stderr, flush=True)
-        return 1
-    return serve(spec, group)
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1:]))

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from nanoserve import native, quant
 from nanoserve.machine import cpu_model, vector_flags
 from nanoserve.native import matmul as native_matmul
+from nanoserve.native import quant as native_quant
+from nanoserve.native import repack
 
 log = logging.getLogger("nanoserve")
 
@@ -48,7 +50,7 @@ PROBE_ROWS = (1, 4, 16, 32)
 PROBE_MIN_BYTES = 128 << 20
 # Bump when a kernel's code changes, so verdicts cached by older code are measured again
 # (the native kernels' own changes are keyed by their build's source hash).
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,20 +125,56 @@ def left_out(device: torch.device) -> dict[str, str]:
 
 
 def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
-    from nanoserve.native import quant as native_quant
 
     if isinstance(weight, quant.QuantizedWeight):
         return native_quant.matmul(x, weight)
+    if isinstance(weight, repack.RepackedWeight):
+        return repack.matmul(x, weight)
     if isinstance(weight, quant.QuantizedStack):
         return torch.cat([_native_quant(x, part) for part in weight.parts], dim=1)
     return _aten_tiled(x, weight)  # a matrix of a GGUF type with no kernel, dequantized at load
+
+
+def _repack(weight: quant.Weight) -> quant.Weight:
+    """Q4_0, Q4_1 and Q8_0 matrices (and such parts of a stack) in the 8-column interleaved
+    layout; other formats stay in the file's layout, for the row-major kernel."""
+    from nanoserve.native import repack
+
+    if isinstance(weight, quant.QuantizedStack):
+        return quant.QuantizedStack(tuple(_repack(part) for part in weight.parts))
+    return repack.repack(weight) if isinstance(weight, quant.QuantizedWeight) else weight
 
 
 # The kernels for GGUF block formats (nanoserve.quant): a model's matrices are blocks or floats.
 QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
+    LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
+                 "columns interleaved (Q4_0, Q4_1, Q8_0; other formats as native-quant)", _repack,
+                 _native_quant, ("cpu",)),
 )}
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | quant.QuantizedWeight) -> torch.Tensor:
+    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized),
+    or a tied head's table in a kernel's layout that serves lookups (`quant.serves_lookups`)."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    if quant.serves_lookups(table):
+        return table.lookup(ids)
+    if native_quant.runs(table.format):
+        return native_quant.dequantize_rows(table, ids)
+    return table.rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, table.shape[1])
+
+
+
+# Every kernel by name, float and quantized, in a fixed order (tensor-parallel ranks are told
+# the kernel by its index here).
+KERNEL_NAMES = (*KERNELS, *QUANTIZED_KERNELS)
+
+
+def kernel_named(name: str) -> LinearKernel:
+    return {**KERNELS, **QUANTIZED_KERNELS}[name]
 
 
 def quantized_kernels_for(device: torch.device) -> list[LinearKernel]:

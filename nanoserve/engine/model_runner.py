@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kv_cache import KVCache
-from nanoserve.model import AttentionGroup, ForwardBatch, Llama
-from nanoserve.output import DraftTokens, PromptTokens, TokenBatch
-from nanoserve.request import Request
-from nanoserve.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow, score_tokens
-from nanoserve.scheduler import ScheduledChunk
-from nanoserve.spec_decode import ON_DEVICE
+from nanoserve.engine.output import DraftTokens, PromptTokens, TokenBatch
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow, score_tokens
+from nanoserve.engine.scheduler import ScheduledChunk
+from nanoserve.engine.spec_decode import ON_DEVICE
+from nanoserve.model.batch import AttentionGroup, ForwardBatch
+from nanoserve.model.decoder import Llama
+from nanoserve.model.kv_cache import KVCache
 
 
 @dataclass(slots=True)
