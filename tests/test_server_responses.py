@@ -12,6 +12,8 @@ import openai
 import pytest
 from test_server_api import Served, assert_error, idle_client, serving, tiny_engine, wait_idle
 
+from nanoserve.server.tenants import Tenancy, tenants_from_options
+
 KEY = "sk-responses"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
            "required": ["city"], "additionalProperties": False}
@@ -22,7 +24,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    with serving(lambda: tiny_engine(tiny_model_dir), api_key=KEY) as server:
+    tenancy = Tenancy(tuple(tenants_from_options([KEY])))
+    with serving(lambda: tiny_engine(tiny_model_dir), tenancy=tenancy) as server:
         yield server
 
 
