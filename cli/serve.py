@@ -89,11 +89,12 @@ def serve(
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
 ) -> None:
-    """Serve the model over OpenAI's completions and chat completions API (and Anthropic's Messages).
+    """Serve the model over OpenAI's completions, chat completions and Responses APIs and
+    Anthropic's Messages API.
 
-    Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages, GET /v1/models,
-    GET /v1/models/{id}, POST /tokenize, POST /detokenize (behind --api-key or --api-keys-file,
-    each key a tenant), and GET /health,
+    Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+    POST /v1/messages, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize
+    (behind --api-key or --api-keys-file, each key a tenant), and GET /health,
     GET /metrics (Prometheus), GET /version, GET /docs (OpenAPI). Request fields the server does
     not honour are refused with a 400 naming them (README: "Request fields").
     """

@@ -239,3 +239,91 @@ def test_each_refused_messages_field_asking_for_something_is_refused_by_name(key
     expected = key.replace("[]", "[0]")
     assert refusal is not None and refusal.param == expected and refusal.code == "unsupported"
     assert MESSAGES_REFUSED[key].why in refusal.message
+
+
+# -- OpenAI's Responses API (/v1/responses) ---------------------------------------------------------
+
+RESPONSES_PROBES: dict[str, object] = {
+    "store": True, "previous_response_id": "resp_1", "conversation": "conv_1", "background": True,
+    "background_options": {}, "include": ["reasoning.encrypted_content"], "metadata": {"a": "b"},
+    "max_tool_calls": 2, "prompt": {"id": "p"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+    "prompt_cache_options": {}, "service_tier": "flex", "truncation": "auto", "top_logprobs": 2,
+    "moderation": {}, "image": {}, "access_programs": [], "context_management": [{}],
+    "stream_options.include_obfuscation": True, "reasoning.effort": "high", "reasoning.summary": "auto",
+    "reasoning.generate_summary": "auto", "reasoning.context": "all_turns", "reasoning.mode": "pro",
+    "text.verbosity": "low", "input[].phase": "final",
+    "input[].caller": {}, "input[].namespace": "n", "input[].async": True, "input[].encrypted_content": "e",
+    "input[].content[].image_url": "x", "input[].content[].file_id": "f", "input[].content[].file_data": "d",
+    "input[].content[].file_url": "u", "input[].content[].filename": "f.txt",
+    "input[].content[].detail": "high",
+    "input[].content[].prompt_cache_breakpoint": {}, "input[].content[].annotations": [{"type": "x"}],
+    "input[].content[].logprobs": [{"token": "a"}], "tools[].allowed_callers": ["code"],
+    "tools[].async": True, "tools[].defer_loading": True, "tools[].output_schema": {},
+    "tools[].strict": True,
+}
+
+
+def _openai_responses_fields(*names: str) -> set[str]:
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    from openai.types import shared_params
+    from openai.types.responses import response_create_params, response_input_item_param
+
+    fields: set[str] = set()
+    for name in names:
+        holder = next(getattr(module, name) for module in (
+            response_create_params, response_input_item_param, openai.types.responses, shared_params)
+            if hasattr(module, name))
+        fields |= set(typing.get_type_hints(holder))
+    return fields
+
+
+@pytest.mark.parametrize(("model", "prefix", "names", "extra"), [
+    ("ResponsesRequest", "", ("ResponseCreateParamsBase",), {"stream"}),
+    ("InputItem", "input[].", ("EasyInputMessageParam", "Message", "ResponseFunctionToolCallParam",
+                               "FunctionCallOutput", "ResponseReasoningItemParam"), set()),
+    ("ContentPart", "input[].content[].", ("ResponseInputTextParam", "ResponseOutputTextParam",
+                                           "ResponseInputImageParam", "ResponseInputFileParam"), set()),
+    ("FunctionTool", "tools[].", ("FunctionToolParam",), set()),
+    ("TextConfig", "text.", ("ResponseTextConfigParam",), set()),
+    ("TextFormat", "text.format.", ("ResponseFormatTextJSONSchemaConfigParam",), set()),
+    ("ReasoningOptions", "reasoning.", ("Reasoning",), set()),
+    ("StreamOptions", "stream_options.", ("StreamOptions",), set()),
+])
+def test_every_field_of_the_openai_responses_client_is_honoured_or_refused(model, prefix, names,
+                                                                          extra) -> None:
+    from nanoserve.server import responses
+
+    model_type = getattr(responses, model)
+    declared = {field.alias or name for name, field in model_type.model_fields.items()}
+    missing = [f for f in _openai_responses_fields(*names) | extra
+               if f not in declared and f"{prefix}{f}" not in responses.RESPONSES_REFUSED]
+    assert sorted(missing) == []
+
+
+def _responses_body_with(key: str, value: object) -> dict:
+    body: dict = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    name = key.rsplit(".", 1)[-1]
+    if key.startswith("input[].content[]."):
+        body["input"][0]["content"][0][name] = value
+    elif key.startswith("input[]."):
+        body["input"][0][name] = value
+    elif key.startswith("tools[]."):
+        body["tools"] = [{"type": "function", "name": "f", name: value}]
+    elif "." in key:
+        head = key.split(".", 1)[0]
+        body[head] = {name: value}
+    else:
+        body[key] = value
+    return body
+
+
+def test_each_refused_responses_field_asking_for_something_is_refused_by_name() -> None:
+    from nanoserve.server.responses import RESPONSES_REFUSED, ResponsesRequest
+
+    for key, refusal in RESPONSES_REFUSED.items():
+        assert key in RESPONSES_PROBES, f"add a probe value for the refused field {key!r}"
+        body = ResponsesRequest.model_validate(_responses_body_with(key, RESPONSES_PROBES[key]))
+        found = refused_field(body)
+        assert found is not None and found.param == key.replace("[]", "[0]"), key
+        assert found.code == "unsupported", key
+        assert refusal.why in found.message

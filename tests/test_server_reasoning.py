@@ -267,3 +267,19 @@ def test_anthropic_thinking_comes_back_as_a_thinking_block(served: Served, clien
     assert [block.type for block in reply.content] == ["thinking", "text"]
     assert reply.content[0].thinking == message["reasoning_content"]
     assert reply.content[1].text == message["content"]
+
+
+def test_a_responses_reply_carries_the_thinking_as_a_reasoning_item(thinking_model_dir) -> None:
+    # deepseek_r1 reads everything before the end tag as thinking; the budget brings the tag.
+    reasoning = ReasoningConfig("deepseek_r1", budget_tokens=2)
+    with (serving(lambda: tiny_engine(thinking_model_dir), reasoning=reasoning) as server,
+          idle_client(server) as http):
+        chat = http.post("/v1/chat/completions", json={"messages": HI, "temperature": 0,
+                                                       "max_tokens": 12}).json()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        reply = client.responses.create(model="tiny", input=HI, temperature=0, max_output_tokens=12)
+    message = chat["choices"][0]["message"]
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+    assert reply.output[0].content[0].text == message["reasoning_content"]
+    assert reply.output_text == message["content"]
+    assert reply.usage.output_tokens_details.reasoning_tokens == 3

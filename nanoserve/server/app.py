@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import anthropic, routes
+from nanoserve.server import anthropic, responses, routes
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
@@ -112,6 +112,8 @@ def _v1_router() -> APIRouter:
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
                          openapi_extra=_body_schema(ChatCompletionRequest))
+    router.add_api_route("/responses", responses.create_response, methods=["POST"],
+                         openapi_extra=_body_schema(responses.ResponsesRequest))
     return router
 
 
@@ -202,7 +204,7 @@ def _document_bodies(app: FastAPI) -> None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          anthropic.MessagesRequest):
+                          anthropic.MessagesRequest, responses.ResponsesRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

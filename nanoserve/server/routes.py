@@ -5,7 +5,8 @@ that says why.
 Owns: the API key check, reading a body no larger than the server's limit and validating it
 (`parse_body`), and the order one generation request goes through (`serve_generation`): the
 body checks, the engine's availability, planning (off the event loop), admission, then a
-stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages).
+stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages,
+OpenAI's Responses).
 Refuses: the work of each step (planning, generation and streaming own it), and touching the
 engine from the event loop; only `AsyncEngine` does, from its thread.
 """
