@@ -73,3 +73,14 @@ def status() -> str:
     if native is None:
         return f"native kernels: off ({reason}); running torch kernels"
     return f"native kernels: on ({native.isa}; {reason})"
+
+
+def raise_for_status(status: int, kernel: str, weight: str, rows: int) -> None:
+    """A block kernel's status as the error it means: -2 no memory for the activation blocks,
+    -3 a row id outside [0, rows), anything else but 0 the kernel refusing `weight`."""
+    if status == -2:
+        raise MemoryError(f"the {kernel} could not allocate its activation blocks")
+    if status == -3:
+        raise IndexError(f"row ids must lie in [0, {rows})")
+    if status != 0:
+        raise ValueError(f"the native library refused {weight} (status {status})")

@@ -120,7 +120,7 @@ def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -
         entry = lib.ns_matmul_x8_portable if portable else lib.ns_matmul_x8
         status = entry(weight.layout.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
                        x.shape[0], out_features, in_features, torch.get_num_threads())
-        _check(status, weight)
+        _raise_for(status, weight)
     return y
 
 
@@ -132,15 +132,10 @@ def lookup(weight: RepackedWeight, ids: torch.Tensor) -> torch.Tensor:
         status = lib.ns_dequantize_rows_x8(weight.layout.ggml_type, weight.blocks.data_ptr(), flat.data_ptr(),
                                            flat.numel(), weight.shape[0], weight.shape[1], out.data_ptr(),
                                            torch.get_num_threads())
-        _check(status, weight)
+        _raise_for(status, weight)
     return out.reshape(*ids.shape, weight.shape[1])
 
 
-def _check(status: int, weight: RepackedWeight) -> None:
-    if status == -2:
-        raise MemoryError("the repacked matmul could not allocate its activation blocks")
-    if status == -3:
-        raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
-    if status != 0:
-        raise ValueError(f"the native library refused {weight.source.name} {weight.shape} repacked "
-                         f"(status {status})")
+def _raise_for(status: int, weight: RepackedWeight) -> None:
+    what = f"{weight.source.name} {weight.shape} repacked"
+    native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
