@@ -129,8 +129,15 @@ def serves_lookups(weight: object) -> bool:
     return callable(getattr(weight, "lookup", None))
 
 
+class PackedBlocks:
+    """A kernel's own layout of a block matrix (`nanoserve.native.repack`): the file's blocks,
+    reordered for the kernel, still quantized."""
+
+    __slots__ = ()
+
+
 def is_quantized(weight: object) -> bool:
-    return isinstance(weight, QuantizedWeight | QuantizedStack)
+    return isinstance(weight, QuantizedWeight | QuantizedStack | PackedBlocks)
 
 
 def dense(weight: Weight) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve import native
-from nanoserve.quant import FORMATS, BlockFormat, QuantizedWeight
+from nanoserve.quant import FORMATS, BlockFormat, PackedBlocks, QuantizedWeight
 
 COLUMNS = 8  # csrc/matmul_x8.c's COLUMNS: output columns interleaved per group
 # The layout each format is repacked into (a GGML type number: csrc/matmul_x8.c's X8_*).
@@ -28,7 +28,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @dataclass(frozen=True, slots=True)
-class RepackedWeight:
+class RepackedWeight(PackedBlocks):
     """A matrix [out, in] in matmul_x8.c's layout: `blocks` is uint8 [groups, in / 32 *
     8 * layout.bytes], group g holding output features 8g..8g+7 (zero columns past `out`)."""
 
