@@ -119,3 +119,18 @@ def test_two_ranks_over_shared_memory_decode_the_tokens_and_logprobs_of_one(wide
         assert decode(llm) == alone
     finally:
         llm.engine.close()
+
+
+def test_a_wait_ends_with_the_error_of_its_check_long_before_the_timeout():
+    def exited() -> None:
+        raise RuntimeError("rank 1 (exit status -9) exited")
+
+    def work(group, rank):
+        if rank == 1:
+            return None
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 \(exit status -9\) exited"):
+            group.all_gather(torch.ones(1, 4))
+        return time.monotonic() - start
+
+    assert in_threads(2, work, timeout_s=60.0, check=exited)[0] < 30

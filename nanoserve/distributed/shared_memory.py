@@ -10,7 +10,8 @@ k-th exchange uses half k % 2: a rank writes half k % 2 again at exchange k + 2 
 rank published k + 1, which each did after reading exchange k, so one barrier an exchange is
 enough. A tensor larger than a slot goes in row chunks (a row's sum or copy is the same).
 Waiting spins a few microseconds, then yields the core (releasing the GIL), then sleeps: with
-more ranks than cores a spinning rank would take the core of the rank it waits for.
+more ranks than cores a spinning rank would take the core of the rank it waits for. A wait gives
+up after its timeout naming the rank, or when its `check` raises (rank 0: a worker exited).
 Refuses: ranks on other machines (gloo's, `machine_id` tells them apart), GPUs (NCCL's), and
 CPUs other than x86: the counter is published by a plain store after the data, which x86's
 store order keeps; weaker orders would need fences Python cannot issue.
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +44,7 @@ COUNTER_STRIDE = 8  # int64 words: a rank's counter alone on its 64-byte cache l
 SPIN_S = 20e-6  # then yield the core
 YIELD_S = 2e-3  # then sleep
 SLEEP_S = 50e-6
+CHECK_S = 0.1  # while sleeping, how often `check` is asked whether to give up
 X86 = ("x86_64", "amd64", "i386", "i686")
 
 
@@ -70,6 +73,9 @@ class SharedMemoryGroup:
     buffer: mmap.mmap
     timeout_s: float
     slot_bytes: int = SLOT_BYTES
+    # Asked while a wait sleeps; raises to end it (rank 0: a worker process that exited), so the
+    # step fails naming the rank rather than waiting out the timeout.
+    check: Callable[[], None] | None = None
     counters: np.ndarray = field(init=False)
     data: torch.Tensor = field(init=False)
     views: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -87,7 +93,7 @@ class SharedMemoryGroup:
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, world: int, timeout_s: float,
-             slot_bytes: int = SLOT_BYTES) -> SharedMemoryGroup:
+             slot_bytes: int = SLOT_BYTES, check: Callable[[], None] | None = None) -> SharedMemoryGroup:
         """Rank 0 creates the buffer and names it in the store; the others map it. Blocks no rank
         on another (rank 0 unlinks the file once every rank has been seen in an exchange)."""
         size = cls.size(world, slot_bytes)
@@ -104,7 +110,7 @@ class SharedMemoryGroup:
             os.close(fd)
         if rank == 0:
             store.set("shared_memory/path", str(path))  # named once it has its size
-        return cls(rank, world, path, buffer, timeout_s, slot_bytes)
+        return cls(rank, world, path, buffer, timeout_s, slot_bytes, check)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `x` [rows, cols], added in rank order 0..N-1 on every rank."""
@@ -158,7 +164,7 @@ class SharedMemoryGroup:
         return self.views[dtype]
 
     def _wait_for_all(self, exchange: int) -> None:
-        started = time.perf_counter()
+        started, checked = time.perf_counter(), 0.0
         for rank in range(self.world):
             polls = 0
             while self.counters[rank * COUNTER_STRIDE] < exchange:
@@ -171,6 +177,9 @@ class SharedMemoryGroup:
                                        f"{self.timeout_s:.0f} s")
                 if waited > YIELD_S:
                     time.sleep(SLEEP_S)
+                    if self.check is not None and waited - checked > CHECK_S:
+                        checked = waited
+                        self.check()
                 elif waited > SPIN_S:
                     os.sched_yield()
 
