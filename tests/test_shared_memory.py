@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +28,9 @@ pytestmark = pytest.mark.skipif(not shared_memory.enabled(), reason="no /dev/shm
                                 "tensor parallelism takes gloo's collectives here")
 
 
-def in_threads(world: int, work, **options) -> list:
+def in_threads(world: int, work, store: dist.Store | None = None, **options) -> list:
     """`work(group, rank)` for each rank's SharedMemoryGroup, one thread a rank."""
-    store, results, errors = dist.HashStore(), [None] * world, []
+    store, results, errors = store or dist.HashStore(), [None] * world, []
 
     def run(rank: int) -> None:
         try:
@@ -96,8 +97,10 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout():
             group.all_reduce(torch.ones(1, 4))
         return time.monotonic() - start
 
-    waited = in_threads(2, work, timeout_s=1.0)[0]
+    store = dist.HashStore()
+    waited = in_threads(2, work, timeout_s=1.0, store=store)[0]
     assert waited < 10
+    assert not Path(store.get("shared_memory/path").decode()).exists()  # unlinked all the same
 
 
 def test_the_buffer_file_is_gone_once_every_rank_has_mapped_it():

@@ -152,9 +152,11 @@ class SharedMemoryGroup:
         slots = self._halves(x.dtype)[self.exchanges % 2, :, :x.numel()]
         slots[self.rank].copy_(x.reshape(-1))
         self.counters[self.rank * COUNTER_STRIDE] = self.exchanges  # after the data: x86 keeps the order
-        self._wait_for_all(self.exchanges)
-        if self.rank == 0 and not self.unlinked:
-            self._unlink()  # every rank has mapped the file: the name can go
+        try:
+            self._wait_for_all(self.exchanges)
+        finally:
+            # Every rank has mapped the file (or the group is broken): the name can go.
+            self._unlink()
         return slots
 
     def _halves(self, dtype: torch.dtype) -> torch.Tensor:
