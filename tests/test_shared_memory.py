@@ -137,3 +137,10 @@ def test_a_wait_ends_with_the_error_of_its_check_long_before_the_timeout():
         return time.monotonic() - start
 
     assert in_threads(2, work, timeout_s=60.0, check=exited)[0] < 30
+
+
+def test_a_buffer_file_whose_rank_0_is_gone_is_removed_when_another_group_starts():
+    orphan = shared_memory.SHM_DIR / "nanoserve-tp-999999999-0123456789ab"
+    orphan.write_bytes(b"")
+    in_threads(2, lambda group, rank: group.all_reduce(torch.ones(1, 4)))
+    assert not orphan.exists()

@@ -63,6 +63,15 @@ def machine_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def remove_orphans() -> None:
+    """Remove the buffer files of rank-0 processes that are gone (one killed before its first
+    exchange keeps its file: the name holds its pid)."""
+    for path in SHM_DIR.glob("nanoserve-tp-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 @dataclass
 class SharedMemoryGroup:
     """One rank's view of the buffer; every rank calls the same collectives in the same order."""
@@ -98,6 +107,7 @@ class SharedMemoryGroup:
         on another (rank 0 unlinks the file once every rank has been seen in an exchange)."""
         size = cls.size(world, slot_bytes)
         if rank == 0:
+            remove_orphans()
             path = SHM_DIR / f"nanoserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)  # zeros: every counter starts at 0
