@@ -52,7 +52,7 @@ def _params(text: str) -> tuple[str, ...]:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     from nanoserve.bench.offline import parse_choice_list
-    from nanoserve.engine import DTYPES, QUANTIZED
+    from nanoserve.worker.rank import DTYPES, QUANTIZED
 
     return parse_choice_list(text, (*DTYPES, QUANTIZED, "auto"))
 
@@ -65,7 +65,7 @@ def _switches(text: str) -> tuple[bool, ...]:
 
 def _drafts(text: str) -> tuple[int, ...]:
     from nanoserve.bench.offline import parse_int_list
-    from nanoserve.spec_decode import MAX_SPECULATIVE_TOKENS
+    from nanoserve.engine.spec_decode import MAX_SPECULATIVE_TOKENS
 
     values = parse_int_list(text, minimum=0)
     if any(value > MAX_SPECULATIVE_TOKENS for value in values):
@@ -130,7 +130,13 @@ Repeat = Annotated[int, typer.Option(min=1, help="Timed runs per configuration; 
 Out = Annotated[Path, typer.Option(help="CSV to write; the chart goes beside it as .png.")]
 
 
+# The options every engine of the sweep shares; the sweep's own axes (dtype, batch invariance,
+# prefix caching, drafts, deferred output) are lists, declared above.
+SWEEP_SHARES = ("model", "device", "threads", "linear_kernel", "tensor_parallel_size")
+
+
 @bench_app.callback()
+@options.engine_options(only=SWEEP_SHARES)
 def bench(
     ctx: typer.Context,
     slots: Slots = "1,2,4,8",
@@ -148,31 +154,26 @@ def bench(
     speculative_tokens: SpeculativeSweep = "0",
     async_scheduling: AsyncSchedulingSweep = "off",
     prompts: PromptKind = "synthetic",
-    threads: options.Threads = None,
-    linear_kernel: options.LinearKernel = None,
-    model: options.Model = None,
-    device: options.Device = None,
+    *,
+    engine: options.EngineOptions,
     out: Out = DEFAULT_OUT,
     chart: Annotated[bool, typer.Option("--chart/--no-chart", help="Write the PNG chart.")] = True,
     append: Annotated[bool, typer.Option(
         "--append", help="Keep the rows already in --out, replacing those this run measures again.")] = False,
-    tensor_parallel_size: options.TensorParallelSize = 1,
 ) -> None:
     """Offline throughput: every slots x params x dtype configuration, with its baseline beside it."""
     if ctx.invoked_subcommand is not None:
         return
     from nanoserve.bench.offline import SweepSpec, Workload
 
-    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
-        options.fail(f"--device must be cpu or cuda; got {device!r}")
-    options.check_linear_kernel(linear_kernel)
+    engine.check()
     if shared_prefix_len > input_len:
         options.fail(f"--shared-prefix-len ({shared_prefix_len}) must be at most --input-len ({input_len})")
     spec = SweepSpec(slots=slots, params=params, dtypes=dtype, batch_invariant=batch_invariant,
                      prefix_caching=prefix_caching, speculative_tokens=speculative_tokens,
                      async_scheduling=async_scheduling,
-                     baseline=baseline, model=model, device=device,
-                     threads=threads, linear_kernel=linear_kernel, tensor_parallel_size=tensor_parallel_size,
+                     baseline=baseline, model=engine.model, device=engine.device, threads=engine.threads,
+                     linear_kernel=engine.linear_kernel, tensor_parallel_size=engine.tensor_parallel_size,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat,
                                        shared_prefix_len, prompts))
     run_offline(spec, out, chart=chart, append=append)

@@ -18,11 +18,16 @@ if TYPE_CHECKING:
     from nanoserve.llm import LLM
 
 
+# One request runs: there is no batch to size or share, and its blocks keep the default size.
+ONE_REQUEST_OMITS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_while_decoding",
+                     "block_size", "fair_share_rows")
+
+
 @app.command()
+@options.engine_options(omit=ONE_REQUEST_OMITS)
 def generate(
     prompt: Annotated[str, typer.Argument(
         help="The prompt (with --chat: the user message); - reads it from stdin.")],
-    model: options.Model = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 or -1 keeps all.")] = -1,
@@ -50,24 +55,8 @@ def generate(
         help="Stop at this token id (repeatable).")] = None,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Wrap the prompt in the model's chat template.")] = False,
-    dtype: options.Dtype = "auto",
-    device: options.Device = None,
-    batch_invariant: options.BatchInvariant = True,
-    prefix_caching: options.PrefixCaching = True,
-    max_model_len: options.MaxModelLen = None,
-    kv_cache_gb: options.KvCacheGb = None,
-    threads: options.Threads = None,
-    linear_kernel: options.LinearKernel = None,
-    quantize: options.Quantize = None,
-    speculative_tokens: options.SpeculativeTokens = 0,
-    speculative_method: options.SpeculativeMethod = "ngram",
-    speculative_ngram_min: options.SpeculativeNgramMin = 2,
-    speculative_ngram_max: options.SpeculativeNgramMax = 4,
-    draft_model: options.DraftModel = None,
-    speculative_policy: options.SpeculativePolicy = "cost",
-    speculative_disable_by_batch_size: options.SpeculativeDisableByBatchSize = None,
-    async_scheduling: options.AsyncScheduling = None,
-    tensor_parallel_size: options.TensorParallelSize = 1,
+    *,
+    engine: options.EngineOptions,
 ) -> None:
     """Stream one completion of PROMPT from the model (greedy unless --temperature is set)."""
     if prompt == "-":
@@ -80,19 +69,7 @@ def generate(
                                 structured_outputs=_structured(json_schema, regex))
     except NanoserveError as error:
         options.fail_for(error)
-    config = options.engine_config(model=model, dtype=dtype, device=device,
-                                   max_num_seqs=1, max_model_len=max_model_len,
-                                   kv_cache_gb=kv_cache_gb, batch_invariant=batch_invariant,
-                                   threads=threads, linear_kernel=linear_kernel,
-                                   prefix_caching=prefix_caching, quantize=quantize,
-                                   speculative_tokens=speculative_tokens,
-                                   speculative_method=speculative_method,
-                                   speculative_ngram_min=speculative_ngram_min,
-                                   speculative_ngram_max=speculative_ngram_max,
-                                   draft_model=draft_model, speculative_policy=speculative_policy,
-                                   speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-                                   async_scheduling=async_scheduling,
-                                   tensor_parallel_size=tensor_parallel_size)
+    config = engine.config(max_num_seqs=1)
     try:
         from nanoserve.llm import LLM
 

@@ -1,15 +1,25 @@
-"""Options shared by the commands that start an engine, and turning them into an EngineConfig.
+"""The engine options, declared once, and the command line's usage errors (exit 2 naming the option).
 
-Declared once here so `generate`, `serve` and `bench` spell and check them the same way.
+`EngineOptions` owns every option that configures the engine: its spelling, help, range and
+default (the EngineConfig default). A command takes them through `engine_options`, which turns
+its `engine: EngineOptions` parameter into one option per field and hands the command their
+parsed values as one object; `EngineOptions.config` checks them and builds the EngineConfig.
+So a new engine option is one field here, spelt, checked and forwarded the same way by every
+command that starts an engine. A command's own options (sampling, HTTP, sweeps) stay with it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, NoReturn
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, fields
+from typing import Annotated, Any, NoReturn
 
 import typer
 
-from nanoserve.config import MAX_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
+from nanoserve.config import EngineConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
 
 Model = Annotated[str | None, typer.Option(
@@ -61,8 +71,9 @@ PrefixCaching = Annotated[bool, typer.Option(
 Threads = Annotated[int | None, typer.Option(
     min=1, help="CPU threads for the model; default: every core this process may use.")]
 LinearKernel = Annotated[str | None, typer.Option(
-    help="Force one matrix-multiply kernel (aten, aten-tile16, onednn, onednn-min2); default: the "
-         "fastest this machine measured that passes the batch-invariance self-test.")]
+    help="Force one matrix-multiply kernel (aten, aten-tile16, onednn, onednn-min2, native; for GGUF "
+         "blocks native-quant or native-quant-x8); default: the fastest this machine measured that "
+         "passes the batch-invariance self-test.")]
 
 SpeculativeTokens = Annotated[int, typer.Option(
     min=0, max=16, help="Speculative decoding: up to K draft tokens per request per step, verified in "
@@ -108,55 +119,108 @@ FIELD_TO_OPTION = {
     "p_less": "--p-less", "json_schema": "--json-schema", "regex": "--regex",
 }
 
+_DEFAULT = EngineConfig()  # the options' defaults are the engine's own
 
-def engine_config(*, model: str | None, dtype: str, device: str | None, max_num_seqs: int = 32,
-                  max_num_batched_tokens: int = 512,
-                  max_prefill_tokens_while_decoding: int = MAX_PREFILL_TOKENS_WHILE_DECODING,
-                  max_model_len: int | None = None,
-                  kv_cache_gb: float | None = None, block_size: int = 16,
-                  batch_invariant: bool = True, threads: int | None = None,
-                  linear_kernel: str | None = None, prefix_caching: bool = True,
-                  quantize: str | None = None, speculative_tokens: int = 0,
-                  speculative_method: str = "ngram", speculative_ngram_min: int = 2,
-                  speculative_ngram_max: int = 4, draft_model: str | None = None,
-                  speculative_policy: str = "cost", speculative_disable_by_batch_size: int | None = None,
-                  async_scheduling: bool | None = None,
-                  fair_share_rows: float | None = None, tensor_parallel_size: int = 1) -> EngineConfig:
-    from nanoserve.engine import DTYPES, QUANTIZED
-    from nanoserve.quant import QUANTIZERS
-    from nanoserve.spec_decode import SpecConfig
 
-    if dtype not in (*DTYPES, "auto", QUANTIZED):
-        fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {dtype!r}")
-    if quantize is not None and quantize not in QUANTIZERS:
-        fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {quantize!r}")
-    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
-        fail(f"--device must be cpu or cuda; got {device!r}")
-    check_linear_kernel(linear_kernel)
-    try:
-        SpecConfig(speculative_tokens, speculative_method, speculative_ngram_min, speculative_ngram_max,
-                   speculative_policy, speculative_disable_by_batch_size).check(draft_model=draft_model)
-    except InvalidRequestError as error:
-        fail_for(error)
-    return EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_prefill_tokens_while_decoding=max_prefill_tokens_while_decoding,
-                        max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
-                        batch_invariant=batch_invariant, threads=threads, linear_kernel=linear_kernel,
-                        enable_prefix_caching=prefix_caching, quantize=quantize,
-                        speculative_tokens=speculative_tokens, speculative_method=speculative_method,
-                        speculative_ngram_min=speculative_ngram_min,
-                        speculative_ngram_max=speculative_ngram_max, draft_model=draft_model,
-                        speculative_policy=speculative_policy,
-                        speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-                        async_scheduling=async_scheduling, fair_share_rows=fair_share_rows,
-                        tensor_parallel_size=tensor_parallel_size)
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """The engine options as parsed: each field is the EngineConfig field of the same name."""
+
+    model: Model = _DEFAULT.model
+    dtype: Dtype = _DEFAULT.dtype
+    device: Device = _DEFAULT.device
+    max_num_seqs: MaxNumSeqs = _DEFAULT.max_num_seqs
+    max_num_batched_tokens: MaxBatchedTokens = _DEFAULT.max_num_batched_tokens
+    max_prefill_tokens_while_decoding: MaxPrefillWhileDecoding = _DEFAULT.max_prefill_tokens_while_decoding
+    max_model_len: MaxModelLen = _DEFAULT.max_model_len
+    kv_cache_gb: KvCacheGb = _DEFAULT.kv_cache_gb
+    block_size: BlockSize = _DEFAULT.block_size
+    batch_invariant: BatchInvariant = _DEFAULT.batch_invariant
+    enable_prefix_caching: PrefixCaching = _DEFAULT.enable_prefix_caching
+    threads: Threads = _DEFAULT.threads
+    linear_kernel: LinearKernel = _DEFAULT.linear_kernel
+    quantize: Quantize = _DEFAULT.quantize
+    speculative_tokens: SpeculativeTokens = _DEFAULT.speculative_tokens
+    speculative_method: SpeculativeMethod = _DEFAULT.speculative_method
+    speculative_ngram_min: SpeculativeNgramMin = _DEFAULT.speculative_ngram_min
+    speculative_ngram_max: SpeculativeNgramMax = _DEFAULT.speculative_ngram_max
+    draft_model: DraftModel = _DEFAULT.draft_model
+    speculative_policy: SpeculativePolicy = _DEFAULT.speculative_policy
+    speculative_disable_by_batch_size: SpeculativeDisableByBatchSize = (
+        _DEFAULT.speculative_disable_by_batch_size)
+    async_scheduling: AsyncScheduling = _DEFAULT.async_scheduling
+    fair_share_rows: FairShareRows = _DEFAULT.fair_share_rows
+    tensor_parallel_size: TensorParallelSize = _DEFAULT.tensor_parallel_size
+
+    def check(self) -> None:
+        """Exit 2 naming the option on a value no engine could take, before anything loads."""
+        from nanoserve.engine.spec_decode import SpecConfig
+        from nanoserve.quant import QUANTIZERS
+        from nanoserve.worker.rank import DTYPES, QUANTIZED
+
+        if self.dtype not in (*DTYPES, "auto", QUANTIZED):
+            fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {self.dtype!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZERS:
+            fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {self.quantize!r}")
+        if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
+            fail(f"--device must be cpu or cuda; got {self.device!r}")
+        check_linear_kernel(self.linear_kernel)
+        try:
+            SpecConfig(self.speculative_tokens, self.speculative_method, self.speculative_ngram_min,
+                       self.speculative_ngram_max, self.speculative_policy,
+                       self.speculative_disable_by_batch_size).check(draft_model=self.draft_model)
+        except InvalidRequestError as error:
+            fail_for(error)
+
+    def config(self, **fixed: Any) -> EngineConfig:
+        """The checked EngineConfig of these options, with `fixed` fields a command sets itself."""
+        self.check()
+        return EngineConfig(**(asdict(self) | fixed))
+
+
+def engine_options(*, only: Collection[str] | None = None,
+                   omit: Collection[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command the engine options (`only` these, or every one but `omit`).
+
+    The command declares `engine: EngineOptions` (keyword-only, after a bare `*`: it has no
+    default); typer sees one option per field in its place (so --help lists them there), and the
+    command receives their parsed values as one object. Typer reads a command's options from its
+    signature and has no notion of a parameter object, so the signature is rewritten to spell the
+    fields out. A name in `only` or `omit` that is no field fails here, at import.
+    """
+    unknown = set(only or ()).union(omit) - {f.name for f in fields(EngineOptions)}
+    if unknown:
+        raise ValueError(f"not engine options: {sorted(unknown)}")
+    chosen = [f for f in fields(EngineOptions) if (only is None or f.name in only) and f.name not in omit]
+    names = [f.name for f in chosen]
+    hints = typing.get_type_hints(EngineOptions, include_extras=True)
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        if "engine" not in signature.parameters:
+            raise TypeError(f"{command.__name__} declares no `engine: EngineOptions` parameter")
+        kind = signature.parameters["engine"].kind
+        shared = [inspect.Parameter(f.name, kind, annotation=hints[f.name], default=f.default)
+                  for f in chosen]
+        parameters = [p for own in signature.parameters.values()
+                      for p in (shared if own.name == "engine" else [own])]
+
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            engine = EngineOptions(**{name: values.pop(name) for name in names})
+            return command(engine=engine, **values)
+
+        run.__signature__ = signature.replace(parameters=parameters)
+        run.__annotations__ = {p.name: p.annotation for p in parameters}
+        return run
+
+    return decorate
 
 
 def check_linear_kernel(name: str | None) -> None:
     """A name that is no kernel at all fails here, before the model loads; whether this machine
     can run it, and whether it passes the self-test, the engine finds out at start-up."""
-    from nanoserve.linear import KERNELS, QUANTIZED_KERNELS
+    from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
 
     names = [*KERNELS, *QUANTIZED_KERNELS]
     if name is not None and name not in names:
@@ -180,7 +244,7 @@ def fail(message: str) -> NoReturn:
 
 
 def fail_for(error: NanoserveError) -> NoReturn:
-    from nanoserve.parallel import TensorParallelError
+    from nanoserve.distributed.group import TensorParallelError
 
     if isinstance(error, TensorParallelError):  # a rank died or hung: a failure, not a usage error
         typer.secho(f"Error: {error}", err=True, fg=typer.colors.RED)

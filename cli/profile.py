@@ -30,7 +30,7 @@ def _mix(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    from nanoserve.engine import DTYPES, QUANTIZED
+    from nanoserve.worker.rank import DTYPES, QUANTIZED
 
     choices = (*DTYPES, QUANTIZED, "auto")
     if text not in choices:
@@ -70,7 +70,13 @@ PrefixCaching = Annotated[str, typer.Option(
     help="Automatic prefix caching, as bench's option (one engine here: off or on).")]
 
 
+# The engine options of the one engine profiled; its dtype and prefix caching are spelt as bench's
+# sweeps (above), one value each.
+ENGINE_OPTIONS = ("model", "device", "batch_invariant", "threads", "linear_kernel", "tensor_parallel_size")
+
+
 @app.command()
+@options.engine_options(only=ENGINE_OPTIONS)
 def profile(
     slots: Slots = "1,2,4,8,16",
     input_len: Annotated[int, typer.Option(min=1, help="Prompt length in tokens.")] = 32,
@@ -78,12 +84,9 @@ def profile(
     params: Annotated[str, typer.Option(
         callback=checked(_mix), help="Sampling mix: greedy, top_p, top_k or mixed.")] = "greedy",
     dtype: Dtype = "float32",
-    batch_invariant: options.BatchInvariant = True,
     prefix_caching: PrefixCaching = "on",
-    threads: options.Threads = None,
-    linear_kernel: options.LinearKernel = None,
-    model: options.Model = None,
-    device: options.Device = None,
+    *,
+    engine: options.EngineOptions,
     out: Annotated[Path, typer.Option(help="CSV to write; the chart goes beside it as .png.")] = DEFAULT_OUT,
     trace: Annotated[Path | None, typer.Option(
         help="Also write a torch.profiler Chrome trace (a few steps per batch size) here.")] = None,
@@ -93,20 +96,18 @@ def profile(
         help="The forward's small ops in C (on) or torch (off); off,on alternates them per batch "
              "size in one engine. Default: as the engine runs them.")] = None,
     batch_sizes: OldBatchSizes = None,
-    tensor_parallel_size: options.TensorParallelSize = 1,
 ) -> None:
     """Per-phase cost and readbacks of a decode step (schedule, prepare, forward, sample, collect),
     and the forward split into its matrix multiplies and the rest."""
     from nanoserve.bench.profile import ProfileSpec
 
-    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
-        options.fail(f"--device must be cpu or cuda; got {device!r}")
-    options.check_linear_kernel(linear_kernel)
+    engine.check()
     spec = ProfileSpec(batch_sizes=options.slots_or_deprecated(slots, batch_sizes, "--batch-sizes"),
                        input_len=input_len, output_len=output_len, params=params,
-                       dtype=dtype, batch_invariant=batch_invariant, prefix_caching=prefix_caching,
-                       model=model, device=device, threads=threads, linear_kernel=linear_kernel,
-                       trace_path=trace, native_ops=native_ops, tensor_parallel_size=tensor_parallel_size)
+                       dtype=dtype, batch_invariant=engine.batch_invariant, prefix_caching=prefix_caching,
+                       model=engine.model, device=engine.device, threads=engine.threads,
+                       linear_kernel=engine.linear_kernel, trace_path=trace, native_ops=native_ops,
+                       tensor_parallel_size=engine.tensor_parallel_size)
     run_profile(spec, out, chart=chart)
 
 
@@ -155,6 +156,7 @@ def profile_table(frame, title: str):
     table.add_column("other ms", justify="right")
     table.add_column("forward: linears ms", justify="right")
     table.add_column("forward: rest ms (per row)", justify="right")
+    table.add_column("native calls", justify="right")
     table.add_column("tok/s", justify="right")
     for row in frame.itertuples():
         phases = [f"{getattr(row, f'{p}_ms'):.2f} ({getattr(row, f'{p}_readbacks'):.0f})" for p in PHASES]
@@ -162,5 +164,5 @@ def profile_table(frame, title: str):
                       *phases, f"{row.other_ms:.2f}",
                       f"{row.forward_linear_ms:.2f}",
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
-                      f"{row.decode_tokens_per_s:.1f}")
+                      f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")
     return table

@@ -75,12 +75,12 @@ def syncbench(
     slots_list = options.slots_or_deprecated(tuple(_positive_ints(slots, "--slots")), old_rows, "--rows")
     mix_list = _mixes(mixes)
     _check_counts(repeat, warmup)
-    config = options.engine_config(model=model, dtype=dtype, device=device, threads=threads)  # checks them
+    options.EngineOptions(model=model, dtype=dtype, device=device, threads=threads).check()
     from nanoserve.bench.syncbench import noise_warning, run_syncbench, write_syncbench_outputs
     from nanoserve.errors import NanoserveError
 
     try:
-        logits_row = model_logits_row(model, dtype=config.dtype, device=config.device, threads=config.threads)
+        logits_row = model_logits_row(model, dtype=dtype, device=device, threads=threads)
     except NanoserveError as error:
         options.fail_for(error)
     frame = run_syncbench(logits_row, list(slots_list), mix_list, repeat, warmup,

@@ -13,10 +13,10 @@ _EXPORTS = {
     "LLM": "nanoserve.llm",
     "Completion": "nanoserve.llm",
     "CompletionOutput": "nanoserve.llm",
-    "Engine": "nanoserve.engine",
+    "Engine": "nanoserve.engine.core",
     "EngineConfig": "nanoserve.config",
     "SamplingParams": "nanoserve.sampling_params",
-    "RequestOutput": "nanoserve.output",
+    "RequestOutput": "nanoserve.engine.output",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -407,7 +407,7 @@ class ModelConfig:
 
     @property
     def is_plain_llama(self) -> bool:
-        """Every switch off: the forward runs the Llama loop and nothing else (Phi-3 without a
+        """Every switch off: the layers are the Llama stack and nothing else (Phi-3 without a
         window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
         return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
                      or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope)
@@ -509,7 +509,7 @@ class EngineConfig:
     # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
     fair_share_rows: float | None = None
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
-    # one process each (nanoserve.parallel); 1: one process, exactly the code it always ran.
+    # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

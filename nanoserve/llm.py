@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
+from nanoserve.engine.output import RequestOutput, TokenLogprob
 from nanoserve.errors import InvalidRequestError
-from nanoserve.output import RequestOutput, TokenLogprob
-from nanoserve.sampling_params import MAX_SEED, SamplingParams
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
 PromptDict = Mapping[str, Any]  # vLLM's TextPrompt and TokensPrompt
@@ -140,7 +140,7 @@ class LLM:
             text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
             completion = None
             for i in range(prompt_params.n):
-                request_id = engine.add_request(ids_or_text, _choice_params(prompt_params, i),
+                request_id = engine.add_request(ids_or_text, prompt_params.for_choice(i),
                                                 parent_id=parent_id)
                 parent_id = parent_id or request_id
                 if completion is None:
@@ -223,20 +223,6 @@ def _unpack(prompt: Prompt, params: SamplingParams) -> tuple[str | None, str | l
     if "prompt" in prompt:
         return prompt["prompt"], prompt["prompt"], params
     return None, list(prompt["prompt_token_ids"]), params
-
-
-def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` of n: seed + index, so seeded choices differ and reproduce (as the server);
-    the prompt's logprobs are scored once, by choice 0."""
-    if index == 0:
-        return params
-    changes: dict[str, Any] = {"prompt_logprobs": None}
-    if params.seed is not None:
-        if params.seed + index >= MAX_SEED:
-            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63; got seed {params.seed}, "
-                                      f"n {params.n}", param="seed")
-        changes["seed"] = params.seed + index
-    return dataclasses.replace(params, **changes)
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +98,7 @@ class QuantizedStack:
     Q4_K_M file keeps q and k in Q4_K, v in Q6_K): multiplied part by part, outputs side by side.
     A part may be a dense float32 matrix (a type with no kernel, dequantized at load)."""
 
-    parts: tuple[QuantizedWeight | torch.Tensor, ...]
+    parts: tuple[QuantizedWeight | torch.Tensor, ...]  # or a kernel's repacked form of a part
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -122,6 +121,12 @@ class QuantizedStack:
 
 
 Weight = torch.Tensor | QuantizedWeight | QuantizedStack
+
+
+def serves_lookups(weight: object) -> bool:
+    """A kernel's packed form of a token table that can still look rows up (`lookup(ids)`), so a
+    tied table packed for the head need not be kept twice (nanoserve.native.repack)."""
+    return callable(getattr(weight, "lookup", None))
 
 
 def is_quantized(weight: object) -> bool:
@@ -152,17 +157,6 @@ def stack_rows(parts: list[Weight]) -> Weight:
                                torch.cat([p.blocks for p in parts]))
     flat = [q for p in parts for q in (p.parts if isinstance(p, QuantizedStack) else (p,))]
     return QuantizedStack(tuple(flat))
-
-
-def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized)."""
-    if isinstance(table, torch.Tensor):
-        return F.embedding(ids, table)
-    from nanoserve.native import quant as native_quant
-
-    if native_quant.runs(table.format):
-        return native_quant.dequantize_rows(table, ids)
-    return table.rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, table.shape[1])
 
 
 # ---- reference dequantizers: uint8 [n, bytes] -> float32 [n, values] --------------------------

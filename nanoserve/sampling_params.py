@@ -19,6 +19,7 @@ from nanoserve.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63  # seeds live in int64 tensors on the device
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature can overflow float32: greedy instead
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI allows 300; a bias is built once per request, but not for free
@@ -132,11 +133,30 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True, slots=True)
+class ThinkingPrefix:
+    """A reasoning model's think block ahead of the answer: the output thinks (at most
+    `budget_tokens` tokens, after which only the end tag may come), then takes the end tag
+    token, then the answer. Where the output begins: inside the block (the prompt opened it),
+    or, with `start_token_id`, at the start tag, which it may take first (`start_optional`) or
+    must take unless `may_skip` lets it answer at once. `end_tag` is the end token's text,
+    which the thinking may not spell out of other tokens either."""
+
+    end_token_id: int
+    end_tag: str
+    start_token_id: int | None = None
+    start_optional: bool = False
+    may_skip: bool = False
+    budget_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """What the output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
     schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a regex, a choice
     of strings, or a grammar (Lark, or llama.cpp's GBNF). Checked here for shape only; whether
-    the grammar library can enforce it is `nanoserve.structured`'s verdict, at admission.
+    the grammar library can enforce it is `nanoserve.engine.structured`'s verdict, at admission.
+    With `thinking`, the spec holds the answer after a think block (and none of the kinds
+    leaves that answer free).
 
     `param` is the field the client sent it in (response_format, structured_outputs, tools...),
     so a refusal names that field; it is not part of the spec's identity.
@@ -147,11 +167,12 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    thinking: ThinkingPrefix | None = None
     param: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
         given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
+        if len(given) > 1 or (not given and self.thinking is None):
             raise _refuse(self.param, given or "nothing",
                           f"exactly one of {', '.join(STRUCTURED_KINDS)}")
         if self.json is not None:
@@ -164,8 +185,9 @@ class StructuredOutputs:
                 raise _refuse(f"{self.param}.{kind}", value, "a non-empty string")
 
     @property
-    def kind(self) -> str:
-        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+    def kind(self) -> str | None:
+        """The answer's kind; None: a free answer after the think block."""
+        return next((kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)), None)
 
 
 def _schema_text(schema: object, param: str) -> str:
@@ -193,7 +215,7 @@ class SamplingParams:
 
     Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
     the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p and min_p, each
-    on what the ones before it kept, renormalized (see `nanoserve.sampler`). `is_greedy`
+    on what the ones before it kept, renormalized (see `nanoserve.engine.sampler`). `is_greedy`
     requests take the argmax, ignore the filters and consume no randomness.
 
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the
@@ -213,7 +235,7 @@ class SamplingParams:
     if two complete at the same character, the longer one is reported. A stop string counts
     only when a token past the first `min_tokens` completes it (it may start earlier).
 
-    As in vLLM: `n` choices per prompt (`LLM.generate`; choice i draws with seed + i),
+    As in vLLM: `n` choices per prompt (`LLM.generate`, the server; choice i is `for_choice(i)`),
     `skip_special_tokens` leaves special tokens out of the text (shown, they are set apart by
     spaces unless `spaces_between_special_tokens` is false), `truncate_prompt_tokens`
     keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
@@ -320,6 +342,18 @@ class SamplingParams:
             raise _refuse("cache_salt", self.cache_salt, "null or a non-empty string")
         self._check_structured()
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """Choice `index` of a request's n: seed + index, so n seeded choices differ yet each
+        reproduces; the prompt's logprobs are scored once, by choice 0."""
+        if index == 0:
+            return self
+        if self.seed is None:
+            return replace(self, prompt_logprobs=None)
+        if self.seed + index >= MAX_SEED:
+            raise InvalidRequestError(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got "
+                                      f"seed {self.seed} for choice {index}", param="seed")
+        return replace(self, seed=self.seed + index, prompt_logprobs=None)
+
     def truncate_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The prompt as the request sees it: its last `truncate_prompt_tokens` tokens, if set."""
         return keep_last_tokens(prompt_ids, self.truncate_prompt_tokens)
@@ -344,8 +378,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy requests take the argmax: temperature 0 or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy requests take the argmax and draw nothing: temperature 0 (or below
+        `MIN_TEMPERATURE`, too small to divide logits by) or top_k 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def reads_output_values(self) -> bool:

@@ -3,7 +3,7 @@
 Owns: `Tokenizer` (a `tokenizers.Tokenizer` plus what tokenizer_config.json and
 generation_config.json say about BOS, EOS and the chat template), `IncrementalDetokenizer`
 (per-request, UTF-8 safe, O(1) work per token) and `StopStringMatcher` (per-request).
-Refuses: finding or converting model files (default_model, gguf_import) and deciding when
+Refuses: finding or converting model files (loading.default_model, loading.gguf) and deciding when
 generation ends (output); the matcher only reports that a stop string appeared.
 """
 
@@ -41,6 +41,7 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         add_bos_token: bool = False,
+        add_eos_token: bool = False,
         chat_template: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         special_tokens: Mapping[str, Any] | None = None,
@@ -49,6 +50,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
         self.chat_template = chat_template
         # Every special token of tokenizer_config.json, by its config key (unk_token, pad_token,
         # additional_special_tokens...): HF hands them all to the chat template.
@@ -70,6 +72,7 @@ class Tokenizer:
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
             add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
             chat_template=_chat_template(config, path),
             extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
             special_tokens=_special_tokens(config),
@@ -97,7 +100,8 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; BOS first when `add_bos` (default: what the config says).
+        """Token ids of `text`. `add_bos` None: the special tokens the config asks for (BOS first
+        when add_bos_token, EOS last when add_eos_token); True: BOS; False: the text's ids alone.
 
         A chat goes through `encode_chat`, not here: its template places BOS itself.
         """
@@ -105,6 +109,8 @@ class Tokenizer:
         wants_bos = self.add_bos_token if add_bos is None else add_bos
         if wants_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
+        if add_bos is None and self.add_eos_token and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,

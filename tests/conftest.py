@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from tiny_model import write_tiny_gguf, write_tiny_llama
 
-from nanoserve.default_model import DEFAULT_DISTRIBUTION, INSTALL_COMMAND, resolve_model_dir
+from nanoserve.loading.default_model import DEFAULT_DISTRIBUTION, INSTALL_COMMAND, resolve_model_dir
 
 # CI runs .ci/run in a fresh clone of the repository with a copy of shared/ beside it: the
 # clone's parent directory holds shared/. Without it the tests that need the reference skip,

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from nanoserve.kv_cache import KVCache
-from nanoserve.model import AttentionGroup, ForwardBatch, Llama
-from nanoserve.weights import load_weights
+from nanoserve.loading.weights import load_weights
+from nanoserve.model.batch import AttentionGroup, ForwardBatch
+from nanoserve.model.decoder import Llama
+from nanoserve.model.kv_cache import KVCache
 
 BLOCK = 4
 transformers = None  # imported by `require_transformers`, so this module imports without it

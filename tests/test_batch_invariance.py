@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-import nanoserve.model
+import nanoserve.model.decoder
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ def test_tiny_crowd_gives_every_request_its_solo_tokens_and_logprobs(tiny):
 
 def test_with_the_torch_ops_a_tiny_crowd_still_gets_its_solo_tokens(tiny_model_dir, monkeypatch):
     """The path NANOSERVE_NO_NATIVE=1 (and half precision) takes, without the native small ops."""
-    monkeypatch.setattr(nanoserve.model, "native_ops_for", lambda like: None)
+    monkeypatch.setattr(nanoserve.model.decoder, "native_ops_for", lambda like: None)
     llm = LLM(str(tiny_model_dir), device="cpu")
     assert llm.engine.model.ops is None
     prompts, params = crowd_prompts(6), [params_for(i) for i in range(6)]
@@ -235,4 +235,46 @@ def test_a_fair_share_holds_a_many_choice_request_back_and_changes_no_bit(tiny_m
     # fair_share_rows 0: the lightest's one row a step, and now and then a second from what
     # the share carried over (a row's cost grows with its context, so shares are fractional).
     assert unshared_rows == 6 and shared_rows <= 2, "the share did not hold the six back"
+    assert shared == unshared
+
+
+def test_contended_steps_admit_round_robin_chunk_and_give_slots_and_change_no_bit(tiny_model_dir):
+    """A long prompt prefilling, one client's many prompts holding every slot, and another's one
+    arrival: with the fair share on, the arrival takes a slot from the client holding them all
+    and runs beside the long prompt's prefill; every token and logprob is what it is with no
+    share (which runs them first come first served)."""
+    long_prompt = [5 + (i * 7) % 300 for i in range(400)]
+    phases = [[(long_prompt, params_for(0, max_tokens=6), "long")],
+              [(f"many {i}:", params_for(i, max_tokens=10), "many") for i in range(5)],
+              [("one:", params_for(1, max_tokens=10), "one")]]
+
+    def run(fair_share_rows: float) -> tuple[list, bool, int]:
+        engine = LLM(str(tiny_model_dir), device="cpu", fair_share_rows=fair_share_rows, max_num_seqs=4,
+                     max_num_batched_tokens=128).engine
+        ids, entries, beside, schedule = [], {}, [False], engine.scheduler.schedule
+
+        def recording():  # whether "one" ran in a step where the long prompt was still prefilling
+            plan = schedule()
+            parents = {chunk.request.parent: chunk for chunk in plan.chunks}
+            beside[0] |= "one" in parents and "long" in parents and not parents["long"].samples
+            return plan
+
+        def step() -> None:
+            for out in engine.step():
+                entries[out.request_id] += [(e.token_id, e.logprob, e.top) for e in out.logprobs]
+
+        engine.scheduler.schedule = recording
+        for phase in phases:
+            ids += [engine.add_request(prompt, sp, parent_id=parent) for prompt, sp, parent in phase]
+            entries |= {i: [] for i in ids if i not in entries}
+            for _ in range(2):
+                step()
+        while engine.has_unfinished():
+            step()
+        return [entries[i] for i in ids], beside[0], engine.scheduler.num_preemptions
+
+    unshared, unshared_beside, _ = run(float("inf"))
+    shared, shared_beside, preemptions = run(2.0)
+    assert not unshared_beside and shared_beside, "the arrival did not run beside the prefill"
+    assert preemptions >= 1, "no slot was given to the client with nothing running"
     assert shared == unshared

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import nanoserve_cli.bench
-import nanoserve_cli.profile  # noqa: F401  (registers the command)
+import nanoserve_cli.profile
 from nanoserve.bench import ci_check, hardware, offline, serve
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
 from nanoserve.sampling_params import SamplingParams
 from nanoserve_cli.app import app
 
@@ -305,6 +305,30 @@ def test_bad_profile_options_exit_2_naming_the_option(args, option):
     assert option in result.output
 
 
+
+def test_the_options_every_engine_of_a_sweep_shares_reach_its_spec(monkeypatch):
+    specs = []
+    monkeypatch.setattr(nanoserve_cli.bench, "run_offline", lambda spec, out, **kwargs: specs.append(spec))
+    result = invoke("bench", "--model", "some/model", "--device", "cpu", "--threads", "1",
+                    "--linear-kernel", "aten", "-tp", "2", "--dtype", "float32,bfloat16")
+    assert result.exit_code == 0, result.output
+    (spec,) = specs
+    assert (spec.model, spec.device, spec.threads, spec.linear_kernel, spec.tensor_parallel_size) == (
+        "some/model", "cpu", 1, "aten", 2)
+    assert spec.dtypes == ("float32", "bfloat16")
+
+
+def test_the_engine_options_of_a_profile_reach_its_spec(monkeypatch):
+    specs = []
+    monkeypatch.setattr(nanoserve_cli.profile, "run_profile", lambda spec, out, **kwargs: specs.append(spec))
+    result = invoke("profile", "--model", "some/model", "--device", "cpu", "--no-batch-invariant",
+                    "--threads", "1", "--linear-kernel", "aten", "-tp", "2")
+    assert result.exit_code == 0, result.output
+    (spec,) = specs
+    assert (spec.model, spec.device, spec.batch_invariant, spec.threads, spec.linear_kernel,
+            spec.tensor_parallel_size) == ("some/model", "cpu", False, 1, "aten", 2)
+
+
 def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collect(tiny_model_dir, tmp_path):
     out, trace = tmp_path / "profile.csv", tmp_path / "trace.json"
     result = invoke("profile", "--model", str(tiny_model_dir), "--slots", "1,3", "--input-len", "4",
@@ -390,6 +414,7 @@ def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir
     frame = pd.read_csv(out)
     assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
     assert (frame.forward_rest_ms > 0).all()
+    assert frame.native_calls_per_step[1] > 0  # the native small ops' calls, counted
 
 
 def test_every_neighbour_kind_is_a_body_the_protocol_accepts_under_the_body_limit():

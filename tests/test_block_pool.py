@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_pool import BlockPool, BlockPoolError, block_keys, chain_root
+from nanoserve.engine.block_pool import BlockPool, BlockPoolError, block_keys, chain_root
 
 
 def test_allocate_then_free_returns_pool_to_completely_free():

@@ -83,7 +83,7 @@ def test_chat_wraps_the_prompt_in_the_models_template(tiny_model_dir):
 def test_a_kernel_this_machine_cannot_run_exits_2_naming_the_option(tiny_model_dir):
     """oneDNN kernels are CPU-only: asking for one on CUDA (or for one that fails the
     self-test) is refused at start-up by name, never swapped for another without a word."""
-    from nanoserve.linear import KERNELS, LinearKernel
+    from nanoserve.model.linear import KERNELS, LinearKernel
 
     refused = LinearKernel("cuda-only", "test", lambda w: w, KERNELS["aten"].apply, ("cuda",))
     KERNELS["cuda-only"] = refused
@@ -164,3 +164,54 @@ def test_a_config_nanoserve_cannot_honour_exits_2_naming_the_field(tmp_path, tin
     (target / "config.json").write_text(json.dumps({**config, **change}))
     result = generate("hi", "--model", str(target))
     assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output
+
+
+
+@pytest.fixture
+def built_configs(monkeypatch):
+    """The EngineConfigs generate hands the LLM, caught before any model loads (the command
+    then exits 2 with the error raised in the LLM's place)."""
+    from nanoserve.errors import NanoserveError
+    from nanoserve.llm import LLM
+
+    built = []
+
+    def capture(config):
+        built.append(config)
+        raise NanoserveError("stop before loading")
+
+    monkeypatch.setattr(LLM, "from_config", capture)
+    return built
+
+
+def test_every_engine_option_generate_takes_reaches_the_engine_config(built_configs):
+    from nanoserve.config import EngineConfig
+
+    result = generate("hi", "--model", "some/model", "--dtype", "float32", "--device", "cpu",
+                      "--no-batch-invariant", "--no-prefix-caching", "--max-model-len", "64",
+                      "--kv-cache-gb", "0.5", "--threads", "1", "--linear-kernel", "aten",
+                      "--quantize", "q8_0", "--speculative-tokens", "3", "--speculative-ngram-min", "1",
+                      "--speculative-ngram-max", "5", "--speculative-policy", "always",
+                      "--speculative-disable-by-batch-size", "8", "--async-scheduling", "-tp", "2")
+    assert result.exit_code == 2 and "stop before loading" in result.output, result.output
+    assert built_configs == [EngineConfig(
+        model="some/model", dtype="float32", device="cpu", batch_invariant=False, enable_prefix_caching=False,
+        max_model_len=64, kv_cache_gb=0.5, threads=1, linear_kernel="aten", quantize="q8_0",
+        speculative_tokens=3, speculative_ngram_min=1, speculative_ngram_max=5, speculative_policy="always",
+        speculative_disable_by_batch_size=8, async_scheduling=True, tensor_parallel_size=2, max_num_seqs=1)]
+
+
+def test_a_draft_model_reaches_the_engine_config_with_its_method(built_configs):
+    result = generate("hi", "--speculative-tokens", "2", "--speculative-method", "draft",
+                      "--draft-model", "org/draft")
+    assert result.exit_code == 2, result.output
+    assert (built_configs[0].speculative_method, built_configs[0].draft_model) == ("draft", "org/draft")
+
+
+def test_engine_options_refuse_a_name_that_is_no_option_and_a_command_without_the_parameter():
+    from nanoserve_cli.options import engine_options
+
+    with pytest.raises(ValueError, match="no_such_option"):
+        engine_options(omit=("no_such_option",))
+    with pytest.raises(TypeError, match="engine"):
+        engine_options()(lambda prompt: None)

@@ -13,8 +13,9 @@ import pytest
 from safetensors import safe_open
 from tiny_model import read_weights, write_tiny_gguf
 
-from nanoserve import default_model
-from nanoserve.default_model import (
+from nanoserve.errors import ModelNotFoundError
+from nanoserve.loading import default_model
+from nanoserve.loading.default_model import (
     DEFAULT_CACHE_NAME,
     DEFAULT_DISTRIBUTION,
     INSTALL_COMMAND,
@@ -22,7 +23,6 @@ from nanoserve.default_model import (
     default_gguf_path,
     resolve_model_dir,
 )
-from nanoserve.errors import ModelNotFoundError
 from nanoserve.machine import cache_root
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

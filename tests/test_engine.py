@@ -5,10 +5,10 @@ import contextlib
 import pytest
 import torch
 
-from nanoserve.engine import PHASES
+from nanoserve.engine.core import PHASES
+from nanoserve.engine.output import ReadbackCounter
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
-from nanoserve.output import ReadbackCounter
 from nanoserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

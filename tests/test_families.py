@@ -135,7 +135,7 @@ GGUF_CASES = [c for c in CASES if c.gguf] + [
 def test_a_gguf_of_the_same_weights_matches_transformers(case, tmp_path):
     """Through the importer (metadata -> config.json, tensors renamed) and through the blocks
     path (`gguf=`), both against transformers."""
-    from nanoserve.gguf_import import convert_gguf
+    from nanoserve.loading.gguf import convert_gguf
 
     hf_model = families.write_checkpoint(case, tmp_path / "hf")
     path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", case.gguf)

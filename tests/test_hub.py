@@ -14,10 +14,10 @@ from huggingface_hub import constants
 from tiny_model import write_tiny_gguf
 from typer.testing import CliRunner
 
-from nanoserve import default_model
-from nanoserve.default_model import resolve_model_dir
 from nanoserve.errors import ModelNotFoundError
-from nanoserve.hub import HubId, parse_hub_id
+from nanoserve.loading import default_model
+from nanoserve.loading.default_model import resolve_model_dir
+from nanoserve.loading.hub import HubId, parse_hub_id
 from nanoserve_cli.main import app
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from nanoserve import linear
-from nanoserve.linear import (
+from nanoserve.model import linear
+from nanoserve.model.linear import (
     KERNELS,
     KernelUnavailableError,
     LinearKernel,

@@ -13,8 +13,10 @@ from families import Cache as PagedCache
 from families import step
 
 from nanoserve.config import ModelConfig
-from nanoserve.linear import KERNELS, LinearKernel, kernels_for, self_test
-from nanoserve.model import Llama, LlamaWeights, rope_inv_freq
+from nanoserve.loading.hf_names import weights_from_hf
+from nanoserve.model.decoder import Llama
+from nanoserve.model.linear import KERNELS, LinearKernel, kernels_for, self_test
+from nanoserve.model.rope import rope_inv_freq
 from nanoserve.native import ops as native_ops
 
 CONFIG = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -37,7 +39,7 @@ def random_weights(config=CONFIG, seed=0):
             tensors[f"{prefix}{name}.weight"] = torch.randn(*shape, generator=g) * 0.1
         tensors[prefix + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
         tensors[prefix + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
-    return LlamaWeights.from_hf_state_dict(config, tensors)
+    return weights_from_hf(config, tensors)
 
 
 WEIGHTS = random_weights()
@@ -190,7 +192,7 @@ def test_decode_and_prefill_attention_sum_cancelling_chunk_partials_in_the_same_
     the context here is made so it shows: uniform attention over four chunks whose P@V
     partials are 1, a tiny amount and -1, which round differently in any other order, whether
     the adds are float32 (dim 0) or float64 (dim 1)."""
-    from nanoserve.model import CONTEXT_CHUNK, position_attention, sequence_position_attention
+    from nanoserve.model.attention import CONTEXT_CHUNK, position_attention, sequence_position_attention
 
     kv_heads, per_kv, dim, ctx = 2, 2, 8, 4 * CONTEXT_CHUNK
     g = torch.Generator().manual_seed(3)

@@ -10,9 +10,10 @@ output is rounded to bfloat16. A misplaced weight or a dropped term is off by O(
 import pytest
 import torch
 
-from nanoserve import linear, native
-from nanoserve.linear import KERNELS, KernelUnavailableError, ProbeShape, choose_kernel, self_test
+from nanoserve import native
 from nanoserve.llm import LLM
+from nanoserve.model import linear
+from nanoserve.model.linear import KERNELS, KernelUnavailableError, ProbeShape, choose_kernel, self_test
 from nanoserve.native import matmul
 from nanoserve.sampling_params import SamplingParams
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from test_model import CONFIG, PROMPT_A, PROMPT_B, WEIGHTS, Cache, step
 
-from nanoserve.kv_cache import KVCache
-from nanoserve.model import AttentionGroup, ForwardBatch, Llama
+from nanoserve.model.batch import AttentionGroup, ForwardBatch
+from nanoserve.model.decoder import Llama
+from nanoserve.model.kv_cache import KVCache
 from nanoserve.native import ops as native_ops
 from nanoserve.native.ops import NativeOpsError, PagedContext
 

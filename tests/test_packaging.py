@@ -77,29 +77,41 @@ def test_shell_completion_is_offered():
     assert "--install-completion" in result.output and "--show-completion" in result.output
 
 
-def _module_level_imports(source: Path) -> set[str]:
-    """The nanoserve modules `source` imports at module level, `if TYPE_CHECKING:` included
-    (an import made only for annotations still ties the two modules together)."""
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for source in (ROOT / "nanoserve").rglob("*.py"):
+        parts = source.relative_to(ROOT).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = source
+    return names
+
+
+MODULES = _module_names()
+
+
+def _imports(source: Path) -> set[str]:
+    """The nanoserve modules `source` imports anywhere: at module level, under `if
+    TYPE_CHECKING:` and inside functions (an import deferred into a function, or made only for
+    annotations, still ties the two modules together). `from nanoserve.x import y` counts as
+    importing the module `nanoserve.x.y` where there is one, else `nanoserve.x`."""
     names = set()
-    body = list(ast.parse(source.read_text(encoding="utf-8")).body)
-    while body:
-        node = body.pop()
-        if isinstance(node, ast.If):
-            body += node.body + node.orelse
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
+    for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if submodule in MODULES else node.module)
         elif isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
     return {name for name in names if name.split(".")[0] == "nanoserve"}
 
 
+def _graph() -> dict[str, set[str]]:
+    return {name: _imports(source) - {name} for name, source in MODULES.items()}
+
+
 def test_the_core_modules_import_one_way_only():
-    """DESIGN: no two modules import each other, directly or round a longer circle."""
-    graph = {}
-    for source in (ROOT / "nanoserve").rglob("*.py"):
-        parts = source.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        graph[name] = _module_level_imports(source) - {name}
+    """DESIGN: no two modules import each other, directly or round a longer circle, counting
+    imports inside functions."""
+    graph = _graph()
     circles = []
     for start in graph:
         stack, seen = [(start, (start,))], set()
@@ -112,3 +124,34 @@ def test_the_core_modules_import_one_way_only():
                     seen.add(imported)
                     stack.append((imported, (*path, imported)))
     assert not circles, circles
+
+
+# The floors of the layout, lowest first: a module imports only from its own floor and below.
+# A rank (worker/) and tensor parallelism (distributed/) never reach the request lifecycle
+# (engine/), the fronts (llm, server/, bench/) or each other's callers.
+FLOORS = (
+    ("nanoserve.errors", "nanoserve.machine", "nanoserve.config", "nanoserve.sampling_params",
+     "nanoserve.tokenizer", "nanoserve.quant"),
+    ("nanoserve.native",),
+    ("nanoserve.model",),
+    ("nanoserve.distributed",),
+    ("nanoserve.loading",),
+    ("nanoserve.worker",),
+    ("nanoserve.engine",),
+    ("nanoserve.llm", "nanoserve.server", "nanoserve.bench", "nanoserve.__main__"),
+)
+
+
+def _floor(module: str) -> int:
+    if module == "nanoserve":
+        return 0  # the package imports nothing: its front-door names load lazily, by string
+    for level, prefixes in enumerate(FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    raise AssertionError(f"{module} stands on no floor of the layout: add it to FLOORS")
+
+
+def test_every_module_imports_only_its_own_floor_and_below():
+    upward = sorted(f"{module} -> {imported}" for module, imports in _graph().items()
+                    for imported in imports if _floor(imported) > _floor(module))
+    assert not upward, upward

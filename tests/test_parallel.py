@@ -1,4 +1,4 @@
-"""Tensor parallelism (nanoserve/parallel.py): the shard arithmetic, the step message, the
+"""Tensor parallelism (nanoserve/distributed/): the shard arithmetic, the step message, the
 rank-ordered all-reduce, N ranks against one (tokens, logits, a crowd's bits), quantized and
 GGUF weights split, the memory each rank holds, and the faults: bad sizes, a port in use, an
 unreachable master, a worker killed mid-generation, a two-node torchrun launch on loopback.
@@ -32,13 +32,18 @@ from test_engine import readbacks_raise_outside_the_output_processor
 from tiny_model import write_tiny_gguf
 from typer.testing import CliRunner
 
-from nanoserve import parallel, quant
+from nanoserve import quant
+from nanoserve.distributed import group as tp_group
+from nanoserve.distributed import shards
+from nanoserve.distributed.collectives import Collectives
+from nanoserve.distributed.group import TensorParallelError
+from nanoserve.distributed.shards import Shard
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
-from nanoserve.model import AttentionGroup, ForwardBatch, hf_tensor_shapes
-from nanoserve.parallel import Collectives, Shard, TensorParallelError
+from nanoserve.loading.hf_names import hf_tensor_shapes
+from nanoserve.loading.weights import load_weights, read_config
+from nanoserve.model.batch import AttentionGroup, ForwardBatch
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.weights import load_weights, read_config
 from nanoserve_cli.main import app
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -78,7 +83,7 @@ def test_every_split_tensor_is_covered_once_by_the_ranks_and_each_rank_reads_its
         tiny_model_dir, world):
     config = read_config(tiny_model_dir)
     for name, shape in hf_tensor_shapes(config).items():
-        splits = [parallel.tensor_split(name, config, Shard(r, world)) for r in range(world)]
+        splits = [shards.tensor_split(name, config, Shard(r, world)) for r in range(world)]
         if splits[0] is None:
             continue
         dim = splits[0][0]
@@ -97,19 +102,19 @@ def test_every_split_tensor_is_covered_once_by_the_ranks_and_each_rank_reads_its
 def test_a_head_count_the_size_does_not_divide_is_refused_naming_the_option(tiny_model_dir):
     config = read_config(tiny_model_dir)
     with pytest.raises(InvalidRequestError, match="3 does not divide the model's 4 attention heads") as error:
-        parallel.check_shardable(config, 3)
+        shards.check_shardable(config, 3)
     assert error.value.param == "tensor_parallel_size"
 
 
 def test_gguf_blocks_split_by_rows_and_by_whole_blocks_of_columns_only():
     dense = torch.randn(8, 128)
     blocks = quant.quantize(dense, "q8_0")
-    rows = parallel.take(blocks, 0, [(2, 5)])
+    rows = shards.take(blocks, 0, [(2, 5)])
     assert torch.equal(rows.dequantize(), blocks.dequantize()[2:5])
-    cols = parallel.take(blocks, 1, [(32, 96)])
+    cols = shards.take(blocks, 1, [(32, 96)])
     assert torch.equal(cols.dequantize(), blocks.dequantize()[:, 32:96])
     with pytest.raises(InvalidRequestError, match="not whole blocks") as error:
-        parallel.take(blocks, 1, [(16, 48)])
+        shards.take(blocks, 1, [(16, 48)])
     assert error.value.param == "tensor_parallel_size"
 
 
@@ -118,7 +123,7 @@ def test_the_step_message_carries_a_batch_exactly():
               AttentionGroup(2, 1, 3, torch.tensor([[0, 1, 2]]), torch.tensor([[4]]), None)]
     batch = ForwardBatch(torch.tensor([7, 8, 1, 2, 3]), torch.tensor([5, 9, 0, 1, 2]),
                          torch.tensor([21, 57, 64, 65, 66]), groups, torch.tensor([0, 1, 4]))
-    back = parallel.decode_batch(parallel.encode_batch(batch), torch.device("cpu"))
+    back = tp_group.decode_batch(tp_group.encode_batch(batch), torch.device("cpu"))
     for field in ("input_ids", "positions", "slot_mapping", "logits_rows"):
         assert torch.equal(getattr(back, field), getattr(batch, field))
     for got, want in zip(back.groups, batch.groups, strict=True):
@@ -267,7 +272,7 @@ def test_a_tensor_parallel_size_below_one_exits_2_naming_the_option(command, siz
 
 def test_a_size_that_does_not_divide_the_heads_exits_2_naming_the_option_before_any_worker(
         tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(parallel, "_spawn", lambda *args: pytest.fail("a worker started"))
+    monkeypatch.setattr(tp_group, "_spawn", lambda *args: pytest.fail("a worker started"))
     result = CliRunner().invoke(app, ["generate", "-m", str(tiny_model_dir), "-tp", "3", "Hi"])
     assert result.exit_code == 2 and "--tensor-parallel-size" in result.output
     assert "does not divide the model's 4 attention heads" in result.output
@@ -284,8 +289,8 @@ def test_more_ranks_than_cores_and_a_port_in_use_are_refused_before_any_worker_s
     def no_spawn(*args):
         raise AssertionError("a worker started")
 
-    monkeypatch.setattr(parallel, "_spawn", no_spawn)
-    monkeypatch.setattr(parallel, "cores", lambda: 2)
+    monkeypatch.setattr(tp_group, "_spawn", no_spawn)
+    monkeypatch.setattr(tp_group, "cores", lambda: 2)
     with pytest.raises(InvalidRequestError, match="more ranks than this machine's 2 cores"):
         LLM(str(tiny_model_dir), device="cpu", tensor_parallel_size=4)
     with socket.socket() as taken:
@@ -298,13 +303,13 @@ def test_more_ranks_than_cores_and_a_port_in_use_are_refused_before_any_worker_s
 
 
 def test_a_rank_that_cannot_reach_the_master_gives_up_within_its_timeout(monkeypatch):
-    monkeypatch.setattr(parallel, "CONNECT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tp_group, "CONNECT_TIMEOUT_S", 2.0)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again below: nobody listens there
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank 1 could not reach the group at 127\.0\.0\.1"):
-        parallel.join(1, 2, "127.0.0.1", port, torch.device("cpu"))
+        tp_group.join(1, 2, "127.0.0.1", port, torch.device("cpu"))
     assert time.monotonic() - start < 15
 
 
@@ -370,3 +375,66 @@ def test_a_two_node_torchrun_launch_on_loopback_decodes_the_text_of_one_process(
     _, _, one = solo
     alone = one.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0))
     assert outputs[0][0] in (alone[0].outputs[0].text, alone[0].outputs[0].text + "\n")
+
+
+def test_a_served_engine_whose_worker_dies_answers_503_then_the_server_exits_naming_the_rank(
+        tiny_model_dir, tmp_path):
+    """`nanoserve serve --tensor-parallel-size 2`: killing rank 1 mid-request fails the request
+    in flight with a 503 (not a hang, not a 500), and the process exits non-zero naming rank 1."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve", "--model",
+               str(tiny_model_dir), "--port", str(port), "--tensor-parallel-size", "2", "--threads", "1",
+               "--log-level", "warning"]
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "NANOSERVE_TP_TIMEOUT_S": "5"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        (worker,) = _children_running(server.pid, "nanoserve.worker")
+        answer: list[httpx.Response] = []
+        body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        request = threading.Thread(target=lambda: answer.append(
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)))
+        request.start()
+        while "nanoserve_requests_running" not in _running_lines(base_url):
+            assert request.is_alive(), "the request finished before the worker was killed"
+            time.sleep(0.02)
+        os.kill(worker, signal.SIGKILL)
+        request.join(timeout=60)
+        status = server.wait(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
+    assert answer and answer[0].status_code == 503, answer and answer[0].text
+    assert answer[0].json()["error"]["code"] == "service_unavailable"
+    assert status != 0
+    assert "rank 1" in log_path.read_text()
+
+
+def _children_running(pid: int, module: str) -> list[int]:
+    """The child processes of `pid` (spawned by any of its threads) whose command line names `module`."""
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    return [child for child in children if module in Path(f"/proc/{child}/cmdline").read_text()]
+
+
+def _running_lines(base_url: str) -> str:
+    """The /metrics lines that show a running sequence (empty while none runs)."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    return "\n".join(line for line in text.splitlines()
+                     if line.startswith("nanoserve_requests_running{") and float(line.split()[-1]) > 0)

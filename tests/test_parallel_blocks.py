@@ -1,4 +1,4 @@
-"""Tensor parallelism on GGUF blocks (nanoserve/parallel.py): N ranks give one rank's bits.
+"""Tensor parallelism on GGUF blocks (nanoserve/distributed/): N ranks give one rank's bits.
 
 The native block kernels quantize every activation row to 8-bit blocks, so a last-bit change in
 a matrix's output (a sum of the ranks' partial products, say) becomes a whole step of a code in
@@ -24,14 +24,16 @@ import torch
 import torch.distributed as dist
 from families import Cache, step
 
-from nanoserve import native, parallel
+from nanoserve import native
+from nanoserve.distributed import shards
+from nanoserve.distributed.collectives import Collectives
+from nanoserve.distributed.shards import Shard
 from nanoserve.errors import InvalidRequestError
-from nanoserve.linear import QUANTIZED_KERNELS
 from nanoserve.llm import LLM
-from nanoserve.model import Llama
-from nanoserve.parallel import Collectives, Shard
+from nanoserve.loading.weights import load_weights, read_config
+from nanoserve.model.decoder import Llama
+from nanoserve.model.linear import QUANTIZED_KERNELS
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.weights import load_weights, read_config
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
@@ -80,7 +82,7 @@ def greedy_logits(model_dir: Path, gguf: Path, shard: Shard | None, group=None) 
     if shard is not None:
         start, count, _ = shard.vocab_rows(config.vocab_size)
         collectives = Collectives(group, shard, start, count, ordered=True)
-    local = parallel.local_config(config, shard.world if shard else 1)
+    local = shards.local_config(config, shard.world if shard else 1)
     model = Llama(local, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant"],
                   tensor_parallel=collectives)
     cache, rows = Cache(local), []
@@ -103,7 +105,7 @@ def test_n_ranks_on_gguf_blocks_give_the_logits_of_one_bit_for_bit(wide_model_di
                                                                    world, one_thread_each):
     gguf = wide_gguf(block_type)
     alone = greedy_logits(wide_model_dir, gguf, None)
-    by_output = parallel.splits_by_output(gguf, None)
+    by_output = shards.splits_by_output(gguf, None)
     ranks = in_threads(world, lambda group, rank: greedy_logits(wide_model_dir, gguf,
                                                                 Shard(rank, world, by_output), group))
     for rank_rows in ranks:
@@ -114,19 +116,19 @@ def test_n_ranks_on_gguf_blocks_give_the_logits_of_one_bit_for_bit(wide_model_di
 
 def test_blocks_split_o_and_down_by_output_and_float_weights_by_input(wide_model_dir):
     config = read_config(wide_model_dir)
-    assert parallel.splits_by_output("model.gguf", None) and parallel.splits_by_output(None, "q8_0")
-    assert not parallel.splits_by_output(None, None)
+    assert shards.splits_by_output("model.gguf", None) and shards.splits_by_output(None, "q8_0")
+    assert not shards.splits_by_output(None, None)
     for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"):
-        assert all(parallel.tensor_split(name, config, Shard(r, 3))[0] == 1 for r in range(3))
-        by_output = [parallel.tensor_split(name, config, Shard(r, 3, by_output=True)) for r in range(3)]
+        assert all(shards.tensor_split(name, config, Shard(r, 3))[0] == 1 for r in range(3))
+        by_output = [shards.tensor_split(name, config, Shard(r, 3, by_output=True)) for r in range(3)]
         assert by_output == [(0, [(256 * r, 256 * (r + 1))]) for r in range(3)]
 
 
 def test_a_hidden_size_the_ranks_do_not_divide_is_refused_for_blocks_naming_the_option(wide_model_dir):
     config = dataclasses.replace(read_config(wide_model_dir), hidden_size=770)
-    parallel.check_shardable(config, 3)  # float weights split o and down by input: no need
+    shards.check_shardable(config, 3)  # float weights split o and down by input: no need
     with pytest.raises(InvalidRequestError, match="does not divide the model's hidden size 770") as error:
-        parallel.check_shardable(config, 3, by_output=True)
+        shards.check_shardable(config, 3, by_output=True)
     assert error.value.param == "tensor_parallel_size"
 
 
@@ -152,7 +154,7 @@ def test_three_worker_processes_on_q4_1_decode_the_tokens_and_logprobs_of_one_an
     alone = decode(LLM(model, device="cpu", threads=1, num_kv_blocks=64))
     llm = LLM(model, device="cpu", threads=1, tensor_parallel_size=3, num_kv_blocks=64)
     try:
-        assert llm.engine.model.weights.is_quantized()
+        assert llm.engine.weight_format.startswith("q4_1")  # ran in its blocks, not dequantized
         assert_same_decode(decode(llm), alone)
     finally:
         llm.engine.close()

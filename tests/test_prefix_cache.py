@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
 from nanoserve.sampling_params import SamplingParams
 
 SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # a shared prefix: 2 full blocks and a bit

@@ -8,9 +8,9 @@ prompt is chunked, and with no readback beyond the step's one.
 import pytest
 import torch
 
+from nanoserve.engine.output import ReadbackCounter
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
-from nanoserve.output import ReadbackCounter
 from nanoserve.sampling_params import SamplingParams
 
 TOP = 3

@@ -1,7 +1,8 @@
 """Every field a client may send is honoured or refused by name: the schemas walked.
 
 The known fields are OpenAI's (written out here, and read from the installed `openai` client
-when there is one) and vLLM's (written out from vllm/entrypoints/openai/protocol.py). Each
+when there is one), vLLM's (written out from vllm/entrypoints/openai/protocol.py) and, for
+/v1/messages, Anthropic's (read from the installed `anthropic` client). Each
 must be declared on our request model (honoured) or listed in `protocol.REFUSED`; each refused
 field, sent with a value that asks for something, is a 400 naming it; vLLM's defaults and
 OpenAI's harmless values are accepted; a field nobody knows is refused as unknown.
@@ -13,7 +14,9 @@ import typing
 
 import pytest
 
+from nanoserve.server import anthropic as messages
 from nanoserve.server import protocol
+from nanoserve.server.anthropic import MESSAGES_REFUSED, MessagesRequest
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, refused_field
 
 OPENAI_COMPLETIONS = {
@@ -65,14 +68,14 @@ PROBES: dict[str, object] = {
     "length_penalty": 0.5, "priority": 1, "request_id": "r", "logits_processors": ["m.P"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "prompt_embeds": "AAAA",
     "mm_processor_kwargs": {"a": 1}, "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
-    "include_reasoning": False, "echo": True, "return_token_strs": True,
+    "echo": True, "return_token_strs": True,
     "include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 4,
     "bad_words": ["x"], "allowed_token_ids": [1], "chat_template": "{{ 1 }}",
     "chat_template_kwargs": {"a": 1}, "documents": [{"title": "t"}], "add_special_tokens": True,
     "stream_options.include_obfuscation": True, "stream_options.continuous_usage_stats": True,
     "messages[].role": "tool", "messages[].tool_calls": [{"id": "c"}], "messages[].tool_call_id": "c",
     "messages[].function_call": {"name": "f"}, "messages[].audio": {"id": "a"}, "messages[].refusal": "no",
-    "messages[].reasoning_content": "hm", "messages[].content[].image_url": {"url": "x"},
+    "messages[].content[].image_url": {"url": "x"},
     "messages[].content[].input_audio": {}, "messages[].content[].file": {},
     "messages[].content[].video_url": {}, "messages[].content[].audio_url": {},
 }
@@ -165,3 +168,162 @@ def test_an_unknown_field_is_refused_as_unknown(body: dict, param: str) -> None:
 def test_a_misspelled_field_is_answered_with_the_likely_one() -> None:
     refusal = refused_field(CompletionRequest.model_validate({"prompt": "x", "max_token": 3}))
     assert refusal is not None and "'max_tokens'" in refusal.message
+
+
+# -- Anthropic's Messages API (/v1/messages) -------------------------------------------------------
+
+# Sent by llama.cpp's and vLLM's clients and by older anthropic clients; newer ones pass them in
+# extra_body.
+ANTHROPIC_SAMPLING = {"temperature", "top_k", "top_p", "stream"}
+ANTHROPIC_PROBES: dict[str, object] = {
+    "container": "c1", "mcp_servers": [{"type": "url", "url": "x"}], "context_management": {},
+    "diagnostics": {"previous_message_id": "m"}, "inference_geo": "us", "speed": "fast",
+    "user_profile_id": "u", "workspace_id": "w", "service_tier": "priority", "output_config.effort": "high",
+    "messages[].content[].citations": [{"type": "char_location"}], "messages[].content[].caller": {},
+    "messages[].content[].toolset_name": "t", "messages[].content[].source": {"type": "base64"},
+    "messages[].content[].transformations": {},
+    "system[].citations": [{"type": "char_location"}], "tools[].allowed_callers": ["code"],
+    "tools[].defer_loading": True, "tools[].input_examples": [{}], "tools[].strict": True,
+    "tools[].eager_input_streaming": True,
+}
+
+
+def _anthropic_fields(*names: str) -> set[str]:
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic client is not installed")
+    from anthropic.types import message_create_params
+
+    fields: set[str] = set()
+    for name in names:
+        holder = getattr(message_create_params, name, None) or getattr(anthropic.types, name)
+        fields |= set(typing.get_type_hints(holder))
+    return fields
+
+
+@pytest.mark.parametrize(("model", "prefix", "names", "extra"), [
+    ("MessagesRequest", "", ("MessageCreateParamsBase",), ANTHROPIC_SAMPLING),
+    ("ContentBlock", "messages[].content[].", ("TextBlockParam", "ToolUseBlockParam", "ToolResultBlockParam",
+                                               "ImageBlockParam", "ThinkingBlockParam"), set()),
+    ("AnthropicTool", "tools[].", ("ToolParam",), set()),
+    ("ToolChoice", "tool_choice.", ("ToolChoiceAutoParam", "ToolChoiceAnyParam", "ToolChoiceToolParam",
+                                    "ToolChoiceNoneParam"), set()),
+    ("OutputConfig", "output_config.", ("OutputConfigParam",), set()),
+    ("Thinking", "thinking.", ("ThinkingConfigEnabledParam", "ThinkingConfigDisabledParam"), set()),
+])
+def test_every_field_of_the_anthropic_client_is_honoured_or_refused(model, prefix, names, extra) -> None:
+    declared = getattr(messages, model).model_fields
+    missing = [f for f in _anthropic_fields(*names) | extra
+               if f not in declared and f"{prefix}{f}" not in MESSAGES_REFUSED]
+    assert sorted(missing) == []
+
+
+def _messages_body_with(key: str, value: object) -> dict:
+    body: dict = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    name = key.rsplit(".", 1)[-1]
+    if key.startswith("messages[].content[]."):
+        body["messages"][0]["content"] = [{"type": "text", "text": "hi", name: value}]
+    elif key.startswith("system[]."):
+        body["system"] = [{"type": "text", "text": "s", name: value}]
+    elif key.startswith("tools[]."):
+        body["tools"] = [{"name": "f", "input_schema": {"type": "object"}, name: value}]
+    elif key.startswith("output_config."):
+        body["output_config"] = {name: value}
+    else:
+        body[key] = value
+    return body
+
+
+@pytest.mark.parametrize("key", sorted(MESSAGES_REFUSED))
+def test_each_refused_messages_field_asking_for_something_is_refused_by_name(key: str) -> None:
+    assert key in ANTHROPIC_PROBES, f"add a probe value for the refused field {key!r}"
+    refusal = refused_field(MessagesRequest.model_validate(_messages_body_with(key, ANTHROPIC_PROBES[key])))
+    expected = key.replace("[]", "[0]")
+    assert refusal is not None and refusal.param == expected and refusal.code == "unsupported"
+    assert MESSAGES_REFUSED[key].why in refusal.message
+
+
+# -- OpenAI's Responses API (/v1/responses) ---------------------------------------------------------
+
+RESPONSES_PROBES: dict[str, object] = {
+    "store": True, "previous_response_id": "resp_1", "conversation": "conv_1", "background": True,
+    "background_options": {}, "include": ["reasoning.encrypted_content"], "metadata": {"a": "b"},
+    "max_tool_calls": 2, "prompt": {"id": "p"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+    "prompt_cache_options": {}, "service_tier": "flex", "truncation": "auto", "top_logprobs": 2,
+    "moderation": {}, "image": {}, "access_programs": [], "context_management": [{}],
+    "stream_options.include_obfuscation": True, "reasoning.effort": "high", "reasoning.summary": "auto",
+    "reasoning.generate_summary": "auto", "reasoning.context": "all_turns", "reasoning.mode": "pro",
+    "text.verbosity": "low", "input[].phase": "final",
+    "input[].caller": {}, "input[].namespace": "n", "input[].async": True, "input[].encrypted_content": "e",
+    "input[].content[].image_url": "x", "input[].content[].file_id": "f", "input[].content[].file_data": "d",
+    "input[].content[].file_url": "u", "input[].content[].filename": "f.txt",
+    "input[].content[].detail": "high",
+    "input[].content[].prompt_cache_breakpoint": {}, "input[].content[].annotations": [{"type": "x"}],
+    "input[].content[].logprobs": [{"token": "a"}], "tools[].allowed_callers": ["code"],
+    "tools[].async": True, "tools[].defer_loading": True, "tools[].output_schema": {},
+    "tools[].strict": True,
+}
+
+
+def _openai_responses_fields(*names: str) -> set[str]:
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    from openai.types import shared_params
+    from openai.types.responses import response_create_params, response_input_item_param
+
+    fields: set[str] = set()
+    for name in names:
+        holder = next(getattr(module, name) for module in (
+            response_create_params, response_input_item_param, openai.types.responses, shared_params)
+            if hasattr(module, name))
+        fields |= set(typing.get_type_hints(holder))
+    return fields
+
+
+@pytest.mark.parametrize(("model", "prefix", "names", "extra"), [
+    ("ResponsesRequest", "", ("ResponseCreateParamsBase",), {"stream"}),
+    ("InputItem", "input[].", ("EasyInputMessageParam", "Message", "ResponseFunctionToolCallParam",
+                               "FunctionCallOutput", "ResponseReasoningItemParam"), set()),
+    ("ContentPart", "input[].content[].", ("ResponseInputTextParam", "ResponseOutputTextParam",
+                                           "ResponseInputImageParam", "ResponseInputFileParam"), set()),
+    ("FunctionTool", "tools[].", ("FunctionToolParam",), set()),
+    ("TextConfig", "text.", ("ResponseTextConfigParam",), set()),
+    ("TextFormat", "text.format.", ("ResponseFormatTextJSONSchemaConfigParam",), set()),
+    ("ReasoningOptions", "reasoning.", ("Reasoning",), set()),
+    ("StreamOptions", "stream_options.", ("StreamOptions",), set()),
+])
+def test_every_field_of_the_openai_responses_client_is_honoured_or_refused(model, prefix, names,
+                                                                          extra) -> None:
+    from nanoserve.server import responses
+
+    model_type = getattr(responses, model)
+    declared = {field.alias or name for name, field in model_type.model_fields.items()}
+    missing = [f for f in _openai_responses_fields(*names) | extra
+               if f not in declared and f"{prefix}{f}" not in responses.RESPONSES_REFUSED]
+    assert sorted(missing) == []
+
+
+def _responses_body_with(key: str, value: object) -> dict:
+    body: dict = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    name = key.rsplit(".", 1)[-1]
+    if key.startswith("input[].content[]."):
+        body["input"][0]["content"][0][name] = value
+    elif key.startswith("input[]."):
+        body["input"][0][name] = value
+    elif key.startswith("tools[]."):
+        body["tools"] = [{"type": "function", "name": "f", name: value}]
+    elif "." in key:
+        head = key.split(".", 1)[0]
+        body[head] = {name: value}
+    else:
+        body[key] = value
+    return body
+
+
+def test_each_refused_responses_field_asking_for_something_is_refused_by_name() -> None:
+    from nanoserve.server.responses import RESPONSES_REFUSED, ResponsesRequest
+
+    for key, refusal in RESPONSES_REFUSED.items():
+        assert key in RESPONSES_PROBES, f"add a probe value for the refused field {key!r}"
+        body = ResponsesRequest.model_validate(_responses_body_with(key, RESPONSES_PROBES[key]))
+        found = refused_field(body)
+        assert found is not None and found.param == key.replace("[]", "[0]"), key
+        assert found.code == "unsupported", key
+        assert refusal.why in found.message

@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve import sampler as sampler_module
-from nanoserve.sampler import (
+from nanoserve.engine import draw as draw_module
+from nanoserve.engine import sampler as sampler_module
+from nanoserve.engine.sampler import (
     BatchedSampler,
     RowEdits,
     SampledTokens,
@@ -262,13 +263,13 @@ def test_top_p_cut_by_radix_select_equals_the_full_sort_cut():
                         torch.zeros(2, VOCAB)])
     top_p = torch.tensor([0.05, 0.3, 0.5, 0.9, 0.97, 0.999] * 5 + [0.5] * 4, dtype=torch.float64)
     probs = torch.softmax(logits, -1)
-    cut = sampler_module._top_p_by_radix(probs, sampler_module._mass(probs), top_p)
+    cut = draw_module._top_p_by_radix(probs, draw_module._mass(probs), top_p)
     for row in range(logits.shape[0]):
-        mass = sampler_module._mass(probs[row])
+        mass = draw_module._mass(probs[row])
         ordered = mass.sort(descending=True).values
         need = max(1, min(int(torch.ceil(top_p[row] * mass.sum().double())), int(mass.sum())))
         crossing = int((ordered.cumsum(0) < need).sum())
-        assert sampler_module._mass(cut[row]).item() == ordered[crossing].item()
+        assert draw_module._mass(cut[row]).item() == ordered[crossing].item()
         assert (probs[row] >= cut[row]).sum() >= 1
 
 
@@ -439,7 +440,7 @@ def kept_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     """[rows, vocab] bool: the tokens each (drawing) row may draw, from the sampler itself."""
     batch = SamplingBatch.build(rows_of(params), vocab_size=logits.shape[-1], eos_token_ids=(),
                                 device="cpu")
-    return sampler_module._kept_mass(logits, batch.draw) > 0
+    return draw_module.kept_mass(logits, batch.draw) > 0
 
 
 def test_the_kept_tokens_of_every_filter_combination_match_the_float64_chain():

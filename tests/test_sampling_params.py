@@ -14,6 +14,7 @@ from nanoserve.sampling_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
     SamplingParams,
 )
 
@@ -175,6 +176,30 @@ def test_is_greedy_means_temperature_zero_or_top_k_one():
     assert SamplingParams(temperature=0).is_greedy
     assert SamplingParams(temperature=1.7, top_k=1).is_greedy
     assert not SamplingParams(temperature=0.01, top_k=2).is_greedy
+
+
+
+
+def test_a_temperature_too_small_to_divide_logits_by_is_greedy():
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 10).is_greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).is_greedy
+
+
+def test_choice_j_draws_with_seed_plus_j_and_only_choice_0_scores_the_prompt():
+    params = SamplingParams(seed=41, prompt_logprobs=2, temperature=0.8)
+    assert params.for_choice(0) is params
+    assert [(c.seed, c.prompt_logprobs) for c in map(params.for_choice, (1, 2))] == [(42, None), (43, None)]
+    assert params.for_choice(2) == SamplingParams(seed=43, temperature=0.8)
+    unseeded = SamplingParams(prompt_logprobs=0).for_choice(3)
+    assert (unseeded.seed, unseeded.prompt_logprobs) == (None, None)
+
+
+def test_a_choice_whose_seed_would_pass_2_to_the_63_is_refused_naming_the_seed():
+    params = SamplingParams(seed=2**63 - 2)
+    assert params.for_choice(1).seed == 2**63 - 1
+    with pytest.raises(InvalidRequestError) as caught:
+        params.for_choice(2)
+    assert caught.value.param == "seed"
 
 
 def test_validate_for_vocab_refuses_ids_outside_the_vocabulary():

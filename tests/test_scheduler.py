@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_pool import BlockPool
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.engine.scheduler import NewToken, Scheduler, SchedulerConfig
 from nanoserve.errors import InvalidRequestError
-from nanoserve.request import Request, RequestStatus
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import NewToken, Scheduler, SchedulerConfig
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256,
@@ -48,7 +48,8 @@ def run_step(scheduler):
 
 
 def test_scheduler_module_does_not_import_torch():
-    code = "import sys, nanoserve.scheduler, nanoserve.block_pool; print('torch' in sys.modules)"
+    code = ("import sys, nanoserve.engine.scheduler, nanoserve.engine.block_pool; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -489,3 +490,104 @@ def test_out_of_blocks_never_preempts_a_request_the_share_already_scheduled_this
     plan = run_step(scheduler)  # B0's decode needs a second block
     assert [r.request_id for r in plan.preempted] == ["B0"]
     assert {c.request.request_id for c in plan.chunks} == {"A0", "A1"}
+
+
+# Contended steps (the fair share on, more than one parent running or waiting): no one waits
+# behind another client's prefill, its many prompts, or the slots it holds.
+
+def chunk_sizes(plan):
+    return {chunk.request.request_id: chunk.num_tokens for chunk in plan.chunks}
+
+
+def test_a_long_prompt_alone_takes_the_whole_budget_and_an_arrival_beside_it_runs_at_once():
+    scheduler = make_scheduler(num_blocks=1200, max_tokens_per_step=512, max_len=8192, prefill_cap=64,
+                               fair_share=2.0)
+    long = make_request("long", 4000, max_tokens=4, parent="long")
+    scheduler.add(long)
+    assert chunk_sizes(run_step(scheduler)) == {"long": 512}  # alone: full speed
+    ordinary = make_request("ordinary", 40, max_tokens=16, parent="ordinary")
+    scheduler.add(ordinary)
+    steps = 0
+    while not ordinary.status.is_finished:
+        sizes = chunk_sizes(run_step(scheduler))
+        steps += 1
+        assert sizes.get("ordinary", 0) >= 1, (steps, sizes)  # in every step, from its arrival
+        assert 1 <= sizes.get("long", 0) < 64, (steps, sizes)  # the long prompt still progresses
+    assert steps == 16  # whole prompt in the first step (with its first token), then 15 decodes
+    assert chunk_sizes(run_step(scheduler)) == {"long": 512}  # alone again: full speed again
+
+
+def test_two_long_prompts_of_two_clients_take_turns_rather_than_one_waiting_for_the_other():
+    scheduler = make_scheduler(num_blocks=600, max_tokens_per_step=512, max_len=4096, prefill_cap=64,
+                               fair_share=2.0)
+    for name in ("first", "second"):
+        scheduler.add(make_request(name, 1000, max_tokens=2, parent=name))
+    for _ in range(10):
+        sizes = chunk_sizes(run_step(scheduler))
+        assert sizes.get("first", 0) >= 1 and sizes.get("second", 0) >= 1, sizes
+        assert sum(sizes.values()) <= 2 * 64  # the prefill cap's worth for each
+
+
+def test_waiting_requests_are_admitted_round_robin_by_client_not_behind_one_clients_prompts():
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=8, max_tokens_per_step=128, prefill_cap=64,
+                               fair_share=2.0)
+    for i in range(12):
+        scheduler.add(make_request(f"many{i}", 20, max_tokens=50, parent="many"))
+    scheduler.add(make_request("one", 20, max_tokens=50, parent="one"))
+    first = chunk_sizes(run_step(scheduler))
+    assert first.get("one") == 20, first  # admitted whole in the first step, beside many0
+    assert "many0" in first
+
+
+def test_fair_share_off_keeps_first_come_first_served_admission():
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=2, max_tokens_per_step=128)
+    for i in range(3):
+        scheduler.add(make_request(f"many{i}", 20, max_tokens=50, parent="many"))
+    scheduler.add(make_request("one", 20, max_tokens=50, parent="one"))
+    assert set(chunk_sizes(run_step(scheduler))) == {"many0", "many1"}
+
+
+def test_a_client_with_nothing_running_gets_a_slot_from_the_one_holding_them_all():
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=4, max_tokens_per_step=128, fair_share=2.0)
+    heavy = decoding_crowd(scheduler, {"heavy": 4}, max_tokens=60)
+    tokens_before = {r.request_id: list(r.output_ids) for r in heavy}
+    one = make_request("one", 4, max_tokens=3, parent="one")
+    scheduler.add(one)
+    plan = run_step(scheduler)
+    assert [r.request_id for r in plan.preempted] == ["heavy3"]  # the heavy client's newest
+    assert heavy[3].output_ids == tokens_before["heavy3"]  # preempted by recompute: tokens kept
+    assert "one" in chunk_sizes(plan)
+    while not one.status.is_finished:
+        assert not run_step(scheduler).preempted  # one slot given, no more taken
+    run_step(scheduler)
+    assert heavy[3].status is RequestStatus.RUNNING  # back once the slot is free
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 600), st.integers(1, 4)), min_size=1, max_size=12),
+    st.integers(0, 6),
+    st.integers(1, 60),
+    st.sampled_from([None, 16, 64]),
+    st.integers(2, 8),
+)
+def test_an_arrival_runs_in_every_step_beside_any_one_heavy_client(heavy, arrive_at, ordinary_len,
+                                                                   prefill_cap, max_num_seqs):
+    """Whatever one client holds (many prompts, long prompts, every slot), an ordinary request of
+    another client gets a chunk in every step from its arrival until it finishes."""
+    scheduler = make_scheduler(num_blocks=4000, block_size=4, max_num_seqs=max_num_seqs,
+                               max_tokens_per_step=256, max_len=1024, prefill_cap=prefill_cap, fair_share=2.0)
+    for i, (prompt_len, n) in enumerate(heavy):
+        for j in range(n):
+            scheduler.add(make_request(f"heavy{i}-{j}", prompt_len, max_tokens=200, parent="heavy"))
+    for _ in range(arrive_at):
+        run_step(scheduler)
+    ordinary = make_request("ordinary", ordinary_len, max_tokens=8, parent="ordinary")
+    scheduler.add(ordinary)
+    steps = 0
+    while not ordinary.status.is_finished:
+        plan = run_step(scheduler)
+        steps += 1
+        assert any(chunk.request is ordinary for chunk in plan.chunks), steps
+    assert steps <= ordinary_len + 8
+    scheduler.pool.check()

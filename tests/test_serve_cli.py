@@ -25,12 +25,38 @@ runner = CliRunner()
     (["--fair-share-rows", "-1"], {}, "--fair-share-rows"),
     (["--fair-share-rows", "nan"], {}, "--fair-share-rows"),
     (["--fair-share-rows", "some"], {}, "--fair-share-rows"),
+    (["--api-key", "k1", "--api-key", "k1"], {}, "--api-key number 2: the key of tenant 'api-key-2' is"),
+    (["--api-key", "k1", "--api-key", ""], {}, "--api-key number 2"),
+    (["--api-key", "k1", "--prefix-cache-scope", "everyone"], {}, "--prefix-cache-scope"),
+    (["--prefix-cache-scope", "tenant"], {}, "--prefix-cache-scope needs --api-key"),
+    (["--api-key", "k1", "--max-concurrent-requests-per-tenant", "0"], {},
+     "--max-concurrent-requests-per-tenant"),
+    (["--max-concurrent-requests-per-tenant", "2"], {}, "--max-concurrent-requests-per-tenant"),
+    (["--api-keys-file", "/no/such/keys"], {}, "--api-keys-file"),
+    (["--reasoning-parser", "qwen"], {}, "--reasoning-parser"),
+    (["--reasoning-budget", "-1"], {}, "--reasoning-budget"),
 ])
 def test_a_bad_serve_option_exits_2_naming_it_before_loading_the_model(args, env, option, tmp_path):
     # The model path does not exist: reaching it would fail naming --model instead.
     result = runner.invoke(app, ["serve", "--model", str(tmp_path / "missing"), *args], env=env)
     assert result.exit_code == 2, result.output
     assert option in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("alice k1\nbob\n", "line 2"),
+    ("alice k1\nbob k1\n", "tenant 'bob' is also the key of tenant 'alice'"),
+    ("alice k1\nalice k2\n", "'alice' is given twice"),
+    ("alice k\x01\n", "printable ASCII"),
+    ("# nothing\n", "no keys"),
+])
+def test_a_bad_keys_file_exits_2_naming_the_file_and_line_never_the_key(text, says, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(text)
+    result = runner.invoke(app, ["serve", "--model", str(tmp_path / "missing"), "--api-keys-file", str(keys)])
+    assert result.exit_code == 2, result.output
+    assert "--api-keys-file" in result.output and says in " ".join(result.output.split())
     assert "Traceback" not in result.output
 
 

@@ -22,9 +22,9 @@ import pytest
 from server_harness import BackgroundServer
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
+from nanoserve.engine.output import TokenLogprob
 from nanoserve.llm import LLM
-from nanoserve.output import TokenLogprob
 from nanoserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
 from nanoserve.server.planning import _base_params
@@ -795,7 +795,7 @@ def finished_count(metrics: str, reason: str) -> int:
     prefix = "nanoserve_request_success_total{"
     (line,) = [line for line in metrics.splitlines()
                if line.startswith(prefix) and f'finished_reason="{reason}"' in line]
-    return int(line.rsplit(" ", 1)[1])
+    return int(float(line.rsplit(" ", 1)[1]))
 
 
 def test_a_hang_up_mid_stream_counts_one_abort_per_sequence(served: Served, client: httpx.Client) -> None:
@@ -1047,24 +1047,6 @@ def test_drain_refuses_new_work_and_ends_what_is_left_with_an_error_event(tiny_m
         assert_error(httpx.post(f"{served.base_url}/v1/completions", json={"prompt": "a"}), 503, None)
         gate.set()
         wait_idle(served)
-
-
-def test_api_key_guards_v1_only(tiny_model_dir) -> None:
-    app = build_app(lambda: tiny_engine(tiny_model_dir), model_names=[MODEL], api_key="sesame")
-    with BackgroundServer(app) as server:
-        wait_healthy(server.base_url)
-        url = f"{server.base_url}/v1/completions"
-        body = {"prompt": "Hi", "max_tokens": 1}
-        assert_error(httpx.post(url, json=body), 401, None, code="invalid_api_key")
-        assert_error(httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}), 401, None)
-        assert_error(httpx.get(f"{server.base_url}/v1/models"), 401, None)
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}).status_code == 200
-        assert httpx.get(f"{server.base_url}/health").status_code == 200
-        assert httpx.get(f"{server.base_url}/metrics").status_code == 200
-        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
-            assert_error(httpx.post(f"{server.base_url}{path}", json=body), 401, None)
-            assert httpx.post(f"{server.base_url}{path}", json=body,
-                              headers={"Authorization": "Bearer sesame"}).status_code == 200
 
 
 def test_an_engine_error_mid_stream_is_an_error_event_then_done(tiny_model_dir) -> None:

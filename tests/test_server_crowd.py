@@ -32,7 +32,7 @@ import httpx
 import openai
 import pytest
 
-from nanoserve.default_model import resolve_model_dir
+from nanoserve.loading.default_model import resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_CLIENTS = 40

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from server_harness import BackgroundServer
 
 from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
+from nanoserve.engine.core import Engine
 from nanoserve.server.app import ServerLimits, build_app
 
 MODEL = "tiny"

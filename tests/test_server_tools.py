@@ -4,6 +4,7 @@ trip and the 400s."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -79,6 +80,26 @@ def test_streamed_calls_join_into_the_openai_shape(client: httpx.Client, tool_ch
     chunks = chunks_of(client.post("/v1/chat/completions", json={
         "messages": HI, "tools": TOOLS, "tool_choice": tool_choice, "parallel_tool_calls": False,
         "max_tokens": 80, "seed": 2, "stream": True}))
+    assert_valid_calls(_calls_of(chunks))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _closing_brackets(model_dir) -> dict[str, float]:
+    """A logit bias that keeps greedy decoding from closing an array: every token with a "]"."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return {str(i): -100.0 for i in range(tokenizer.vocab_size) if "]" in tokenizer.decode([i])}
+
+
+def _whole_items(text: str) -> list[dict]:
+    """The longest prefix of a cut JSON array that closes into a list (json's verdict, not ours)."""
+    for end in range(len(text), 0, -1):
+        if text[end - 1] == "}":
+            with contextlib.suppress(ValueError):
+                return json.loads(text[:end] + "]")
+    return []
+
+
+def _calls_of(chunks: list[dict]) -> list[dict]:
     calls: dict[int, dict] = {}
     for chunk in chunks:
         for part in chunk["choices"][0]["delta"].get("tool_calls", []):
@@ -86,8 +107,50 @@ def test_streamed_calls_join_into_the_openai_shape(client: httpx.Client, tool_ch
                                                     "function": {"name": "", "arguments": ""}})
             call["function"]["name"] += part.get("function", {}).get("name", "")
             call["function"]["arguments"] += part.get("function", {}).get("arguments", "")
-    assert_valid_calls(list(calls.values()))
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    return list(calls.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_by_max_tokens_returns_the_calls_it_completed(
+        client: httpx.Client, tiny_model_dir, stream: bool) -> None:
+    # "]" banned: greedy decoding appends calls until max_tokens cuts one, as a weak model does.
+    request = {"messages": HI, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120,
+               "temperature": 0, "logit_bias": _closing_brackets(tiny_model_dir), "logprobs": True}
+    reply = client.post("/v1/chat/completions", json={**request, "stream": stream})
+    if stream:
+        chunks = chunks_of(reply)
+        calls, finish = _calls_of(chunks), chunks[-1]["choices"][0]["finish_reason"]
+        tokens = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
+    else:
+        choice = reply.json()["choices"][0]
+        calls, finish = choice["message"].get("tool_calls", []), choice["finish_reason"]
+        assert choice["message"]["content"] is None
+        tokens = choice["logprobs"]["content"]
+    expected = _whole_items(bytes(b for token in tokens for b in token["bytes"]).decode())
+    assert finish == "length"
+    assert expected, "the cut reply should have completed a call"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (item["name"], item["parameters"]) for item in expected]
+    assert_valid_calls(calls)
+
+
+def test_parallel_tool_calls_false_lets_the_grammar_close_after_one_call(
+        client: httpx.Client, tiny_model_dir) -> None:
+    # With "]" banned only the grammar can close the array; a second call would be taken if allowed.
+    reply = client.post("/v1/chat/completions", json={
+        "messages": HI, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+        "max_tokens": 120, "temperature": 0, "logit_bias": _closing_brackets(tiny_model_dir)}).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert len(choice["message"]["tool_calls"]) == 1
+    assert_valid_calls(choice["message"]["tool_calls"])
+
+
+def test_the_reader_keeps_whole_items_of_a_cut_array() -> None:
+    text = '[{"name": "get_time", "parameters": {"zone": 1}}, {"name": "get_time", "parameters": {"zo'
+    content, calls = reader("required").read(text, cut=True)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"zone": 1}]
+    assert reader("required").read('[{"name": "get_ti', cut=True) == (None, [])
 
 
 def test_the_openai_client_reads_the_calls(served: Served) -> None:

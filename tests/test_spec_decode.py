@@ -13,22 +13,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.block_pool import BlockPool
-from nanoserve.engine import Engine
-from nanoserve.errors import InvalidRequestError
-from nanoserve.llm import LLM
-from nanoserve.request import NewToken, Request
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Scheduler, SchedulerConfig
-from nanoserve.spec_decode import (
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.core import Engine
+from nanoserve.engine.request import NewToken, Request
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.spec_decode import (
     MAX_SPECULATIVE_TOKENS,
     DraftState,
     NgramIndex,
     SpecConfig,
     accepted_prefix,
     cheapest_drafts,
-    step_cost,
 )
+from nanoserve.engine.step_cost import PROFILED
+from nanoserve.errors import InvalidRequestError
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
 
 # ---- the proposer and the rule, alone ------------------------------------------------------
 
@@ -144,7 +144,8 @@ def test_one_draft_past_a_full_row_group_is_not_worth_a_group_at_sixteen_slots()
     # 16 rows fill four groups; a 17th row costs a fifth (~12 ms), more than 0.9 of a token
     # is worth when the step's 16 tokens take 59 ms: what made speculation lose at 16 slots.
     assert cheapest_drafts([(0.9, 4)] + [(0.0, 4)] * 15, 16, 4) == [0] * 16
-    assert step_cost(17) == step_cost(20) > step_cost(16) + 3 * (step_cost(16) - step_cost(8)) / 8
+    step_ms = PROFILED.step_ms
+    assert step_ms(17) == step_ms(20) > step_ms(16) + 3 * (step_ms(16) - step_ms(8)) / 8
 
 
 def test_the_cost_rule_drafts_half_accepted_requests_at_one_slot_and_not_at_sixteen():
@@ -155,7 +156,7 @@ def test_the_cost_rule_drafts_half_accepted_requests_at_one_slot_and_not_at_sixt
 def test_the_drafts_the_cost_rule_takes_beat_every_other_choice_for_one_request():
     """Exhaustively, for one request: its k drafts give the best expected tokens per unit of cost."""
     def rate(decoding: int, acceptance: float, k: int) -> float:
-        return (decoding + sum(acceptance ** i for i in range(1, k + 1))) / step_cost(decoding + k)
+        return (decoding + sum(acceptance ** i for i in range(1, k + 1))) / PROFILED.step_ms(decoding + k)
 
     for decoding in (1, 2, 4, 8, 16):
         for acceptance in (0.2, 0.5, 0.7, 0.9, 0.97):
@@ -404,6 +405,6 @@ def test_metrics_export_drafted_and_accepted_tokens():
     from nanoserve.server.metrics import EngineSnapshot, ServerMetrics
 
     snapshot = EngineSnapshot(spec_draft_tokens=5, spec_accepted_tokens=3)
-    text = ServerMetrics("m").render(snapshot, healthy=True)
-    assert 'nanoserve_spec_decode_draft_tokens_total{model_name="m"} 5' in text
-    assert 'nanoserve_spec_decode_accepted_tokens_total{model_name="m"} 3' in text
+    text = ServerMetrics("m").render(snapshot, healthy=True).decode()
+    assert 'nanoserve_spec_decode_draft_tokens_total{model_name="m"} 5.0' in text
+    assert 'nanoserve_spec_decode_accepted_tokens_total{model_name="m"} 3.0' in text

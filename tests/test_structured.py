@@ -10,7 +10,7 @@ import pytest
 from schemas import schemas
 from test_engine import readbacks_raise_outside_the_output_processor
 
-import nanoserve.sampler
+import nanoserve.engine.sampler
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams, StructuredOutputs
@@ -95,7 +95,7 @@ def test_a_step_without_constrained_rows_builds_no_mask(tiny, monkeypatch):
     def forbidden(*args):
         raise AssertionError("an unconstrained step filled a grammar mask")
 
-    monkeypatch.setattr(nanoserve.sampler, "fill_bitmasks", forbidden)
+    monkeypatch.setattr(nanoserve.engine.sampler, "fill_bitmasks", forbidden)
     assert tiny.generate(["Hi"], [SamplingParams(max_tokens=4, temperature=0.7, seed=1)])[0].token_ids
 
 

@@ -101,12 +101,13 @@ def test_out_names_the_csv_and_the_png_goes_beside_it(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mix", ["typical_p", "top_n_sigma"])
 def test_the_per_row_baseline_keeps_the_tokens_the_batched_sampler_keeps(mix):
     from nanoserve.bench.syncbench import _per_row_filters, sampling_rows
-    from nanoserve.sampler import SamplingBatch, _kept_mass
+    from nanoserve.engine.draw import kept_mass
+    from nanoserve.engine.sampler import SamplingBatch
 
     logits = batch_logits(synthetic_logits_row(512), 4)
     rows = sampling_rows(mix, 4, 512)
     batch = SamplingBatch.build(rows, vocab_size=512, eos_token_ids=(), device="cpu")
-    kept = _kept_mass(logits, batch.draw) > 0
+    kept = kept_mass(logits, batch.draw) > 0
     for i, row in enumerate(rows):
         assert torch.equal(_per_row_filters(logits[i].clone(), row) > -torch.inf, kept[i])
 

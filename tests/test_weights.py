@@ -7,7 +7,7 @@ import torch
 
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.llm import LLM
-from nanoserve.weights import load_llama, load_state_dict, read_config
+from nanoserve.loading.weights import load_llama, load_state_dict, read_config
 
 
 def load(path, **kwargs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -280,15 +281,22 @@ def write_tiny_gguf(
     tokenizer_model: str = "gpt2",
     pre_tokenizer: str = "smollm",
     matrix_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    tokenizer_keys: Callable[[GGUFWriter], None] | None = None,
+    tensor_hook: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> Path:
     """Write the checkpoint in `hf_dir` as a GGUF the way llama.cpp would: float32, or with
     every matrix in `matrix_type` (norms stay float32). gguf quantizes Q8_0/Q4_0/Q4_1 itself;
-    for other block types the matrices are random blocks (the values are not the checkpoint's)."""
+    for other block types the matrices are random blocks (the values are not the checkpoint's).
+    `tokenizer_keys` writes the tokenizer keys instead of the checkpoint's own tokenizer;
+    `tensor_hook(name, values)` replaces a tensor's values as written (a damaged file)."""
     path, hf_dir = Path(path), Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     writer = GGUFWriter(str(path), architecture)
     _add_hparams(writer, config)
-    _add_tokenizer(writer, hf_dir, config, tokenizer_model, pre_tokenizer)
+    if tokenizer_keys is None:
+        _add_tokenizer(writer, hf_dir, config, tokenizer_model, pre_tokenizer)
+    else:
+        tokenizer_keys(writer)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for hf_name, tensor in read_weights(hf_dir).items():
         name = gguf_tensor_name(hf_name)
@@ -296,6 +304,8 @@ def write_tiny_gguf(
         kind = name.split(".")[-2]
         if kind in heads:
             values = llama_cpp_permute(values, heads[kind])
+        if tensor_hook is not None:
+            values = tensor_hook(name, values)
         if values.ndim == 2 and matrix_type != GGMLQuantizationType.F32:
             writer.add_tensor(name, _blocks(values, matrix_type), raw_dtype=matrix_type)
         else:

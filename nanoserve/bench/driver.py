@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 Work = tuple[str | Sequence[int], SamplingParams]  # one request: its prompt and parameters
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.linear import KERNELS, LinearKernel
 from nanoserve.machine import cpu_model, vector_flags
+from nanoserve.model.linear import KERNELS, LinearKernel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The shape of the GEMM probe: SmolLM2-135M's hidden size against a wide stacked weight.

@@ -1,7 +1,7 @@
 """Every linear kernel on the default model's own weights, side by side, against the read probe.
 
 Owns: timing one forward's matrix multiplies (30 layers' qkv, o, gate_up and down, and the
-head: every weight byte a decode step reads) through each kernel `nanoserve.linear` could
+head: every weight byte a decode step reads) through each kernel `nanoserve.model.linear` could
 choose, at each row count and thread count, the kernels taken in turns within each repeat so
 that a busy neighbour slows them alike; and the CSV of it, with the read-bandwidth probe of
 the same minutes, the load average and the machine.
@@ -25,9 +25,9 @@ import pandas as pd
 import torch
 
 from nanoserve.bench.hardware import describe_machine, read_bandwidth_gbs
-from nanoserve.default_model import resolve_model_dir
-from nanoserve.linear import LinearKernel, kernels_for
-from nanoserve.weights import load_weights
+from nanoserve.loading.default_model import resolve_model_dir
+from nanoserve.loading.weights import load_weights
+from nanoserve.model.linear import LinearKernel, kernels_for
 
 
 def model_linears(dtype: torch.dtype) -> list[torch.Tensor]:

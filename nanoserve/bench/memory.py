@@ -19,8 +19,8 @@ import torch
 from gguf import GGUFReader
 
 from nanoserve.bench.hardware import describe_machine
-from nanoserve.default_model import default_gguf_path, resolve_model
-from nanoserve.weights import load_weights
+from nanoserve.loading.default_model import default_gguf_path, resolve_model
+from nanoserve.loading.weights import load_weights
 
 
 def resident_bytes() -> int:

@@ -13,7 +13,11 @@ prompt each time), and the protocol, side by side in one run against one server:
 for `prefill-3000` it is the other way round: the ordinary request starts first, and the
 3,000-token prompt is sent once its first token arrives, so every later token of the ordinary
 request is made while the prompt prefills. Its ratio is therefore the time per output token
-(TPOT) during / alone; every other kind's is the end-to-end time during / alone.
+(TPOT) during / alone; every other kind's is the end-to-end time during / alone. For
+`prefilling-3000` the same prompt is sent first and the ordinary request once the server runs
+it (its running gauge in /metrics), so the ordinary request arrives behind a prefill already
+under way; `prompts-64-n4` is one request carrying 64 prompts with 4 choices each (256
+sequences, more than the server's slots).
 Refuses: asserting timings, printing (the CLI prints), and any engine import: it is a client.
 """
 
@@ -105,6 +109,9 @@ def neighbour_fields(kind: str, rng: random.Random) -> dict:
         "stop-1mib-n16": lambda: plain | {"temperature": 0.0, "n": 16, "stop": _stop_strings_filling(
             BODY_LIMIT_BYTES - 4096, rng)},
         "prefill-3000": lambda: {"prompt": words(3000, rng), "max_tokens": 16, "temperature": 0.0},
+        "prefilling-3000": lambda: {"prompt": words(3000, rng), "max_tokens": 16, "temperature": 0.0},
+        "prompts-64-n4": lambda: plain | {"prompt": [words(ORDINARY_WORDS, rng) for _ in range(64)],
+                                          "temperature": 0.0, "n": 4},
     }
     if kind not in kinds:
         raise ValueError(f"unknown neighbour kind {kind!r}; the kinds are {', '.join(KINDS)}")
@@ -112,7 +119,8 @@ def neighbour_fields(kind: str, rng: random.Random) -> dict:
 
 
 KINDS = ("plain-n1", "plain-n16", "logit-bias-n16", "top-logprobs-n16", "penalties-n16",
-         "cached-context-4000", "typical-sigma-n16", "stop-1mib-n1", "stop-1mib-n16", "prefill-3000")
+         "cached-context-4000", "typical-sigma-n16", "stop-1mib-n1", "stop-1mib-n16", "prefill-3000",
+         "prefilling-3000", "prompts-64-n4")
 CACHED_CONTEXT = words(4000, random.Random(-4000))  # the same words every run: served once to warm
 
 
@@ -169,6 +177,10 @@ async def _during(client: Client, kind: str, rng: random.Random) -> tuple[Timing
         await first_token.wait()
         task = asyncio.create_task(client.neighbour(fields, heavy, status))
         timing = await ordinary
+    elif kind == "prefilling-3000":
+        task = asyncio.create_task(client.neighbour(fields, heavy, status))
+        await _until_running(client.client, heavy)
+        timing = await client.ordinary(rng)
     else:
         task = asyncio.create_task(client.neighbour(fields, heavy, status))
         await heavy.wait()
@@ -177,6 +189,17 @@ async def _during(client: Client, kind: str, rng: random.Random) -> tuple[Timing
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return timing, status[0] if status else 0
+
+
+async def _until_running(http: httpx.AsyncClient, refused: asyncio.Event) -> None:
+    """Until the server runs a request (the neighbour's prefill is under way), or it was refused."""
+    while not refused.is_set() and await _gauge(http, "nanoserve_requests_running") == 0:
+        await asyncio.sleep(0.02)
+
+
+async def _gauge(http: httpx.AsyncClient, name: str) -> float:
+    text = (await http.get("/metrics")).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 async def _settle(http: httpx.AsyncClient, timeout_s: float = 30.0) -> None:

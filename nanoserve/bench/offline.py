@@ -35,9 +35,10 @@ from nanoserve.bench.driver import (
 )
 from nanoserve.bench.hardware import HardwareLimits, Machine, PeakMemory, describe_machine, probe_limits
 from nanoserve.config import EngineConfig, ModelConfig
-from nanoserve.engine import DTYPES, Engine
+from nanoserve.engine.core import Engine
 from nanoserve.quant import is_quantized
 from nanoserve.sampling_params import SamplingParams, StructuredOutputs
+from nanoserve.worker.rank import DTYPES
 
 # Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
 SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {

@@ -25,7 +25,7 @@ from nanoserve import native
 from nanoserve.bench.driver import StepRecord, run_closed_loop
 from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
-from nanoserve.engine import PHASES, Engine
+from nanoserve.engine.core import PHASES, Engine
 from nanoserve.errors import InvalidRequestError
 
 
@@ -37,17 +37,24 @@ class StepCost:
     rows: int
     linear_s: float  # inside the forward's matrix multiplies
     allreduce_s: float = 0.0  # rank 0 inside the tensor-parallel all-reduces (waiting included)
+    native_calls: int = 0  # calls into the native kernels (nanoserve.native.calls)
 
 
 class LinearTimer:
     """Sums the wall time of every `model.linear` call (on CUDA, waiting for the device around
     each, so a kernel's time lands in it). Two clock reads a call: about 0.1 us, 121 calls a
-    step on the default model."""
+    step on the default model. Where every layer runs in one native call (`model.decoder`),
+    the decoder times its projections itself and `total_s` adds them."""
 
-    def __init__(self, linear: Callable, sync_cuda: bool) -> None:
+    def __init__(self, linear: Callable, sync_cuda: bool, decoder=None) -> None:
         self.linear = linear
         self.sync_cuda = sync_cuda
         self.seconds = 0.0
+        self.decoder = decoder
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds + (self.decoder.linear_s if self.decoder is not None else 0.0)
 
     def __call__(self, x, weight):
         if self.sync_cuda:
@@ -64,12 +71,17 @@ class LinearTimer:
 def timed_linears(engine: Engine) -> Iterator[LinearTimer]:
     """The engine's model with its matrix multiplies timed, for the duration of the block."""
     model = engine.model
-    timer = LinearTimer(model.linear, sync_cuda=engine.device.type == "cuda")
+    decoder = getattr(model, "decoder", None)
+    timer = LinearTimer(model.linear, sync_cuda=engine.device.type == "cuda", decoder=decoder)
     model.linear = timer
+    if decoder is not None:
+        decoder.linear_s = 0.0
     try:
         yield timer
     finally:
         model.linear = timer.linear
+        if decoder is not None:
+            decoder.linear_s = None
 
 
 def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: int) -> list[StepCost]:
@@ -81,7 +93,7 @@ def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: i
     with timed_linears(engine) as linears:
         def counters() -> tuple:
             reduce_s = collectives.reduce_s if collectives is not None else 0.0
-            return dict(stats.phase_s), dict(stats.phase_readbacks), linears.seconds, reduce_s
+            return dict(stats.phase_s), dict(stats.phase_readbacks), linears.total_s, reduce_s, native.calls()
 
         before = counters()
 
@@ -92,7 +104,7 @@ def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: i
                 phase_s = {p: after[0][p] - before[0][p] for p in PHASES}
                 readbacks = {p: after[1][p] - before[1][p] for p in PHASES}
                 costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows, after[2] - before[2],
-                                      after[3] - before[3]))
+                                      after[3] - before[3], after[4] - before[4]))
             before = after
 
         work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
@@ -122,6 +134,7 @@ def summarize(batch_size: int, costs: list[StepCost]) -> dict[str, float]:
     # Tensor parallelism: the all-reduces' share of the forward (0 with one rank).
     row["forward_allreduce_ms"] = 1000 * sum(c.allreduce_s for c in costs) / steps
     row["readbacks_per_step"] = sum(sum(c.readbacks.values()) for c in costs) / steps
+    row["native_calls_per_step"] = sum(c.native_calls for c in costs) / steps
     row["decode_tokens_per_s"] = row["mean_rows"] / wall_s
     return row
 

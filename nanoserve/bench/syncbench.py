@@ -26,7 +26,7 @@ from torch import Tensor
 from nanoserve.bench import charts
 from nanoserve.bench.driver import percentile
 from nanoserve.bench.hardware import describe_machine
-from nanoserve.sampler import BatchedSampler, SamplingBatch, SamplingRow
+from nanoserve.engine.sampler import BatchedSampler, SamplingBatch, SamplingRow
 from nanoserve.sampling_params import SamplingParams
 
 ROWS = (1, 2, 4, 8, 16, 32)

@@ -1,1 +1,2 @@
-"""Collectives between ranks: the shared-memory all-reduce and all-gather for ranks on one machine."""
+"""Tensor parallelism: pure shard arithmetic (what rank r of N holds, imported by the
+loaders), and the process groups, collectives and worker loop that run ranks."""

@@ -3,8 +3,8 @@
 Owns: loading the library `build` produced (once per process), checking its ABI version,
 and the one line the engine prints at start-up saying whether native kernels run and why.
 The kernels take raw pointers to contiguous tensors (`tensor.data_ptr()`), so nothing here
-builds against torch's headers, and torch is imported first so the library shares torch's
-OpenMP runtime (its wheel ships libgomp.so.1) instead of starting a second thread pool.
+builds against torch's headers; they run on the library's own thread pool (csrc/threadpool.c),
+whose workers stay awake between the calls of a step.
 Refuses: to be required. `library()` is None where there is no compiler, the build failed,
 or NANOSERVE_NO_NATIVE=1; callers then take the torch path, which always works.
 """
@@ -17,20 +17,18 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch  # noqa: F401  (loaded first: the library then binds to torch's libgomp)
-
 from nanoserve.native.build import BuildResult, build_library
 
 log = logging.getLogger("nanoserve")
 
-ABI_VERSION = 1  # csrc/nanoserve.h's NS_ABI_VERSION
+ABI_VERSION = 2  # csrc/nanoserve.h's NS_ABI_VERSION
 DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
 
 
 @dataclass(frozen=True, slots=True)
 class NativeLibrary:
     lib: ctypes.CDLL
-    isa: str  # the widest vector path compiled in: avx512, avx2, neon or portable
+    isa: str  # the vector path compiled in: avx2 or portable
     build: BuildResult
 
 
@@ -51,6 +49,7 @@ def _load() -> tuple[NativeLibrary | None, str]:
         return None, f"cannot load {build.path}: {error}"
     lib.ns_abi_version.restype = ctypes.c_int
     lib.ns_isa.restype = ctypes.c_char_p
+    lib.ns_native_calls.restype = ctypes.c_uint64
     if lib.ns_abi_version() != ABI_VERSION:
         return None, f"{build.path} has ABI {lib.ns_abi_version()}, expected {ABI_VERSION}"
     return NativeLibrary(lib, lib.ns_isa().decode(), build), build.reason
@@ -61,9 +60,27 @@ def library() -> NativeLibrary | None:
     return _load()[0]
 
 
+def calls() -> int:
+    """Native kernel calls made so far in this process (0 with the library off); the profile's
+    calls per step are differences of it."""
+    native = library()
+    return 0 if native is None else native.lib.ns_native_calls()
+
+
 def status() -> str:
     """One line for start-up: which kernels run, and why."""
     native, reason = _load()
     if native is None:
         return f"native kernels: off ({reason}); running torch kernels"
     return f"native kernels: on ({native.isa}; {reason})"
+
+
+def raise_for_status(status: int, kernel: str, weight: str, rows: int) -> None:
+    """A block kernel's status as the error it means: -2 no memory for the activation blocks,
+    -3 a row id outside [0, rows), anything else but 0 the kernel refusing `weight`."""
+    if status == -2:
+        raise MemoryError(f"the {kernel} could not allocate its activation blocks")
+    if status == -3:
+        raise IndexError(f"row ids must lie in [0, {rows})")
+    if status != 0:
+        raise ValueError(f"the native library refused {weight} (status {status})")

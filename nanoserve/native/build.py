@@ -25,7 +25,7 @@ from nanoserve.machine import cache_root, cpu_flags
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 LIBRARY_NAME = "libnanoserve.so"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+CFLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-shared", "-std=gnu11",
           "-fvisibility=hidden", "-Wall")
 # A broken compiler must not hang start-up; a clean build takes a few seconds.
 COMPILE_TIMEOUT_S = 120

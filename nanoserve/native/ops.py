@@ -84,7 +84,7 @@ class NativeOps:
         suffix = "_portable" if portable else ""
         for name, argtypes in {**_SIGNATURES, **_SINGLE}.items():
             fn = getattr(lib, f"ns_{name}{suffix if name in _SIGNATURES else ''}")
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int if name == "paged_attention" else None
             setattr(self, f"_{name}", fn)
         self.portable = portable
 
@@ -162,10 +162,12 @@ class NativeOps:
             raise NativeOpsError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
         out = _output("out", out, q, (rows, heads * dim))
         tables = context.block_tables
-        self._paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                    tables.data_ptr(), tables.shape[1], context.row_seq.data_ptr(),
-                                    context.positions.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
-                                    block_size, blocks, scale, window, torch.get_num_threads())
+        if self._paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 tables.data_ptr(), tables.shape[1], context.row_seq.data_ptr(),
+                                 context.positions.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim,
+                                 block_size, blocks, scale, window, torch.get_num_threads()) != 0:
+            raise MemoryError(f"the attention's scratch for a context of {int(context.positions.max()) + 1} "
+                              "slots could not be allocated")
         return out
 
 

@@ -57,7 +57,7 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) 
         entry = lib.ns_matmul_quant_portable if portable else lib.ns_matmul_quant
         status = entry(weight.format.ggml_type, x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
                        x.shape[0], out_features, in_features, torch.get_num_threads())
-        _check(status, weight)
+        _raise_for(status, weight)
     return y
 
 
@@ -73,14 +73,10 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
                                         flat.data_ptr(), flat.numel(), weight.shape[0], weight.shape[1],
                                         out.data_ptr(),
                                         torch.get_num_threads())
-        _check(status, weight)
+        _raise_for(status, weight)
     return out.reshape(*ids.shape, weight.shape[1])
 
 
-def _check(status: int, weight: QuantizedWeight) -> None:
-    if status == -2:
-        raise MemoryError("the quantized matmul could not allocate its activation blocks")
-    if status == -3:
-        raise IndexError(f"row ids must lie in [0, {weight.shape[0]})")
-    if status != 0:
-        raise ValueError(f"the native library refused {weight.format.name} {weight.shape} (status {status})")
+def _raise_for(status: int, weight: QuantizedWeight) -> None:
+    what = f"{weight.format.name} {weight.shape}"
+    native.raise_for_status(status, "quantized matmul", what, weight.shape[0])

@@ -3,7 +3,8 @@
 Owns: building the app (the engine thread starts with the app and stops with it, the state
 every request reads, the routes and their paths, the API key on /v1, /tokenize and
 /detokenize, OpenAI-shaped errors), the OpenAPI description of the bodies the routes parse
-by hand, and `start_drain`, the bounded shutdown that `nanoserve serve` starts on SIGTERM.
+by hand, `start_drain`, the bounded shutdown that `nanoserve serve` starts on SIGTERM, and
+`stop_now`, which ends that shutdown at once on a second signal.
 Refuses: the path of a request (`routes`, `planning`, `generation`, `streaming` own it), and
 running uvicorn (`nanoserve serve` does; tests have their own harness).
 """
@@ -17,10 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
 
-from nanoserve.server import routes
-from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine
+from nanoserve.server import anthropic, responses, routes
+from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import (
@@ -29,39 +30,56 @@ from nanoserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from nanoserve.server.reasoning import ReasoningConfig
 from nanoserve.server.state import ServerLimits, ServerState
+from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
-__all__ = ["DRAIN_GRACE_S", "ServerLimits", "build_app", "start_drain"]
+__all__ = ["DRAIN_GRACE_S", "STOP_NOW_GRACE_S", "ServerLimits", "Tenancy", "build_app", "reload_keys",
+           "start_drain", "stop_now"]
 
 # After the drain deadline, time for the error events to reach clients before uvicorn cuts.
 DRAIN_GRACE_S = 3.0
+# After a second signal, time for the error events (already queued) to be written.
+STOP_NOW_GRACE_S = 0.5
 
 
 def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
-              aliases: tuple[str, ...] = (), api_key: str | None = None,
+              aliases: tuple[str, ...] = (), tenancy: Tenancy | None = None,
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
-              on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_engine_death: Callable[[BaseException], None] | None = None,
+              reasoning: ReasoningConfig | None = None) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
-    /health and every /v1 request answer 503. `seed`: unseeded requests draw their seeds, in
+    /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
+    the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
     arrival order, from a generator seeded with it (None: the engine picks each at random).
     `sse_keep_alive_s`: a stream that long without a token gets a keep-alive comment.
     `prefill_log_s`: a prefill running that long gets a progress line in the log, then again.
     `on_engine_death`: called on the event loop if the engine thread dies (`nanoserve serve`
-    stops the server and exits non-zero, rather than answering 503 for ever)."""
+    stops the server and exits non-zero, rather than answering 503 for ever).
+    `reasoning`: the reasoning parser and default budget; a named parser the model's
+    vocabulary cannot serve stops the engine at startup."""
     limits = limits or ServerLimits()
+    tenancy = tenancy or Tenancy()
+    reasoning = reasoning or ReasoningConfig()
+
+    def build_checked_engine() -> Engine:
+        engine = build_engine()
+        reasoning.tags(engine.tokenizer)
+        return engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(build_engine, asyncio.get_running_loop(), prefill_log_s=prefill_log_s,
-                                   on_death=on_engine_death)
+        async_engine = AsyncEngine(build_checked_engine, asyncio.get_running_loop(),
+                                   prefill_log_s=prefill_log_s, on_death=on_engine_death)
         app.state.server = ServerState(
-            async_engine, list(model_names), frozenset((*model_names, *aliases)), api_key, limits,
-            ServerMetrics(model_names[0]), sse_keep_alive_s=sse_keep_alive_s,
-            default_seeds=None if seed is None else random.Random(seed))
+            async_engine, list(model_names), frozenset((*model_names, *aliases)), tenancy, limits,
+            ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),
+            sse_keep_alive_s=sse_keep_alive_s,
+            default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning)
         async_engine.start()
         try:
             yield
@@ -74,10 +92,13 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     app.add_middleware(TrailingSlashes)
     install_handlers(app)
     app.include_router(_v1_router())
+    # Behind its own key check: Anthropic's clients send x-api-key, and errors in Anthropic's shape.
+    app.add_api_route("/v1/messages", anthropic.create_message, methods=["POST"],
+                      openapi_extra=_body_schema(anthropic.MessagesRequest))
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
-    app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=PlainTextResponse)
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"], response_class=Response)
     _document_bodies(app)
     return app
 
@@ -91,6 +112,8 @@ def _v1_router() -> APIRouter:
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
                          openapi_extra=_body_schema(ChatCompletionRequest))
+    router.add_api_route("/responses", responses.create_response, methods=["POST"],
+                         openapi_extra=_body_schema(responses.ResponsesRequest))
     return router
 
 
@@ -127,6 +150,43 @@ def start_drain(app: FastAPI, drain_s: float) -> None:
             state.async_engine.loop.call_soon_threadsafe(state.async_engine.drain, drain_s)
 
 
+def reload_keys(app: FastAPI) -> None:
+    """Re-read the API keys file (SIGHUP), on the event loop; safe from a signal handler. A file
+    that no longer reads is logged and the keys in use stay."""
+    state: ServerState | None = getattr(app.state, "server", None)
+
+    def reload() -> None:
+        if state.tenancy.reload():
+            state.metrics.add_tenants(tuple(t.name for t in state.tenancy.tenants))
+
+    if state is not None:
+        with contextlib.suppress(RuntimeError):  # the loop has already closed
+            state.async_engine.loop.call_soon_threadsafe(reload)
+
+
+def stop_now(app: FastAPI, then: Callable[[], None]) -> bool:
+    """End a shutdown at once (a second SIGTERM or SIGINT): every open stream gets its error
+    event and every unary request its 503 now, the engine is left in the middle of its step,
+    and `then` runs on the event loop `STOP_NOW_GRACE_S` later (uvicorn's force exit: by then
+    the error events are written). Safe from a signal handler. False before startup has
+    finished: there is nothing to end, and `then` is the caller's to run."""
+    state: ServerState | None = getattr(app.state, "server", None)
+    if state is None:
+        return False
+    loop = state.async_engine.loop
+
+    def stop() -> None:
+        state.async_engine.stop_now(EngineUnavailableError(
+            "the server was stopped by a second shutdown signal before the request finished"))
+        loop.call_later(STOP_NOW_GRACE_S, then)
+
+    try:
+        loop.call_soon_threadsafe(stop)
+    except RuntimeError:  # the loop has already closed
+        return False
+    return True
+
+
 # -- OpenAPI: document the bodies the routes parse by hand ----------------------------------------
 
 def _body_schema(model: type) -> dict[str, Any]:
@@ -143,7 +203,8 @@ def _document_bodies(app: FastAPI) -> None:
         if app.openapi_schema is None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          anthropic.MessagesRequest, responses.ResponsesRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

@@ -27,8 +27,8 @@ from nanoserve.errors import NanoserveError
 from nanoserve.server.metrics import EngineSnapshot
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
-    from nanoserve.output import RequestOutput
+    from nanoserve.engine.core import Engine
+    from nanoserve.engine.output import RequestOutput
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
@@ -70,6 +70,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._draining = False
+        self._forced = False  # `stop_now`: the lifespan's stop waits for no step
         self._queues: dict[str, asyncio.Queue] = {}  # event loop only
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
         self.engine: Engine | None = None
@@ -138,12 +139,23 @@ class AsyncEngine:
         for request_id in request_ids:
             self._send(_Abort(request_id))
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort what is left, stop the thread and wait for it (bounded)."""
+    def stop_now(self, error: BaseException) -> None:
+        """A forced shutdown: fail every open sequence with `error` at once and tell the thread
+        to stop; `stop` then waits for no step (the thread is a daemon, so a long prefill it is
+        still computing dies with the process)."""
+        self._draining = self._forced = True
+        self.cancel_all(error)
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort what is left, stop the thread and wait for it (bounded; not at all once forced)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if not self._forced:
+            await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
 
     def _send(self, command: _Add | _Abort) -> None:

@@ -23,7 +23,8 @@ from nanoserve.errors import InvalidRequestError
 log = logging.getLogger("nanoserve.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "requests",
+         503: "service_unavailable",
          500: "internal_server_error"}
 
 

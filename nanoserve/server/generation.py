@@ -1,9 +1,10 @@
 """Generation: one request's planned sequences running on the engine thread, and unary answers.
 
 Owns: admission (`check_capacity`: a 400 for a request that could never fit, a 503 while the
-server is full), `Generation` (adds the sequences, reads their outputs from one queue, records
-their latencies, aborts whatever is still running on `close`), and the unary response: collect
-every output, or stop early and abort if the client hangs up.
+server is full), `Generation` (adds the sequences under their tenant's cache scope and fair
+share parent, reads their outputs from one queue, records their latencies and their tenant's
+counts, aborts whatever is still running on `close` and leaves the tenant's in-flight count),
+and the unary response: collect every output, or stop early and abort if the client hangs up.
 Refuses: deciding what a request may ask for (planning did), SSE (`streaming`), and touching
 the engine other than through `AsyncEngine`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +28,10 @@ from nanoserve.server.protocol import Kind, TextOffset, TokenText
 from nanoserve.server.state import ServerState, unavailable
 
 if TYPE_CHECKING:
-    from nanoserve.output import RequestOutput, TokenLogprob
+    from nanoserve.engine.output import RequestOutput, TokenLogprob
     from nanoserve.server.planning import PlannedSequence
+    from nanoserve.server.reasoning import ReasoningReader
+    from nanoserve.server.tenants import Tenant
     from nanoserve.server.tool_calls import ToolCallReader
 
 
@@ -70,6 +74,8 @@ class Choice:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # scored by a prompt's first choice
     prompt_logprobs_asked: int | None = None  # vLLM's prompt_logprobs field
     echo_logprobs: int | None = None  # completions' echo with logprobs N
+    reasoning: ReasoningReader | None = None  # a reasoning model's chat: thinking apart from content
+    reasoning_shown: bool = True  # include_reasoning
 
     @property
     def reported_finish_reason(self) -> str | None:
@@ -91,23 +97,33 @@ class Generation:
     arrival_s: float
     queue: asyncio.Queue
     choices: dict[str, Choice]
+    tenant: Tenant | None = None
     error: BaseException | None = None
+    closed: bool = False
 
     @classmethod
     def start(cls, state: ServerState, plan: list[PlannedSequence], arrival_s: float, *,
-              request_id: str) -> Generation:
+              request_id: str, tenant: Tenant | None) -> Generation:
+        """Add the plan's sequences as one client request of `tenant` (None: the server has no
+        keys): its cache scope salts their params, its fair share parent groups them."""
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{seq.index}" for seq in plan]
         choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
                                   stop_token_ids=seq.params.stop_token_ids, echo=seq.echo,
                                   tool_reader=seq.tools.reader() if seq.tools is not None else None,
                                   prompt_ids=seq.prompt_ids, prompt_logprobs_asked=seq.prompt_logprobs,
-                                  echo_logprobs=seq.echo_logprobs)
+                                  echo_logprobs=seq.echo_logprobs,
+                                  reasoning=seq.reasoning.reader() if seq.reasoning is not None else None,
+                                  reasoning_shown=seq.reasoning is None or seq.reasoning.include)
                    for seq_id, seq in zip(ids, plan, strict=True)}
-        generation = cls(state, request_id, arrival_s, queue, choices)
+        generation = cls(state, request_id, arrival_s, queue, choices, tenant)
+        tenancy = state.tenancy
+        tenancy.enter(tenant)
+        parent_id = tenancy.parent_id(tenant, request_id)
         for seq_id, seq in zip(ids, plan, strict=True):
             try:
-                state.async_engine.add(seq_id, seq.prompt_ids, seq.params, queue, parent_id=request_id)
+                params = tenancy.scoped_params(seq.params, tenant)
+                state.async_engine.add(seq_id, seq.prompt_ids, params, queue, parent_id=parent_id)
             except EngineUnavailableError as error:
                 generation.close()
                 raise unavailable(str(error), state.limits) from None
@@ -141,6 +157,8 @@ class Generation:
             metrics.itl.observe(now - choice.last_s)
         choice.last_s = now
         choice.num_tokens = output.num_output_tokens
+        if choice.reasoning is not None:
+            choice.reasoning.count(output.token_ids)
         choice.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None:
             choice.prompt_logprobs = output.prompt_logprobs
@@ -153,36 +171,55 @@ class Generation:
             if isinstance(output.stop_reason, int) and output.stop_reason not in choice.stop_token_ids:
                 choice.stop_reason = None  # EOS, as vLLM reports it; a stop_token_ids hit names its id
             metrics.e2e.observe(now - self.arrival_s)
-            metrics.finished[output.finish_reason] += 1
+            metrics.count_finished(output.finish_reason, self._tenant_name)
 
     def close(self) -> None:
-        """Abort every sequence still running (the client left, or the request failed)."""
+        """Abort every sequence still running (the client left, or the request failed); the
+        first call also counts the request for its tenant and leaves its in-flight count."""
         for choice in self.choices.values():
             if not choice.finished and not choice.aborted:
                 self.state.async_engine.abort(choice.request_id)
                 self._count_abort(choice)
+        if self.closed:
+            return
+        self.closed = True
+        self.state.tenancy.leave(self.tenant)
+        if self.tenant is not None:
+            usage = self.usage()
+            self.state.metrics.count_tokens(self.tenant.name, usage["prompt_tokens"],
+                                            usage["completion_tokens"])
+
+    @property
+    def _tenant_name(self) -> str | None:
+        return self.tenant.name if self.tenant is not None else None
 
     def _count_abort(self, choice: Choice) -> None:
         choice.aborted = True
-        self.state.metrics.finished["abort"] += 1
+        self.state.metrics.count_finished("abort", self._tenant_name)
 
     def usage(self) -> dict[str, Any]:
         prompt_tokens = {c.prompt_index: c.num_prompt_tokens for c in self.choices.values()}
         cached = {c.prompt_index: c.num_cached_tokens for c in self.choices.values()}  # as prompts: once
         completion = sum(c.num_tokens for c in self.choices.values())
-        return protocol.usage(sum(prompt_tokens.values()), completion, sum(cached.values()))
+        readers = [c.reasoning for c in self.choices.values() if c.reasoning is not None]
+        reasoning = sum(r.num_reasoning_tokens for r in readers) if readers else None
+        return protocol.usage(sum(prompt_tokens.values()), completion, sum(cached.values()), reasoning)
 
 
 # -- the unary response -------------------------------------------------------------------------
 
-async def unary_response(request: Request, kind: Kind, generation: Generation, model: str) -> Response:
+async def unary_response(request: Request, kind: Kind, generation: Generation, model: str,
+                         translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> Response:
+    """The whole answer once every choice is done; `translate` turns the chat completion body
+    into another protocol's (Messages, Responses)."""
     try:
         await _until_done_or_disconnect(request, generation)
     except ClientDisconnectedError:
         return Response(status_code=499)  # nobody is listening; the sequences are aborted below
     finally:
         generation.close()
-    return JSONResponse(_unary_body(kind, generation, model))
+    body = _unary_body(kind, generation, model)
+    return JSONResponse(translate(body) if translate is not None else body)
 
 
 class ClientDisconnectedError(Exception):
@@ -221,20 +258,17 @@ async def _wait_for_disconnect(request: Request) -> None:
 def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any]:
     body = protocol.envelope(kind, generation.request_id, model, protocol.now_s(), chunk=False)
     names = token_text(generation.state)
-    make = protocol.chat_choice if kind == "chat" else protocol.completion_choice
     ordered = sorted(generation.choices.values(), key=lambda c: c.index)
     scored = {c.prompt_index: c.prompt_logprobs for c in ordered if c.prompt_logprobs is not None}
     choices = []
     for choice in ordered:
         logprobs = _choice_logprobs(kind, choice, scored.get(choice.prompt_index), names)
         text = choice.echo + "".join(choice.texts)
-        if choice.tool_reader is not None and choice.finish_reason == "stop":
-            content, calls = choice.tool_reader.read(text)
-            if calls:
-                choices.append(protocol.chat_choice(choice.index, content, logprobs, "tool_calls",
-                                                    choice.stop_reason, calls))
-                continue
-        choices.append(make(choice.index, text, logprobs, choice.finish_reason, choice.stop_reason))
+        if kind == "chat":
+            choices.append(_chat_choice(choice, text, logprobs))
+            continue
+        choices.append(protocol.completion_choice(choice.index, text, logprobs, choice.finish_reason,
+                                                  choice.stop_reason))
         if kind == "completion" and choice.prompt_logprobs_asked is not None:  # vLLM's, per choice
             choices[-1]["prompt_logprobs"] = _prompt_logprobs(choice, scored, names)
     body["choices"] = choices
@@ -242,6 +276,21 @@ def _unary_body(kind: Kind, generation: Generation, model: str) -> dict[str, Any
         body["prompt_logprobs"] = _prompt_logprobs(ordered[0], scored, names)
     body["usage"] = generation.usage()
     return body
+
+
+def _chat_choice(choice: Choice, text: str, logprobs: dict | None) -> dict[str, Any]:
+    """A chat choice: the thinking apart (reasoning models), then the answer's tool calls."""
+    reasoning = None
+    if choice.reasoning is not None:
+        reasoning, text = choice.reasoning.split(text)
+        reasoning = reasoning if choice.reasoning_shown else None
+    content, calls, finish_reason = text, None, choice.finish_reason
+    if choice.tool_reader is not None and choice.finish_reason in ("stop", "length"):
+        cut = choice.finish_reason == "length"
+        content, calls = choice.tool_reader.read(text, cut=cut)
+        finish_reason = "tool_calls" if calls and not cut else choice.finish_reason
+    return protocol.chat_choice(choice.index, content, logprobs, finish_reason, choice.stop_reason, calls,
+                                reasoning)
 
 
 def _choice_logprobs(kind: Kind, choice: Choice, prompt_entries: list[TokenLogprob | None] | None,

@@ -1,53 +1,32 @@
-"""Serving metrics in the Prometheus text format (exposition 0.0.4), written by hand.
+"""Serving metrics for Prometheus, written with `prometheus_client` (one registry per app).
 
 Owns: the latency histograms the request handlers observe (time to first token, inter-token
-latency, end-to-end latency), finished-request counts, and rendering them beside the engine's
+latency, end-to-end latency), finished-sequence counts, the per-tenant counts (sequences
+finished, prompt and generated tokens, requests in flight, requests refused over the tenant's
+limit: labelled by the tenant's name, never its key), and rendering them beside the engine's
 own figures (running and waiting requests, KV cache usage, preemptions, token counters) taken
-from the snapshot the engine thread publishes after every step.
+from the snapshot the engine thread publishes after every step. The names are vLLM's, with
+`nanoserve_` for `vllm:`.
 Refuses: reading the engine directly; the engine is not thread-safe, the snapshot is.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE", "EngineSnapshot", "ServerMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                  0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-
-
-@dataclass(slots=True)
-class Histogram:
-    """Cumulative-bucket histogram; observed from the event loop only."""
-
-    name: str
-    help: str
-    buckets: tuple[float, ...]
-    counts: list[int] = field(init=False)
-    total: float = 0.0
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, labels: str) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{{labels},le="{le}"}} {cumulative}')
-        lines.append(f"{self.name}_sum{{{labels}}} {self.total!r}")
-        lines.append(f"{self.name}_count{{{labels}}} {self.count}")
-        return lines
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,55 +49,122 @@ class EngineSnapshot:
 
 
 class ServerMetrics:
+    """The app's metrics; observed and rendered on the event loop only."""
+
+    def __init__(self, model_name: str, tenants: tuple[str, ...] = ()) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._engine = _EngineFigures(model_name)
+        self.registry.register(self._engine)
+        self.ttft = self._histogram("nanoserve_time_to_first_token_seconds",
+                                    "Seconds from request arrival to its first output token.",
+                                    LATENCY_BUCKETS_S)
+        self.itl = self._histogram("nanoserve_inter_token_latency_seconds",
+                                   "Seconds between two consecutive output tokens of a request.",
+                                   ITL_BUCKETS_S)
+        self.e2e = self._histogram("nanoserve_e2e_request_latency_seconds",
+                                   "Seconds from request arrival to its last output token.",
+                                   LATENCY_BUCKETS_S)
+        self._finished = Counter("nanoserve_request_success", "Finished sequences, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=self.registry)
+        tenant_labels = ["model_name", "tenant"]
+        self._tenant_finished = Counter("nanoserve_tenant_request_success",
+                                        "Finished sequences of each tenant (by name), by finish reason.",
+                                        [*tenant_labels, "finished_reason"], registry=self.registry)
+        self._tenant_prompt_tokens = Counter("nanoserve_tenant_prompt_tokens",
+                                             "Prompt tokens of each tenant's finished requests.",
+                                             tenant_labels, registry=self.registry)
+        self._tenant_generation_tokens = Counter("nanoserve_tenant_generation_tokens",
+                                                 "Tokens generated for each tenant.", tenant_labels,
+                                                 registry=self.registry)
+        self._tenant_rejected = Counter("nanoserve_tenant_requests_rejected",
+                                        "Requests refused (429) over the tenant's concurrency limit.",
+                                        tenant_labels, registry=self.registry)
+        for reason in FINISH_REASONS:
+            self._finished.labels(model_name, reason)
+        self.add_tenants(tenants)
+
+    def _histogram(self, name: str, help_: str, buckets: tuple[float, ...]):
+        histogram = Histogram(name, help_, ["model_name"], buckets=buckets, registry=self.registry)
+        return histogram.labels(self.model_name)
+
+    def add_tenants(self, names: tuple[str, ...]) -> None:
+        """Show every tenant from the start (at zero), not only once it has sent a request."""
+        for name in names:
+            for reason in FINISH_REASONS:
+                self._tenant_finished.labels(self.model_name, name, reason)
+            for counter in (self._tenant_prompt_tokens, self._tenant_generation_tokens,
+                            self._tenant_rejected):
+                counter.labels(self.model_name, name)
+            self._engine.in_flight.setdefault(name, 0)
+
+    def count_finished(self, reason: str, tenant: str | None) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+        if tenant is not None:
+            self._tenant_finished.labels(self.model_name, tenant, reason).inc()
+
+    def count_tokens(self, tenant: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self._tenant_prompt_tokens.labels(self.model_name, tenant).inc(prompt_tokens)
+        self._tenant_generation_tokens.labels(self.model_name, tenant).inc(generation_tokens)
+
+    def count_rejected(self, tenant: str) -> None:
+        self._tenant_rejected.labels(self.model_name, tenant).inc()
+
+    def render(self, snapshot: EngineSnapshot, *, healthy: bool,
+               in_flight: Mapping[str, int] | None = None) -> bytes:
+        """The exposition text: the engine's figures as of `snapshot`, each tenant's requests
+        in flight as of `in_flight`, and everything observed so far."""
+        self._engine.snapshot, self._engine.healthy = snapshot, healthy
+        self._engine.in_flight.update(in_flight or {})
+        return generate_latest(self.registry)
+
+
+class _EngineFigures:
+    """A collector of the figures owned elsewhere: the engine's snapshot, and the requests each
+    tenant has in flight (the tenancy counts them)."""
+
     def __init__(self, model_name: str) -> None:
-        self.labels = f'model_name="{_escape(model_name)}"'
-        self.ttft = Histogram("nanoserve_time_to_first_token_seconds",
-                              "Seconds from request arrival to its first output token.", LATENCY_BUCKETS_S)
-        self.itl = Histogram("nanoserve_inter_token_latency_seconds",
-                             "Seconds between two consecutive output tokens of a request.", ITL_BUCKETS_S)
-        self.e2e = Histogram("nanoserve_e2e_request_latency_seconds",
-                             "Seconds from request arrival to its last output token.", LATENCY_BUCKETS_S)
-        self.finished: Counter[str] = Counter()
+        self.model_name = model_name
+        self.snapshot = EngineSnapshot()
+        self.healthy = False
+        self.in_flight: dict[str, int] = {}
 
-    def render(self, snapshot: EngineSnapshot, *, healthy: bool) -> str:
-        lines: list[str] = []
-        for name, kind, help_, value in self._engine_rows(snapshot, healthy):
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{self.labels}}} {value}"]
-        lines += ["# HELP nanoserve_request_success_total Finished sequences, by finish reason.",
-                  "# TYPE nanoserve_request_success_total counter"]
-        for reason in ("stop", "length", "abort"):
-            lines.append(f'nanoserve_request_success_total{{{self.labels},finished_reason="{reason}"}} '
-                         f"{self.finished[reason]}")
-        for histogram in (self.ttft, self.itl, self.e2e):
-            lines += histogram.render(self.labels)
-        return "\n".join(lines) + "\n"
-
-    @staticmethod
-    def _engine_rows(s: EngineSnapshot, healthy: bool) -> list[tuple[str, str, str, object]]:
-        return [
-            ("nanoserve_engine_healthy", "gauge", "1 while the engine loop runs, else 0.", int(healthy)),
-            ("nanoserve_requests_running", "gauge", "Sequences in the engine's running batch.", s.running),
-            ("nanoserve_requests_waiting", "gauge", "Sequences queued for admission.", s.waiting),
-            ("nanoserve_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
-             repr(s.kv_cache_usage)),
-            ("nanoserve_kv_cache_free_blocks", "gauge", "KV cache blocks free.", s.kv_free_blocks),
-            ("nanoserve_kv_cache_total_blocks", "gauge", "KV cache blocks in the pool.", s.kv_total_blocks),
-            ("nanoserve_num_preemptions_total", "counter", "Preemptions by recompute since start.",
-             s.preemptions),
-            ("nanoserve_prefix_cache_queries_total", "counter",
-             "Tokens of admitted requests looked up in the prefix cache.", s.prefix_cache_queries),
-            ("nanoserve_prefix_cache_hits_total", "counter",
-             "Tokens of admitted requests the prefix cache supplied.", s.prefix_cache_hits),
-            ("nanoserve_prompt_tokens_total", "counter", "Prompt tokens prefilled.", s.prompt_tokens),
-            ("nanoserve_generation_tokens_total", "counter", "Tokens generated.", s.generation_tokens),
-            ("nanoserve_engine_steps_total", "counter", "Engine steps run.", s.steps),
-            ("nanoserve_spec_decode_draft_tokens_total", "counter",
-             "Speculative draft tokens verified.", s.spec_draft_tokens),
-            ("nanoserve_spec_decode_accepted_tokens_total", "counter",
-             "Speculative draft tokens accepted (each equal to the token decoding would give).",
-             s.spec_accepted_tokens),
-        ]
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, help_, value in _engine_rows(self.snapshot, self.healthy):
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, help_, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        if self.in_flight:
+            family = GaugeMetricFamily("nanoserve_tenant_requests_in_flight",
+                                       "HTTP generation requests each tenant has in flight.",
+                                       labels=["model_name", "tenant"])
+            for tenant, count in sorted(self.in_flight.items()):
+                family.add_metric([self.model_name, tenant], count)
+            yield family
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _engine_rows(s: EngineSnapshot, healthy: bool) -> list[tuple[str, str, str, float]]:
+    """(name, kind, help, value); a counter's name without the `_total` the format adds."""
+    return [
+        ("nanoserve_engine_healthy", "gauge", "1 while the engine loop runs, else 0.", int(healthy)),
+        ("nanoserve_requests_running", "gauge", "Sequences in the engine's running batch.", s.running),
+        ("nanoserve_requests_waiting", "gauge", "Sequences queued for admission.", s.waiting),
+        ("nanoserve_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0 to 1).",
+         s.kv_cache_usage),
+        ("nanoserve_kv_cache_free_blocks", "gauge", "KV cache blocks free.", s.kv_free_blocks),
+        ("nanoserve_kv_cache_total_blocks", "gauge", "KV cache blocks in the pool.", s.kv_total_blocks),
+        ("nanoserve_num_preemptions", "counter", "Preemptions by recompute since start.", s.preemptions),
+        ("nanoserve_prefix_cache_queries", "counter",
+         "Tokens of admitted requests looked up in the prefix cache.", s.prefix_cache_queries),
+        ("nanoserve_prefix_cache_hits", "counter",
+         "Tokens of admitted requests the prefix cache supplied.", s.prefix_cache_hits),
+        ("nanoserve_prompt_tokens", "counter", "Prompt tokens prefilled.", s.prompt_tokens),
+        ("nanoserve_generation_tokens", "counter", "Tokens generated.", s.generation_tokens),
+        ("nanoserve_engine_steps", "counter", "Engine steps run.", s.steps),
+        ("nanoserve_spec_decode_draft_tokens", "counter", "Speculative draft tokens verified.",
+         s.spec_draft_tokens),
+        ("nanoserve_spec_decode_accepted_tokens", "counter",
+         "Speculative draft tokens accepted (each equal to the token decoding would give).",
+         s.spec_accepted_tokens),
+    ]

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.errors import InvalidRequestError
 from nanoserve.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_SEED,
     SamplingParams,
     StructuredOutputs,
     keep_last_tokens,
@@ -30,12 +29,13 @@ from nanoserve.sampling_params import (
 from nanoserve.server import protocol
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
+from nanoserve.server.reasoning import ReasoningPlan
 from nanoserve.server.state import ServerLimits, ServerState
 from nanoserve.server.structured_fields import structured_outputs
 from nanoserve.server.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,7 @@ class PlannedSequence:
     echo: str = ""  # text the choice starts with (completions' echo: the prompt's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as the body asked
     echo_logprobs: int | None = None  # completions' echo with logprobs N: the prompt's tokens lead them
+    reasoning: ReasoningPlan | None = None  # a chat of a reasoning model: its think block
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +178,8 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     engine = state.engine
     tools = ToolPlan.from_body(body) if kind == "chat" else None
     prompts = _prompts(engine, kind, body, state.limits)
-    base = _base_params(body, state.default_seed() if body.seed is None else body.seed)
+    reasoning = _reasoning(state, body, prompts[0].ids) if kind == "chat" else None
+    base = _base_params(body, state.default_seed() if body.seed is None else body.seed, reasoning)
     sequences = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = _max_tokens(engine, body, len(prompt.ids), state.limits)
@@ -188,8 +190,24 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
             sequences.append(PlannedSequence(
                 prompt_index * body.n + j, prompt_index, prompt.ids, params, tools, prompt.echo,
                 body.prompt_logprobs, body.logprobs if isinstance(body, CompletionRequest) and body.echo
-                else None))
+                else None, reasoning))
     return sequences
+
+
+def _reasoning(state: ServerState, body: ChatCompletionRequest,
+               prompt_ids: list[int]) -> ReasoningPlan | None:
+    """The chat's think block, when the server runs a reasoning parser for this model."""
+    tokenizer = state.engine.tokenizer
+    with refusals_as_400(body):
+        tags = state.reasoning.tags(tokenizer)
+    if tags is None:
+        if body.thinking_token_budget is not None:
+            raise bad_request("thinking_token_budget needs a reasoning parser (serve --reasoning-parser) "
+                              "and a model with think tags", "thinking_token_budget", code="unsupported")
+        return None
+    budget = body.thinking_token_budget
+    return ReasoningPlan.for_prompt(tags, prompt_ids, tokenizer, include=body.include_reasoning,
+                                    budget_tokens=state.reasoning.budget_tokens if budget is None else budget)
 
 
 def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[PlannedPrompt]:
@@ -242,7 +260,8 @@ def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: s
     return keep_last_tokens(ids, body.truncate_prompt_tokens)
 
 
-def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
+def _base_params(body: RequestBody, seed: int | None,
+                 reasoning: ReasoningPlan | None = None) -> SamplingParams:
     """The sampling fields every choice shares; `_params_for` sets the rest per choice."""
     fields: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
@@ -258,7 +277,7 @@ def _base_params(body: RequestBody, seed: int | None) -> SamplingParams:
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
-        "p_less": body.p_less, "structured_outputs": _constraint(body),
+        "p_less": body.p_less, "structured_outputs": _constraint(body, reasoning),
     }
     given = {name: value for name, value in fields.items() if value is not None}
     # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.
@@ -275,16 +294,18 @@ def prompt_logprobs_asked(body: RequestBody) -> int | None:
     return max(asked) if asked else None
 
 
-def _constraint(body: RequestBody) -> StructuredOutputs | None:
+def _constraint(body: RequestBody, reasoning: ReasoningPlan | None) -> StructuredOutputs | None:
     """The one grammar the output follows: the tools' (tool_choice required or named), or the
-    structured-output fields'."""
+    structured-output fields', after the think block of a reasoning model (which alone is a
+    grammar when the thinking has a budget)."""
     tools = ToolPlan.from_body(body) if isinstance(body, ChatCompletionRequest) else None
     from_tools = tools.constraint() if tools is not None else None
     asked = structured_outputs(body)
     if from_tools is not None and asked is not None:
         raise bad_request(f"tool_choice {tools.choice!r} constrains the output already; drop "
                           f"{asked.param.split('.')[0]}", asked.param.split(".")[0])
-    return from_tools or asked
+    answer = from_tools or asked
+    return reasoning.constraint(answer) if reasoning is not None else answer
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -330,14 +351,6 @@ def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: Serv
 
 
 def _params_for(body: RequestBody, base: SamplingParams, max_tokens: int, j: int) -> SamplingParams:
-    """Choice j's parameters: its max_tokens, and seed + j so n seeded choices differ yet reproduce."""
-    changes: dict[str, Any] = {"max_tokens": max_tokens}
-    if j:
-        changes["prompt_logprobs"] = None  # a prompt is scored once, by its first choice
-    if base.seed is not None and j:
-        if base.seed + j >= MAX_SEED:
-            raise bad_request(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i); got seed "
-                              f"{base.seed} with n={body.n}", "seed")
-        changes["seed"] = base.seed + j
+    """Choice j's parameters: its prompt's max_tokens, the rest as `SamplingParams.for_choice`."""
     with refusals_as_400(body):
-        return dataclasses.replace(base, **changes)
+        return dataclasses.replace(base.for_choice(j), max_tokens=max_tokens)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from nanoserve.output import TokenLogprob
+    from nanoserve.engine.output import TokenLogprob
     from nanoserve.tokenizer import Tokenizer
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -47,14 +47,14 @@ def _absent(value: Any, _: BaseModel) -> bool:
     return value is None
 
 
-def _absent_or(*harmless: Any) -> Callable[[Any, BaseModel], bool]:
+def absent_or(*harmless: Any) -> Callable[[Any, BaseModel], bool]:
     """Null, or one of the values that ask for nothing this server does not do."""
     def check(value: Any, _: BaseModel) -> bool:
         return value is None or any(value == h and type(value) is type(h) for h in harmless)
     return check
 
 
-def _empty(value: Any, _: BaseModel) -> bool:
+def empty_or_absent(value: Any, _: BaseModel) -> bool:
     return value is None or value == [] or value == {}
 
 
@@ -86,21 +86,21 @@ _TEXT_ONLY = "only text content parts are supported"
 # the other).
 REFUSED: dict[str, Refusal] = {
     # OpenAI's
-    "suffix": Refusal("suffix (insertion) is not supported", _absent_or("")),
+    "suffix": Refusal("suffix (insertion) is not supported", absent_or("")),
     "best_of": Refusal("best_of is not supported (only best_of equal to n)", _best_of_is_n),
-    "functions": Refusal("the deprecated functions field is not supported: send tools", _empty),
+    "functions": Refusal("the deprecated functions field is not supported: send tools", empty_or_absent),
     "function_call": Refusal("the deprecated function_call is not supported: send tool_choice",
-                             _absent_or("none", "auto")),
+                             absent_or("none", "auto")),
     "audio": Refusal("audio output is not supported"),
-    "modalities": Refusal("only the text modality is supported", _absent_or(["text"])),
+    "modalities": Refusal("only the text modality is supported", absent_or(["text"])),
     "prediction": Refusal("predicted outputs are not supported"),
     "reasoning_effort": Refusal("reasoning_effort is not supported; chat_template_kwargs passes "
                                 "switches to templates that read them"),
     "verbosity": Refusal("verbosity is not supported"),
     "web_search_options": Refusal("web search is not supported"),
-    "store": Refusal("stored completions are not supported", _absent_or(False)),
-    "metadata": Refusal("metadata belongs to stored completions, which are not supported", _empty),
-    "service_tier": Refusal("service tiers are not supported", _absent_or("auto", "default")),
+    "store": Refusal("stored completions are not supported", absent_or(False)),
+    "metadata": Refusal("metadata belongs to stored completions, which are not supported", empty_or_absent),
+    "service_tier": Refusal("service tiers are not supported", absent_or("auto", "default")),
     "moderation": Refusal("moderation is not supported"),
     "prompt_cache_key": Refusal("prompt_cache_key is not supported: the prefix cache needs no "
                                 "hint, and cache_salt keeps users' caches apart"),
@@ -110,34 +110,32 @@ REFUSED: dict[str, Refusal] = {
     # vLLM's
     "structural_tag": Refusal("structural_tag is not supported: " + _STRUCTURED),
     "guided_decoding_backend": Refusal("guided_decoding_backend is not supported: " + _STRUCTURED,
-                                       _absent_or("auto", "guidance")),
+                                       absent_or("auto", "guidance")),
     "guided_whitespace_pattern": Refusal("guided_whitespace_pattern is not supported: JSON is "
                                          "generated with fixed separators and no free whitespace"),
-    "use_beam_search": Refusal("beam search is not supported", _absent_or(False)),
+    "use_beam_search": Refusal("beam search is not supported", absent_or(False)),
     "length_penalty": Refusal("length_penalty only applies to beam search, which is not supported",
-                              _absent_or(1, 1.0)),
+                              absent_or(1, 1.0)),
     "priority": Refusal("priority scheduling is not supported: requests run first come, first "
-                        "served", _absent_or(0)),
+                        "served", absent_or(0)),
     "request_id": Refusal("request_id is not supported: responses carry the server's own id"),
-    "logits_processors": Refusal("custom logits processors are not supported", _empty),
+    "logits_processors": Refusal("custom logits processors are not supported", empty_or_absent),
     "return_tokens_as_token_ids": Refusal("return_tokens_as_token_ids is not supported",
-                                          _absent_or(False)),
-    "return_token_ids": Refusal("return_token_ids is not supported", _absent_or(False)),
+                                          absent_or(False)),
+    "return_token_ids": Refusal("return_token_ids is not supported", absent_or(False)),
     "prompt_embeds": Refusal("prompt embeddings are not supported"),
-    "mm_processor_kwargs": Refusal("multimodal inputs are not supported", _empty),
+    "mm_processor_kwargs": Refusal("multimodal inputs are not supported", empty_or_absent),
     "kv_transfer_params": Refusal("disaggregated serving (kv_transfer_params) is not supported"),
-    "vllm_xargs": Refusal("vllm_xargs (custom extensions) are not supported", _empty),
-    "include_reasoning": Refusal("reasoning parsing is not supported", _absent_or(True)),
+    "vllm_xargs": Refusal("vllm_xargs (custom extensions) are not supported", empty_or_absent),
     "echo": Refusal("echo on chat completions (the new message prefixed with the last one) is "
                     "not supported", _off_or_not_chat),
-    "return_token_strs": Refusal("return_token_strs is not supported", _absent_or(False)),
+    "return_token_strs": Refusal("return_token_strs is not supported", absent_or(False)),
     "stream_options.include_obfuscation": Refusal("stream obfuscation is not supported",
-                                                  _absent_or(False)),
+                                                  absent_or(False)),
     # nested fields
     "messages[].function_call": Refusal("function calling is not supported"),
     "messages[].audio": Refusal("audio is not supported"),
     "messages[].refusal": Refusal("refusal messages in the history are not supported"),
-    "messages[].reasoning_content": Refusal("reasoning content in the history is not supported"),
     "messages[].content[].image_url": Refusal(_TEXT_ONLY),
     "messages[].content[].input_audio": Refusal(_TEXT_ONLY),
     "messages[].content[].file": Refusal(_TEXT_ONLY),
@@ -154,15 +152,21 @@ class FieldRefusal:
 
 
 def refused_field(body: BaseModel) -> FieldRefusal | None:
-    """The first field of `body` (nested ones too) that this server does not honour."""
+    """The first field of `body` (nested ones too) that this server does not honour. The
+    refusals are `REFUSED`, or the body model's own `refused_fields` table (another protocol's)."""
+    table = refusals_of(type(body))
     for key, param, value, model in _sent_fields(body, "", ""):
         name = key.rsplit(".", 1)[-1]
-        refusal = REFUSED.get(key)
+        refusal = table.get(key)
         if refusal is not None and not refusal.harmless(value, body):
             return FieldRefusal(param, f"{param}: {refusal.why}", "unsupported")
         if refusal is None and name not in type(model).model_fields:
-            return FieldRefusal(param, _unknown(param, key, model), "unknown_field")
+            return FieldRefusal(param, _unknown(param, key, model, table), "unknown_field")
     return None
+
+
+def refusals_of(model: type[BaseModel]) -> dict[str, Refusal]:
+    return getattr(model, "refused_fields", REFUSED)
 
 
 def _sent_fields(model: BaseModel, key: str, param: str) -> Iterator[tuple[str, str, Any, BaseModel]]:
@@ -181,11 +185,11 @@ def _sent_fields(model: BaseModel, key: str, param: str) -> Iterator[tuple[str, 
                     yield from _sent_fields(item, f"{field_key}[]", f"{field_param}[{i}]")
 
 
-def _unknown(param: str, key: str, model: BaseModel) -> str:
+def _unknown(param: str, key: str, model: BaseModel, table: dict[str, Refusal]) -> str:
     name = key.rsplit(".", 1)[-1]
     prefix = key[: -len(name)]
     known = [*type(model).model_fields,
-             *(k[len(prefix):] for k in REFUSED if k.startswith(prefix) and "." not in k[len(prefix):])]
+             *(k[len(prefix):] for k in table if k.startswith(prefix) and "." not in k[len(prefix):])]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{param}: unknown field{hint} (fields this server does not know are refused, not ignored)"
@@ -272,6 +276,7 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking, for templates that show it
 
 
 class ChatTemplateFlags(OpenAIModel):
@@ -302,6 +307,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = Field(default=True, description=(
+        "vLLM's: with a reasoning parser the thinking comes back as reasoning_content; false: left out."))
+    thinking_token_budget: int | None = Field(default=None, ge=0, description=(
+        "Most tokens the thinking may take: then the end tag is forced and the answer follows "
+        "(default: serve --reasoning-budget). Needs a reasoning parser."))
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: role, text content, and the tool calls and
@@ -344,6 +354,8 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
                                   for j, call in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
     return rendered
 
 
@@ -385,10 +397,14 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 # -- response bodies ----------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def envelope(kind: Kind, request_id: str, model: str, created: int, *, chunk: bool) -> dict[str, Any]:
@@ -404,8 +420,11 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
 
 
 def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: str | int | None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+                stop_reason: str | int | None, tool_calls: list[dict] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message.update(reasoning_content=reasoning, reasoning=reasoning)  # vLLM's older and newer names
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message,

@@ -2,9 +2,11 @@
 vLLM's /tokenize, /detokenize and /version, /health and /metrics; /v1/embeddings answers a 404
 that says why.
 
-Owns: the API key check, reading a body no larger than the server's limit and validating it,
-and the order one generation request goes through: the body checks, the engine's
-availability, planning (off the event loop), admission, then a stream or a unary answer.
+Owns: the API key check, reading a body no larger than the server's limit and validating it
+(`parse_body`), and the order one generation request goes through (`serve_generation`): the
+body checks, the engine's availability, planning (off the event loop), admission, then a
+stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages,
+OpenAI's Responses).
 Refuses: the work of each step (planning, generation and streaming own it), and touching the
 engine from the event loop; only `AsyncEngine` does, from its thread.
 """
@@ -13,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -26,9 +28,11 @@ from nanoserve.server import planning, protocol
 from nanoserve.server.async_engine import EngineUnavailableError
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.generation import Generation, check_capacity, new_request_id, unary_response
+from nanoserve.server.metrics import CONTENT_TYPE
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
-from nanoserve.server.state import ServerLimits, ServerState, state_of, unavailable
+from nanoserve.server.state import ServerLimits, ServerState, state_of, too_many_requests, unavailable
 from nanoserve.server.streaming import stream_response
+from nanoserve.server.tenants import Tenant
 
 log = logging.getLogger("nanoserve.server")
 ParsedBody = TypeVar("ParsedBody", bound=BaseModel)
@@ -36,13 +40,22 @@ ParsedBody = TypeVar("ParsedBody", bound=BaseModel)
 # -- plain routes -------------------------------------------------------------------------------
 
 async def require_api_key(request: Request) -> None:
-    key = state_of(request).api_key
-    if key is None:
+    """Let in a request that carries one of the server's keys, and note whose (`tenant_of`)."""
+    tenancy = state_of(request).tenancy
+    request.state.tenant = None
+    if not tenancy.guarded:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+    tenant = tenancy.find(given.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
         raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
+    request.state.tenant = tenant
+
+
+def tenant_of(request: Request) -> Tenant | None:
+    """The tenant whose key the request carried (None: the server has no keys)."""
+    return getattr(request.state, "tenant", None)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -50,10 +63,11 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 
-async def metrics(request: Request) -> PlainTextResponse:
+async def metrics(request: Request) -> Response:
     state = state_of(request)
-    text = state.metrics.render(state.async_engine.snapshot, healthy=state.async_engine.healthy)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    text = state.metrics.render(state.async_engine.snapshot, healthy=state.async_engine.healthy,
+                                in_flight=state.tenancy.in_flight)
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -93,7 +107,7 @@ async def embeddings(_: Request) -> JSONResponse:
 
 async def tokenize(request: Request) -> JSONResponse:
     state = state_of(request)
-    body = await _parse(request, protocol.TokenizeRequest)
+    body = await parse_body(request, protocol.TokenizeRequest)
     _check_available(state)
     tokens = await asyncio.to_thread(planning.tokenize, state, body)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
@@ -101,9 +115,17 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     state = state_of(request)
-    body = await _parse(request, protocol.DetokenizeRequest)
+    body = await parse_body(request, protocol.DetokenizeRequest)
     _check_available(state)
     return JSONResponse({"prompt": await asyncio.to_thread(planning.detokenize, state, body)})
+
+
+def check_tenant_room(state: ServerState, tenant: Tenant | None) -> None:
+    """A 429 with Retry-After for a tenant at its limit of generation requests in flight."""
+    if not state.tenancy.has_room(tenant):
+        state.metrics.count_rejected(tenant.name)
+        raise too_many_requests(f"this API key already has {state.tenancy.max_concurrent} requests in "
+                                "flight, its limit on this server; retry once one has finished", state.limits)
 
 
 def _check_available(state: ServerState) -> None:
@@ -116,16 +138,16 @@ def _check_available(state: ServerState) -> None:
 # -- the two generation routes ------------------------------------------------------------------
 
 async def create_completion(request: Request) -> Response:
-    body = await _parse(request, CompletionRequest)
-    return await _serve(request, "completion", body)
+    body = await parse_body(request, CompletionRequest)
+    return await serve_generation(request, "completion", body)
 
 
 async def create_chat_completion(request: Request) -> Response:
-    body = await _parse(request, ChatCompletionRequest)
-    return await _serve(request, "chat", body)
+    body = await parse_body(request, ChatCompletionRequest)
+    return await serve_generation(request, "chat", body)
 
 
-async def _parse(request: Request, model: type[ParsedBody]) -> ParsedBody:
+async def parse_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
     # Parsed by hand, not by FastAPI: the body's size is bounded before it is read whole, and
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
     raw = await _read_body(request, state_of(request).limits)
@@ -173,15 +195,27 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-async def _serve(request: Request, kind: Kind, body: RequestBody) -> Response:
+# How a protocol built on chat completions (Messages, Responses) answers a started generation.
+Answer = Callable[[Request, Generation, str], Awaitable[Response]]
+
+
+async def serve_generation(request: Request, kind: Kind, body: RequestBody, answer: Answer | None = None
+                           ) -> Response:
+    """One generation request, in the one order: body checks, availability, planning,
+    admission, then the answer (OpenAI's stream or unary body, or `answer`'s)."""
     arrival_s = time.perf_counter()
     state = state_of(request)
+    tenant = tenant_of(request)
     planning.check_body(state, body)
     _check_available(state)
+    check_tenant_room(state, tenant)  # before tokenizing: a refusal costs nothing
     plan = await asyncio.to_thread(planning.plan, state, kind, body)
     check_capacity(state, len(plan))
-    generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind))
+    check_tenant_room(state, tenant)  # again: others of the tenant may have started meanwhile
+    generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind), tenant=tenant)
     model = body.model or state.model_names[0]
+    if answer is not None:
+        return await answer(request, generation, model)
     if body.stream:
         return stream_response(kind, generation, model, body)
     return await unary_response(request, kind, generation, model)

@@ -1,8 +1,9 @@
 """What the app holds between requests: its limits, its engine and metrics, and the 503.
 
 Owns: `ServerLimits` (what one request may ask for), `ServerState` (built once at startup,
-reached from any request through `state_of`), and `unavailable`, the one shape of "retry
-later" (a 503 carrying Retry-After) that every module answers with.
+reached from any request through `state_of`), `unavailable`, the one shape of "retry later"
+(a 503 carrying Retry-After) that every module answers with, and `too_many_requests`, its 429
+for a tenant over its own limit.
 Refuses: behaviour; the modules that use the state decide what to do with it.
 """
 
@@ -20,9 +21,11 @@ from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import TokenText
+from nanoserve.server.reasoning import ReasoningConfig
+from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
-    from nanoserve.engine import Engine
+    from nanoserve.engine.core import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +48,14 @@ class ServerState:
     async_engine: AsyncEngine
     model_names: list[str]
     accepted_names: frozenset[str]
-    api_key: str | None
+    tenancy: Tenancy  # the API keys, each a tenant, and what the server keeps apart between them
     limits: ServerLimits
     metrics: ServerMetrics
     created: int = field(default_factory=protocol.now_s)
     token_text: TokenText | None = None
     sse_keep_alive_s: float = 15.0  # a stream quiet this long gets a keep-alive comment
     default_seeds: random.Random | None = None  # `serve --seed`: seeds for requests that give none
+    reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)  # --reasoning-parser, -budget
 
     def default_seed(self) -> int | None:
         """The next seed for a request that gives none; None: the engine picks a random one.
@@ -70,4 +74,9 @@ def state_of(request: Request) -> ServerState:
 
 def unavailable(message: str, limits: ServerLimits) -> APIError:
     return APIError(503, message, code="service_unavailable",
+                    headers={"Retry-After": str(limits.retry_after_s)})
+
+
+def too_many_requests(message: str, limits: ServerLimits) -> APIError:
+    return APIError(429, message, code="rate_limit_exceeded",
                     headers={"Retry-After": str(limits.retry_after_s)})

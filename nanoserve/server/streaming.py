@@ -27,7 +27,7 @@ from nanoserve.server.protocol import Kind, RequestBody, TokenText
 from nanoserve.server.state import unavailable
 
 if TYPE_CHECKING:
-    from nanoserve.output import RequestOutput
+    from nanoserve.engine.output import RequestOutput
 
 log = logging.getLogger("nanoserve.server")
 SSE_DONE = "data: [DONE]\n\n"
@@ -85,16 +85,23 @@ async def _stream_events(kind: Kind, generation: Generation, model: str,
 
 async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any],
                   continuous_usage: bool) -> AsyncIterator[str]:
-    """Chunks with content; with `continuous_usage` (vLLM's continuous_usage_stats) each also
-    carries the usage so far."""
+    async for batch in chunk_batches(kind, generation, head, continuous_usage):
+        yield SSE_KEEP_ALIVE if batch is None else "".join(sse(chunk) for chunk in batch)
+
+
+async def chunk_batches(kind: Kind, generation: Generation, head: dict[str, Any],
+                        continuous_usage: bool = False) -> AsyncIterator[list[dict[str, Any]] | None]:
+    """The chunks with content, a batch at a time as they come (None: a quiet keep-alive
+    interval went by); with `continuous_usage` (vLLM's continuous_usage_stats) each also
+    carries the usage so far. Other protocols' streams (Messages, Responses) read these."""
     names = token_text(generation.state)
     ordered = sorted(generation.choices.values(), key=lambda c: c.index)
     if kind == "chat":
-        yield "".join(sse({**head, "choices": [protocol.chat_delta_choice(
-            c.index, {"role": "assistant", "content": ""}, None, None, None)]}) for c in ordered)
+        yield [{**head, "choices": [protocol.chat_delta_choice(
+            c.index, {"role": "assistant", "content": ""}, None, None, None)]} for c in ordered]
     elif any(c.echo for c in ordered):
-        yield "".join(sse({**head, "choices": [protocol.completion_choice(
-            c.index, c.echo, None, None, None)]}) for c in ordered if c.echo)
+        yield [{**head, "choices": [protocol.completion_choice(c.index, c.echo, None, None, None)]}
+               for c in ordered if c.echo]
     keep_alive_s = generation.state.sse_keep_alive_s
     while not generation.done:
         try:
@@ -102,14 +109,14 @@ async def _chunks(kind: Kind, generation: Generation, head: dict[str, Any],
             async with asyncio.timeout(keep_alive_s):
                 outputs = await generation.next_outputs()
         except TimeoutError:
-            yield SSE_KEEP_ALIVE
+            yield None
             continue
         usage = {"usage": generation.usage()} if continuous_usage else {}
-        events = [sse({**head, "choices": [delta], **usage}) for choice, output in outputs
-                  if output.text or output.logprobs or output.finished
-                  for delta in _delta_choices(kind, choice, output, names)]
-        if events:
-            yield "".join(events)
+        batch = [{**head, "choices": [delta], **usage} for choice, output in outputs
+                 if output.text or output.logprobs or output.finished
+                 for delta in _delta_choices(kind, choice, output, names)]
+        if batch:
+            yield batch
 
 
 def _delta_choices(kind: Kind, choice: Choice, output: RequestOutput,
@@ -126,10 +133,15 @@ def _delta_choices(kind: Kind, choice: Choice, output: RequestOutput,
         return [protocol.completion_choice(choice.index, output.text, logprobs,
                                            choice.finish_reason if final else None,
                                            choice.stop_reason if final else None)]
+    text, deltas = output.text, []
+    if choice.reasoning is not None:
+        reasoning, text = choice.reasoning.feed(text, final=final)
+        if reasoning and choice.reasoning_shown:
+            deltas.append({"reasoning_content": reasoning, "reasoning": reasoning})  # vLLM's two names
     if choice.tool_reader is None:
-        deltas = [{"content": output.text}] if output.text else []
+        deltas += [{"content": text}] if text else []
     else:
-        deltas = choice.tool_reader.feed(output.text, finished=final)
+        deltas += choice.tool_reader.feed(text, finished=final, cut=output.finish_reason == "length")
     if not deltas and (logprobs is not None or final):
         deltas = [{}]
     last = len(deltas) - 1

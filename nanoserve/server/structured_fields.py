@@ -5,7 +5,7 @@ with name, schema and strict), vLLM's `structured_outputs` object (json, regex, 
 grammar, json_object) and vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`. At most one of them may constrain a request. The spec carries the field it
 came from, so a schema the grammar library refuses later is a 400 naming that field.
-Refuses: compiling anything (`nanoserve.structured` does, at admission) and tool calling
+Refuses: compiling anything (`nanoserve.engine.structured` does, at admission) and tool calling
 (`tools` builds its own spec).
 """
 

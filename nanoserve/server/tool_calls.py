@@ -11,6 +11,8 @@ JSON (`{"name", "parameters"}`, optionally after `<|python_tag|>`); text that is
 stays content, and a call to a function that is not in `tools` is content.
 Streaming: a named function streams its arguments as they come; otherwise content streams
 until the text could be a call, which is then held and sent whole when the choice ends.
+A reply cut by max_tokens (finish_reason "length") keeps the calls it completed: the whole
+items of a "required" array, the closed `<tool_call>` blocks of "auto"; the cut one is dropped.
 Refuses: deprecated `functions` / `function_call` (protocol refuses them by name).
 """
 
@@ -29,6 +31,7 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 HERMES_OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 CHOICES = ("none", "auto", "required")
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +148,13 @@ class ToolCallReader:
     held: str = ""  # streamed text not yet sent: it may be (part of) a call
     streamed_calls: list[dict[str, Any]] = field(default_factory=list)
 
-    def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, tool calls) of a whole reply."""
+    def read(self, text: str, *, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls) of a whole reply; `cut`: max_tokens ended it, so the calls it
+        completed count and the one it was writing does not."""
         if self.plan.named is not None:
             return None, [tool_call(self.plan.named.name, text)]
         if self.plan.choice == "required":
-            calls = _json(text)
+            calls = _complete_items(text) if cut else _json(text)
             if isinstance(calls, list):
                 return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                               for c in calls]
@@ -169,8 +173,9 @@ class ToolCallReader:
             return text, []
         return content or None, calls
 
-    def feed(self, delta: str, finished: bool) -> list[dict[str, Any]]:
-        """The stream deltas for `delta`: content now, or tool-call parts (held when unsure)."""
+    def feed(self, delta: str, finished: bool, *, cut: bool = False) -> list[dict[str, Any]]:
+        """The stream deltas for `delta`: content now, or tool-call parts (held when unsure);
+        `cut` as for `read`."""
         if self.plan.named is not None:
             return self._feed_named(delta)
         text = self.held + delta
@@ -180,7 +185,7 @@ class ToolCallReader:
         if not finished:
             self.held = text
             return []
-        content, calls = self.read(text)
+        content, calls = self.read(text, cut=cut)
         self.streamed_calls = calls
         deltas = [{"content": content}] if content else []
         return deltas + [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
@@ -205,6 +210,25 @@ def _json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _complete_items(text: str) -> list[dict[str, Any]]:
+    """The whole items at the start of a JSON array the grammar wrote and max_tokens cut: the
+    grammar fixed their shape, so each whole item is a call; the cut item is left out."""
+    decoder, items = json.JSONDecoder(), []
+    start = text.find("[")
+    position = start + 1 if start >= 0 else len(text)
+    while position < len(text):
+        try:
+            item, position = decoder.raw_decode(text, _SPACE.match(text, position).end())
+        except ValueError:
+            break
+        items.append(item)
+        position = _SPACE.match(text, position).end()
+        if not text.startswith(",", position):
+            break
+        position += 1
+    return items
 
 
 def _call(value: Any, names: set[str]) -> dict[str, Any] | None:

@@ -26,11 +26,11 @@
  * float32 copy once per call (M x K floats, small beside the weights).
  */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "nanoserve.h"
+#include "stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -239,20 +239,34 @@ static void run_panels(const Problem *p, int64_t first, int64_t last, int use_is
     }
 }
 
+typedef struct {
+    const Problem *p;
+    int64_t panels;
+    int use_isa;
+} PanelJob;
+
+static void panels_task(void *context, int thread, int threads) {
+    const PanelJob *job = context;
+    int64_t begin, end;
+    ns_share(job->panels, thread, threads, &begin, &end);
+    run_panels(job->p, begin, end, job->use_isa);
+}
+
 static void run(const Problem *p, int num_threads, int use_isa) {
     const int64_t panels = (p->n + PANEL - 1) / PANEL;
     const int64_t worth = p->m * p->n * p->k / MIN_MACS_PER_THREAD;
     if (num_threads > panels) num_threads = (int)panels;
     if (num_threads > worth) num_threads = worth > 1 ? (int)worth : 1;
-    if (num_threads <= 1) {
-        run_panels(p, 0, panels, use_isa);
-        return;
-    }
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-        run_panels(p, panels * t / threads, panels * (t + 1) / threads, use_isa);
-    }
+    PanelJob job = {p, panels, use_isa};
+    ns_parallel(num_threads, panels_task, &job);
+}
+
+void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
+                    int threads) {
+    const Problem p = {x, w, y, m, n, k, 0};
+    int64_t begin, end;
+    ns_share((n + PANEL - 1) / PANEL, thread, threads, &begin, &end);
+    run_panels(&p, begin, end, 1);
 }
 
 static int matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
+#include "quant_blocks.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -39,38 +40,7 @@
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
 #define ROW_TILE 4
-#define COLUMN_CHUNK 16 /* columns per OpenMP work item */
-
-/* One quantized activation block: 32 codes, their scale, and scale * sum(codes). */
-typedef struct {
-    int8_t qs[32];
-    float d;
-    float s;
-} xblock;
-
-static inline float f16_to_f32(const uint8_t *p) {
-#if defined(__F16C__)
-    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
-#else
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-    uint32_t bits;
-    if (exponent == 0x1F) {
-        bits = sign | 0x7F800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-        bits = sign;
-    } else { /* subnormal: normalize */
-        int shift = 0;
-        while (!(mantissa & 0x400)) { mantissa <<= 1; shift++; }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
+#define COLUMN_CHUNK 16 /* threads split the output columns in chunks of this many */
 
 /* ---- per-format facts -------------------------------------------------------------------- */
 
@@ -148,27 +118,6 @@ static void unpack_sub_block(int fmt, const uint8_t *b, int j, int8_t q[32], int
         *A = f16_to_f32(b + 208);
         return;
     }
-    }
-}
-
-/* ---- activations ------------------------------------------------------------------------- */
-
-/* Row r of x [rows, k] -> k/32 blocks. Rounding to nearest even (nearbyintf, as the vector
- * unit rounds), so every path quantizes a row to the same codes. */
-static void quantize_row(const float *x, int64_t k, xblock *out) {
-    for (int64_t b = 0; b < k / 32; b++) {
-        const float *v = x + 32 * b;
-        float amax = 0.0f;
-        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
-        float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int l = 0; l < 32; l++) {
-            int code = (int)nearbyintf(v[l] * id);
-            out[b].qs[l] = (int8_t)code;
-            sum += code;
-        }
-        out[b].d = d;
-        out[b].s = d * (float)sum;
     }
 }
 
@@ -455,16 +404,17 @@ typedef struct {
     void (*dot)(int fmt, const uint8_t *w, const void *xq, int64_t xblocks, int rows, float *out, int64_t n);
 } kernel;
 
-static void quantize_blocks(const float *x, int64_t k, void *out) { quantize_row(x, k, out); }
+static void quantize_blocks_portable(const float *x, int64_t k, void *out) { quantize_row_portable(x, k, out); }
 static size_t block_row_bytes(int64_t k) { return sizeof(xblock) * (size_t)(k / 32); }
 
 static void dot_portable(int fmt, const uint8_t *w, const void *xq, int64_t xblocks, int rows, float *out,
                          int64_t n) {
     dot_rows_portable(fmt, w, xq, xblocks, rows, out, n);
 }
-static const kernel PORTABLE = {quantize_blocks, block_row_bytes, dot_portable};
+static const kernel PORTABLE = {quantize_blocks_portable, block_row_bytes, dot_portable};
 
 #ifdef NS_QUANT_AVX2
+static void quantize_blocks(const float *x, int64_t k, void *out) { quantize_row(x, k, out); }
 static void quantize_pairs(const float *x, int64_t k, void *out) { quantize_row_pairs(x, k, out); }
 static size_t pair_row_bytes(int64_t k) { return sizeof(xpair) * (size_t)((k / 32 + 1) / 2); }
 static void dot_avx2(int fmt, const uint8_t *w, const void *xq, int64_t xblocks, int rows, float *out, int64_t n) {
@@ -485,39 +435,49 @@ static const kernel AVX2_Q4_0 = {quantize_pairs, pair_row_bytes, dot_q4_0_pairs}
 static const kernel AVX2_Q4_1 = {quantize_pairs, pair_row_bytes, dot_q4_1_pairs};
 #endif
 
-/* One parallel region per call, no barrier inside: each thread quantizes every activation row
- * itself (rows x k work, small beside the rows x n x k of the products) and then takes its
- * share of the output columns. A fork/join costs microseconds on an idle machine, but on a
- * loaded one each extra join waits for a descheduled thread. */
+typedef struct {
+    const kernel *kern;
+    int fmt;
+    const float *x;
+    const uint8_t *w;
+    float *y;
+    int64_t rows, n, k;
+    _Atomic int failed;
+} MatmulJob;
+
+/* No barrier inside: each thread quantizes every activation row itself (rows x k work, small
+ * beside the rows x n x k of the products) and then takes its share of the output columns. */
+static void matmul_task(void *context, int thread, int threads) {
+    MatmulJob *job = context;
+    const kernel *kern = job->kern;
+    const int64_t n = job->n, k = job->k, rows = job->rows, xblocks = k / 32;
+    const int64_t row_bytes = k / block_values(job->fmt) * block_bytes(job->fmt);
+    const size_t x_row_bytes = kern->row_bytes(k);
+    int64_t begin, end;
+    ns_share((n + COLUMN_CHUNK - 1) / COLUMN_CHUNK, thread, threads, &begin, &end);
+    uint8_t *xq = malloc(x_row_bytes * (size_t)rows);
+    if (!xq) {
+        job->failed = 1;
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) kern->quantize(job->x + r * k, k, xq + r * x_row_bytes);
+    for (int64_t col = begin * COLUMN_CHUNK; col < n && col < end * COLUMN_CHUNK; col++) {
+        for (int64_t r = 0; r < rows; r += ROW_TILE) {
+            int tile = rows - r < ROW_TILE ? (int)(rows - r) : ROW_TILE;
+            kern->dot(job->fmt, job->w + col * row_bytes, xq + r * x_row_bytes, xblocks, tile, job->y + r * n + col, n);
+        }
+    }
+    free(xq);
+}
+
 static int matmul(const kernel *kern, int fmt, const float *x, const uint8_t *w, float *y, int64_t rows,
                   int64_t n, int64_t k, int num_threads) {
     if (block_bytes(fmt) == 0 || k % block_values(fmt) != 0) return -1;
-    int64_t xblocks = k / 32, row_bytes = k / block_values(fmt) * block_bytes(fmt);
-    size_t x_row_bytes = kern->row_bytes(k);
     int64_t chunks = (n + COLUMN_CHUNK - 1) / COLUMN_CHUNK;
     if (num_threads > chunks) num_threads = (int)chunks;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        uint8_t *xq = malloc(x_row_bytes * (size_t)rows);
-        if (!xq) {
-            failed = 1;
-        } else {
-            for (int64_t r = 0; r < rows; r++) kern->quantize(x + r * k, k, xq + r * x_row_bytes);
-#pragma omp for schedule(static) nowait
-            for (int64_t chunk = 0; chunk < chunks; chunk++) {
-                int64_t end = chunk * COLUMN_CHUNK + COLUMN_CHUNK < n ? chunk * COLUMN_CHUNK + COLUMN_CHUNK : n;
-                for (int64_t col = chunk * COLUMN_CHUNK; col < end; col++) {
-                    for (int64_t r = 0; r < rows; r += ROW_TILE) {
-                        int tile = rows - r < ROW_TILE ? (int)(rows - r) : ROW_TILE;
-                        kern->dot(fmt, w + col * row_bytes, xq + r * x_row_bytes, xblocks, tile, y + r * n + col, n);
-                    }
-                }
-            }
-            free(xq);
-        }
-    }
-    return failed ? -2 : 0;
+    MatmulJob job = {kern, fmt, x, w, y, rows, n, k, 0};
+    ns_parallel(num_threads, matmul_task, &job);
+    return job.failed ? -2 : 0;
 }
 
 /* y [rows, n] = x [rows, k] @ W^T, W [n, k] in GGUF format `fmt` (a GGML type number), the
@@ -541,24 +501,38 @@ NS_EXPORT int ns_matmul_quant_portable(int fmt, const float *x, const uint8_t *w
 
 /* out [count, k] = rows ids[i] of W [n, k] dequantized (a quantized token table's lookups).
  * Returns 0, -1 as ns_matmul_quant, or -3 when an id is outside [0, n). */
-NS_EXPORT int ns_dequantize_rows(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
-                                 int64_t k, float *out, int num_threads) {
-    if (block_bytes(fmt) == 0 || k % block_values(fmt) != 0) return -1;
-    for (int64_t i = 0; i < count; i++)
-        if (ids[i] < 0 || ids[i] >= n) return -3;
-    int64_t row_bytes = k / block_values(fmt) * block_bytes(fmt);
-    int per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t i = 0; i < count; i++) {
-        const uint8_t *row = w + ids[i] * row_bytes;
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    const int64_t *ids;
+    int64_t count, k;
+    float *out;
+} LookupJob;
+
+static void lookup_task(void *context, int thread, int threads) {
+    const LookupJob *job = context;
+    const int fmt = job->fmt, per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
+    const int64_t k = job->k, row_bytes = k / block_values(fmt) * bytes;
+    int64_t begin, end;
+    ns_share(job->count, thread, threads, &begin, &end);
+    for (int64_t i = begin; i < end; i++) {
+        const uint8_t *row = job->w + job->ids[i] * row_bytes;
         for (int64_t sub = 0; sub < k / 32; sub++) {
             int8_t q[32];
             int half_scale[2];
             float A, B;
             unpack_sub_block(fmt, row + (sub / per_block) * bytes, (int)(sub % per_block), q, half_scale, &A, &B);
-            for (int l = 0; l < 32; l++)
-                out[i * k + 32 * sub + l] = A * (float)(q[l] * half_scale[l / 16]) + B;
+            for (int l = 0; l < 32; l++) job->out[i * k + 32 * sub + l] = A * (float)(q[l] * half_scale[l / 16]) + B;
         }
     }
+}
+
+NS_EXPORT int ns_dequantize_rows(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
+                                 int64_t k, float *out, int num_threads) {
+    if (block_bytes(fmt) == 0 || k % block_values(fmt) != 0) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -3;
+    LookupJob job = {fmt, w, ids, count, k, out};
+    ns_parallel(count > 1 ? num_threads : 1, lookup_task, &job);
     return 0;
 }

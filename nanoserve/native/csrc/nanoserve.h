@@ -1,15 +1,16 @@
 /* nanoserve native kernels: the conventions every file in csrc/ follows.
  *
- * - Plain C11 with OpenMP, compiled once per machine with -O3 -march=native (build.py). Each
- *   ISA-specific path (AVX2, AVX-512, NEON) sits beside a portable version of the same
- *   function, under #if on the compiler's own macros (__AVX2__, __AVX512F__, ...), so any
- *   machine with a C compiler gets a working library, and a test can hold a fast path against
- *   the portable one.
+ * - Plain C11, compiled once per machine with -O3 -march=native (build.py). Each AVX2 path
+ *   sits beside a portable C version of the same function, under #if on the compiler's own
+ *   macros (__AVX2__, __FMA__, __F16C__), so any machine with a C compiler gets a working
+ *   library (portable C where it has no AVX2), and a test can hold the fast path against the
+ *   portable one. AVX2 is the only vector path compiled today.
  * - Batch invariance by construction: a kernel never splits a row's reduction (the K axis)
  *   across threads or in a way that depends on how many rows share the call or where the row
  *   sits. Threads split output columns; row blocking only reuses a weight block across rows.
- * - Threads are an explicit argument (num_threads), never OpenMP's per-thread default: the
- *   engine's loop may run on a thread OpenMP has never seen, and --threads must hold there.
+ * - Threads come from the library's own pool (threadpool.c), sized by an explicit argument
+ *   (num_threads) that Python passes from torch.get_num_threads(), so --threads holds on
+ *   whatever thread the engine's loop runs.
  * - Tensors are passed as raw pointers to contiguous memory; sizes are int64_t.
  */
 #ifndef NANOSERVE_H
@@ -18,13 +19,26 @@
 #include <stdint.h>
 
 /* Bumped when a function's signature changes, so Python refuses a stale library. */
-#define NS_ABI_VERSION 1
+#define NS_ABI_VERSION 2
 
 #if defined(_MSC_VER)
 #define NS_EXPORT __declspec(dllexport)
 #else
 #define NS_EXPORT __attribute__((visibility("default")))
 #endif
+
+/* threadpool.c: run task(context, t, threads) for t = 0..threads-1 (t = 0 on the caller) and
+ * return when every one has; ns_barrier(threads) inside a task waits for its other threads.
+ * A task may be given fewer threads than asked for (one, when another caller holds the pool). */
+typedef void (*ns_task)(void *context, int thread, int threads);
+void ns_parallel(int threads, ns_task task, void *context);
+void ns_barrier(int threads);
+
+/* [begin, end) of `count` items for thread t of `threads`: contiguous, in order. */
+static inline void ns_share(int64_t count, int thread, int threads, int64_t *begin, int64_t *end) {
+    *begin = count * thread / threads;
+    *end = count * (thread + 1) / threads;
+}
 
 #if defined(__AVX__)
 #include <immintrin.h>

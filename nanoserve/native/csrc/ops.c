@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
+#include "stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -141,6 +142,29 @@ static const VecOps AVX2 = {dot_avx2, sum_squares_avx2, axpy_avx2, exp_shifted_a
 #define BEST (&PORTABLE)
 #endif
 
+/* ---------------------------------------------------------------- one row at a time, rows split */
+
+/* A kernel that is a loop over independent rows: `row(args, r)` for every r, the rows split
+ * among the pool's threads in contiguous ranges when the call is worth a wake-up. */
+typedef struct {
+    void (*row)(const void *args, int64_t r);
+    const void *args;
+    int64_t rows;
+} RowJob;
+
+static void rows_task(void *context, int thread, int threads) {
+    const RowJob *job = context;
+    int64_t begin, end;
+    ns_share(job->rows, thread, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) job->row(job->args, r);
+}
+
+static void for_each_row(void (*row)(const void *, int64_t), const void *args, int64_t rows, int64_t work,
+                         int num_threads) {
+    RowJob job = {row, args, rows};
+    ns_parallel(work >= NS_PARALLEL_MIN_WORK ? num_threads : 1, rows_task, &job);
+}
+
 /* ---------------------------------------------------------------- RMSNorm */
 
 static void norm_row(const VecOps *ops, const float *x, const float *weight, float *out, int64_t dim,
@@ -150,31 +174,57 @@ static void norm_row(const VecOps *ops, const float *x, const float *weight, flo
     for (int64_t i = 0; i < dim; i++) out[i] = x[i] * inv_rms * weight[i];
 }
 
-static void rms_norm(const VecOps *ops, const float *x, const float *weight, float *out, int64_t rows,
-                     int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= NS_PARALLEL_MIN_WORK) schedule(static)
-    for (int64_t r = 0; r < rows; r++) norm_row(ops, x + r * dim, weight, out + r * dim, dim, eps);
+typedef struct {
+    const VecOps *ops;
+    float *residual; /* rms_norm: the input, read only */
+    const float *delta, *weight; /* delta NULL: no residual add */
+    float *out;
+    int64_t dim;
+    float eps;
+} NormArgs;
+
+/* residual += delta (when there is one), then out = RMSNorm(residual): the add and the norm fused. */
+static void norm_one_row(const void *args, int64_t r) {
+    const NormArgs *a = args;
+    float *x = a->residual + r * a->dim;
+    if (a->delta != NULL) {
+        const float *d = a->delta + r * a->dim;
+        for (int64_t i = 0; i < a->dim; i++) x[i] += d[i];
+    }
+    norm_row(a->ops, x, a->weight, a->out + r * a->dim, a->dim, a->eps);
 }
 
-/* residual += delta, then out = RMSNorm(residual): the residual add and the next norm fused. */
+static void rms_norm(const VecOps *ops, const float *x, const float *weight, float *out, int64_t rows,
+                     int64_t dim, float eps, int num_threads) {
+    NormArgs args = {ops, (float *)x, NULL, weight, out, dim, eps};
+    for_each_row(norm_one_row, &args, rows, rows * dim, num_threads);
+}
+
 static void add_rms_norm(const VecOps *ops, float *residual, const float *delta, const float *weight,
                          float *out, int64_t rows, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= NS_PARALLEL_MIN_WORK) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *x = residual + r * dim;
-        const float *d = delta + r * dim;
-        for (int64_t i = 0; i < dim; i++) x[i] += d[i];
-        norm_row(ops, x, weight, out + r * dim, dim, eps);
-    }
+    NormArgs args = {ops, residual, delta, weight, out, dim, eps};
+    for_each_row(norm_one_row, &args, rows, rows * dim, num_threads);
 }
 
 /* ---------------------------------------------------------------- SiLU(gate) * up */
 
+typedef struct {
+    const VecOps *ops;
+    const float *gate_up;
+    float *out;
+    int64_t width;
+} SiluArgs;
+
+static void silu_one_row(const void *args, int64_t r) {
+    const SiluArgs *a = args;
+    const float *row = a->gate_up + r * 2 * a->width;
+    a->ops->silu_mul(row, row + a->width, a->out + r * a->width, a->width);
+}
+
 static void silu_mul(const VecOps *ops, const float *gate_up, float *out, int64_t rows, int64_t width,
                      int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= NS_PARALLEL_MIN_WORK) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        ops->silu_mul(gate_up + r * 2 * width, gate_up + r * 2 * width + width, out + r * width, width);
+    SiluArgs args = {ops, gate_up, out, width};
+    for_each_row(silu_one_row, &args, rows, rows * width, num_threads);
 }
 
 /* ---------------------------------------------------------------- RoPE + K/V cache write */
@@ -187,26 +237,37 @@ static void rope_head(const float *x, const float *cos, const float *signed_sin,
     for (int64_t i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * signed_sin[i];
 }
 
+typedef struct {
+    float *qkv;
+    const int64_t *positions, *slots;
+    const float *cos, *signed_sin;
+    float *k_cache, *v_cache;
+    int64_t heads, kv_heads, dim, cache_slots;
+} RopeArgs;
+
+static void rope_one_row(const void *args, int64_t r) {
+    const RopeArgs *a = args;
+    const int64_t dim = a->dim;
+    float *row = a->qkv + r * (a->heads + 2 * a->kv_heads) * dim, rotated[dim];
+    const float *c = a->cos + a->positions[r] * dim, *s = a->signed_sin + a->positions[r] * dim;
+    for (int64_t h = 0; h < a->heads; h++) {
+        rope_head(row + h * dim, c, s, rotated, dim);
+        memcpy(row + h * dim, rotated, (size_t)dim * sizeof(float));
+    }
+    for (int64_t h = 0; h < a->kv_heads; h++) {
+        int64_t at = (h * a->cache_slots + a->slots[r]) * dim;
+        rope_head(row + (a->heads + h) * dim, c, s, a->k_cache + at, dim);
+        memcpy(a->v_cache + at, row + (a->heads + a->kv_heads + h) * dim, (size_t)dim * sizeof(float));
+    }
+}
+
 /* qkv [rows, (heads + 2 kv_heads) * dim]: q rotated in place; k rotated and v copied into the
  * caches [kv_heads, cache_slots, dim] at each row's slot. cos/sin [positions, dim]. */
 static void rope_write_kv(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
                           const int64_t *slots, float *k_cache, float *v_cache, int64_t rows, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t cache_slots, int num_threads) {
-    int64_t width = (heads + 2 * kv_heads) * dim;
-#pragma omp parallel for num_threads(num_threads) if (rows * width >= NS_PARALLEL_MIN_WORK) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *row = qkv + r * width, rotated[dim];
-        const float *c = cos + positions[r] * dim, *s = signed_sin + positions[r] * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            rope_head(row + h * dim, c, s, rotated, dim);
-            memcpy(row + h * dim, rotated, (size_t)dim * sizeof(float));
-        }
-        for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t at = (h * cache_slots + slots[r]) * dim;
-            rope_head(row + (heads + h) * dim, c, s, k_cache + at, dim);
-            memcpy(v_cache + at, row + (heads + kv_heads + h) * dim, (size_t)dim * sizeof(float));
-        }
-    }
+    RopeArgs args = {qkv, positions, slots, cos, signed_sin, k_cache, v_cache, heads, kv_heads, dim, cache_slots};
+    for_each_row(rope_one_row, &args, rows, rows * (heads + 2 * kv_heads) * dim, num_threads);
 }
 
 /* ---------------------------------------------------------------- attention over the paged cache */
@@ -306,26 +367,88 @@ static void attend_group(const VecOps *ops, const PagedCache *c, const int64_t *
  * context of sequence row_seq[r] (its block table) up to its position; with window > 0, only
  * the last `window` slots of it. Threads split (row, K/V head) pairs: query head h reads K/V
  * head h / (heads / kv_heads), so a pair's query heads are consecutive. */
-static void paged_attention(const VecOps *ops, const float *q, int64_t q_row_stride, const PagedCache *c,
-                            const int64_t *row_seq, const int64_t *positions, float *out, int64_t rows,
-                            int64_t heads, int64_t kv_heads, float scale, int64_t window, int num_threads) {
-    int64_t dim = c->dim, group = heads / kv_heads, longest = 0;
-    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-    int64_t units = rows * kv_heads;
-#pragma omp parallel num_threads(num_threads) if (units > 1 && units * group * longest * dim >= NS_PARALLEL_MIN_WORK)
-    {
-        float *scratch = malloc((size_t)(group * (longest + 2 * dim + 3)) * sizeof(float));
-#pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < units; unit++) {
-            int64_t r = unit / kv_heads, kv_head = unit % kv_heads, last = positions[r];
-            int64_t first = window > 0 && last + 1 > window ? last + 1 - window : 0;
-            int64_t h = kv_head * group; /* the group's first query head */
-            attend_group(ops, c, c->block_tables + row_seq[r] * c->table_width, kv_head,
-                         q + r * q_row_stride + h * dim, group, scale, first, last, longest, scratch,
-                         out + (r * heads + h) * dim);
-        }
-        free(scratch);
+typedef struct {
+    const VecOps *ops;
+    const float *q;
+    int64_t q_row_stride;
+    const PagedCache *c;
+    const int64_t *row_seq, *positions;
+    float *out;
+    int64_t heads, kv_heads, window, longest, units;
+    float scale;
+    _Atomic int failed; /* a thread could not allocate its scratch */
+} AttentionJob;
+
+static void attention_task(void *context, int thread, int threads) {
+    AttentionJob *a = context;
+    const int64_t dim = a->c->dim, group = a->heads / a->kv_heads;
+    int64_t begin, end;
+    ns_share(a->units, thread, threads, &begin, &end);
+    if (begin == end) return;
+    float *scratch = malloc((size_t)(group * (a->longest + 2 * dim + 3)) * sizeof(float));
+    if (scratch == NULL) {
+        a->failed = 1;
+        return;
     }
+    for (int64_t unit = begin; unit < end; unit++) {
+        int64_t r = unit / a->kv_heads, kv_head = unit % a->kv_heads, last = a->positions[r];
+        int64_t first = a->window > 0 && last + 1 > a->window ? last + 1 - a->window : 0;
+        int64_t h = kv_head * group; /* the group's first query head */
+        attend_group(a->ops, a->c, a->c->block_tables + a->row_seq[r] * a->c->table_width, kv_head,
+                     a->q + r * a->q_row_stride + h * dim, group, a->scale, first, last, a->longest, scratch,
+                     a->out + (r * a->heads + h) * dim);
+    }
+    free(scratch);
+}
+
+/* q [rows, q_row_stride] (heads * dim used); out [rows, heads * dim]. Row r attends over the
+ * context of sequence row_seq[r] (its block table) up to its position; with window > 0, only
+ * the last `window` slots of it. Threads split (row, K/V head) pairs: query head h reads K/V
+ * head h / (heads / kv_heads), so a pair's query heads are consecutive. Returns 0, or -2 when
+ * a thread's scratch could not be allocated. */
+static int paged_attention(const VecOps *ops, const float *q, int64_t q_row_stride, const PagedCache *c,
+                           const int64_t *row_seq, const int64_t *positions, float *out, int64_t rows,
+                           int64_t heads, int64_t kv_heads, float scale, int64_t window, int num_threads) {
+    int64_t group = heads / kv_heads, longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    AttentionJob job = {ops, q, q_row_stride, c, row_seq, positions, out, heads, kv_heads, window, longest,
+                        rows * kv_heads, scale, 0};
+    int worth = job.units > 1 && job.units * group * longest * c->dim >= NS_PARALLEL_MIN_WORK;
+    ns_parallel(worth ? num_threads : 1, attention_task, &job);
+    return job.failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------- stages (stages.h) */
+
+void ns_stage_norm_rows(float *residual, const float *delta, const float *weight, float *out, int64_t dim,
+                        float eps, int64_t begin, int64_t end) {
+    NormArgs args = {BEST, residual, delta, weight, out, dim, eps};
+    for (int64_t r = begin; r < end; r++) norm_one_row(&args, r);
+}
+
+void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t begin, int64_t end) {
+    SiluArgs args = {BEST, gate_up, out, width};
+    for (int64_t r = begin; r < end; r++) silu_one_row(&args, r);
+}
+
+void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
+                        const int64_t *slots, float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads,
+                        int64_t dim, int64_t cache_slots, int64_t begin, int64_t end) {
+    RopeArgs args = {qkv, positions, slots, cos, signed_sin, k_cache, v_cache, heads, kv_heads, dim, cache_slots};
+    for (int64_t r = begin; r < end; r++) rope_one_row(&args, r);
+}
+
+int ns_stage_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
+                       const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads) {
+    PagedCache cache = {k_cache, v_cache, block_tables, table_width, block_size, num_blocks * block_size, dim};
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    AttentionJob job = {BEST, q, q_row_stride, &cache, row_seq, positions, out, heads, kv_heads, 0, longest,
+                        rows * kv_heads, scale, 0};
+    attention_task(&job, thread, threads);
+    return job.failed ? -2 : 0;
 }
 
 /* ---------------------------------------------------------------- exports */
@@ -368,9 +491,9 @@ NS_EXPORT void ns_rope_write_kv(float *qkv, const int64_t *positions, const floa
     {                                                                                                   \
         PagedCache cache = {k_cache, v_cache, block_tables, table_width, block_size,                    \
                             num_blocks * block_size, dim};                                              \
-        paged_attention(ops, q, q_row_stride, &cache, row_seq, positions, out, rows, heads, kv_heads,   \
-                        scale, window, num_threads);                                                    \
+        return paged_attention(ops, q, q_row_stride, &cache, row_seq, positions, out, rows, heads,      \
+                               kv_heads, scale, window, num_threads);                                   \
     }
 
-NS_EXPORT void ns_paged_attention PAGED_PARAMS PAGED_BODY(BEST)
-NS_EXPORT void ns_paged_attention_portable PAGED_PARAMS PAGED_BODY(&PORTABLE)
+NS_EXPORT int ns_paged_attention PAGED_PARAMS PAGED_BODY(BEST)
+NS_EXPORT int ns_paged_attention_portable PAGED_PARAMS PAGED_BODY(&PORTABLE)

@@ -3,14 +3,10 @@
 
 NS_EXPORT int ns_abi_version(void) { return NS_ABI_VERSION; }
 
-/* The widest vector path compiled in, for the start-up line. */
+/* The vector path compiled in, for the start-up line: AVX2 with FMA, or portable C. */
 NS_EXPORT const char *ns_isa(void) {
-#if defined(__AVX512F__)
-    return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     return "avx2";
-#elif defined(__ARM_NEON)
-    return "neon";
 #else
     return "portable";
 #endif

@@ -1,0 +1,535 @@
+"""The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
+
+Each step, one readback (a draft model's drafts too come back in it):
+
+    schedule   drafts proposed for each decoding request (prompt lookup, `spec_decode`, or the
+               draft model's K greedy forwards, `draft_model`, whose picks stay on the device),
+               then `Scheduler.schedule`:
+               which requests, how many tokens, drafts as extra rows
+    prepare    flat input ids, positions, cache slots; decode rows (drafts too) in one group;
+               a token still pending from the step in flight, and a draft model's drafts, are
+               copied in on the device
+    forward    logits of every sampled row: a decode's newest token and each of its drafts
+               (and of each prompt row a prompt_logprobs request scores, read back with them)
+    sample     one token per row on the device, row i of a drafting request keyed and penalized
+               as if drafts[:i] were already its output
+    collect    the readback (with a draft model's drafts beside the tokens they are checked
+               against); per request, the run the verification accepts (drafts equal to
+               what was sampled, then the first that differs), judged token by token by the
+               stop rules; then `Scheduler.update_after_step` (tokens appended, accepted drafts
+               computed, rejected drafts' blocks freed)
+
+Deferred output (`async_scheduling`, vLLM's --async-scheduling) reorders the same phases:
+`step()` launches step N+1 (schedule .. sample; `Scheduler.commit` counts its tokens computed
+and its new tokens pending) and only then collects step N, whose tokens were copied to the host
+behind its own kernels, so on a GPU the host's stop rules and text for step N run while step
+N+1 computes. Without it, `step()` launches and collects the same step:
+
+    call k:   [schedule prepare forward sample](N+1)   [collect](N)     -> outputs of step N
+    off:      [schedule prepare forward sample](N)     [collect](N)     -> outputs of step N
+
+Step N+1's decode inputs for step N's tokens come from step N's device tensor, never a host
+list. A request step N ends by a stop token or string was scheduled once too often: its row in
+step N+1 is discarded at collect (its request is no longer the live one of that id), and its
+blocks were freed when step N finished it. One ending by max_tokens is known ahead and not
+scheduled again. A step is collected at once, even with deferred output on, when a request it
+samples needs its new token on the host before its next step (`needs_token_on_host`): with
+speculation on (drafts come from the tokens), a grammar (its matcher takes each token), or a
+penalty or bad word that counts the output. On CPU, kernels run in the calling thread, so
+there step N+1's forward and sampling run in one forward thread while the caller collects
+step N (torch releases the GIL inside its kernels; the host's bookkeeping touches no tensor the
+forward uses), and `step()` returns when both are done. Deferred output is off by default on
+every device (`ASYNC_SCHEDULING_DEFAULT`) until a side-by-side measurement shows it pays.
+
+Every phase's time and readbacks are counted in `EngineStats` (with deferred output, the
+discarded overshoot rows and the readbacks made with no later step launched), so `profile`
+reads them without touching the engine. `LLM` (llm.py) is the offline and streaming front
+over this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import record_function
+
+from nanoserve import native
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, FAIR_SHARE_ROWS_DEFAULT, EngineConfig
+from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
+from nanoserve.distributed.shards import local_config
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.draft_model import DraftModel
+from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
+from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
+from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.spec_decode import (
+    MAX_SPECULATIVE_TOKENS,
+    SpecConfig,
+    accepted_prefix,
+)
+from nanoserve.engine.structured import GrammarCompiler
+from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.default_model import ModelSource, resolve_model
+from nanoserve.loading.weights import load_weights, read_config
+from nanoserve.model.decoder import Llama
+from nanoserve.model.kv_cache import KVCache
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.worker.rank import (
+    Rank,
+    blocks_file,
+    choose_rank_kernel,
+    load_rank_weights,
+    num_kv_blocks,
+    pick_device,
+    pick_dtype,
+    resolve_source,
+    set_threads,
+    start_tensor_parallel,
+    weight_format,
+)
+
+log = logging.getLogger("nanoserve")
+
+PHASES = ("schedule", "prepare", "forward", "sample", "collect")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start; per-phase seconds and readbacks summed over steps."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    # Speculative decoding: drafts verified, drafts accepted, tokens emitted by drafting rows.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    # Deferred output: sampled rows of requests already finished when their step was resolved
+    # (the one step too many), and readbacks made with no later step launched ahead of them.
+    discarded_tokens: int = 0
+    blocking_readbacks: int = 0
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    phase_readbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.phase_s.values())
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        """Check the options, build this process's rank (and start the other ranks' workers with
+        tensor parallelism), then the scheduler, the runner and the output processor."""
+        self.config = config
+        self.spec = SpecConfig.from_engine(config)
+        self.spec.check(draft_model=config.draft_model)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.threads = set_threads(rank_threads(config))
+        # Built (or found in the cache) before the weights load: the kernel choice may use it.
+        self.native_summary = native.status()
+        self.weight_notes: list[str] = []  # start-up lines on how the weights were loaded
+        self.source = resolve_source(config, self.device, self.weight_notes)
+        self.model_dir = self.source.dir
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
+        # Tensor parallelism: the workers start here, after every check that needs none of them.
+        self.tp = start_tensor_parallel(config, self.source, self.device)
+        self.model_config, weights = load_rank_weights(
+            config, self.model_dir, blocks_file(config, self.source, self.device), self.dtype, self.device,
+            self.tp.shard if self.tp is not None else None, self.weight_notes)
+        self.weights_nbytes = weights.nbytes()  # this rank's, with tensor parallelism
+        if self.tp is not None:
+            self.weight_notes.append(f"tensor parallel: {config.tensor_parallel_size} ranks; rank 0 holds "
+                                     f"{self.weights_nbytes / 1e6:.1f} MB of weights")
+        self.weight_format = weight_format(weights)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.kernel_choice = choose_rank_kernel(config, weights, self.device)
+        local = local_config(self.model_config, config.tensor_parallel_size)
+        plan = RankPlan(self.kernel_choice.kernel.name,
+                        num_kv_blocks(config, local, self.dtype, self.device, self.max_model_len),
+                        self.max_model_len)
+        if self.tp is not None:
+            self.tp.send_plan(plan)
+        collectives = (self.tp.make_collectives(self.model_config, config.batch_invariant)
+                       if self.tp is not None else None)
+        rank = Rank.build(config, self.model_config, weights, plan, dtype=self.dtype, device=self.device,
+                          collectives=collectives)
+        # With tensor parallelism, `model` is rank 0's shard (its config the shard's) and the
+        # runner's model is every rank's (`ShardedModel`).
+        self.model, self.kv_cache = rank.model, rank.kv_cache
+        self.draft = self._load_draft_model(self.draft_source, plan.num_blocks) if self.draft_source else None
+        self.drafter = self._drafter()
+        self.pool = BlockPool(plan.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
+                            fair_share_rows=self._fair_share_rows()),
+            self.pool,
+        )
+        runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
+        self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
+                                  device=self.device)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
+                                        eos_token_ids=self.tokenizer.eos_token_ids)
+        self.readbacks = ReadbackCounter()
+        self.stats = EngineStats()
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else ASYNC_SCHEDULING_DEFAULT.get(self.device.type, False))
+        self._in_flight: LaunchedStep | None = None  # deferred output: launched, not yet resolved
+        # Deferred output on CPU: one thread runs a step's forward while the caller collects the last.
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
+                                if self.async_scheduling and self.device.type == "cpu" else None)
+        # Profiling only: wait for the GPU at each phase's end so its time lands in that phase,
+        # and name each phase in a torch.profiler trace (a few microseconds a phase).
+        self.sync_phases = False
+        self.label_phases = False
+        self._ids = itertools.count()
+        log.info(self.native_summary)
+        for note in self.weight_notes:
+            log.info(note)
+        log.info(self.kernel_summary)
+        log.info(self.kv_cache_summary)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def _fair_share_rows(self) -> float:
+        """The configured fair share, or the device's default (off where none is measured)."""
+        if self.config.fair_share_rows is not None:
+            return self.config.fair_share_rows
+        return FAIR_SHARE_ROWS_DEFAULT.get(self.device.type, float("inf"))
+
+    def _drafter(self) -> Drafter | None:
+        if not self.spec.enabled:
+            return None
+        proposer = DraftModelProposer(self.draft) if self.draft is not None else NgramProposer()
+        return Drafter(self.spec, proposer)
+
+    def _resolve_draft_model(self) -> ModelSource:
+        """The draft model's checkpoint, refused before any weights load unless its vocabulary
+        is the model's."""
+        source = resolve_model(self.config.draft_model)
+        draft_vocab, vocab = read_config(source.dir).vocab_size, read_config(self.model_dir).vocab_size
+        if draft_vocab != vocab:
+            raise InvalidRequestError(
+                f"the draft model {self.config.draft_model} has a vocabulary of {draft_vocab} tokens and the "
+                f"model {vocab}: a draft must share the model's tokenizer", param="draft_model")
+        return source
+
+    def _load_draft_model(self, source: ModelSource, num_blocks: int) -> DraftModel:
+        """The draft model of speculative_method 'draft', in the model's dtype and kernel, with a
+        KV cache of as many blocks as the model's (smaller, as the model is) plus room for each
+        sequence's drafts."""
+        cfg = self.config
+        draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
+        max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
+        model = Llama(draft_config, weights, batch_invariant=cfg.batch_invariant,
+                      linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
+        blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
+        kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)
+        runner = ModelRunner(model, kv_cache, eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)
+        log.info(f"draft model: {source.dir.name}, {weights.nbytes() / 1e6:.1f} MB, {blocks} KV blocks")
+        return DraftModel(runner, BlockPool(blocks, cfg.block_size))
+
+    @property
+    def kernel_summary(self) -> str:
+        choice = self.kernel_choice
+        mode = "batch-invariant" if self.config.batch_invariant and choice.batch_invariant else "plain"
+        cached = ", cached verdict" if choice.from_cache else ""
+        return (f"linear kernel: {choice.kernel.name} ({mode} forward, {self.threads} threads{cached}): "
+                f"{choice.reason}")
+
+    @property
+    def kv_cache_summary(self) -> str:
+        blocks, size = self.kv_cache.num_blocks, self.kv_cache.block_size
+        return (f"KV cache: {blocks} blocks x {size} tokens = {blocks * size} tokens "
+                f"({self.kv_cache.nbytes / 2**30:.2f} GiB, {str(self.dtype).removeprefix('torch.')} "
+                f"on {self.device})")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """Every live request by id: the scheduler's registry, the only one."""
+        return self.scheduler.requests
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
+                    param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        return ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Every check a request must pass, before it costs the engine anything (admission)."""
+        params.validate_for_vocab(self.vocab_size)
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)  # compiled here once, then cached
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, *, parent_id: str | None = None) -> str:
+        """Queue a request; `parent_id` names the client request it is one choice of (the
+        scheduler's fair share divides steps between parents; None: a parent of its own)."""
+        params = (params or SamplingParams()).with_bad_words_token_ids(
+            lambda text: self.tokenizer.encode(text, add_bos=False))
+        prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
+        self.check_request(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        output_state = self.outputs.new_state(params, prompt_ids)
+        spec = params.structured_outputs
+        grammar = self.grammars.new_grammar(spec) if spec is not None else None
+        request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
+                          output_state=output_state, grammar=grammar)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt_ids)
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.drafter is not None:
+            self.drafter.proposer.release(self.requests)
+        return self.outputs.aborted(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then resolve the one in flight (deferred output), or this one.
+
+        Returns the outputs resolved in this call: with deferred output, those of the step
+        launched by the previous call.
+        """
+        timer = PhaseTimer(self.stats, self.readbacks, sync_cuda=self.sync_phases, label=self.label_phases)
+        in_flight, self._in_flight = self._in_flight, None
+        launched = self._launch(timer, in_flight)
+        outputs = []
+        if in_flight is not None:
+            outputs += self._resolve(timer, in_flight, next_launched=launched is not None)
+        if launched is not None:
+            launched.wait()
+            if launched.deferred:
+                self._in_flight = launched
+            else:
+                outputs += self._resolve(timer, launched, next_launched=False)
+        return outputs
+
+    def _launch(self, timer: PhaseTimer, in_flight: LaunchedStep | None) -> LaunchedStep | None:
+        """Schedule, prepare, forward and sample a step; its tokens stay on the device. On CPU,
+        when a step is in flight to be collected meanwhile, the forward and sampling run in the
+        forward thread (torch releases the GIL inside its kernels)."""
+        with timer("schedule"):
+            device_drafts = self._propose_drafts()
+            plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return None
+        with timer("prepare"):
+            prepared = self.runner.prepare(plan.chunks, in_flight.tokens if in_flight is not None else None,
+                                           device_drafts)
+        step = LaunchedStep(plan, deferred=self._defers(plan))
+        if step.deferred:
+            self.scheduler.commit(plan)
+        self._count_step(plan)
+        if step.deferred and in_flight is not None and self._forward_thread is not None:
+            # Its own timer: phase seconds only, as the readbacks meanwhile are the collector's.
+            worker_timer = PhaseTimer(self.stats, None, sync_cuda=False, label=self.label_phases)
+            step.computing = self._forward_thread.submit(self._compute, worker_timer, prepared, True)
+        else:
+            step.tokens = self._compute(timer, prepared, step.deferred)
+        return step
+
+    def _compute(self, timer: PhaseTimer, prepared: PreparedStep, deferred: bool) -> TokenBatch | None:
+        with timer("forward"):
+            logits = self.runner.forward(prepared)
+        with timer("sample"):
+            tokens = self.runner.sample(logits, prepared)
+            if deferred and tokens is not None:
+                tokens.start_readback()
+        return tokens
+
+    def _defers(self, plan: SchedulerOutput) -> bool:
+        """Whether a step is resolved one step late: only with deferred output on, and only if
+        no request it samples needs its new token on the host before its next step."""
+        return self.async_scheduling and not any(
+            needs_token_on_host(chunk.request, self.spec) for chunk in plan.chunks if chunk.samples)
+
+    def _resolve(self, timer: PhaseTimer, step: LaunchedStep, *, next_launched: bool) -> list[RequestOutput]:
+        with timer("collect"):
+            if not next_launched and step.tokens is not None:
+                self.stats.blocking_readbacks += 1
+            return self._collect(step.plan, step.tokens)
+
+    def _propose_drafts(self) -> DeviceDrafts | None:
+        """This step's drafts for every decoding request (`engine.proposers`)."""
+        return self.drafter.propose(self.scheduler.running) if self.drafter is not None else None
+
+    def _collect(self, plan: SchedulerOutput, token_batch: TokenBatch | None) -> list[RequestOutput]:
+        """The step's one readback; each request's run (one token, or a verified speculative
+        run) judged by the stop rules token by token; then the update."""
+        host = token_batch.to_host(self.readbacks) if token_batch is not None else HostTokens([], [], [])
+        drafts = {chunk.request.request_id: chunk.draft_ids for chunk in plan.chunks if chunk.draft_ids}
+        drafts.update(host.drafts)  # a draft model's, seen here first
+        for request_id, draft_ids in host.drafts.items():
+            self.drafter.proposer.confirm(request_id, draft_ids)
+        planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks if chunk.samples}
+        for scored in host.prompt:  # before the runs: a request's first output carries them
+            request = self.requests.get(scored.request_id)
+            if request is None:  # aborted while its step was in flight (deferred output)
+                continue
+            request.prompt_logprobs[scored.position] = scored.entry.narrowed(request.params.prompt_logprobs)
+        new_tokens, outputs = [], []
+        for request_id, token_ids, logprobs in host.runs():
+            if request_id not in planned:
+                raise RuntimeError(f"a sampled row names {request_id!r}, which its step does not sample")
+            request = planned[request_id]
+            if self.requests.get(request_id) is not request:
+                # Finished (or aborted) after this step was launched: the overshoot of deferred
+                # output. The id may even be a new request's by now: the token is nobody's.
+                self.stats.discarded_tokens += len(token_ids)
+                continue
+            if request_id in drafts:
+                token_ids, logprobs = self._verified(request, drafts[request_id], token_ids, logprobs)
+            judged, output = self.outputs.judge_run(request, token_ids, logprobs)
+            new_tokens += judged
+            outputs.append(output)
+        self.scheduler.update_after_step(plan, new_tokens)
+        self.stats.generation_tokens += len(new_tokens)
+        if self.drafter is not None:
+            self.drafter.proposer.release(self.requests)
+        return outputs
+
+    def _verified(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
+                  logprobs: list) -> tuple[list[int], list]:
+        """The run a verification emits: the accepted drafts, then the first token that
+        differs (or the one after the last draft)."""
+        accepted = accepted_prefix(drafts, token_ids)
+        if request.draft_state is not None:
+            request.draft_state.record(len(drafts), accepted)
+        self.stats.spec_draft_tokens += len(drafts)
+        self.stats.spec_accepted_tokens += accepted
+        self.stats.spec_emitted_tokens += accepted + 1
+        return token_ids[:accepted + 1], logprobs[:accepted + 1]
+
+    def _count_step(self, plan: SchedulerOutput) -> None:
+        self.stats.steps += 1
+        self.stats.prompt_tokens += sum(
+            max(0, min(c.start + c.num_tokens, len(c.request.prompt_ids)) - c.start)
+            for c in plan.chunks)
+        if all(chunk.is_decode for chunk in plan.chunks):
+            self.stats.decode_steps += 1
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompts: Sequence[str | Sequence[int]]) -> torch.Tensor:
+        """Last-position float32 logits of each prompt, computed alone (for parity and benches)."""
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logits runs each prompt alone; the engine has requests in flight")
+        rows = []
+        for prompt in prompts:
+            request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            captured = self._run_prefill_capturing_logits(self.requests[request_id])
+            self.abort(request_id)
+            rows.append(captured)
+        return torch.stack(rows)
+
+    def _run_prefill_capturing_logits(self, request: Request) -> torch.Tensor:
+        while True:
+            plan = self.scheduler.schedule()
+            logits = self.runner.forward(self.runner.prepare(plan.chunks))
+            self.scheduler.update_after_step(plan, [])  # computed, but nothing sampled
+            if request.num_uncomputed_tokens == 0:
+                return logits[-1].float().cpu()
+
+
+def needs_token_on_host(request: Request, spec: SpecConfig) -> bool:
+    """Whether a request's next step must wait for its newest token on the host: to propose
+    drafts from it, to advance its grammar's matcher, or to count it in a penalty or a bad word."""
+    return spec.enabled or request.grammar is not None or request.params.reads_output_values
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward and sampling are launched: its plan and its tokens on the device."""
+
+    plan: SchedulerOutput
+    deferred: bool  # resolved after the next step is launched (its plan committed at launch)
+    tokens: TokenBatch | None = None
+    computing: Future | None = None  # the forward thread's work, until `wait`
+
+    def wait(self) -> None:
+        """Until the forward and sampling are done, when they ran in the forward thread."""
+        if self.computing is not None:
+            self.tokens, self.computing = self.computing.result(), None
+
+
+class PhaseTimer:
+    """Adds each phase's wall time and readbacks to `EngineStats`.
+
+    On CUDA it can wait for the device at each phase's end, so time lands in the right phase;
+    and it can name each phase for a torch.profiler trace (`nanoserve.<phase>`).
+    """
+
+    def __init__(self, stats: EngineStats, readbacks: ReadbackCounter | None, *, sync_cuda: bool,
+                 label: bool) -> None:
+        self.stats = stats
+        self.readbacks = readbacks
+        self.sync = sync_cuda
+        self.label = label
+        self._phase = ""
+        self._start_s = 0.0
+        self._start_readbacks = 0
+        self._record: record_function | None = None
+
+    def __call__(self, phase: str) -> PhaseTimer:
+        self._phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        if self.label:
+            self._record = record_function(f"nanoserve.{self._phase}")
+            self._record.__enter__()
+        self._start_readbacks = self.readbacks.count if self.readbacks is not None else 0
+        self._start_s = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.stats.phase_s[self._phase] += time.perf_counter() - self._start_s
+        if self.readbacks is not None:
+            self.stats.phase_readbacks[self._phase] += self.readbacks.count - self._start_readbacks
+        if self._record is not None:
+            self._record.__exit__(*exc)
+            self._record = None

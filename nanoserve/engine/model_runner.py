@@ -1,0 +1,249 @@
+"""From a scheduler's plan to the model's flat batch, then logits, then sampled tokens.
+
+Owns the layout of a step: decode rows first, as one attention group (a decode's speculative
+drafts are rows of that group too, each a one-row sequence over the request's blocks), then
+each prefill chunk as a group of its own; the flat cache slot of every row; which rows need logits
+(a drafting chunk's newest-token row and every draft row, then the prompt rows a request asking
+for prompt_logprobs scores); and the sampling rows in the same order, with the request id of each.
+
+With deferred output a decode's newest token may still be pending (sampled by the step in
+flight, not yet on the host): its input row is then filled on the device from that step's
+`TokenBatch`, never from a host list, so preparing needs no readback. The same holds for a
+draft model's drafts (`DeviceDrafts`): a chunk whose draft ids are `spec_decode.ON_DEVICE` has
+its draft rows filled on the device from the proposal, and the sampled `TokenBatch` carries
+those drafts, so the host reads them back with the tokens they are verified against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.output import DraftTokens, PromptTokens, TokenBatch
+from nanoserve.engine.request import Request
+from nanoserve.engine.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow, score_tokens
+from nanoserve.engine.scheduler import ScheduledChunk
+from nanoserve.engine.spec_decode import ON_DEVICE
+from nanoserve.model.batch import AttentionGroup, ForwardBatch
+from nanoserve.model.decoder import Llama
+from nanoserve.model.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class DeviceDrafts:
+    """A draft model's proposals, still on the device: row i of `token_ids` ([requests, K]) holds
+    the K drafts of `request_ids[i]` (a chunk takes the first `len(draft_ids)` of its row)."""
+
+    token_ids: torch.Tensor
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The logits rows after the sampled ones that score prompt tokens (prompt_logprobs): row i
+    is position `positions[i] - 1` of `request_ids[i]`, scoring prompt token `positions[i]`."""
+
+    request_ids: list[str]
+    positions: list[int]
+    token_ids: list[int]
+    num_top: int  # the most alternatives any of the step's requests asked for
+
+    def add(self, request: Request, start: int, stop: int) -> int:
+        """Rows for the chunk's positions in [start, stop) that have a next prompt token; how many."""
+        scored = range(start + 1, min(stop, len(request.prompt_ids) - 1) + 1)
+        self.request_ids += [request.request_id] * len(scored)
+        self.positions += scored
+        self.token_ids += (request.prompt_ids[p] for p in scored)
+        self.num_top = max(self.num_top, request.params.prompt_logprobs)
+        return len(scored)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    batch: ForwardBatch
+    sampling: SamplingBatch | None
+    sampled_request_ids: list[str]
+    prompt_rows: PromptRows | None = None
+    draft_rows: tuple[torch.Tensor, list[str]] | None = None  # device-filled drafts' input rows
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, kv_cache: KVCache, *, eos_token_ids: frozenset[int],
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = BatchedSampler()
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def prepare(self, chunks: list[ScheduledChunk], in_flight: TokenBatch | None = None,
+                drafts: DeviceDrafts | None = None) -> PreparedStep:
+        """The step's tensors; `in_flight` holds the tokens still pending on the host, `drafts`
+        the drafts the host has not seen."""
+        ordered = sorted(chunks, key=lambda chunk: not chunk.is_decode)  # decodes first, stable
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        prompt_rows, prompt_logits_rows = PromptRows([], [], [], 0), []
+        pending: list[tuple[int, str]] = []  # (input row, request id) filled from `in_flight`
+        device_drafts: list[tuple[int, str, int]] = []  # (input row, request id, draft) from `drafts`
+        for chunk in ordered:
+            stop = chunk.start + chunk.num_tokens
+            known_stop = stop - len(chunk.draft_ids)
+            first_row = len(input_ids)
+            known = chunk.request.token_ids(chunk.start, known_stop)
+            if len(known) < known_stop - chunk.start:  # the newest token is pending
+                pending.append((len(input_ids) + len(known), chunk.request.request_id))
+                known.append(0)
+            if chunk.draft_ids and chunk.draft_ids[0] == ON_DEVICE:
+                first, request_id = len(input_ids) + len(known), chunk.request.request_id
+                device_drafts += ((first + j, request_id, j) for j in range(len(chunk.draft_ids)))
+            input_ids += known + list(chunk.draft_ids)
+            positions += range(chunk.start, stop)
+            slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
+            if chunk.samples:  # the newest token's row, then one per draft
+                logits_rows += range(len(input_ids) - 1 - len(chunk.draft_ids), len(input_ids))
+            if chunk.request.scores_prompt:
+                prompt_logits_rows += range(first_row, first_row + prompt_rows.add(chunk.request,
+                                                                                   chunk.start, stop))
+        input_tensor = self._with_drafts(self._filled(self._tensor(input_ids), pending, in_flight),
+                                         device_drafts, drafts)
+        batch = ForwardBatch(
+            input_ids=input_tensor,
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            groups=self._groups(ordered),
+            logits_rows=self._tensor(logits_rows + prompt_logits_rows),
+        )
+        sampled = [chunk for chunk in ordered if chunk.samples]
+        return PreparedStep(batch, self._sampling_batch(sampled),
+                            [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))],
+                            prompt_rows if prompt_logits_rows else None,
+                            self._draft_rows(device_drafts))
+
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order,
+        then of each prompt row scored for prompt_logprobs."""
+        return self.model.forward(step.batch, self.kv_cache)
+
+    def sample(self, logits: torch.Tensor, step: PreparedStep) -> TokenBatch | None:
+        """The step's new tokens, and its scored prompt tokens, still on the device; None when
+        the step has neither."""
+        num_sampled = len(step.sampled_request_ids)
+        sampled = self.sampler(logits[:num_sampled], step.sampling) if step.sampling is not None else None
+        prompt = None
+        if step.prompt_rows is not None:
+            rows = step.prompt_rows
+            scores = score_tokens(logits[num_sampled:], self._tensor(rows.token_ids), rows.num_top)
+            prompt = PromptTokens(scores, rows.request_ids, rows.positions, rows.token_ids)
+        if sampled is None and prompt is None:
+            return None
+        drafts = None
+        if step.draft_rows is not None:
+            rows, request_ids = step.draft_rows
+            drafts = DraftTokens(step.batch.input_ids.index_select(0, rows), request_ids)
+        return TokenBatch(sampled, step.sampled_request_ids, prompt, drafts)
+
+    def _filled(self, input_ids: torch.Tensor, pending: list[tuple[int, str]],
+                 in_flight: TokenBatch | None) -> torch.Tensor:
+        """`input_ids` with each pending token copied in from the step in flight (on the device)."""
+        if not pending:
+            return input_ids
+        if in_flight is None:
+            raise ValueError("a chunk's newest token is pending, and no step is in flight")
+        source_row = {request_id: row for row, request_id in enumerate(in_flight.request_ids)}
+        rows = self._tensor([row for row, _ in pending])
+        sources = self._tensor([source_row[request_id] for _, request_id in pending])
+        return input_ids.index_copy(0, rows, in_flight.sampled.token_ids.index_select(0, sources))
+
+    def _with_drafts(self, input_ids: torch.Tensor, rows: list[tuple[int, str, int]],
+                     drafts: DeviceDrafts | None) -> torch.Tensor:
+        """`input_ids` with each device-only draft copied in from the proposal (on the device)."""
+        if not rows:
+            return input_ids
+        if drafts is None:
+            raise ValueError("a chunk's drafts are on the device, and no proposal was given")
+        width = drafts.token_ids.shape[1]
+        proposal_row = {request_id: row for row, request_id in enumerate(drafts.request_ids)}
+        sources = self._tensor([proposal_row[request_id] * width + j for _, request_id, j in rows])
+        return input_ids.index_copy(0, self._tensor([row for row, _, _ in rows]),
+                                    drafts.token_ids.reshape(-1).index_select(0, sources))
+
+    def _draft_rows(self, rows: list[tuple[int, str, int]]) -> tuple[torch.Tensor, list[str]] | None:
+        if not rows:
+            return None
+        return self._tensor([row for row, _, _ in rows]), [request_id for _, request_id, _ in rows]
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _groups(self, ordered: list[ScheduledChunk]) -> list[AttentionGroup]:
+        decodes = [chunk for chunk in ordered if chunk.is_decode]
+        groups = [self._decode_group(decodes)] if decodes else []
+        row = sum(chunk.num_tokens for chunk in decodes)
+        for chunk in ordered[len(decodes):]:
+            groups.append(self._group([chunk], row_start=row, rows_per_seq=chunk.num_tokens))
+            row += chunk.num_tokens
+        return groups
+
+    def _decode_group(self, decodes: list[ScheduledChunk]) -> AttentionGroup:
+        """Every decode row, a draft's too, as a one-row sequence of its own (a drafting chunk's
+        rows share its block table): one attention call for all of them, and each draft row is
+        computed exactly as the decode step that would reach its position. Every row's K/V is
+        written before any row attends, so a draft row sees the drafts before it."""
+        rows = [(c.request.block_ids, p) for c in decodes for p in range(c.start, c.start + c.num_tokens)]
+        num_blocks = max(-(-(position + 1) // self.block_size) for _, position in rows)
+        # Short block tables are padded with block 0: the mask hides those slots.
+        tables = [(block_ids[:num_blocks] + [0] * num_blocks)[:num_blocks] for block_ids, _ in rows]
+        return AttentionGroup(0, len(rows), 1, self._tensor([[position] for _, position in rows]),
+                              self._tensor(tables), first_positions=tuple(position for _, position in rows))
+
+    def _group(self, chunks: list[ScheduledChunk], *, row_start: int, rows_per_seq: int) -> AttentionGroup:
+        num_blocks = max(-(-(c.start + c.num_tokens) // self.block_size) for c in chunks)
+        # Short block tables are padded with block 0: the mask hides those slots.
+        tables = [(c.request.block_ids[:num_blocks] + [0] * num_blocks)[:num_blocks] for c in chunks]
+        positions = [list(range(c.start, c.start + c.num_tokens)) for c in chunks]
+        return AttentionGroup(row_start, len(chunks), rows_per_seq, self._tensor(positions),
+                              self._tensor(tables), first_positions=tuple(c.start for c in chunks))
+
+    def _sampling_batch(self, sampled: list[ScheduledChunk]) -> SamplingBatch | None:
+        if not sampled:
+            return None
+        rows = [row for chunk in sampled for row in self._sampling_rows(chunk)]
+        return SamplingBatch.build(rows, vocab_size=self.model.config.vocab_size,
+                                   eos_token_ids=self.eos_token_ids, device=self.device)
+
+    def _sampling_rows(self, chunk: ScheduledChunk) -> list[SamplingRow]:
+        """The newest token's row, then one per draft: row i samples the token that would
+        follow the output plus drafts[:i], with that position's key and penalty state, so it
+        draws what decoding without speculation would draw once those drafts are accepted."""
+        request = chunk.request
+        output = request.output_ids
+        edits = self._row_edits(request)
+        # A pending token counts for the position (its value matters only to rows that need it
+        # on the host, and those steps are never deferred).
+        position = len(output) + request.num_pending_tokens
+        rows = [SamplingRow(request.params, request.seed, position, request.prompt_ids, output, edits,
+                            request.grammar)]
+        if chunk.draft_ids and chunk.draft_ids[0] == ON_DEVICE and request.params.reads_output_values:
+            raise ValueError(f"{request.request_id}'s rows read its output's values (a penalty or a "
+                             "bad word), and its drafts are on the device only")
+        for i in range(1, len(chunk.draft_ids) + 1):
+            ahead = output + list(chunk.draft_ids[:i])
+            edits = edits.fork(ahead)
+            rows.append(SamplingRow(request.params, request.seed, len(ahead), request.prompt_ids,
+                                    ahead, edits))
+        return rows
+
+    def _row_edits(self, request: Request) -> RowEdits:
+        """The request's penalty and bias cells, built at its first sampled step and kept on it."""
+        if request.sampler_edits is None:
+            request.sampler_edits = RowEdits(request.params, request.prompt_ids,
+                                             self.model.config.vocab_size, self.device)
+        return request.sampler_edits
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -1,0 +1,507 @@
+"""The scheduler: which requests run this step, and how many tokens of each.
+
+Plain Python over integers (no torch), so every rule is testable in isolation.
+
+Policy, in order, each step:
+1. Running requests first, oldest first: each gets its remaining uncomputed tokens (one for a
+   decode, a chunk for a prefill) as long as the token budget lasts. When the pool has no block
+   for one of them, the newest running request is preempted by recompute: its blocks are freed,
+   its tokens kept, and it goes back to the front of the waiting queue.
+2. Then waiting requests, first come first served, while the budget, `max_num_seqs` and the
+   free blocks allow. A long prompt is split across steps (chunked prefill), so it never
+   stalls the decodes already running. Nothing is admitted in a step that preempted.
+
+While any running request is decoding (one token to compute), the prefill chunks of a step
+(every request with more than one token to compute: prompts, and recomputes after preemption)
+share at most `max_prefill_tokens_while_decoding` tokens, oldest first, on top of the decodes.
+A decode step then costs at most a plain one plus that many prompt tokens, however long the
+prompts that arrive (vLLM bounds the same with `long_prefill_token_threshold` per prompt and
+`max_num_partial_prefills` prompts). With nothing decoding, prefills take the whole budget.
+Where a chunk ends never changes a token: a prompt in chunks computes what it would in one.
+   With prefix caching, a request being admitted first takes the longest run of cached full
+   blocks its tokens start with (never all of them: the last token is always computed, so the
+   step yields logits) and is scheduled from there. A preempted request re-admits the same way.
+
+While requests of more than one client request (a parent: an HTTP request's prompts and
+choices, or a tenant's requests) run and one decodes, each parent takes at most its fair share
+of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
+requests least advanced first, so one request with many choices, a long context or a long
+prompt slows the others by a bounded factor; an arriving prompt that fits whole in the prefill
+budget is exempt (a one-off cost). A request its parent's share holds back lets the ones behind
+it in the queue pass.
+
+With the fair share on, a step is *contended* when more than one parent is running or waiting,
+and then no one waits behind another client's prefill:
+- the fair share holds even if nothing decodes yet, with a waiting parent's next prompt among
+  the demands and each parent's prefill demand its slice of the prefill budget (split between
+  the parents with prompt work); with nothing decoding that budget is
+  `max_prefill_tokens_while_decoding` for each such parent. So an arrival beside a long prompt
+  that was prefilling alone is admitted at once, in a short step, and two long prompts take
+  turns rather than one waiting for the other;
+- waiting requests are admitted round-robin by parent, the parents with the fewest running
+  requests first, rather than first come first served behind one client's many prompts;
+- when every slot (`max_num_seqs`) is taken and a parent with nothing running waits, the
+  newest request of the parent holding the most slots is preempted to give it one.
+A long prompt alone (one parent) still prefills with the whole step budget.
+
+With speculation, a decoding request also carries the drafts the engine proposed for it
+(`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
+its chunk; when the pool has no room for them it decodes plainly instead (drafts never preempt).
+
+After the step, `update_after_step` is the one place request state moves on: each new token is
+appended, computed tokens advance (a chunk's drafts only as far as its run accepted them),
+blocks a step filled with computed tokens are registered in the prefix cache, blocks that only
+rejected drafts reached are freed, and requests the stop rules ended are finished. The
+scheduler's `requests` is the one registry of live requests; `waiting` and `running` order them.
+
+Deferred output splits that update in two. `commit(plan)`, when the engine launches a step it
+will resolve one step late, counts the planned tokens as computed at once and marks each
+sampling chunk's newest token pending (`Request.num_pending_tokens`: on the device, value
+unknown here); so the next `schedule` sees a decode to run for it, from the device. The
+step's `update_after_step` later appends the values. A request whose pending token is its
+last (max_tokens) is not scheduled again; one that a pending token ends otherwise (a stop
+token or string) runs one step too many, and the engine discards that overshoot row.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
+from nanoserve.engine.fair_share import FairShare
+from nanoserve.engine.request import NewToken, Request, RequestStatus
+from nanoserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = False
+    # Prompt tokens one step may compute while another request decodes; None: no bound but the
+    # step's. The engine's default is measured (EngineConfig).
+    max_prefill_tokens_while_decoding: int | None = None
+    # Row units a parent may take in a step beyond the lightest running parent's (fair_share.py);
+    # inf: no fair share.
+    fair_share_rows: float = float("inf")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
+        if not self.fair_share_rows >= 0:
+            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at position `start`, computed this step.
+
+    With speculation, the last `len(draft_ids)` of them are drafts that follow the request's
+    newest token: the chunk then yields one sampled row per draft plus one.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    draft_ids: tuple[int, ...] = ()
+    # Whether this chunk reaches the newest token, so its last row yields a new token (fixed
+    # when scheduled: a committed step's request grows before the step is resolved).
+    samples: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        reaches = self.start + self.num_tokens - len(self.draft_ids) == self.request.num_tokens
+        object.__setattr__(self, "samples", reaches)
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (the newest), with or without drafts behind it."""
+        return self.num_tokens - len(self.draft_ids) == 1
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one step may still compute: tokens in all, and of those, prefill tokens."""
+
+    tokens: int
+    prefill_tokens: int
+    decoding: bool = False  # some running request decodes this step
+    contended: bool = False  # the fair share is on and more than one parent runs or waits
+
+    @property
+    def shared(self) -> bool:
+        """Whether the prefill budget and the fair share hold this step."""
+        return self.decoding or self.contended
+
+    def grant(self, request: Request) -> int:
+        """How many of the request's uncomputed tokens fit: a decode (one token) needs only the
+        step's budget, a prefill chunk the prefill budget too."""
+        wanted = request.num_uncomputed_tokens
+        return min(wanted, self.tokens if wanted == 1 else min(self.tokens, self.prefill_tokens))
+
+    def spend(self, request: Request, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        if request.num_uncomputed_tokens > 1:
+            self.prefill_tokens -= num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    committed: bool = False  # its computed tokens counted at launch (deferred output)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.requests: dict[str, Request] = {}  # every live request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
+        self.prefix_cache_hits = 0  # of those, tokens the cache supplied
+        self.share = FairShare(config.fair_share_rows)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt plus output) one request may ever hold."""
+        return min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse, at admission, a request that could never finish: waiting would be forever."""
+        limit = self.max_request_tokens
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt_tokens} tokens; this engine holds at most "
+                f"{limit} tokens per request (prompt plus output)",
+                param="prompt",
+            )
+        if num_prompt_tokens + max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
+                f"{num_prompt_tokens + max_tokens}, over this engine's limit of {limit} tokens "
+                f"per request; lower max_tokens to at most {limit - num_prompt_tokens}",
+                param="max_tokens",
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a request that passed `check_fits` (the caller's admission check) under a new id."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        contended = self.share.enabled and len({r.parent for r in (*self.running, *self.waiting)}) > 1
+        if contended:
+            self._give_newcomers_slots(out)
+        budget = self._step_budget(contended)
+        self.share.begin_step(self._demands(budget) if self.share.enabled else {}, budget.shared)
+        num_preempted = len(out.preempted)
+        self._schedule_running(out, budget)
+        if len(out.preempted) == num_preempted:  # no one was preempted for blocks
+            self._admit_waiting(out, budget)
+        self.share.end_step()
+        return out
+
+    def _step_budget(self, contended: bool) -> StepBudget:
+        """While a request decodes, prompts share the prefill cap; in a contended step where
+        none decodes yet, each parent with prompt work may have the cap's worth (so an arrival
+        beside a long prompt waits one short step, and a burst of arrivals is not slowed)."""
+        tokens = self.config.max_num_batched_tokens
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = any(request.num_uncomputed_tokens == 1 for request in self.running)
+        budget = StepBudget(tokens, tokens, decoding, contended)
+        if cap is not None and decoding:
+            budget.prefill_tokens = min(tokens, cap)
+        elif cap is not None and contended:
+            budget.prefill_tokens = min(tokens, cap * len(self._prefilling_parents()))
+        return budget
+
+    def _prefilling_parents(self) -> set[str]:
+        """The parents with prompt work this step: running prefills, and waiting parents' heads."""
+        return ({r.parent for r in self.running if r.num_uncomputed_tokens > 1}
+                | {r.parent for r in self._waiting_heads()})
+
+    def _demands(self, budget: StepBudget) -> dict[str, float]:
+        """The row units each parent would take this step with no fair share: the running ones,
+        and in a contended step each waiting parent's next prompt; a prompt chunk counts at
+        most the parent's slice of the prefill budget."""
+        heads = self._waiting_heads() if budget.contended else []
+        slice_tokens = budget.prefill_tokens
+        if budget.contended:
+            slice_tokens = max(1, slice_tokens // max(1, len(self._prefilling_parents())))
+        demands: dict[str, float] = {}
+        for request in (*self.running, *heads):
+            wanted = request.num_uncomputed_tokens
+            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, slice_tokens)
+            units = self.share.units(tokens, request.num_computed_tokens + tokens, self._row_extra(request))
+            demands[request.parent] = demands.get(request.parent, 0.0) + units
+        return demands
+
+    def _waiting_heads(self) -> list[Request]:
+        """The first waiting request of each parent with nothing running."""
+        running = {r.parent for r in self.running}
+        heads: dict[str, Request] = {}
+        for request in self.waiting:
+            if request.parent not in running:
+                heads.setdefault(request.parent, request)
+        return list(heads.values())
+
+    def _waiting_order(self, contended: bool) -> list[Request]:
+        """First come first served; in a contended step round-robin by parent, the parents with
+        the fewest running requests first (then by their first waiting request)."""
+        if not contended:
+            return list(self.waiting)
+        by_parent: dict[str, list[Request]] = {}
+        for request in self.waiting:
+            by_parent.setdefault(request.parent, []).append(request)
+        running = Counter(r.parent for r in self.running)
+        queues = sorted(by_parent.values(), key=lambda queue: running[queue[0].parent])
+        return [request for turn in itertools.zip_longest(*queues) for request in turn if request is not None]
+
+    def _give_newcomers_slots(self, out: SchedulerOutput) -> None:
+        """With every slot taken, preempt for each waiting parent with nothing running the
+        newest request of the parent holding the most slots, if it holds more than one."""
+        for newcomer in self._waiting_heads():
+            if len(self.running) < self.config.max_num_seqs or newcomer.num_pending_tokens:
+                return
+            holders = Counter(r.parent for r in self.running)
+            parent, held = holders.most_common(1)[0]
+            if held < 2:
+                return
+            self._preempt(next(r for r in reversed(self.running) if r.parent == parent), out)
+
+    def _row_extra(self, request: Request) -> float:
+        """What each of the request's rows costs the fair share beyond its model row: a decode
+        row (and each draft) samples; a prompt chunk's rows do not."""
+        return self.share.cost.sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
+
+    def _running_order(self) -> list[Request]:
+        """Oldest first; while sharing, each parent's requests together at its oldest one's place,
+        least advanced first (stable), so the choices its share holds back take turns."""
+        if not self.share.active:
+            return list(self.running)
+        by_parent: dict[str, list[Request]] = {}
+        for request in self.running:
+            by_parent.setdefault(request.parent, []).append(request)
+        return [request for group in by_parent.values()
+                for request in sorted(group, key=lambda request: request.num_tokens)]
+
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        for request in self._running_order():
+            if budget.tokens == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if request.num_pending_tokens and request.num_tokens >= request.max_total_tokens:
+                continue  # its pending token is its last: max_tokens ends it when resolved
+            start, extra = request.num_computed_tokens, self._row_extra(request)
+            num_tokens = self.share.affordable(request.parent, start, budget.grant(request), extra)
+            if num_tokens == 0:
+                continue
+            drafts = self._drafts(request, budget.tokens - num_tokens)
+            drafts = drafts[:self.share.affordable(request.parent, start, num_tokens + len(drafts), extra,
+                                                   optional=True) - num_tokens]
+            if drafts and not self._reserve(request, start + num_tokens + len(drafts)):
+                drafts = ()  # no room for them: decode plainly rather than preempt anyone
+            if not self._reserve_or_preempt(request, num_tokens, out):
+                continue
+            out.chunks.append(ScheduledChunk(request, start, num_tokens + len(drafts), drafts))
+            budget.spend(request, num_tokens + len(drafts))  # drafts ride on a decode: no prefill budget
+            self.share.spend(request.parent, start, num_tokens + len(drafts), extra)
+
+    def _drafts(self, request: Request, spare_budget: int) -> tuple[int, ...]:
+        """The request's proposed drafts that fit: a decode only, within the spare budget, and
+        never more than max_tokens leaves room for (a run emits at most drafts + 1 tokens)."""
+        if not request.draft_ids or request.num_uncomputed_tokens != 1:
+            return ()
+        room = min(spare_budget, request.max_total_tokens - request.num_tokens - 1)
+        return tuple(request.draft_ids[:max(0, room)])
+
+    def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Make room for `num_tokens` more tokens of `request`, preempting the newest others that
+        this step has not scheduled yet (a fair share's order may have scheduled newer ones)."""
+        scheduled = None  # built at the first shortage only: most steps preempt no one
+        while not self._reserve(request, request.num_computed_tokens + num_tokens):
+            scheduled = scheduled or {id(chunk.request) for chunk in out.chunks}
+            victim = next(other for other in reversed(self.running) if id(other) not in scheduled)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        for request in self._waiting_order(budget.contended):
+            if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: admitted once the token is known
+            hits = self._take_cached_prefix(request)
+            num_tokens = budget.grant(request)
+            self.share.admit(request.parent, decoding=budget.shared,
+                             others_running=any(other.parent != request.parent for other in self.running))
+            whole = num_tokens == request.num_uncomputed_tokens  # an arrival's one-off: no share
+            if not whole:
+                num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
+                if num_tokens == 0 and budget.grant(request) > 0:
+                    self._unadmit(request)
+                    continue  # its parent's share is spent this step: the next in line may run
+            if num_tokens == 0 or not self._reserve(request, request.num_computed_tokens + num_tokens):
+                self._unadmit(request)
+                break  # FCFS: no one overtakes the head of the queue for budget or blocks
+            self._count_lookup(request, hits)
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget.spend(request, num_tokens)
+            if not whole:
+                self.share.spend(request.parent, request.num_computed_tokens, num_tokens)
+
+    def _unadmit(self, request: Request) -> None:
+        """Give back the cached blocks a request that is not admitted after all took."""
+        self._release(request)
+        request.num_computed_tokens = 0
+
+    def _take_cached_prefix(self, request: Request) -> int:
+        """Give a request with nothing computed the cached blocks its tokens start with;
+        how many tokens they hold. The last token is left out, so it is always computed. A
+        request still owing prompt logprobs takes none (cached positions have no logits)."""
+        if not self.config.enable_prefix_caching or request.num_computed_tokens or request.scores_prompt:
+            return 0
+        hit_ids = self.pool.lookup(self._keys(request, (request.num_tokens - 1) // self.pool.block_size))
+        self.pool.take(hit_ids)
+        request.block_ids = hit_ids
+        request.num_computed_tokens = len(hit_ids) * self.pool.block_size
+        return request.num_computed_tokens
+
+    def _count_lookup(self, request: Request, hits: int) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = hits
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += hits
+
+    def _keys(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of the request's first `num_blocks` full blocks (kept, since a
+        request's tokens only grow)."""
+        keys = request.block_keys
+        if len(keys) < num_blocks:
+            size = self.pool.block_size
+            parent = keys[-1] if keys else chain_root(request.params.cache_salt)
+            tokens = request.token_ids(len(keys) * size, num_blocks * size)
+            keys += block_keys(tokens, size, num_blocks - len(keys), parent)
+        return keys[:num_blocks]
+
+    def _register_filled_blocks(self, chunk: ScheduledChunk) -> None:
+        """Offer the blocks this chunk filled with computed tokens to the prefix cache (a block
+        still growing never, nor one holding a rejected draft's K/V)."""
+        size = self.pool.block_size
+        first, stop = chunk.start // size, chunk.request.num_computed_tokens // size
+        if stop <= first:
+            return
+        keys = self._keys(chunk.request, stop)
+        for index in range(first, stop):
+            self.pool.register(chunk.request.block_ids[index], keys[index])
+
+    def _roll_back_drafts(self, request: Request) -> None:
+        """Free the blocks only rejected drafts reached; their slots in kept blocks are simply
+        written again later (attention never reads past a row's own position)."""
+        keep = self.pool.blocks_for_tokens(request.num_tokens)
+        if len(request.block_ids) > keep:
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        missing = self.pool.blocks_for_tokens(num_tokens) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if not self.pool.can_allocate(missing):
+            return False
+        request.block_ids.extend(self.pool.allocate(missing))
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+
+    def commit(self, plan: SchedulerOutput) -> None:
+        """A step launched ahead of its resolution (deferred output, never with drafts): its
+        planned tokens are computed from now on, and each sampling chunk's new token is pending
+        until `update_after_step` brings its value."""
+        if any(chunk.draft_ids for chunk in plan.chunks):
+            raise ValueError("a step with speculative drafts is resolved before the next one")
+        for chunk in plan.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            chunk.request.num_pending_tokens += chunk.samples
+        plan.committed = True
+
+    def update_after_step(self, plan: SchedulerOutput, new_tokens: Iterable[NewToken]) -> None:
+        """What a step changes in request state: each new token is appended to its request, the
+        planned tokens are now computed (of a chunk's drafts, those its run accepted: every
+        token it emitted but the last), and a request a new token ends is finished.
+
+        For a committed plan the tokens were counted computed at launch, and each new token
+        replaces its request's pending one; a request that was finished or preempted since
+        (an overshoot row, already dropped by the engine) changes no further."""
+        new_tokens = list(new_tokens)
+        emitted = Counter(new.request_id for new in new_tokens)
+        for new in new_tokens:
+            request = self.requests[new.request_id]
+            request.output_ids.append(new.token_id)
+            request.num_pending_tokens -= plan.committed
+        for chunk in plan.chunks:
+            request = chunk.request
+            accepted = max(0, emitted[request.request_id] - 1) if chunk.draft_ids else 0
+            if not plan.committed:
+                request.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids) + accepted
+            if request.status.is_finished:
+                continue
+            if self.config.enable_prefix_caching:
+                self._register_filled_blocks(chunk)
+            if chunk.draft_ids:
+                self._roll_back_drafts(request)
+        for new in new_tokens:
+            if new.finish is not None:
+                self.finish(self.requests[new.request_id], new.finish)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length or aborted) wherever it is; its blocks free at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = status
+        del self.requests[request.request_id]

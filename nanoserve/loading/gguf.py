@@ -1,0 +1,519 @@
+"""Import a llama-architecture GGUF file as a Hugging Face style checkpoint directory.
+
+Owns: turning GGUF metadata into config.json, dequantizing every tensor to float32, undoing
+llama.cpp's Q/K row permutation, renaming tensors to HF names, and writing the tokenizer that
+`gguf_tokenizer` builds (tokenizer.json, tokenizer_config.json, generation_config.json). And the other
+way in: `gguf_weights` reads the tensors as they are (blocks stay blocks, one copy out of the
+file's memory map, Q/K rows permuted as whole rows of blocks) for runs in the file's own
+quantization; `import_metadata` then writes only the config and tokenizer files.
+Architectures: llama, qwen2, qwen3, phi3, gemma2, gemma3 (their `{arch}.*` metadata; only
+llama's Q/K rows are permuted by llama.cpp's converter, the others keep HF's rotate_half
+layout). What llama.cpp keeps in code rather than in the file is restated here: Gemma's norms
+are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/sqrt(head_dim)
+except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
+(Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
+rotate with base 10000 unless it says `rope.freq_base_swa`.
+Refuses: other architectures, tokenizers `gguf_tokenizer` refuses, rope scaling other than
+llama3, and a file whose tensors disagree with its metadata (a tensor of another shape or of an
+integer type, an embedding with another row count than the vocabulary, a missing tensor): each
+named, from the tensor list, before any weight is read.
+It writes into the directory it is given; caching and atomic placement belong to
+`default_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+from nanoserve.config import ModelConfig
+from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
+from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
+from nanoserve.loading.hf_names import hf_tensor_shapes
+from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
+
+SUPPORTED_ARCHITECTURE = "llama"
+# GGUF architecture -> (HF model_type, HF architecture).
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
+                 "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+# Phi-3's LongRoPE factors, folded into config.json's rope_scaling.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+WEIGHTS_FILE = "model.safetensors"
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Where an architecture names a layer tensor otherwise than llama does.
+_LAYER_TENSORS_BY_TYPE = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_LAYER_TENSORS_BY_TYPE["gemma3_text"] = _LAYER_TENSORS_BY_TYPE["gemma2"]
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
+
+# Llama 3.x checkpoints all use these; the stored factors are checked against them, so a
+# model with other values is refused rather than run with the wrong frequencies.
+_LLAMA3_LOW_FREQ_FACTOR = 1.0
+_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
+                 progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write config, float32 weights and tokenizer files for `gguf_path` into `out_dir`.
+
+    `progress(done, total)` is called after each tensor is dequantized (the slow part)."""
+    reader = open_gguf(gguf_path)
+    config = import_metadata(reader, out_dir)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    weights = hf_weights(tensors, config, progress)
+    save_file(weights, Path(out_dir) / WEIGHTS_FILE, metadata={"format": "pt"})
+    return Path(out_dir)
+
+
+def import_metadata(source: str | Path | GGUFReader, out_dir: str | Path) -> dict[str, Any]:
+    """Write config.json and the tokenizer files for a GGUF into `out_dir` (no weights);
+    returns the config."""
+    reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+    meta = read_metadata(reader)
+    check_architecture(meta)
+    tokenizer = tokenizer_from_gguf(meta)
+    config = llama_config(meta, {tensor.name: tensor for tensor in reader.tensors})
+    check_tensors(reader, config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(meta, tokenizer, out)
+    write_json(out / "config.json", config)
+    return config
+
+
+def write_tokenizer(meta: dict[str, Any], tokenizer: GGUFTokenizer, out_dir: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json, as `Tokenizer.from_dir`
+    reads them."""
+    tokenizer.backend.save(str(out_dir / "tokenizer.json"))
+    write_json(out_dir / "tokenizer_config.json", tokenizer_config(meta, tokenizer))
+    write_json(out_dir / "generation_config.json", generation_config(meta))
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    try:
+        reader = GGUFReader(path)
+    except (OSError, ValueError, IndexError, KeyError, UnicodeDecodeError) as err:
+        raise ModelNotFoundError(f"{path}: not a readable GGUF file ({err})") from err
+    # The reader maps a truncated file without complaint; its last tensor then ends early.
+    for tensor in reader.tensors:
+        if tensor.data.nbytes != tensor.n_bytes:
+            raise ModelNotFoundError(
+                f"{path}: truncated or corrupt GGUF file (tensor {tensor.name!r} holds "
+                f"{tensor.data.nbytes} of its {tensor.n_bytes} bytes)")
+    return reader
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The key/value section as plain Python values (strings, numbers, lists)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def check_architecture(meta: dict[str, Any]) -> None:
+    architecture = meta.get("general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {architecture!r} is not supported: "
+            f"only {' / '.join(repr(a) for a in ARCHITECTURES)} models can be imported"
+        )
+
+
+# Integer tensors are no weights; a file that has one is not what its metadata says.
+_NOT_WEIGHT_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
+    """Each tensor's name, type and shape against what the metadata implies, from the file's
+    tensor list alone: a file that disagrees is refused naming the tensor (or the key it
+    disagrees with) before any weight is read."""
+    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
+    present = set()
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
+            continue
+        name = hf_tensor_name(tensor.name, config.get("model_type"))
+        shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+        _check_type(tensor)
+        if tensor.name == "token_embd.weight" and shape[0] != config["vocab_size"]:
+            raise UnsupportedModelError(
+                f"GGUF tensor 'token_embd.weight' has {shape[0]} rows but 'tokenizer.ggml.tokens' "
+                f"lists {config['vocab_size']} tokens")
+        if name in expected and shape != expected[name]:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name!r} has shape {shape}; the metadata implies {expected[name]}")
+        present.add(name)
+    missing = sorted(expected.keys() - present)
+    if missing:
+        raise UnsupportedModelError(f"GGUF lacks tensors a {config['model_type']} model needs: {missing[:5]}")
+
+
+def _check_type(tensor: ReaderTensor) -> None:
+    type_name = tensor.tensor_type.name
+    if type_name in _NOT_WEIGHT_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF tensor {tensor.name!r} is of type {type_name}, which holds no weights")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ---- config -------------------------------------------------------------------------------
+
+
+def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """config.json for the HF layout of the file's architecture, from its `{arch}.*` metadata
+    and the tensor list."""
+    arch = meta.get("general.architecture", "llama")
+    model_type, hf_architecture = ARCHITECTURES[arch]
+    meta = {key.replace(f"{arch}.", "llama.", 1) if key.startswith(f"{arch}.") else key: value
+            for key, value in meta.items()}
+    config = _llama_layout_config(arch, model_type, hf_architecture, meta, tensors)
+    return _gemma3_rope(config, meta) if arch == "gemma3" else config
+
+
+def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta: dict[str, Any],
+                         tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    hidden_size = _require_int(meta, "llama.embedding_length")
+    num_heads = _require_int(meta, "llama.attention.head_count")
+    head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
+    rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
+    _check_full_rotary(meta, head_dim)
+    return {
+        "architectures": [hf_architecture],
+        "model_type": model_type,
+        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden_size,
+        "intermediate_size": _require_int(meta, "llama.feed_forward_length"),
+        "num_hidden_layers": _require_int(meta, "llama.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", num_heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": _require_int(meta, "llama.context_length"),
+        "rms_norm_eps": _f32_to_float(_require(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling(meta, tensors, head_dim, rope_theta),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    } | _family_config(arch, meta, tensors, head_dim)
+
+
+def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor],
+                   head_dim: int) -> dict[str, Any]:
+    """The config.json fields of the families beyond llama (meta's keys read as `llama.*`)."""
+    layers = meta["llama.block_count"]
+    window = meta.get("llama.attention.sliding_window")
+    if arch == "phi3":
+        config: dict[str, Any] = {"sliding_window": window}
+        if LONGROPE_TENSORS[0] in tensors:
+            original = _require_int(meta, "llama.rope.scaling.original_context_length")
+            config["original_max_position_embeddings"] = original
+            config["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": dequantize_tensor(tensors[LONGROPE_TENSORS[0]]).tolist(),
+                "short_factor": dequantize_tensor(tensors[LONGROPE_TENSORS[1]]).tolist(),
+                "original_max_position_embeddings": original}
+            if "llama.rope.scaling.attn_factor" in meta:
+                factor = meta["llama.rope.scaling.attn_factor"]
+                config["rope_scaling"]["attention_factor"] = _f32_to_float(factor)
+        return config
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+    pattern = meta.get("llama.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    # An integer n: every n-th layer is global; a list: each layer's "is sliding".
+    if isinstance(pattern, list):
+        sliding = [bool(s) for s in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    if len(sliding) != layers:
+        raise UnsupportedModelError(f"GGUF sliding_window_pattern {pattern!r} does not cover {layers} layers")
+    config = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if arch == "gemma2" and layers == 46 else head_dim,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+    }
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = _f32_to_float(meta.get("llama.attn_logit_softcapping", 50.0))
+        config["final_logit_softcapping"] = _f32_to_float(meta.get("llama.final_logit_softcapping", 30.0))
+    return config
+
+
+def _gemma3_rope(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type RoPE: the file's scaling applies to its global layers only."""
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    full |= config.pop("rope_scaling") or {}
+    local_theta = meta.get("llama.rope.freq_base_swa", 10000.0)
+    local = {"rope_type": "default", "rope_theta": _f32_to_float(local_theta)}
+    return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
+
+
+def _require(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise UnsupportedModelError(f"GGUF metadata has no {key!r}, which a llama model needs")
+    return meta[key]
+
+
+def _require_int(meta: dict[str, Any], key: str) -> int:
+    value = _require(meta, key)
+    if not isinstance(value, int):
+        raise UnsupportedModelError(f"GGUF metadata {key!r} is {value!r}; expected one integer")
+    return value
+
+
+def _f32_to_float(value: float) -> float:
+    # GGUF stores float32; the shortest decimal that round-trips (1e-05, not 9.9999997e-06)
+    # is what the original config said.
+    return float(str(np.float32(value)))
+
+
+def _check_full_rotary(meta: dict[str, Any], head_dim: int) -> None:
+    rope_dim = meta.get("llama.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(
+            f"rotary dimension {rope_dim} differs from head_dim {head_dim}: "
+            "partial rotary embeddings are not supported"
+        )
+
+
+def rope_scaling(
+    meta: dict[str, Any], tensors: dict[str, ReaderTensor], head_dim: int, rope_theta: float
+) -> dict[str, Any] | None:
+    """None, linear scaling, or the HF llama3 dict recovered from llama.cpp's `rope_freqs` tensor."""
+    kind = meta.get("llama.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32_to_float(_require(meta, "llama.rope.scaling.factor"))}
+    if kind != "none":
+        raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported; only linear and "
+                                    "llama3 are")
+    if ROPE_FREQS_TENSOR not in tensors:
+        return None
+    stored = dequantize_tensor(tensors[ROPE_FREQS_TENSOR])
+    original_context = int(meta.get("llama.rope.scaling.original_context_length", _LLAMA3_ORIGINAL_CONTEXT))
+    scaling = {
+        "rope_type": "llama3",
+        "factor": _f32_to_float(stored.max()),
+        "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": original_context,
+    }
+    expected = llama3_rope_factors(scaling, head_dim, rope_theta)
+    if stored.shape != expected.shape or not np.allclose(stored, expected, rtol=1e-4):
+        raise UnsupportedModelError(
+            "the GGUF's rope_freqs tensor does not match llama3 rope scaling; "
+            "other per-frequency rope factors are not supported"
+        )
+    return scaling
+
+
+def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: float) -> np.ndarray:
+    """The divisor llama3 scaling applies to each rotary frequency (llama.cpp's rope_freqs)."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original_context / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen > original_context / low, factor, medium)
+    return np.where(wavelen < original_context / high, 1.0, factors).astype(np.float32)
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+
+def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
+               progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor as float32 under its HF name, Q/K back in HF (rotate_half) layout."""
+    heads = _permuted_heads(config)
+    weights = {}
+    for done, (name, tensor) in enumerate(tensors.items(), start=1):
+        if progress is not None:
+            progress(done, len(tensors))
+        if name == ROPE_FREQS_TENSOR or name in LONGROPE_TENSORS:
+            continue  # folded into config["rope_scaling"]
+        values = _hf_norm(name, dequantize_tensor(tensor), config)
+        kind = name.split(".")[-2]
+        if kind in heads and name.endswith(".weight"):
+            values = unpermute_qk(values, heads[kind])
+        weights[hf_tensor_name(name, config.get("model_type"))] = torch.from_numpy(values)
+    check_shapes(weights, config)
+    return weights
+
+
+GGUFTensor = torch.Tensor | QuantizedWeight
+
+
+def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
+                 log_line: Callable[[str], None] | None = None,
+                 keep: Callable[[str, GGUFTensor], GGUFTensor] | None = None) -> dict[str, GGUFTensor]:
+    """Every tensor under its HF name: a QuantizedWeight where nanoserve has a kernel for its
+    block format (the file's bytes, copied once out of its memory map; Q and K rows taken in
+    HF order as whole rows of blocks), float32 otherwise. A matrix in a type with no kernel is
+    dequantized, and `log_line` hears one line per such type. `keep(name, tensor)`: the part
+    to keep of each tensor as it is read (a tensor-parallel rank's shard: then only one whole
+    tensor is ever held at a time, and the caller checks the shapes)."""
+    heads = _permuted_heads(config)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    dequantized: dict[str, int] = {}
+    for tensor in open_gguf(gguf_path).tensors:
+        if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
+            continue
+        kind = tensor.name.split(".")[-2]
+        fmt = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))
+        if fmt is None:
+            values = _hf_norm(tensor.name, dequantize_tensor(tensor), config)
+            if values.ndim == 2 and tensor.tensor_type.name != "F32":
+                dequantized[tensor.tensor_type.name] = dequantized.get(tensor.tensor_type.name, 0) + 1
+            weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
+        else:
+            rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+            stored = tensor.data.reshape(rows, -1)
+            # One copy either way: a row gather for Q and K, a plain copy for the rest.
+            blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
+            weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
+        name = hf_tensor_name(tensor.name, config.get("model_type"))
+        weights[name] = weight if keep is None else keep(name, weight)
+    for type_name, count in dequantized.items():
+        if log_line is not None:
+            log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
+                     "to float32 at load")
+    if keep is None:
+        check_shapes(weights, config)
+    return weights
+
+
+def _hf_norm(name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Gemma's norms as HF stores them: llama.cpp's converter wrote 1 + w."""
+    if config.get("model_type") in GEMMA_MODEL_TYPES and name.endswith("norm.weight"):
+        return values - np.float32(1.0)
+    return values
+
+
+def _permuted_heads(config: dict[str, Any]) -> dict[str, int]:
+    """The tensors llama.cpp's converter permuted (llama's Q and K), with their head counts."""
+    if config.get("model_type", "llama") != "llama":
+        return {}
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+
+def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """Which stored row each HF row of Q or K is: `unpermute_qk` as a row index."""
+    return unpermute_qk(np.arange(rows).reshape(rows, 1), num_heads).reshape(rows)
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
+    shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as err:
+        raise UnsupportedModelError(
+            f"tensor {tensor.name!r}: {tensor.tensor_type.name} cannot be dequantized"
+        ) from err
+    # Always copy: the reader hands out read-only views of the memory-mapped file.
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's converter, which interleaves the two rotary halves of each head.
+
+    The converter does reshape(heads, 2, half, cols).swapaxes(1, 2); this swaps them back.
+    """
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def hf_tensor_name(gguf_name: str, model_type: str | None = "llama") -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix == "weight" and stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.weight"
+    match = _LAYER_TENSOR_NAME.fullmatch(stem)
+    names = _LAYER_TENSORS | _LAYER_TENSORS_BY_TYPE.get(model_type or "llama", {})
+    if suffix in ("weight", "bias") and match and match[2] in names:
+        return f"model.layers.{match[1]}.{names[match[2]]}.{suffix}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in a llama checkpoint")
+
+
+def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | QuantizedWeight],
+                 config: dict[str, Any]) -> None:
+    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise UnsupportedModelError(f"GGUF lacks tensors a llama model needs: {missing[:5]}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise UnsupportedModelError(
+                f"tensor {name} has shape {tuple(weights[name].shape)}; the metadata implies {shape}"
+            )
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+
+
+def tokenizer_config(meta: dict[str, Any], tokenizer: GGUFTokenizer) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": tokenizer.add_bos,
+        "add_eos_token": tokenizer.add_eos,
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "model_max_length": meta.get("llama.context_length"),
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """bos and every end token (`gguf_tokenizer.end_token_ids`)."""
+    end_ids = end_token_ids(meta)
+    return {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": end_ids[0] if len(end_ids) == 1 else end_ids or None,
+    }

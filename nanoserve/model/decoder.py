@@ -1,0 +1,246 @@
+"""The decoder forward pass over a flat batch of tokens from many sequences, every family.
+
+Owns: the layer loop (token embedding, RMSNorm around both sublayers, attention over the
+paged KV cache, the gated MLP, residual adds, a tied or untied output head) and each family's
+switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) norms around
+both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
+(`rope`), the gate's activation (`layers`). Knows nothing of requests, sampling or HTTP: a
+`ForwardBatch` (`batch`) says which rows are which.
+
+One loop with named switches rather than one module per family: the families differ by a
+dozen small ops around the same attention and MLP, and the batch-invariant attention, the
+native path and the cache layout are the hard part, shared by all. A switch that is off costs
+one `is None` test a layer.
+
+Rows are grouped for attention: all single-token (decode) rows form one group, each prefill
+chunk is a group of its own. Every group reads its context through block tables.
+
+The matrix multiplies run through a `LinearKernel` chosen by `nanoserve.model.linear`
+(measured on this machine, its weights packed once here). Everything outside them runs one of
+two ways, chosen once per model:
+- native (float32 on the CPU, the library built; `nanoserve.native.ops`): RMSNorm fused with
+  the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
+  paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
+  modes (each row alone over exactly the slots it sees, in context-chunk order), and every
+  row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
+  plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
+  kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
+  the separate calls' bits.
+- torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
+  plain or batch-invariant forms, over K/V gathered from the cache.
+A forward is batch-invariant when both its attention and its linear kernel are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from nanoserve.config import ModelConfig
+from nanoserve.model.attention import TorchAttention
+from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
+from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.layers import ACTIVATIONS, rms_norm
+from nanoserve.model.linear import KERNELS, LinearKernel, embedding
+from nanoserve.model.rope import rope_table
+from nanoserve.model.weights import LayerWeights, LlamaWeights
+from nanoserve.native import ops as native_ops
+from nanoserve.native.decoder import DecoderShape, NativeDecoder
+from nanoserve.native.ops import NativeOps
+from nanoserve.quant import Weight
+
+
+class TensorParallel(Protocol):
+    """What a forward on one rank's shard asks of its ranks (nanoserve.distributed.collectives)."""
+
+    def row_parallel(self, x: torch.Tensor, weight: Weight,
+                     linear: Callable[[torch.Tensor, Weight], torch.Tensor]) -> torch.Tensor: ...
+
+    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
+
+
+def native_ops_for(like: torch.Tensor) -> NativeOps | None:
+    """The native ops for tensors like `like`: float32 on the CPU with the library built, else
+    None (half precision and CUDA keep the torch ops)."""
+    if like.dtype != torch.float32 or like.device.type != "cpu":
+        return None
+    return native_ops.load()
+
+
+class Llama:
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
+                 linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
+                 native: bool = True, tensor_parallel: TensorParallel | None = None) -> None:
+        """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
+        GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
+        `native`: run the small ops in C where they can run here (`native_ops_for`).
+        `tensor_parallel`: this rank's collectives, when `config` and `weights` are one rank's
+        shard (nanoserve.distributed): the same forward, o and down across the ranks, the
+        embedding summed over ranks and the logits of this rank's vocabulary rows."""
+        self.config = config
+        self.tp = tensor_parallel
+        self.ops = native_ops_for(weights.embed) if native else None
+        self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
+        self.weights = weights.packed_for(self.linear_kernel)
+        self.batch_invariant = batch_invariant
+        self.linear = self.linear_kernel.apply
+        device, dtype = weights.embed.device, weights.embed.dtype
+        context = max_positions or config.max_position_embeddings
+        # One (cos, signed sin) table per distinct RoPE; layer i rotates by rope_tables[layer_rope[i]].
+        ropes = [config.rope_of(i) for i in range(config.num_layers)]
+        distinct = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
+        self.rope_tables = [rope_table(r, config, context, device, dtype) for r in distinct]
+        self.layer_rope = [distinct.index(r) for r in ropes]
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.torch_attention = TorchAttention(config, self.scale, batch_invariant)
+        self.activation = ACTIVATIONS[config.hidden_act]
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
+                            if config.gemma_norms else None)
+        self.decoder = self._native_decoder()
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        """Every layer of a step in one native call, where it computes exactly what the loop of
+        separate native calls computes: the plain Llama stack, one rank, native matrices."""
+        cfg, layers = self.config, self.weights.layers
+        if self.ops is None or not self.native_attention or not cfg.is_plain_llama or self.tp is not None:
+            return None
+        shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        cos, signed_sin = self.rope_tables[0]
+        return NativeDecoder.for_layers(shape, [(w.input_norm, w.post_norm) for w in layers],
+                                        [w.matrices() for w in layers], cos, signed_sin,
+                                        float_panels=self.linear_kernel.name == "native")
+
+    @property
+    def native_attention(self) -> bool:
+        """The native attention has no soft-capping: a model with it attends in torch (the rest
+        of its small ops stay native)."""
+        return self.ops is not None and not self.config.attn_softcap
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`.
+
+        Each layer: norm -> attention block -> residual add + norm -> MLP -> residual add, the
+        residual adds done in place and fused with the norm that follows them (`delta` is the
+        last sublayer's output, not yet added into `hidden`).
+        """
+        step = self._step_context(batch, kv_cache)  # built once per step, used by every layer
+        if self.tp is None:
+            hidden = embedding(batch.input_ids, self.weights.embed)
+        else:
+            hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
+        if self.embed_scale is not None:
+            hidden *= self.embed_scale
+        if self.decoder is not None and self.ops is not None:  # (a profile may swap the ops out)
+            delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
+                                     step.attended, step.activated)
+        else:
+            delta = self._layers(hidden, step, kv_cache)
+        if delta is not None:
+            hidden += delta
+        last = self._add_norm(hidden[batch.logits_rows], None, self.weights.norm)
+        logits = self.linear(last, self.weights.lm_head).float()
+        if self.config.final_softcap:
+            cap = self.config.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _layers(self, hidden: torch.Tensor, step: StepContext, kv_cache: KVCache) -> torch.Tensor | None:
+        """Every layer, one by one; returns the last sublayer's output, not yet added."""
+        delta = None
+        for index, layer in enumerate(self.weights.layers):
+            normed = self._add_norm(hidden, delta, layer.input_norm, step.normed)
+            delta = self._attention(index, layer, normed, step, kv_cache)
+            if layer.attn_out_norm is not None:
+                delta = self._add_norm(delta, None, layer.attn_out_norm)
+            normed = self._add_norm(hidden, delta, layer.post_norm, step.normed)
+            delta = self._mlp(layer, normed, step)
+            if layer.mlp_out_norm is not None:
+                delta = self._add_norm(delta, None, layer.mlp_out_norm)
+        return delta
+
+    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext,
+                   kv_cache: KVCache) -> torch.Tensor:
+        cfg, batch = self.config, step.batch
+        qkv = self.linear(x, layer.qkv)
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias
+        if layer.q_norm is not None:
+            self._qk_norm(qkv, layer)
+        window, rope = cfg.window(index), self.layer_rope[index]
+        if self.native_attention:
+            # RoPE and the K/V write, then attention over the paged cache in place: q is the
+            # first heads * head_dim columns of qkv, rotated in place by the first call.
+            k_cache, v_cache = kv_cache.k[index], kv_cache.v[index]
+            cos, sin = self.rope_tables[rope]
+            self.ops.rope_write_kv(qkv, batch.positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
+                                   cfg.num_heads)
+            out = self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, cfg.num_heads, self.scale,
+                                           window=window, out=step.attended)
+        else:
+            out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
+                                       softcap=cfg.attn_softcap)
+        out = self._row_parallel(out, layer.o)
+        if layer.o_bias is not None:
+            out += layer.o_bias
+        return out
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
+        """RMSNorm over each q and each k head, in place in qkv (before RoPE, as Qwen3 and Gemma 3)."""
+        cfg = self.config
+        heads = qkv[:, : self.q_size + self.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        q, k = heads.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+        k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        gate_up = self.linear(x, layer.gate_up)
+        if layer.gate_up_bias is not None:
+            gate_up += layer.gate_up_bias
+        if self.ops is not None and self.config.hidden_act == "silu":
+            activated = self.ops.silu_mul(gate_up, step.activated)
+        else:
+            # The activation runs row by row over the strided `gate` view, so each row takes the
+            # same vectorized path whatever the batch (tests/test_model.py pins this).
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = self.activation(gate) * up
+        out = self._row_parallel(activated, layer.down)
+        if layer.down_bias is not None:
+            out += layer.down_bias
+        return out
+
+    def _row_parallel(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """x @ weight^T for o and down, the matrices whose input the ranks hold in shares: the
+        whole output on every rank (`distributed.collectives` decides how)."""
+        return self.linear(x, weight) if self.tp is None else self.tp.row_parallel(x, weight, self.linear)
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden += delta (in place, when there is one), then the RMSNorm of hidden."""
+        eps = self.config.rms_norm_eps
+        if self.ops is not None:
+            if delta is None:
+                return self.ops.rms_norm(hidden, weight, eps, out)
+            return self.ops.add_rms_norm(hidden, delta, weight, eps, out)
+        if delta is not None:
+            hidden += delta
+        return rms_norm(hidden, weight, eps)
+
+    def _step_context(self, batch: ForwardBatch, kv_cache: KVCache) -> StepContext:
+        step = StepContext(batch)
+        if self.ops is not None:
+            rows, cfg = batch.input_ids.shape[0], self.config
+            cos = self.rope_tables[0][0]
+            new = functools.partial(torch.empty, dtype=cos.dtype, device=cos.device)
+            step.paged = paged_context(batch, kv_cache)
+            step.normed, step.attended = new(rows, cfg.hidden_size), new(rows, self.q_size)
+            step.activated = new(rows, cfg.intermediate_size)
+        if not self.native_attention:
+            self.torch_attention.plan_step(step, kv_cache, self.rope_tables)
+        return step

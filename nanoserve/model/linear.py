@@ -1,0 +1,438 @@
+"""The model's matrix multiplies: which kernel runs them, chosen by measurement on this machine.
+
+Owns: the candidate linear kernels (torch's own GEMM, the same on fixed 16-row tiles, oneDNN
+with weights prepacked once at load, and nanoserve's own C kernels for float32 and bfloat16,
+`nanoserve.native.matmul`, when the native library is on), the batch-invariance self-test each candidate
+must pass to be used in batch-invariant mode, timing them on the model's own weights at the
+batch sizes the engine will run, and a per-machine cache of the verdicts, so that a second
+start skips the measuring.
+Refuses: assuming a kernel is fast or invariant because it was elsewhere. The same kernel is
+3x apart between the CPUs of this workplace, and whether a row's bits depend on the batch
+is a property of the library build and the CPU, so both are measured here, at start-up.
+
+The self-test pins what batch invariance needs from a linear layer: every row of a call with
+M rows has the bits that row has alone, for M from 1 to the most rows a decode step holds, at
+any position in the call, and in a prefill-sized call, so that a request's tokens do not
+depend on its neighbours, nor on whether its K/V came from a decode step or a re-prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve import native, quant
+from nanoserve.machine import cpu_model, vector_flags
+from nanoserve.native import matmul as native_matmul
+from nanoserve.native import quant as native_quant
+from nanoserve.native import repack
+
+log = logging.getLogger("nanoserve")
+
+# The row tile of `aten-tile16`: CPU BLAS gives one code path to every row of a 16-row call.
+ROW_TILE = 16
+# oneDNN picks its blocking from a batch hint given at packing time; 16 rows covers a decode
+# step of many requests without giving up the single-request case.
+ONEDNN_BATCH_HINT = 16
+# Rows of the speed probe: one request, a few, and a full decode step (capped at max rows).
+PROBE_ROWS = (1, 4, 16, 32)
+# Enough layers that the probe streams its weights from memory rather than from the L3 cache.
+PROBE_MIN_BYTES = 128 << 20
+# Bump when a kernel's code changes, so verdicts cached by older code are measured again
+# (the native kernels' own changes are keyed by their build's source hash).
+CACHE_VERSION = 5
+
+
+@dataclass(frozen=True, slots=True)
+class LinearKernel:
+    """One way to compute x @ W^T: `pack` runs once per weight at load, `apply` every step."""
+
+    name: str
+    summary: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], packed) -> [M, N]
+    device_types: tuple[str, ...]
+
+
+def _aten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def _aten_tiled(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
+    return torch.cat([F.linear(tile, weight) for tile in padded.split(ROW_TILE)])[:rows]
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _onednn_min2(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    # oneDNN runs a lone row through a matrix-vector path that sums in another order than
+    # its GEMM for 2 or more rows; a zero second row keeps every row on the GEMM path.
+    if x.shape[0] != 1:
+        return _onednn(x, packed)
+    return _onednn(F.pad(x, (0, 0, 0, 1)), packed)[:1]
+
+
+def _identity(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def _native(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return native_matmul.matmul(x.contiguous(), packed)
+
+
+KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
+    LinearKernel("aten", "torch's F.linear (MKL or cuBLAS)", _identity, _aten, ("cpu", "cuda")),
+    LinearKernel("aten-tile16", "F.linear on fixed 16-row tiles", _identity, _aten_tiled, ("cpu", "cuda")),
+    LinearKernel("onednn", "oneDNN, weights prepacked at load", _onednn_pack, _onednn, ("cpu",)),
+    LinearKernel("onednn-min2", "oneDNN, prepacked; a lone row padded to two", _onednn_pack,
+                 _onednn_min2, ("cpu",)),
+    # float32 and bfloat16 only: pack raises a RuntimeError for other dtypes, so `_runnable`
+    # leaves it out for them. Batch-invariant by construction (one FMA chain per output).
+    LinearKernel("native", "nanoserve's C kernels, weights prepacked in 16-column panels",
+                 native_matmul.pack, _native, ("cpu",)),
+)}
+
+
+def left_out(device: torch.device) -> dict[str, str]:
+    """Kernels for this device type that cannot run in this process at all, and why."""
+    if device.type != "cpu":
+        return {}
+    reasons = {}
+    if not torch.backends.mkldnn.is_available():
+        reasons |= {name: "torch built without oneDNN" for name in KERNELS if name.startswith("onednn")}
+    if not native_matmul.available():
+        status = native.status().removeprefix("native kernels: ")
+        reasons["native"] = status.removesuffix("; running torch kernels")
+    return reasons
+
+
+def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
+
+    if isinstance(weight, quant.QuantizedWeight):
+        return native_quant.matmul(x, weight)
+    if isinstance(weight, repack.RepackedWeight):
+        return repack.matmul(x, weight)
+    if isinstance(weight, quant.QuantizedStack):
+        return torch.cat([_native_quant(x, part) for part in weight.parts], dim=1)
+    return _aten_tiled(x, weight)  # a matrix of a GGUF type with no kernel, dequantized at load
+
+
+def _repack(weight: quant.Weight) -> quant.Weight:
+    """Q4_0, Q4_1 and Q8_0 matrices (and such parts of a stack) in the 8-column interleaved
+    layout; other formats stay in the file's layout, for the row-major kernel."""
+    from nanoserve.native import repack
+
+    if isinstance(weight, quant.QuantizedStack):
+        return quant.QuantizedStack(tuple(_repack(part) for part in weight.parts))
+    return repack.repack(weight) if isinstance(weight, quant.QuantizedWeight) else weight
+
+
+# The kernels for GGUF block formats (nanoserve.quant): a model's matrices are blocks or floats.
+QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
+    LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
+                 "blocks of 32", _identity, _native_quant, ("cpu",)),
+    LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
+                 "columns interleaved (Q4_0, Q4_1, Q8_0; other formats as native-quant)", _repack,
+                 _native_quant, ("cpu",)),
+)}
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | quant.QuantizedWeight) -> torch.Tensor:
+    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized),
+    or a tied head's table in a kernel's layout that serves lookups (`quant.serves_lookups`)."""
+    if isinstance(table, torch.Tensor):
+        return F.embedding(ids, table)
+    if quant.serves_lookups(table):
+        return table.lookup(ids)
+    if native_quant.runs(table.format):
+        return native_quant.dequantize_rows(table, ids)
+    return table.rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, table.shape[1])
+
+
+
+# Every kernel by name, float and quantized, in a fixed order (tensor-parallel ranks are told
+# the kernel by its index here).
+KERNEL_NAMES = (*KERNELS, *QUANTIZED_KERNELS)
+
+
+def kernel_named(name: str) -> LinearKernel:
+    return {**KERNELS, **QUANTIZED_KERNELS}[name]
+
+
+def quantized_kernels_for(device: torch.device) -> list[LinearKernel]:
+    return list(QUANTIZED_KERNELS.values()) if device.type == "cpu" and native.library() else []
+
+
+def kernels_for(device: torch.device) -> list[LinearKernel]:
+    unusable = left_out(device)
+    return [k for k in KERNELS.values() if device.type in k.device_types and k.name not in unusable]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeShape:
+    """What the probe needs of the model: its linear weights, layer by layer, and the head."""
+
+    layers: list[list[torch.Tensor]]  # each layer's weights [out, in], in forward order
+    head: torch.Tensor
+
+    @property
+    def quantized(self) -> bool:
+        """GGUF blocks (nanoserve.quant) rather than dense tensors: only quantized kernels run them."""
+        return any(quant.is_quantized(w) for w in [*self.layers[0], self.head])
+
+
+@dataclass(slots=True)
+class KernelVerdict:
+    """What this machine measured of one kernel: time per forward's linears, and invariance."""
+
+    ms_by_rows: dict[int, float] = field(default_factory=dict)
+    invariant: bool | None = None  # None: not tested (only a batch-invariant engine needs it)
+    failure: str = ""  # where the self-test first saw a row's bits move
+
+    @property
+    def score_ms(self) -> float:
+        """Geometric mean over the probed batch sizes: each size counts alike."""
+        values = list(self.ms_by_rows.values())
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    kernel: LinearKernel
+    reason: str
+    verdicts: dict[str, KernelVerdict]
+    batch_invariant: bool  # whether the chosen kernel passed the self-test
+    from_cache: bool
+
+    def columns(self) -> dict[str, object]:
+        """For bench CSV rows: the kernel and why it was picked."""
+        return {"linear_kernel": self.kernel.name, "linear_kernel_reason": self.reason}
+
+
+class KernelUnavailableError(ValueError):
+    """A forced kernel this machine cannot run, or that fails the self-test it was asked to pass;
+    or no kernel at all for this dtype here. `option` names the setting to change."""
+
+    def __init__(self, message: str, option: str = "linear_kernel") -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, prefill_rows: int,
+                  batch_invariant: bool, forced: str | None = None,
+                  cache_path: Path | None = None) -> KernelChoice:
+    """The fastest kernel that qualifies: measured (or read from the cache), never assumed."""
+    candidates = quantized_kernels_for(device) if shape.quantized else kernels_for(device)
+    if forced is not None:
+        names = [k.name for k in candidates]
+        if forced not in names:
+            why = f" ({left_out(device)[forced]})" if forced in left_out(device) else ""
+            raise KernelUnavailableError(
+                f"{forced!r} is not a linear kernel for {device.type} here{why}; "
+                f"choose from {', '.join(names)}")
+        candidates = [k for k in candidates if k.name == forced]
+    candidates = _runnable(candidates, shape.layers[0][0], forced)
+    key = _cache_key(shape, device, max_rows, prefill_rows)
+    cached = _read_cache(cache_path, key)
+    verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
+    from_cache = all(v.ms_by_rows for v in verdicts.values())
+    rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
+    for kernel in candidates:
+        if not verdicts[kernel.name].ms_by_rows:
+            verdicts[kernel.name].ms_by_rows = time_kernel(kernel, shape.layers, rows, device)
+    ranked = sorted(candidates, key=lambda k: verdicts[k.name].score_ms)
+    chosen, reason = ranked[0], "fastest"
+    if batch_invariant:
+        for kernel in ranked:
+            verdict = verdicts[kernel.name]
+            if verdict.invariant is None:
+                from_cache = False
+                verdict.failure = self_test(kernel, shape, max_rows=max_rows, prefill_rows=prefill_rows)
+                verdict.invariant = not verdict.failure
+            if verdict.invariant:
+                chosen, reason = kernel, "fastest batch-invariant"
+                break
+    invariant = bool(verdicts[chosen.name].invariant)
+    if forced is not None:
+        if batch_invariant and not invariant:
+            raise KernelUnavailableError(
+                f"{forced!r} fails the batch-invariance self-test on this machine "
+                f"({verdicts[forced].failure}); run with --no-batch-invariant or another kernel")
+        reason = "forced"
+    elif batch_invariant and not invariant:
+        reason = "fastest; no candidate passed the batch-invariance self-test on this machine"
+    if cache_path is not None:
+        _write_cache(cache_path, key, verdicts)
+    reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
+    if forced is None and (unusable := left_out(device)):
+        reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
+    return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
+
+
+def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str | None) -> list[LinearKernel]:
+    """The candidates that can multiply this dtype on this machine at all (oneDNN refuses
+    float16 on CPUs without AVX512-FP16, for one), tried on one real weight."""
+    refused = {}
+    for kernel in candidates:
+        try:
+            kernel.apply(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device),
+                         kernel.pack(weight))
+        except RuntimeError as error:
+            refused[kernel.name] = str(error).splitlines()[0]
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if forced is not None and forced in refused:
+        raise KernelUnavailableError(f"{forced!r} cannot run {dtype} on this machine: {refused[forced]}")
+    if len(refused) == len(candidates):
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise KernelUnavailableError(f"no linear kernel runs {dtype} on this machine ({reasons})", "dtype")
+    return [k for k in candidates if k.name not in refused]
+
+
+def time_kernel(kernel: LinearKernel, layers: list[list[torch.Tensor]], rows: Iterable[int],
+                device: torch.device, *, repeats: int = 3) -> dict[int, float]:
+    """Milliseconds for one forward's linears at each row count, scaled from enough layers
+    that the weights stream from memory, as they do in a real step."""
+    sample, nbytes = [], 0
+    for layer in layers:
+        sample.append([kernel.pack(w) for w in layer])
+        nbytes += sum(w.nbytes for w in layer)
+        if nbytes >= PROBE_MIN_BYTES:
+            break
+    scale = len(layers) / len(sample)
+    dtype = layers[0][0].dtype
+    timings = {}
+    for count in rows:
+        inputs = {w.shape[1]: torch.randn(count, w.shape[1], device=device).to(dtype) for w in layers[0]}
+
+        def one_pass(inputs=inputs) -> None:
+            for packed_layer, dense_layer in zip(sample, layers, strict=False):
+                for packed, dense in zip(packed_layer, dense_layer, strict=True):
+                    kernel.apply(inputs[dense.shape[1]], packed)
+
+        timings[count] = round(1e3 * scale * _best_seconds(one_pass, device, repeats), 3)
+    return timings
+
+
+def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill_rows: int,
+              seed: int = 0) -> str:
+    """'' when every row's bits are independent of the call it is in; else where they moved.
+
+    For each distinct weight shape (and the head, which only sees decode-sized calls): rows
+    computed alone are the reference; every call of M rows (1..max_rows) at two offsets,
+    and every row of the prefill-sized calls, must reproduce them bit for bit.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    offset = 7  # a row's position in the call must not matter either
+    distinct = {tuple(w.shape): w for w in shape.layers[0]}
+    targets = [(w, prefill_rows) for w in distinct.values()] + [(shape.head, 0)]
+    for weight, prefill in targets:
+        packed = kernel.pack(weight)
+        # Every row of a prefill call, not only its first: later row panels may take another path.
+        reference_rows = max(max_rows + offset, prefill)
+        x = torch.randn(max(reference_rows, prefill), weight.shape[1], generator=generator)
+        x = x.to(device=weight.device, dtype=weight.dtype)
+        alone = torch.cat([kernel.apply(x[r : r + 1], packed) for r in range(reference_rows)])
+        calls = [(m, start) for m in range(1, max_rows + 1) for start in (0, offset)]
+        calls += [(m, 0) for m in sorted({2 * max_rows, prefill}) if m > max_rows and prefill]
+        for m, start in calls:
+            out = kernel.apply(x[start : start + m], packed)
+            checked = min(m, reference_rows - start)
+            if not torch.equal(out[:checked], alone[start : start + checked]):
+                out_features, in_features = weight.shape
+                return (f"{m} rows at offset {start} differ from rows alone, "
+                        f"weight {out_features}x{in_features}")
+    return ""
+
+
+def _best_seconds(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    run()  # the first call pays for allocation and oneDNN's primitive creation
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
+                    verdicts: dict[str, KernelVerdict]) -> str:
+    def describe(kernel: LinearKernel) -> str:
+        verdict = verdicts[kernel.name]
+        times = "/".join(f"{ms:.1f}" for ms in verdict.ms_by_rows.values())
+        flag = {True: "", False: ", not invariant", None: ""}[verdict.invariant]
+        return f"{kernel.name} {times}{flag}"
+
+    counts = list(verdicts[chosen.name].ms_by_rows)
+    rows = "/".join(str(r) for r in counts) + (" row" if counts == [1] else " rows")
+    others = [describe(k) for k in ranked if k is not chosen]
+    return f"ms per forward's linears at {rows}: {describe(chosen)}" + (
+        f"; {'; '.join(others)}" if others else "")
+
+
+def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_rows: int) -> str:
+    weight = shape.layers[0][0]
+    facts = {
+        "version": CACHE_VERSION,
+        "cpu": cpu_model(), "flags": vector_flags(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(), "dtype": str(weight.dtype),
+        "native": _native_build_key(),
+        **({"formats": [quant.format_names(w) for w in [*shape.layers[0], shape.head]]}
+           if shape.quantized else {}),
+        "shapes": [list(w.shape) for w in shape.layers[0]] + [list(shape.head.shape)],
+        "layers": len(shape.layers), "max_rows": max_rows, "prefill_rows": prefill_rows,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _native_build_key() -> str:
+    """The native library's build (its sources' hash), so an edited kernel is measured again."""
+    library = native.library()
+    return library.build.path.parent.name if library is not None and library.build.path else "off"
+
+
+def _read_cache(path: Path | None, key: str) -> dict[str, KernelVerdict]:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8")).get(key, {})
+        return {name: KernelVerdict({int(r): ms for r, ms in v["ms_by_rows"].items()}, v["invariant"],
+                                    v["failure"]) for name, v in entry.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        log.warning("ignoring an unreadable kernel cache at %s", path)
+        return {}
+
+
+def _write_cache(path: Path, key: str, verdicts: dict[str, KernelVerdict]) -> None:
+    try:
+        everything = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        everything = {}
+    entry = everything.setdefault(key, {})
+    entry.update({name: asdict(v) for name, v in verdicts.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(everything, indent=1), encoding="utf-8")
+    partial.replace(path)  # atomic: two engines starting at once never read half a file

@@ -1,0 +1,107 @@
+"""Rotary position embeddings: the frequencies of every scaling kind transformers implements
+(default, linear, dynamic, llama3, yarn, longrope), the (cos, signed sin) tables a model
+builds once, and the rotation itself in the Hugging Face (rotate_half) layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanoserve.config import ModelConfig, Rope
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies of the config's (full-attention) RoPE."""
+    return rope_frequencies(Rope(config.rope_theta, config.rope_scaling), config.head_dim,
+                            config.max_position_embeddings)[0]
+
+
+def rope_frequencies(rope: Rope, dim: int, context: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2] float64, the factor cos and sin are scaled by), as
+    transformers' ROPE_INIT_FUNCTIONS compute them for every position up to `context`."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = rope.scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind in ("default", "dynamic"):  # dynamic NTK changes nothing up to max_position_embeddings
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(rope.theta, dim, scaling, context)
+    if kind == "longrope":
+        return _longrope(inv_freq, scaling, context)
+    raise ValueError(f"RoPE type {kind!r} is not implemented")  # config.py refuses it first
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama-3 scaling: long wavelengths stretched by `factor`, short ones kept, a blend between."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, scaled)
+
+
+def _yarn(theta: float, dim: int, scaling: dict, context: int) -> tuple[torch.Tensor, float]:
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or context / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolated = 1 - ramp
+    inv_freq = extrapolation / factor * (1 - extrapolated) + extrapolation * extrapolated
+    return inv_freq, float(attention)
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict, context: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE's short factors (config.py caps the context at the original one, where
+    transformers uses them) and its attention factor from the extension ratio."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]  # config.py puts max_position_embeddings / original where none is given
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float64)
+    return inv_freq / short, float(attention)
+
+def rope_table(rope: Rope, config: ModelConfig, context: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [context, head_dim] of one RoPE, scaled by its attention factor."""
+    inv_freq, factor = rope_frequencies(rope, config.head_dim, config.max_position_embeddings)
+    freqs = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
+    cos, sin = freqs.cos() * factor, freqs.sin() * factor
+    return (torch.cat([cos, cos], dim=-1).to(device=device, dtype=dtype),
+            torch.cat([-sin, sin], dim=-1).to(device=device, dtype=dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the Hugging Face (rotate_half) layout: x*cos + rotate_half(x)*sin.
+
+    rotate_half(x) = cat(-x2, x1) is a roll by half the head with the sign folded into the sin
+    table, so the rotation is four exact elementwise ops, bit-identical to the textbook form.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -1,0 +1,179 @@
+/* Every decoder layer of a step in one native call, inside one parallel region.
+ *
+ * A Llama layer on the native path is nine kernel calls (norm, qkv, RoPE + K/V write,
+ * attention, o, residual add + norm, gate_up, SiLU*up, down), each a trip through Python,
+ * ctypes and a wake of the pool. Here the whole stack of layers runs as one task on the pool's
+ * threads, the stages separated by barriers:
+ *     norm (+ residual add) and quantize | qkv | RoPE + K/V write | attention | quantize |
+ *     o | residual add + norm and quantize | gate_up | SiLU*up and quantize | down
+ * Each stage is the exported kernel's own code (stages.h), split the same way (rows, (row,
+ * K/V head) units, groups of 8 columns: never a reduction), so the bits are the separate
+ * calls' bits, and batch-invariant for the same reasons. A stage too small to be worth
+ * splitting (NS_STAGE_MIN_WORK) runs on thread 0 while the others wait at the barrier.
+ * The matrices are in matmul_x8.c's repacked layout (their inputs quantized once, in the
+ * stage that writes them) or float32 in matmul_float.c's panels (format FLOAT_PANELS). The
+ * last layer's down projection is left in `delta`, not yet added to `hidden`, as the Python
+ * loop leaves it.
+ */
+#include <stdlib.h>
+#include <time.h>
+
+#include "nanoserve.h"
+#include "stages.h"
+
+/* Elements of work below which a stage runs on one thread (ops.c's NS_PARALLEL_MIN_WORK). */
+#define NS_STAGE_MIN_WORK 16384
+
+enum { QKV, O, GATE_UP, DOWN, MATRICES };
+enum { FLOAT_PANELS = 0 }; /* a matrix's format: 0, or matmul_x8.c's layout (3: Q4_1, 8: Q8_0) */
+
+/* The model: fixed after load. Per-layer arrays hold `layers` entries (matrices: 4 per layer). */
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *const *input_norm, *const *post_norm;
+    const void *const *matrices;    /* [layer * 4 + QKV/O/GATE_UP/DOWN] */
+    const int32_t *formats;         /* the same order: FLOAT_PANELS or the x8 layout */
+    float *const *k_cache, *const *v_cache; /* [layer]: [kv_heads, num_blocks * block_size, head_dim] */
+    int64_t block_size, num_blocks;
+    const float *cos, *signed_sin; /* [positions, head_dim] */
+} DecoderModel;
+
+/* One step: its rows, where their context lives, and the buffers the stages write. */
+typedef struct {
+    int64_t rows, table_width;
+    const int64_t *positions, *slot_mapping, *block_tables, *row_seq;
+    float *hidden, *delta, *normed, *qkv, *attended, *gate_up, *activated;
+    double *linear_seconds; /* NULL, or where thread 0 adds the projections' wall time (profile) */
+} DecoderStep;
+
+typedef struct {
+    const DecoderModel *m;
+    const DecoderStep *s;
+    xblock *xq; /* one quantized input at a time: every reuse is past a barrier */
+    _Atomic int failed;
+} DecoderJob;
+
+/* Thread `thread`'s rows of a row-wise stage of `work` elements. */
+static void stage_rows(int64_t rows, int64_t work, int thread, int threads, int64_t *begin, int64_t *end) {
+    if (work < NS_STAGE_MIN_WORK) {
+        *begin = 0;
+        *end = thread == 0 ? rows : 0;
+        return;
+    }
+    ns_share(rows, thread, threads, begin, end);
+}
+
+/* Whether matrix `which` of `layer` reads its input quantized (then the stage before it quantizes). */
+static int quantized(const DecoderModel *m, int64_t layer, int which) {
+    return m->formats[layer * MATRICES + which] != FLOAT_PANELS;
+}
+
+static void norm_and_quantize(const DecoderJob *job, const float *delta, const float *weight, int quantize,
+                              int thread, int threads) {
+    const DecoderModel *m = job->m;
+    const DecoderStep *s = job->s;
+    int64_t begin, end;
+    stage_rows(s->rows, s->rows * m->hidden, thread, threads, &begin, &end);
+    ns_stage_norm_rows(s->hidden, delta, weight, s->normed, m->hidden, m->eps, begin, end);
+    if (quantize) ns_stage_quantize_rows(s->normed, m->hidden, job->xq, begin, end);
+}
+
+/* y = input @ W^T for matrix `which` of `layer`: from the float input, or from its quantized
+ * copy in job->xq. */
+static void project(const DecoderJob *job, int64_t layer, int which, const float *input, float *y, int64_t n,
+                    int64_t k, int thread, int threads) {
+    const DecoderModel *m = job->m;
+    int64_t at = layer * MATRICES + which;
+    if (m->formats[at] == FLOAT_PANELS)
+        ns_stage_float(input, m->matrices[at], y, job->s->rows, n, k, thread, threads);
+    else
+        ns_stage_x8(m->formats[at], job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
+}
+
+static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {
+    const DecoderModel *m = job->m;
+    const DecoderStep *s = job->s;
+    const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    int64_t begin, end;
+    stage_rows(s->rows, s->rows * qkv_width, thread, threads, &begin, &end);
+    ns_stage_rope_rows(s->qkv, s->positions, m->cos, m->signed_sin, s->slot_mapping, m->k_cache[layer],
+                       m->v_cache[layer], m->heads, m->kv_heads, m->head_dim, m->num_blocks * m->block_size,
+                       begin, end);
+    ns_barrier(threads);
+    int64_t longest = 0;
+    for (int64_t r = 0; r < s->rows; r++) longest = s->positions[r] + 1 > longest ? s->positions[r] + 1 : longest;
+    const int64_t units = s->rows * m->kv_heads;
+    int split = units > 1 && units * (m->heads / m->kv_heads) * longest * m->head_dim >= NS_STAGE_MIN_WORK;
+    if (split || thread == 0) {
+        int status = ns_stage_attention(s->qkv, qkv_width, m->k_cache[layer], m->v_cache[layer], s->block_tables,
+                                        s->table_width, s->row_seq, s->positions, s->attended, s->rows, m->heads,
+                                        m->kv_heads, m->head_dim, m->block_size, m->num_blocks, m->scale,
+                                        split ? thread : 0, split ? threads : 1);
+        if (status != 0) job->failed = 1;
+    }
+    ns_barrier(threads);
+    if (!quantized(m, layer, O)) return;
+    const int64_t q_size = m->heads * m->head_dim;
+    stage_rows(s->rows, s->rows * q_size, thread, threads, &begin, &end);
+    ns_stage_quantize_rows(s->attended, q_size, job->xq, begin, end);
+}
+
+static void mlp_activation(const DecoderJob *job, int quantize, int thread, int threads) {
+    const DecoderStep *s = job->s;
+    const int64_t width = job->m->intermediate;
+    int64_t begin, end;
+    stage_rows(s->rows, s->rows * width, thread, threads, &begin, &end);
+    ns_stage_silu_rows(s->gate_up, s->activated, width, begin, end);
+    if (quantize) ns_stage_quantize_rows(s->activated, width, job->xq, begin, end);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A projection and the barrier that ends it, timed on thread 0 when the profile asks. */
+static void timed_project(const DecoderJob *job, int64_t layer, int which, const float *input, float *y,
+                          int64_t n, int64_t k, int thread, int threads) {
+    double start = job->s->linear_seconds != NULL && thread == 0 ? now_s() : 0.0;
+    project(job, layer, which, input, y, n, k, thread, threads);
+    ns_barrier(threads);
+    if (start != 0.0) *job->s->linear_seconds += now_s() - start;
+}
+
+static void decoder_task(void *context, int thread, int threads) {
+    DecoderJob *job = context;
+    const DecoderModel *m = job->m;
+    const DecoderStep *s = job->s;
+    const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim, q_size = m->heads * m->head_dim;
+    for (int64_t layer = 0; layer < m->layers; layer++) {
+        norm_and_quantize(job, layer == 0 ? NULL : s->delta, m->input_norm[layer], quantized(m, layer, QKV),
+                          thread, threads);
+        ns_barrier(threads);
+        timed_project(job, layer, QKV, s->normed, s->qkv, qkv_width, m->hidden, thread, threads);
+        attention(job, layer, thread, threads);
+        ns_barrier(threads);
+        timed_project(job, layer, O, s->attended, s->delta, m->hidden, q_size, thread, threads);
+        norm_and_quantize(job, s->delta, m->post_norm[layer], quantized(m, layer, GATE_UP), thread, threads);
+        ns_barrier(threads);
+        timed_project(job, layer, GATE_UP, s->normed, s->gate_up, 2 * m->intermediate, m->hidden, thread, threads);
+        mlp_activation(job, quantized(m, layer, DOWN), thread, threads);
+        ns_barrier(threads);
+        timed_project(job, layer, DOWN, s->activated, s->delta, m->hidden, m->intermediate, thread, threads);
+    }
+}
+
+/* Runs every layer of `m` over the step `s`: `hidden` [rows, hidden] is the residual stream
+ * (updated in place up to the last layer's MLP), `delta` [rows, hidden] ends as the last
+ * layer's MLP output. Returns 0, or -2 when a scratch buffer could not be allocated. */
+NS_EXPORT int ns_decoder_layers(const DecoderModel *m, const DecoderStep *s, int num_threads) {
+    int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
+    widest = widest > m->heads * m->head_dim ? widest : m->heads * m->head_dim;
+    DecoderJob job = {m, s, malloc(sizeof(xblock) * (size_t)(s->rows * (widest / 32))), 0};
+    if (job.xq == NULL) return -2;
+    ns_parallel(num_threads, decoder_task, &job);
+    free(job.xq);
+    return job.failed ? -2 : 0;
+}

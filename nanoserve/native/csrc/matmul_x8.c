@@ -1,0 +1,324 @@
+/* y = x @ W^T with W's blocks repacked at load: eight output columns interleaved per block.
+ *
+ * The row-major GGUF layout (matmul_quant.c) gives each output column its own stream of
+ * blocks, so a one-row product reduces every 32-value block to one number with a horizontal
+ * sum and two scalar scale conversions. Here the blocks of 8 consecutive output columns are
+ * interleaved, as ggml-cpu's repack does for Q4_0 (its block_q4_0x8), so one block step does
+ * the 8 columns at once with every lane busy: the 8 scales convert in one instruction, and each
+ * 32-bit lane of a register holds 4 code bytes of one column, so the integer dot products sum
+ * into one int32 lane per column without any horizontal step.
+ *
+ * Layout of a group of 8 columns (nanoserve/native/quant.py's `repack` writes it), block by
+ * block along K, each group-block:
+ *     Q4_1 (160 bytes = 8 x 20): d[8] f16, m[8] f16, then 4 chunks t of 32 bytes: column c's
+ *          code bytes 4t..4t+3 at 32t + 4c. A code byte i holds value i (low nibble) and value
+ *          16 + i (high nibble), as in the file.
+ *     Q8_0 (272 bytes = 8 x 34): d[8] f16, then 8 chunks t of 32 bytes: column c's codes
+ *          4t..4t+3 at 32t + 4c.
+ * The file's bytes, reordered; N is padded to a multiple of 8 with zero columns. Q4_0 is
+ * repacked into the Q4_1 layout with m = -8 d (exact in f16), 20 bytes a block instead of 18.
+ *
+ * Activations: each row quantized once per call to 8-bit blocks (quant_blocks.h), rows split
+ * among the threads, then one barrier; a call of a few rows has each thread quantize them all
+ * instead (PRIVATE_ROWS). The codes are the same either way.
+ *
+ * The arithmetic of output (row, column), the same on every path and in every tile:
+ *     acc = fma(float(isum_b), d_b * dx_b, acc), off = fma(m_b, sx_b, off) for b in K order,
+ *     y = acc + off   (Q8_0: off = 0)
+ * where isum_b is the block's exact integer dot product. So the AVX2 path equals the
+ * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend
+ * on its tile, its neighbours or the thread split (threads split groups of columns).
+ * Int16 headroom (Q4_1): a maddubs lane sums 2 products of at most 15 x 127; eight of them
+ * (4 chunks, 2 halves) sum to at most 30480 < 32767.
+ *
+ * Blocking: a thread takes its groups one at a time for each panel of ROW_PANEL rows, and
+ * runs the panel's rows in tiles of ROW_TILE against the group, whose blocks stay in L1
+ * (a few KB per group). The panel's quantized rows are read again for every group, so the
+ * panel is small enough to stay in L1 at K = 576 (32 rows x 18 blocks x 40 bytes) and in L2
+ * at any K of the default model; the weights are read once per panel, so a one-row call (and
+ * any decode step of up to 32 rows) streams them once.
+ */
+#include <stdlib.h>
+
+#include "nanoserve.h"
+#include "quant_blocks.h"
+#include "stages.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NS_X8_AVX2 1
+#endif
+
+enum { X8_Q4_1 = 3, X8_Q8_0 = 8 }; /* the GGML type numbers of the layouts' formats */
+enum { COLUMNS = 8, ROW_TILE = 4, ROW_PANEL = 32 };
+
+static int group_block_bytes(int fmt) { return fmt == X8_Q4_1 ? 160 : fmt == X8_Q8_0 ? 272 : 0; }
+
+/* ---- portable ---------------------------------------------------------------------------- */
+
+/* One group of 8 columns against one activation row: out[c] for c < valid. */
+static void dot_group_portable(const int fmt, const uint8_t *group, const xblock *x, int64_t blocks,
+                               float *out, int valid) {
+    const int bytes = group_block_bytes(fmt);
+    float acc[COLUMNS] = {0}, off[COLUMNS] = {0};
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * bytes;
+        const int8_t *xq = x[b].qs;
+        for (int c = 0; c < COLUMNS; c++) {
+            int isum = 0;
+            if (fmt == X8_Q4_1) {
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) {
+                        int code = block[32 + 32 * t + 4 * c + i];
+                        isum += (code & 0x0F) * xq[4 * t + i] + (code >> 4) * xq[16 + 4 * t + i];
+                    }
+                off[c] = fmaf(f16_to_f32(block + 16 + 2 * c), x[b].s, off[c]);
+            } else {
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < 4; i++) isum += (int8_t)block[16 + 32 * t + 4 * c + i] * xq[4 * t + i];
+            }
+            acc[c] = fmaf((float)isum, f16_to_f32(block + 2 * c) * x[b].d, acc[c]);
+        }
+    }
+    for (int c = 0; c < valid; c++) out[c] = acc[c] + off[c];
+}
+
+/* A tile of `rows` activation rows (x_stride blocks apart) against one group. */
+static void dot_tile_portable(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,
+                              int64_t blocks, float *y, int64_t n, int valid) {
+    for (int r = 0; r < rows; r++) dot_group_portable(fmt, group, x + r * x_stride, blocks, y + r * n, valid);
+}
+
+/* ---- AVX2 -------------------------------------------------------------------------------- */
+
+#ifdef NS_X8_AVX2
+static inline __m256i broadcast4(const int8_t *p) { /* 4 code bytes into every 32-bit lane */
+    int32_t word;
+    memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
+}
+
+static inline void store_columns(float *y, __m256 v, int valid) {
+    if (valid == COLUMNS) {
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    float lanes[COLUMNS];
+    _mm256_storeu_ps(lanes, v);
+    memcpy(y, lanes, (size_t)valid * sizeof(float));
+}
+
+/* The tile kernel, inlined into one function per (format, tile height) so both are constants.
+ * A row's instructions are the same whatever the tile height; the tile only shares the
+ * group-block's loads and nibble unpacking among its rows. */
+static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, const int rows,
+                                                                const uint8_t *group, const xblock *x,
+                                                                int64_t x_stride, int64_t blocks, float *y,
+                                                                int64_t n, int valid) {
+    const int bytes = group_block_bytes(fmt);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROW_TILE], off[ROW_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = off[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * bytes;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        if (fmt == X8_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)));
+            __m256i lo[4], hi[4];
+            for (int t = 0; t < 4; t++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(block + 32 + 32 * t));
+                lo[t] = _mm256_and_si256(w, low4);
+                hi[t] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+            }
+            for (int r = 0; r < rows; r++) {
+                const xblock *xb = x + r * x_stride + b;
+                __m256i sums = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo[t], broadcast4(xb->qs + 4 * t)));
+                    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(hi[t], broadcast4(xb->qs + 16 + 4 * t)));
+                }
+                __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
+                acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
+                off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), off[r]);
+            }
+        } else {
+            for (int r = 0; r < rows; r++) {
+                const xblock *xb = x + r * x_stride + b;
+                __m256i sums = _mm256_setzero_si256();
+                for (int t = 0; t < 8; t++) {
+                    /* maddubs multiplies unsigned by signed bytes: the weight's sign moves onto x */
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * t));
+                    __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                            _mm256_sign_epi8(broadcast4(xb->qs + 4 * t), w));
+                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(products, ones));
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) store_columns(y + r * n, _mm256_add_ps(acc[r], off[r]), valid);
+}
+
+#define DEFINE_TILE_AVX2(NAME, FMT)                                                                      \
+    static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,         \
+                     int64_t blocks, float *y, int64_t n, int valid) {                                   \
+        (void)fmt;                                                                                       \
+        if (rows == ROW_TILE) {                                                                          \
+            dot_tile_avx2(FMT, ROW_TILE, group, x, x_stride, blocks, y, n, valid);                       \
+            return;                                                                                      \
+        }                                                                                                \
+        for (int r = 0; r < rows; r++) dot_tile_avx2(FMT, 1, group, x + r * x_stride, x_stride, blocks, \
+                                                     y + r * n, n, valid);                               \
+    }
+DEFINE_TILE_AVX2(dot_tile_avx2_q4_1, X8_Q4_1)
+DEFINE_TILE_AVX2(dot_tile_avx2_q8_0, X8_Q8_0)
+#endif
+
+/* ---- the entry points -------------------------------------------------------------------- */
+
+typedef void (*tile_fn)(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,
+                        int64_t blocks, float *y, int64_t n, int valid);
+
+typedef struct {
+    tile_fn tile;
+    void (*quantize)(const float *x, int64_t k, xblock *out);
+    int fmt;
+    const float *x;
+    const uint8_t *w;
+    xblock *xq;
+    float *y;
+    int64_t rows, n, k;
+} X8Job;
+
+/* Thread `thread`'s groups of columns of y = xq @ W^T, every panel of rows. */
+static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows,
+                      int64_t n, int64_t k, int thread, int threads) {
+    const int64_t blocks = k / 32, groups = (n + COLUMNS - 1) / COLUMNS;
+    const int64_t group_bytes = blocks * group_block_bytes(fmt);
+    int64_t begin, end;
+    ns_share(groups, thread, threads, &begin, &end);
+    for (int64_t panel = 0; panel < rows; panel += ROW_PANEL) {
+        int64_t panel_end = panel + ROW_PANEL < rows ? panel + ROW_PANEL : rows;
+        for (int64_t g = begin; g < end; g++) {
+            int valid = n - g * COLUMNS < COLUMNS ? (int)(n - g * COLUMNS) : COLUMNS;
+            for (int64_t r = panel; r < panel_end; r += ROW_TILE) {
+                int tile_rows = panel_end - r < ROW_TILE ? (int)(panel_end - r) : ROW_TILE;
+                tile(fmt, tile_rows, w + g * group_bytes, xq + r * blocks, blocks, blocks, y + r * n + g * COLUMNS,
+                     n, valid);
+            }
+        }
+    }
+}
+
+#ifdef NS_X8_AVX2
+#define BEST_TILE(fmt) ((fmt) == X8_Q4_1 ? dot_tile_avx2_q4_1 : dot_tile_avx2_q8_0)
+#else
+#define BEST_TILE(fmt) dot_tile_portable
+#endif
+
+void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r++) quantize_row(x + r * k, k, xq + r * (k / 32));
+}
+
+void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
+                 int thread, int threads) {
+    x8_groups(BEST_TILE(fmt), fmt, xq, w, y, rows, n, k, thread, threads);
+}
+
+/* A call of at most this many rows has every thread quantize all of them into its own copy
+ * (a few hundred nanoseconds a row) rather than split them and wait at a barrier: on a busy
+ * machine a barrier can wait a whole time slice for a descheduled thread. */
+#define PRIVATE_ROWS 8
+
+static void x8_task(void *context, int thread, int threads) {
+    const X8Job *job = context;
+    const int64_t blocks = job->k / 32;
+    xblock *xq = job->xq;
+    int64_t begin, end;
+    if (job->rows <= PRIVATE_ROWS) {
+        xq += thread * job->rows * blocks;
+        begin = 0, end = job->rows;
+    } else {
+        ns_share(job->rows, thread, threads, &begin, &end);
+    }
+    for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
+    if (job->rows > PRIVATE_ROWS) ns_barrier(threads);
+    x8_groups(job->tile, job->fmt, xq, job->w, job->y, job->rows, job->n, job->k, thread, threads);
+}
+
+static int matmul_x8(tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
+                     const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (group_block_bytes(fmt) == 0 || k % 32 != 0) return -1;
+    int64_t groups = (n + COLUMNS - 1) / COLUMNS;
+    if (num_threads > groups) num_threads = (int)groups;
+    if (num_threads < 1) num_threads = 1;
+    int64_t copies = rows <= PRIVATE_ROWS ? num_threads : 1;
+    xblock *xq = malloc(sizeof(xblock) * (size_t)(copies * rows * (k / 32)));
+    if (xq == NULL) return -2;
+    X8Job job = {tile, quantize, fmt, x, w, xq, y, rows, n, k};
+    ns_parallel(num_threads, x8_task, &job);
+    free(xq);
+    return 0;
+}
+
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 8: Q8_0), on the
+ * widest path compiled in. Returns 0, -1 for an unknown layout or k not whole blocks, -2 when
+ * out of memory. */
+NS_EXPORT int ns_matmul_x8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
+                           int64_t k, int num_threads) {
+    return matmul_x8(BEST_TILE(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
+}
+
+/* The same through plain C, for the tests to hold the vector path against (bit for bit). */
+NS_EXPORT int ns_matmul_x8_portable(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows,
+                                    int64_t n, int64_t k, int num_threads) {
+    return matmul_x8(dot_tile_portable, quantize_row_portable, fmt, x, w, y, rows, n, k, num_threads);
+}
+
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    const int64_t *ids;
+    int64_t count, k;
+    float *out;
+} LookupJob;
+
+static void lookup_task(void *context, int thread, int threads) {
+    const LookupJob *job = context;
+    const int fmt = job->fmt, bytes = group_block_bytes(fmt);
+    const int64_t blocks = job->k / 32;
+    int64_t begin, end;
+    ns_share(job->count, thread, threads, &begin, &end);
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t g = job->ids[i] / COLUMNS;
+        const int c = (int)(job->ids[i] % COLUMNS);
+        float *row = job->out + i * job->k;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = job->w + (g * blocks + b) * bytes;
+            const float d = f16_to_f32(block + 2 * c);
+            if (fmt == X8_Q4_1) {
+                const float m = f16_to_f32(block + 16 + 2 * c);
+                for (int t = 0; t < 4; t++)
+                    for (int j = 0; j < 4; j++) {
+                        int code = block[32 + 32 * t + 4 * c + j];
+                        row[32 * b + 4 * t + j] = d * (float)(code & 0x0F) + m;
+                        row[32 * b + 16 + 4 * t + j] = d * (float)(code >> 4) + m;
+                    }
+            } else {
+                for (int t = 0; t < 8; t++)
+                    for (int j = 0; j < 4; j++) row[32 * b + 4 * t + j] = d * (float)(int8_t)block[16 + 32 * t + 4 * c + j];
+            }
+        }
+    }
+}
+
+/* out [count, k] = rows ids[i] of the repacked W [n, k], dequantized (a tied head's table
+ * serving the embedding lookups). Returns 0, -1 as ns_matmul_x8, or -3 for an id outside [0, n). */
+NS_EXPORT int ns_dequantize_rows_x8(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
+                                    int64_t k, float *out, int num_threads) {
+    if (group_block_bytes(fmt) == 0 || k % 32 != 0) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -3;
+    LookupJob job = {fmt, w, ids, count, k, out};
+    ns_parallel(count > 1 ? num_threads : 1, lookup_task, &job);
+    return 0;
+}

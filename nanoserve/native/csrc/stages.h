@@ -1,0 +1,37 @@
+/* One thread's share of an op, with no barrier of its own: what the exported kernels run
+ * inside ns_parallel, and what decoder.c chains inside one parallel region per step.
+ * A stage computes exactly what its exported kernel computes (the same function per row,
+ * block or unit), so the fused decoder's bits are the separate calls' bits. */
+#ifndef NANOSERVE_STAGES_H
+#define NANOSERVE_STAGES_H
+
+#include <stdint.h>
+
+#include "quant_blocks.h"
+
+/* ops.c, on the vector path. Rows [begin, end). delta NULL: a plain RMSNorm of residual. */
+void ns_stage_norm_rows(float *residual, const float *delta, const float *weight, float *out, int64_t dim,
+                        float eps, int64_t begin, int64_t end);
+void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t begin, int64_t end);
+void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
+                        const int64_t *slots, float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads,
+                        int64_t dim, int64_t cache_slots, int64_t begin, int64_t end);
+/* Attention over the paged cache (ops.c's ns_paged_attention), thread `thread`'s (row, K/V head)
+ * units; returns 0, or -2 when its scratch could not be allocated. */
+int ns_stage_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
+                       const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads);
+
+/* matmul_x8.c, on the vector path: rows [begin, end) of x [., k] quantized into xq; then thread
+ * `thread`'s groups of 8 columns of y [rows, n] = xq @ W^T. */
+void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin, int64_t end);
+void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
+                 int thread, int threads);
+
+/* matmul_float.c, on the vector path: thread `thread`'s panels of 16 columns of y [m, n] =
+ * x @ W^T, W float32 in matmul.py's packed panels. */
+void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
+                    int threads);
+
+#endif

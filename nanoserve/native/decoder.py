@@ -1,0 +1,159 @@
+"""Every decoder layer of a step in one native call (csrc/decoder.c), for the plain Llama stack.
+
+Owns: the C structs that describe the model (built once: norms, the repacked matrices of
+each layer, the RoPE table) and one step (rows, positions, slots, block tables, the buffers
+the stages write), the checks a raw pointer cannot make, and `NativeDecoder.run`, which
+takes the same step data the per-op path takes and leaves the same bits: the stages are the
+exported kernels' own code.
+Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
+None): a matrix neither in the repacked layout (nanoserve.native.repack) nor float32 in
+nanoserve.native.matmul's panels, a width not whole blocks of 32, or the library off. The
+model then keeps its loop of separate calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve import native
+from nanoserve.native.ops import PagedContext
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("eps", _F32), ("scale", _F32), ("input_norm", _P), ("post_norm", _P),
+                ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
+                ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("table_width", _I64), ("positions", _P), ("slot_mapping", _P),
+                ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
+                ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P)]
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+FLOAT_PANELS = 0  # csrc/decoder.c: a float32 matrix in nanoserve.native.matmul's panels
+
+
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+    return (_P * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+def _format(matrix: object, float_panels: bool) -> int | None:
+    """The C decoder's format number of a packed matrix, or None where it cannot run it."""
+    from nanoserve.native.repack import RepackedWeight
+
+    if isinstance(matrix, RepackedWeight):
+        return matrix.layout.ggml_type
+    if float_panels and isinstance(matrix, torch.Tensor) and matrix.dtype == torch.float32:
+        return FLOAT_PANELS
+    return None
+
+
+def _storage(matrix: object) -> torch.Tensor:
+    return matrix if isinstance(matrix, torch.Tensor) else matrix.blocks
+
+
+class NativeDecoder:
+    """One model's layers, ready to run a step in one call. Holds references to every tensor
+    whose address it passes, so none is freed under it."""
+
+    def __init__(self, lib: ctypes.CDLL, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
+                 matrices: list[list[object]], formats: list[int], cos: torch.Tensor,
+                 signed_sin: torch.Tensor) -> None:
+        self._run = lib.ns_decoder_layers
+        self._run.argtypes, self._run.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+        self.shape = shape
+        self._kept = [norms, matrices, cos, signed_sin]
+        self._input_norms = _pointers([n[0] for n in norms])
+        self._post_norms = _pointers([n[1] for n in norms])
+        self._matrices = _pointers([_storage(m) for layer in matrices for m in layer])
+        self._formats = (ctypes.c_int32 * (4 * len(formats)))(*formats)
+        self._model = _Model(len(matrices), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                             shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
+                             ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
+                             ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
+                             signed_sin.data_ptr())
+        self._cache: tuple[object, ctypes.Array, ctypes.Array] | None = None
+        # None, or the seconds the projections took so far (with their barriers), for the
+        # profile's split of the forward; timing costs two clock reads a projection.
+        self.linear_s: float | None = None
+
+    @classmethod
+    def for_layers(cls, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
+                   matrices: list[list[object]], cos: torch.Tensor, signed_sin: torch.Tensor, *,
+                   float_panels: bool) -> NativeDecoder | None:
+        """The decoder for these layers (each: qkv, o, gate_up, down, as the model's kernel
+        packed them; `float_panels`: dense ones are in nanoserve.native.matmul's panels), or
+        None where it cannot run them exactly as the per-op path does."""
+        library = native.library()
+        if library is None or not matrices:
+            return None
+        widths = (shape.hidden, shape.heads * shape.head_dim, shape.intermediate)
+        formats = [_format(m, float_panels) for layer in matrices for m in layer]
+        if any(w % 32 for w in widths) or None in formats:
+            return None
+        tensors = [t for pair in norms for t in pair] + [cos, signed_sin] + [_storage(m) for layer in matrices
+                                                                             for m in layer]
+        if any(not t.is_contiguous() or not t.is_cpu for t in tensors):
+            return None
+        if any(t.dtype != torch.float32 for t in tensors[: 2 * len(norms) + 2]):
+            return None
+        return cls(library.lib, shape, norms, matrices, formats, cos, signed_sin)
+
+    def _bind_cache(self, kv_cache) -> None:
+        """The cache's per-layer addresses, once per cache (the engine keeps one for its life)."""
+        if self._cache is not None and self._cache[0] is kv_cache:
+            return
+        k, v = _pointers(list(kv_cache.k)), _pointers(list(kv_cache.v))
+        self._model.k_cache, self._model.v_cache = ctypes.addressof(k), ctypes.addressof(v)
+        self._model.block_size, self._model.num_blocks = kv_cache.block_size, kv_cache.num_blocks
+        self._cache = (kv_cache, k, v)
+
+    def run(self, hidden: torch.Tensor, slot_mapping: torch.Tensor, paged: PagedContext, kv_cache,
+            normed: torch.Tensor, attended: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
+        """Every layer over the step's rows: `hidden` updated in place; returns the last
+        layer's MLP output, not yet added (as the per-op loop returns it). `normed`,
+        `attended`, `activated`: the step's buffers [rows, hidden / heads * head_dim /
+        intermediate]; `paged` and `slot_mapping` checked by the model (model.paged_context)."""
+        s, rows = self.shape, hidden.shape[0]
+        for name, t, width in (("hidden", hidden, s.hidden), ("normed", normed, s.hidden),
+                               ("attended", attended, s.heads * s.head_dim),
+                               ("activated", activated, s.intermediate)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != (rows, width):
+                raise ValueError(f"{name} must be a contiguous float32 [{rows}, {width}] tensor")
+        if paged.rows != rows or slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (rows,):
+            raise ValueError(f"the step's context and slots must describe its {rows} rows")
+        self._bind_cache(kv_cache)
+        delta = torch.empty_like(hidden)
+        qkv = hidden.new_empty(rows, (s.heads + 2 * s.kv_heads) * s.head_dim)
+        gate_up = hidden.new_empty(rows, 2 * s.intermediate)
+        slots = slot_mapping.contiguous()
+        step = _Step(rows, paged.block_tables.shape[1], paged.positions.data_ptr(), slots.data_ptr(),
+                     paged.block_tables.data_ptr(), paged.row_seq.data_ptr(), hidden.data_ptr(),
+                     delta.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(),
+                     gate_up.data_ptr(), activated.data_ptr())
+        linear_s = ctypes.c_double(0.0)
+        if self.linear_s is not None:
+            step.linear_seconds = ctypes.addressof(linear_s)
+        if rows and self._run(ctypes.addressof(self._model), ctypes.addressof(step), torch.get_num_threads()):
+            raise MemoryError("the native decoder could not allocate its scratch")
+        if self.linear_s is not None:
+            self.linear_s += linear_s.value
+        return delta

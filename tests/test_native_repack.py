@@ -1,0 +1,118 @@
+"""Blocks repacked at load (nanoserve.native.repack, csrc/matmul_x8.c): the layout holds the file's
+values, the kernel agrees with a float64 product within the activation rounding bound
+(tests/test_quant.py's module doc) on ragged shapes, the vector path gives the portable path's
+bits, and a row's bits never depend on its neighbours or the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quant import assert_within_bound, random_weight
+
+from nanoserve import native, quant
+from nanoserve.model.linear import QUANTIZED_KERNELS, ProbeShape, choose_kernel, embedding, self_test
+from nanoserve.quant import QuantizedStack, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
+
+REPACKED_FORMATS = ("q4_0", "q4_1", "q8_0")
+# N odd, N below one group of 8, N a multiple of 8; K one block, and not a multiple of 256.
+SHAPES = [(1, 32), (37, 96), (19, 608), (64, 576)]
+
+
+def _repack():
+    from nanoserve.native import repack
+
+    return repack
+
+
+@pytest.mark.parametrize("format_name", REPACKED_FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_repacked_rows_read_back_as_the_reference_dequantizer_gives_them(format_name, out_features,
+                                                                         in_features):
+    weight = random_weight(format_name, out_features, in_features, seed=out_features)
+    repacked = _repack().repack(weight)
+    assert isinstance(repacked, _repack().RepackedWeight)
+    ids = torch.arange(out_features).flip(0)
+    assert torch.allclose(repacked.lookup(ids), weight.dequantize()[ids], rtol=1e-6, atol=1e-7)
+    with pytest.raises(IndexError):
+        repacked.lookup(torch.tensor([out_features]))
+
+
+@pytest.mark.parametrize("format_name", ["q4_1", "q8_0"])
+def test_repacking_keeps_the_files_bytes_up_to_the_padding_to_eight_columns(format_name):
+    weight = random_weight(format_name, 37, 96)
+    assert _repack().repack(weight).nbytes == weight.nbytes // 37 * 40
+
+
+@pytest.mark.parametrize("format_name", REPACKED_FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_kernel_agrees_with_float64_and_the_vector_path_gives_the_portable_bits(format_name, out_features,
+                                                                                in_features):
+    weight = random_weight(format_name, out_features, in_features, seed=out_features)
+    repacked = _repack().repack(weight)
+    generator = torch.Generator().manual_seed(in_features)
+    for rows in (*range(1, 18), 33, 130):  # 33 and 130: past one 32-row panel
+        x = torch.randn(rows, in_features, generator=generator)
+        y = _repack().matmul(x, repacked)
+        assert_within_bound(y, x, weight)
+        assert torch.equal(y, _repack().matmul(x, repacked, portable=True)), f"{rows} rows"
+
+
+def test_a_rows_bits_do_not_depend_on_the_thread_count():
+    repacked = _repack().repack(random_weight("q4_1", 203, 608))
+    x = torch.randn(9, 608, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _repack().matmul(x, repacked)
+        torch.set_num_threads(2)
+        assert torch.equal(_repack().matmul(x, repacked), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_formats_without_a_layout_stay_in_the_files_layout():
+    weight = random_weight("q4_k", 8, 256)
+    assert _repack().repack(weight) is weight
+
+
+@pytest.mark.parametrize("format_name", REPACKED_FORMATS)
+def test_repacked_kernel_passes_the_batch_invariance_self_test(format_name):
+    layer = [random_weight(format_name, 40, 96, seed=1), random_weight(format_name, 33, 96, seed=2)]
+    shape = ProbeShape([layer], random_weight(format_name, 17, 96, seed=3))
+    assert self_test(QUANTIZED_KERNELS["native-quant-x8"], shape, max_rows=9, prefill_rows=70) == ""
+
+
+def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():
+    q, v = random_weight("q4_k", 8, 256), random_weight("q8_0", 12, 256, seed=1)
+    kernel = QUANTIZED_KERNELS["native-quant-x8"]
+    packed = kernel.pack(QuantizedStack((q, v)))
+    assert isinstance(packed.parts[0], QuantizedWeight)
+    assert isinstance(packed.parts[1], _repack().RepackedWeight)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    y = kernel.apply(x, packed)
+    assert_within_bound(y[:, :8], x, q)
+    assert_within_bound(y[:, 8:], x, v)
+
+
+def test_a_tied_table_packed_for_the_head_serves_the_embedding_once():
+    from nanoserve.model.weights import LayerWeights, LlamaWeights
+
+    table = random_weight("q8_0", 24, 64)
+    layer = LayerWeights(torch.ones(64), random_weight("q4_1", 16, 64), random_weight("q4_1", 64, 64),
+                         torch.ones(64), random_weight("q4_1", 32, 64), random_weight("q4_1", 64, 32))
+    weights = LlamaWeights(table, [layer], torch.ones(64), table)
+    packed = weights.packed_for(QUANTIZED_KERNELS["native-quant-x8"])
+    assert packed.embed is packed.lm_head and quant.serves_lookups(packed.embed)
+    ids = torch.tensor([[5, 23], [0, 5]])
+    assert torch.allclose(embedding(ids, packed.embed), table.dequantize()[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_choice_measures_both_quantized_layouts(tmp_path):
+    shape = ProbeShape([[random_weight("q4_1", 64, 96)]], random_weight("q8_0", 32, 96))
+    choice = choose_kernel(shape, device=torch.device("cpu"), max_rows=4, prefill_rows=16,
+                           batch_invariant=True, cache_path=tmp_path / "kernels.json")
+    assert set(choice.verdicts) == {"native-quant", "native-quant-x8"}
+    assert all(v.ms_by_rows for v in choice.verdicts.values())
+    assert choice.batch_invariant and choice.verdicts[choice.kernel.name].invariant
