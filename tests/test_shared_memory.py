@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +28,9 @@ pytestmark = pytest.mark.skipif(not shared_memory.enabled(), reason="no /dev/shm
                                 "tensor parallelism takes gloo's collectives here")
 
 
-def in_threads(world: int, work, **options) -> list:
+def in_threads(world: int, work, store: dist.Store | None = None, **options) -> list:
     """`work(group, rank)` for each rank's SharedMemoryGroup, one thread a rank."""
-    store, results, errors = dist.HashStore(), [None] * world, []
+    store, results, errors = store or dist.HashStore(), [None] * world, []
 
     def run(rank: int) -> None:
         try:
@@ -96,8 +97,10 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout():
             group.all_reduce(torch.ones(1, 4))
         return time.monotonic() - start
 
-    waited = in_threads(2, work, timeout_s=1.0)[0]
+    store = dist.HashStore()
+    waited = in_threads(2, work, timeout_s=1.0, store=store)[0]
     assert waited < 10
+    assert not Path(store.get("shared_memory/path").decode()).exists()  # unlinked all the same
 
 
 def test_the_buffer_file_is_gone_once_every_rank_has_mapped_it():
@@ -119,3 +122,25 @@ def test_two_ranks_over_shared_memory_decode_the_tokens_and_logprobs_of_one(wide
         assert decode(llm) == alone
     finally:
         llm.engine.close()
+
+
+def test_a_wait_ends_with_the_error_of_its_check_long_before_the_timeout():
+    def exited() -> None:
+        raise RuntimeError("rank 1 (exit status -9) exited")
+
+    def work(group, rank):
+        if rank == 1:
+            return None
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1 \(exit status -9\) exited"):
+            group.all_gather(torch.ones(1, 4))
+        return time.monotonic() - start
+
+    assert in_threads(2, work, timeout_s=60.0, check=exited)[0] < 30
+
+
+def test_a_buffer_file_whose_rank_0_is_gone_is_removed_when_another_group_starts():
+    orphan = shared_memory.SHM_DIR / "nanoserve-tp-999999999-0123456789ab"
+    orphan.write_bytes(b"")
+    in_threads(2, lambda group, rank: group.all_reduce(torch.ones(1, 4)))
+    assert not orphan.exists()

@@ -159,7 +159,14 @@ class TensorParallelGroup:
         here = shared_memory.machine_id()
         if any(self.store.get(f"machine/{rank}").decode() != here for rank in range(self.shard.world)):
             return None
-        return SharedMemoryGroup.join(self.store, self.shard.rank, self.shard.world, STEP_TIMEOUT_S)
+        check = self._raise_if_a_worker_exited if self.workers else None
+        return SharedMemoryGroup.join(self.store, self.shard.rank, self.shard.world, STEP_TIMEOUT_S,
+                                      check=check)
+
+    def _raise_if_a_worker_exited(self) -> None:
+        """Ends a shared-memory wait (`failure` then names the rank)."""
+        if self._dead_workers():
+            raise RuntimeError("shared-memory collective: a worker process exited")
 
     # Rank 0's side of a step.
     def send_batch(self, batch: ForwardBatch) -> None:

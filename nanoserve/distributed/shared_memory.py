@@ -10,7 +10,8 @@ k-th exchange uses half k % 2: a rank writes half k % 2 again at exchange k + 2 
 rank published k + 1, which each did after reading exchange k, so one barrier an exchange is
 enough. A tensor larger than a slot goes in row chunks (a row's sum or copy is the same).
 Waiting spins a few microseconds, then yields the core (releasing the GIL), then sleeps: with
-more ranks than cores a spinning rank would take the core of the rank it waits for.
+more ranks than cores a spinning rank would take the core of the rank it waits for. A wait gives
+up after its timeout naming the rank, or when its `check` raises (rank 0: a worker exited).
 Refuses: ranks on other machines (gloo's, `machine_id` tells them apart), GPUs (NCCL's), and
 CPUs other than x86: the counter is published by a plain store after the data, which x86's
 store order keeps; weaker orders would need fences Python cannot issue.
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +44,7 @@ COUNTER_STRIDE = 8  # int64 words: a rank's counter alone on its 64-byte cache l
 SPIN_S = 20e-6  # then yield the core
 YIELD_S = 2e-3  # then sleep
 SLEEP_S = 50e-6
+CHECK_S = 0.1  # while sleeping, how often `check` is asked whether to give up
 X86 = ("x86_64", "amd64", "i386", "i686")
 
 
@@ -60,6 +63,15 @@ def machine_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def remove_orphans() -> None:
+    """Remove the buffer files of rank-0 processes that are gone (one killed before its first
+    exchange keeps its file: the name holds its pid)."""
+    for path in SHM_DIR.glob("nanoserve-tp-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 @dataclass
 class SharedMemoryGroup:
     """One rank's view of the buffer; every rank calls the same collectives in the same order."""
@@ -70,6 +82,9 @@ class SharedMemoryGroup:
     buffer: mmap.mmap
     timeout_s: float
     slot_bytes: int = SLOT_BYTES
+    # Asked while a wait sleeps; raises to end it (rank 0: a worker process that exited), so the
+    # step fails naming the rank rather than waiting out the timeout.
+    check: Callable[[], None] | None = None
     counters: np.ndarray = field(init=False)
     data: torch.Tensor = field(init=False)
     views: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
@@ -87,11 +102,12 @@ class SharedMemoryGroup:
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, world: int, timeout_s: float,
-             slot_bytes: int = SLOT_BYTES) -> SharedMemoryGroup:
+             slot_bytes: int = SLOT_BYTES, check: Callable[[], None] | None = None) -> SharedMemoryGroup:
         """Rank 0 creates the buffer and names it in the store; the others map it. Blocks no rank
         on another (rank 0 unlinks the file once every rank has been seen in an exchange)."""
         size = cls.size(world, slot_bytes)
         if rank == 0:
+            remove_orphans()
             path = SHM_DIR / f"nanoserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, size)  # zeros: every counter starts at 0
@@ -104,7 +120,7 @@ class SharedMemoryGroup:
             os.close(fd)
         if rank == 0:
             store.set("shared_memory/path", str(path))  # named once it has its size
-        return cls(rank, world, path, buffer, timeout_s, slot_bytes)
+        return cls(rank, world, path, buffer, timeout_s, slot_bytes, check)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `x` [rows, cols], added in rank order 0..N-1 on every rank."""
@@ -146,9 +162,11 @@ class SharedMemoryGroup:
         slots = self._halves(x.dtype)[self.exchanges % 2, :, :x.numel()]
         slots[self.rank].copy_(x.reshape(-1))
         self.counters[self.rank * COUNTER_STRIDE] = self.exchanges  # after the data: x86 keeps the order
-        self._wait_for_all(self.exchanges)
-        if self.rank == 0 and not self.unlinked:
-            self._unlink()  # every rank has mapped the file: the name can go
+        try:
+            self._wait_for_all(self.exchanges)
+        finally:
+            # Every rank has mapped the file (or the group is broken): the name can go.
+            self._unlink()
         return slots
 
     def _halves(self, dtype: torch.dtype) -> torch.Tensor:
@@ -158,7 +176,7 @@ class SharedMemoryGroup:
         return self.views[dtype]
 
     def _wait_for_all(self, exchange: int) -> None:
-        started = time.perf_counter()
+        started, checked = time.perf_counter(), 0.0
         for rank in range(self.world):
             polls = 0
             while self.counters[rank * COUNTER_STRIDE] < exchange:
@@ -171,6 +189,9 @@ class SharedMemoryGroup:
                                        f"{self.timeout_s:.0f} s")
                 if waited > YIELD_S:
                     time.sleep(SLEEP_S)
+                    if self.check is not None and waited - checked > CHECK_S:
+                        checked = waited
+                        self.check()
                 elif waited > SPIN_S:
                     os.sched_yield()
 
