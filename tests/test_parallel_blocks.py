@@ -151,8 +151,9 @@ def assert_same_decode(got, want) -> None:
 
 def test_three_worker_processes_on_q4_1_decode_the_tokens_and_logprobs_of_one_and_exit_cleanly(wide_gguf):
     model = str(wide_gguf("Q4_1"))
-    alone = decode(LLM(model, device="cpu", threads=1, num_kv_blocks=64))
-    llm = LLM(model, device="cpu", threads=1, tensor_parallel_size=3, num_kv_blocks=64)
+    kernel = "native-quant-x8"  # one kernel both ways (the choice is measured per engine)
+    alone = decode(LLM(model, device="cpu", threads=1, num_kv_blocks=64, linear_kernel=kernel))
+    llm = LLM(model, device="cpu", threads=1, tensor_parallel_size=3, num_kv_blocks=64, linear_kernel=kernel)
     try:
         assert llm.engine.weight_format.startswith("q4_1")  # ran in its blocks, not dequantized
         assert_same_decode(decode(llm), alone)
@@ -177,8 +178,9 @@ def test_generate_with_three_ranks_exits_0_with_nothing_on_stderr_but_its_own_li
 
 @pytest.mark.real_model
 def test_the_default_model_at_three_ranks_decodes_the_tokens_and_logprobs_of_one(default_model_dir):
-    alone = decode(LLM(threads=1))
-    llm = LLM(threads=1, tensor_parallel_size=3)
+    kernel = "native-quant-x8"  # one kernel both ways (the choice is measured per engine)
+    alone = decode(LLM(threads=1, linear_kernel=kernel))
+    llm = LLM(threads=1, tensor_parallel_size=3, linear_kernel=kernel)
     try:
         assert llm.engine.weight_format == "q4_1+q8_0"
         assert_same_decode(decode(llm), alone)

@@ -115,8 +115,11 @@ def test_the_buffer_file_is_gone_once_every_rank_has_mapped_it():
 @pytest.mark.skipif(native.library() is None, reason="the native library is off: no GGUF blocks to run")
 def test_two_ranks_over_shared_memory_decode_the_tokens_and_logprobs_of_one(wide_gguf):
     model = str(wide_gguf("Q4_1"))
-    alone = decode(LLM(model, device="cpu", num_kv_blocks=64))
-    llm = LLM(model, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
+    # One kernel both ways: the choice is measured per engine (and at its thread count), and two
+    # kernels sum in two orders; one rank's bits are the promise for one kernel.
+    kernel = "native-quant-x8"
+    alone = decode(LLM(model, device="cpu", num_kv_blocks=64, linear_kernel=kernel))
+    llm = LLM(model, device="cpu", tensor_parallel_size=2, num_kv_blocks=64, linear_kernel=kernel)
     try:
         assert llm.engine.tp.collectives.local is not None
         assert decode(llm) == alone
