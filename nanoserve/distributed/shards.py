@@ -45,6 +45,9 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if world < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be at least 1; got {world}", param=OPTION)
     heads, kv_heads, ffn = config.num_heads, config.num_kv_heads, config.intermediate_size
+    if config.experts is not None and world > 1:
+        raise InvalidRequestError(f"tensor_parallel_size {world}: a mixture of experts runs on one rank "
+                                  "(its experts are not split across ranks)", param=OPTION)
     if heads % world:
         raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's {heads} "
                                   "attention heads", param=OPTION)
