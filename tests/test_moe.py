@@ -11,6 +11,7 @@ top-k weights; OLMoE's q/k norms over the whole projection.
 """
 
 import families
+import gguf
 import pytest
 import torch
 from families import Cache, Case, greedy, load_model, prefill_logits, reference_greedy, step
@@ -190,3 +191,36 @@ def test_olmoe_clip_qkv_is_refused_before_weights_load(tmp_path):
     with pytest.raises(UnsupportedModelError, match="'clip_qkv'"):
         load_model(tmp_path)
 
+
+GGUF_CASES = [(CASES[0], "qwen3moe"), (CASES[1], "qwen2moe"), (CASES[2], "llama"), (CASES[3], "olmoe")]
+
+
+@pytest.mark.parametrize(("case", "architecture"), GGUF_CASES, ids=[a for _, a in GGUF_CASES])
+def test_a_gguf_of_the_same_weights_gives_transformers_logits_and_tokens(case, architecture, tmp_path):
+    """Written by the `gguf` package as llama.cpp's converter lays it out (experts stacked in
+    ffn_*_exps), read through the importer and through the blocks path (`gguf=`)."""
+    from nanoserve.loading.gguf import convert_gguf
+
+    hf_model = families.write_checkpoint(case, tmp_path / "hf")
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", architecture)
+    imported = load_model(convert_gguf(path, tmp_path / "imported"))
+    blocks = load_model(tmp_path / "imported", gguf=path)
+    for prompt in PROMPTS[:2]:
+        reference = families.reference_logits(hf_model, prompt)
+        torch.testing.assert_close(prefill_logits(imported, prompt), reference, atol=1e-4, rtol=0)
+        torch.testing.assert_close(prefill_logits(blocks, prompt), reference, atol=1e-4, rtol=0)
+    assert greedy(blocks, PROMPTS[0], 32) == reference_greedy(hf_model, PROMPTS[0], 32)
+
+
+@pytest.mark.parametrize(("key", "write"), [
+    ("expert_gating_func", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)),
+    ("expert_weights_scale", lambda w: w.add_expert_weights_scale(2.5)),
+    ("expert_group_count", lambda w: w.add_expert_group_count(4)),
+])
+def test_gguf_expert_metadata_not_implemented_is_refused_by_name(key, write, tmp_path):
+    from nanoserve.loading.gguf import convert_gguf
+
+    families.write_checkpoint(CASES[0], tmp_path / "hf")
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "qwen3moe", extra_metadata=write)
+    with pytest.raises(UnsupportedModelError, match=key):
+        convert_gguf(path, tmp_path / "imported")
