@@ -186,14 +186,15 @@ def _add_experts_metadata(writer, config: dict) -> None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
-def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None) -> Path:
+def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None, expert_type=None) -> Path:
     """The checkpoint as llama.cpp's converter (convert_hf_to_gguf.py) writes a GGUF of
     `architecture`, float32, with a stand-in byte-level vocabulary: Q/K rows in HF's layout
     (only llama permutes them), Gemma's norms as 1 + w and its softcaps and window in the
     metadata, Phi-3's fused matrices under attn_qkv / ffn_up and its LongRoPE factors as tensors;
     a mixture of experts' router as ffn_gate_inp, its experts stacked [experts, rows, cols] as
     ffn_{gate,up,down}_exps, Qwen2-MoE's shared expert as ffn_*_shexp (Mixtral is llama with
-    experts: its Q/K rows permuted as llama.cpp's converter does)."""
+    experts: its Q/K rows permuted as llama.cpp's converter does), in `expert_type` blocks
+    (quantized by the `gguf` package) where it is given."""
     import json
 
     import gguf
@@ -274,7 +275,11 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None)
             values = _permute_qk(values, heads)
         writer.add_tensor(gguf_name, values)
     for gguf_name, stack in experts.items():
-        writer.add_tensor(gguf_name, np.stack([stack[e] for e in sorted(stack)]))
+        values = np.stack([stack[e] for e in sorted(stack)])
+        if expert_type is None:
+            writer.add_tensor(gguf_name, values)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(values, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -224,3 +224,27 @@ def test_gguf_expert_metadata_not_implemented_is_refused_by_name(key, write, tmp
     path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "qwen3moe", extra_metadata=write)
     with pytest.raises(UnsupportedModelError, match=key):
         convert_gguf(path, tmp_path / "imported")
+
+
+def test_q8_0_experts_are_split_as_whole_rows_of_blocks(tmp_path):
+    """Stacked experts in Q8_0 blocks, read on the blocks path (each expert a slice of the
+    stack's rows), against transformers running the same blocks as the `gguf` package
+    dequantizes them."""
+    from gguf.quants import dequantize, quantize
+
+    from nanoserve.loading.gguf import import_metadata
+
+    hf_model = families.write_checkpoint(CASES[0], tmp_path / "hf")
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "qwen3moe", expert_type=q8_0)
+    import_metadata(path, tmp_path / "imported")
+    blocks = load_model(tmp_path / "imported", gguf=path)
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    rounded = dequantize(quantize(p.detach().numpy(), q8_0), q8_0)
+                    p.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+    for prompt in PROMPTS[:2]:
+        reference = families.reference_logits(hf_model, prompt)
+        torch.testing.assert_close(prefill_logits(blocks, prompt), reference, atol=1e-4, rtol=0)

@@ -127,7 +127,7 @@ class Llama:
             if layer.attn_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.attn_out_norm)
             normed = self._add_norm(hidden, delta, layer.post_norm, step.normed)
-            delta = self._mlp(index, layer, normed, step)
+            delta = self._mlp(layer, normed, step)
             if layer.mlp_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.mlp_out_norm)
         if delta is not None:
@@ -179,9 +179,9 @@ class Llama:
         q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
         k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
-    def _mlp(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         if layer.moe is not None:  # routed and shared experts' partial sums, reduced once
-            return self._reduced(self.moe(x, layer.moe, index))
+            return self._reduced(self.moe(x, layer.moe))
         gate_up = self.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up += layer.gate_up_bias

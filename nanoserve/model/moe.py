@@ -76,13 +76,9 @@ class MixtureOfExperts:
         self.spec = spec
         self.linear = linear
         self.expert = expert
-        # Rows routed to each expert in the last call, per layer (profile's routed-rows histogram).
-        self.last_counts: dict[int, list[int]] = {}
 
-    def __call__(self, x: torch.Tensor, weights: MoEWeights, layer: int | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
         groups = group_by_expert(route(self.linear(x, weights.router), self.spec), self.spec.count)
-        if layer is not None:
-            self.last_counts[layer] = groups.counts
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(groups.counts):
