@@ -10,9 +10,14 @@ cannot load and silently compute something else. Both config styles are read: tr
 top-level `rope_theta` / `rope_scaling` and transformers 5's `rope_parameters` (per layer type
 where it has one).
 
-Families (`FAMILIES`): llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 (text). Each is the
-Llama forward with a few named switches (`ModelConfig`'s fields below the Llama ones); the
-family decides which fields its config may carry and what the switches are.
+Families (`FAMILIES`): llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 (text), and the
+mixtures of experts qwen2_moe, qwen3_moe, mixtral, olmoe. Each is the Llama forward with a few
+named switches (`ModelConfig`'s fields below the Llama ones); the family decides which fields
+its config may carry and what the switches are. A mixture of experts (`Experts`) routes each
+row by softmax over its router, top-k, renormalised where the family does it
+(`norm_topk_prob`; always for Mixtral); Qwen2-MoE adds a shared expert behind a sigmoid gate;
+`decoder_sparse_step` and `mlp_only_layers` say which layers are sparse. Router kinds other
+than softmax (`scoring_func`) and expert-parallel fields are refused by name.
 """
 
 from __future__ import annotations
@@ -56,10 +61,28 @@ _ONLY_VALUE = {
     "num_local_experts": (None, 0, 1),
     "num_experts": (None, 0, 1),
     "use_bidirectional_attention": (None, False),
+    # DeepSeek-style routers (sigmoid scores, group-limited top-k, scaled weights) and expert
+    # parallelism: nanoserve routes by softmax over every expert, all experts on every rank.
+    "scoring_func": ("softmax",),
+    "topk_method": ("greedy",),
+    "routed_scaling_factor": (1.0, 1),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "expert_parallel_size": (None, 1),
+    "moe_ep_size": (None, 1),
     "attention_bias": (False,),
     "mlp_bias": (False,),
 }
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+# What every mixture-of-experts config may say: the expert count under either spelling, the
+# top-k, and what acts only in training (the auxiliary loss, the router's jitter).
+_MOE_FIELDS: dict[str, tuple[Any, ...] | None] = {
+    "num_experts": None, "num_local_experts": None, "num_experts_per_tok": None,
+    "output_router_logits": None, "router_aux_loss_coef": None, "router_jitter_noise": None}
+# ... and the Qwen MoE families: the experts' width, renormalisation, which layers are sparse.
+_QWEN_MOE_FIELDS = _MOE_FIELDS | {"moe_intermediate_size": None, "norm_topk_prob": (True, False),
+                                  "decoder_sparse_step": None, "mlp_only_layers": None,
+                                  "use_sliding_window": (False,), "max_window_layers": None}
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -98,10 +121,21 @@ FAMILIES = (
            {"hidden_act": ACTIVATIONS, "hidden_activation": ACTIVATIONS, "attention_bias": (False,),
             "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY,
             "rope_local_base_freq": _ANY, "sliding_window_pattern": _ANY}),
+    # transformers 5's Qwen2-MoE says qkv_bias (true unless stated); older configs do not
+    Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",),
+           _QWEN_MOE_FIELDS | {"hidden_act": ACTIVATIONS, "qkv_bias": (True, False),
+                               "shared_expert_intermediate_size": _ANY}),
+    Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
+           _QWEN_MOE_FIELDS | {"hidden_act": ACTIVATIONS, "attention_bias": (True, False)}),
+    Family("mixtral", ("mixtral",), ("MixtralForCausalLM",), _MOE_FIELDS | {"hidden_act": ACTIVATIONS}),
+    # OLMoE norms q and k over the whole projection, not per head; clip_qkv is not implemented
+    Family("olmoe", ("olmoe",), ("OlmoeForCausalLM",),
+           _MOE_FIELDS | {"hidden_act": ACTIVATIONS, "attention_bias": (True, False),
+                          "norm_topk_prob": (True, False), "clip_qkv": (None,)}),
 )
 FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 FAMILY_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
-# Checkpoints of these designs hold vision/audio towers or experts: refused by name.
+# Checkpoints of these designs hold vision/audio towers: refused by name.
 _MULTIMODAL_FIELDS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_projector_type")
 
 
@@ -246,6 +280,9 @@ def _check_shapes(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> Non
         raise _refuse("head_dim", _head_dim(raw), "rotary embeddings need an even head_dim")
 
 
+_QWEN_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
 def _layer_types(raw: dict[str, Any], family: Family) -> list[str]:
     """Each layer's attention type, as transformers 5 derives it when the config has no list."""
     layers = raw["num_hidden_layers"]
@@ -256,18 +293,18 @@ def _layer_types(raw: dict[str, Any], family: Family) -> list[str]:
             raise _refuse("layer_types", stated, f"expected {layers} entries of {ATTENTION_LAYER_TYPES}")
         return list(stated)
     window = raw.get("sliding_window")
-    if family.name in ("qwen2", "qwen3"):
+    if family.name in _QWEN_FAMILIES:
         sliding = window is not None and raw.get("use_sliding_window", False)
         first = raw.get("max_window_layers", 28)
         return ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(layers)]
     if family.name in ("gemma2", "gemma3"):
         pattern = 2 if family.name == "gemma2" else raw.get("sliding_window_pattern", 6)
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if family.name in ("mistral", "phi3") and window is not None:
+    if family.name in ("mistral", "phi3", "mixtral") and window is not None:
         return ["sliding_attention"] * layers
-    if window is not None and family.name == "llama":
-        raise _refuse("sliding_window", window, "Llama has no sliding window (a Mistral checkpoint says "
-                                                "model_type 'mistral')")
+    if window is not None and family.name in ("llama", "olmoe"):
+        raise _refuse("sliding_window", window, f"{family.name} has no sliding window (a Mistral checkpoint "
+                                                "says model_type 'mistral')")
     return ["full_attention"] * layers
 
 
@@ -278,7 +315,7 @@ def _window(raw: dict[str, Any], family: Family, types: list[str], context: int)
     if raw.get("sliding_window_size", window) != window:  # Gemma 2's older spelling, kept beside
         raise _refuse("sliding_window_size", raw["sliding_window_size"],
                       f"contradicts sliding_window {window!r}")
-    if family.name in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if family.name in _QWEN_FAMILIES and not raw.get("use_sliding_window", False):
         return 0  # transformers drops the window unless use_sliding_window says otherwise
     if "sliding_attention" in types and window is None:
         raise _refuse("layer_types", types, "sliding layers but no sliding_window")
@@ -306,21 +343,71 @@ def _family_switches(raw: dict[str, Any], family: Family, head_dim: int) -> dict
     if stated is not None and raw.get("hidden_act") not in (None, stated):
         raise _refuse("hidden_act", raw["hidden_act"], f"contradicts hidden_activation {stated!r}")
     bias = bool(raw.get("attention_bias", False)) and name != "qwen2"
+    qkv_bias = bias or name == "qwen2" or (name == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
     scalar = raw.get("query_pre_attn_scalar") if gemma else None
     if scalar is not None and (not isinstance(scalar, (int, float)) or scalar <= 0):
         raise _refuse("query_pre_attn_scalar", scalar, "expected a positive number")
     return {
         "family": name,
-        "qkv_bias": bias or name == "qwen2",
+        "qkv_bias": qkv_bias,
         "o_bias": bias,
         "mlp_bias": bool(raw.get("mlp_bias", False)),
         "hidden_act": act,
-        "qk_norm": name in ("qwen3", "gemma3"),
+        "qk_norm": name in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+        "qk_norm_per_head": name != "olmoe",
         "gemma_norms": gemma,
         "attn_softcap": _softcap(raw, "attn_logit_softcapping") if gemma else 0.0,
         "final_softcap": _softcap(raw, "final_logit_softcapping") if gemma else 0.0,
         "attention_scale": float(scalar) ** -0.5 if scalar is not None else head_dim ** -0.5,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """A mixture-of-experts MLP: `count` gated MLPs of `intermediate_size`, `top_k` of them run
+    per row, weighted by the softmax of the router's logits over all experts (those top-k
+    weights divided by their sum when `renormalize`), plus a shared expert on every row behind
+    a sigmoid gate where `shared_intermediate_size` is set. Layers not in `sparse_layers` run
+    the dense MLP of the config's intermediate_size."""
+
+    count: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+    shared_intermediate_size: int = 0  # 0: none
+
+
+def _positive_int(raw: dict[str, Any], name: str, default: Any = None) -> int:
+    value = raw.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _refuse(name, value, "expected a positive integer")
+    return value
+
+
+def _experts(raw: dict[str, Any], family: Family) -> Experts | None:
+    """The experts of a mixture-of-experts family (None for the dense ones), as transformers
+    builds them: Qwen's sparse layers are every decoder_sparse_step-th but mlp_only_layers."""
+    if family.name not in ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe"):
+        return None
+    count_field = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    count = _positive_int(raw, count_field)
+    top_k = _positive_int(raw, "num_experts_per_tok")
+    if top_k > count:
+        raise _refuse("num_experts_per_tok", top_k, f"more than the {count} experts")
+    layers = raw["num_hidden_layers"]
+    qwen = family.name in _QWEN_FAMILIES
+    step = _positive_int(raw, "decoder_sparse_step", 1) if qwen else 1
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
+        raise _refuse("mlp_only_layers", dense, f"expected layer indices below {layers}")
+    shared = _positive_int(raw, "shared_expert_intermediate_size") if family.name == "qwen2_moe" else 0
+    return Experts(
+        count=count, top_k=top_k,
+        intermediate_size=_positive_int(raw, "moe_intermediate_size") if qwen else raw["intermediate_size"],
+        renormalize=family.name == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+        shared_intermediate_size=shared)
 
 
 def _context(raw: dict[str, Any], ropes: list[Rope]) -> int:
@@ -357,6 +444,7 @@ class ModelConfig:
     mlp_bias: bool = False  # gate, up and down have biases
     hidden_act: str = "silu"  # the gate's activation
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    qk_norm_per_head: bool = True  # False: one RMSNorm over all of q and all of k (OLMoE)
     # Gemma: RMSNorm scaled by (1 + weight), norms after attention and MLP too, embedding
     # multiplied by sqrt(hidden_size).
     gemma_norms: bool = False
@@ -368,6 +456,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # (): none
     sliding_window: int = 0
     local_rope: Rope | None = None
+    experts: Experts | None = None  # a mixture of experts in place of the MLP on its sparse layers
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -402,6 +491,7 @@ class ModelConfig:
             sliding_layers=tuple(t == "sliding_attention" for t in types) if local != full or window else (),
             sliding_window=window,
             local_rope=local if local != full else None,
+            experts=_experts(raw, family),
             **_family_switches(raw, family, head_dim),
         )
 
@@ -410,36 +500,55 @@ class ModelConfig:
         """Every switch off: the layers are the Llama stack and nothing else (Phi-3 without a
         window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
         return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
-                     or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope)
+                     or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope
+                     or self.experts)
                 and self.hidden_act == "silu" and self.attention_scale in (None, self.head_dim ** -0.5))
 
     def window(self, layer: int) -> int:
         """How many last positions `layer` attends to; 0: all of them."""
         return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer` routes its rows to experts (else it runs the dense MLP)."""
+        return self.experts is not None and self.experts.sparse_layers[layer]
+
     def rope_of(self, layer: int) -> Rope:
         if self.local_rope is not None and self.sliding_layers[layer]:
             return self.local_rope
         return Rope(self.rope_theta, self.rope_scaling)
 
-    @property
-    def num_params(self) -> int:
+    def _params(self, *, active: bool) -> int:
+        """Every weight (active: only the experts a row runs, `top_k` of them)."""
         h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        attention = h * q + 2 * h * kv + q * h + 2 * h
+        layers = 0
+        for layer in range(self.num_layers):
+            layers += attention + (self._moe_params(active) if self.is_sparse(layer) else 3 * h * i)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * per_layer + h + head
+        return self.vocab_size * h + layers + h + head
+
+    def _moe_params(self, active: bool) -> int:
+        e, h = self.experts, self.hidden_size
+        routed = (e.top_k if active else e.count) * 3 * h * e.intermediate_size
+        shared = 3 * h * e.shared_intermediate_size + h if e.shared_intermediate_size else 0
+        return e.count * h + routed + shared
+
+    @property
+    def num_params(self) -> int:
+        return self._params(active=False)
 
     @property
     def matmul_params(self) -> int:
-        """Weights multiplied per token: every linear layer and the output head.
+        """Weights multiplied per token: every linear layer and the output head (of a mixture
+        of experts, the router and the top_k experts a row runs).
 
         The input embedding is a row lookup, so an untied one is not multiplied; a tied one is
         the head. These are also the bytes a decode step must stream from memory.
         """
         norms = (2 * self.num_layers + 1) * self.hidden_size
         embedding_lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return self.num_params - norms - embedding_lookup
+        return self._params(active=True) - norms - embedding_lookup
 
     def flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs for one token: 2 per weight, plus QK^T and PV over the context."""

@@ -163,11 +163,38 @@ def greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
+_EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's LlamaModel.permute: each head's rotary halves interleaved."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _add_experts_metadata(writer, config: dict) -> None:
+    """The `{arch}.expert_*` keys llama.cpp's converter writes for a mixture of experts."""
+    count = config.get("num_experts") or config.get("num_local_experts")
+    if not count:
+        return
+    writer.add_expert_count(count)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None, expert_type=None) -> Path:
     """The checkpoint as llama.cpp's converter (convert_hf_to_gguf.py) writes a GGUF of
     `architecture`, float32, with a stand-in byte-level vocabulary: Q/K rows in HF's layout
     (only llama permutes them), Gemma's norms as 1 + w and its softcaps and window in the
-    metadata, Phi-3's fused matrices under attn_qkv / ffn_up and its LongRoPE factors as tensors."""
+    metadata, Phi-3's fused matrices under attn_qkv / ffn_up and its LongRoPE factors as tensors;
+    a mixture of experts' router as ffn_gate_inp, its experts stacked [experts, rows, cols] as
+    ffn_{gate,up,down}_exps, Qwen2-MoE's shared expert as ffn_*_shexp (Mixtral is llama with
+    experts: its Q/K rows permuted as llama.cpp's converter does), in `expert_type` blocks
+    (quantized by the `gguf` package) where it is given."""
     import json
 
     import gguf
@@ -185,6 +212,9 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    _add_experts_metadata(writer, config)
+    if extra_metadata is not None:  # a test's own keys: extra_metadata(writer)
+        extra_metadata(writer)
     rope = config["rope_parameters"]
     full = rope.get("full_attention", rope)
     writer.add_rope_freq_base(full["rope_theta"])
@@ -219,19 +249,37 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str) -> Path:
              "post_attention_layernorm": "post_attention_norm" if gemma else "ffn_norm",
              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+             "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         stem, _, suffix = name.rpartition(".")
+        values = tensor.float().numpy().copy()
+        part = stem
         if stem in top:
             gguf_name = f"{top[stem]}.{suffix}"
         else:
             _, _, layer, part = stem.split(".", 3)
+            if ".experts." in part:  # mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1
+                _, _, expert, proj = part.split(".")
+                experts.setdefault(f"blk.{layer}.{_EXPERT_STACKS[proj]}.{suffix}", {})[int(expert)] = values
+                continue
             gguf_name = f"blk.{layer}.{names[part]}.{suffix}"
-        values = tensor.float().numpy().copy()
         if gemma and name.endswith("norm.weight"):
             values = values + np.float32(1.0)
+        if architecture == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config["num_attention_heads" if part == "self_attn.q_proj" else "num_key_value_heads"]
+            values = _permute_qk(values, heads)
         writer.add_tensor(gguf_name, values)
+    for gguf_name, stack in experts.items():
+        values = np.stack([stack[e] for e in sorted(stack)])
+        if expert_type is None:
+            writer.add_tensor(gguf_name, values)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(values, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

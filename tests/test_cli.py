@@ -149,7 +149,7 @@ def test_a_dash_prompt_is_read_from_stdin(tiny_model_dir):
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "'mixtral'"),
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "'deepseek_v3'"),
     ({"num_local_experts": 8}, "'num_local_experts' = 8"),
     ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "'mrope'"),
     ({"num_key_value_heads": 3}, "num_key_value_heads 3"),

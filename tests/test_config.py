@@ -94,8 +94,8 @@ def test_a_mistral_window_shorter_than_the_context_slides_every_layer():
 
 
 def test_an_unknown_model_type_is_refused_naming_it():
-    with pytest.raises(UnsupportedModelError, match="'mixtral'"):
-        ModelConfig.from_hf_dict(config(model_type="mixtral", architectures=["MixtralForCausalLM"]))
+    with pytest.raises(UnsupportedModelError, match="'deepseek_v3'"):
+        ModelConfig.from_hf_dict(config(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]))
 
 
 def test_longrope_runs_the_original_context_where_transformers_uses_the_short_factors():

@@ -6,7 +6,10 @@ multiple of them), o and down by input for float weights (their partial outputs 
 all-reduce each) and by output for GGUF blocks (the input gathered, then each rank's outputs:
 N ranks give one rank's bits; `splits_by_output` says why), the embedding and the head by
 vocabulary (ceil(V / N) rows a rank, the last padded with zero
-rows). Everything else (norms, o/down biases, q/k norms) is replicated. `local_config` is the
+rows). A mixture of experts splits every expert (and the shared expert) by its intermediate
+dimension as the dense MLP, so each rank runs every expert on its slice and one all-reduce
+sums them; the router and the shared expert's gate are replicated, so every rank routes every
+row alike. Everything else (norms, o/down biases, q/k norms) is replicated. `local_config` is the
 model one rank runs: the same forward on fewer heads, a slice of the MLP and of the vocabulary.
 
 Pure arithmetic over tensors and GGUF blocks, no process groups: the loaders import it to
@@ -29,6 +32,9 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.quant import QuantizedWeight
 
 OPTION = "tensor_parallel_size"
+# The matrices `Shard.by_output` splits by output: attention's o and the dense MLP's down (a
+# mixture's experts keep the split by input: their partial sums are reduced once a layer).
+SPLIT_BY_OUTPUT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +75,14 @@ def check_shardable(config: ModelConfig, world: int, by_output: bool = False) ->
     if kv_heads % world and world % kv_heads:
         raise InvalidRequestError(f"tensor_parallel_size {world} neither divides the model's {kv_heads} "
                                   "key/value heads nor is a multiple of them", param=OPTION)
-    if ffn % world:
-        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's MLP width "
-                                  f"{ffn}", param=OPTION)
+    experts = config.experts
+    widths = [("MLP width", ffn)] + ([("experts' width", experts.intermediate_size),
+                                       ("shared expert's width", experts.shared_intermediate_size)]
+                                      if experts is not None else [])
+    for what, width in widths:
+        if width % world:
+            raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's {what} "
+                                      f"{width}", param=OPTION)
     if by_output and config.hidden_size % world:
         raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's hidden size "
                                   f"{config.hidden_size} (quantized weights split o and down by output)",
@@ -82,7 +93,11 @@ def local_config(config: ModelConfig, world: int) -> ModelConfig:
     """The model one rank runs: its heads, its K/V heads, its MLP slice, its vocabulary rows."""
     if world == 1:
         return config
-    return dataclasses.replace(config, num_heads=config.num_heads // world,
+    experts = config.experts
+    if experts is not None:
+        experts = dataclasses.replace(experts, intermediate_size=experts.intermediate_size // world,
+                                      shared_intermediate_size=experts.shared_intermediate_size // world)
+    return dataclasses.replace(config, experts=experts, num_heads=config.num_heads // world,
                                num_kv_heads=max(1, config.num_kv_heads // world),
                                intermediate_size=config.intermediate_size // world,
                                vocab_size=Shard(0, world).vocab_rows(config.vocab_size)[2])
@@ -103,11 +118,11 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
     else:  # world is a multiple of the K/V heads: the one head this rank's queries read
         head = r * config.num_kv_heads // world
         kv = (head * d, (head + 1) * d)
-    ffn = config.intermediate_size // world
+    ffn = _mlp_width(name, config) // world
     mlp = (r * ffn, (r + 1) * ffn)
     hidden = config.hidden_size // world
     kind, last = name.split(".")[-2], name.split(".")[-1]
-    if kind in ("o_proj", "down_proj") and last == "weight" and shard.by_output:
+    if shard.by_output and name.endswith(SPLIT_BY_OUTPUT):
         return 0, [(r * hidden, (r + 1) * hidden)]
     if kind == "q_proj":
         return 0, [q]
@@ -116,18 +131,28 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
     if kind == "qkv_proj":
         k0, v0 = config.num_heads * d, (config.num_heads + config.num_kv_heads) * d
         return 0, [q, (k0 + kv[0], k0 + kv[1]), (v0 + kv[0], v0 + kv[1])]
-    if kind in ("gate_proj", "up_proj"):
+    if kind in ("gate_proj", "up_proj", "w1", "w3"):  # w1, w3: Mixtral's expert gate and up
         return 0, [mlp]
     if kind == "gate_up_proj":
         return 0, [mlp, (config.intermediate_size + mlp[0], config.intermediate_size + mlp[1])]
     if kind == "o_proj" and last == "weight":
         return 1, [q]
-    if kind == "down_proj" and last == "weight":
+    if kind in ("down_proj", "w2") and last == "weight":
         return 1, [mlp]
     if kind in ("embed_tokens", "lm_head"):
         start, count, _ = shard.vocab_rows(config.vocab_size)
         return 0, [(start, start + count)]
     return None
+
+
+def _mlp_width(name: str, config: ModelConfig) -> int:
+    """The intermediate width of the MLP tensor `name` belongs to: an expert's, the shared
+    expert's, or the dense MLP's."""
+    if config.experts is not None and ".experts." in name:
+        return config.experts.intermediate_size
+    if config.experts is not None and ".shared_expert." in name:
+        return config.experts.shared_intermediate_size
+    return config.intermediate_size
 
 
 def take(weight: torch.Tensor | QuantizedWeight, dim: int, ranges: Ranges, name: str = "tensor"

@@ -13,6 +13,12 @@ are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/s
 except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
 (Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
 rotate with base 10000 unless it says `rope.freq_base_swa`.
+Mixtures of experts: qwen2moe, qwen3moe, olmoe, and llama with `expert_count` (Mixtral, whose
+Q/K rows llama.cpp permutes as llama's); the router `ffn_gate_inp`, the stacked experts
+`ffn_{gate,up,down}_exps` [experts, rows, cols] split into HF's per-expert tensors (each one
+whole rows of blocks), Qwen2-MoE's `ffn_*_shexp` and `ffn_gate_inp_shexp`. llama.cpp keeps the
+top-k renormalisation in code (Qwen3-MoE and Mixtral renormalise, Qwen2-MoE and OLMoE do not)
+unless the file says `expert_weights_norm`; a layer without `ffn_gate_inp` is dense.
 Refuses: other architectures, tokenizers `gguf_tokenizer` refuses, rope scaling other than
 llama3, and a file whose tensors disagree with its metadata (a tensor of another shape or of an
 integer type, an embedding with another row count than the vocabulary, a missing tensor): each
@@ -39,14 +45,18 @@ from safetensors.torch import save_file
 from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
-from nanoserve.loading.hf_names import hf_tensor_shapes
+from nanoserve.loading.hf_names import expert_name, hf_tensor_shapes
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
 # GGUF architecture -> (HF model_type, HF architecture).
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
-                 "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+                 "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+                 "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                 "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                 "olmoe": ("olmoe", "OlmoeForCausalLM")}
+MIXTRAL = ("mixtral", "MixtralForCausalLM")  # a llama GGUF with experts
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 # Phi-3's LongRoPE factors, folded into config.json's rope_scaling.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -70,7 +80,14 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# The stacked experts [experts, rows, cols] -> each expert's HF projection.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Where an architecture names a layer tensor otherwise than llama does.
 _LAYER_TENSORS_BY_TYPE = {
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -78,6 +95,7 @@ _LAYER_TENSORS_BY_TYPE = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _LAYER_TENSORS_BY_TYPE["gemma3_text"] = _LAYER_TENSORS_BY_TYPE["gemma2"]
+_LAYER_TENSORS_BY_TYPE["mixtral"] = {"ffn_gate_inp": "block_sparse_moe.gate"}
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)")
 
 # Llama 3.x checkpoints all use these; the stored factors are checked against them, so a
@@ -165,20 +183,32 @@ def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
-        name = hf_tensor_name(tensor.name, config.get("model_type"))
         shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
         _check_type(tensor)
         if tensor.name == "token_embd.weight" and shape[0] != config["vocab_size"]:
             raise UnsupportedModelError(
                 f"GGUF tensor 'token_embd.weight' has {shape[0]} rows but 'tokenizer.ggml.tokens' "
                 f"lists {config['vocab_size']} tokens")
-        if name in expected and shape != expected[name]:
-            raise UnsupportedModelError(
-                f"GGUF tensor {tensor.name!r} has shape {shape}; the metadata implies {expected[name]}")
-        present.add(name)
+        for name, part in _hf_shapes(tensor.name, shape, config).items():
+            if name in expected and part != expected[name]:
+                raise UnsupportedModelError(
+                    f"GGUF tensor {tensor.name!r} has shape {shape}; the metadata implies {expected[name]}")
+            present.add(name)
     missing = sorted(expected.keys() - present)
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors a {config['model_type']} model needs: {missing[:5]}")
+
+
+def _hf_shapes(gguf_name: str, shape: tuple[int, ...], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The HF tensors a GGUF tensor of `shape` becomes, each with its shape (a stacked experts
+    tensor [experts, rows, cols]: each expert's [rows, cols], the count checked)."""
+    if gguf_name.split(".")[-2] not in _EXPERT_TENSORS:
+        return {hf_tensor_name(gguf_name, config.get("model_type")): shape}
+    names = expert_names(gguf_name, config)
+    if len(shape) != 3 or shape[0] != len(names):
+        raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has shape {shape}; the metadata implies "
+                                    f"{len(names)} stacked experts")
+    return dict.fromkeys(names, shape[1:])
 
 
 def _check_type(tensor: ReaderTensor) -> None:
@@ -202,7 +232,10 @@ def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict
     model_type, hf_architecture = ARCHITECTURES[arch]
     meta = {key.replace(f"{arch}.", "llama.", 1) if key.startswith(f"{arch}.") else key: value
             for key, value in meta.items()}
+    if arch == "llama" and meta.get("llama.expert_count"):
+        model_type, hf_architecture = MIXTRAL
     config = _llama_layout_config(arch, model_type, hf_architecture, meta, tensors)
+    config |= _experts_config(model_type, meta, tensors)
     return _gemma3_rope(config, meta) if arch == "gemma3" else config
 
 
@@ -273,6 +306,55 @@ def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, ReaderTen
     if arch == "gemma2":
         config["attn_logit_softcapping"] = _f32_to_float(meta.get("llama.attn_logit_softcapping", 50.0))
         config["final_logit_softcapping"] = _f32_to_float(meta.get("llama.final_logit_softcapping", 30.0))
+    return config
+
+
+# llama.cpp's expert_gating_func values, and the models it renormalises the top-k weights of
+# in code when the file does not say `expert_weights_norm`.
+_GATING_SOFTMAX = 1
+_RENORMALISED_IN_CODE = ("qwen3_moe", "mixtral")
+_GROUPED_EXPERT_KEYS = ("llama.expert_group_count", "llama.expert_group_used_count",
+                        "llama.expert_shared_count")
+
+
+def _experts_config(model_type: str, meta: dict[str, Any],
+                    tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+    """config.json's expert fields from `{arch}.expert_*` (meta's keys read as `llama.*`)."""
+    count = meta.get("llama.expert_count", 0)
+    if not count:
+        return {}
+    gating = meta.get("llama.expert_gating_func", _GATING_SOFTMAX)
+    if gating != _GATING_SOFTMAX:
+        raise UnsupportedModelError(f"GGUF metadata expert_gating_func = {gating!r}: only softmax routing "
+                                    f"({_GATING_SOFTMAX}) is implemented")
+    scale = _f32_to_float(meta.get("llama.expert_weights_scale", 1.0))
+    if scale != 1.0:
+        raise UnsupportedModelError(f"GGUF metadata expert_weights_scale = {scale!r}: scaled expert weights "
+                                    "are not implemented")
+    for key in _GROUPED_EXPERT_KEYS:
+        if key == "llama.expert_shared_count" and model_type == "qwen2_moe":
+            continue  # Qwen2-MoE's one shared expert
+        if meta.get(key, 0) not in (0, 1):
+            raise UnsupportedModelError(f"GGUF metadata {key.split('.', 1)[1]} = {meta[key]!r}: grouped or "
+                                        "several shared experts are not implemented")
+    layers = meta["llama.block_count"]
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    norm = meta.get("llama.expert_weights_norm", model_type in _RENORMALISED_IN_CODE)
+    config = {"num_local_experts" if model_type == "mixtral" else "num_experts": count,
+              "num_experts_per_tok": _require_int(meta, "llama.expert_used_count")}
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        config |= {"moe_intermediate_size": _require_int(meta, "llama.expert_feed_forward_length"),
+                   "norm_topk_prob": bool(norm), "mlp_only_layers": dense}
+    elif dense:
+        raise UnsupportedModelError(f"GGUF layers {dense} have no experts (no ffn_gate_inp); a {model_type} "
+                                    "model is sparse in every layer")
+    elif model_type == "olmoe":
+        config["norm_topk_prob"] = bool(norm)
+    elif not norm:
+        raise UnsupportedModelError("GGUF metadata expert_weights_norm = false: Mixtral always renormalises")
+    if model_type == "qwen2_moe":
+        shared = _require_int(meta, "llama.expert_shared_feed_forward_length")
+        config["shared_expert_intermediate_size"] = shared
     return config
 
 
@@ -373,7 +455,10 @@ def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
         kind = name.split(".")[-2]
         if kind in heads and name.endswith(".weight"):
             values = unpermute_qk(values, heads[kind])
-        weights[hf_tensor_name(name, config.get("model_type"))] = torch.from_numpy(values)
+        if kind in _EXPERT_TENSORS:
+            weights |= {hf: torch.from_numpy(values[e]) for e, hf in enumerate(expert_names(name, config))}
+            continue
+        weights[hf_tensor_name(name, config.get("model_type"))] = torch.from_numpy(_hf_shape(name, values))
     check_shapes(weights, config)
     return weights
 
@@ -399,18 +484,19 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
         kind = tensor.name.split(".")[-2]
         fmt = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))
         if fmt is None:
-            values = _hf_norm(tensor.name, dequantize_tensor(tensor), config)
-            if values.ndim == 2 and tensor.tensor_type.name != "F32":
+            values = _hf_shape(tensor.name, _hf_norm(tensor.name, dequantize_tensor(tensor), config))
+            if values.ndim >= 2 and tensor.tensor_type.name != "F32":
                 dequantized[tensor.tensor_type.name] = dequantized.get(tensor.tensor_type.name, 0) + 1
             weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
         else:
-            rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+            *outer, cols = (int(d) for d in reversed(tensor.shape.tolist()))
+            rows = math.prod(outer)
             stored = tensor.data.reshape(rows, -1)
             # One copy either way: a row gather for Q and K, a plain copy for the rest.
             blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
             weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
-        name = hf_tensor_name(tensor.name, config.get("model_type"))
-        weights[name] = weight if keep is None else keep(name, weight)
+        for name, part in _hf_parts(tensor.name, weight, config):
+            weights[name] = part if keep is None else keep(name, part)
     for type_name, count in dequantized.items():
         if log_line is not None:
             log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
@@ -418,6 +504,31 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
     if keep is None:
         check_shapes(weights, config)
     return weights
+
+
+def expert_names(gguf_name: str, config: dict[str, Any]) -> list[str]:
+    """The HF names of each expert's slice of a stacked `blk.N.ffn_*_exps` tensor."""
+    layer, kind = _LAYER_TENSOR_NAME.fullmatch(gguf_name.rpartition(".")[0]).groups()
+    family = config.get("model_type", "llama")
+    count = config.get("num_local_experts", config.get("num_experts", 0))
+    return [f"model.layers.{layer}.{expert_name(family, e, _EXPERT_TENSORS[kind])}" for e in range(count)]
+
+
+def _hf_parts(gguf_name: str, weight: GGUFTensor, config: dict[str, Any]) -> list[tuple[str, GGUFTensor]]:
+    """A tensor under its HF name, or a stacked experts tensor as each expert's, whole rows each."""
+    if gguf_name.split(".")[-2] not in _EXPERT_TENSORS:
+        return [(hf_tensor_name(gguf_name, config.get("model_type")), weight)]
+    names = expert_names(gguf_name, config)
+    if isinstance(weight, torch.Tensor):
+        return list(zip(names, weight.unbind(0), strict=True))
+    rows, cols = weight.shape[0] // len(names), weight.shape[1]
+    return [(name, QuantizedWeight(weight.format, (rows, cols), weight.blocks[e * rows:(e + 1) * rows]))
+            for e, name in enumerate(names)]
+
+
+def _hf_shape(name: str, values: np.ndarray) -> np.ndarray:
+    """llama.cpp stores the shared expert's gate as a vector; HF as a [1, hidden] matrix."""
+    return values.reshape(1, -1) if name.split(".")[-2] == "ffn_gate_inp_shexp" else values
 
 
 def _hf_norm(name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
@@ -428,8 +539,9 @@ def _hf_norm(name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarra
 
 
 def _permuted_heads(config: dict[str, Any]) -> dict[str, int]:
-    """The tensors llama.cpp's converter permuted (llama's Q and K), with their head counts."""
-    if config.get("model_type", "llama") != "llama":
+    """The tensors llama.cpp's converter permuted (llama's and Mixtral's Q and K), with their
+    head counts."""
+    if config.get("model_type", "llama") not in ("llama", "mixtral"):
         return {}
     return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 

@@ -4,7 +4,8 @@ Owns: the layer loop (token embedding, RMSNorm around both sublayers, attention 
 paged KV cache, the gated MLP, residual adds, a tied or untied output head) and each family's
 switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) norms around
 both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
-(`rope`), the gate's activation (`layers`). Knows nothing of requests, sampling or HTTP: a
+(`rope`), the gate's activation (`layers`), and on a mixture of experts' sparse layers the
+routed experts in place of the MLP (`moe`). Knows nothing of requests, sampling or HTTP: a
 `ForwardBatch` (`batch`) says which rows are which.
 
 One loop with named switches rather than one module per family: the families differ by a
@@ -45,6 +46,7 @@ from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.layers import ACTIVATIONS, rms_norm
 from nanoserve.model.linear import KERNELS, LinearKernel, embedding
+from nanoserve.model.moe import MixtureOfExperts
 from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import ops as native_ops
@@ -55,6 +57,8 @@ from nanoserve.quant import Weight
 
 class TensorParallel(Protocol):
     """What a forward on one rank's shard asks of its ranks (nanoserve.distributed.collectives)."""
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor: ...
 
     def row_parallel(self, x: torch.Tensor, weight: Weight,
                      linear: Callable[[torch.Tensor, Weight], torch.Tensor]) -> torch.Tensor: ...
@@ -101,6 +105,7 @@ class Llama:
         self.activation = ACTIVATIONS[config.hidden_act]
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.gemma_norms else None)
+        self.moe = MixtureOfExperts(config.experts, self.linear, self._gated) if config.experts else None
         self.decoder = self._native_decoder()
 
     def _native_decoder(self) -> NativeDecoder | None:
@@ -192,28 +197,46 @@ class Llama:
         return out
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
-        """RMSNorm over each q and each k head, in place in qkv (before RoPE, as Qwen3 and Gemma 3)."""
+        """RMSNorm over each q and each k head, in place in qkv (before RoPE, as Qwen3 and Gemma 3),
+        or over all of q and all of k (OLMoE)."""
         cfg = self.config
+        if not cfg.qk_norm_per_head:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
+            q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+            k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
+            return
         heads = qkv[:, : self.q_size + self.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         q, k = heads.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
         k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        if layer.moe is not None:  # routed and shared experts' partial sums, reduced once
+            return self._reduced(self.moe(x, layer.moe))
         gate_up = self.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up += layer.gate_up_bias
-        if self.ops is not None and self.config.hidden_act == "silu":
-            activated = self.ops.silu_mul(gate_up, step.activated)
-        else:
-            # The activation runs row by row over the strided `gate` view, so each row takes the
-            # same vectorized path whatever the batch (tests/test_model.py pins this).
-            gate, up = gate_up.chunk(2, dim=-1)
-            activated = self.activation(gate) * up
-        out = self._row_parallel(activated, layer.down)
+        out = self._row_parallel(self._activate(gate_up, step.activated), layer.down)
         if layer.down_bias is not None:
             out += layer.down_bias
         return out
+
+    def _activate(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """activation(gate) * up of gate_up [rows, 2 * width]; `out`: the native path's buffer."""
+        if self.ops is not None and self.config.hidden_act == "silu":
+            return self.ops.silu_mul(gate_up, out)
+        # The activation runs row by row over the strided `gate` view, so each row takes the
+        # same vectorized path whatever the batch (tests/test_model.py pins this).
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.activation(gate) * up
+
+    def _gated(self, x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
+        """One expert's gated MLP (no biases) over the rows `x` routed to it."""
+        return self.linear(self._activate(self.linear(x, gate_up)), down)
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split matrix's output summed over the ranks (itself with one rank)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _row_parallel(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         """x @ weight^T for o and down, the matrices whose input the ranks hold in shares: the

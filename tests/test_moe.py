@@ -1,0 +1,312 @@
+"""Mixtures of experts against transformers: tiny random Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE
+checkpoints built by transformers' own config classes (tests/families.py), loaded by nanoserve.
+
+Properties, per checkpoint: last-position logits within 1e-4 of transformers' float32 forward
+(native and torch small ops, batch-invariant and plain); greedy tokens equal over 32 steps; a
+request's logits bit-identical alone and in a crowd (rows routed to other experts beside it),
+on both paths. The sizes catch wrong assumptions: top-k 1, 2 and 4; 8 and 60 experts (most of
+60 see no row in a step); a shared expert; dense layers between sparse ones (mlp_only_layers,
+decoder_sparse_step); experts narrower and wider than the dense MLP; renormalised and raw
+top-k weights; OLMoE's q/k norms over the whole projection.
+"""
+
+import families
+import gguf
+import pytest
+import torch
+from families import Cache, Case, greedy, load_model, prefill_logits, reference_greedy, step
+
+from nanoserve.config import ModelConfig
+from nanoserve.errors import UnsupportedModelError
+from nanoserve.model.moe import MixtureOfExperts, route
+from nanoserve.native import ops as native_ops
+
+families.require_transformers()
+
+CASES = [
+    Case("qwen3-moe-8-experts-top2-renormalised-dense-layer-1", "Qwen3MoeConfig",
+         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+          "mlp_only_layers": [1], "head_dim": 32}),
+    Case("qwen2-moe-60-experts-top4-shared-sparse-step-2", "Qwen2MoeConfig",
+         {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 24,
+          "shared_expert_intermediate_size": 80, "decoder_sparse_step": 2, "num_hidden_layers": 3}),
+    Case("mixtral-8-experts-top1", "MixtralConfig",
+         {"num_local_experts": 8, "num_experts_per_tok": 1, "intermediate_size": 48}),
+    Case("olmoe-8-experts-top2-raw-weights", "OlmoeConfig",
+         {"num_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 4, "norm_topk_prob": False}),
+]
+PROMPTS = [[5, 17, 33, 8, 91, 4, 60], [3, *range(40, 52)], [7, 150, 9, *range(100, 118)]]
+NATIVE = [pytest.param(True, id="native-ops"), pytest.param(False, id="torch-ops")]
+if native_ops.load() is None:
+    NATIVE[0] = pytest.param(True, id="native-ops", marks=pytest.mark.skip(reason="no native library here"))
+FORMS = [pytest.param(True, True, id="native-ops", marks=NATIVE[0].marks),
+         pytest.param(False, True, id="torch-ops-invariant"),
+         pytest.param(False, False, id="torch-ops-plain")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+def checkpoint(request, tmp_path_factory):
+    """(case, saved directory, transformers model, its last-position logits of PROMPTS)."""
+    case = request.param
+    path = tmp_path_factory.mktemp(case.name)
+    model = families.write_checkpoint(case, path)
+    return case, path, model, [families.reference_logits(model, p) for p in PROMPTS]
+
+
+def test_the_checkpoint_has_the_sparse_and_dense_layers_its_config_says(checkpoint):
+    _, path, hf_model, _ = checkpoint
+    model = load_model(path)
+    hf_sparse = [hasattr(layer.mlp, "experts") or hasattr(layer, "block_sparse_moe")
+                 for layer in hf_model.model.layers]
+    assert [layer.moe is not None for layer in model.weights.layers] == hf_sparse
+    assert any(hf_sparse)
+
+
+@pytest.mark.parametrize(("native", "batch_invariant"), FORMS)
+def test_last_position_logits_match_transformers(checkpoint, native, batch_invariant):
+    _, path, _, expected = checkpoint
+    model = load_model(path, batch_invariant=batch_invariant, native=native)
+    for prompt, reference in zip(PROMPTS, expected, strict=True):
+        torch.testing.assert_close(prefill_logits(model, prompt), reference, atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_equal_transformers_over_32_steps(checkpoint):
+    _, path, hf_model, _ = checkpoint
+    prompt = PROMPTS[0]
+    assert greedy(load_model(path), prompt, 32) == reference_greedy(hf_model, prompt, 32)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_request_is_bit_identical_alone_and_in_a_crowd(checkpoint, native):
+    model = load_model(checkpoint[1], native=native)
+    a, b, c = PROMPTS
+
+    def run(crowd: bool) -> list[torch.Tensor]:
+        cache, seen, token = Cache(model.config), [], None
+        for i in range(6):
+            chunks = [("a", a, 0)] if i == 0 else [("a", [token], len(a) + i - 1)]
+            if crowd:  # b prefills beside a, then decodes; c arrives in chunks later
+                chunks += [("b", b, 0)] if i == 0 else [("b", [3 + i], len(b) + i - 1)]
+                if i in (2, 3):
+                    chunks += [("c", c[(i - 2) * 10:(i - 1) * 10], (i - 2) * 10)]
+            logits = step(model, cache, chunks)["a"]
+            seen.append(logits)
+            token = int(logits.argmax())
+        return seen
+
+    for alone, crowded in zip(run(False), run(True), strict=True):
+        assert torch.equal(alone, crowded)
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_prefill_in_chunks_is_bit_identical_to_one_prefill(checkpoint, native):
+    model = load_model(checkpoint[1], native=native)
+    prompt = PROMPTS[2]
+    assert torch.equal(prefill_logits(model, prompt, chunk=5), prefill_logits(model, prompt))
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_every_row_of_a_sparse_layer_is_its_bits_alone(native, tmp_path):
+    """The block itself over 40 random rows (60 experts, top-4: rows share experts in every
+    combination): each row's output equals that row run alone, bit for bit."""
+    case = CASES[1]
+    families.write_checkpoint(case, tmp_path)
+    model = load_model(tmp_path, native=native)
+    layer = next(w for w in model.weights.layers if w.moe is not None)
+    x = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    crowd = model.moe(x, layer.moe)
+    for row in range(x.shape[0]):
+        assert torch.equal(model.moe(x[row:row + 1], layer.moe)[0], crowd[row])
+
+
+def test_the_router_matches_transformers_top_k_and_renormalisation():
+    transformers = families.transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    for renormalize in (True, False):
+        hf_config = transformers.Qwen3MoeConfig(
+            hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_experts=8,
+            num_experts_per_tok=3, norm_topk_prob=renormalize)
+        router = Qwen3MoeTopKRouter(hf_config)
+        torch.nn.init.normal_(router.weight)
+        x = torch.randn(9, 16)
+        _, hf_weights, hf_experts = router(x)
+        raw = {**hf_config.to_dict(), "num_hidden_layers": 1}
+        ours = route(x @ router.weight.detach().T, ModelConfig.from_hf_dict(raw).experts)
+        assert torch.equal(ours.experts, hf_experts)
+        torch.testing.assert_close(ours.weights, hf_weights, atol=1e-6, rtol=0)
+
+
+def test_the_step_groups_rows_by_expert_once_each():
+    """One matmul per expert with rows, over exactly the rows routed to it, ascending."""
+    experts = ModelConfig.from_hf_dict({**families.transformers.MixtralConfig(
+        hidden_size=8, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1).to_dict()}).experts
+    calls: list[tuple[int, list[int]]] = []
+    x = torch.randn(6, 8)
+    weights = random_moe_weights(4, 8, 4)
+
+    def expert(rows, gate_up, down):
+        expert_index = next(e for e, w in enumerate(weights.gate_up) if w is gate_up)
+        calls.append((expert_index, rows[:, 0].tolist()))
+        return rows
+
+    block = MixtureOfExperts(experts, lambda a, w: a @ w.T, expert)
+    routing = route(x @ weights.router.T, experts)
+    block(x, weights)
+    assert [e for e, _ in calls] == sorted({int(e) for e in routing.experts.flatten()})
+    for e, firsts in calls:
+        rows = [r for r in range(6) if e in routing.experts[r].tolist()]
+        assert firsts == x[rows, 0].tolist()
+
+
+def random_moe_weights(count: int, hidden: int, width: int):
+    from nanoserve.model.weights import MoEWeights
+
+    g = torch.Generator().manual_seed(0)
+    return MoEWeights(torch.randn(count, hidden, generator=g),
+                      [torch.randn(2 * width, hidden, generator=g) for _ in range(count)],
+                      [torch.randn(hidden, width, generator=g) for _ in range(count)], top_k=2)
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"routed_scaling_factor": 2.5}, "routed_scaling_factor"),
+    ({"topk_group": 4}, "topk_group"),
+    ({"expert_parallel_size": 2}, "expert_parallel_size"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"mlp_only_layers": [5]}, "mlp_only_layers"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+])
+def test_a_router_or_expert_option_not_implemented_is_refused_by_name(changes, field):
+    raw = {**families.transformers.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2,
+                                                  num_hidden_layers=2).to_dict(), **changes}
+    with pytest.raises(UnsupportedModelError, match=f"'{field}'"):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_olmoe_clip_qkv_is_refused_before_weights_load(tmp_path):
+    case = Case("olmoe-clip", "OlmoeConfig", {**CASES[3].fields, "clip_qkv": 8.0})
+    families.write_checkpoint(case, tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'clip_qkv'"):
+        load_model(tmp_path)
+
+
+GGUF_CASES = [(CASES[0], "qwen3moe"), (CASES[1], "qwen2moe"), (CASES[2], "llama"), (CASES[3], "olmoe")]
+
+
+@pytest.mark.parametrize(("case", "architecture"), GGUF_CASES, ids=[a for _, a in GGUF_CASES])
+def test_a_gguf_of_the_same_weights_gives_transformers_logits_and_tokens(case, architecture, tmp_path):
+    """Written by the `gguf` package as llama.cpp's converter lays it out (experts stacked in
+    ffn_*_exps), read through the importer and through the blocks path (`gguf=`)."""
+    from nanoserve.loading.gguf import convert_gguf
+
+    hf_model = families.write_checkpoint(case, tmp_path / "hf")
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", architecture)
+    imported = load_model(convert_gguf(path, tmp_path / "imported"))
+    blocks = load_model(tmp_path / "imported", gguf=path)
+    for prompt in PROMPTS[:2]:
+        reference = families.reference_logits(hf_model, prompt)
+        torch.testing.assert_close(prefill_logits(imported, prompt), reference, atol=1e-4, rtol=0)
+        torch.testing.assert_close(prefill_logits(blocks, prompt), reference, atol=1e-4, rtol=0)
+    assert greedy(blocks, PROMPTS[0], 32) == reference_greedy(hf_model, PROMPTS[0], 32)
+
+
+@pytest.mark.parametrize(("key", "write"), [
+    ("expert_gating_func", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)),
+    ("expert_weights_scale", lambda w: w.add_expert_weights_scale(2.5)),
+    ("expert_group_count", lambda w: w.add_expert_group_count(4)),
+])
+def test_gguf_expert_metadata_not_implemented_is_refused_by_name(key, write, tmp_path):
+    from nanoserve.loading.gguf import convert_gguf
+
+    families.write_checkpoint(CASES[0], tmp_path / "hf")
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "qwen3moe", extra_metadata=write)
+    with pytest.raises(UnsupportedModelError, match=key):
+        convert_gguf(path, tmp_path / "imported")
+
+
+def test_q8_0_experts_are_split_as_whole_rows_of_blocks(tmp_path):
+    """Stacked experts in Q8_0 blocks, read on the blocks path (each expert a slice of the
+    stack's rows), against transformers running the same blocks as the `gguf` package
+    dequantizes them."""
+    from gguf.quants import dequantize, quantize
+
+    from nanoserve.loading.gguf import import_metadata
+
+    hf_model = families.write_checkpoint(CASES[0], tmp_path / "hf")
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "qwen3moe", expert_type=q8_0)
+    import_metadata(path, tmp_path / "imported")
+    blocks = load_model(tmp_path / "imported", gguf=path)
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                    rounded = dequantize(quantize(p.detach().numpy(), q8_0), q8_0)
+                    p.copy_(torch.from_numpy(rounded.reshape(p.shape)))
+    for prompt in PROMPTS[:2]:
+        reference = families.reference_logits(hf_model, prompt)
+        torch.testing.assert_close(prefill_logits(blocks, prompt), reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=[CASES[1].name, CASES[2].name])
+def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
+    """Every expert (and the shared one) split by its intermediate dimension over 2 gloo ranks,
+    one thread each, the router replicated: the ranks' logits, joined by vocabulary, lie within
+    1e-5 of one rank's and within 1e-4 of transformers'."""
+    from test_parallel import _in_threads
+
+    from nanoserve.distributed.collectives import Collectives
+    from nanoserve.distributed.shards import Shard, local_config
+    from nanoserve.loading.weights import load_weights
+    from nanoserve.model.decoder import Llama
+
+    hf_model = families.write_checkpoint(case, tmp_path)
+    world, prompt = 2, PROMPTS[1]
+
+    def work(group, rank):
+        shard = Shard(rank, world)
+        config, weights = load_weights(tmp_path, dtype=torch.float32, device=torch.device("cpu"), shard=shard)
+        start, count, _ = shard.vocab_rows(config.vocab_size)
+        collectives = Collectives(group, shard, start, count, ordered=True)
+        model = Llama(local_config(config, world), weights, batch_invariant=True, tensor_parallel=collectives)
+        assert all(len(w.moe.gate_up) == config.experts.count for w in model.weights.layers if w.moe)
+        return prefill_logits(model, prompt)[:count]
+
+    joined = torch.cat(_in_threads(world, work))
+    torch.testing.assert_close(joined, prefill_logits(load_model(tmp_path), prompt), atol=1e-5, rtol=0)
+    torch.testing.assert_close(joined, families.reference_logits(hf_model, prompt), atol=1e-4, rtol=0)
+
+
+def test_a_size_that_does_not_divide_the_experts_width_is_refused_naming_the_option():
+    from nanoserve.distributed.shards import check_shardable
+    from nanoserve.errors import InvalidRequestError
+
+    config = ModelConfig.from_hf_dict(families.transformers.Qwen3MoeConfig(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=30, num_hidden_layers=1,
+        intermediate_size=64).to_dict())
+    with pytest.raises(InvalidRequestError, match="experts' width 30") as error:
+        check_shardable(config, 4)
+    assert error.value.param == "tensor_parallel_size"
+
+
+def test_the_engine_serves_a_mixture_of_experts_end_to_end(tmp_path, tiny_model_dir):
+    """Through LLM (the kernel measured and self-tested on the experts' shapes, the scheduler,
+    the sampler): greedy tokens equal transformers', alone and beside another request."""
+    import shutil
+
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    case = Case(CASES[1].name, CASES[1].config_class, {**CASES[1].fields, "vocab_size": 400})
+    hf_model = families.write_checkpoint(case, tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, tmp_path / file)
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt, other = PROMPTS[0], PROMPTS[2]
+    results = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": other}], params)
+    alone = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    expected = reference_greedy(hf_model, prompt, 12)
+    assert results[0].outputs[0].token_ids == alone.outputs[0].token_ids == expected
