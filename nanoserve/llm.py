@@ -122,16 +122,19 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: int | Sequence[int] | None = None,
                  progress: bool | None = None) -> list[Completion]:
         """Run every prompt to completion; results in prompt order, `n` outputs each.
 
-        `params` is the same as `sampling_params` (nanoserve's older name). `progress` shows a
-        rich progress bar; by default only when stderr is a terminal.
+        `params` is the same as `sampling_params` (nanoserve's older name). `priority` (vLLM's:
+        one per prompt, or one for all) sets each prompt's `SamplingParams.priority`. `progress`
+        shows a rich progress bar; by default only when stderr is a terminal.
         """
         if progress is None:
             progress = sys.stderr.isatty()
         prompt_list = [prompts] if _is_single(prompts) else list(prompts)
         params_list = _params_per_prompt(sampling_params if params is None else params, len(prompt_list))
+        params_list = _with_priorities(params_list, priority)
         engine = self.engine
         completions: dict[str, Completion] = {}  # by the request id of each prompt's choice 0
         choices: dict[str, CompletionOutput] = {}
@@ -223,6 +226,19 @@ def _unpack(prompt: Prompt, params: SamplingParams) -> tuple[str | None, str | l
     if "prompt" in prompt:
         return prompt["prompt"], prompt["prompt"], params
     return None, list(prompt["prompt_token_ids"]), params
+
+
+def _with_priorities(params_list: list[SamplingParams],
+                     priority: int | Sequence[int] | None) -> list[SamplingParams]:
+    if priority is None:
+        return params_list
+    if not isinstance(priority, Sequence):
+        priority = [priority] * len(params_list)
+    if len(priority) != len(params_list):
+        raise InvalidRequestError(f"got {len(priority)} priorities for {len(params_list)} prompts",
+                                  param="priority")
+    return [dataclasses.replace(params, priority=value)
+            for params, value in zip(params_list, priority, strict=True)]
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
