@@ -504,6 +504,11 @@ class EngineConfig:
     # Which waiting request runs first and which running one is preempted first (vLLM's
     # --scheduling-policy): "fcfs" by arrival, "priority" by SamplingParams.priority, then arrival.
     scheduling_policy: str = "fcfs"
+    # LoRA adapters (vLLM's --enable-lora): requests may run with a PEFT adapter each; at most
+    # max_loras resident at once, each of rank at most max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
     # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
     tensor_parallel_size: int = 1

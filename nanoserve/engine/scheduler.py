@@ -370,7 +370,7 @@ class Scheduler:
         keys = request.block_keys
         if len(keys) < num_blocks:
             size = self.pool.block_size
-            parent = keys[-1] if keys else chain_root(request.params.cache_salt)
+            parent = keys[-1] if keys else chain_root(request.params.cache_salt, request.adapter_key)
             tokens = request.token_ids(len(keys) * size, num_blocks * size)
             keys += block_keys(tokens, size, num_blocks - len(keys), parent)
         return keys[:num_blocks]

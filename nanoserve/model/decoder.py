@@ -5,7 +5,8 @@ paged KV cache, the gated MLP, residual adds, a tied or untied output head) and 
 switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) norms around
 both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
 (`rope`), the gate's activation (`layers`). Knows nothing of requests, sampling or HTTP: a
-`ForwardBatch` (`batch`) says which rows are which.
+`ForwardBatch` (`batch`) says which rows are which, and which adapter each LoRA row runs with (`lora`:
+its update is added after the base linear it targets).
 
 One loop with named switches rather than one module per family: the families differ by a
 dozen small ops around the same attention and MLP, and the batch-invariant attention, the
@@ -41,6 +42,7 @@ from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.layers import ACTIVATIONS, rms_norm
 from nanoserve.model.linear import KERNELS, LinearKernel, embedding
+from nanoserve.model.lora import apply as apply_lora
 from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import ops as native_ops
@@ -124,7 +126,7 @@ class Llama:
             if layer.attn_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.attn_out_norm)
             normed = self._add_norm(hidden, delta, layer.post_norm, step.normed)
-            delta = self._mlp(layer, normed, step)
+            delta = self._mlp(index, layer, normed, step)
             if layer.mlp_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.mlp_out_norm)
         if delta is not None:
@@ -142,6 +144,7 @@ class Llama:
         qkv = self.linear(x, layer.qkv)
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
+        self._lora(qkv, x, step, index, "qkv")
         if layer.q_norm is not None:
             self._qk_norm(qkv, layer)
         window, rope = cfg.window(index), self.layer_rope[index]
@@ -157,7 +160,9 @@ class Llama:
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)
-        out = self._reduced(self.linear(out, layer.o))
+        projected = self.linear(out, layer.o)
+        self._lora(projected, out, step, index, "o")
+        out = self._reduced(projected)
         if layer.o_bias is not None:
             out += layer.o_bias
         return out
@@ -170,10 +175,11 @@ class Llama:
         q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
         k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def _mlp(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         gate_up = self.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up += layer.gate_up_bias
+        self._lora(gate_up, x, step, index, "gate_up")
         if self.ops is not None and self.config.hidden_act == "silu":
             activated = self.ops.silu_mul(gate_up, step.activated)
         else:
@@ -181,10 +187,17 @@ class Llama:
             # same vectorized path whatever the batch (tests/test_model.py pins this).
             gate, up = gate_up.chunk(2, dim=-1)
             activated = self.activation(gate) * up
-        out = self._reduced(self.linear(activated, layer.down))
+        down = self.linear(activated, layer.down)
+        self._lora(down, activated, step, index, "down")
+        out = self._reduced(down)
         if layer.down_bias is not None:
             out += layer.down_bias
         return out
+
+    def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
+        """Each LoRA row's low-rank update, after the base linear that ran for every row."""
+        if step.batch.adapter_rows:
+            apply_lora(out, x, step.batch.adapter_rows, index, target, self.linear)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-split matrix's output summed over the ranks (itself with one rank)."""
