@@ -19,7 +19,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import SCHEDULING_POLICIES, EngineConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
 
 Model = Annotated[str | None, typer.Option(
@@ -56,6 +56,10 @@ FairShareRows = Annotated[float | None, typer.Option(
          "(plus their attention context) plus ROWS a step, so one request with many choices, a "
          "long context or a long prompt slows the others by a bounded factor; tokens unchanged. "
          "off: no share. Default per device: 2 on CPU (measured), off on CUDA.")]
+SchedulingPolicy = Annotated[str, typer.Option(
+    help="Which waiting request runs first, and which running one is preempted first when the KV "
+         "cache is full: fcfs (arrival order) or priority (a request's priority field, lower "
+         "first, then arrival, as vLLM); tokens unchanged either way.")]
 MaxModelLen = Annotated[int | None, typer.Option(min=2, help="Context length limit; default: the model's.")]
 KvCacheGb = Annotated[float | None, typer.Option(
     min=0.0001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
@@ -150,6 +154,7 @@ class EngineOptions:
         _DEFAULT.speculative_disable_by_batch_size)
     async_scheduling: AsyncScheduling = _DEFAULT.async_scheduling
     fair_share_rows: FairShareRows = _DEFAULT.fair_share_rows
+    scheduling_policy: SchedulingPolicy = _DEFAULT.scheduling_policy
     tensor_parallel_size: TensorParallelSize = _DEFAULT.tensor_parallel_size
 
     def check(self) -> None:
@@ -164,6 +169,9 @@ class EngineOptions:
             fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {self.quantize!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             fail(f"--device must be cpu or cuda; got {self.device!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            fail(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                 f"got {self.scheduling_policy!r}")
         check_linear_kernel(self.linear_kernel)
         try:
             SpecConfig(self.speculative_tokens, self.speculative_method, self.speculative_ngram_min,

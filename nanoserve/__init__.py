@@ -16,6 +16,7 @@ _EXPORTS = {
     "Engine": "nanoserve.engine.core",
     "EngineConfig": "nanoserve.config",
     "SamplingParams": "nanoserve.sampling_params",
+    "LoRARequest": "nanoserve.model.lora",
     "RequestOutput": "nanoserve.engine.output",
 }
 

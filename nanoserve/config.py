@@ -568,6 +568,7 @@ ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 # one-row decode to ~1.8x (results/neighbours.csv); on CUDA rows are nearly free until the
 # batch is large, and no GPU has measured it: off.
 FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
+SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -617,6 +618,14 @@ class EngineConfig:
     # While more than one client request runs, each takes at most the lightest one's row units
     # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
     fair_share_rows: float | None = None
+    # Which waiting request runs first and which running one is preempted first (vLLM's
+    # --scheduling-policy): "fcfs" by arrival, "priority" by SamplingParams.priority, then arrival.
+    scheduling_policy: str = "fcfs"
+    # LoRA adapters (vLLM's --enable-lora): requests may run with a PEFT adapter each; at most
+    # max_loras resident at once, each of rank at most max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
     # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
     tensor_parallel_size: int = 1
@@ -624,6 +633,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                                      f"got {self.scheduling_policy!r}", param="scheduling_policy")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be an integer of at least 1; got "
                                       f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")

@@ -33,6 +33,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
 from nanoserve.engine.output import RequestOutput, TokenLogprob
 from nanoserve.errors import InvalidRequestError
+from nanoserve.model.lora import LoRARequest
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
@@ -122,26 +123,33 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: int | Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  progress: bool | None = None) -> list[Completion]:
         """Run every prompt to completion; results in prompt order, `n` outputs each.
 
-        `params` is the same as `sampling_params` (nanoserve's older name). `progress` shows a
-        rich progress bar; by default only when stderr is a terminal.
+        `params` is the same as `sampling_params` (nanoserve's older name). `priority` (vLLM's:
+        one per prompt, or one for all) sets each prompt's `SamplingParams.priority`;
+        `lora_request` (vLLM's: one for all prompts, or one per prompt, None for the base
+        model) the adapter each runs with, with `LLM(enable_lora=True)`. `progress`
+        shows a rich progress bar; by default only when stderr is a terminal.
         """
         if progress is None:
             progress = sys.stderr.isatty()
         prompt_list = [prompts] if _is_single(prompts) else list(prompts)
         params_list = _params_per_prompt(sampling_params if params is None else params, len(prompt_list))
+        params_list = _with_priorities(params_list, priority)
+        loras = _loras_per_prompt(lora_request, len(prompt_list))
         engine = self.engine
         completions: dict[str, Completion] = {}  # by the request id of each prompt's choice 0
         choices: dict[str, CompletionOutput] = {}
         parent_id = None  # one call is one client request for the fair share: its first request
-        for prompt, prompt_params in zip(prompt_list, params_list, strict=True):
+        for prompt, prompt_params, lora in zip(prompt_list, params_list, loras, strict=True):
             text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
             completion = None
             for i in range(prompt_params.n):
                 request_id = engine.add_request(ids_or_text, prompt_params.for_choice(i),
-                                                parent_id=parent_id)
+                                                parent_id=parent_id, lora_request=lora)
                 parent_id = parent_id or request_id
                 if completion is None:
                     completion = Completion(request_id, engine.requests[request_id].prompt_ids, text, [])
@@ -223,6 +231,29 @@ def _unpack(prompt: Prompt, params: SamplingParams) -> tuple[str | None, str | l
     if "prompt" in prompt:
         return prompt["prompt"], prompt["prompt"], params
     return None, list(prompt["prompt_token_ids"]), params
+
+
+def _with_priorities(params_list: list[SamplingParams],
+                     priority: int | Sequence[int] | None) -> list[SamplingParams]:
+    if priority is None:
+        return params_list
+    if not isinstance(priority, Sequence):
+        priority = [priority] * len(params_list)
+    if len(priority) != len(params_list):
+        raise InvalidRequestError(f"got {len(priority)} priorities for {len(params_list)} prompts",
+                                  param="priority")
+    return [dataclasses.replace(params, priority=value)
+            for params, value in zip(params_list, priority, strict=True)]
+
+
+def _loras_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                      count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise InvalidRequestError(f"got {len(loras)} LoRA requests for {count} prompts", param="lora_request")
+    return loras
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

@@ -241,6 +241,9 @@ class SamplingParams:
     keeps only the prompt's last N tokens, `top_k` 0 or -1 is no limit, and `temperature`
     defaults to 1.0 (as in vLLM and OpenAI; `nanoserve generate` defaults to 0, greedy).
 
+    `priority` (vLLM's): with the engine's scheduling_policy "priority", a lower value waits
+    less and is preempted later; under "fcfs" (the default) it is accepted and changes nothing.
+
     `prompt_logprobs` (vLLM's): for every prompt position after the first, the logprob of the
     prompt's own token given the tokens before it, and the top-N alternatives (0: the token
     alone). They are the same values those tokens get when generated: the raw model
@@ -279,6 +282,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     p_less: bool = False
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: under --scheduling-policy priority, lower values are admitted first and preempted
+    # last; ignored under fcfs. Never changes a token.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -328,6 +334,7 @@ class SamplingParams:
                      f"a number in [{MIN_REPETITION_PENALTY:g}, {PENALTY_LIMIT:g}]")
 
     def _check_rest(self) -> None:
+        _check_int("priority", self.priority, -MAX_SEED, MAX_SEED - 1, "an integer")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED - 1, "null or an integer in [0, 2**63)")
         for name in ("logprobs", "prompt_logprobs"):

@@ -65,7 +65,7 @@ PROBES: dict[str, object] = {
     "guided_json": {}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= \"a\"",
     "structural_tag": "{}", "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
     "p_less": 0.5, "use_beam_search": True,
-    "length_penalty": 0.5, "priority": 1, "request_id": "r", "logits_processors": ["m.P"],
+    "length_penalty": 0.5, "request_id": "r", "logits_processors": ["m.P"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "prompt_embeds": "AAAA",
     "mm_processor_kwargs": {"a": 1}, "kv_transfer_params": {}, "vllm_xargs": {"a": 1},
     "echo": True, "return_token_strs": True,

@@ -26,11 +26,16 @@ class BlockPoolError(RuntimeError):
     """A bookkeeping bug: freeing a free block, or allocating past the pool."""
 
 
-def chain_root(cache_salt: str | None) -> bytes:
-    """The parent key of a request's first block: its cache salt's digest, or none."""
-    if cache_salt is None:
+def chain_root(cache_salt: str | None, adapter_key: str | None = None) -> bytes:
+    """The parent key of a request's first block: the digest of its cache salt and its LoRA
+    adapter's key, or none when it has neither."""
+    if cache_salt is None and adapter_key is None:
         return b""
-    return hashlib.sha256(b"nanoserve cache salt\0" + cache_salt.encode()).digest()
+    root = (b"" if cache_salt is None
+            else hashlib.sha256(b"nanoserve cache salt\0" + cache_salt.encode()).digest())
+    if adapter_key is None:
+        return root
+    return hashlib.sha256(b"nanoserve lora\0" + root + adapter_key.encode()).digest()
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,

@@ -82,6 +82,7 @@ from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.model.decoder import Llama
 from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.worker.rank import (
@@ -177,12 +178,14 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             enable_prefix_caching=config.enable_prefix_caching,
                             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
-                            fair_share_rows=self._fair_share_rows()),
+                            fair_share_rows=self._fair_share_rows(),
+                            scheduling_policy=config.scheduling_policy),
             self.pool,
         )
         runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
         self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
                                   device=self.device)
+        self.loras = self._adapter_set()
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
                                         eos_token_ids=self.tokenizer.eos_token_ids)
@@ -209,6 +212,37 @@ class Engine:
         """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
         if self.tp is not None:
             self.tp.close()
+
+    def _adapter_set(self) -> AdapterSet | None:
+        config = self.config
+        if not config.enable_lora:
+            return None
+        if self.tp is not None:
+            raise InvalidRequestError("LoRA adapters are not supported with tensor parallelism yet",
+                                      param="enable_lora")
+        return AdapterSet(config.max_loras, config.max_lora_rank)
+
+    def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        """Load an adapter (vLLM's add_lora), checked whole against the base model first; the one
+        resident already when its name, id and path match."""
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora)",
+                                      param="lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest; got {lora_request!r}",
+                                      param="lora_request")
+        return self.loras.add(lora_request, lambda request, serial: load_adapter(
+            request, self.model_config, max_rank=self.loras.max_lora_rank, serial=serial,
+            pack=self.kernel_choice.kernel.pack, dtype=self.dtype, device=self.device))
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; requests running with it keep it until they finish."""
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters", param="lora_name")
+        self.loras.remove(name)
+
+    def list_loras(self) -> list[Adapter]:
+        return [] if self.loras is None else list(self.loras.adapters.values())
 
     def _fair_share_rows(self) -> float:
         """The configured fair share, or the device's default (off where none is measured)."""
@@ -294,13 +328,16 @@ class Engine:
             self.grammars.check(params.structured_outputs)  # compiled here once, then cached
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, parent_id: str | None = None) -> str:
+                    request_id: str | None = None, *, parent_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; `parent_id` names the client request it is one choice of (the
-        scheduler's fair share divides steps between parents; None: a parent of its own)."""
+        scheduler's fair share divides steps between parents; None: a parent of its own);
+        `lora_request` the adapter it runs with (loaded now if it is not resident)."""
         params = (params or SamplingParams()).with_bad_words_token_ids(
             lambda text: self.tokenizer.encode(text, add_bos=False))
         prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
         self.check_request(prompt_ids, params)
+        adapter = self.add_lora(lora_request) if lora_request is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -310,7 +347,7 @@ class Engine:
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
         request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
-                          output_state=output_state, grammar=grammar)
+                          output_state=output_state, grammar=grammar, adapter=adapter)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)

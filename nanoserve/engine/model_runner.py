@@ -28,6 +28,7 @@ from nanoserve.engine.spec_decode import ON_DEVICE
 from nanoserve.model.batch import AttentionGroup, ForwardBatch
 from nanoserve.model.decoder import Llama
 from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.lora import Adapter, AdapterRows
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             groups=self._groups(ordered),
             logits_rows=self._tensor(logits_rows + prompt_logits_rows),
+            adapter_rows=self._adapter_rows(ordered),
         )
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
@@ -176,6 +178,17 @@ class ModelRunner:
         if not rows:
             return None
         return self._tensor([row for row, _, _ in rows]), [request_id for _, request_id, _ in rows]
+
+    def _adapter_rows(self, ordered: list[ScheduledChunk]) -> list[AdapterRows]:
+        """The rows of each LoRA adapter this step runs with, in the batch's row order."""
+        rows: dict[int, tuple[Adapter, list[int]]] = {}
+        row = 0
+        for chunk in ordered:
+            adapter = chunk.request.adapter
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(row, row + chunk.num_tokens))
+            row += chunk.num_tokens
+        return [AdapterRows(adapter, self._tensor(ids)) for adapter, ids in rows.values()]
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size

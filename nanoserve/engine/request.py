@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.sampler import RowEdits
     from nanoserve.engine.spec_decode import DraftState
     from nanoserve.engine.structured import RowGrammar
+    from nanoserve.model.lora import Adapter
     from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -103,6 +104,13 @@ class Request:
     # (nothing comes before it). Filled as prefill chunks compute them, handed out with the first
     # output. Untyped here: output imports this module, not the other way round.
     prompt_logprobs: list | None = None
+    adapter: Adapter | None = None  # the LoRA adapter it runs with; None: the base model
+
+    @property
+    def adapter_key(self) -> str | None:
+        """The prefix cache's namespace for its adapter: K/V computed with one adapter is never
+        another's (nor the base model's)."""
+        return None if self.adapter is None else self.adapter.cache_key
 
     @property
     def parent(self) -> str:

@@ -70,6 +70,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from nanoserve.config import SCHEDULING_POLICIES
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.fair_share import FairShare
 from nanoserve.engine.request import NewToken, Request, RequestStatus
@@ -88,6 +89,9 @@ class SchedulerConfig:
     # Row units a parent may take in a step beyond the lightest running parent's (fair_share.py);
     # inf: no fair share.
     fair_share_rows: float = float("inf")
+    # "fcfs": arrival order; "priority": lowest `SamplingParams.priority` first, then arrival
+    # (vLLM's --scheduling-policy), in the waiting queue, the running order and preemption.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -98,6 +102,14 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
         if not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return request.params.priority, request.arrival_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +216,22 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request that passed `check_fits` (the caller's admission check) under a new id."""
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    @property
+    def by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    def _enqueue(self, request: Request, *, front: bool) -> None:
+        """Queue a request to wait: FCFS at the back (an arrival) or the front (a preempted one);
+        by priority at its place in (priority, arrival) order, the queue's order throughout."""
+        if not self.by_priority:
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        key = priority_key(request)
+        place = next((i for i, other in enumerate(self.waiting) if priority_key(other) > key),
+                     len(self.waiting))
+        self.waiting.insert(place, request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -298,14 +325,18 @@ class Scheduler:
 
     def _running_order(self) -> list[Request]:
         """Oldest first; while sharing, each parent's requests together at its oldest one's place,
-        least advanced first (stable), so the choices its share holds back take turns."""
-        if not self.share.active:
-            return list(self.running)
-        by_parent: dict[str, list[Request]] = {}
-        for request in self.running:
-            by_parent.setdefault(request.parent, []).append(request)
-        return [request for group in by_parent.values()
-                for request in sorted(group, key=lambda request: request.num_tokens)]
+        least advanced first (stable), so the choices its share holds back take turns. By
+        priority, that order within each priority level, the lowest level first."""
+        order = self.running
+        if self.share.active:
+            by_parent: dict[str, list[Request]] = {}
+            for request in self.running:
+                by_parent.setdefault(request.parent, []).append(request)
+            order = [request for group in by_parent.values()
+                     for request in sorted(group, key=lambda request: request.num_tokens)]
+        if self.by_priority:
+            return sorted(order, key=lambda request: request.params.priority)  # stable
+        return list(order)
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         for request in self._running_order():
@@ -340,15 +371,22 @@ class Scheduler:
 
     def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Make room for `num_tokens` more tokens of `request`, preempting the newest others that
-        this step has not scheduled yet (a fair share's order may have scheduled newer ones)."""
+        this step has not scheduled yet (a fair share's order may have scheduled newer ones); by
+        priority, the one with the highest priority value first (the newest among equals)."""
         scheduled = None  # built at the first shortage only: most steps preempt no one
         while not self._reserve(request, request.num_computed_tokens + num_tokens):
             scheduled = scheduled or {id(chunk.request) for chunk in out.chunks}
-            victim = next(other for other in reversed(self.running) if id(other) not in scheduled)
+            victim = self._victim(scheduled)
             self._preempt(victim, out)
             if victim is request:
                 return False
         return True
+
+    def _victim(self, scheduled: set[int]) -> Request:
+        candidates = [other for other in self.running if id(other) not in scheduled]
+        if self.by_priority:
+            return max(reversed(candidates), key=priority_key)  # reversed: the newest of equal keys
+        return candidates[-1]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         for request in self._waiting_order(budget.contended):
@@ -409,7 +447,7 @@ class Scheduler:
         keys = request.block_keys
         if len(keys) < num_blocks:
             size = self.pool.block_size
-            parent = keys[-1] if keys else chain_root(request.params.cache_salt)
+            parent = keys[-1] if keys else chain_root(request.params.cache_salt, request.adapter_key)
             tokens = request.token_ids(len(keys) * size, num_blocks * size)
             keys += block_keys(tokens, size, num_blocks - len(keys), parent)
         return keys[:num_blocks]
@@ -449,7 +487,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         out.preempted.append(request)
 
     def _release(self, request: Request) -> None:

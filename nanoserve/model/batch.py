@@ -3,12 +3,13 @@ and the per-step context every layer reads (built once a step by the decoder).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.lora import AdapterRows
 from nanoserve.native.ops import PagedContext
 
 
@@ -45,6 +46,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [rows] flat cache slot of each row's K/V
     groups: list[AttentionGroup]
     logits_rows: torch.Tensor  # [n] rows whose next-token logits are wanted
+    # LoRA: the rows of each adapter the step runs with (rows of none: the base model alone)
+    adapter_rows: list[AdapterRows] = field(default_factory=list)
 
 
 @dataclass(slots=True)

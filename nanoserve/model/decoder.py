@@ -6,7 +6,8 @@ switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) 
 both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
 (`rope`), the gate's activation (`layers`), and on a mixture of experts' sparse layers the
 routed experts in place of the MLP (`moe`). Knows nothing of requests, sampling or HTTP: a
-`ForwardBatch` (`batch`) says which rows are which.
+`ForwardBatch` (`batch`) says which rows are which, and which adapter each LoRA row runs with
+(`lora`: its update is added after the base linear it targets).
 
 One loop with named switches rather than one module per family: the families differ by a
 dozen small ops around the same attention and MLP, and the batch-invariant attention, the
@@ -46,6 +47,7 @@ from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.layers import ACTIVATIONS, rms_norm
 from nanoserve.model.linear import KERNELS, LinearKernel, embedding
+from nanoserve.model.lora import apply as apply_lora
 from nanoserve.model.moe import MixtureOfExperts
 from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
@@ -142,7 +144,8 @@ class Llama:
             hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
-        if self.decoder is not None and self.ops is not None:  # (a profile may swap the ops out)
+        # The one-call decoder runs the base model alone: a step with LoRA rows takes the loop.
+        if self.decoder is not None and self.ops is not None and not batch.adapter_rows:
             delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
                                      step.attended, step.activated)
         else:
@@ -165,7 +168,7 @@ class Llama:
             if layer.attn_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.attn_out_norm)
             normed = self._add_norm(hidden, delta, layer.post_norm, step.normed)
-            delta = self._mlp(layer, normed, step)
+            delta = self._mlp(index, layer, normed, step)
             if layer.mlp_out_norm is not None:
                 delta = self._add_norm(delta, None, layer.mlp_out_norm)
         return delta
@@ -176,6 +179,7 @@ class Llama:
         qkv = self.linear(x, layer.qkv)
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
+        self._lora(qkv, x, step, index, "qkv")
         if layer.q_norm is not None:
             self._qk_norm(qkv, layer)
         window, rope = cfg.window(index), self.layer_rope[index]
@@ -191,7 +195,9 @@ class Llama:
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)
-        out = self._row_parallel(out, layer.o)
+        projected = self._row_parallel(out, layer.o)  # (LoRA never runs beside tensor parallelism)
+        self._lora(projected, out, step, index, "o")
+        out = projected
         if layer.o_bias is not None:
             out += layer.o_bias
         return out
@@ -210,13 +216,16 @@ class Llama:
         q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
         k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def _mlp(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         if layer.moe is not None:  # routed and shared experts' partial sums, reduced once
             return self._reduced(self.moe(x, layer.moe))
         gate_up = self.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up += layer.gate_up_bias
-        out = self._row_parallel(self._activate(gate_up, step.activated), layer.down)
+        self._lora(gate_up, x, step, index, "gate_up")
+        activated = self._activate(gate_up, step.activated)
+        out = self._row_parallel(activated, layer.down)
+        self._lora(out, activated, step, index, "down")
         if layer.down_bias is not None:
             out += layer.down_bias
         return out
@@ -233,6 +242,11 @@ class Llama:
     def _gated(self, x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
         """One expert's gated MLP (no biases) over the rows `x` routed to it."""
         return self.linear(self._activate(self.linear(x, gate_up)), down)
+
+    def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
+        """Each LoRA row's low-rank update, after the base linear that ran for every row."""
+        if step.batch.adapter_rows:
+            apply_lora(out, x, step.batch.adapter_rows, index, target, self.linear)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-split matrix's output summed over the ranks (itself with one rank)."""

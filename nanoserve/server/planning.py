@@ -277,7 +277,7 @@ def _base_params(body: RequestBody, seed: int | None,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
-        "p_less": body.p_less, "structured_outputs": _constraint(body, reasoning),
+        "p_less": body.p_less, "structured_outputs": _constraint(body, reasoning), "priority": body.priority,
     }
     given = {name: value for name, value in fields.items() if value is not None}
     # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.

@@ -116,8 +116,6 @@ REFUSED: dict[str, Refusal] = {
     "use_beam_search": Refusal("beam search is not supported", absent_or(False)),
     "length_penalty": Refusal("length_penalty only applies to beam search, which is not supported",
                               absent_or(1, 1.0)),
-    "priority": Refusal("priority scheduling is not supported: requests run first come, first "
-                        "served", absent_or(0)),
     "request_id": Refusal("request_id is not supported: responses carry the server's own id"),
     "logits_processors": Refusal("custom logits processors are not supported", empty_or_absent),
     "return_tokens_as_token_ids": Refusal("return_tokens_as_token_ids is not supported",
@@ -247,6 +245,9 @@ class SamplingFields(OpenAIModel):
         "Add the tokenizer's BOS to the prompt: default true for completions, false for chat "
         "(whose template writes BOS itself)."))
     p_less: bool | None = None
+    priority: Int64 = Field(default=0, description=(
+        "vLLM's: with --scheduling-policy priority, lower values run first and are preempted "
+        "last; ignored under fcfs."))
     # Structured outputs (server/structured_fields.py turns them into one spec).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -1,0 +1,236 @@
+"""LoRA adapters: PEFT adapter folders loaded against the base model, and each row's low-rank
+update applied after the base linear (multi-LoRA serving, as vLLM's --enable-lora).
+
+Owns: `LoRARequest` (vLLM's: a name, an integer id, a path), reading a PEFT folder
+(adapter_config.json + adapter_model.safetensors) into an `Adapter` whose matrices sit fused
+like the base model's (q, k and v share the qkv output's columns, gate and up gate_up's), with
+the scaling (lora_alpha / r, or / sqrt(r) with use_rslora) folded into B; `AdapterSet`, the
+adapters resident at once (at most max_loras); and `apply`, which adds each adapter's
+update to its own rows of a base linear's output: the base matmul runs once for the whole
+batch, then each adapter's two small matmuls over its rows alone, through the model's linear
+kernel, so a row's bits do not depend on which adapters its neighbours use.
+Refuses, by name, before anything is kept: a rank above max_lora_rank, a target module the
+decoder has no linear for, DoRA, trained biases or modules_to_save, and a tensor whose shape
+does not fit the base model; an adapter is resident whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nanoserve.config import ModelConfig
+from nanoserve.errors import InvalidRequestError
+
+# PEFT's module names, and the fused base linear each one's output columns live in.
+TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+           "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """vLLM's LoRARequest: which adapter a request runs with. `lora_int_id` is the client's
+    handle (unique per adapter, >= 1); `lora_path` a PEFT adapter folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise InvalidRequestError(f"lora_name must be a non-empty string; got {self.lora_name!r}",
+                                      param="lora_name")
+        int_id = self.lora_int_id
+        if not isinstance(int_id, int) or isinstance(int_id, bool) or int_id < 1:
+            raise InvalidRequestError(f"lora_int_id must be an integer >= 1; got {self.lora_int_id!r}",
+                                      param="lora_int_id")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedUpdate:
+    """One base linear's update: out[rows] += (x[rows] @ A^T) @ B^T, A and B packed for the
+    model's linear kernel (A [R, in], B [out, R], B scaled)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(slots=True)
+class Adapter:
+    name: str
+    lora_int_id: int
+    path: str
+    rank: int
+    cache_key: str  # the prefix cache's namespace: one per load, so a reloaded name never hits old K/V
+    layers: list[dict[str, FusedUpdate]] = field(default_factory=list)  # [layer][fused target]
+
+
+def _refuse(path: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"the LoRA adapter at {path}: {message}", param="lora_path")
+
+
+def _read_config(folder: Path, path: str, max_rank: int) -> dict:
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise _refuse(path, "is not a PEFT adapter folder (adapter_config.json and "
+                            "adapter_model.safetensors)")
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise _refuse(path, f"r must be an integer >= 1; got {rank!r}")
+    if rank > max_rank:
+        raise _refuse(path, f"its rank r={rank} is above max_lora_rank={max_rank}")
+    unsupported = (("use_dora", (False, None)), ("bias", ("none", None)), ("modules_to_save", (None, [])))
+    for key, allowed in unsupported:
+        if config.get(key) not in allowed:
+            raise _refuse(path, f"{key}={config.get(key)!r} is not supported")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise _refuse(path, f"target_modules {unknown} have no LoRA support here (supported: "
+                            f"{', '.join(TARGETS)})")
+    return config
+
+
+def _output_columns(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """(fused output width, first column, width) of each PEFT module's output."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    qkv, inter = q + 2 * kv, config.intermediate_size
+    return {"q_proj": (qkv, 0, q), "k_proj": (qkv, q, kv), "v_proj": (qkv, q + kv, kv),
+            "o_proj": (config.hidden_size, 0, config.hidden_size),
+            "gate_proj": (2 * inter, 0, inter), "up_proj": (2 * inter, inter, inter),
+            "down_proj": (config.hidden_size, 0, config.hidden_size)}
+
+
+def _input_width(config: ModelConfig, module: str) -> int:
+    return {"o_proj": config.num_heads * config.head_dim,
+            "down_proj": config.intermediate_size}.get(module, config.hidden_size)
+
+
+def load_adapter(request: LoRARequest, model: ModelConfig, *, max_rank: int, serial: int,
+                 pack: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> Adapter:
+    """Read and check a PEFT folder whole, then fuse and pack it; nothing is kept on a refusal."""
+    path = request.lora_path
+    folder = Path(path)
+    config = _read_config(folder, path, max_rank)
+    rank = config["r"]
+    alpha = config.get("lora_alpha", rank)
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    per_layer: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(model.num_layers)]
+    for key, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
+        found = _KEY.match(key)
+        if found is None or found.group(2) not in TARGETS:
+            raise _refuse(path, f"tensor {key!r} is no LoRA A or B of a supported module")
+        layer, module, which = int(found.group(1)), found.group(2), found.group(3)
+        if layer >= model.num_layers:
+            raise _refuse(path, f"tensor {key!r} names layer {layer}; the base model has {model.num_layers}")
+        expected = ((rank, _input_width(model, module)) if which == "A"
+                    else (_output_columns(model)[module][2], rank))
+        if tuple(tensor.shape) != expected:
+            raise _refuse(path, f"tensor {key!r} has shape {list(tensor.shape)}; the base model "
+                                f"needs {list(expected)}")
+        per_layer[layer].setdefault(module, {})[which] = tensor.float()
+    for index, modules in enumerate(per_layer):
+        for module, pair in modules.items():
+            if set(pair) != {"A", "B"}:
+                missing = "A" if "A" not in pair else "B"
+                raise _refuse(path, f"layer {index} {module} has no lora_{missing}")
+    layers = [_fuse(modules, model, scaling, pack, dtype, device) for modules in per_layer]
+    return Adapter(request.lora_name, request.lora_int_id, path, rank,
+                   f"{request.lora_name}\0{serial}", layers)
+
+
+def _fuse(modules: dict[str, dict[str, torch.Tensor]], model: ModelConfig, scaling: float,
+          pack: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+          device: torch.device) -> dict[str, FusedUpdate]:
+    """One layer's modules grouped by fused target: A stacked along the rank, B placed at its
+    module's output columns (zeros elsewhere), so one pair of matmuls serves q, k and v."""
+    columns = _output_columns(model)
+    fused: dict[str, FusedUpdate] = {}
+    for target in dict.fromkeys(TARGETS.values()):
+        names = [name for name in modules if TARGETS[name] == target]
+        if not names:
+            continue
+        a = torch.cat([modules[name]["A"] for name in names])
+        width = columns[names[0]][0]
+        b = torch.zeros(width, a.shape[0])
+        start = 0
+        for name in names:
+            _, first, size = columns[name]
+            rank = modules[name]["B"].shape[1]
+            b[first:first + size, start:start + rank] = modules[name]["B"] * scaling
+            start += rank
+        fused[target] = FusedUpdate(pack(a.to(device, dtype).contiguous()),
+                                    pack(b.to(device, dtype).contiguous()))
+    return fused
+
+
+@dataclass(slots=True)
+class AdapterSet:
+    """The adapters resident at once, by name: at most `max_loras`, each of rank at most
+    `max_lora_rank`."""
+
+    max_loras: int
+    max_lora_rank: int
+    adapters: dict[str, Adapter] = field(default_factory=dict)
+    _loads: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}", param=name)
+
+    def add(self, request: LoRARequest, load: Callable[[LoRARequest, int], Adapter]) -> Adapter:
+        """The adapter `request` names: the resident one (same id and path), else loaded now."""
+        resident = self.adapters.get(request.lora_name)
+        if resident is not None:
+            if (resident.lora_int_id, resident.path) != (request.lora_int_id, request.lora_path):
+                raise InvalidRequestError(f"a LoRA adapter named {request.lora_name!r} is loaded already "
+                                          f"(id {resident.lora_int_id}, {resident.path})", param="lora_name")
+            return resident
+        if any(a.lora_int_id == request.lora_int_id for a in self.adapters.values()):
+            raise InvalidRequestError(f"lora_int_id {request.lora_int_id} belongs to another adapter",
+                                      param="lora_int_id")
+        if len(self.adapters) >= self.max_loras:
+            raise InvalidRequestError(f"{len(self.adapters)} LoRA adapters are loaded, max_loras="
+                                      f"{self.max_loras}; unload one first", param="max_loras")
+        self._loads += 1
+        adapter = load(request, self._loads)
+        self.adapters[request.lora_name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", param="lora_name")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRows:
+    """The rows of one step that run with `adapter` (an index tensor into the flat batch)."""
+
+    adapter: Adapter
+    rows: torch.Tensor
+
+
+def apply(out: torch.Tensor, x: torch.Tensor, groups: list[AdapterRows], layer: int, target: str,
+          linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """out[rows] += each adapter's update of its own rows, in place (rows without one: nothing)."""
+    for group in groups:
+        update = group.adapter.layers[layer].get(target)
+        if update is None:
+            continue
+        delta = linear(linear(x.index_select(0, group.rows), update.a), update.b)
+        out.index_copy_(0, group.rows, out.index_select(0, group.rows) + delta)

@@ -1,0 +1,153 @@
+"""Multi-LoRA serving, held against transformers + PEFT: an adapter trained nowhere but built
+here with random weights on a tiny model gives our engine the logprobs PEFT's model gives
+(float32, within 1e-4); a row with its adapter has the same bits alone and beside rows with
+other adapters and none; the prefix cache never hands one adapter's K/V to another; a bad
+adapter is refused by name and nothing of it stays loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf_import import native_off
+from tiny_model import write_tiny_llama
+
+from nanoserve import LoRARequest
+from nanoserve.errors import InvalidRequestError
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+
+peft = pytest.importorskip("peft", reason="peft (the dev extra) is not installed")
+transformers = pytest.importorskip("transformers")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+PROMPT = "Once upon a time, in a small village"
+
+
+def build_adapter(model_dir: Path, out: Path, *, seed: int, rank: int = 4,
+                  targets: list[str] = ALL_TARGETS) -> Path:
+    """A PEFT LoRA adapter with random A and B (PEFT starts B at zero: no update at all)."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                      lora_dropout=0.0))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_" in name:
+                weight.copy_(torch.randn_like(weight) * 0.2)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_logprobs(model_dir: Path, adapter_dir: Path, prompt_ids: list[int],
+                  token_ids: list[int]) -> list[float]:
+    """The PEFT model's logprob of each generated token, teacher-forced."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = len(prompt_ids) - 1
+    return [logprobs[start + i, token].item() for i, token in enumerate(token_ids)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return [build_adapter(tiny_model_dir, root / f"a{i}", seed=i) for i in range(3)]
+
+
+def lora_llm(model_dir, **options) -> LLM:
+    return LLM(str(model_dir), dtype="float32", device="cpu", batch_invariant=True, enable_lora=True,
+               max_loras=4, max_lora_rank=8, num_kv_blocks=64, **options)
+
+
+def requests_of(adapters: list[Path]) -> list[LoRARequest]:
+    return [LoRARequest(f"adapter-{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_an_adapter_gives_the_logprobs_transformers_and_peft_give(tiny_model_dir, adapters, monkeypatch,
+                                                                   native):
+    lora = requests_of(adapters)[0]
+    if native:
+        llm = lora_llm(tiny_model_dir)
+    else:
+        with native_off(monkeypatch):
+            llm = lora_llm(tiny_model_dir)
+    got = llm.generate([PROMPT], GREEDY, lora_request=lora)[0]
+    base = llm.generate([PROMPT], GREEDY)[0]
+    expected = peft_logprobs(tiny_model_dir, adapters[0], got.prompt_token_ids, got.token_ids)
+    ours = [entry.logprob for entry in got.logprobs]
+    assert max(abs(a - b) for a, b in zip(ours, expected, strict=True)) < 1e-4
+    assert base.token_ids != got.token_ids or [e.logprob for e in base.logprobs] != ours, "no update applied"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_row_with_its_adapter_has_the_same_bits_alone_and_beside_other_adapters(tiny_model_dir, adapters,
+                                                                                  monkeypatch, native):
+    loras = requests_of(adapters)
+    if native:
+        llm = lora_llm(tiny_model_dir)
+    else:
+        with native_off(monkeypatch):
+            llm = lora_llm(tiny_model_dir)
+    prompts = [f"{PROMPT} {i}" + " the" * i for i in range(6)]
+    per_prompt = [loras[i % 3] if i % 4 != 3 else None for i in range(6)]
+    crowd = llm.generate(prompts, GREEDY, lora_request=per_prompt)
+    for prompt, lora, together in zip(prompts, per_prompt, crowd, strict=True):
+        alone = llm.generate([prompt], GREEDY, lora_request=lora)[0]
+        assert alone.token_ids == together.token_ids
+        assert [e.logprob for e in alone.logprobs] == [e.logprob for e in together.logprobs]
+    assert llm.engine.pool.is_completely_free
+
+
+def test_the_prefix_cache_never_gives_one_adapters_kv_to_another(tiny_model_dir, adapters):
+    lora = requests_of(adapters)[1]
+    long_prompt = PROMPT + " and the old baker" * 6
+    fresh = lora_llm(tiny_model_dir).generate([long_prompt], GREEDY, lora_request=lora)[0]
+    warmed = lora_llm(tiny_model_dir)
+    warmed.generate([long_prompt], GREEDY)  # the base model's K/V of the prompt, cached
+    again = warmed.generate([long_prompt], GREEDY, lora_request=lora)[0]
+    assert [e.logprob for e in again.logprobs] == [e.logprob for e in fresh.logprobs]
+
+
+def refused(llm: LLM, lora: LoRARequest) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate([PROMPT], GREEDY, lora_request=lora)
+    assert llm.engine.list_loras() == [], "a refused adapter stayed loaded"
+    assert not llm.engine.has_unfinished()
+    return error.value
+
+
+def test_bad_adapters_are_refused_by_name_and_nothing_of_them_loads(tiny_model_dir, tmp_path):
+    llm = lora_llm(tiny_model_dir)
+    wide = build_adapter(tiny_model_dir, tmp_path / "wide", seed=5, rank=16)
+    error = refused(llm, LoRARequest("wide", 1, str(wide)))
+    assert "max_lora_rank=8" in error.message and "r=16" in error.message
+    assert "is not a PEFT adapter folder" in refused(llm, LoRARequest("none", 2, str(tmp_path))).message
+    other_base = write_tiny_llama(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    error = refused(llm, LoRARequest("other", 3, str(build_adapter(other_base, tmp_path / "o", seed=6))))
+    assert "shape" in error.message and error.param == "lora_path"
+    odd = build_adapter(tiny_model_dir, tmp_path / "odd", seed=7)
+    config = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps(config | {"target_modules": ["q_proj", "lm_head"]}))
+    assert "lm_head" in refused(llm, LoRARequest("odd", 4, str(odd))).message
+
+
+def test_lora_requests_without_enable_lora_or_over_max_loras_are_refused_by_name(tiny_model_dir, adapters):
+    plain = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=32)
+    with pytest.raises(InvalidRequestError) as error:
+        plain.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[0])
+    assert error.value.param == "lora_request"
+    one = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=32, enable_lora=True, max_loras=1)
+    one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[0])
+    with pytest.raises(InvalidRequestError) as error:
+        one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[1])
+    assert error.value.param == "max_loras"
+    one.engine.remove_lora("adapter-0")
+    assert one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[1])[0].token_ids
