@@ -12,7 +12,8 @@ layout). What llama.cpp keeps in code rather than in the file is restated here: 
 are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/sqrt(head_dim)
 except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
 (Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
-rotate with base 10000 unless it says `rope.freq_base_swa`.
+rotate with base 10000 unless it says `rope.freq_base_swa`, and a phi3 `rope.dimension_count`
+below the head size is Phi-4-mini's partial_rotary_factor.
 Refuses: other architectures, tokenizers `gguf_tokenizer` refuses, rope scaling other than
 llama3, and a file whose tensors disagree with its metadata (a tensor of another shape or of an
 integer type, an embedding with another row count than the vocabulary, a missing tensor): each
@@ -212,8 +213,8 @@ def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta:
     num_heads = _require_int(meta, "llama.attention.head_count")
     head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
     rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
-    _check_full_rotary(meta, head_dim)
-    return {
+    partial = _partial_rotary(arch, meta, head_dim)
+    return partial | {
         "architectures": [hf_architecture],
         "model_type": model_type,
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
@@ -304,13 +305,18 @@ def _f32_to_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _check_full_rotary(meta: dict[str, Any], head_dim: int) -> None:
+def _partial_rotary(arch: str, meta: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Phi-3's partial_rotary_factor (Phi-4-mini) from the rotary dimension llama.cpp wrote;
+    other architectures rotate whole heads, and a file saying otherwise is refused."""
     rope_dim = meta.get("llama.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim == head_dim:
+        return {}
+    factor = rope_dim / head_dim
+    if arch != "phi3" or int(head_dim * factor) != rope_dim:
         raise UnsupportedModelError(
-            f"rotary dimension {rope_dim} differs from head_dim {head_dim}: "
-            "partial rotary embeddings are not supported"
-        )
+            f"GGUF {arch}.rope.dimension_count {rope_dim} differs from head_dim {head_dim}: partial rotary "
+            "embeddings are implemented for phi3 only")
+    return {"partial_rotary_factor": factor}
 
 
 def rope_scaling(
