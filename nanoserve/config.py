@@ -437,6 +437,14 @@ class ModelConfig:
         return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
 
     @property
+    def kv_window(self) -> int:
+        """The window every layer attends within, so K/V before it is never read again; 0 when
+        some layer sees the whole context (Gemma 2/3 mix full layers in: they keep it all)."""
+        if self.sliding_layers and all(self.sliding_layers):
+            return self.sliding_window
+        return 0
+
+    @property
     def rotated_dims(self) -> int:
         """How many of each head's dims RoPE rotates (the first ones, in the HF layout)."""
         return self.rotary_dim or self.head_dim
