@@ -41,7 +41,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
 from nanoserve.loading.hf_names import hf_tensor_shapes
-from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
+from nanoserve.quant import DEQUANTIZED_AT_LOAD, FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
 # GGUF architecture -> (HF model_type, HF architecture).
@@ -398,7 +398,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
     tensor is ever held at a time, and the caller checks the shapes)."""
     heads = _permuted_heads(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    dequantized: dict[str, int] = {}
+    dequantized: dict[str, list[str]] = {}
     for tensor in open_gguf(gguf_path).tensors:
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
@@ -407,7 +407,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
         if fmt is None:
             values = _hf_norm(tensor.name, dequantize_tensor(tensor), config)
             if values.ndim == 2 and tensor.tensor_type.name != "F32":
-                dequantized[tensor.tensor_type.name] = dequantized.get(tensor.tensor_type.name, 0) + 1
+                dequantized.setdefault(tensor.tensor_type.name, []).append(tensor.name)
             weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
         else:
             rows, cols = (int(d) for d in reversed(tensor.shape.tolist()))
@@ -417,10 +417,11 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
             weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
         name = hf_tensor_name(tensor.name, config.get("model_type"))
         weights[name] = weight if keep is None else keep(name, weight)
-    for type_name, count in dequantized.items():
+    for type_name, names in dequantized.items():
         if log_line is not None:
-            log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
-                     "to float32 at load")
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            log_line(f"GGUF type {type_name} has no native kernel: {len(names)} matrices dequantized "
+                     f"to float32 at load ({shown})")
     if keep is None:
         check_shapes(weights, config)
     return weights
@@ -448,6 +449,10 @@ def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    reference = DEQUANTIZED_AT_LOAD.get(int(tensor.tensor_type))
+    if reference is not None:  # nanoserve's own reference (tests hold it to gguf's, bit for bit)
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(-1, reference.bytes))
+        return reference.dequantize(blocks).numpy().reshape(shape)
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as err:
