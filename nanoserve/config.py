@@ -2,8 +2,9 @@
 
 `ModelConfig.from_hf_dict` is the one reader of a Hugging Face config. It accepts a field only
 where this engine computes what the field says: a value it does not implement (another
-activation, a RoPE scaling type, experts, a quantization scheme, partial rotary embeddings) is
-refused with an `UnsupportedModelError` naming the field and its value, never defaulted.
+activation, a RoPE scaling type, experts, a quantization scheme, partial rotary embeddings
+outside Phi-3's family) is refused with an `UnsupportedModelError` naming the field and its
+value, never defaulted.
 Fields that do not change the forward (token ids, training-time settings, bookkeeping) are
 listed as such; any other field is refused too, so a checkpoint of a newer or different design
 cannot load and silently compute something else. Both config styles are read: transformers 4's
@@ -111,8 +112,12 @@ FAMILIES = (
     Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",),
            {"hidden_act": ACTIVATIONS, "attention_bias": (True, False), "use_sliding_window": (True, False),
             "max_window_layers": _ANY}),
+    # Phi-4-mini rotates a fraction of each head (partial_rotary_factor, read below) and writes
+    # three fields transformers' Phi3 never reads, at the values its own code assumed.
     Family("phi3", ("phi3",), ("Phi3ForCausalLM",),
-           {"hidden_act": ACTIVATIONS, "original_max_position_embeddings": _ANY}),
+           {"hidden_act": ACTIVATIONS, "original_max_position_embeddings": _ANY,
+            "partial_rotary_factor": _ANY, "full_attn_mod": (1,), "interpolate_factor": (1,),
+            "lm_head_bias": (False,)}),
     Family("gemma2", ("gemma2",), ("Gemma2ForCausalLM",),
            {"hidden_act": ACTIVATIONS, "hidden_activation": ACTIVATIONS, "attention_bias": (False,),
             "query_pre_attn_scalar": _ANY, "attn_logit_softcapping": _ANY, "final_logit_softcapping": _ANY,
@@ -232,8 +237,8 @@ def _rope(raw: dict[str, Any], parameters: dict[str, Any] | None, *, local: bool
     if kind not in _ROPE_KEYS:
         raise _refuse(name, scaling, f"RoPE type {kind!r} is not implemented "
                                      f"(nanoserve implements {', '.join(IMPLEMENTED_ROPE_TYPES)})")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse(name, scaling, "partial rotary embeddings are not implemented")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0 and raw.get("model_type") != "phi3":
+        raise _refuse(name, scaling, "partial rotary embeddings are implemented for phi3 only")
     unknown = sorted(set(scaling) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta",
                                                         "partial_rotary_factor"})
     if unknown:
@@ -247,10 +252,10 @@ def _rope(raw: dict[str, Any], parameters: dict[str, Any] | None, *, local: bool
     if kind == "longrope":
         if out.get("factor") is None:  # transformers: the extension ratio of max_position_embeddings
             out["factor"] = raw.get("max_position_embeddings", 2048) / out["original_max_position_embeddings"]
-        half = _head_dim(raw) // 2
+        half = _rotary_dim(raw) // 2
         for key in ("short_factor", "long_factor"):
             if len(out.get(key) or ()) != half:
-                raise _refuse(name, scaling, f"longrope needs {key} of head_dim / 2 = {half} values")
+                raise _refuse(name, scaling, f"longrope needs {key} of rotary dims / 2 = {half} values")
     return Rope(float(theta), out)
 
 
@@ -264,6 +269,23 @@ def _same_rope(legacy: dict[str, Any], parameters: dict[str, Any]) -> bool:
 
 def _head_dim(raw: dict[str, Any]) -> int:
     return raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def _rotary_dim(raw: dict[str, Any]) -> int:
+    """How many of each head's first dims RoPE rotates: int(head_dim * partial_rotary_factor),
+    as transformers computes it, from either config style (rope_parameters holds it in 5)."""
+    parameters = raw.get("rope_parameters") or {}
+    factor = parameters.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise _refuse("partial_rotary_factor", factor, "expected a number in (0, 1]")
+    if raw.get("partial_rotary_factor", factor) != factor:
+        raise _refuse("partial_rotary_factor", raw["partial_rotary_factor"],
+                      f"contradicts rope_parameters' {factor!r}")
+    dim = int(_head_dim(raw) * factor)
+    if dim % 2 or dim < 2:
+        raise _refuse("partial_rotary_factor", factor, f"rotates {dim} dims of {_head_dim(raw)}: "
+                                                       "rotary embeddings need an even, nonzero count")
+    return dim
 
 
 def _check_shapes(raw: dict[str, Any], num_heads: int, num_kv_heads: int) -> None:
@@ -457,6 +479,9 @@ class ModelConfig:
     sliding_window: int = 0
     local_rope: Rope | None = None
     experts: Experts | None = None  # a mixture of experts in place of the MLP on its sparse layers
+    # RoPE rotates each head's first `rotary_dim` dims and passes the rest (Phi-4-mini's
+    # partial_rotary_factor); 0: the whole head.
+    rotary_dim: int = 0
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -467,6 +492,7 @@ class ModelConfig:
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
         _check_shapes(raw, num_heads, num_kv_heads)
         head_dim = _head_dim(raw)
+        rotary_dim = _rotary_dim(raw)
         types = _layer_types(raw, family)
         parameters = _rope_parameters(raw, set(types))
         full = _rope(raw, parameters.get("full_attention", parameters.get("sliding_attention")))
@@ -492,6 +518,7 @@ class ModelConfig:
             sliding_window=window,
             local_rope=local if local != full else None,
             experts=_experts(raw, family),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **_family_switches(raw, family, head_dim),
         )
 
@@ -511,6 +538,19 @@ class ModelConfig:
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer` routes its rows to experts (else it runs the dense MLP)."""
         return self.experts is not None and self.experts.sparse_layers[layer]
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer attends within, so K/V before it is never read again; 0 when
+        some layer sees the whole context (Gemma 2/3 mix full layers in: they keep it all)."""
+        if self.sliding_layers and all(self.sliding_layers):
+            return self.sliding_window
+        return 0
+
+    @property
+    def rotated_dims(self) -> int:
+        """How many of each head's dims RoPE rotates (the first ones, in the HF layout)."""
+        return self.rotary_dim or self.head_dim
 
     def rope_of(self, layer: int) -> Rope:
         if self.local_rope is not None and self.sliding_layers[layer]:

@@ -2,9 +2,10 @@
 
 Owns: `QuantizedWeight` (a matrix [out, in] kept as the GGUF's own row-major block bytes, a
 uint8 tensor [out, bytes_per_row], never expanded), the block layouts of the formats nanoserve
-runs (documented once, below, as ggml-common.h defines them), a torch reference dequantizer per
-format (the tests hold them against `gguf.quants.dequantize`, bit for bit), and quantizers for
-Q8_0 and Q4_0 (for `--quantize` of float checkpoints; held against `gguf.quants.quantize`).
+runs or dequantizes at load (documented once, below, as ggml-common.h defines them), a torch
+reference dequantizer per format (the tests hold them against `gguf.quants.dequantize`, bit for
+bit), and quantizers for Q8_0 and Q4_0 (for `--quantize` of float checkpoints; held against
+`gguf.quants.quantize`).
 Refuses: speed. The native kernels (`nanoserve.native.quant`) do the multiplies; this module is
 the obvious version they are tested against, and the path that dequantizes at load where no
 kernel runs a format.
@@ -19,6 +20,25 @@ Block layouts (little-endian; f16 is IEEE half; a row of `in` values is `in / va
 | Q4_K | 256 | 144 | d:f16, dmin:f16, scales:u8[12], qs:u8[128] | d*sc[j] * q4 - dmin*mn[j] |
 | Q5_K | 256 | 176 | d:f16, dmin:f16, scales:u8[12], qh:u8[32], qs:u8[128] | d*sc[j] * q5 - dmin*mn[j] |
 | Q6_K | 256 | 210 | ql:u8[128], qh:u8[64], scales:int8[16], d:f16 | d*scales[i/16] * (q6 - 32) |
+
+Dequantized at load (`DEQUANTIZED_AT_LOAD`: no native kernel runs them yet), same notation:
+
+| format | values | bytes | layout | value of element i |
+|---|---|---|---|---|
+| Q5_0 | 32 | 22 | d:f16, qh:u8[4], qs:u8[16] | d * ((nib(i) + 16 * bit i of qh) - 16) |
+| Q5_1 | 32 | 24 | d:f16, m:f16, qh:u8[4], qs:u8[16] | d * (nib(i) + 16 * bit i of qh) + m |
+| IQ4_NL | 32 | 18 | d:f16, qs:u8[16] | d * grid[nib(i)] |
+| IQ4_XS | 256 | 136 | d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128] | d * (ls[j] - 32) * grid[nib] |
+| Q2_K | 256 | 84 | scales:u8[16], qs:u8[64], d:f16, dmin:f16 | d*(sc & 15) * q2 - dmin*(sc >> 4) |
+| Q3_K | 256 | 110 | hmask:u8[32], qs:u8[64], scales:u8[12], d:f16 | d*(sc - 32) * (q2 - 4 * !hbit) |
+
+- grid is ggml's kvalues_iq4nl (16 non-uniform int8 levels). IQ4_XS: eight sub-blocks j of
+  32, each the nib() layout over its own 16 bytes of qs; ls[j] is a 6-bit scale, its low
+  nibble in scales_l[j/2] (low nibble for even j), its top two bits at bits 2j of scales_h.
+- Q2_K / Q3_K: sixteen sub-blocks of 16; in half h of 128 values, sub-block 8h + 2s + t holds
+  bits 2s, 2s+1 of qs[32h + 16t + l]. Q3_K's third bit (set: no -4) is bit (4h + s) of
+  hmask[16t + l]; its 6-bit scales: low nibbles of scales[0..7] then their high nibbles, top
+  two bits from scales[8..11] (bits 2k of byte 8 + j % 4 for scale j, k = j / 4).
 
 - 32-value formats: nib(i) is the low nibble of qs[i] for i < 16, the high nibble of qs[i-16]
   for i >= 16 (the first half of the block in the low nibbles).
@@ -231,6 +251,88 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     q = (low | (((qh >> shifts) & 3) << 4)).to(torch.int8) - 32  # [n, 2, 4, 32]
     scale = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
     return (scale.unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+
+
+# ---- formats dequantized at load (no native kernel yet): the same reference arithmetic -------
+
+# IQ4_NL / IQ4_XS: each 4-bit code indexes this non-uniform grid (ggml-common.h kvalues_iq4nl).
+_IQ4_GRID = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         dtype=torch.float32)
+
+
+def _low_high_bits(qh: torch.Tensor) -> torch.Tensor:
+    """u8 [n, 4] (a little-endian uint32) -> its 32 bits [n, 32], bit j at j."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(-1, 32)
+
+
+def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 6:]) | (_low_high_bits(blocks[:, 2:6]) << 4)
+    return _f16(blocks, 0) * (q.to(torch.int8) - 16).float()
+
+
+def _dequantize_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, 8:]) | (_low_high_bits(blocks[:, 4:8]) << 4)
+    return _f16(blocks, 0) * q.float() + _f16(blocks, 2)
+
+
+def _dequantize_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    return _f16(blocks, 0) * _IQ4_GRID[_nibbles(blocks[:, 2:]).long()]
+
+
+def _dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [n, 1]
+    low = blocks[:, 4:8]
+    sub = torch.arange(8)
+    scales = ((low[:, sub // 2].int() >> (4 * (sub % 2))) & 0xF) | (((high >> (2 * sub)) & 3) << 4)
+    codes = _nibbles(blocks[:, 8:].reshape(-1, 8, 16))  # [n, 8, 32]
+    scale = (_f16(blocks, 0) * (scales - 32).float()).unsqueeze(-1)
+    return (scale * _IQ4_GRID[codes.long()]).reshape(-1, 256)
+
+
+def _two_bit_groups(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K low bits: u8 [n, 64] -> [n, 16, 16], sub-block 8h + 2s + t holding bits 2s
+    of qs[32h + 16t + l] (halves h of 128 values, shifts s, the two 16-byte runs t)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1, 1)
+    runs = qs.reshape(-1, 2, 1, 2, 16)
+    return ((runs >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _dequantize_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    scales = blocks[:, 0:16]
+    scale = (_f16(blocks, 80) * (scales & 0xF).float()).unsqueeze(-1)
+    offset = (_f16(blocks, 82) * (scales >> 4).float()).unsqueeze(-1)
+    return (scale * _two_bit_groups(blocks[:, 16:80]).float() - offset).reshape(-1, 256)
+
+
+def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K's sixteen 6-bit scales from 12 bytes: low nibbles from bytes 0-7, two high bits
+    each from bytes 8-11 (ggml's kmask1 / kmask2 unpacking), as int32 [n, 16]."""
+    low = torch.cat([packed[:, 0:8] & 0xF, packed[:, 0:8] >> 4], dim=-1).int()  # [n, 16]
+    top = packed[:, 8:12].int()
+    high = torch.cat([(top >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)  # [n, 16]
+    return low | (high << 4)
+
+
+def _dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    hmask = blocks[:, 0:32]
+    bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = ((hmask.unsqueeze(1) >> bits) & 1).reshape(-1, 16, 16)  # sub-block 2j + t: bit j of hmask[16t + l]
+    q = _two_bit_groups(blocks[:, 32:96]).to(torch.int8) - 4 * (1 - high.to(torch.int8))
+    scale = (_f16(blocks, 108) * (_q3_k_scales(blocks[:, 96:108]) - 32).float()).unsqueeze(-1)
+    return (scale * q.float()).reshape(-1, 256)
+
+
+# What gguf_weights dequantizes to float32 at load, by GGML type number, with the reason its
+# start-up line gives: no native kernel runs these yet.
+DEQUANTIZED_AT_LOAD: dict[int, BlockFormat] = {f.ggml_type: f for f in (
+    BlockFormat("q5_0", 6, 32, 22, _dequantize_q5_0),
+    BlockFormat("q5_1", 7, 32, 24, _dequantize_q5_1),
+    BlockFormat("q2_k", 10, 256, 84, _dequantize_q2_k),
+    BlockFormat("q3_k", 11, 256, 110, _dequantize_q3_k),
+    BlockFormat("iq4_nl", 20, 32, 18, _dequantize_iq4_nl),
+    BlockFormat("iq4_xs", 23, 256, 136, _dequantize_iq4_xs),
+)}
 
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (

@@ -190,7 +190,8 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None,
     """The checkpoint as llama.cpp's converter (convert_hf_to_gguf.py) writes a GGUF of
     `architecture`, float32, with a stand-in byte-level vocabulary: Q/K rows in HF's layout
     (only llama permutes them), Gemma's norms as 1 + w and its softcaps and window in the
-    metadata, Phi-3's fused matrices under attn_qkv / ffn_up and its LongRoPE factors as tensors;
+    metadata, Phi-3's fused matrices under attn_qkv / ffn_up and its LongRoPE factors as tensors,
+    Phi-4-mini's partial rotary as a rope.dimension_count below the head size;
     a mixture of experts' router as ffn_gate_inp, its experts stacked [experts, rows, cols] as
     ffn_{gate,up,down}_exps, Qwen2-MoE's shared expert as ffn_*_shexp (Mixtral is llama with
     experts: its Q/K rows permuted as llama.cpp's converter does), in `expert_type` blocks
@@ -218,6 +219,8 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None,
     rope = config["rope_parameters"]
     full = rope.get("full_attention", rope)
     writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("partial_rotary_factor", 1.0) != 1.0:
+        writer.add_rope_dimension_count(int(head_dim * full["partial_rotary_factor"]))
     if full["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full["factor"])

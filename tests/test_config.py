@@ -165,6 +165,45 @@ GEMMA3_1B = {
     "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
     "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144}
 
+# Phi-4-mini-instruct's config.json, its 48 + 48 LongRoPE factors replaced by stand-ins.
+PHI4_MINI = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 199999, "embd_pdrop": 0.0, "eos_token_id": 199999, "full_attn_mod": 1,
+    "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+    "interpolate_factor": 1, "lm_head_bias": False, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "phi3", "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "original_max_position_embeddings": 4096, "pad_token_id": 199999, "partial_rotary_factor": 0.75,
+    "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"long_factor": [1.0 + i for i in range(48)], "short_factor": [1.0] * 48,
+                     "type": "longrope"},
+    "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0", "use_cache": True, "vocab_size": 200064}
+
+
+def test_phi4_mini_rotates_three_quarters_of_each_head_with_longrope():
+    phi4 = ModelConfig.from_hf_dict(PHI4_MINI)
+    assert (phi4.head_dim, phi4.rotary_dim, phi4.rotated_dims) == (128, 96, 96)
+    assert phi4.rope_scaling["rope_type"] == "longrope" and phi4.max_position_embeddings == 4096
+    assert ModelConfig.from_hf_dict(PHI3_MINI_4K).rotated_dims == 96  # all of 3072 / 32
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"rope_scaling": {**PHI4_MINI["rope_scaling"], "short_factor": [1.0] * 64}}, "rope_scaling"),
+    ({"partial_rotary_factor": 0.7}, "partial_rotary_factor"),  # 89.6 -> 89 dims: odd
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
+    ({"full_attn_mod": 2}, "full_attn_mod"),
+    ({"lm_head_bias": True}, "lm_head_bias"),
+])
+def test_phi4_mini_values_it_does_not_implement_are_refused_by_name(changes, field):
+    with pytest.raises(UnsupportedModelError, match=f"'{field}'"):
+        ModelConfig.from_hf_dict({**PHI4_MINI, **changes})
+
+
+def test_partial_rotary_in_rope_parameters_outside_phi3_is_refused():
+    raw = config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    with pytest.raises(UnsupportedModelError, match="'rope_parameters'"):
+        ModelConfig.from_hf_dict(raw)
+
 
 def test_published_configs_load_with_their_switches():
     qwen = ModelConfig.from_hf_dict(QWEN25_05B)

@@ -45,6 +45,14 @@ CASES = [
     Case("phi3-longrope-window-6", "Phi3Config",
          {"max_position_embeddings": 256, "original_max_position_embeddings": 64, "sliding_window": 6,
           "rope_parameters": LONGROPE, "num_key_value_heads": 4}),
+    # Phi-4-mini: RoPE on the first 3/4 of each head (12 of 16 dims), LongRoPE, a tied head.
+    Case("phi4-mini-partial-rotary-longrope", "Phi3Config",
+         {"max_position_embeddings": 256, "original_max_position_embeddings": 64, "tie_word_embeddings": True,
+          "rope_parameters": {**LONGROPE, "partial_rotary_factor": 0.75,
+                              "short_factor": LONGROPE["short_factor"][:6],
+                              "long_factor": LONGROPE["long_factor"][:6]}}),
+    Case("phi3-partial-rotary-half-head-dim-24", "Phi3Config",
+         {"head_dim": 24, "partial_rotary_factor": 0.5, "num_key_value_heads": 1}),
     Case("gemma2-softcap-window-5", "Gemma2Config",
          {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 5, "tie_word_embeddings": True,
           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "num_key_value_heads": 1}),
@@ -123,11 +131,15 @@ def test_a_request_is_bit_identical_alone_and_in_a_crowd(checkpoint, native):
 
 # llama.cpp keeps some of Gemma's settings in code, not in the file: the query scale is
 # 1/sqrt(head_dim) and Gemma 3 slides five layers of six. Its GGUF cases say the same in HF terms.
+FIELDS = {c.name: c.fields for c in CASES}
 GGUF_CASES = [c for c in CASES if c.gguf] + [
-    Case("phi3-gguf", "Phi3Config", CASES[10].fields, gguf="phi3"),
-    Case("gemma2-gguf", "Gemma2Config", {**CASES[11].fields, "query_pre_attn_scalar": 16}, gguf="gemma2"),
+    Case("phi3-gguf", "Phi3Config", FIELDS["phi3-longrope-window-6"], gguf="phi3"),
+    Case("phi4-mini-gguf", "Phi3Config", FIELDS["phi4-mini-partial-rotary-longrope"], gguf="phi3"),
+    Case("gemma2-gguf", "Gemma2Config", {**FIELDS["gemma2-softcap-window-5"], "query_pre_attn_scalar": 16},
+         gguf="gemma2"),
     Case("gemma3-gguf", "Gemma3TextConfig",
-         {**CASES[12].fields, "layer_types": ["sliding_attention", "sliding_attention"]}, gguf="gemma3"),
+         {**FIELDS["gemma3-local-rope-window-6"], "layer_types": ["sliding_attention", "sliding_attention"]},
+         gguf="gemma3"),
 ]
 
 

@@ -178,7 +178,7 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             enable_prefix_caching=config.enable_prefix_caching,
                             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
-                            fair_share_rows=self._fair_share_rows(),
+                            fair_share_rows=self._fair_share_rows(), kv_window=self.model_config.kv_window,
                             scheduling_policy=config.scheduling_policy),
             self.pool,
         )

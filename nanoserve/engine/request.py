@@ -89,6 +89,10 @@ class Request:
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled on the device, not yet appended to output_ids
     block_ids: list[int] = field(default_factory=list)
+    # The first this many of block_ids went back to the pool: wholly outside the sliding window
+    # of a model whose every layer slides (SchedulerConfig.kv_window). Their ids stay in the
+    # table, so positions still index it; attention never reads them unmasked.
+    num_released_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission

@@ -51,8 +51,10 @@ its chunk; when the pool has no room for them it decodes plainly instead (drafts
 After the step, `update_after_step` is the one place request state moves on: each new token is
 appended, computed tokens advance (a chunk's drafts only as far as its run accepted them),
 blocks a step filled with computed tokens are registered in the prefix cache, blocks that only
-rejected drafts reached are freed, and requests the stop rules ended are finished. The
-scheduler's `requests` is the one registry of live requests; `waiting` and `running` order them.
+rejected drafts reached are freed, so are blocks wholly outside the window of a model whose
+every layer slides (`kv_window`: they stay in the prefix cache), and requests the stop rules
+ended are finished. The scheduler's `requests` is the one registry of live requests; `waiting`
+and `running` order them.
 
 Deferred output splits that update in two. `commit(plan)`, when the engine launches a step it
 will resolve one step late, counts the planned tokens as computed at once and marks each
@@ -92,6 +94,10 @@ class SchedulerConfig:
     # "fcfs": arrival order; "priority": lowest `SamplingParams.priority` first, then arrival
     # (vLLM's --scheduling-policy), in the waiting queue, the running order and preemption.
     scheduling_policy: str = "fcfs"
+    # Every layer of the model attends to only its last kv_window positions (Mistral-style
+    # sliding windows): blocks wholly before them go back to the pool as a request advances.
+    # 0: a request keeps every block (some layer sees the whole context).
+    kv_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -308,15 +314,22 @@ class Scheduler:
 
     def _give_newcomers_slots(self, out: SchedulerOutput) -> None:
         """With every slot taken, preempt for each waiting parent with nothing running the
-        newest request of the parent holding the most slots, if it holds more than one."""
+        newest request of the parent holding the most slots, if it holds more than one (by
+        priority, among the least urgent requests, if they are no more urgent than the newcomer)."""
         for newcomer in self._waiting_heads():
             if len(self.running) < self.config.max_num_seqs or newcomer.num_pending_tokens:
                 return
-            holders = Counter(r.parent for r in self.running)
+            yielding = self.running
+            if self.by_priority:  # only the least urgent level gives up a slot, and not to a less urgent one
+                least = max(r.params.priority for r in self.running)
+                if least < newcomer.params.priority:
+                    return
+                yielding = [r for r in self.running if r.params.priority == least]
+            holders = Counter(r.parent for r in yielding)
             parent, held = holders.most_common(1)[0]
             if held < 2:
                 return
-            self._preempt(next(r for r in reversed(self.running) if r.parent == parent), out)
+            self._preempt(next(r for r in reversed(yielding) if r.parent == parent), out)
 
     def _row_extra(self, request: Request) -> float:
         """What each of the request's rows costs the fair share beyond its model row: a decode
@@ -471,6 +484,17 @@ class Scheduler:
             self.pool.free(request.block_ids[keep:])
             del request.block_ids[keep:]
 
+    def _release_outside_window(self, chunk: ScheduledChunk) -> None:
+        """Free the request's blocks that no later query can see: a query at position q sees
+        keys after q - kv_window, and every later query (a step already launched ahead of this
+        one's resolution included) sits at or past this chunk's accepted end."""
+        request = chunk.request
+        first_query = min(request.num_computed_tokens, chunk.start + chunk.num_tokens)
+        unseen = max(0, first_query - self.config.kv_window + 1) // self.pool.block_size
+        if unseen > request.num_released_blocks:
+            self.pool.free(request.block_ids[request.num_released_blocks:unseen])
+            request.num_released_blocks = unseen
+
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         missing = self.pool.blocks_for_tokens(num_tokens) - len(request.block_ids)
         if missing <= 0:
@@ -491,8 +515,8 @@ class Scheduler:
         out.preempted.append(request)
 
     def _release(self, request: Request) -> None:
-        self.pool.free(request.block_ids)
-        request.block_ids = []
+        self.pool.free(request.block_ids[request.num_released_blocks:])
+        request.block_ids, request.num_released_blocks = [], 0
 
     def commit(self, plan: SchedulerOutput) -> None:
         """A step launched ahead of its resolution (deferred output, never with drafts): its
@@ -530,6 +554,8 @@ class Scheduler:
                 self._register_filled_blocks(chunk)
             if chunk.draft_ids:
                 self._roll_back_drafts(request)
+            if self.config.kv_window:
+                self._release_outside_window(chunk)
         for new in new_tokens:
             if new.finish is not None:
                 self.finish(self.requests[new.request_id], new.finish)

@@ -12,7 +12,8 @@ layout). What llama.cpp keeps in code rather than in the file is restated here: 
 are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/sqrt(head_dim)
 except for the 46-layer 27B (1/sqrt(hidden / heads)), Gemma's sliding layers are every other
 (Gemma 2) or five of six (Gemma 3) unless the file says its pattern, Gemma 3's sliding layers
-rotate with base 10000 unless it says `rope.freq_base_swa`.
+rotate with base 10000 unless it says `rope.freq_base_swa`, and a phi3 `rope.dimension_count`
+below the head size is Phi-4-mini's partial_rotary_factor.
 Mixtures of experts: qwen2moe, qwen3moe, olmoe, and llama with `expert_count` (Mixtral, whose
 Q/K rows llama.cpp permutes as llama's); the router `ffn_gate_inp`, the stacked experts
 `ffn_{gate,up,down}_exps` [experts, rows, cols] split into HF's per-expert tensors (each one
@@ -46,7 +47,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
 from nanoserve.loading.hf_names import expert_name, hf_tensor_shapes
-from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
+from nanoserve.quant import DEQUANTIZED_AT_LOAD, FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
 # GGUF architecture -> (HF model_type, HF architecture).
@@ -245,8 +246,8 @@ def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta:
     num_heads = _require_int(meta, "llama.attention.head_count")
     head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
     rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
-    _check_full_rotary(meta, head_dim)
-    return {
+    partial = _partial_rotary(arch, meta, head_dim)
+    return partial | {
         "architectures": [hf_architecture],
         "model_type": model_type,
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
@@ -386,13 +387,18 @@ def _f32_to_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _check_full_rotary(meta: dict[str, Any], head_dim: int) -> None:
+def _partial_rotary(arch: str, meta: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Phi-3's partial_rotary_factor (Phi-4-mini) from the rotary dimension llama.cpp wrote;
+    other architectures rotate whole heads, and a file saying otherwise is refused."""
     rope_dim = meta.get("llama.rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim == head_dim:
+        return {}
+    factor = rope_dim / head_dim
+    if arch != "phi3" or int(head_dim * factor) != rope_dim:
         raise UnsupportedModelError(
-            f"rotary dimension {rope_dim} differs from head_dim {head_dim}: "
-            "partial rotary embeddings are not supported"
-        )
+            f"GGUF {arch}.rope.dimension_count {rope_dim} differs from head_dim {head_dim}: partial rotary "
+            "embeddings are implemented for phi3 only")
+    return {"partial_rotary_factor": factor}
 
 
 def rope_scaling(
@@ -477,7 +483,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
     tensor is ever held at a time, and the caller checks the shapes)."""
     heads = _permuted_heads(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    dequantized: dict[str, int] = {}
+    dequantized: dict[str, list[str]] = {}
     for tensor in open_gguf(gguf_path).tensors:
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
@@ -486,7 +492,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
         if fmt is None:
             values = _hf_shape(tensor.name, _hf_norm(tensor.name, dequantize_tensor(tensor), config))
             if values.ndim >= 2 and tensor.tensor_type.name != "F32":
-                dequantized[tensor.tensor_type.name] = dequantized.get(tensor.tensor_type.name, 0) + 1
+                dequantized.setdefault(tensor.tensor_type.name, []).append(tensor.name)
             weight = torch.from_numpy(unpermute_qk(values, heads[kind]) if kind in heads else values)
         else:
             *outer, cols = (int(d) for d in reversed(tensor.shape.tolist()))
@@ -497,10 +503,11 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
             weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
         for name, part in _hf_parts(tensor.name, weight, config):
             weights[name] = part if keep is None else keep(name, part)
-    for type_name, count in dequantized.items():
+    for type_name, names in dequantized.items():
         if log_line is not None:
-            log_line(f"GGUF type {type_name} has no native kernel: {count} matrices dequantized "
-                     "to float32 at load")
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            log_line(f"GGUF type {type_name} has no native kernel: {len(names)} matrices dequantized "
+                     f"to float32 at load ({shown})")
     if keep is None:
         check_shapes(weights, config)
     return weights
@@ -554,6 +561,10 @@ def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    reference = DEQUANTIZED_AT_LOAD.get(int(tensor.tensor_type))
+    if reference is not None:  # nanoserve's own reference (tests hold it to gguf's, bit for bit)
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(-1, reference.bytes))
+        return reference.dequantize(blocks).numpy().reshape(shape)
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as err:

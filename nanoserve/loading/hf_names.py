@@ -16,7 +16,9 @@ import torch
 
 from nanoserve import quant
 from nanoserve.config import ModelConfig
+from nanoserve.model.rope import qkv_row_order
 from nanoserve.model.weights import LayerWeights, LlamaWeights, MoEWeights
+from nanoserve.quant import QuantizedWeight, Weight
 
 _GATE_UP = ("gate_proj", "up_proj")
 # Mixtral's names for an expert's gate, up and down projections.
@@ -96,7 +98,16 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def weights_from_hf(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> LlamaWeights:
     """The weights under their Hugging Face names (`hf_tensor_shapes` lists them). Gemma's
-    norms scale by (1 + w): the 1 is added here, in float32, once."""
+    norms scale by (1 + w): the 1 is added here, in float32, once. Where RoPE rotates part of
+    each head, the q and k rows are stored in `rope.rotary_head_order` (rope.py says why)."""
+    order = qkv_row_order(config)
+
+    def rotary_rows(weight: Weight) -> Weight:
+        if order is None:
+            return weight
+        # Phi-3 (the one family with partial rotary) fuses q, k and v: never a QuantizedStack.
+        return weight.rows(order) if isinstance(weight, QuantizedWeight) else weight[order]
+
     def norm(name: str) -> torch.Tensor:
         return tensors[name].float() + 1.0 if config.gemma_norms else tensors[name]
 
@@ -132,15 +143,15 @@ def weights_from_hf(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Ll
         gate_up_names = [mlp + "gate_proj", mlp + "up_proj"]
         return LayerWeights(
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=tensors[attn + "qkv_proj.weight"] if fused else quant.stack_rows(
-                [tensors[n + ".weight"] for n in qkv_names]),
+            qkv=rotary_rows(tensors[attn + "qkv_proj.weight"] if fused else quant.stack_rows(
+                [tensors[n + ".weight"] for n in qkv_names])),
             o=tensors[attn + "o_proj.weight"],
             post_norm=norm(p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm")
                            + ".weight"),
             gate_up=None if sparse else tensors[mlp + "gate_up_proj.weight"] if fused else quant.stack_rows(
                 [tensors[n + ".weight"] for n in gate_up_names]),
             down=None if sparse else tensors[mlp + "down_proj.weight"],
-            qkv_bias=stacked([n + ".bias" for n in qkv_names]) if config.qkv_bias else None,
+            qkv_bias=rotary_rows(stacked([n + ".bias" for n in qkv_names])) if config.qkv_bias else None,
             o_bias=optional(attn + "o_proj.bias", config.o_bias),
             gate_up_bias=stacked([n + ".bias" for n in gate_up_names]) if config.mlp_bias else None,
             down_bias=optional(mlp + "down_proj.bias", config.mlp_bias),

@@ -1,6 +1,13 @@
 """Rotary position embeddings: the frequencies of every scaling kind transformers implements
 (default, linear, dynamic, llama3, yarn, longrope), the (cos, signed sin) tables a model
-builds once, and the rotation itself in the Hugging Face (rotate_half) layout."""
+builds once, and the rotation itself in the Hugging Face (rotate_half) layout.
+
+Partial rotary embeddings (Phi-4-mini: RoPE on each head's first `rotary_dim` dims, the rest
+passed through) run through the same whole-head rotation, the torch one and the native one
+alike: the loader stores each q and k head's dims in `rotary_head_order` (the rotated halves
+half a head apart, the passed dims between them), and the tables hold cos 1 and sin 0 on the
+passed dims, where x * 1 + y * 0 is x exactly. q . k sums the same products in another
+order, so attention is the transformers computation; V and the output stay in HF order."""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from nanoserve.config import ModelConfig, Rope
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """The rotary frequencies of the config's (full-attention) RoPE."""
-    return rope_frequencies(Rope(config.rope_theta, config.rope_scaling), config.head_dim,
+    return rope_frequencies(Rope(config.rope_theta, config.rope_scaling), config.rotated_dims,
                             config.max_position_embeddings)[0]
 
 
@@ -88,14 +95,40 @@ def _longrope(inv_freq: torch.Tensor, scaling: dict, context: int) -> tuple[torc
     short = torch.tensor(scaling["short_factor"], dtype=torch.float64)
     return inv_freq / short, float(attention)
 
+
 def rope_table(rope: Rope, config: ModelConfig, context: int, device: torch.device,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) [context, head_dim] of one RoPE, scaled by its attention factor."""
-    inv_freq, factor = rope_frequencies(rope, config.head_dim, config.max_position_embeddings)
+    """(cos, signed sin) [context, head_dim] of one RoPE, scaled by its attention factor, in
+    the stored head layout (`rotary_head_order`): cos 1 and sin 0 on the dims it passes."""
+    inv_freq, factor = rope_frequencies(rope, config.rotated_dims, config.max_position_embeddings)
     freqs = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
     cos, sin = freqs.cos() * factor, freqs.sin() * factor
-    return (torch.cat([cos, cos], dim=-1).to(device=device, dtype=dtype),
-            torch.cat([-sin, sin], dim=-1).to(device=device, dtype=dtype))
+    passed = torch.ones(context, (config.head_dim - config.rotated_dims) // 2, dtype=torch.float64)
+    return (torch.cat([cos, passed, cos, passed], dim=-1).to(device=device, dtype=dtype),
+            torch.cat([-sin, 0 * passed, sin, 0 * passed], dim=-1).to(device=device, dtype=dtype))
+
+
+def rotary_head_order(config: ModelConfig) -> torch.Tensor | None:
+    """Which HF dim each stored dim of a q or k head is, where RoPE rotates only the first
+    `rotary_dim` (r) of head_dim (d): [0, r/2) [r, r + (d-r)/2) [r/2, r) [r + (d-r)/2, d), so
+    the rotated pairs (i, i + r/2) sit half a head apart as the whole-head rotation pairs them.
+    None: the whole head rotates, and the HF order is the stored one."""
+    if not config.rotary_dim:
+        return None
+    half, passed = config.rotary_dim // 2, (config.head_dim - config.rotary_dim) // 2
+    first, second = torch.arange(half), torch.arange(half, config.rotary_dim)
+    rest = torch.arange(config.rotary_dim, config.head_dim)
+    return torch.cat([first, rest[:passed], second, rest[passed:]])
+
+
+def qkv_row_order(config: ModelConfig) -> torch.Tensor | None:
+    """`rotary_head_order` over the rows of the stacked q, k, v projection (v in HF order)."""
+    order = rotary_head_order(config)
+    if order is None:
+        return None
+    dim, qk_heads = config.head_dim, config.num_heads + config.num_kv_heads
+    heads = torch.cat([h * dim + order for h in range(qk_heads)])
+    return torch.cat([heads, torch.arange(qk_heads * dim, (qk_heads + config.num_kv_heads) * dim)])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
