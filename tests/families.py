@@ -137,6 +137,23 @@ def step(model: Llama, cache: Cache, chunks: list[tuple[str, list[int], int]]) -
     return {seq: logits[i] for i, (seq, _, _) in enumerate(c for unit in units for c in unit)}
 
 
+def crowd_logits(model: Llama, prompts: list[list[int]], crowd: bool) -> list[torch.Tensor]:
+    """Six steps of request a (the first prompt): its logits each step, alone or in a crowd
+    where b prefills beside it then decodes, and c arrives in chunks later."""
+    a, b, c = prompts
+    cache, seen, token = Cache(model.config), [], None
+    for i in range(6):
+        chunks = [("a", a, 0)] if i == 0 else [("a", [token], len(a) + i - 1)]
+        if crowd:
+            chunks += [("b", b, 0)] if i == 0 else [("b", [3 + i], len(b) + i - 1)]
+            if i in (2, 3):
+                chunks += [("c", c[(i - 2) * 10:(i - 1) * 10], (i - 2) * 10)]
+        logits = step(model, cache, chunks)["a"]
+        seen.append(logits)
+        token = int(logits.argmax())
+    return seen
+
+
 def load_model(path: Path, *, batch_invariant: bool = True, native: bool = True, gguf: Path | None = None,
                ) -> Llama:
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"), gguf=gguf)

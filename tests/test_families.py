@@ -12,7 +12,7 @@ than the prompts.
 import families
 import pytest
 import torch
-from families import Cache, Case, greedy, load_model, prefill_logits, reference_greedy, step
+from families import Case, crowd_logits, greedy, load_model, prefill_logits, reference_greedy
 
 from nanoserve.native import ops as native_ops
 
@@ -110,22 +110,8 @@ def test_a_prefill_in_chunks_is_bit_identical_to_one_prefill(checkpoint, native)
 @pytest.mark.parametrize("native", NATIVE)
 def test_a_request_is_bit_identical_alone_and_in_a_crowd(checkpoint, native):
     model = load_model(checkpoint[1], native=native)
-    a, b, c = PROMPTS
-
-    def run(crowd: bool) -> list[torch.Tensor]:
-        cache, seen, token = Cache(model.config), [], None
-        for i in range(6):
-            chunks = [("a", a, 0)] if i == 0 else [("a", [token], len(a) + i - 1)]
-            if crowd:  # b prefills beside a, then decodes; c arrives in chunks later
-                chunks += [("b", b, 0)] if i == 0 else [("b", [3 + i], len(b) + i - 1)]
-                if i in (2, 3):
-                    chunks += [("c", c[(i - 2) * 10:(i - 1) * 10], (i - 2) * 10)]
-            logits = step(model, cache, chunks)["a"]
-            seen.append(logits)
-            token = int(logits.argmax())
-        return seen
-
-    for alone, crowded in zip(run(False), run(True), strict=True):
+    for alone, crowded in zip(*(crowd_logits(model, PROMPTS, crowd) for crowd in (False, True)),
+                              strict=True):
         assert torch.equal(alone, crowded)
 
 

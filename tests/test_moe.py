@@ -14,7 +14,7 @@ import families
 import gguf
 import pytest
 import torch
-from families import Cache, Case, greedy, load_model, prefill_logits, reference_greedy, step
+from families import Case, crowd_logits, greedy, load_model, prefill_logits, reference_greedy
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import UnsupportedModelError
@@ -79,22 +79,8 @@ def test_greedy_tokens_equal_transformers_over_32_steps(checkpoint):
 @pytest.mark.parametrize("native", NATIVE)
 def test_a_request_is_bit_identical_alone_and_in_a_crowd(checkpoint, native):
     model = load_model(checkpoint[1], native=native)
-    a, b, c = PROMPTS
-
-    def run(crowd: bool) -> list[torch.Tensor]:
-        cache, seen, token = Cache(model.config), [], None
-        for i in range(6):
-            chunks = [("a", a, 0)] if i == 0 else [("a", [token], len(a) + i - 1)]
-            if crowd:  # b prefills beside a, then decodes; c arrives in chunks later
-                chunks += [("b", b, 0)] if i == 0 else [("b", [3 + i], len(b) + i - 1)]
-                if i in (2, 3):
-                    chunks += [("c", c[(i - 2) * 10:(i - 1) * 10], (i - 2) * 10)]
-            logits = step(model, cache, chunks)["a"]
-            seen.append(logits)
-            token = int(logits.argmax())
-        return seen
-
-    for alone, crowded in zip(run(False), run(True), strict=True):
+    for alone, crowded in zip(*(crowd_logits(model, PROMPTS, crowd) for crowd in (False, True)),
+                              strict=True):
         assert torch.equal(alone, crowded)
 
 
@@ -255,7 +241,7 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
     """Every expert (and the shared one) split by its intermediate dimension over 2 gloo ranks,
     one thread each, the router replicated: the ranks' logits, joined by vocabulary, lie within
     1e-5 of one rank's and within 1e-4 of transformers'."""
-    from test_parallel import _in_threads
+    from rank_threads import in_threads
 
     from nanoserve.distributed.collectives import Collectives
     from nanoserve.distributed.shards import Shard, local_config
@@ -274,7 +260,7 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
         assert all(len(w.moe.gate_up) == config.experts.count for w in model.weights.layers if w.moe)
         return prefill_logits(model, prompt)[:count]
 
-    joined = torch.cat(_in_threads(world, work))
+    joined = torch.cat(in_threads(world, work))
     torch.testing.assert_close(joined, prefill_logits(load_model(tmp_path), prompt), atol=1e-5, rtol=0)
     torch.testing.assert_close(joined, families.reference_logits(hf_model, prompt), atol=1e-4, rtol=0)
 

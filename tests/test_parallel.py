@@ -20,13 +20,12 @@ import sys
 import textwrap
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from gguf import GGMLQuantizationType
+from rank_threads import gloo, in_threads
 from test_batch_invariance import crowd_prompts, fingerprint, params_for, staggered_crowd
 from test_engine import readbacks_raise_outside_the_output_processor
 from tiny_model import write_tiny_gguf
@@ -132,20 +131,6 @@ def test_the_step_message_carries_a_batch_exactly():
         assert torch.equal(got.positions, want.positions) and torch.equal(got.block_tables, want.block_tables)
 
 
-def _in_threads(world: int, work) -> list:
-    """`work(group, rank)` on `world` gloo ranks, one thread each, over an in-process store."""
-    store, results = dist.HashStore(), [None] * world
-
-    def run(rank: int) -> None:
-        group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=20))
-        results[rank] = work(group, rank)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -158,7 +143,7 @@ def test_the_batch_invariant_all_reduce_sums_the_ranks_in_rank_order_on_every_ra
     def work(group, rank):
         return Collectives(group, Shard(rank, world), 0, 1, ordered=True).all_reduce(parts[rank].clone())
 
-    for result in _in_threads(world, work):
+    for result in in_threads(world, work, gloo(20.0)):
         assert torch.equal(result, in_order)
 
 
@@ -173,7 +158,7 @@ def test_the_vocabulary_parallel_embedding_is_exact():
         collectives = Collectives(group, shard, start, count, ordered=True)
         return collectives.embedding(ids, table[start:start + count])
 
-    for rows in _in_threads(world, work):
+    for rows in in_threads(world, work, gloo(20.0)):
         assert torch.equal(rows, table[ids]) and torch.equal(rows.signbit(), table[ids].signbit())
 
 

@@ -15,14 +15,12 @@ import dataclasses
 import os
 import subprocess
 import sys
-import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from families import Cache, step
+from rank_threads import in_threads
 
 from nanoserve import native
 from nanoserve.distributed import shards
@@ -53,24 +51,6 @@ def one_thread_each():
     torch.set_num_threads(threads)
 
 
-def in_threads(world: int, work) -> list:
-    """`work(group, rank)` on `world` gloo ranks, one thread each; an error in any is raised."""
-    store, results, errors = dist.HashStore(), [None] * world, []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=60)), rank)
-        except Exception as error:  # re-raised below, in the test's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def greedy_logits(model_dir: Path, gguf: Path, shard: Shard | None, group=None) -> list[torch.Tensor]:

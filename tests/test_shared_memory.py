@@ -10,11 +10,11 @@ a process would), except in the engine test.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
 
 import pytest
+import rank_threads
 import torch
 import torch.distributed as dist
 from test_parallel_blocks import decode
@@ -30,23 +30,10 @@ pytestmark = pytest.mark.skipif(not shared_memory.enabled(), reason="no /dev/shm
 
 def in_threads(world: int, work, store: dist.Store | None = None, **options) -> list:
     """`work(group, rank)` for each rank's SharedMemoryGroup, one thread a rank."""
-    store, results, errors = store or dist.HashStore(), [None] * world, []
+    def join(store: dist.Store, rank: int, world: int) -> SharedMemoryGroup:
+        return SharedMemoryGroup.join(store, rank, world, **{"timeout_s": 30.0, **options})
 
-    def run(rank: int) -> None:
-        try:
-            group = SharedMemoryGroup.join(store, rank, world, **{"timeout_s": 30.0, **options})
-            results[rank] = work(group, rank)
-        except Exception as error:  # re-raised below, in the test's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
+    return rank_threads.in_threads(world, work, join, store)
 
 
 def partials(world: int, rows: int, cols: int = 1000) -> list[torch.Tensor]:
