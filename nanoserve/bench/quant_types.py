@@ -161,6 +161,8 @@ def measure(types: tuple[str, ...], slots: tuple[int, ...], repeat: int, threads
                 f"ratio_to_{REFERENCE_TYPE}": statistics.median(ratios), "goal_ratio": GOAL_RATIO,
                 "linear_kernel": engine.kernel_choice.kernel.name, "weight_format": engine.weight_format,
                 "resident_mb": engine.weights_nbytes / 1e6, "file_tensor_mb": file_bytes / 1e6,
+                # every weight byte is read once a step: how near the memory bus each type runs
+                "weights_read_gbs": engine.weights_nbytes / statistics.median(runs[t]) / 1e6,
                 "resident_to_file": engine.weights_nbytes / file_bytes, "hidden": shape.hidden,
                 "layers": shape.layers, "intermediate": shape.intermediate, "vocab": shape.vocab,
                 "load_avg_1m": load_avg, **machine.columns()})
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     frame = measure(types, slots, args.repeat, args.threads, cache_root() / "bench-quant-types")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out, index=False)
-    columns = ["type", "slots", "decode_step_ms", f"ratio_to_{REFERENCE_TYPE}", "resident_to_file"]
+    columns = ["type", "slots", "decode_step_ms", f"ratio_to_{REFERENCE_TYPE}", "weights_read_gbs",
+               "resident_to_file"]
     print(frame[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"{args.out}: {frame['cpu_model'].iloc[0]}, {frame['threads'].iloc[0]} threads")
 
