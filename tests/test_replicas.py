@@ -2,9 +2,10 @@
 
 A crowd spread over both replicas gives every request its solo tokens and logprobs; a replica
 killed with SIGKILL is reported by /health and /metrics, its in-flight stream ends with an error
-event rather than hanging, and the other replica serves on; routing keeps a prompt's cached
-prefix (per salt) and a client request's sequences on one replica; and `serve` refuses a split
-that leaves a replica without a core, naming the option.
+event rather than hanging, and the other replica serves on; replicas of two tensor-parallel
+ranks each serve the solo greedy text; routing keeps a prompt's cached prefix (per salt) and a
+client request's sequences on one replica; and `serve` refuses a split that leaves a replica
+without a core, naming the option (`bench serve` a comparison on a server it did not start).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def solo(tiny_model_dir) -> LLM:
 
 
 @contextlib.contextmanager
-def replica_server(tiny_model_dir, solo: LLM) -> Iterator[tuple[str, ReplicaPool]]:
+def replica_server(tiny_model_dir, solo: LLM, **options) -> Iterator[tuple[str, ReplicaPool]]:
     config = EngineConfig(model=str(tiny_model_dir), linear_kernel=solo.engine.kernel_choice.kernel.name,
-                          **ENGINE_OPTIONS)
+                          **ENGINE_OPTIONS, **options)
     server_app = build_app(lambda: pytest.fail("one engine in this process"), model_names=[MODEL],
                            replicas=ReplicaPlan(config, 2))
     with BackgroundServer(server_app) as server:
@@ -89,6 +90,24 @@ def test_a_crowd_over_two_replicas_gets_its_solo_tokens_and_both_serve(tiny_mode
               for line in metrics.splitlines() if line.startswith("nanoserve_generation_tokens_total{")}
     assert set(served) == {"0", "1"} and all(tokens > 0 for tokens in served.values()), served
     assert sum(served.values()) == sum(lengths)
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_serve_the_solo_greedy_text(tiny_model_dir, solo) -> None:
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [solo.generate(p, params)[0].outputs[0].text for p in prompts]
+    with replica_server(tiny_model_dir, solo, tensor_parallel_size=2) as (base_url, pool):
+
+        async def crowd() -> list[str]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+                responses = await asyncio.gather(*(
+                    http.post("/v1/completions", json={"model": MODEL, "prompt": p, **_greedy(12)})
+                    for p in prompts))
+            return [r.json()["choices"][0]["text"] for r in responses]
+
+        # float32 over two ranks sums in another order than one: the greedy text is what must agree
+        assert asyncio.run(crowd()) == expected
+        assert all(replica.snapshot.generation_tokens > 0 for replica in pool.replicas)
 
 
 def _stream(base_url: str, prompt: str, max_tokens: int, first_chunk: threading.Event, events: list) -> None:
@@ -181,3 +200,8 @@ def test_serve_refuses_a_split_leaving_a_replica_without_a_core() -> None:
     result = CliRunner().invoke(cli_app, ["serve", "--data-parallel-size", "4096"])
     assert result.exit_code == 2
     assert "--data-parallel-size" in result.output and "--threads 1" in result.output
+
+
+def test_bench_serve_compares_replicas_only_on_servers_it_launches() -> None:
+    result = CliRunner().invoke(cli_app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "-dp", "2"])
+    assert result.exit_code == 2 and "--data-parallel-size" in result.output
