@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import pickle
 import queue as queues
 import signal
 import threading
@@ -161,8 +162,8 @@ def _serve(engine: Engine, conn: Connection) -> None:
 
 
 def _picklable(error: BaseException) -> BaseException:
-    import pickle
-
+    """The error itself when it crosses the pipe intact (a NanoserveError then stops the server
+    naming its cause), else its repr."""
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
