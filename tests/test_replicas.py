@@ -24,6 +24,7 @@ from server_harness import BackgroundServer
 from typer.testing import CliRunner
 
 from nanoserve.config import EngineConfig
+from nanoserve.errors import NanoserveError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import build_app
@@ -154,6 +155,19 @@ def test_a_killed_replica_is_reported_its_stream_fails_and_the_other_serves(tiny
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         want = solo.generate("def fibonacci(n):", params)[0]
         assert after.json()["choices"][0]["text"] == want.outputs[0].text
+
+
+def test_a_replica_that_cannot_load_its_model_stops_the_server_naming_why(tmp_path) -> None:
+    deaths: list[BaseException] = []
+    config = EngineConfig(model=str(tmp_path / "missing"), **ENGINE_OPTIONS)
+    server_app = build_app(lambda: pytest.fail("one engine in this process"), model_names=[MODEL],
+                           replicas=ReplicaPlan(config, 2), on_engine_death=deaths.append)
+    with BackgroundServer(server_app) as server:
+        _wait_for(lambda: deaths, "the failed start was never reported")
+        health = httpx.get(f"{server.base_url}/health")
+    assert isinstance(deaths[0], NanoserveError) and "missing" in str(deaths[0])
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    assert [r["status"] for r in health.json()["replicas"]] == ["dead", "loading"]  # 1 never started
 
 
 # -- routing, on replicas that are only bookkeeping (no processes) ----------------------------------
