@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.pooling_params import POOLING_METHODS
 
 # Fields that do not change the forward pass: token ids, training-only settings, and what
 # transformers writes into every config. `pretraining_tp` only split Llama's training matmuls.
@@ -609,6 +610,7 @@ ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 # batch is large, and no GPU has measured it: off.
 FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
+TASKS = ("generate", "embed")  # EngineConfig.task
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,6 +671,12 @@ class EngineConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
     # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
     tensor_parallel_size: int = 1
+    # "generate": the model generates and also pools embeddings (/v1/embeddings, LLM.embed);
+    # "embed" (vLLM's --task embed): an embedding model, which pools only (generation refused).
+    task: str = "generate"
+    # How an embedding request pools the prompt's final hidden states ("last" or "mean");
+    # None: the checkpoint's own choice (sentence-transformers' pooling config), else "last".
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
@@ -676,6 +684,12 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                                       f"got {self.scheduling_policy!r}", param="scheduling_policy")
+        if self.task not in TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
+                                      param="task")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}; "
+                                      f"got {self.pooling!r}", param="pooling")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be an integer of at least 1; got "
                                       f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")
