@@ -76,7 +76,7 @@ def test_a_vector_in_a_crowd_of_generating_requests_equals_its_solo_run_bit_for_
 
 def test_an_embedding_request_samples_nothing_and_reads_back_once_a_step(chunked):
     engine = chunked.engine
-    engine.add_request("a generating neighbour", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    engine.add_request("a neighbour", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     embedding_id = engine.add_request(PROMPTS[0], pooling=PoolingParams(method="mean"))
     steps = []
     while engine.has_unfinished():
@@ -102,8 +102,8 @@ def test_last_pooling_takes_the_cached_prefix_and_mean_pooling_computes_every_po
 
 
 def test_deferred_output_pools_the_same_vectors(tiny_model_dir, chunked):
-    deferred = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
-                   async_scheduling=True)
+    deferred = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4,
+                   max_num_batched_tokens=8, async_scheduling=True)
     for method in ("last", "mean"):
         expected = [r.embedding for r in chunked.embed(PROMPTS, RAW[method])]
         assert [r.embedding for r in deferred.embed(PROMPTS, RAW[method])] == expected
