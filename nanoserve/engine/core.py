@@ -340,7 +340,8 @@ class Engine:
         makes it an embedding request: its prompt is computed, pooled into one vector (its one
         output) and it ends, sampling nothing (`params` then give only its priority and cache salt)."""
         if pooling is not None:
-            pooling = self._resolved_pooling(pooling)
+            self.check_pooling(pooling)
+            pooling = dataclasses.replace(pooling, method=pooling.method or self.pooling_method)
         elif self.config.task == "embed":
             raise InvalidRequestError("this engine runs the embed task: it pools embeddings and generates no "
                                       "text (start it with task 'generate' to generate)", param="task")
@@ -367,9 +368,9 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
-    def _resolved_pooling(self, pooling: PoolingParams) -> PoolingParams:
-        """An embedding request's pooling with the engine's method filled in; refused when the
-        engine cannot pool or the vector's length is not the model's."""
+    def check_pooling(self, pooling: PoolingParams) -> None:
+        """Refuse an embedding request this engine cannot pool: with tensor parallelism, or a
+        vector length other than the model's."""
         if not isinstance(pooling, PoolingParams):
             raise InvalidRequestError(f"pooling must be a PoolingParams; got {pooling!r}", param="pooling")
         if self.tp is not None:
@@ -379,7 +380,6 @@ class Engine:
         if pooling.dimensions is not None and pooling.dimensions != hidden:
             raise InvalidRequestError(f"dimensions must be this model's hidden size, {hidden}; got "
                                       f"{pooling.dimensions} (vectors are not truncated)", param="dimensions")
-        return dataclasses.replace(pooling, method=pooling.method or self.pooling_method)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
