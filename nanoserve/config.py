@@ -100,6 +100,12 @@ class Family:
     architectures: tuple[str, ...]
     fields: dict[str, tuple[Any, ...] | None] = field(default_factory=dict)
 
+    @property
+    def headless_architectures(self) -> tuple[str, ...]:
+        """transformers' base-model classes (`Qwen3Model`): a checkpoint saved from one has no
+        output head and its tensors no `model.` prefix, as embedding models are published."""
+        return tuple(a.removesuffix("ForCausalLM") + "Model" for a in self.architectures)
+
 
 _ANY = None
 FAMILIES = (
@@ -140,7 +146,7 @@ FAMILIES = (
                           "norm_topk_prob": (True, False), "clip_qkv": (None,)}),
 )
 FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
-FAMILY_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
+FAMILY_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in (*f.architectures, *f.headless_architectures)}
 # Checkpoints of these designs hold vision/audio towers: refused by name.
 _MULTIMODAL_FIELDS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_projector_type")
 
@@ -165,11 +171,19 @@ def family_of(raw: dict[str, Any]) -> Family:
         raise UnsupportedModelError(
             f"config.json: model_type {model_type!r} / architectures {architectures} is not supported; "
             f"nanoserve runs {supported}")
-    other = [a for a in architectures if a not in family.architectures]
+    other = [a for a in architectures if a not in (*family.architectures, *family.headless_architectures)]
     if other:
         raise _refuse("architectures", architectures,
                       f"model_type {model_type!r} runs as {family.architectures[0]} only")
     return family
+
+
+def _has_lm_head(raw: dict[str, Any], family: Family) -> bool:
+    """Whether the checkpoint has an output head: not when it names only base-model classes
+    (a tied head is the embedding table, which every checkpoint has)."""
+    architectures = raw.get("architectures") or []
+    headless = bool(architectures) and all(a in family.headless_architectures for a in architectures)
+    return not headless or raw.get("tie_word_embeddings", False)
 
 
 def _check_fields(raw: dict[str, Any], family: Family) -> None:
@@ -483,6 +497,9 @@ class ModelConfig:
     # RoPE rotates each head's first `rotary_dim` dims and passes the rest (Phi-4-mini's
     # partial_rotary_factor); 0: the whole head.
     rotary_dim: int = 0
+    # False for a checkpoint of a base-model class (`Qwen3Model`: an embedding model): it has
+    # no output head of its own and can only pool (EngineConfig.task "embed").
+    has_lm_head: bool = True
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -520,6 +537,7 @@ class ModelConfig:
             local_rope=local if local != full else None,
             experts=_experts(raw, family),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            has_lm_head=_has_lm_head(raw, family),
             **_family_switches(raw, family, head_dim),
         )
 

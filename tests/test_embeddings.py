@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from families import require_transformers
+from families import randomize, require_transformers
 from test_engine import readbacks_raise_outside_the_output_processor
 
 from nanoserve.errors import InvalidRequestError, UnsupportedModelError
@@ -155,3 +155,29 @@ def test_the_checkpoints_own_pooling_is_the_default_and_an_unknown_one_is_refuse
     cls = _with_pooling_config(tiny_model_dir, tmp_path / "cls", {"pooling_mode_cls_token": True})
     with pytest.raises(UnsupportedModelError, match="pooling_mode_cls_token"):
         LLM(str(cls), device="cpu", num_kv_blocks=8, task="embed")
+
+
+def test_a_headless_qwen3_checkpoint_loads_with_the_embed_task_and_pools_as_transformers(
+        tiny_model_dir, tmp_path):
+    """A Qwen3-Embedding-shaped checkpoint: saved from transformers' `Qwen3Model` (architectures
+    ["Qwen3Model"], no head, tensors without the `model.` prefix), with its pooling config."""
+    transformers = require_transformers()
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, max_position_embeddings=128, tie_word_embeddings=False)
+    model = transformers.AutoModel.from_config(config, dtype=torch.float32).eval()
+    randomize(model, seed=3, gemma=False)
+    path = _with_pooling_config(tiny_model_dir, tmp_path / "embedder", {"pooling_mode_lasttoken": True})
+    for name in ("config.json", "model.safetensors"):
+        (path / name).unlink()
+    model.save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    with pytest.raises(InvalidRequestError) as refused:
+        LLM(str(path), device="cpu", num_kv_blocks=8)
+    assert refused.value.param == "task"
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, task="embed")
+    for result in llm.embed(PROMPTS, PoolingParams(normalize=False)):
+        with torch.no_grad():
+            expected = model(torch.tensor([result.prompt_token_ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(result.embedding), expected, rtol=0, atol=1e-4)

@@ -148,6 +148,10 @@ class Engine:
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.pooling_method = config.pooling or checkpoint_pooling(self.model_dir) or "last"
+        if config.task == "generate" and not read_config(self.model_dir).has_lm_head:
+            raise InvalidRequestError(
+                f"{self.model_dir} is a base-model checkpoint with no output head (an embedding model): it "
+                "can only pool; start it with task 'embed' (--task embed)", param="task")
         self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
         # Tensor parallelism: the workers start here, after every check that needs none of them.
         self.tp = start_tensor_parallel(config, self.source, self.device)
