@@ -181,3 +181,24 @@ def test_a_headless_qwen3_checkpoint_loads_with_the_embed_task_and_pools_as_tran
         with torch.no_grad():
             expected = model(torch.tensor([result.prompt_token_ids])).last_hidden_state[0, -1]
         torch.testing.assert_close(torch.tensor(result.embedding), expected, rtol=0, atol=1e-4)
+
+
+def test_a_vector_after_preemption_equals_its_solo_run_bit_for_bit(tiny_model_dir):
+    """A pool of 16 blocks of 4 tokens: the decoders grow until the newest request, the
+    embedding midway through its chunked prefill, is preempted and later recomputed."""
+    alone = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    expected = alone.embed(PROMPTS[0], RAW["mean"])[0].embedding
+    tight = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=16, block_size=4, max_num_batched_tokens=8,
+                max_prefill_tokens_while_decoding=4, enable_prefix_caching=False)
+    engine = tight.engine
+    for i in range(2):
+        engine.add_request(f"grow {i}", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    engine.step()
+    request_id = engine.add_request(PROMPTS[0], pooling=RAW["mean"])
+    request = engine.requests[request_id]
+    vectors = {}
+    while engine.has_unfinished():
+        vectors.update((out.request_id, out.embedding) for out in engine.step() if out.embedding is not None)
+    assert request.num_preemptions > 0
+    assert vectors[request_id] == expected
+    assert engine.pool.is_completely_free

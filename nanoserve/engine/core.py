@@ -362,7 +362,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        output_state = self.outputs.new_state(params, prompt_ids)
+        output_state = self.outputs.new_state(params, prompt_ids) if pooling is None else None  # no text
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
         request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
