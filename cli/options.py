@@ -19,8 +19,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from nanoserve.config import SCHEDULING_POLICIES, EngineConfig
+from nanoserve.config import SCHEDULING_POLICIES, TASKS, EngineConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
+from nanoserve.pooling_params import POOLING_METHODS
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="Hugging Face model directory, .gguf file, or hub id ORG/NAME[@REVISION] "
@@ -99,6 +100,14 @@ TensorParallelSize = Annotated[int, typer.Option(
     help="Split the model over N ranks (Megatron tensor parallelism, gloo on CPU, NCCL on CUDA): "
          "the engine starts N-1 worker processes, or joins a torchrun launch of N; each rank runs "
          "on its share of the cores (--threads sets it).")]
+Task = Annotated[str, typer.Option(
+    help="generate (the default: the model generates, and /v1/embeddings pools its hidden states "
+         "too) or embed (an embedding model, as vLLM's --task embed: /v1/embeddings only; the "
+         "generation endpoints answer 400).")]
+Pooling = Annotated[str | None, typer.Option(
+    help="How /v1/embeddings pools the prompt's final hidden states: last (the last token's) or "
+         "mean (every token's average); default: the checkpoint's own (sentence-transformers' "
+         "pooling config), else last.")]
 SpeculativeNgramMin = Annotated[int, typer.Option(
     min=1, help="Shortest suffix n-gram prompt lookup matches.")]
 SpeculativeNgramMax = Annotated[int, typer.Option(
@@ -156,6 +165,8 @@ class EngineOptions:
     fair_share_rows: FairShareRows = _DEFAULT.fair_share_rows
     scheduling_policy: SchedulingPolicy = _DEFAULT.scheduling_policy
     tensor_parallel_size: TensorParallelSize = _DEFAULT.tensor_parallel_size
+    task: Task = _DEFAULT.task
+    pooling: Pooling = _DEFAULT.pooling
 
     def check(self) -> None:
         """Exit 2 naming the option on a value no engine could take, before anything loads."""
@@ -172,6 +183,10 @@ class EngineOptions:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             fail(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                  f"got {self.scheduling_policy!r}")
+        if self.task not in TASKS:
+            fail(f"--task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            fail(f"--pooling must be one of {', '.join(POOLING_METHODS)}; got {self.pooling!r}")
         check_linear_kernel(self.linear_kernel)
         try:
             SpecConfig(self.speculative_tokens, self.speculative_method, self.speculative_ngram_min,

@@ -63,6 +63,14 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def with_model_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors under the causal-LM names: a base-model checkpoint (`Qwen3Model`, as embedding
+    models are saved) names them without the `model.` prefix."""
+    if "embed_tokens.weight" not in tensors or "model.embed_tokens.weight" in tensors:
+        return tensors
+    return {f"model.{name}": tensor for name, tensor in tensors.items()}
+
+
 def load_shard_state_dict(model_dir: Path, config: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
     """Rank `shard`'s part of every tensor, read as safetensors slices: no rank reads the rest."""
     tensors: dict[str, torch.Tensor] = {}
@@ -95,7 +103,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     elif shard is not None:
         tensors = load_shard_state_dict(model_dir, config, shard)
     else:
-        tensors = load_state_dict(model_dir)
+        tensors = with_model_prefix(load_state_dict(model_dir))
     check_tensors(model_dir, config, tensors, shard)
     weights = weights_from_hf(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:

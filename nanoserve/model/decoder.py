@@ -131,7 +131,21 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`.
+        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`."""
+        return self._head(self._residual_stream(batch, kv_cache), batch.logits_rows)
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and beside its logits the final hidden states of `hidden_rows`: after the
+        model's last norm, without the head (transformers' `last_hidden_state`), what pooling
+        reads."""
+        hidden = self._residual_stream(batch, kv_cache)
+        rows = batch.hidden_rows if batch.hidden_rows is not None else batch.logits_rows[:0]
+        return self._head(hidden, batch.logits_rows), self._add_norm(hidden[rows], None, self.weights.norm)
+
+    def _residual_stream(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Every row through every layer, K/V written into the cache; the residual stream after
+        the last layer, before the final norm.
 
         Each layer: norm -> attention block -> residual add + norm -> MLP -> residual add, the
         residual adds done in place and fused with the norm that follows them (`delta` is the
@@ -152,7 +166,11 @@ class Llama:
             delta = self._layers(hidden, step, kv_cache)
         if delta is not None:
             hidden += delta
-        last = self._add_norm(hidden[batch.logits_rows], None, self.weights.norm)
+        return hidden
+
+    def _head(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of `rows` of the residual stream: final norm, output head, soft-cap."""
+        last = self._add_norm(hidden[rows], None, self.weights.norm)
         logits = self.linear(last, self.weights.lm_head).float()
         if self.config.final_softcap:
             cap = self.config.final_softcap

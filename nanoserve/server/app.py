@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import anthropic, responses, routes
+from nanoserve.server import anthropic, embeddings, responses, routes
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
@@ -114,7 +114,8 @@ def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(routes.require_api_key)])
     router.add_api_route("/models", routes.list_models, methods=["GET"])
     router.add_api_route("/models/{model_id:path}", routes.retrieve_model, methods=["GET"])
-    router.add_api_route("/embeddings", routes.embeddings, methods=["POST"])
+    router.add_api_route("/embeddings", embeddings.create_embeddings, methods=["POST"],
+                         openapi_extra=_body_schema(embeddings.EmbeddingRequest))
     router.add_api_route("/completions", routes.create_completion, methods=["POST"],
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
@@ -211,7 +212,7 @@ def _document_bodies(app: FastAPI) -> None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          anthropic.MessagesRequest, responses.ResponsesRequest):
+                          anthropic.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

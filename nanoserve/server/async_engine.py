@@ -29,6 +29,7 @@ from nanoserve.server.metrics import EngineSnapshot
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
+    from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
@@ -45,6 +46,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     parent_id: str | None = None
+    pooling: PoolingParams | None = None  # an embedding request
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +125,13 @@ class AsyncEngine:
             raise EngineUnavailableError("the model is still loading")
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue, *, parent_id: str | None = None) -> None:
-        """Queue a sequence, one choice of the client request `parent_id`; its outputs (or an
-        exception) arrive on `queue`."""
+            queue: asyncio.Queue, *, parent_id: str | None = None,
+            pooling: PoolingParams | None = None) -> None:
+        """Queue a sequence, one choice of the client request `parent_id` (with `pooling`, an
+        embedding request); its outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params, parent_id))
+        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling))
 
     def abort(self, request_id: str) -> None:
         """Stop a sequence (its reader is gone): no more outputs, its blocks freed at once."""
@@ -280,7 +283,7 @@ def apply_commands(engine: Engine, commands: list[_Add | _Abort]) -> list[tuple[
             continue
         try:
             engine.add_request(command.prompt_ids, command.params, command.request_id,
-                               parent_id=command.parent_id)
+                               parent_id=command.parent_id, pooling=command.pooling)
         except Exception as error:
             rejected.append((command.request_id, error))
     return rejected
