@@ -137,7 +137,7 @@ class Engine:
         self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # refused before any load
         self.threads = set_threads(rank_threads(config))
         # Built (or found in the cache) before the weights load: the kernel choice may use it.
         self.native_summary = native.status()

@@ -17,12 +17,15 @@ The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activatio
   (scale = max|x| / 127, codes round(x / scale)) over each head's whole row of head_dim values
   instead of ggml's blocks of 32. Why one scale a row: the row is the unit the K/V write
   produces and the attention reads, so the native attention dequantizes a row with one
-  broadcast scale into the buffer its dot products already read, and a row's codes depend on
-  that row alone (a token's K/V, and so its tokens, never depend on its neighbours in a batch,
-  nor on whether it was written by a prefill chunk or a decode step). Blocks of 32 would cost
-  a second scale per row at head_dim 64 (72 bytes a row instead of 68: 3.56x float32's tokens
-  instead of 3.76x) for finer scales; the agreement the row scale gives with float32 K/V is
-  measured and stated in the README ("Quantized KV cache").
+  broadcast scale into the buffer its dot products already read; it takes any head_dim
+  (ggml's blocks need a multiple of 32: the tests' tiny model has 16, some families 80); and
+  a float32 scale needs no float16 rounding kept identical between C and torch. Either way a
+  row's codes depend on that row alone, so a token's K/V (and its tokens) never depend on its
+  neighbours in a batch, nor on whether a prefill chunk or a decode step wrote it. The cost:
+  at head_dim 64 ggml's layout (two float16 scales) takes the same 68 bytes a row and rounds
+  somewhat closer; `python -m nanoserve.bench.kv_cache` measures both round trips on the
+  default model (results/kv_cache_rounding.csv) and the agreement with float32 K/V the row
+  scale gives (README, "Quantized KV cache").
   The native write (csrc/ops.c quantize_row_q8) and `quantize_q8` here are the same float32
   arithmetic, so both paths store the same codes and scales and read the same numbers; the
   native attention dequantizes one row at a time inside its loop, `gather` (the torch path)

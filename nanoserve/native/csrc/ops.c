@@ -6,13 +6,13 @@
  *   row's slot, in one pass over the projection's output.
  * - ns_paged_attention: attention of every row over its own sequence's context, read from the
  *   paged cache IN PLACE through the block table (no gather copy).
+ * - ns_silu_mul: SiLU(gate) * up over the stacked gate/up projection.
  *
  * The cache holds float32 rows, or q8_0 rows (int8 codes and one float32 scale per row of
  * head_dim values: model/kv_cache.py says why). A q8_0 row is quantized as the K/V write
  * stores it and dequantized one row at a time inside the attention loop, into a head_dim
  * buffer the dot products read; the whole cache is never expanded. The quantization is the
  * same arithmetic as kv_cache.quantize_q8 (the torch path), so both read the same numbers.
- * - ns_silu_mul: SiLU(gate) * up over the stacked gate/up projection.
  *
  * Batch invariance by construction: every (row, head) is computed by the same code whatever
  * the other rows are, so a token scored in a prefill chunk and in a decode step agree bit for
@@ -23,7 +23,7 @@
  *
  * Each kernel is exported twice: ns_X runs the widest vector path compiled in, ns_X_portable
  * the plain C one the tests hold it against. Both share one body, parametrized by a table of
- * vector primitives (dot product, sum of squares, a*x+y, exp).
+ * vector primitives (dot product, sum of squares, a*x+y, exp, q8_0 dequantization).
  */
 #include <float.h>
 #include <math.h>
