@@ -16,6 +16,10 @@ each row with the machine it ran on:
   of the default model), the greedy tokens q8_0 K/V generates against float32 K/V's, how many
   match before the first difference, and the largest |logprob difference| of the chosen tokens
   over the matched ones; and the same for the long-context decode's tokens.
+- results/kv_cache_rounding.csv: per layer, K and V, the relative error (|dequantized - x| /
+  |x| over every row the float32 engine wrote) of q8_0 with one scale per row, as the cache
+  stores it, and with one scale per block of 32 (ggml's q8_0 blocks), the alternative
+  model/kv_cache.py weighs.
 Refuses: judging; README.md ("Quantized KV cache") states what the figures mean.
 """
 
@@ -34,7 +38,7 @@ import torch
 from nanoserve.bench.agreement import matched_prefix
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.llm import LLM
-from nanoserve.model.kv_cache import bytes_per_token
+from nanoserve.model.kv_cache import KVCache, bytes_per_token, dequantize_q8, quantize_q8
 from nanoserve.sampling_params import SamplingParams
 
 COMPARED = ("float32", "q8_0")  # the decode and agreement sides: the reference first
@@ -48,6 +52,28 @@ def bytes_frame(llm: LLM) -> pd.DataFrame:
                           "fraction_of_float32": size / sizes["float32"],
                           "fraction_of_bfloat16": size / sizes["bfloat16"],
                           "tokens_per_gib": 2**30 // size} for name, size in sizes.items()])
+
+
+def relative_error(rows: torch.Tensor, block: int) -> float:
+    """|q8_0 round trip - rows| / |rows|, with one scale per `block` values of a row."""
+    blocks = rows.view(rows.shape[0], -1, block)
+    round_trip = dequantize_q8(*quantize_q8(blocks)).view_as(rows)
+    return float((round_trip - rows).norm() / rows.norm())
+
+
+def rounding_frame(cache: KVCache) -> pd.DataFrame:
+    """The round-trip error of the rows a float32 cache holds (every row written is nonzero)."""
+    rows = []
+    for layer, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+        for name, tensor in (("k", k), ("v", v)):
+            written = tensor.reshape(-1, tensor.shape[-1])
+            written = written[written.abs().amax(dim=-1) > 0]
+            dim = written.shape[-1]
+            block32 = relative_error(written, 32) if dim % 32 == 0 else None
+            rows.append({"layer": layer, "tensor": name, "rows": written.shape[0], "head_dim": dim,
+                         "relative_error_row_scale": relative_error(written, dim),
+                         "relative_error_block32_scale": block32})
+    return pd.DataFrame(rows)
 
 
 def decode_once(llm: LLM, prompt_ids: list[int], new_tokens: int) -> tuple[float, list[int], list[float]]:
@@ -131,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     frames = {"bytes": bytes_frame(engines["float32"])}
     frames["decode"], outputs = decode_frame(engines, args.context, args.new_tokens, args.turns)
     frames["agreement"] = agreement_frame(engines, args.reference, 32, (args.context, outputs))
+    frames["rounding"] = rounding_frame(engines["float32"].engine.kv_cache)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for kind, frame in frames.items():
         path = args.out_dir / f"kv_cache_{kind}.csv"

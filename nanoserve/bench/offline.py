@@ -455,7 +455,8 @@ class Sweep:
             progress(configs[-1], len(configs), len(configs))
         frame = add_ratios(pd.DataFrame(rows))
         frame = frame.assign(**machine.columns(), **limits.columns(),
-                             tensor_parallel_size=self.spec.tensor_parallel_size)
+                             tensor_parallel_size=self.spec.tensor_parallel_size,
+                             kv_cache_dtype=self.spec.kv_cache_dtype)
         return SweepResult(machine, limits, frame)
 
     def run_group(self, group: list[BenchConfig], limits: HardwareLimits) -> list[dict[str, object]]:
