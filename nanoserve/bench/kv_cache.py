@@ -12,6 +12,10 @@ each row with the machine it ran on:
   the turns with its ratio to float32's (the goal: q8_0 no slower, a ratio >= 1). The prompt is
   prefilled once per engine (the first turn); later turns take it from the prefix cache, so
   every turn times decode steps over the same context.
+- results/kv_cache_attention.csv: the native paged attention alone, one decode row of the
+  model's attention shape over a --context-slot cache, float32 against q8_0, in alternating
+  turns: the least of many repetitions each (a kernel's floor, which neighbours on a busy
+  machine disturb far less than a mean), and q8_0's ratio to float32's time.
 - results/kv_cache_agreement.csv: per reference prompt (shared/reference: the golden prompts
   of the default model), the greedy tokens q8_0 K/V generates against float32 K/V's, how many
   match before the first difference, and the largest |logprob difference| of the chosen tokens
@@ -39,6 +43,8 @@ from nanoserve.bench.agreement import matched_prefix
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.llm import LLM
 from nanoserve.model.kv_cache import KVCache, bytes_per_token, dequantize_q8, quantize_q8
+from nanoserve.native import ops as native_ops
+from nanoserve.native.ops import PagedContext
 from nanoserve.sampling_params import SamplingParams
 
 COMPARED = ("float32", "q8_0")  # the decode and agreement sides: the reference first
@@ -74,6 +80,36 @@ def rounding_frame(cache: KVCache) -> pd.DataFrame:
                          "relative_error_row_scale": relative_error(written, dim),
                          "relative_error_block32_scale": block32})
     return pd.DataFrame(rows)
+
+
+def attention_frame(llm: LLM, context: int, repetitions: int = 200, block_size: int = 16) -> pd.DataFrame:
+    """Seconds of one decode row's native attention over `context` slots, float32 against q8_0
+    K/V, the two alternated `repetitions` times; the least of each."""
+    ops = native_ops.load()
+    if ops is None:
+        return pd.DataFrame()
+    config = llm.engine.model_config
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    blocks = -(-context // block_size)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv_heads, blocks, block_size, dim, generator=g) for _ in range(2))
+    (k_codes, k_scales), (v_codes, v_scales) = quantize_q8(k), quantize_q8(v)
+    paged = PagedContext(torch.randperm(blocks, generator=g).view(1, -1), torch.zeros(1, dtype=torch.long),
+                         torch.tensor([context - 1]))
+    q = torch.randn(1, heads * dim, generator=g)
+    calls = {"float32": lambda: ops.paged_attention(q, k, v, paged, heads, dim ** -0.5),
+             "q8_0": lambda: ops.paged_attention(q, k_codes, v_codes, paged, heads, dim ** -0.5,
+                                                 k_scales=k_scales, v_scales=v_scales)}
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(repetitions):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return pd.DataFrame([{"kv_cache_dtype": name, "context_slots": context, "heads": heads,
+                          "kv_heads": kv_heads, "head_dim": dim, "repetitions": repetitions,
+                          "least_s": best[name], "ratio_to_float32": best[name] / best["float32"]}
+                         for name in calls])
 
 
 def decode_once(llm: LLM, prompt_ids: list[int], new_tokens: int) -> tuple[float, list[int], list[float]]:
@@ -154,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                          max_model_len=args.context + args.new_tokens + 1) for name in COMPARED}
     machine = describe_machine("cpu").columns()
     weights = engines["float32"].engine.weight_format
-    frames = {"bytes": bytes_frame(engines["float32"])}
+    frames = {"bytes": bytes_frame(engines["float32"]),
+              "attention": attention_frame(engines["float32"], args.context)}
     frames["decode"], outputs = decode_frame(engines, args.context, args.new_tokens, args.turns)
     frames["agreement"] = agreement_frame(engines, args.reference, 32, (args.context, outputs))
     frames["rounding"] = rounding_frame(engines["float32"].engine.kv_cache)
