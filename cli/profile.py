@@ -72,7 +72,8 @@ PrefixCaching = Annotated[str, typer.Option(
 
 # The engine options of the one engine profiled; its dtype and prefix caching are spelt as bench's
 # sweeps (above), one value each.
-ENGINE_OPTIONS = ("model", "device", "batch_invariant", "threads", "linear_kernel", "tensor_parallel_size")
+ENGINE_OPTIONS = ("model", "device", "batch_invariant", "threads", "linear_kernel", "tensor_parallel_size",
+                  "kv_cache_dtype")
 
 
 @app.command()
@@ -107,7 +108,7 @@ def profile(
                        dtype=dtype, batch_invariant=engine.batch_invariant, prefix_caching=prefix_caching,
                        model=engine.model, device=engine.device, threads=engine.threads,
                        linear_kernel=engine.linear_kernel, trace_path=trace, native_ops=native_ops,
-                       tensor_parallel_size=engine.tensor_parallel_size)
+                       tensor_parallel_size=engine.tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype)
     run_profile(spec, out, chart=chart)
 
 

@@ -629,6 +629,8 @@ ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
 TASKS = ("generate", "embed")  # EngineConfig.task
+# EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,6 +653,9 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.25
     num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
+    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
+    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
+    kv_cache_dtype: str = "auto"
     # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
     batch_invariant: bool = True
     # Reuse the K/V of prompt prefixes already computed (automatic prefix caching).
@@ -699,6 +704,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                                      f"got {self.kv_cache_dtype!r}", param="kv_cache_dtype")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                                       f"got {self.scheduling_policy!r}", param="scheduling_policy")

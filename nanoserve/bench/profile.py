@@ -158,6 +158,7 @@ class ProfileSpec:
     # in one engine, so the two are measured side by side; None: as the engine runs them.
     native_ops: tuple[bool, ...] | None = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
 
 def build_engine(spec: ProfileSpec) -> Engine:
@@ -168,7 +169,7 @@ def build_engine(spec: ProfileSpec) -> Engine:
         num_kv_blocks=kv_blocks_for(biggest, spec.input_len + spec.output_len + 1),
         max_num_batched_tokens=max(512, spec.input_len * biggest), threads=spec.threads,
         linear_kernel=spec.linear_kernel, enable_prefix_caching=spec.prefix_caching,
-        tensor_parallel_size=spec.tensor_parallel_size))
+        tensor_parallel_size=spec.tensor_parallel_size, kv_cache_dtype=spec.kv_cache_dtype))
 
 
 ProgressCallback = Callable[[int, int, int], None]

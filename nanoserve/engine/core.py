@@ -83,7 +83,7 @@ from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.pooling import checkpoint_pooling
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.model.decoder import Llama
-from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
@@ -140,6 +140,7 @@ class Engine:
         self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # refused before any load
         self.threads = set_threads(rank_threads(config))
         # Built (or found in the cache) before the weights load: the kernel choice may use it.
         self.native_summary = native.status()
@@ -302,7 +303,7 @@ class Engine:
     def kv_cache_summary(self) -> str:
         blocks, size = self.kv_cache.num_blocks, self.kv_cache.block_size
         return (f"KV cache: {blocks} blocks x {size} tokens = {blocks * size} tokens "
-                f"({self.kv_cache.nbytes / 2**30:.2f} GiB, {str(self.dtype).removeprefix('torch.')} "
+                f"({self.kv_cache.nbytes / 2**30:.2f} GiB, {self.kv_cache.cache_dtype} "
                 f"on {self.device})")
 
     @property

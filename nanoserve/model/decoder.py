@@ -44,7 +44,7 @@ import torch
 from nanoserve.config import ModelConfig
 from nanoserve.model.attention import TorchAttention
 from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
-from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.kv_cache import NATIVE_KV_CACHE_DTYPES, KVCache
 from nanoserve.model.layers import ACTIVATIONS, rms_norm
 from nanoserve.model.linear import KERNELS, LinearKernel, embedding
 from nanoserve.model.lora import apply as apply_lora
@@ -79,16 +79,21 @@ def native_ops_for(like: torch.Tensor) -> NativeOps | None:
 class Llama:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
                  linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
-                 native: bool = True, tensor_parallel: TensorParallel | None = None) -> None:
+                 native: bool = True, tensor_parallel: TensorParallel | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
         GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
         `native`: run the small ops in C where they can run here (`native_ops_for`).
         `tensor_parallel`: this rank's collectives, when `config` and `weights` are one rank's
         shard (nanoserve.distributed): the same forward, o and down across the ranks, the
-        embedding summed over ranks and the logits of this rank's vocabulary rows."""
+        embedding summed over ranks and the logits of this rank's vocabulary rows.
+        `kv_cache_dtype`: what the KV cache it runs with stores (kv_cache.py; None: the
+        weights' dtype); the native attention reads float32 and q8_0 caches, the torch
+        attention any other."""
         self.config = config
         self.tp = tensor_parallel
         self.ops = native_ops_for(weights.embed) if native else None
+        self.native_kv = kv_cache_dtype is None or kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
         self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
         self.weights = weights.packed_for(self.linear_kernel)
         self.batch_invariant = batch_invariant
@@ -125,9 +130,10 @@ class Llama:
 
     @property
     def native_attention(self) -> bool:
-        """The native attention has no soft-capping: a model with it attends in torch (the rest
-        of its small ops stay native)."""
-        return self.ops is not None and not self.config.attn_softcap
+        """The native attention has no soft-capping and reads float32 and q8_0 caches only: a
+        model with soft-capping or another cache attends in torch (the rest of its small ops
+        stay native)."""
+        return self.ops is not None and not self.config.attn_softcap and self.native_kv
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -205,11 +211,13 @@ class Llama:
             # RoPE and the K/V write, then attention over the paged cache in place: q is the
             # first heads * head_dim columns of qkv, rotated in place by the first call.
             k_cache, v_cache = kv_cache.k[index], kv_cache.v[index]
+            k_scales, v_scales = kv_cache.scales(index)  # a q8_0 cache's; None for float32
             cos, sin = self.rope_tables[rope]
             self.ops.rope_write_kv(qkv, batch.positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
-                                   cfg.num_heads)
+                                   cfg.num_heads, k_scales, v_scales)
             out = self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, cfg.num_heads, self.scale,
-                                           window=window, out=step.attended)
+                                           window=window, out=step.attended, k_scales=k_scales,
+                                           v_scales=v_scales)
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)
