@@ -4,8 +4,10 @@ each expert's gated MLP once over the rows routed to it, and sum a row's experts
 Owns: the router (softmax over every expert in float32, top-k, the top-k weights renormalised
 where the family does it: `config.Experts`), the grouping, the sum, and Qwen2-MoE's shared
 expert (every row, scaled by the sigmoid of its own gate). The matrix multiplies, the router's
-included, run through the model's linear kernel (`expert` and `linear` are the decoder's), so
-the native kernels run the experts too.
+included, run through the model's linear kernel (`linear` and `activate` are the decoder's),
+so the native kernels run the experts too. The loop runs every expert's gate_up and activation,
+then every expert's down: under tensor parallelism on GGUF blocks (`gather`) the experts' width
+slices are gathered once between the two, and each rank computes its output columns whole.
 
 Batch invariance: a row's output is the sum of its experts' outputs in ascending expert index,
 each added once into a zeroed row (`index_add_` over distinct rows), whatever else was routed
