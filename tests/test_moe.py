@@ -458,3 +458,29 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
     for rank_logits in in_threads(world, lambda group, rank: decode(Shard(rank, world, True), group)):
         for got, want in zip(rank_logits, one, strict=True):
             assert torch.equal(got, want)
+
+
+def test_the_profile_histogram_routes_every_decode_row_to_top_k_experts_in_every_sparse_layer(
+        tmp_path, tiny_model_dir):
+    """`profile`'s experts section: each decode step of N requests routes N rows to top_k experts
+    in each sparse layer, so the histogram sums to N * top_k * sparse layers a step; an expert
+    with no row has no matmul time."""
+    import shutil
+
+    from nanoserve.bench.profile import ProfileSpec, build_engine, expert_profile
+
+    case = Case(CASES[1].name, CASES[1].config_class, {**CASES[1].fields, "vocab_size": 400})
+    families.write_checkpoint(case, tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, tmp_path / file)
+    spec = ProfileSpec(batch_sizes=(1, 3), input_len=5, output_len=6, model=str(tmp_path), device="cpu")
+    frame = expert_profile(build_engine(spec), spec)
+    experts = ModelConfig.from_hf_dict(case.config().to_dict()).experts
+    sparse = sum(experts.sparse_layers)
+    assert sorted(frame["batch_size"].unique()) == [1, 3]
+    for batch_size, rows in frame.groupby("batch_size"):
+        assert len(rows) == experts.count
+        assert rows["rows_per_step"].sum() == pytest.approx(batch_size * experts.top_k * sparse)
+        assert ((rows["expert_ms_per_step"] > 0) == (rows["rows_per_step"] > 0)).all()
+    dense = ProfileSpec(batch_sizes=(1,), model=str(tiny_model_dir), device="cpu")
+    assert expert_profile(build_engine(dense), dense) is None
