@@ -16,6 +16,7 @@ trained one is trained to do (its load-balancing loss).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 from collections.abc import Callable
@@ -153,6 +154,7 @@ def compare(dense_dir: Path, moe_dir: Path, spec: ComparisonSpec,
         warm = synthetic_prompts(slots, spec.input_len, vocab, seed=10_000 + slots)
         for runner in engines.values():  # untimed: first-call costs and the caches warm
             runner.run(warm, [sampling_params("greedy", i, 8) for i in range(slots)], slots)
+        load_avg = os.getloadavg()[0]  # other work on the machine as this slot count started
         step_s: dict[str, list[float]] = {side: [] for side in engines}
         for turn in range(spec.turns):
             prompts = synthetic_prompts(slots, spec.input_len, vocab, seed=turn)
@@ -170,6 +172,7 @@ def compare(dense_dir: Path, moe_dir: Path, spec: ComparisonSpec,
             "moe_over_dense_median": statistics.median(ratios),
             "dense_tokens_per_s_median": slots / statistics.median(step_s["dense"]),
             "moe_tokens_per_s_median": slots / statistics.median(step_s["moe"]),
+            "load_avg_1m": load_avg,
         })
     first = engines["moe"].engine
     frame = pd.DataFrame(rows)
