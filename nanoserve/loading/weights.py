@@ -21,7 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig, family_of
-from nanoserve.distributed.shards import SPLIT_BY_OUTPUT, Shard, local_config, shard_of, shard_tensor
+from nanoserve.distributed.shards import (
+    SPLIT_BY_OUTPUT,
+    Shard,
+    local_config,
+    mlp_width,
+    shard_of,
+    shard_tensor,
+)
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf import gguf_weights
 from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
@@ -119,7 +126,7 @@ def local_shapes(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, ...]
         rows = config.hidden_size // shard.world
         for name in shapes:
             if name.endswith(SPLIT_BY_OUTPUT):
-                full = config.num_heads * config.head_dim if "o_proj" in name else config.intermediate_size
+                full = config.num_heads * config.head_dim if "o_proj" in name else mlp_width(name, config)
                 shapes[name] = (rows, full)
     return shapes
 

@@ -27,7 +27,8 @@ two ways, chosen once per model:
   row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
   plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
   kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
-  the separate calls' bits.
+  the separate calls' bits; a sparse layer with such matrices runs its routed experts as one
+  native call (`nanoserve.native.moe`).
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.
@@ -53,6 +54,7 @@ from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import ops as native_ops
 from nanoserve.native.decoder import DecoderShape, NativeDecoder
+from nanoserve.native.moe import NativeExperts
 from nanoserve.native.ops import NativeOps
 from nanoserve.quant import Weight
 
@@ -66,6 +68,11 @@ class TensorParallel(Protocol):
                      linear: Callable[[torch.Tensor, Weight], torch.Tensor]) -> torch.Tensor: ...
 
     def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def by_output(self) -> bool: ...
 
 
 def native_ops_for(like: torch.Tensor) -> NativeOps | None:
@@ -112,8 +119,18 @@ class Llama:
         self.activation = ACTIVATIONS[config.hidden_act]
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.gemma_norms else None)
-        self.moe = MixtureOfExperts(config.experts, self.linear, self._gated) if config.experts else None
+        self.moe = MixtureOfExperts(config.experts, self._linear, self._activate) if config.experts else None
+        self.native_experts = self._native_experts()
         self.decoder = self._native_decoder()
+
+    def _native_experts(self) -> list[NativeExperts | None]:
+        """Per layer, its routed experts as one native call where the native small ops run and
+        the experts are native matrices (else None: the layer loops over its experts)."""
+        if self.ops is None or (self.tp is not None and self.tp.by_output):  # (by output: the loop gathers)
+            return [None] * len(self.weights.layers)
+        float_panels = self.linear_kernel.name == "native"
+        return [NativeExperts.for_layer(w.moe.gate_up, w.moe.down, w.moe.top_k, float_panels=float_panels)
+                if w.moe is not None else None for w in self.weights.layers]
 
     def _native_decoder(self) -> NativeDecoder | None:
         """Every layer of a step in one native call, where it computes exactly what the loop of
@@ -243,8 +260,11 @@ class Llama:
         k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
     def _mlp(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        if layer.moe is not None:  # routed and shared experts' partial sums, reduced once
-            return self._reduced(self.moe(x, layer.moe))
+        if layer.moe is not None:
+            if self.tp is not None and self.tp.by_output:  # this rank's columns, then all of them
+                return self.tp.all_gather(self.moe(x, layer.moe, gather=self.tp.all_gather))
+            # routed and shared experts' partial sums (split by input), reduced once
+            return self._reduced(self.moe(x, layer.moe, self.native_experts[index]))
         gate_up = self.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up += layer.gate_up_bias
@@ -265,9 +285,9 @@ class Llama:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.activation(gate) * up
 
-    def _gated(self, x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
-        """One expert's gated MLP (no biases) over the rows `x` routed to it."""
-        return self.linear(self._activate(self.linear(x, gate_up)), down)
+    def _linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """`linear` as it is at the call (the profile times the matrix multiplies by replacing it)."""
+        return self.linear(x, weight)
 
     def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
         """Each LoRA row's low-rank update, after the base linear that ran for every row."""
