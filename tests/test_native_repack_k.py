@@ -123,3 +123,29 @@ def test_repacking_kernels_run_k_quants_in_their_layout_and_pass_the_self_test(k
     layer = [random_weight("q4_k", 40, 512, seed=5), random_weight("q6_k", 33, 512, seed=6), stack]
     shape = ProbeShape([layer], random_weight("q6_k", 17, 512, seed=7))
     assert self_test(kernel, shape, max_rows=18, prefill_rows=70) == ""
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_a_k_quant_gguf_runs_in_the_layout_and_a_request_alone_equals_it_in_a_crowd(type_name, tmp_path):
+    from families import crowd_logits, load_model, prefill_logits
+    from gguf import GGMLQuantizationType
+    from tiny_model import write_tiny_gguf, write_tiny_llama
+
+    from nanoserve.loading.weights import load_weights
+    from nanoserve.model.decoder import Llama
+
+    model_dir = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, num_heads=4,
+                                 num_kv_heads=2)
+    path = write_tiny_gguf(tmp_path / "wide.gguf", model_dir, matrix_type=GGMLQuantizationType[type_name])
+    config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
+    model = Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+    assert isinstance(model.weights.layers[0].down, _repack().KRepackedWeight)
+    lengths = (13, 21, 20)  # c arrives in chunks of 10 (families.crowd_logits)
+    prompts = [[(7 * i + 3 * seq) % config.vocab_size for i in range(n)] for seq, n in enumerate(lengths)]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+    assert torch.equal(prefill_logits(model, prompts[1], chunk=5), prefill_logits(model, prompts[1]))
+    exact = prefill_logits(load_model(model_dir, gguf=path), prompts[1])
+    ours = prefill_logits(model, prompts[1])
+    # Activations rounded to 8 bits per block of 32 move the logits by a percent or so.
+    assert float((ours - exact).abs().max()) <= 0.05 * float(exact.abs().max())
