@@ -6,8 +6,12 @@ in turn), `repack` (a QuantizedWeight -> its repacked form, the file's bytes reo
 goes into the Q4_1 layout with m = -8 d), `matmul` and `lookup` (a tied head's table serving
 the embedding's row lookups, so the table is resident once), each checked before a pointer
 reaches C.
-Refuses: the formats it has no layout for (`repackable` says which: Q4_0, Q4_1, Q8_0); the
-kernel choice leaves those matrices in their file layout for matmul_quant.c.
+Also: `gemm`, the prefill GEMM over the same layouts (csrc/matmul_gemm.c, the same bits as
+`matmul`), and `KRepackedWeight` / `repack_k` / `matmul_k`, Q4_K and Q6_K in groups of 8 columns
+(csrc/matmul_kx8.c documents that layout).
+Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
+Q4_1, Q8_0; Q4_K, Q6_K); the kernel choice leaves those matrices in their file layout for
+matmul_quant.c.
 """
 
 from __future__ import annotations
