@@ -31,6 +31,7 @@ from nanoserve.server.protocol import (
     TokenizeRequest,
 )
 from nanoserve.server.reasoning import ReasoningConfig
+from nanoserve.server.replicas import ReplicaPlan, ReplicaPool
 from nanoserve.server.state import ServerLimits, ServerState
 from nanoserve.server.tenants import Tenancy
 
@@ -51,7 +52,7 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
               on_engine_death: Callable[[BaseException], None] | None = None,
-              reasoning: ReasoningConfig | None = None) -> FastAPI:
+              reasoning: ReasoningConfig | None = None, replicas: ReplicaPlan | None = None) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
     the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
@@ -61,7 +62,9 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     `on_engine_death`: called on the event loop if the engine thread dies (`nanoserve serve`
     stops the server and exits non-zero, rather than answering 503 for ever).
     `reasoning`: the reasoning parser and default budget; a named parser the model's
-    vocabulary cannot serve stops the engine at startup."""
+    vocabulary cannot serve stops the engine at startup.
+    `replicas`: serve from that many data-parallel engine processes (`replicas.py`) instead of
+    `build_engine` on a thread of this one."""
     limits = limits or ServerLimits()
     tenancy = tenancy or Tenancy()
     reasoning = reasoning or ReasoningConfig()
@@ -73,8 +76,12 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(build_checked_engine, asyncio.get_running_loop(),
-                                   prefill_log_s=prefill_log_s, on_death=on_engine_death)
+        loop = asyncio.get_running_loop()
+        async_engine = (ReplicaPool(replicas, loop, on_death=on_engine_death,
+                                    check_engine=lambda front: reasoning.tags(front.tokenizer))
+                        if replicas is not None else
+                        AsyncEngine(build_checked_engine, loop, prefill_log_s=prefill_log_s,
+                                    on_death=on_engine_death))
         app.state.server = ServerState(
             async_engine, list(model_names), frozenset((*model_names, *aliases)), tenancy, limits,
             ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),

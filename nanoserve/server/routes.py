@@ -58,14 +58,15 @@ def tenant_of(request: Request) -> Tenant | None:
 
 
 async def health(request: Request) -> JSONResponse:
-    status = state_of(request).async_engine.status
-    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+    report = state_of(request).async_engine.health_report()
+    return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
 
 async def metrics(request: Request) -> Response:
     state = state_of(request)
-    text = state.metrics.render(state.async_engine.snapshot, healthy=state.async_engine.healthy,
-                                in_flight=state.tenancy.in_flight)
+    engine = state.async_engine
+    text = state.metrics.render(engine.snapshot, healthy=engine.healthy, in_flight=state.tenancy.in_flight,
+                                replicas=engine.replica_figures)
     return Response(text, media_type=CONTENT_TYPE)
 
 
