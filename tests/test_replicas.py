@@ -93,6 +93,20 @@ def test_a_crowd_over_two_replicas_gets_its_solo_tokens_and_both_serve(tiny_mode
     assert sum(served.values()) == sum(lengths)
 
 
+def test_embeddings_over_two_replicas_equal_the_solo_vectors(tiny_model_dir, solo: LLM) -> None:
+    expected = [result.embedding for result in solo.embed(PROMPTS)]
+    with replica_server(tiny_model_dir, solo) as (base_url, _):
+
+        async def crowd() -> list[list[float]]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+                responses = await asyncio.gather(*(http.post("/v1/embeddings", json={"input": p})
+                                                   for p in PROMPTS))
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            return [r.json()["data"][0]["embedding"] for r in responses]
+
+        assert asyncio.run(crowd()) == expected
+
+
 def test_two_replicas_of_two_tensor_parallel_ranks_serve_the_solo_greedy_text(tiny_model_dir, solo) -> None:
     prompts = PROMPTS[:4]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -52,6 +52,7 @@ from nanoserve.engine.core import Engine
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.weights import read_config
 from nanoserve.server.async_engine import (
     EngineUnavailableError,
     _Abort,
@@ -64,6 +65,7 @@ from nanoserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from nanoserve.engine.output import RequestOutput
+    from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
@@ -182,6 +184,7 @@ class ReplicaFront:
 
     encode_prompt = Engine.encode_prompt
     check_request = Engine.check_request
+    check_pooling = Engine.check_pooling
 
     def __init__(self, config: EngineConfig, ready: ReplicaReady, size: int) -> None:
         # The server's queue bound counts the running batches of every replica.
@@ -189,6 +192,8 @@ class ReplicaFront:
         self.tokenizer = Tokenizer.from_dir(Path(ready.model_dir))
         self.vocab_size = ready.vocab_size
         self.max_model_len = ready.max_model_len
+        self.model_config = read_config(Path(ready.model_dir))  # the hidden size embeddings check
+        self.tp = None  # a replica with tensor parallelism refuses embeddings itself, when added
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    ready.max_model_len),
                                    BlockPool(ready.num_blocks, config.block_size))
@@ -318,7 +323,8 @@ class ReplicaPool:
         self._starter.start()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue, *, parent_id: str | None = None) -> None:
+            queue: asyncio.Queue, *, parent_id: str | None = None,
+            pooling: PoolingParams | None = None) -> None:
         """Route a sequence to a replica and queue it there; its outputs arrive on `queue`."""
         self.check_available()
         replica = self._route(prompt_ids, params, parent_id)
@@ -327,7 +333,7 @@ class ReplicaPool:
         if parent_id is not None:
             _, count = self._parents.get(parent_id, (replica, 0))
             self._parents[parent_id] = (replica, count + 1)
-        replica.outbox.put(_Add(request_id, prompt_ids, params, parent_id))
+        replica.outbox.put(_Add(request_id, prompt_ids, params, parent_id, pooling))
 
     def abort(self, request_id: str) -> None:
         route = self._forget(request_id)
