@@ -45,14 +45,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.distributed.group import cores, local_ranks
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.core import Engine
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
-from nanoserve.loading.weights import read_config
 from nanoserve.server.async_engine import (
     EngineUnavailableError,
     _Abort,
@@ -118,6 +117,7 @@ class ReplicaReady:
     """What a replica says once its engine is built: what the server needs to check requests."""
 
     model_dir: str
+    model_config: ModelConfig
     vocab_size: int
     max_model_len: int
     num_blocks: int
@@ -139,7 +139,8 @@ def run_replica(config: EngineConfig, cpus: tuple[int, ...] | None, conn: Connec
     except BaseException as error:
         conn.send(("failed", _picklable(error)))
         return
-    conn.send(("ready", ReplicaReady(str(engine.model_dir), engine.vocab_size, engine.max_model_len,
+    conn.send(("ready", ReplicaReady(str(engine.model_dir), engine.model_config, engine.vocab_size,
+                                     engine.max_model_len,
                                      engine.pool.num_blocks, engine.kernel_choice.kernel.name,
                                      engine.kernel_summary)))
     try:
@@ -190,10 +191,11 @@ class ReplicaFront:
         # The server's queue bound counts the running batches of every replica.
         self.config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * size)
         self.tokenizer = Tokenizer.from_dir(Path(ready.model_dir))
+        self.model_config = ready.model_config
+        # `check_pooling` asks only whether the replicas run tensor-parallel groups.
+        self.tp = "tensor-parallel replicas" if config.tensor_parallel_size > 1 else None
         self.vocab_size = ready.vocab_size
         self.max_model_len = ready.max_model_len
-        self.model_config = read_config(Path(ready.model_dir))  # the hidden size embeddings check
-        self.tp = None  # a replica with tensor parallelism refuses embeddings itself, when added
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    ready.max_model_len),
                                    BlockPool(ready.num_blocks, config.block_size))
@@ -325,7 +327,8 @@ class ReplicaPool:
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
             pooling: PoolingParams | None = None) -> None:
-        """Route a sequence to a replica and queue it there; its outputs arrive on `queue`."""
+        """Route a sequence (with `pooling`, an embedding request) to a replica and queue it
+        there; its outputs arrive on `queue`."""
         self.check_available()
         replica = self._route(prompt_ids, params, parent_id)
         self._routes[request_id] = _Route(queue, replica, parent_id)
