@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from nanoserve.engine.core import Engine
+    from nanoserve.server.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
@@ -88,6 +89,12 @@ def serve(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp", min=1,
+        help="Serve from N engine processes (vLLM's data parallelism), each on its own share of the cores "
+             "(--threads: each rank's threads) with its own KV and prefix cache; a request goes to the "
+             "replica holding the longest cached prefix of its prompt, else the least loaded. Composes "
+             "with -tp (-dp 2 -tp 2: four ranks).")] = 1,
 ) -> None:
     """Serve the model over OpenAI's completions, chat completions and Responses APIs and
     Anthropic's Messages API.
@@ -113,6 +120,7 @@ def serve(
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     config = engine.config()
+    replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nanoserve.distributed.group import is_torchrun_worker
@@ -139,7 +147,7 @@ def serve(
 
     server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
                            tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death,
-                           reasoning=reasoning)
+                           reasoning=reasoning, replicas=replicas)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))
@@ -162,6 +170,21 @@ def serve(
         typer.secho(f"Error: the engine stopped: {error!r} (the log above has the traceback)", err=True,
                     fg=typer.colors.RED)
         raise typer.Exit(code=1)
+
+
+def _replica_plan(config: EngineConfig, size: int) -> ReplicaPlan | None:
+    """The data-parallel replicas to start (None: one engine in this process), or exit 2 naming
+    --data-parallel-size."""
+    if size == 1:
+        return None
+    from nanoserve.server.replicas import ReplicaPlan
+
+    plan = ReplicaPlan(config, size)
+    try:
+        plan.check()
+    except NanoserveError as error:
+        options.fail_for(error)
+    return plan
 
 
 def _tenancy(api_keys: list[str] | None, keys_file: Path | None, cache_scope: str | None,
