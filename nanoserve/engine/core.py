@@ -78,6 +78,7 @@ from nanoserve.engine.spec_decode import (
 )
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.adapters import read_adapter
 from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.model.decoder import Llama
@@ -232,8 +233,9 @@ class Engine:
             raise InvalidRequestError(f"lora_request must be a LoRARequest; got {lora_request!r}",
                                       param="lora_request")
         return self.loras.add(lora_request, lambda request, serial: load_adapter(
-            request, self.model_config, max_rank=self.loras.max_lora_rank, serial=serial,
-            pack=self.kernel_choice.kernel.pack, dtype=self.dtype, device=self.device))
+            request, read_adapter(request.lora_path, self.model_config, self.loras.max_lora_rank),
+            self.model_config, serial=serial, pack=self.kernel_choice.kernel.pack, dtype=self.dtype,
+            device=self.device))
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter; requests running with it keep it until they finish."""

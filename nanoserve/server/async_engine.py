@@ -3,7 +3,7 @@
 Owns: one thread that builds the engine (so the server answers 503 while it loads) and then
 steps it while there is work, sleeping on a condition when there is none (and logs how far a
 prefill has got every `prefill_log_s` it keeps running, so a long prompt is visibly working); a command queue
-(add, abort, stop) that is the only way the event loop touches the engine; per-request
+(add, abort, call, stop) that is the only way the event loop touches the engine; per-request
 `asyncio.Queue`s fed by one `loop.call_soon_threadsafe` per step; the health flag, cleared
 if the loop dies, which fails every open stream; and the engine snapshot for /metrics.
 Refuses: HTTP, and any engine call from the event loop thread (the engine is not thread-safe).
@@ -29,6 +29,7 @@ from nanoserve.server.metrics import EngineSnapshot
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
+    from nanoserve.model.lora import LoRARequest
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
@@ -45,11 +46,20 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     parent_id: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `run(engine)` between steps; its result or exception settles `future` on the loop."""
+
+    run: Callable[[Engine], object]
+    future: asyncio.Future
 
 
 class AsyncEngine:
@@ -66,7 +76,8 @@ class AsyncEngine:
         self._prefill_logged_s: dict[str, float] = {}  # engine thread: when each prefill last logged
         self._arrivals: dict[str, float] = {}  # engine thread: arrival of each prefill logged
         self._loop = loop
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._calls: set[asyncio.Future] = set()  # event loop only: `call`s not yet settled
         self._wake = threading.Condition()
         self._stopping = False
         self._draining = False
@@ -114,12 +125,27 @@ class AsyncEngine:
             raise EngineUnavailableError("the model is still loading")
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue, *, parent_id: str | None = None) -> None:
-        """Queue a sequence, one choice of the client request `parent_id`; its outputs (or an
-        exception) arrive on `queue`."""
+            queue: asyncio.Queue, *, parent_id: str | None = None,
+            lora_request: LoRARequest | None = None) -> None:
+        """Queue a sequence, one choice of the client request `parent_id`, run with the adapter
+        `lora_request` (resident already); its outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params, parent_id))
+        self._send(_Add(request_id, prompt_ids, params, parent_id, lora_request))
+
+    async def call(self, run: Callable[[Engine], object], *,
+                   then: Callable[[object], None] | None = None) -> object:
+        """`run(engine)` on the engine thread, between steps; its result, or its exception raised
+        here. `then(result)` runs on the event loop when it succeeds, even if the awaiting task
+        was cancelled meanwhile (the engine's change is made either way)."""
+        self.check_available()
+        future = self._loop.create_future()
+        if then is not None:
+            future.add_done_callback(lambda done: then(done.result())
+                                     if not done.cancelled() and done.exception() is None else None)
+        self._calls.add(future)
+        self._send(_Call(run, future))
+        return await asyncio.shield(future)
 
     def abort(self, request_id: str) -> None:
         """Stop a sequence (its reader is gone): no more outputs, its blocks freed at once."""
@@ -158,7 +184,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         with self._wake:
             self._commands.append(command)
             self._wake.notify()
@@ -181,6 +207,17 @@ class AsyncEngine:
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(error)
+        for future in list(self._calls):
+            self._settle(future, None, error)
+
+    def _settle(self, future: asyncio.Future, result: object, error: BaseException | None) -> None:
+        self._calls.discard(future)
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     # -- engine thread side -------------------------------------------------------------------
 
@@ -224,15 +261,22 @@ class AsyncEngine:
             self._call_soon(self._deliver, delivered)
         return True
 
-    def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
         rejected = []
         for command in commands:
             if isinstance(command, _Abort):
                 self.engine.abort(command.request_id)
                 continue
+            if isinstance(command, _Call):
+                try:
+                    result, error = command.run(self.engine), None
+                except Exception as refused:  # the caller's to answer; the loop goes on
+                    result, error = None, refused
+                self._call_soon(self._settle, command.future, result, error)
+                continue
             try:
                 self.engine.add_request(command.prompt_ids, command.params, command.request_id,
-                                        parent_id=command.parent_id)
+                                        parent_id=command.parent_id, lora_request=command.lora_request)
             except Exception as error:  # checked before; a late refusal only fails this request
                 rejected.append((command.request_id, error))
         return rejected
