@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from nanoserve_cli import options
 from nanoserve_cli.bench import bench_app
+
+if TYPE_CHECKING:
+    from nanoserve.bench.lora import TurnResult
 
 DEFAULT_OUT = Path("results/bench_lora.csv")
 
@@ -39,7 +42,7 @@ def bench_lora(
     spec = LoRABenchSpec(model, dtype, adapters, requests, rank, input_len, output_len, turns, threads)
     try:
         with tempfile.TemporaryDirectory(prefix="nanoserve-lora-bench-") as adapter_root:
-            results, setup = run_lora_bench(spec, Path(adapter_root))
+            results, setup = run_lora_bench(spec, Path(adapter_root), on_turn=_echo)
     except NanoserveError as error:
         options.fail_for(error)
     rows = [{"turn": t.turn, "first": t.first, "base_tokens_per_s": round(t.base_tokens_per_s, 2),
@@ -47,7 +50,9 @@ def bench_lora(
              "median_ratio": round(median_ratio(results), 4), **setup} for t in results]
     out.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(out, index=False)
-    for t in results:
-        typer.echo(f"turn {t.turn} ({t.first} first): base {t.base_tokens_per_s:.1f} tok/s, "
-                   f"LoRA {t.lora_tokens_per_s:.1f} tok/s, ratio {t.ratio:.3f}")
     typer.echo(f"median ratio {median_ratio(results):.3f} ({setup['cpu_model']}); wrote {out}")
+
+
+def _echo(turn: TurnResult) -> None:
+    typer.echo(f"turn {turn.turn} ({turn.first} first): base {turn.base_tokens_per_s:.1f} tok/s, "
+               f"LoRA {turn.lora_tokens_per_s:.1f} tok/s, ratio {turn.ratio:.3f}")

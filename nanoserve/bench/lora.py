@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,11 @@ def write_random_adapter(folder: Path, model: ModelConfig, *, rank: int, seed: i
     return folder
 
 
-def run_lora_bench(spec: LoRABenchSpec, adapter_root: Path) -> tuple[list[TurnResult], dict[str, object]]:
-    """The turns, and the machine and engine they ran on (a row's columns)."""
+def run_lora_bench(spec: LoRABenchSpec, adapter_root: Path, *,
+                   on_turn: Callable[[TurnResult], None] | None = None
+                   ) -> tuple[list[TurnResult], dict[str, object]]:
+    """The turns (each also handed to `on_turn` as it ends), and the machine and engine they
+    ran on (a row's columns)."""
     llm = LLM(spec.model, dtype=spec.dtype, enable_lora=True, max_loras=spec.adapters,
               max_lora_rank=spec.rank, max_num_seqs=max(spec.requests, 1), enable_prefix_caching=False,
               threads=spec.threads)
@@ -108,6 +112,8 @@ def run_lora_bench(spec: LoRABenchSpec, adapter_root: Path) -> tuple[list[TurnRe
         else:
             lora, base, first = tokens_per_s(per_request), tokens_per_s(None), "lora"
         turns.append(TurnResult(turn, first, base, lora))
+        if on_turn is not None:
+            on_turn(turns[-1])
     setup = describe_machine(engine.device).columns() | {
         "model": spec.model or "default", "weight_format": engine.weight_format,
         "linear_kernel": engine.kernel_choice.kernel.name, "adapters": spec.adapters,

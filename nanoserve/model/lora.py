@@ -8,8 +8,9 @@ matrices sit fused like the base model's (q, k and v share the qkv output's colu
 up gate_up's), with the file's scaling folded into B; `AdapterSet`, the
 adapters resident at once (at most max_loras); and `apply`, which adds each adapter's
 update to its own rows of a base linear's output: the base matmul runs once for the whole
-batch, then each adapter's two small matmuls over its rows alone, through the model's linear
-kernel, so a row's bits do not depend on which adapters its neighbours use.
+batch, then each adapter's two small matmuls over its rows alone, through a batch-invariant
+float kernel (the model's own, or the native float kernel beside a GGUF model's block kernel),
+so a row's bits do not depend on which adapters its neighbours use.
 Refuses, by name, before anything is kept: a rank above max_lora_rank, a target module the
 decoder has no linear for, DoRA, trained biases or modules_to_save, and a tensor whose shape
 does not fit the base model; an adapter is resident whole or not at all.
@@ -65,6 +66,7 @@ class Adapter:
     path: str
     rank: int
     cache_key: str  # the prefix cache's namespace: one per load, so a reloaded name never hits old K/V
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the kernel A and B are packed for
     layers: list[dict[str, FusedUpdate]] = field(default_factory=list)  # [layer][fused target]
 
 
@@ -141,12 +143,13 @@ def _input_width(config: ModelConfig, module: str) -> int:
 
 
 def load_adapter(request: LoRARequest, weights: AdapterWeights, model: ModelConfig, *, serial: int,
-                 pack: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+                 pack: Callable[[torch.Tensor], torch.Tensor],
+                 matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype,
                  device: torch.device) -> Adapter:
-    """The checked weights fused and packed for the model's linear kernel."""
+    """The checked weights fused and packed for a batch-invariant float kernel (`pack`, `matmul`)."""
     layers = [_fuse(modules, model, weights.scaling, pack, dtype, device) for modules in weights.layers]
     return Adapter(request.lora_name, request.lora_int_id, request.lora_path, weights.rank,
-                   f"{request.lora_name}\0{serial}", layers)
+                   f"{request.lora_name}\0{serial}", matmul, layers)
 
 
 def _fuse(modules: dict[str, tuple[torch.Tensor, torch.Tensor]], model: ModelConfig, scaling: float,
@@ -222,12 +225,11 @@ class AdapterRows:
     ranges: tuple[tuple[int, int], ...]
 
 
-def apply(out: torch.Tensor, x: torch.Tensor, groups: list[AdapterRows], layer: int, target: str,
-          linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+def apply(out: torch.Tensor, x: torch.Tensor, groups: list[AdapterRows], layer: int, target: str) -> None:
     """out[rows] += each adapter's update of its own rows, in place (rows without one: nothing)."""
     for group in groups:
-        update = group.adapter.layers[layer].get(target)
+        update, matmul = group.adapter.layers[layer].get(target), group.adapter.matmul
         if update is None:
             continue
         for start, stop in group.ranges:
-            out[start:stop] += linear(linear(x[start:stop].contiguous(), update.a), update.b)
+            out[start:stop] += matmul(matmul(x[start:stop].contiguous(), update.a), update.b)
