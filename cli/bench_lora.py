@@ -47,6 +47,7 @@ def bench_lora(
         options.fail_for(error)
     rows = [{"turn": t.turn, "first": t.first, "base_tokens_per_s": round(t.base_tokens_per_s, 2),
              "lora_tokens_per_s": round(t.lora_tokens_per_s, 2), "ratio": round(t.ratio, 4),
+             "load_avg_1m": round(t.load_avg_1m, 2),
              "median_ratio": round(median_ratio(results), 4), **setup} for t in results]
     out.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(out, index=False)
@@ -55,4 +56,5 @@ def bench_lora(
 
 def _echo(turn: TurnResult) -> None:
     typer.echo(f"turn {turn.turn} ({turn.first} first): base {turn.base_tokens_per_s:.1f} tok/s, "
-               f"LoRA {turn.lora_tokens_per_s:.1f} tok/s, ratio {turn.ratio:.3f}")
+               f"LoRA {turn.lora_tokens_per_s:.1f} tok/s, ratio {turn.ratio:.3f} "
+               f"(load average {turn.load_avg_1m:.1f})")

@@ -15,6 +15,7 @@ Refuses: printing and file formats (the CLI does those), and timing anything but
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ class TurnResult:
     first: str  # which run went first: "base" or "lora"
     base_tokens_per_s: float
     lora_tokens_per_s: float
+    load_avg_1m: float  # when the turn started: above the cores, neighbours shared its time
 
     @property
     def ratio(self) -> float:
@@ -107,11 +109,12 @@ def run_lora_bench(spec: LoRABenchSpec, adapter_root: Path, *,
     tokens_per_s(per_request)
     turns = []
     for turn in range(spec.turns):
+        load = os.getloadavg()[0]
         if turn % 2 == 0:
             base, lora, first = tokens_per_s(None), tokens_per_s(per_request), "base"
         else:
             lora, base, first = tokens_per_s(per_request), tokens_per_s(None), "lora"
-        turns.append(TurnResult(turn, first, base, lora))
+        turns.append(TurnResult(turn, first, base, lora, load))
         if on_turn is not None:
             on_turn(turns[-1])
     setup = describe_machine(engine.device).columns() | {
