@@ -45,8 +45,8 @@ def bench_lora(
             results, setup = run_lora_bench(spec, Path(adapter_root), on_turn=_echo)
     except NanoserveError as error:
         options.fail_for(error)
-    rows = [{"turn": t.turn, "first": t.first, "base_tokens_per_s": round(t.base_tokens_per_s, 2),
-             "lora_tokens_per_s": round(t.lora_tokens_per_s, 2), "ratio": round(t.ratio, 4),
+    rows = [{"turn": t.turn, "first": t.first, "base_tokens_per_s": round(t.base_tokens_per_s, 4),
+             "lora_tokens_per_s": round(t.lora_tokens_per_s, 4), "ratio": round(t.ratio, 4),
              "load_avg_1m": round(t.load_avg_1m, 2),
              "median_ratio": round(median_ratio(results), 4), **setup} for t in results]
     out.parent.mkdir(parents=True, exist_ok=True)
