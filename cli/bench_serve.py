@@ -6,11 +6,16 @@ or `--launch-model`, on a free loopback port). One pass per `--max-concurrency` 
 prompts and parameters through an engine in this process with as many requests in flight (it
 idles while the server runs, so the two never share the CPU). Prints a table and the median
 server/offline ratio, and writes `serve.csv` (vLLM `bench serve` key names, plus the machine).
+With `--launch --data-parallel-size N` it starts two servers, N replicas (--threads each) and
+one engine with N times the threads, and runs each pass on both in turns (the order swapped
+every turn; the idle one takes no CPU), writing `serve_data_parallel.csv` with the ratio of
+output tokens/s and of p99 TTFT, N replicas over one engine, per turn and as medians.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -86,6 +91,16 @@ def bench_serve(
     launch_arg: Annotated[list[str] | None, typer.Option(
         help="With --launch: one more `nanoserve serve` argument (repeatable), e.g. "
              "--launch-arg=--max-num-seqs=8.")] = None,
+    endpoint: Annotated[str, typer.Option(
+        help="completions, or chat (each prompt as one user message; TTFT at the first content).")]
+    = "completions",
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp", min=1,
+        help="With --launch: compare N data-parallel replicas (--threads each) against one engine "
+             "with N x --threads, in alternating turns; writes serve_data_parallel.csv.")] = 1,
+    threads: Annotated[int | None, typer.Option(
+        min=1, help="With --data-parallel-size: each replica's threads (one engine gets N x this); "
+                    "default: the cores split.")] = None,
 ) -> None:
     """Measure a server with streaming clients: TTFT, TPOT, ITL, E2EL and throughput."""
     from nanoserve.bench import serve as bench
@@ -95,16 +110,32 @@ def bench_serve(
         raise typer.BadParameter("give exactly one of --base-url and --launch", param_hint="--base-url")
     if neighbour is not None:
         _neighbour_bench(neighbour, base_url, launch_model, max_model_len, list(launch_arg or ()),
-                         PassOptions(model, request_rate, seed, api_key), turns, out_dir)
+                         PassOptions(model, request_rate, seed, api_key, endpoint), turns, out_dir)
         return
     if offline and not launch:
         raise typer.BadParameter("--offline needs --launch (the same model in both)", param_hint="--offline")
+    if endpoint not in bench.ENDPOINTS:
+        raise typer.BadParameter(f"one of {', '.join(bench.ENDPOINTS)}; got {endpoint!r}",
+                                 param_hint="--endpoint")
+    if data_parallel_size > 1 and (not launch or offline):
+        raise typer.BadParameter("needs --launch (it starts both servers) and no --offline",
+                                 param_hint="--data-parallel-size")
+    if threads is not None and data_parallel_size == 1:
+        raise typer.BadParameter("only with --data-parallel-size N > 1 (else use --launch-arg=--threads=T)",
+                                 param_hint="--threads")
     if shared_prefix_len > input_len:
         raise typer.BadParameter(f"{shared_prefix_len} is more than --input-len {input_len}",
                                  param_hint="--shared-prefix-len")
     workloads = [bench.Workload(num_prompts or max(8, 2 * c), input_len, output_len, seed, shared_prefix_len)
                  for c in concurrencies]
-    pass_options = PassOptions(model, request_rate, seed, api_key)
+    pass_options = PassOptions(model, request_rate, seed, api_key, endpoint)
+    if data_parallel_size > 1:
+        base_args = [*(["--model", launch_model] if launch_model else []),
+                     "--max-model-len", str(max_model_len), "--max-num-seqs", str(max(concurrencies)),
+                     *(launch_arg or ())]
+        _data_parallel_bench(bench, base_args, data_parallel_size, threads, pass_options,
+                             list(zip(concurrencies, workloads, strict=True)), turns, out_dir)
+        return
     if not launch:
         rows = [_server_pass(bench, base_url, pass_options, c, workload, turn) for turn in range(turns)
                 for c, workload in zip(concurrencies, workloads, strict=True)]
@@ -135,6 +166,7 @@ class PassOptions:
     request_rate: float
     seed: int
     api_key: str | None
+    endpoint: str = "completions"
 
 
 def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, workload, turn: int) -> dict:
@@ -145,13 +177,59 @@ def _server_pass(bench, base_url: str, options: PassOptions, concurrency: int, w
     asyncio.run(bench.run_clients(base_url, model, prompts[:2], 4, api_key=options.api_key))  # warm-up
     results, duration_s = asyncio.run(bench.run_clients(
         base_url, model, prompts, workload.output_len, request_rate=options.request_rate,
-        max_concurrency=concurrency, seed=options.seed, api_key=options.api_key))
+        max_concurrency=concurrency, seed=options.seed, api_key=options.api_key, endpoint=options.endpoint))
     errors = sorted({r.error for r in results if not r.success})
     if errors:
         typer.echo(f"  {len(errors)} kinds of failure, e.g. {errors[0]}", err=True)
-    return {"mode": "server", "turn": turn, "max_concurrency": concurrency,
+    return {"mode": "server", "turn": turn, "max_concurrency": concurrency, "endpoint": options.endpoint,
             "request_rate": options.request_rate, **_workload_columns(workload),
             **bench.summarize(results, duration_s), "load_1min": load_1min}
+
+
+def _data_parallel_bench(bench, base_args: list[str], size: int, threads: int | None, options: PassOptions,
+                         passes: list, turns: int, out_dir: Path) -> None:
+    """Every pass on N replicas and on one engine with their threads, in turns (order swapped
+    each turn); both servers stay up, the idle one takes no CPU."""
+    servers = {1: [*base_args, *(["--threads", str(size * threads)] if threads else [])],
+               size: [*base_args, "--data-parallel-size", str(size),
+                      *(["--threads", str(threads)] if threads else [])]}
+    rows = []
+    with contextlib.ExitStack() as stack:
+        urls = {n: stack.enter_context(bench.launched_server(args, log_path=out_dir / f"serve_dp{n}.log"))
+                for n, args in servers.items()}
+        for turn in range(turns):
+            for concurrency, workload in passes:
+                for n in (sorted(urls) if turn % 2 == 0 else sorted(urls, reverse=True)):
+                    typer.echo(f"turn {turn}: data_parallel_size {n}", err=True)
+                    row = _server_pass(bench, urls[n], options, concurrency, workload, turn)
+                    rows.append({**row, "data_parallel_size": n, "server_args": " ".join(servers[n])})
+    _write_data_parallel(rows, size, out_dir / "serve_data_parallel.csv")
+
+
+def _write_data_parallel(rows: list[dict], size: int, path: Path) -> None:
+    import pandas as pd
+
+    from nanoserve.bench.hardware import describe_machine
+
+    frame = pd.DataFrame(rows)
+    one = frame[frame["data_parallel_size"] == 1].set_index(["turn", "max_concurrency"])
+    for column in ("output_throughput", "p99_ttft_ms"):
+        frame[f"{column}_vs_one_engine"] = [
+            getattr(row, column) / one.loc[(row.turn, row.max_concurrency), column]
+            for row in frame.itertuples()]
+    for name, value in describe_machine("cpu").columns().items():
+        frame[name] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False, float_format="%.6g")
+    shown = ["data_parallel_size", "turn", "max_concurrency", "completed", "failed", "output_throughput",
+             "p99_ttft_ms", "median_ttft_ms", "output_throughput_vs_one_engine", "p99_ttft_ms_vs_one_engine"]
+    typer.echo(frame[shown].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    replicas = frame[frame["data_parallel_size"] == size].groupby("max_concurrency")
+    for concurrency, group in replicas:
+        typer.echo(f"{concurrency} clients, {size} replicas / one engine, median over {len(group)} turns: "
+                   f"output tokens/s {group['output_throughput_vs_one_engine'].median():.3f}, "
+                   f"p99 TTFT {group['p99_ttft_ms_vs_one_engine'].median():.3f}")
+    typer.echo(f"wrote {path}")
 
 
 def _neighbour_bench(kinds: tuple[str, ...], base_url: str | None, launch_model: str | None,

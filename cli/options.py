@@ -19,8 +19,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from nanoserve.config import SCHEDULING_POLICIES, EngineConfig
+from nanoserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, TASKS, EngineConfig
 from nanoserve.errors import InvalidRequestError, NanoserveError
+from nanoserve.pooling_params import POOLING_METHODS
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="Hugging Face model directory, .gguf file, or hub id ORG/NAME[@REVISION] "
@@ -63,6 +64,10 @@ SchedulingPolicy = Annotated[str, typer.Option(
 MaxModelLen = Annotated[int | None, typer.Option(min=2, help="Context length limit; default: the model's.")]
 KvCacheGb = Annotated[float | None, typer.Option(
     min=0.0001, help="KV cache size in GiB; default: a quarter of free memory (at most 4 GiB on CPU).")]
+KvCacheDtype = Annotated[str, typer.Option(
+    help="What the KV cache stores: auto (the activations' dtype), float32, bfloat16, q8_0 (int8 "
+         "with one scale per head per token: about 3.8x float32's tokens in the same memory), or "
+         "fp8 (CUDA only).")]
 BlockSize = Annotated[int, typer.Option(min=1, max=1024, help="Tokens per KV cache block.")]
 BatchInvariant = Annotated[bool, typer.Option(
     "--batch-invariant/--no-batch-invariant",
@@ -99,6 +104,14 @@ TensorParallelSize = Annotated[int, typer.Option(
     help="Split the model over N ranks (Megatron tensor parallelism, gloo on CPU, NCCL on CUDA): "
          "the engine starts N-1 worker processes, or joins a torchrun launch of N; each rank runs "
          "on its share of the cores (--threads sets it).")]
+Task = Annotated[str, typer.Option(
+    help="generate (the default: the model generates, and /v1/embeddings pools its hidden states "
+         "too) or embed (an embedding model, as vLLM's --task embed: /v1/embeddings only; the "
+         "generation endpoints answer 400).")]
+Pooling = Annotated[str | None, typer.Option(
+    help="How /v1/embeddings pools the prompt's final hidden states: last (the last token's) or "
+         "mean (every token's average); default: the checkpoint's own (sentence-transformers' "
+         "pooling config), else last.")]
 SpeculativeNgramMin = Annotated[int, typer.Option(
     min=1, help="Shortest suffix n-gram prompt lookup matches.")]
 SpeculativeNgramMax = Annotated[int, typer.Option(
@@ -139,6 +152,7 @@ class EngineOptions:
     max_prefill_tokens_while_decoding: MaxPrefillWhileDecoding = _DEFAULT.max_prefill_tokens_while_decoding
     max_model_len: MaxModelLen = _DEFAULT.max_model_len
     kv_cache_gb: KvCacheGb = _DEFAULT.kv_cache_gb
+    kv_cache_dtype: KvCacheDtype = _DEFAULT.kv_cache_dtype
     block_size: BlockSize = _DEFAULT.block_size
     batch_invariant: BatchInvariant = _DEFAULT.batch_invariant
     enable_prefix_caching: PrefixCaching = _DEFAULT.enable_prefix_caching
@@ -157,6 +171,8 @@ class EngineOptions:
     fair_share_rows: FairShareRows = _DEFAULT.fair_share_rows
     scheduling_policy: SchedulingPolicy = _DEFAULT.scheduling_policy
     tensor_parallel_size: TensorParallelSize = _DEFAULT.tensor_parallel_size
+    task: Task = _DEFAULT.task
+    pooling: Pooling = _DEFAULT.pooling
 
     def check(self) -> None:
         """Exit 2 naming the option on a value no engine could take, before anything loads."""
@@ -170,9 +186,17 @@ class EngineOptions:
             fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {self.quantize!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             fail(f"--device must be cpu or cuda; got {self.device!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.device is not None and self.device.split(":")[0] == "cpu" and self.kv_cache_dtype == "fp8":
+            fail("--kv-cache-dtype fp8 runs on CUDA only; on the CPU use q8_0 or bfloat16")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             fail(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                  f"got {self.scheduling_policy!r}")
+        if self.task not in TASKS:
+            fail(f"--task must be one of {', '.join(TASKS)}; got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            fail(f"--pooling must be one of {', '.join(POOLING_METHODS)}; got {self.pooling!r}")
         check_linear_kernel(self.linear_kernel)
         try:
             SpecConfig(self.speculative_tokens, self.speculative_method, self.speculative_ngram_min,

@@ -72,7 +72,8 @@ PrefixCaching = Annotated[str, typer.Option(
 
 # The engine options of the one engine profiled; its dtype and prefix caching are spelt as bench's
 # sweeps (above), one value each.
-ENGINE_OPTIONS = ("model", "device", "batch_invariant", "threads", "linear_kernel", "tensor_parallel_size")
+ENGINE_OPTIONS = ("model", "device", "batch_invariant", "threads", "linear_kernel", "tensor_parallel_size",
+                  "kv_cache_dtype")
 
 
 @app.command()
@@ -107,7 +108,7 @@ def profile(
                        dtype=dtype, batch_invariant=engine.batch_invariant, prefix_caching=prefix_caching,
                        model=engine.model, device=engine.device, threads=engine.threads,
                        linear_kernel=engine.linear_kernel, trace_path=trace, native_ops=native_ops,
-                       tensor_parallel_size=engine.tensor_parallel_size)
+                       tensor_parallel_size=engine.tensor_parallel_size, kv_cache_dtype=engine.kv_cache_dtype)
     run_profile(spec, out, chart=chart)
 
 
@@ -116,7 +117,7 @@ def run_profile(spec, out: Path, *, chart: bool) -> None:
 
     from nanoserve.bench import charts
     from nanoserve.bench.hardware import describe_machine
-    from nanoserve.bench.profile import build_engine, profile_engine
+    from nanoserve.bench.profile import build_engine, expert_profile, profile_engine
     from nanoserve.errors import NanoserveError
 
     console = Console(stderr=True)
@@ -128,6 +129,8 @@ def run_profile(spec, out: Path, *, chart: bool) -> None:
                 status.update(f"profiling batch size {batch_size} ({done}/{total})")
 
             frame = profile_engine(engine, spec, progress)
+            status.update("profiling the experts")
+            experts = expert_profile(engine, spec)
     except NanoserveError as error:
         options.fail(str(error))
     machine = describe_machine(engine.device)
@@ -136,6 +139,11 @@ def run_profile(spec, out: Path, *, chart: bool) -> None:
     frame.to_csv(out, index=False, float_format="%.6g")
     Console(width=None if sys.stdout.isatty() else 200).print(profile_table(frame, machine.label))
     console.print(f"wrote {out}")
+    if experts is not None:
+        experts_out = out.with_name(f"{out.stem}_experts.csv")
+        experts.assign(**machine.columns()).to_csv(experts_out, index=False, float_format="%.6g")
+        Console(width=None if sys.stdout.isatty() else 200).print(experts_table(experts))
+        console.print(f"wrote {experts_out}")
     if spec.trace_path is not None:
         console.print(f"wrote {spec.trace_path} (open in ui.perfetto.dev or chrome://tracing)")
     if chart:
@@ -165,4 +173,21 @@ def profile_table(frame, title: str):
                       f"{row.forward_linear_ms:.2f}",
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")
+    return table
+
+
+def experts_table(frame):
+    """Per expert (rows) and batch size (columns): rows routed per decode step and matmul ms per step."""
+    from rich.table import Table
+
+    table = Table(title="experts: rows routed per decode step (all sparse layers) / matmul ms per step",
+                  title_justify="left")
+    table.add_column("expert", justify="right")
+    sizes = sorted(frame["batch_size"].unique())
+    for size in sizes:
+        table.add_column(f"batch {size}", justify="right")
+    cells = frame.set_index(["expert", "batch_size"])
+    for expert in sorted(frame["expert"].unique()):
+        table.add_row(str(expert), *(f"{cells.at[(expert, s), 'rows_per_step']:.1f} / "
+                                     f"{cells.at[(expert, s), 'expert_ms_per_step']:.2f}" for s in sizes))
     return table

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from nanoserve.engine.core import Engine
     from nanoserve.server.adapters import LoRAModule
+    from nanoserve.server.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
@@ -101,6 +102,12 @@ def serve(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp", min=1,
+        help="Serve from N engine processes (vLLM's data parallelism), each on its own share of the cores "
+             "(--threads: each rank's threads) with its own KV and prefix cache; a request goes to the "
+             "replica holding the longest cached prefix of its prompt, else the least loaded. Composes "
+             "with -tp (-dp 2 -tp 2: four ranks).")] = 1,
 ) -> None:
     """Serve the model over OpenAI's completions, chat completions and Responses APIs and
     Anthropic's Messages API.
@@ -127,7 +134,11 @@ def serve(
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     modules = _lora_modules(lora_modules or [], max_loras)
     enable_lora = enable_lora or bool(modules) or enable_lora_runtime_updates
+    if enable_lora and data_parallel_size > 1:
+        options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
+                     "with --data-parallel-size above 1 yet")
     config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nanoserve.distributed.group import is_torchrun_worker
@@ -155,7 +166,7 @@ def serve(
 
     server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
                            tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death,
-                           reasoning=reasoning, lora_modules=modules,
+                           reasoning=reasoning, replicas=replicas, lora_modules=modules,
                            lora_runtime_updates=enable_lora_runtime_updates)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
@@ -179,6 +190,21 @@ def serve(
         typer.secho(f"Error: the engine stopped: {error!r} (the log above has the traceback)", err=True,
                     fg=typer.colors.RED)
         raise typer.Exit(code=1)
+
+
+def _replica_plan(config: EngineConfig, size: int) -> ReplicaPlan | None:
+    """The data-parallel replicas to start (None: one engine in this process), or exit 2 naming
+    --data-parallel-size."""
+    if size == 1:
+        return None
+    from nanoserve.server.replicas import ReplicaPlan
+
+    plan = ReplicaPlan(config, size)
+    try:
+        plan.check()
+    except NanoserveError as error:
+        options.fail_for(error)
+    return plan
 
 
 def _tenancy(api_keys: list[str] | None, keys_file: Path | None, cache_scope: str | None,

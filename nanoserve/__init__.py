@@ -16,6 +16,8 @@ _EXPORTS = {
     "Engine": "nanoserve.engine.core",
     "EngineConfig": "nanoserve.config",
     "SamplingParams": "nanoserve.sampling_params",
+    "PoolingParams": "nanoserve.pooling_params",
+    "Embedding": "nanoserve.llm",
     "LoRARequest": "nanoserve.model.lora",
     "RequestOutput": "nanoserve.engine.output",
 }

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.pooling_params import POOLING_METHODS
 
 # Fields that do not change the forward pass: token ids, training-only settings, and what
 # transformers writes into every config. `pretraining_tp` only split Llama's training matmuls.
@@ -99,6 +100,12 @@ class Family:
     architectures: tuple[str, ...]
     fields: dict[str, tuple[Any, ...] | None] = field(default_factory=dict)
 
+    @property
+    def headless_architectures(self) -> tuple[str, ...]:
+        """transformers' base-model classes (`Qwen3Model`): a checkpoint saved from one has no
+        output head and its tensors no `model.` prefix, as embedding models are published."""
+        return tuple(a.removesuffix("ForCausalLM") + "Model" for a in self.architectures)
+
 
 _ANY = None
 FAMILIES = (
@@ -139,7 +146,7 @@ FAMILIES = (
                           "norm_topk_prob": (True, False), "clip_qkv": (None,)}),
 )
 FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
-FAMILY_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
+FAMILY_BY_ARCHITECTURE = {a: f for f in FAMILIES for a in (*f.architectures, *f.headless_architectures)}
 # Checkpoints of these designs hold vision/audio towers: refused by name.
 _MULTIMODAL_FIELDS = ("vision_config", "audio_config", "text_config", "vision_tower", "mm_projector_type")
 
@@ -164,11 +171,19 @@ def family_of(raw: dict[str, Any]) -> Family:
         raise UnsupportedModelError(
             f"config.json: model_type {model_type!r} / architectures {architectures} is not supported; "
             f"nanoserve runs {supported}")
-    other = [a for a in architectures if a not in family.architectures]
+    other = [a for a in architectures if a not in (*family.architectures, *family.headless_architectures)]
     if other:
         raise _refuse("architectures", architectures,
                       f"model_type {model_type!r} runs as {family.architectures[0]} only")
     return family
+
+
+def _has_lm_head(raw: dict[str, Any], family: Family) -> bool:
+    """Whether the checkpoint has an output head: not when it names only base-model classes
+    (a tied head is the embedding table, which every checkpoint has)."""
+    architectures = raw.get("architectures") or []
+    headless = bool(architectures) and all(a in family.headless_architectures for a in architectures)
+    return not headless or raw.get("tie_word_embeddings", False)
 
 
 def _check_fields(raw: dict[str, Any], family: Family) -> None:
@@ -482,6 +497,9 @@ class ModelConfig:
     # RoPE rotates each head's first `rotary_dim` dims and passes the rest (Phi-4-mini's
     # partial_rotary_factor); 0: the whole head.
     rotary_dim: int = 0
+    # False for a checkpoint of a base-model class (`Qwen3Model`: an embedding model): it has
+    # no output head of its own and can only pool (EngineConfig.task "embed").
+    has_lm_head: bool = True
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -519,6 +537,7 @@ class ModelConfig:
             local_rope=local if local != full else None,
             experts=_experts(raw, family),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            has_lm_head=_has_lm_head(raw, family),
             **_family_switches(raw, family, head_dim),
         )
 
@@ -609,6 +628,9 @@ ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 # batch is large, and no GPU has measured it: off.
 FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
+TASKS = ("generate", "embed")  # EngineConfig.task
+# EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -631,6 +653,9 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.25
     num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
+    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
+    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
+    kv_cache_dtype: str = "auto"
     # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
     batch_invariant: bool = True
     # Reuse the K/V of prompt prefixes already computed (automatic prefix caching).
@@ -669,13 +694,28 @@ class EngineConfig:
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
     # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
     tensor_parallel_size: int = 1
+    # "generate": the model generates and also pools embeddings (/v1/embeddings, LLM.embed);
+    # "embed" (vLLM's --task embed): an embedding model, which pools only (generation refused).
+    task: str = "generate"
+    # How an embedding request pools the prompt's final hidden states ("last" or "mean");
+    # None: the checkpoint's own choice (sentence-transformers' pooling config), else "last".
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                                      f"got {self.kv_cache_dtype!r}", param="kv_cache_dtype")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                                       f"got {self.scheduling_policy!r}", param="scheduling_policy")
+        if self.task not in TASKS:
+            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
+                                      param="task")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}; "
+                                      f"got {self.pooling!r}", param="pooling")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise InvalidRequestError(f"tensor_parallel_size must be an integer of at least 1; got "
                                       f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")

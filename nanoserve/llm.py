@@ -2,8 +2,10 @@
 
 `generate` runs a batch of prompts to completion through continuous batching, with a progress
 bar; `chat` renders one conversation or a batch of them first; `stream` yields one request's
-deltas as they land. All drive the same step loop the server and `nanoserve generate` use:
-there is one decode path in the project.
+deltas as they land; `embed` pools each prompt's final hidden states into one vector (vLLM's
+`LLM.embed`: `.outputs.embedding`), with any model, or an embedding model with
+`LLM(model, task="embed")`. All drive the same step loop the server and `nanoserve generate`
+use: there is one decode path in the project.
 
 Code written for vLLM's offline API runs unchanged for what both have:
 `llm.generate(prompts, sampling_params)` takes a string, token ids, `{"prompt": ...}` or
@@ -34,6 +36,7 @@ from nanoserve.engine.core import Engine
 from nanoserve.engine.output import RequestOutput, TokenLogprob
 from nanoserve.errors import InvalidRequestError
 from nanoserve.model.lora import LoRARequest
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 
@@ -103,6 +106,24 @@ class Completion:
         return all(output.finish_reason is not None for output in self.outputs)
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """One prompt's vector (vLLM's EmbeddingRequestOutput: `.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding
+
+
 class LLM:
     def __init__(self, model: str | None = None, **engine_options: object) -> None:
         self.engine = Engine(EngineConfig(model=model, **engine_options))
@@ -165,6 +186,28 @@ class LLM:
                         completions[output.request_id].prompt_logprobs = output.prompt_logprobs
                     bar.advance(task, int(output.finished))
         return list(completions.values())
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
+              lora_request: LoRARequest | None = None) -> list[Embedding]:
+        """Each prompt's pooled vector, in prompt order, through the same batched steps as
+        generation (prefill only); `pooling_params` for all of them (default: the engine's
+        method, normalized)."""
+        prompt_list = [prompts] if _is_single(prompts) else list(prompts)
+        pooling_params = pooling_params or PoolingParams()
+        engine, vectors = self.engine, {}
+        request_ids, parent_id = [], None
+        for prompt in prompt_list:
+            _, ids_or_text, params = _unpack(prompt, SamplingParams())
+            request_id = engine.add_request(ids_or_text, params, parent_id=parent_id,
+                                            lora_request=lora_request, pooling=pooling_params)
+            parent_id = parent_id or request_id
+            request_ids.append((request_id, engine.requests[request_id].prompt_ids))
+        while engine.has_unfinished():
+            for output in engine.step():
+                if output.embedding is not None:
+                    vectors[output.request_id] = output.embedding
+        return [Embedding(request_id, prompt_ids, EmbeddingOutput(vectors[request_id]))
+                for request_id, prompt_ids in request_ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs as they land; closing the iterator aborts the request."""

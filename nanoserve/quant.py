@@ -1,14 +1,15 @@
 """GGUF block-quantized weights: what the blocks hold, and the plain torch arithmetic on them.
 
 Owns: `QuantizedWeight` (a matrix [out, in] kept as the GGUF's own row-major block bytes, a
-uint8 tensor [out, bytes_per_row], never expanded), the block layouts of the formats nanoserve
-runs or dequantizes at load (documented once, below, as ggml-common.h defines them), a torch
-reference dequantizer per format (the tests hold them against `gguf.quants.dequantize`, bit for
-bit), and quantizers for Q8_0 and Q4_0 (for `--quantize` of float checkpoints; held against
-`gguf.quants.quantize`).
+uint8 tensor [out, bytes_per_row], never expanded), the block layouts of the GGUF weight types
+nanoserve runs in their own bytes (documented once, below, as ggml-common.h defines them; F16
+and BF16 are "blocks" of one value), a torch reference dequantizer per format (the tests hold
+them against `gguf.quants.dequantize`, bit for bit), quantizers for Q8_0 and Q4_0 (for
+`--quantize` of float checkpoints; held against `gguf.quants.quantize`), and `random_weight`
+(random blocks with sane scales, for tests and benchmarks).
 Refuses: speed. The native kernels (`nanoserve.native.quant`) do the multiplies; this module is
-the obvious version they are tested against, and the path that dequantizes at load where no
-kernel runs a format.
+the obvious version they are tested against, and the path that dequantizes at load where the
+native library is off.
 
 Block layouts (little-endian; f16 is IEEE half; a row of `in` values is `in / values` blocks):
 
@@ -17,20 +18,17 @@ Block layouts (little-endian; f16 is IEEE half; a row of `in` values is `in / va
 | Q8_0 | 32 | 34 | d:f16, qs:int8[32] | d * qs[i] |
 | Q4_0 | 32 | 18 | d:f16, qs:u8[16] | d * (nib(i) - 8) |
 | Q4_1 | 32 | 20 | d:f16, m:f16, qs:u8[16] | d * nib(i) + m |
-| Q4_K | 256 | 144 | d:f16, dmin:f16, scales:u8[12], qs:u8[128] | d*sc[j] * q4 - dmin*mn[j] |
-| Q5_K | 256 | 176 | d:f16, dmin:f16, scales:u8[12], qh:u8[32], qs:u8[128] | d*sc[j] * q5 - dmin*mn[j] |
-| Q6_K | 256 | 210 | ql:u8[128], qh:u8[64], scales:int8[16], d:f16 | d*scales[i/16] * (q6 - 32) |
-
-Dequantized at load (`DEQUANTIZED_AT_LOAD`: no native kernel runs them yet), same notation:
-
-| format | values | bytes | layout | value of element i |
-|---|---|---|---|---|
 | Q5_0 | 32 | 22 | d:f16, qh:u8[4], qs:u8[16] | d * ((nib(i) + 16 * bit i of qh) - 16) |
 | Q5_1 | 32 | 24 | d:f16, m:f16, qh:u8[4], qs:u8[16] | d * (nib(i) + 16 * bit i of qh) + m |
 | IQ4_NL | 32 | 18 | d:f16, qs:u8[16] | d * grid[nib(i)] |
+| Q4_K | 256 | 144 | d:f16, dmin:f16, scales:u8[12], qs:u8[128] | d*sc[j] * q4 - dmin*mn[j] |
+| Q5_K | 256 | 176 | d:f16, dmin:f16, scales:u8[12], qh:u8[32], qs:u8[128] | d*sc[j] * q5 - dmin*mn[j] |
+| Q6_K | 256 | 210 | ql:u8[128], qh:u8[64], scales:int8[16], d:f16 | d*scales[i/16] * (q6 - 32) |
 | IQ4_XS | 256 | 136 | d:f16, scales_h:u16, scales_l:u8[4], qs:u8[128] | d * (ls[j] - 32) * grid[nib] |
 | Q2_K | 256 | 84 | scales:u8[16], qs:u8[64], d:f16, dmin:f16 | d*(sc & 15) * q2 - dmin*(sc >> 4) |
 | Q3_K | 256 | 110 | hmask:u8[32], qs:u8[64], scales:u8[12], d:f16 | d*(sc - 32) * (q2 - 4 * !hbit) |
+| F16 | 1 | 2 | an IEEE half | itself |
+| BF16 | 1 | 2 | the top 16 bits of a float32 | itself |
 
 - grid is ggml's kvalues_iq4nl (16 non-uniform int8 levels). IQ4_XS: eight sub-blocks j of
   32, each the nib() layout over its own 16 bytes of qs; ls[j] is a 6-bit scale, its low
@@ -39,7 +37,6 @@ Dequantized at load (`DEQUANTIZED_AT_LOAD`: no native kernel runs them yet), sam
   bits 2s, 2s+1 of qs[32h + 16t + l]. Q3_K's third bit (set: no -4) is bit (4h + s) of
   hmask[16t + l]; its 6-bit scales: low nibbles of scales[0..7] then their high nibbles, top
   two bits from scales[8..11] (bits 2k of byte 8 + j % 4 for scale j, k = j / 4).
-
 - 32-value formats: nib(i) is the low nibble of qs[i] for i < 16, the high nibble of qs[i-16]
   for i >= 16 (the first half of the block in the low nibbles).
 - Q4_K / Q5_K: eight sub-blocks j of 32 values, each with a 6-bit scale sc[j] and a 6-bit
@@ -68,6 +65,7 @@ class BlockFormat:
     values: int  # per block
     bytes: int  # per block
     dequantize: Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, bytes] -> float32 [n, values]
+    scale_offsets: tuple[int, ...]  # where a block keeps its f16 scales (byte offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +251,6 @@ def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale.unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
 
 
-# ---- formats dequantized at load (no native kernel yet): the same reference arithmetic -------
 
 # IQ4_NL / IQ4_XS: each 4-bit code indexes this non-uniform grid (ggml-common.h kvalues_iq4nl).
 _IQ4_GRID = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -264,6 +261,14 @@ def _low_high_bits(qh: torch.Tensor) -> torch.Tensor:
     """u8 [n, 4] (a little-endian uint32) -> its 32 bits [n, 32], bit j at j."""
     shifts = torch.arange(8, dtype=torch.uint8)
     return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(-1, 32)
+
+
+def _dequantize_f16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.float16).float()
+
+
+def _dequantize_bf16(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.bfloat16).float()
 
 
 def _dequantize_q5_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -323,27 +328,41 @@ def _dequantize_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q.float()).reshape(-1, 256)
 
 
-# What gguf_weights dequantizes to float32 at load, by GGML type number, with the reason its
-# start-up line gives: no native kernel runs these yet.
-DEQUANTIZED_AT_LOAD: dict[int, BlockFormat] = {f.ggml_type: f for f in (
-    BlockFormat("q5_0", 6, 32, 22, _dequantize_q5_0),
-    BlockFormat("q5_1", 7, 32, 24, _dequantize_q5_1),
-    BlockFormat("q2_k", 10, 256, 84, _dequantize_q2_k),
-    BlockFormat("q3_k", 11, 256, 110, _dequantize_q3_k),
-    BlockFormat("iq4_nl", 20, 32, 18, _dequantize_iq4_nl),
-    BlockFormat("iq4_xs", 23, 256, 136, _dequantize_iq4_xs),
-)}
-
-
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
-    BlockFormat("q8_0", 8, 32, 34, _dequantize_q8_0),
-    BlockFormat("q4_0", 2, 32, 18, _dequantize_q4_0),
-    BlockFormat("q4_1", 3, 32, 20, _dequantize_q4_1),
-    BlockFormat("q4_k", 12, 256, 144, _dequantize_q4_k),
-    BlockFormat("q5_k", 13, 256, 176, _dequantize_q5_k),
-    BlockFormat("q6_k", 14, 256, 210, _dequantize_q6_k),
+    BlockFormat("q8_0", 8, 32, 34, _dequantize_q8_0, (0,)),
+    BlockFormat("q4_0", 2, 32, 18, _dequantize_q4_0, (0,)),
+    BlockFormat("q4_1", 3, 32, 20, _dequantize_q4_1, (0, 2)),
+    BlockFormat("q4_k", 12, 256, 144, _dequantize_q4_k, (0, 2)),
+    BlockFormat("q5_k", 13, 256, 176, _dequantize_q5_k, (0, 2)),
+    BlockFormat("q6_k", 14, 256, 210, _dequantize_q6_k, (208,)),
+    BlockFormat("q5_0", 6, 32, 22, _dequantize_q5_0, (0,)),
+    BlockFormat("q5_1", 7, 32, 24, _dequantize_q5_1, (0, 2)),
+    BlockFormat("iq4_nl", 20, 32, 18, _dequantize_iq4_nl, (0,)),
+    BlockFormat("iq4_xs", 23, 256, 136, _dequantize_iq4_xs, (0,)),
+    BlockFormat("q2_k", 10, 256, 84, _dequantize_q2_k, (80, 82)),
+    BlockFormat("q3_k", 11, 256, 110, _dequantize_q3_k, (108,)),
+    BlockFormat("f16", 1, 1, 2, _dequantize_f16, ()),
+    BlockFormat("bf16", 30, 1, 2, _dequantize_bf16, ()),
 )}
 FORMATS_BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+
+
+def random_weight(format_name: str, out_features: int, in_features: int, *,
+                  generator: torch.Generator) -> QuantizedWeight:
+    """Random blocks in `format_name` for tests and benchmarks: every bit pattern of the codes is
+    a valid block, so the codes are random bytes, and each f16 scale is drawn from
+    [-0.005, 0.015) (random bytes there would be NaN or huge); F16 / BF16 values are N(0, 1)."""
+    fmt = FORMATS[format_name]
+    if fmt.values == 1:
+        dtype = torch.float16 if format_name == "f16" else torch.bfloat16
+        values = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        return QuantizedWeight(fmt, (out_features, in_features), values.view(torch.uint8))
+    count = out_features * in_features // fmt.values
+    blocks = torch.randint(0, 256, (count, fmt.bytes), dtype=torch.uint8, generator=generator)
+    for offset in fmt.scale_offsets:
+        scales = (torch.rand(count, 1, generator=generator) * 0.02 - 0.005).half()
+        blocks[:, offset : offset + 2] = scales.view(torch.uint8)
+    return QuantizedWeight(fmt, (out_features, in_features), blocks.reshape(out_features, -1))
 
 
 # ---- quantizers, for --quantize: float32 [out, in] -> QuantizedWeight -------------------------

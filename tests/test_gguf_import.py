@@ -141,7 +141,8 @@ def test_a_file_that_is_not_gguf_is_model_not_found(tmp_path):
 
 # ---- GGUF files in their own quantization ------------------------------------------------------
 
-QUANTIZED_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"]
+QUANTIZED_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K",
+                   "Q3_K", "F16", "BF16"]
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
 
@@ -200,6 +201,44 @@ def test_each_block_format_loads_in_its_quantization_and_generates(type_name, wi
     assert len(completion.token_ids) == 6
 
 
+@needs_native
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
+def test_greedy_tokens_are_the_float32_twins_wherever_its_margin_exceeds_the_kernels_tolerance(
+        type_name, wide_model_dir, tmp_path, private_cache):
+    path = _quantized_gguf(wide_model_dir, tmp_path, type_name)
+    quantized, twin = _llm(path), _llm(path, dtype="float32")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["Once upon a time", "The quick brown fox", "def fibonacci(n):", "Hello, world"]
+    decided = 0
+    pairs = zip(twin.generate(prompts, greedy), quantized.generate(prompts, greedy), strict=True)
+    for expected, ours in pairs:
+        for i, token in enumerate(expected.token_ids):
+            prefix = expected.prompt_token_ids + expected.token_ids[:i]
+            exact, approximate = twin.prompt_logits([prefix])[0], quantized.prompt_logits([prefix])[0]
+            error = float((approximate - exact).abs().max())
+            if i == 0:  # the logits test's bound; later positions carry the error of earlier ones
+                assert error <= 0.05 * float(exact.abs().max())
+            top = exact.topk(2).values
+            if float(top[0] - top[1]) <= 2 * error:  # a call this close may go either way: stop
+                break
+            assert ours.token_ids[i] == token, f"{type_name}: {expected.prompt!r}, token {i}"
+            decided += 1
+    assert decided > 0, f"{type_name}: every prompt's first token is a close call; nothing tested"
+
+
+@needs_native
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "F16", "BF16"])
+def test_each_new_type_gives_every_request_its_solo_tokens_and_logprobs_in_a_crowd(
+        type_name, wide_model_dir, tmp_path, private_cache):
+    from test_batch_invariance import crowd_prompts, fingerprint, params_for, staggered_crowd
+
+    llm = _llm(_quantized_gguf(wide_model_dir, tmp_path, type_name))
+    assert llm.engine.weight_format == type_name.lower()
+    prompts, params = crowd_prompts(4), [params_for(i, max_tokens=6) for i in range(4)]
+    alone = [fingerprint(llm.generate([p], [sp])[0]) for p, sp in zip(prompts, params, strict=True)]
+    assert staggered_crowd(llm, prompts, params) == alone
+
+
 @contextlib.contextmanager
 def native_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """NANOSERVE_NO_NATIVE=1 for engines started inside (the library is loaded once per process)."""
@@ -231,9 +270,9 @@ def test_without_native_kernels_a_gguf_is_dequantized_at_load_and_says_so(wide_m
 @needs_native  # without the library every type is dequantized, and the note says that instead
 def test_a_type_without_a_kernel_is_dequantized_at_load_naming_the_type(wide_model_dir, tmp_path,
                                                                          private_cache):
-    path = _quantized_gguf(wide_model_dir, tmp_path, "Q5_0")
+    path = _quantized_gguf(wide_model_dir, tmp_path, "IQ3_S")
     llm = _llm(path)
-    assert any("Q5_0 has no native kernel" in note and "blk.0." in note for note in llm.engine.weight_notes)
+    assert any("IQ3_S has no native kernel" in note and "blk.0." in note for note in llm.engine.weight_notes)
     completion = llm.generate(["Once upon"], SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert len(completion.token_ids) == 4
 

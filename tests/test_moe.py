@@ -16,10 +16,13 @@ import pytest
 import torch
 from families import Case, crowd_logits, greedy, load_model, prefill_logits, reference_greedy
 
+from nanoserve import native as native_library
 from nanoserve.config import ModelConfig
 from nanoserve.errors import UnsupportedModelError
-from nanoserve.model.moe import MixtureOfExperts, route
+from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
+from nanoserve.model.moe import ExpertTally, MixtureOfExperts, route
 from nanoserve.native import ops as native_ops
+from nanoserve.native.moe import NativeExperts
 
 families.require_transformers()
 
@@ -124,35 +127,41 @@ def test_the_router_matches_transformers_top_k_and_renormalisation():
 
 
 def test_the_step_groups_rows_by_expert_once_each():
-    """One matmul per expert with rows, over exactly the rows routed to it, ascending."""
-    experts = ModelConfig.from_hf_dict({**families.transformers.MixtralConfig(
-        hidden_size=8, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1).to_dict()}).experts
-    calls: list[tuple[int, list[int]]] = []
+    """One gate_up and one down per expert with rows, over exactly the rows routed to it, ascending."""
+    experts = mixtral_experts(count=4, top_k=2)
+    calls: list[tuple[str, int, list[float]]] = []
     x = torch.randn(6, 8)
     weights = random_moe_weights(4, 8, 4)
 
-    def expert(rows, gate_up, down):
-        expert_index = next(e for e, w in enumerate(weights.gate_up) if w is gate_up)
-        calls.append((expert_index, rows[:, 0].tolist()))
-        return rows
+    def linear(a, w):
+        for kind, matrices in (("gate_up", weights.gate_up), ("down", weights.down)):
+            calls.extend((kind, e, a[:, 0].tolist()) for e, m in enumerate(matrices) if m is w)
+        return a @ w.T
 
-    block = MixtureOfExperts(experts, lambda a, w: a @ w.T, expert)
+    block = MixtureOfExperts(experts, linear, lambda gate_up: gate_up.chunk(2, dim=-1)[1])
     routing = route(x @ weights.router.T, experts)
     block(x, weights)
-    assert [e for e, _ in calls] == sorted({int(e) for e in routing.experts.flatten()})
-    for e, firsts in calls:
-        rows = [r for r in range(6) if e in routing.experts[r].tolist()]
-        assert firsts == x[rows, 0].tolist()
+    hit = sorted({int(e) for e in routing.experts.flatten()})
+    assert [(kind, e) for kind, e, _ in calls] == [("gate_up", e) for e in hit] + [("down", e) for e in hit]
+    for kind, e, firsts in calls:
+        if kind == "gate_up":
+            rows = [r for r in range(6) if e in routing.experts[r].tolist()]
+            assert firsts == x[rows, 0].tolist()
 
 
-def random_moe_weights(count: int, hidden: int, width: int):
+def mixtral_experts(count: int, top_k: int, hidden: int = 8, width: int = 4):
+    return ModelConfig.from_hf_dict({**families.transformers.MixtralConfig(
+        hidden_size=hidden, intermediate_size=width, num_local_experts=count, num_experts_per_tok=top_k,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1).to_dict()}).experts
+
+
+def random_moe_weights(count: int, hidden: int, width: int, top_k: int = 2):
     from nanoserve.model.weights import MoEWeights
 
     g = torch.Generator().manual_seed(0)
     return MoEWeights(torch.randn(count, hidden, generator=g),
                       [torch.randn(2 * width, hidden, generator=g) for _ in range(count)],
-                      [torch.randn(hidden, width, generator=g) for _ in range(count)], top_k=2)
+                      [torch.randn(hidden, width, generator=g) for _ in range(count)], top_k=top_k)
 
 
 @pytest.mark.parametrize(("changes", "field"), [
@@ -296,3 +305,182 @@ def test_the_engine_serves_a_mixture_of_experts_end_to_end(tmp_path, tiny_model_
     alone = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     expected = reference_greedy(hf_model, prompt, 12)
     assert results[0].outputs[0].token_ids == alone.outputs[0].token_ids == expected
+
+
+# The native experts (csrc/moe.c): one call a sparse layer where the experts are native matrices.
+NEEDS_NATIVE = pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
+# (kernel, block format of the experts or None for float32 panels, hidden, width): float panels
+# on widths that leave partial 16-column panels; blocks on whole 32-value blocks.
+NATIVE_FORMS = [pytest.param(KERNELS["native"], None, 40, 24, id="float32-panels"),
+                pytest.param(QUANTIZED_KERNELS["native-quant-x8"], "q8_0", 64, 32, id="q8_0-repacked"),
+                pytest.param(QUANTIZED_KERNELS["native-quant-x8"], "q4_0", 64, 96, id="q4_0-repacked")]
+
+
+def native_layer(kernel, block_format, hidden, width, count=60, top_k=4):
+    """(block, packed weights, native experts): a sparse layer as the model packs it for `kernel`."""
+    from nanoserve import quant
+
+    weights = random_moe_weights(count, hidden, width, top_k)
+    if block_format is not None:  # the router stays float, as --quantize keeps it
+        weights = weights.with_matrices(lambda m: quant.quantize(m, block_format), lambda m: m)
+    packed = weights.with_matrices(kernel.pack)
+    spec = mixtral_experts(count, top_k, hidden, width)
+    block = MixtureOfExperts(spec, kernel.apply, native_ops.load().silu_mul)
+    experts = NativeExperts.for_layer(packed.gate_up, packed.down, top_k, float_panels=block_format is None)
+    assert experts is not None
+    return block, packed, experts
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize(("kernel", "block_format", "hidden", "width"), NATIVE_FORMS)
+def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel, block_format, hidden,
+                                                                          width):
+    """60 experts, top-4: most experts see no row, the others from 1 to many; the one call
+    equals the loop through the same kernels bit for bit, and every row its own call alone."""
+    block, packed, experts = native_layer(kernel, block_format, hidden, width)
+    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(5))
+    fused = block(x, packed, experts)
+    assert torch.equal(fused, block(x, packed))
+    for row in (0, 17, 39):
+        assert torch.equal(block(x[row:row + 1], packed, experts)[0], fused[row])
+
+
+@NEEDS_NATIVE
+def test_the_native_experts_are_one_native_call_and_bad_routing_is_refused():
+    block, packed, experts = native_layer(KERNELS["native"], None, 40, 24)
+    x = torch.randn(9, 40)
+    routing = route(block.linear(x, packed.router), block.spec)
+    before = native_library.calls()
+    experts(x, routing.experts, routing.weights)
+    assert native_library.calls() - before == 1
+    outside = routing.experts.clone()
+    outside[3, 1] = 60
+    with pytest.raises(IndexError, match=r"expert indices must lie in \[0, 60\)"):
+        experts(x, outside, routing.weights)
+    with pytest.raises(ValueError, match="experts must be int64"):
+        experts(x, routing.experts.int(), routing.weights)
+    with pytest.raises(ValueError, match="x must be float32"):
+        experts(x.double(), routing.experts, routing.weights)
+
+
+@NEEDS_NATIVE
+def test_a_model_on_native_matrices_runs_its_experts_natively_as_transformers_does(checkpoint, monkeypatch):
+    """Every sparse layer one native call (the loop's grouping, with its host read, made to
+    raise), logits within 1e-4 of transformers, a request's logits alone == in a crowd."""
+    from nanoserve.loading.weights import load_weights
+    from nanoserve.model import moe
+    from nanoserve.model.decoder import Llama
+
+    _, path, _, expected = checkpoint
+    config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
+    model = Llama(config, weights, batch_invariant=True, linear_kernel=KERNELS["native"])
+    assert [e is not None for e in model.native_experts] == [w.moe is not None for w in model.weights.layers]
+
+    def no_grouping(*_):
+        raise AssertionError("the loop's grouping ran")
+
+    monkeypatch.setattr(moe, "group_by_expert", no_grouping)
+    for prompt, reference in zip(PROMPTS, expected, strict=True):
+        torch.testing.assert_close(prefill_logits(model, prompt), reference, atol=1e-4, rtol=0)
+    for alone, crowded in zip(*(crowd_logits(model, PROMPTS, crowd) for crowd in (False, True)), strict=True):
+        assert torch.equal(alone, crowded)
+
+
+@pytest.mark.parametrize("use_native", [pytest.param(True, id="native", marks=NEEDS_NATIVE),
+                                        pytest.param(False, id="loop")])
+def test_the_tally_counts_each_experts_rows_and_times_only_the_experts_hit(use_native):
+    if use_native:
+        block, packed, experts = native_layer(KERNELS["native"], None, 40, 24, count=8, top_k=2)
+    else:
+        block = MixtureOfExperts(mixtral_experts(8, 2, 40, 24), lambda a, w: a @ w.T,
+                                 lambda gate_up: gate_up.chunk(2, dim=-1)[1])
+        packed, experts = random_moe_weights(8, 40, 24), None
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(2))
+    block.tally = ExpertTally.zeros(8)
+    block(x, packed, experts)
+    block(x[:2], packed, experts)
+    chosen = route(block.linear(x, packed.router), block.spec).experts
+    expected = torch.bincount(torch.cat([chosen.flatten(), chosen[:2].flatten()]), minlength=8)
+    assert torch.equal(block.tally.rows, expected)
+    assert block.tally.calls == 2
+    assert torch.equal(block.tally.seconds > 0, expected > 0)
+
+
+QUANTIZED_TP_CASE = Case("qwen2-moe-q8_0-whole-blocks", "Qwen2MoeConfig",
+                         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                          "shared_expert_intermediate_size": 64, "num_hidden_layers": 2})
+
+
+@NEEDS_NATIVE
+def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
+    """Every matrix in Q8_0 blocks (--quantize), experts and the shared expert split as the dense
+    MLP on blocks: gate/up by width, down by output after one gather of every expert's slices.
+    Two gloo ranks in threads decode one rank's logits bit for bit, two requests in one step
+    (one rank runs the native experts' one call, the ranks the loop with its gathers)."""
+    from families import Cache, step
+    from rank_threads import in_threads
+
+    from nanoserve.distributed import shards
+    from nanoserve.distributed.collectives import Collectives
+    from nanoserve.distributed.shards import Shard
+    from nanoserve.loading.weights import load_weights
+    from nanoserve.model.decoder import Llama
+
+    families.write_checkpoint(QUANTIZED_TP_CASE, tmp_path)
+    kernel, world = QUANTIZED_KERNELS["native-quant-x8"], 2
+    assert shards.splits_by_output(None, "q8_0")
+
+    def decode(shard=None, group=None) -> list[torch.Tensor]:
+        config, weights = load_weights(tmp_path, dtype=torch.float32, device=torch.device("cpu"), shard=shard)
+        collectives = None
+        if shard is not None:
+            start, count, _ = shard.vocab_rows(config.vocab_size)
+            collectives = Collectives(group, shard, start, count, ordered=True)
+        local = shards.local_config(config, world if shard else 1)
+        model = Llama(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
+                      tensor_parallel=collectives)
+        assert any(e is not None for e in model.native_experts) == (shard is None)
+        cache, seen = Cache(local), []
+        positions = {"a": len(PROMPTS[0]), "b": len(PROMPTS[2])}
+        chunks = [("a", PROMPTS[0], 0), ("b", PROMPTS[2], 0)]
+        for _ in range(4):
+            out, chunks = step(model, cache, chunks), []
+            for seq in ("a", "b"):
+                logits = out[seq].unsqueeze(0)
+                if collectives is not None:
+                    logits = collectives.all_gather(logits)
+                seen.append(logits[0, :config.vocab_size])
+                chunks.append((seq, [int(seen[-1].argmax())], positions[seq]))
+                positions[seq] += 1
+        return seen
+
+    one = decode()
+    for rank_logits in in_threads(world, lambda group, rank: decode(Shard(rank, world, True), group)):
+        for got, want in zip(rank_logits, one, strict=True):
+            assert torch.equal(got, want)
+
+
+def test_the_profile_histogram_routes_every_decode_row_to_top_k_experts_in_every_sparse_layer(
+        tmp_path, tiny_model_dir):
+    """`profile`'s experts section: each decode step of N requests routes N rows to top_k experts
+    in each sparse layer, so the histogram sums to N * top_k * sparse layers a step; an expert
+    with no row has no matmul time."""
+    import shutil
+
+    from nanoserve.bench.profile import ProfileSpec, build_engine, expert_profile
+
+    case = Case(CASES[1].name, CASES[1].config_class, {**CASES[1].fields, "vocab_size": 400})
+    families.write_checkpoint(case, tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, tmp_path / file)
+    spec = ProfileSpec(batch_sizes=(1, 3), input_len=5, output_len=6, model=str(tmp_path), device="cpu")
+    frame = expert_profile(build_engine(spec), spec)
+    experts = ModelConfig.from_hf_dict(case.config().to_dict()).experts
+    sparse = sum(experts.sparse_layers)
+    assert sorted(frame["batch_size"].unique()) == [1, 3]
+    for batch_size, rows in frame.groupby("batch_size"):
+        assert len(rows) == experts.count
+        assert rows["rows_per_step"].sum() == pytest.approx(batch_size * experts.top_k * sparse)
+        assert ((rows["expert_ms_per_step"] > 0) == (rows["rows_per_step"] > 0)).all()
+    dense = ProfileSpec(batch_sizes=(1,), model=str(tiny_model_dir), device="cpu")
+    assert expert_profile(build_engine(dense), dense) is None

@@ -85,7 +85,7 @@ def test_repacked_kernel_passes_the_batch_invariance_self_test(format_name):
 
 
 def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():
-    q, v = random_weight("q4_k", 8, 256), random_weight("q8_0", 12, 256, seed=1)
+    q, v = random_weight("q5_k", 8, 256), random_weight("q8_0", 12, 256, seed=1)
     kernel = QUANTIZED_KERNELS["native-quant-x8"]
     packed = kernel.pack(QuantizedStack((q, v)))
     assert isinstance(packed.parts[0], QuantizedWeight)
@@ -113,6 +113,6 @@ def test_kernel_choice_measures_both_quantized_layouts(tmp_path):
     shape = ProbeShape([[random_weight("q4_1", 64, 96)]], random_weight("q8_0", 32, 96))
     choice = choose_kernel(shape, device=torch.device("cpu"), max_rows=4, prefill_rows=16,
                            batch_invariant=True, cache_path=tmp_path / "kernels.json")
-    assert set(choice.verdicts) == {"native-quant", "native-quant-x8"}
+    assert set(choice.verdicts) == {"native-quant", "native-quant-x8", "native-quant-gemm"}
     assert all(v.ms_by_rows for v in choice.verdicts.values())
     assert choice.batch_invariant and choice.verdicts[choice.kernel.name].invariant

@@ -131,7 +131,7 @@ def test_the_core_modules_import_one_way_only():
 # (engine/), the fronts (llm, server/, bench/) or each other's callers.
 FLOORS = (
     ("nanoserve.errors", "nanoserve.machine", "nanoserve.config", "nanoserve.sampling_params",
-     "nanoserve.tokenizer", "nanoserve.quant"),
+     "nanoserve.pooling_params", "nanoserve.tokenizer", "nanoserve.quant"),
     ("nanoserve.native",),
     ("nanoserve.model",),
     ("nanoserve.distributed",),

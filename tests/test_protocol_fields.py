@@ -327,3 +327,36 @@ def test_each_refused_responses_field_asking_for_something_is_refused_by_name() 
         assert found is not None and found.param == key.replace("[]", "[0]"), key
         assert found.code == "unsupported", key
         assert refusal.why in found.message
+
+
+# -- OpenAI's embeddings (/v1/embeddings) -----------------------------------------------------------
+
+VLLM_EMBEDDINGS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+                   "add_special_tokens", "priority", "request_id", "normalize", "embed_dtype", "endianness",
+                   "messages", "mm_processor_kwargs", "additional_data", "use_activation", "cache_salt"}
+EMBEDDINGS_PROBES: dict[str, object] = {
+    "request_id": "r", "embed_dtype": "float16", "endianness": "big", "messages": [{"role": "user"}],
+    "mm_processor_kwargs": {"a": 1}, "additional_data": {"a": 1}, "use_activation": True,
+}
+
+
+def test_every_embeddings_field_of_the_openai_client_and_vllm_is_honoured_or_refused() -> None:
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    from nanoserve.server.embeddings import EMBEDDINGS_REFUSED, EmbeddingRequest
+
+    client_fields = set(typing.get_type_hints(openai.types.embedding_create_params.EmbeddingCreateParams))
+    missing = [f for f in client_fields | VLLM_EMBEDDINGS
+               if f not in EmbeddingRequest.model_fields and f not in EMBEDDINGS_REFUSED]
+    assert sorted(missing) == []
+
+
+def test_each_refused_embeddings_field_asking_for_something_is_refused_by_name() -> None:
+    from nanoserve.server.embeddings import EMBEDDINGS_REFUSED, EmbeddingRequest
+
+    for key, refusal in EMBEDDINGS_REFUSED.items():
+        assert key in EMBEDDINGS_PROBES, f"add a probe value for the refused field {key!r}"
+        found = refused_field(EmbeddingRequest.model_validate({"input": "x", key: EMBEDDINGS_PROBES[key]}))
+        assert found is not None and found.param == key and found.code == "unsupported", key
+        assert refusal.why in found.message
+    harmless = {"input": "x", "embed_dtype": "float32", "endianness": "native", "mm_processor_kwargs": {}}
+    assert refused_field(EmbeddingRequest.model_validate(harmless)) is None

@@ -17,31 +17,28 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from nanoserve import native
+from nanoserve import native, quant
 from nanoserve.model.linear import QUANTIZED_KERNELS, ProbeShape, choose_kernel, self_test
 from nanoserve.quant import FORMATS, QUANTIZERS, QuantizedStack, QuantizedWeight, quantize, stack_rows
 
 needs_native = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
-# Where each format keeps its f16 scales: random bytes there would be NaN or huge.
-_F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+# The 16-bit float types: their kernels take the activations as they are.
+_FLOAT_FORMATS = ("f16", "bf16")
 
 
 def random_weight(format_name: str, out_features: int, in_features: int, seed: int = 0) -> QuantizedWeight:
-    """Random codes and scales in `format_name` (every bit pattern of the codes is a valid block)."""
-    fmt = FORMATS[format_name]
-    generator = torch.Generator().manual_seed(seed)
-    count = out_features * in_features // fmt.values
-    blocks = torch.randint(0, 256, (count, fmt.bytes), dtype=torch.uint8, generator=generator)
-    for offset in _F16_FIELDS[format_name]:
-        scales = (torch.rand(count, 1, generator=generator) * 0.02 - 0.005).half()
-        blocks[:, offset : offset + 2] = scales.view(torch.uint8)
-    return QuantizedWeight(fmt, (out_features, in_features), blocks.reshape(out_features, -1))
+    """Random codes and sane f16 scales in `format_name` (nanoserve.quant.random_weight)."""
+    return quant.random_weight(format_name, out_features, in_features,
+                               generator=torch.Generator().manual_seed(seed))
 
 
-def activation_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """[rows, out]: the most 8-bit activation blocks of 32 can move each output (module doc)."""
+def activation_bound(x: torch.Tensor, dense: torch.Tensor, format_name: str) -> torch.Tensor:
+    """[rows, out]: the most 8-bit activation blocks of 32 can move each output (module doc);
+    nothing for F16 / BF16, whose kernels take the activations as they are."""
     rows, k = x.shape
+    if format_name in _FLOAT_FORMATS:
+        return torch.zeros(rows, dense.shape[0], dtype=torch.float64)
     half_step = (x.abs().reshape(rows, k // 32, 32).amax(-1) / 127 / 2).double()  # [rows, blocks]
     weight_mass = dense.abs().reshape(dense.shape[0], k // 32, 32).sum(-1)  # [out, blocks]
     return half_step @ weight_mass.T
@@ -50,7 +47,11 @@ def activation_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 def assert_within_bound(y: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
     dense = weight.dequantize().double()
     exact = x.double() @ dense.T
-    bound = activation_bound(x, dense) + 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+    # float32 rounding: F16 / BF16's 8-lane FMA chains run k / 16 steps, then a few sums and the
+    # tail; the block formats' slack is looser, beside their far larger activation bound.
+    rounding = (x.shape[1] / 16 + 16) * 2.0 ** -24 if weight.format.name in _FLOAT_FORMATS else 1e-5
+    magnitude = x.double().abs() @ dense.abs().T
+    bound = activation_bound(x, dense, weight.format.name) + rounding * magnitude + 1e-6
     excess = (y.double() - exact).abs() - bound
     assert float(excess.max()) <= 0, f"{weight.format.name} {weight.shape} x {list(x.shape)}"
 
@@ -91,6 +92,10 @@ def test_mixed_formats_stack_part_by_part():
 # of 256 where the format allows it.
 RAGGED_SHAPES = [(f, n, k) for f in ("q8_0", "q4_0", "q4_1") for n, k in ((1, 32), (37, 96), (19, 608))]
 RAGGED_SHAPES += [(f, n, k) for f in ("q4_k", "q5_k", "q6_k") for n, k in ((1, 256), (37, 512), (5, 768))]
+RAGGED_SHAPES += [(f, n, k) for f in ("q5_0", "q5_1", "iq4_nl") for n, k in ((1, 32), (37, 96), (19, 608))]
+RAGGED_SHAPES += [(f, n, k) for f in ("iq4_xs", "q2_k", "q3_k") for n, k in ((1, 256), (37, 512), (5, 768))]
+# F16 / BF16 take any K: shorter than one 8-lane group, one group and a tail, whole groups
+RAGGED_SHAPES += [(f, n, k) for f in ("f16", "bf16") for n, k in ((1, 7), (37, 100), (19, 611), (3, 64))]
 
 
 @needs_native
@@ -101,7 +106,7 @@ def test_kernel_agrees_with_float64_within_the_activation_rounding_bound(format_
 
     weight = random_weight(format_name, out_features, in_features, seed=out_features)
     generator = torch.Generator().manual_seed(in_features)
-    for rows in (*range(1, 34, 4), 33, 130):
+    for rows in (*range(1, 18), 33, 130):
         x = torch.randn(rows, in_features, generator=generator)
         assert_within_bound(native_quant.matmul(x, weight), x, weight)
 
@@ -115,6 +120,9 @@ def test_portable_path_agrees_with_the_vector_path(format_name):
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
     fast, portable = native_quant.matmul(x, weight), native_quant.matmul(x, weight, portable=True)
     assert_within_bound(portable, x, weight)
+    if format_name in _FLOAT_FORMATS:  # the same fmaf chains, in the same order (matmul_more.c)
+        assert torch.equal(fast, portable)
+        return
     # Both sum the same integer products; only the float accumulation order differs.
     assert torch.allclose(fast, portable, rtol=1e-5, atol=1e-5 * float(fast.abs().max()))
 
@@ -141,9 +149,10 @@ def test_kernel_refuses_activations_of_the_wrong_shape_before_touching_a_pointer
 
 
 @needs_native
-@pytest.mark.parametrize("format_name", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("format_name", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "q5_0", "q5_1", "iq4_nl",
+                                         "iq4_xs", "q2_k", "q3_k", "f16", "bf16"])
 def test_quantized_kernel_passes_the_batch_invariance_self_test(format_name):
-    k = 256 if FORMATS[format_name].values == 256 else 96
+    k = {256: 256, 32: 96, 1: 100}[FORMATS[format_name].values]
     layer = [random_weight(format_name, 40, k, seed=1), random_weight(format_name, 33, k, seed=2)]
     shape = ProbeShape([layer], random_weight(format_name, 17, k, seed=3))
     assert self_test(QUANTIZED_KERNELS["native-quant"], shape, max_rows=9, prefill_rows=40) == ""

@@ -35,6 +35,8 @@ runner = CliRunner()
     (["--api-keys-file", "/no/such/keys"], {}, "--api-keys-file"),
     (["--reasoning-parser", "qwen"], {}, "--reasoning-parser"),
     (["--reasoning-budget", "-1"], {}, "--reasoning-budget"),
+    (["--task", "classify"], {}, "--task"),
+    (["--pooling", "cls"], {}, "--pooling"),
 ])
 def test_a_bad_serve_option_exits_2_naming_it_before_loading_the_model(args, env, option, tmp_path):
     # The model path does not exist: reaching it would fail naming --model instead.

@@ -170,13 +170,11 @@ def test_health_models_and_metrics(client: httpx.Client) -> None:
         assert name in metrics.text
 
 
-def test_a_model_by_id_the_version_and_a_404_that_says_why_for_embeddings(client: httpx.Client) -> None:
+def test_a_model_by_id_and_the_version(client: httpx.Client) -> None:
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert client.get("/v1/models/tiny-alias").json()["id"] == "tiny-alias"
     assert_error(client.get("/v1/models/gpt-9"), 404, "model", code="model_not_found")
     assert client.get("/version").json()["version"]
-    error = assert_error(client.post("/v1/embeddings", json={"input": "hi"}), 404, None)
-    assert "embedding" in error["message"]
 
 
 def test_health_is_503_while_the_model_loads(tiny_model_dir) -> None:

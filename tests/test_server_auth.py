@@ -59,7 +59,7 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key(guarded
     protected = {(method, path) for method, path in operations if path not in open_paths(app)}
     # The walk found the routes this server is known for (an empty walk would pass vacuously).
     assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-            ("POST", "/tokenize"), ("POST", "/detokenize")} <= protected
+            ("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("POST", "/detokenize")} <= protected
     for method, path in sorted(protected):
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
             response = httpx.request(method, f"{base_url}{path}", headers=headers)

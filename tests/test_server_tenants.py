@@ -211,6 +211,45 @@ def test_a_tenant_over_its_limit_gets_429_while_another_is_served(tiny_model_dir
     assert ALICE not in text and BOB not in text
 
 
+# Every generation endpoint counts against the one limit, each refusing in its own protocol's shape.
+LIMITED_ENDPOINTS = {
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+                             lambda body: body["error"]["code"] == "rate_limit_exceeded"),
+    "/v1/messages": ({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]},
+                     lambda body: body["type"] == "error" and body["error"]["type"] == "rate_limit_error"),
+    "/v1/responses": ({"model": "tiny", "input": "Hi", "max_output_tokens": 1},
+                      lambda body: body["error"]["code"] == "rate_limit_exceeded"),
+    "/v1/embeddings": ({"model": "tiny", "input": "Hi"},
+                       lambda body: body["error"]["code"] == "rate_limit_exceeded"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(LIMITED_ENDPOINTS))
+def test_every_generation_endpoint_counts_against_the_tenants_limit(tiny_model_dir, tmp_path, path) -> None:
+    body, refused_in_its_shape = LIMITED_ENDPOINTS[path]
+    with serving(tiny_model_dir, two_tenants(tmp_path, max_concurrent=1)) as (base_url, app):
+        async_engine = app.state.server.async_engine
+        gate = threading.Event()
+        step = async_engine.engine.step
+
+        def held_step():
+            gate.wait(5)
+            return step()
+
+        async_engine.engine.step = held_step
+        held = {"prompt": "Hi", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=held, headers=bearer(ALICE), timeout=30):
+            while async_engine.num_in_flight == 0:
+                time.sleep(0.01)
+            refused = httpx.post(f"{base_url}{path}", json=body, headers=bearer(ALICE), timeout=30)
+            gate.set()
+            served_elsewhere = httpx.post(f"{base_url}{path}", json=body, headers=bearer(BOB), timeout=30)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"] == "1"
+    assert refused_in_its_shape(refused.json()), refused.text
+    assert served_elsewhere.status_code == 200, served_elsewhere.text
+
+
 def test_the_keys_file_is_re_read_and_a_broken_one_keeps_the_keys_in_use(tiny_model_dir, tmp_path) -> None:
     tenancy = two_tenants(tmp_path)
     with serving(tiny_model_dir, tenancy) as (base_url, app):

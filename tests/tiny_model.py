@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE, Unigram
 from tokenizers.trainers import BpeTrainer
 
+from nanoserve.quant import FORMATS
 from nanoserve.tokenizer import Tokenizer as NanoserveTokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -329,8 +330,8 @@ def _blocks(values: np.ndarray, matrix_type: GGMLQuantizationType) -> np.ndarray
     rows, cols = values.shape
     rng = np.random.default_rng(rows * cols)
     blocks = rng.integers(0, 256, size=(rows * cols // block_values, block_bytes), dtype=np.uint8)
-    scale_offsets = {GGMLQuantizationType.Q6_K: (208,)}.get(matrix_type, (0, 2))
-    for offset in scale_offsets:
+    known = FORMATS.get(matrix_type.name.lower())
+    for offset in known.scale_offsets if known is not None else (0,):  # (0,): d first, as IQ3_S
         scales = rng.uniform(0.0005, 0.002, size=(len(blocks), 1)).astype(np.float16)
         blocks[:, offset : offset + 2] = scales.view(np.uint8)
     return blocks.reshape(rows, -1)

@@ -368,6 +368,7 @@ class SweepSpec:
     threads: int | None = None
     linear_kernel: str | None = None
     tensor_parallel_size: int = 1  # every engine of the sweep (threads are per rank)
+    kv_cache_dtype: str = "auto"  # every engine of the sweep
 
     def configs(self) -> list[BenchConfig]:
         """Interleaved, so a config and its baseline run next to each other in time."""
@@ -417,7 +418,7 @@ class Sweep:
                 batch_invariant=batch_invariant, threads=self.spec.threads,
                 linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching,
                 speculative_tokens=speculative_tokens, async_scheduling=async_scheduling,
-                tensor_parallel_size=self.spec.tensor_parallel_size))
+                tensor_parallel_size=self.spec.tensor_parallel_size, kv_cache_dtype=self.spec.kv_cache_dtype))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:
@@ -454,7 +455,8 @@ class Sweep:
             progress(configs[-1], len(configs), len(configs))
         frame = add_ratios(pd.DataFrame(rows))
         frame = frame.assign(**machine.columns(), **limits.columns(),
-                             tensor_parallel_size=self.spec.tensor_parallel_size)
+                             tensor_parallel_size=self.spec.tensor_parallel_size,
+                             kv_cache_dtype=self.spec.kv_cache_dtype)
         return SweepResult(machine, limits, frame)
 
     def run_group(self, group: list[BenchConfig], limits: HardwareLimits) -> list[dict[str, object]]:

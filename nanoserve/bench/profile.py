@@ -5,7 +5,8 @@ wall time and readbacks to its phases (schedule, prepare, forward, sample, colle
 the engine's own `stats.phase_s` and `stats.phase_readbacks`; the forward's split into its
 matrix multiplies (every call of the model's `linear`, timed around the call) and the rest of
 it (norms, RoPE, the cache write, attention, activations, residual adds, Python); and, on
-request, a torch.profiler Chrome trace of a few steps, with the phases the engine names there.
+request, a torch.profiler Chrome trace of a few steps, with the phases the engine names there;
+for a mixture of experts, its routed-rows histogram and per-expert matmul time (`expert_profile`).
 Refuses: printing and file formats beyond the trace (the CLI and `charts` do those).
 """
 
@@ -27,6 +28,7 @@ from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_pr
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import PHASES, Engine
 from nanoserve.errors import InvalidRequestError
+from nanoserve.model.moe import ExpertTally
 
 
 @dataclass(slots=True)
@@ -158,6 +160,7 @@ class ProfileSpec:
     # in one engine, so the two are measured side by side; None: as the engine runs them.
     native_ops: tuple[bool, ...] | None = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
 
 def build_engine(spec: ProfileSpec) -> Engine:
@@ -168,7 +171,7 @@ def build_engine(spec: ProfileSpec) -> Engine:
         num_kv_blocks=kv_blocks_for(biggest, spec.input_len + spec.output_len + 1),
         max_num_batched_tokens=max(512, spec.input_len * biggest), threads=spec.threads,
         linear_kernel=spec.linear_kernel, enable_prefix_caching=spec.prefix_caching,
-        tensor_parallel_size=spec.tensor_parallel_size))
+        tensor_parallel_size=spec.tensor_parallel_size, kv_cache_dtype=spec.kv_cache_dtype))
 
 
 ProgressCallback = Callable[[int, int, int], None]
@@ -232,3 +235,56 @@ def write_trace(engine: Engine, spec: ProfileSpec) -> Path:
     spec.trace_path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(spec.trace_path))
     return spec.trace_path
+
+
+def expert_profile(engine: Engine, spec: ProfileSpec) -> pd.DataFrame | None:
+    """A mixture of experts' decode steps per batch size: the routed-rows histogram (rows routed
+    to each expert per step, summed over the sparse layers and per sparse layer) and each
+    expert's matmul time per step (the one native call times each expert with a barrier around
+    it; the loop, around its two matmuls). None for a dense model."""
+    model = engine.model
+    if model.moe is None:
+        return None
+    count, sparse_layers = model.config.experts.count, sum(model.config.experts.sparse_layers)
+    rows = []
+    for batch_size in spec.batch_sizes:
+        warm = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size, seed=1)
+        _run_batch(engine, warm, spec.params, min(8, spec.output_len))
+        prompts = synthetic_prompts(batch_size, spec.input_len, engine.vocab_size)
+        decode, steps = _decode_tally(engine, prompts, spec.params, spec.output_len)
+        routed = decode.rows.sum().item()
+        for expert in range(count):
+            expert_rows = decode.rows[expert].item()
+            rows.append({"batch_size": batch_size, "expert": expert, "decode_steps": steps,
+                         "sparse_layers": sparse_layers, "rows_per_step": expert_rows / steps,
+                         "rows_per_layer_step": expert_rows / steps / sparse_layers,
+                         "row_share": expert_rows / routed if routed else 0.0,
+                         "expert_ms_per_step": 1000 * decode.seconds[expert].item() / steps})
+    return pd.DataFrame(rows).assign(top_k=model.config.experts.top_k, params=spec.params,
+                                     weight_format=engine.weight_format,
+                                     native_experts=any(e is not None for e in model.native_experts))
+
+
+def _decode_tally(engine: Engine, prompts: list[list[int]], mix: str,
+                  output_len: int) -> tuple[ExpertTally, int]:
+    """The prompts run to completion with the experts tallied: the decode steps' tally (prefill
+    steps route their rows too, and are left out) and how many decode steps there were."""
+    moe = engine.model.moe
+    moe.tally = tally = ExpertTally.zeros(moe.spec.count)
+    decode, steps = ExpertTally.zeros(moe.spec.count), 0
+    before = (tally.rows.clone(), tally.seconds.clone())
+
+    def on_step(step: StepRecord) -> None:
+        nonlocal before, steps
+        if step.is_decode:
+            decode.rows += tally.rows - before[0]
+            decode.seconds += tally.seconds - before[1]
+            steps += 1
+        before = (tally.rows.clone(), tally.seconds.clone())
+
+    work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
+    try:
+        run_closed_loop(engine, work, slots=len(work), on_step=on_step)
+    finally:
+        moe.tally = None
+    return decode, steps

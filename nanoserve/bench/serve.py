@@ -2,7 +2,8 @@
 workload on the offline engine in the same run.
 
 Owns: the text workload (prompts of `input_len` words drawn with a seed), the client (httpx
-async streaming of /v1/completions with usage; Poisson arrivals or all at once; at most
+async streaming of /v1/completions, or /v1/chat/completions with each prompt as one user
+message, with usage; Poisson arrivals or all at once; at most
 `max_concurrency` requests in flight), vLLM `bench serve`'s metrics under its key names
 (`mean_ttft_ms`, `median_tpot_ms`, `p99_itl_ms`, `output_throughput`, `request_throughput`,
 `completed`, `failed`, ...), starting a `nanoserve serve` process on a loopback port when asked,
@@ -12,7 +13,8 @@ Refuses: printing and file formats beyond one CSV (the CLI does those); assertin
 
 Definitions (vLLM's): TTFT is from sending the request to its first streamed token; ITL is
 the time between consecutive streamed chunks; TPOT is (E2EL - TTFT) / (output tokens - 1);
-E2EL is from sending to the last byte; throughputs divide by the wall time of the whole pass;
+E2EL is from sending to the last byte; on chat, the first token is the first chunk that carries
+content (the role-only chunk before it is not a token); throughputs divide by the wall time of the whole pass;
 mean, median, std and p99 are `driver.latency_ms`'s (p99 by linear interpolation, as numpy).
 """
 
@@ -81,14 +83,22 @@ class RequestResult:
 
 # -- the client -----------------------------------------------------------------------------------
 
-async def send_request(client: httpx.AsyncClient, model: str, prompt: str, output_len: int) -> RequestResult:
-    """One streaming completion, timed chunk by chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+async def send_request(client: httpx.AsyncClient, model: str, prompt: str, output_len: int,
+                       endpoint: str = "completions") -> RequestResult:
+    """One streaming completion (or chat completion), timed chunk by chunk."""
+    body = {"model": model, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     result = RequestResult()
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", ENDPOINTS[endpoint], json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -103,7 +113,7 @@ async def send_request(client: httpx.AsyncClient, model: str, prompt: str, outpu
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
+                if not chunk.get("choices") or (endpoint == "chat" and not _has_content(chunk)):
                     continue
                 if result.ttft_s == 0.0:
                     result.ttft_s = now - start
@@ -119,6 +129,11 @@ async def send_request(client: httpx.AsyncClient, model: str, prompt: str, outpu
     return result
 
 
+def _has_content(chunk: dict) -> bool:
+    delta = chunk["choices"][0].get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+
 def arrival_gaps(count: int, request_rate: float, seed: int) -> list[float]:
     """Seconds to wait before each request: Poisson arrivals, or none for an infinite rate."""
     if math.isinf(request_rate):
@@ -129,7 +144,7 @@ def arrival_gaps(count: int, request_rate: float, seed: int) -> list[float]:
 
 async def run_clients(base_url: str, model: str, prompts: Sequence[str], output_len: int, *,
                       request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
-                      api_key: str | None = None, timeout_s: float = 600.0
+                      api_key: str | None = None, timeout_s: float = 600.0, endpoint: str = "completions"
                       ) -> tuple[list[RequestResult], float]:
     """Send every prompt; return each result and the wall time of the whole pass."""
     limit = asyncio.Semaphore(max_concurrency or len(prompts))
@@ -141,7 +156,7 @@ async def run_clients(base_url: str, model: str, prompts: Sequence[str], output_
                                  headers=headers) as client:
         async def one(prompt: str) -> RequestResult:
             async with limit:
-                return await send_request(client, model, prompt, output_len)
+                return await send_request(client, model, prompt, output_len, endpoint)
 
         start = time.perf_counter()
         tasks = []

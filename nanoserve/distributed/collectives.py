@@ -46,6 +46,11 @@ class Collectives:
             return self.all_gather(linear(self.all_gather(x), weight))
         return self.all_reduce(linear(x, weight))
 
+    @property
+    def by_output(self) -> bool:
+        """o and every down projection (dense, experts', shared expert's) split by output."""
+        return self.shard.by_output
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` [rows, cols], side by side in rank order: [rows, N * cols]. Exact."""
         start = time.perf_counter()

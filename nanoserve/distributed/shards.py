@@ -6,11 +6,13 @@ multiple of them), o and down by input for float weights (their partial outputs 
 all-reduce each) and by output for GGUF blocks (the input gathered, then each rank's outputs:
 N ranks give one rank's bits; `splits_by_output` says why), the embedding and the head by
 vocabulary (ceil(V / N) rows a rank, the last padded with zero
-rows). A mixture of experts splits every expert (and the shared expert) by its intermediate
-dimension as the dense MLP, so each rank runs every expert on its slice and one all-reduce
-sums them; the router and the shared expert's gate are replicated, so every rank routes every
-row alike. Everything else (norms, o/down biases, q/k norms) is replicated. `local_config` is the
-model one rank runs: the same forward on fewer heads, a slice of the MLP and of the vocabulary.
+rows). A mixture of experts splits every expert (and the shared expert) as the dense MLP:
+gate/up by its intermediate dimension, so each rank runs every expert on its slice, and down
+as the dense down (by input: one all-reduce of the partial sums a layer; by output for GGUF
+blocks: every expert's slices gathered once, then each rank's output columns whole); the
+router and the shared expert's gate are replicated, so every rank routes every row alike.
+Everything else (norms, o/down biases, q/k norms) is replicated. `local_config` is the model one
+rank runs: the same forward on fewer heads, a slice of the MLP and of the vocabulary.
 
 Pure arithmetic over tensors and GGUF blocks, no process groups: the loaders import it to
 read only a rank's part of each tensor.
@@ -32,9 +34,9 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.quant import QuantizedWeight
 
 OPTION = "tensor_parallel_size"
-# The matrices `Shard.by_output` splits by output: attention's o and the dense MLP's down (a
-# mixture's experts keep the split by input: their partial sums are reduced once a layer).
-SPLIT_BY_OUTPUT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+# The matrices `Shard.by_output` splits by output: attention's o and every down projection (the
+# dense MLP's, each expert's, Mixtral's w2, the shared expert's).
+SPLIT_BY_OUTPUT = ("self_attn.o_proj.weight", "down_proj.weight", ".w2.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +120,7 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
     else:  # world is a multiple of the K/V heads: the one head this rank's queries read
         head = r * config.num_kv_heads // world
         kv = (head * d, (head + 1) * d)
-    ffn = _mlp_width(name, config) // world
+    ffn = mlp_width(name, config) // world
     mlp = (r * ffn, (r + 1) * ffn)
     hidden = config.hidden_size // world
     kind, last = name.split(".")[-2], name.split(".")[-1]
@@ -145,7 +147,7 @@ def tensor_split(name: str, config: ModelConfig, shard: Shard) -> tuple[int, Ran
     return None
 
 
-def _mlp_width(name: str, config: ModelConfig) -> int:
+def mlp_width(name: str, config: ModelConfig) -> int:
     """The intermediate width of the MLP tensor `name` belongs to: an expert's, the shared
     expert's, or the dense MLP's."""
     if config.experts is not None and ".experts." in name:

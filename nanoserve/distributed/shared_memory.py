@@ -202,6 +202,12 @@ class SharedMemoryGroup:
 
 
 # ---- the microbenchmark: python -m nanoserve.distributed.shared_memory --ranks 2 -----------
+# Each round times `iters` calls of every collective in turn (so a busy neighbour disturbs all
+# of them alike), one figure a round: microseconds a call. Rank 0 writes every round to the CSV;
+# the median and the best round are printed.
+
+GOAL_US = 50.0  # issue 28: a collective of a decode step's size
+COLLECTIVES = ("shared-memory all_reduce", "shared-memory all_gather", "gloo allreduce")
 
 
 def _bench_rank(rank: int, args: argparse.Namespace) -> None:
@@ -210,22 +216,44 @@ def _bench_rank(rank: int, args: argparse.Namespace) -> None:
     x = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(rank))
     shared = SharedMemoryGroup.join(store, rank, args.ranks, timeout_s=60)
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, args.ranks, timedelta(seconds=60))
-    runs = {"shared-memory all_reduce": lambda: shared.all_reduce(x),
-            "shared-memory all_gather": lambda: shared.all_gather(x),
-            "gloo allreduce": lambda: gloo.allreduce([x.clone()]).wait()}
-    for name, run in runs.items():
+    runs = dict(zip(COLLECTIVES, (lambda: shared.all_reduce(x), lambda: shared.all_gather(x),
+                                  lambda: gloo.allreduce([x.clone()]).wait()), strict=True))
+    for run in runs.values():
         for _ in range(args.iters // 10):  # warm-up, every rank in step
             run()
-        gloo.barrier().wait()
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            run()
-        elapsed = time.perf_counter() - start
-        if rank == 0:
-            print(f"{name}: {1e6 * elapsed / args.iters:.1f} us a collective "
-                  f"({args.ranks} ranks, [{args.rows}, {args.cols}] float32)", flush=True)
+    rows = []
+    for round_index in range(args.rounds):
+        for name, run in runs.items():
+            gloo.barrier().wait()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                run()
+            rows.append((round_index, name, 1e6 * (time.perf_counter() - start) / args.iters))
     gloo.barrier().wait()
     shared.close()
+    if rank == 0:
+        _report(rows, args)
+
+
+def _report(rows: list[tuple[int, str, float]], args: argparse.Namespace) -> None:
+    from nanoserve.machine import cpu_model
+
+    cpu, cores = cpu_model(), len(os.sched_getaffinity(0))
+    load_1min = os.getloadavg()[0]
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w") as out:
+        out.write("collective,round,us_per_call,ranks,rows,cols,iters,goal_us,cpu,cores,load_1min\n")
+        for round_index, name, us in rows:
+            out.write(f"{name},{round_index},{us:.2f},{args.ranks},{args.rows},{args.cols},{args.iters},"
+                      f"{GOAL_US:g},\"{cpu}\",{cores},{load_1min:.2f}\n")
+    print(f"{args.ranks} ranks, [{args.rows}, {args.cols}] float32, {args.rounds} rounds of {args.iters} "
+          f"calls, on {cpu} ({cores} cores, load {load_1min:.2f}); goal <= {GOAL_US:g} us", flush=True)
+    for name in COLLECTIVES:
+        times = sorted(us for _, each, us in rows if each == name)
+        print(f"  {name:26s} median {times[len(times) // 2]:8.1f} us a call, best round {times[0]:8.1f} us",
+              flush=True)
+    print(f"wrote {args.csv}", flush=True)
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rows", type=int, default=16, help="rows a step (decode: its sequences)")
     parser.add_argument("--cols", type=int, default=576, help="the hidden size (the default model's: 576)")
-    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--iters", type=int, default=2000, help="calls a round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, the collectives alternating")
+    parser.add_argument("--csv", type=Path, default=Path("results/shared_memory.csv"))
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -245,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     common = ["--ranks", str(args.ranks), "--rows", str(args.rows), "--cols", str(args.cols),
-              "--iters", str(args.iters), "--port", str(port)]
+              "--iters", str(args.iters), "--rounds", str(args.rounds), "--csv", str(args.csv),
+              "--port", str(port)]
     ranks = [subprocess.Popen([sys.executable, "-m", "nanoserve.distributed.shared_memory", *common,
                                "--rank", str(rank)]) for rank in range(args.ranks)]
     return max(rank.wait() for rank in ranks)

@@ -49,6 +49,7 @@ over this class.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -80,11 +81,13 @@ from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.adapters import read_adapter
 from nanoserve.loading.default_model import ModelSource, resolve_model
+from nanoserve.loading.pooling import checkpoint_pooling
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.model.decoder import Llama
-from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.worker.rank import (
@@ -139,6 +142,7 @@ class Engine:
         self.spec.check(draft_model=config.draft_model)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # refused before any load
         self.threads = set_threads(rank_threads(config))
         # Built (or found in the cache) before the weights load: the kernel choice may use it.
         self.native_summary = native.status()
@@ -146,6 +150,11 @@ class Engine:
         self.source = resolve_source(config, self.device, self.weight_notes)
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.pooling_method = config.pooling or checkpoint_pooling(self.model_dir) or "last"
+        if config.task == "generate" and not read_config(self.model_dir).has_lm_head:
+            raise InvalidRequestError(
+                f"{self.model_dir} is a base-model checkpoint with no output head (an embedding model): it "
+                "can only pool; start it with task 'embed' (--task embed)", param="task")
         self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
         # Tensor parallelism: the workers start here, after every check that needs none of them.
         self.tp = start_tensor_parallel(config, self.source, self.device)
@@ -308,7 +317,7 @@ class Engine:
     def kv_cache_summary(self) -> str:
         blocks, size = self.kv_cache.num_blocks, self.kv_cache.block_size
         return (f"KV cache: {blocks} blocks x {size} tokens = {blocks * size} tokens "
-                f"({self.kv_cache.nbytes / 2**30:.2f} GiB, {str(self.dtype).removeprefix('torch.')} "
+                f"({self.kv_cache.nbytes / 2**30:.2f} GiB, {self.kv_cache.cache_dtype} "
                 f"on {self.device})")
 
     @property
@@ -343,13 +352,24 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, parent_id: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> str:
         """Queue a request; `parent_id` names the client request it is one choice of (the
         scheduler's fair share divides steps between parents; None: a parent of its own);
-        `lora_request` the adapter it runs with (loaded now if it is not resident)."""
+        `lora_request` the adapter it runs with (loaded now if it is not resident); `pooling`
+        makes it an embedding request: its prompt is computed, pooled into one vector (its one
+        output) and it ends, sampling nothing (`params` then give only its priority and cache salt)."""
+        if pooling is not None:
+            self.check_pooling(pooling)
+            pooling = dataclasses.replace(pooling, method=pooling.method or self.pooling_method)
+        elif self.config.task == "embed":
+            raise InvalidRequestError("this engine runs the embed task: it pools embeddings and generates no "
+                                      "text (start it with task 'generate' to generate)", param="task")
         params = (params or SamplingParams()).with_bad_words_token_ids(
             lambda text: self.tokenizer.encode(text, add_bos=False))
         prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
+        if pooling is not None:  # nothing sampled: one "token" of room, as a prompt must leave
+            params = dataclasses.replace(SamplingParams(max_tokens=1, temperature=0.0),
+                                         priority=params.priority, cache_salt=params.cache_salt)
         self.check_request(prompt_ids, params)
         adapter = self.add_lora(lora_request) if lora_request is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
@@ -357,15 +377,28 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        output_state = self.outputs.new_state(params, prompt_ids)
+        output_state = self.outputs.new_state(params, prompt_ids) if pooling is None else None  # no text
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
         request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
-                          output_state=output_state, grammar=grammar, adapter=adapter)
+                          output_state=output_state, grammar=grammar, adapter=adapter, pooling=pooling)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)
         return request_id
+
+    def check_pooling(self, pooling: PoolingParams) -> None:
+        """Refuse an embedding request this engine cannot pool: with tensor parallelism, or a
+        vector length other than the model's."""
+        if not isinstance(pooling, PoolingParams):
+            raise InvalidRequestError(f"pooling must be a PoolingParams; got {pooling!r}", param="pooling")
+        if self.tp is not None:
+            raise InvalidRequestError("embeddings are not supported with tensor parallelism yet",
+                                      param="pooling")
+        hidden = self.model_config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions != hidden:
+            raise InvalidRequestError(f"dimensions must be this model's hidden size, {hidden}; got "
+                                      f"{pooling.dimensions} (vectors are not truncated)", param="dimensions")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -425,9 +458,9 @@ class Engine:
 
     def _compute(self, timer: PhaseTimer, prepared: PreparedStep, deferred: bool) -> TokenBatch | None:
         with timer("forward"):
-            logits = self.runner.forward(prepared)
+            forwarded = self.runner.forward(prepared)
         with timer("sample"):
-            tokens = self.runner.sample(logits, prepared)
+            tokens = self.runner.sample(forwarded, prepared)
             if deferred and tokens is not None:
                 tokens.start_readback()
         return tokens
@@ -477,11 +510,22 @@ class Engine:
             judged, output = self.outputs.judge_run(request, token_ids, logprobs)
             new_tokens += judged
             outputs.append(output)
+        outputs += self._pooled_outputs(plan, host.pooled)
         self.scheduler.update_after_step(plan, new_tokens)
+        for output in outputs:
+            if output.embedding is not None:  # its blocks registered for the prefix cache first
+                self.scheduler.finish(self.requests[output.request_id], RequestStatus.FINISHED_STOPPED)
         self.stats.generation_tokens += len(new_tokens)
         if self.drafter is not None:
             self.drafter.proposer.release(self.requests)
         return outputs
+
+    def _pooled_outputs(self, plan: SchedulerOutput, pooled: dict[str, list[float]]) -> list[RequestOutput]:
+        """Each embedding request's vector, pooled by this step; one aborted while its step was in
+        flight (deferred output) gets none."""
+        planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks if chunk.pools}
+        return [self.outputs.pooled(planned[request_id], vector) for request_id, vector in pooled.items()
+                if self.requests.get(request_id) is planned[request_id]]
 
     def _verified(self, request: Request, drafts: tuple[int, ...], token_ids: list[int],
                   logprobs: list) -> tuple[list[int], list]:
@@ -519,7 +563,7 @@ class Engine:
     def _run_prefill_capturing_logits(self, request: Request) -> torch.Tensor:
         while True:
             plan = self.scheduler.schedule()
-            logits = self.runner.forward(self.runner.prepare(plan.chunks))
+            logits = self.runner.forward(self.runner.prepare(plan.chunks)).logits
             self.scheduler.update_after_step(plan, [])  # computed, but nothing sampled
             if request.num_uncomputed_tokens == 0:
                 return logits[-1].float().cpu()

@@ -6,6 +6,11 @@ each prefill chunk as a group of its own; the flat cache slot of every row; whic
 (a drafting chunk's newest-token row and every draft row, then the prompt rows a request asking
 for prompt_logprobs scores); and the sampling rows in the same order, with the request id of each.
 
+An embedding request's chunks sample nothing: the forward returns their final hidden states
+(every row for mean pooling, the last prompt row for last pooling), and the chunk that completes
+the prompt pools them into the request's vector on the device (`pool`), read back with the
+step's tokens.
+
 With deferred output a decode's newest token may still be pending (sampled by the step in
 flight, not yet on the host): its input row is then filled on the device from that step's
 `TokenBatch`, never from a host list, so preparing needs no readback. The same holds for a
@@ -16,11 +21,11 @@ those drafts, so the host reads them back with the tokens they are verified agai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.engine.output import DraftTokens, PromptTokens, TokenBatch
+from nanoserve.engine.output import DraftTokens, PooledVectors, PromptTokens, TokenBatch
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampler import BatchedSampler, RowEdits, SamplingBatch, SamplingRow, score_tokens
 from nanoserve.engine.scheduler import ScheduledChunk
@@ -60,6 +65,15 @@ class PromptRows:
         return len(scored)
 
 
+@dataclass(frozen=True, slots=True)
+class PoolingSlice:
+    """An embedding chunk's rows in the forward's hidden states: [start, start + count)."""
+
+    chunk: ScheduledChunk
+    start: int
+    count: int
+
+
 @dataclass(slots=True)
 class PreparedStep:
     batch: ForwardBatch
@@ -67,6 +81,16 @@ class PreparedStep:
     sampled_request_ids: list[str]
     prompt_rows: PromptRows | None = None
     draft_rows: tuple[torch.Tensor, list[str]] | None = None  # device-filled drafts' input rows
+    pooling: list[PoolingSlice] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """What a step's forward returns: float32 logits of the sampled rows, then of the scored
+    prompt rows; and the final hidden states of the embedding chunks' rows (None: no such chunk)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -93,6 +117,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         prompt_rows, prompt_logits_rows = PromptRows([], [], [], 0), []
+        hidden_rows: list[int] = []
+        pooling: list[PoolingSlice] = []
         pending: list[tuple[int, str]] = []  # (input row, request id) filled from `in_flight`
         device_drafts: list[tuple[int, str, int]] = []  # (input row, request id, draft) from `drafts`
         for chunk in ordered:
@@ -114,6 +140,10 @@ class ModelRunner:
             if chunk.request.scores_prompt:
                 prompt_logits_rows += range(first_row, first_row + prompt_rows.add(chunk.request,
                                                                                    chunk.start, stop))
+            if chunk.request.pooling is not None:
+                rows = self._pooled_rows(chunk, first_row, len(input_ids))
+                pooling.append(PoolingSlice(chunk, len(hidden_rows), len(rows)))
+                hidden_rows += rows
         input_tensor = self._with_drafts(self._filled(self._tensor(input_ids), pending, in_flight),
                                          device_drafts, drafts)
         batch = ForwardBatch(
@@ -123,21 +153,56 @@ class ModelRunner:
             groups=self._groups(ordered),
             logits_rows=self._tensor(logits_rows + prompt_logits_rows),
             adapter_rows=self._adapter_rows(ordered),
+            hidden_rows=self._tensor(hidden_rows) if pooling else None,
         )
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
                             [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))],
                             prompt_rows if prompt_logits_rows else None,
-                            self._draft_rows(device_drafts))
+                            self._draft_rows(device_drafts), pooling)
 
-    def forward(self, step: PreparedStep) -> torch.Tensor:
+    def forward(self, step: PreparedStep) -> Forwarded:
         """Float32 logits of each chunk that reaches its newest token, in the sampling rows' order,
-        then of each prompt row scored for prompt_logprobs."""
-        return self.model.forward(step.batch, self.kv_cache)
+        then of each prompt row scored for prompt_logprobs; and the embedding chunks' hidden rows."""
+        if not step.pooling:
+            return Forwarded(self.model.forward(step.batch, self.kv_cache))
+        return Forwarded(*self.model.forward_hidden(step.batch, self.kv_cache))
 
-    def sample(self, logits: torch.Tensor, step: PreparedStep) -> TokenBatch | None:
-        """The step's new tokens, and its scored prompt tokens, still on the device; None when
-        the step has neither."""
+    @staticmethod
+    def _pooled_rows(chunk: ScheduledChunk, first_row: int, stop_row: int) -> list[int]:
+        """The rows of an embedding chunk whose hidden states its pooling reads."""
+        if chunk.request.pooling.method == "mean":
+            return list(range(first_row, stop_row))
+        return [stop_row - 1] if chunk.pools else []
+
+    def pool(self, hidden: torch.Tensor, slices: list[PoolingSlice]) -> PooledVectors | None:
+        """Keep each mean-pooling chunk's hidden rows on its request; for each chunk that completes
+        its prompt, the request's vector (float32, on the device). Each vector is reduced alone,
+        over its whole prompt at once: its bits depend on neither its neighbours nor its chunks."""
+        vectors, request_ids = [], []
+        for piece in slices:
+            request = piece.chunk.request
+            rows = hidden[piece.start:piece.start + piece.count].float()
+            if request.pooling.method == "mean":
+                if piece.chunk.start == 0:  # its first chunk (again, after a preemption)
+                    request.pooled_rows = []
+                request.pooled_rows.append(rows)
+            if not piece.chunk.pools:
+                continue
+            mean = request.pooling.method == "mean"
+            vector = torch.cat(request.pooled_rows).mean(dim=0) if mean else rows[0]
+            if request.pooling.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            request.pooled_rows = []
+            vectors.append(vector)
+            request_ids.append(request.request_id)
+        return PooledVectors(torch.stack(vectors), request_ids) if vectors else None
+
+    def sample(self, forwarded: Forwarded, step: PreparedStep) -> TokenBatch | None:
+        """The step's new tokens, its scored prompt tokens and its pooled vectors, still on the
+        device; None when the step has none of them."""
+        logits = forwarded.logits
+        pooled = self.pool(forwarded.hidden, step.pooling) if step.pooling else None
         num_sampled = len(step.sampled_request_ids)
         sampled = self.sampler(logits[:num_sampled], step.sampling) if step.sampling is not None else None
         prompt = None
@@ -145,13 +210,13 @@ class ModelRunner:
             rows = step.prompt_rows
             scores = score_tokens(logits[num_sampled:], self._tensor(rows.token_ids), rows.num_top)
             prompt = PromptTokens(scores, rows.request_ids, rows.positions, rows.token_ids)
-        if sampled is None and prompt is None:
+        if sampled is None and prompt is None and pooled is None:
             return None
         drafts = None
         if step.draft_rows is not None:
             rows, request_ids = step.draft_rows
             drafts = DraftTokens(step.batch.input_ids.index_select(0, rows), request_ids)
-        return TokenBatch(sampled, step.sampled_request_ids, prompt, drafts)
+        return TokenBatch(sampled, step.sampled_request_ids, prompt, drafts, pooled)
 
     def _filled(self, input_ids: torch.Tensor, pending: list[tuple[int, str]],
                  in_flight: TokenBatch | None) -> torch.Tensor:

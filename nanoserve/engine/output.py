@@ -1,7 +1,8 @@
 """From sampled tokens on the device to what callers see: one readback per step.
 
 Owns: `TokenBatch` (the step's sampled tokens, still on the device, and the request owning
-each row; and the prompt tokens a prefill scored for prompt_logprobs), the readback counter,
+each row; the prompt tokens a prefill scored for prompt_logprobs; the vectors embedding
+requests pooled), the readback counter,
 the stop rules (EOS, stop token ids, stop strings, max_tokens), incremental detokenization,
 and `RequestOutput`, the record a caller receives.
 Refuses: reading a tensor back more than once per step; changing request state beyond its text
@@ -51,6 +52,7 @@ class HostTokens:
     logprobs: list[TokenLogprob | None]
     prompt: list[PromptPosition] = field(default_factory=list)  # prompt_logprobs scored this step
     drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft model's drafts, verified this step
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding requests' vectors
 
     def rows(self) -> Iterator[tuple[str, int, TokenLogprob | None]]:
         return zip(self.request_ids, self.token_ids, self.logprobs, strict=True)
@@ -91,8 +93,13 @@ class PromptTokens:
             parts += [s.top_ids.float(), s.top_logprobs]
         return torch.cat(parts, dim=1)
 
+    @property
+    def width(self) -> int:
+        """Values per row in `columns`."""
+        return 2 + (2 * self.scores.top_ids.shape[1] if self.scores.top_ids is not None else 0)
+
     def from_host(self, values: list[float]) -> list[PromptPosition]:
-        width = 2 + (2 * self.scores.top_ids.shape[1] if self.scores.top_ids is not None else 0)
+        width = self.width
         n = (width - 2) // 2
         positions = []
         for i, (request_id, position, token_id) in enumerate(
@@ -120,11 +127,26 @@ class DraftTokens:
 
 
 @dataclass(slots=True)
+class PooledVectors:
+    """The vectors a step's embedding requests pooled: row i of `vectors` ([k, hidden] float32,
+    on the device) is `request_ids[i]`'s."""
+
+    vectors: torch.Tensor
+    request_ids: list[str]
+
+    def from_host(self, values: list[float]) -> dict[str, list[float]]:
+        width = self.vectors.shape[1]
+        return {request_id: values[i * width:(i + 1) * width]
+                for i, request_id in enumerate(self.request_ids)}
+
+
+@dataclass(slots=True)
 class TokenBatch:
     """A step's sampled tokens on the device, and the request id of each row; and the prompt
     tokens its prefill rows scored, if any asked (a step may score without sampling); and the
     drafts it verified that are known on the device only (a draft model's), so the host learns
-    them in the same transfer as the tokens they are checked against.
+    them in the same transfer as the tokens they are checked against; and the vectors its
+    embedding requests pooled, in the same transfer too.
 
     `start_readback` (deferred output, on CUDA) queues the copy to host memory behind the
     step's kernels, so `to_host` later waits for this step's copy alone, not for the step
@@ -135,26 +157,32 @@ class TokenBatch:
     request_ids: list[str]
     prompt: PromptTokens | None = None
     drafts: DraftTokens | None = None
+    pooled: PooledVectors | None = None
     _copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     @property
     def _ids_only(self) -> bool:
-        return self.prompt is None and self.sampled is not None and self.sampled.logprobs is None
+        return (self.prompt is None and self.pooled is None and self.sampled is not None
+                and self.sampled.logprobs is None)
 
     def _packed(self) -> torch.Tensor:
         """Everything the host needs in one tensor: the token ids alone, or every block (ids
-        beside logprobs, then the scored prompt tokens) flattened; then the device-only drafts."""
+        beside logprobs, then the scored prompt tokens, then the pooled vectors) flattened; then
+        the device-only drafts."""
         drafts = [] if self.drafts is None else [self.drafts.token_ids]
         if self._ids_only:
             return torch.cat([self.sampled.token_ids, *drafts]) if drafts else self.sampled.token_ids
         blocks = [] if self.sampled is None else [_sampled_columns(self.sampled)]
         if self.prompt is not None:
             blocks.append(self.prompt.columns())
+        if self.pooled is not None:
+            blocks.append(self.pooled.vectors)
         blocks += [draft_ids.float() for draft_ids in drafts]  # exact in float32, as token ids are
         return torch.cat([block.flatten() for block in blocks])
 
     def start_readback(self) -> None:
-        on_device = self.sampled.token_ids if self.sampled is not None else self.prompt.scores.logprobs
+        on_device = (self.sampled.token_ids if self.sampled is not None
+                     else self.prompt.scores.logprobs if self.prompt is not None else self.pooled.vectors)
         if on_device.device.type != "cuda" or self._copy is not None:
             return
         packed = self._packed()
@@ -187,7 +215,10 @@ class TokenBatch:
             host = _sampled_from_host(self.request_ids, values[:cut], width, s.logprobs is not None)
             values = values[cut:]
         if self.prompt is not None:
-            host.prompt = self.prompt.from_host(values)
+            cut = self.prompt.width * len(self.prompt.request_ids)
+            host.prompt, values = self.prompt.from_host(values[:cut]), values[cut:]
+        if self.pooled is not None:
+            host.pooled = self.pooled.from_host(values)
         host.drafts = drafts
         return host
 
@@ -231,6 +262,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
     # prompt_logprobs, on a request's first output only: entry p scores prompt token p (0: None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (its one output)
 
 
 def _own_logprobs(logprobs: Sequence[TokenLogprob | None], wanted: int | None) -> list[TokenLogprob] | None:
@@ -329,6 +361,11 @@ class OutputProcessor:
         if num_output >= params.max_tokens:
             return text + state.stop_matcher.flush(), RequestStatus.FINISHED_LENGTH, None
         return text, None, None
+
+    def pooled(self, request: Request, vector: list[float]) -> RequestOutput:
+        """An embedding request's one output: its vector; it ends here ("stop")."""
+        return RequestOutput(request.request_id, "", [], None, True, RequestStatus.FINISHED_STOPPED.value,
+                             None, len(request.prompt_ids), 0, request.num_cached_tokens, embedding=vector)
 
     def aborted(self, request: Request) -> RequestOutput:
         return RequestOutput(request.request_id, "", [], None, True, "abort", None,

@@ -110,7 +110,8 @@ class Drafter:
         running = list(running)
         for request in running:
             request.draft_ids = []
-        decoding = [request for request in running if request.num_uncomputed_tokens == 1]
+        decoding = [request for request in running
+                    if request.num_uncomputed_tokens == 1 and request.pooling is None]
         candidates = []
         for request in decoding:
             if not self.proposer.eligible(request):

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -109,6 +110,12 @@ class Request:
     # output. Untyped here: output imports this module, not the other way round.
     prompt_logprobs: list | None = None
     adapter: Adapter | None = None  # the LoRA adapter it runs with; None: the base model
+    # An embedding request (its method resolved by the engine): prefill only, then one pooled
+    # vector and done; nothing is sampled. Mean pooling keeps each chunk's final hidden rows (on
+    # the device, untyped here: no torch) until the last chunk, then averages them at once, so
+    # where the chunks ended never changes a bit.
+    pooling: PoolingParams | None = None
+    pooled_rows: list = field(default_factory=list)
 
     @property
     def adapter_key(self) -> str | None:
@@ -137,6 +144,12 @@ class Request:
         """Whether its prefill still owes prompt logprobs (asked for, first output not out yet):
         then every prompt position needs logits, so none may come from the prefix cache."""
         return self.prompt_logprobs is not None and not self.output_ids
+
+    @property
+    def reads_every_position(self) -> bool:
+        """Whether its prefill needs every prompt position computed (prompt logprobs owed, or mean
+        pooling): then none may come from the prefix cache."""
+        return self.scores_prompt or (self.pooling is not None and self.pooling.reads_every_position)
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids in [start, stop) across prompt and output (a pending token is not there)."""

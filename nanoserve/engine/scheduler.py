@@ -131,12 +131,16 @@ class ScheduledChunk:
     num_tokens: int
     draft_ids: tuple[int, ...] = ()
     # Whether this chunk reaches the newest token, so its last row yields a new token (fixed
-    # when scheduled: a committed step's request grows before the step is resolved).
+    # when scheduled: a committed step's request grows before the step is resolved); for an
+    # embedding request, whether it completes the prompt, so the step pools its vector instead.
     samples: bool = field(init=False, default=False)
+    pools: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         reaches = self.start + self.num_tokens - len(self.draft_ids) == self.request.num_tokens
-        object.__setattr__(self, "samples", reaches)
+        embeds = self.request.pooling is not None
+        object.__setattr__(self, "samples", reaches and not embeds)
+        object.__setattr__(self, "pools", reaches and embeds)
 
     @property
     def is_decode(self) -> bool:
@@ -333,8 +337,10 @@ class Scheduler:
 
     def _row_extra(self, request: Request) -> float:
         """What each of the request's rows costs the fair share beyond its model row: a decode
-        row (and each draft) samples; a prompt chunk's rows do not."""
-        return self.share.cost.sampling_units(request.params) if request.num_uncomputed_tokens == 1 else 0.0
+        row (and each draft) samples; a prompt chunk's rows, and an embedding request's, do not."""
+        if request.num_uncomputed_tokens != 1 or request.pooling is not None:
+            return 0.0
+        return self.share.cost.sampling_units(request.params)
 
     def _running_order(self) -> list[Request]:
         """Oldest first; while sharing, each parent's requests together at its oldest one's place,
@@ -436,9 +442,11 @@ class Scheduler:
 
     def _take_cached_prefix(self, request: Request) -> int:
         """Give a request with nothing computed the cached blocks its tokens start with;
-        how many tokens they hold. The last token is left out, so it is always computed. A
-        request still owing prompt logprobs takes none (cached positions have no logits)."""
-        if not self.config.enable_prefix_caching or request.num_computed_tokens or request.scores_prompt:
+        how many tokens they hold. The last token is left out, so it is always computed (its
+        logits, or its hidden state for last pooling). A request still owing prompt logprobs, or
+        mean pooling, takes none (cached positions have no logits and no hidden states)."""
+        if (not self.config.enable_prefix_caching or request.num_computed_tokens
+                or request.reads_every_position):
             return 0
         hit_ids = self.pool.lookup(self._keys(request, (request.num_tokens - 1) // self.pool.block_size))
         self.pool.take(hit_ids)

@@ -3,9 +3,9 @@
 Owns: turning GGUF metadata into config.json, dequantizing every tensor to float32, undoing
 llama.cpp's Q/K row permutation, renaming tensors to HF names, and writing the tokenizer that
 `gguf_tokenizer` builds (tokenizer.json, tokenizer_config.json, generation_config.json). And the other
-way in: `gguf_weights` reads the tensors as they are (blocks stay blocks, one copy out of the
-file's memory map, Q/K rows permuted as whole rows of blocks) for runs in the file's own
-quantization; `import_metadata` then writes only the config and tokenizer files.
+way in: `gguf_weights` reads the tensors as they are (blocks stay blocks and F16 / BF16 matrices
+stay 16-bit, one copy out of the file's memory map, Q/K rows permuted as whole rows of blocks)
+for runs in the file's own quantization; `import_metadata` then writes only the config and tokenizer files.
 Architectures: llama, qwen2, qwen3, phi3, gemma2, gemma3 (their `{arch}.*` metadata; only
 llama's Q/K rows are permuted by llama.cpp's converter, the others keep HF's rotate_half
 layout). What llama.cpp keeps in code rather than in the file is restated here: Gemma's norms
@@ -47,7 +47,7 @@ from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
 from nanoserve.loading.hf_names import expert_name, hf_tensor_shapes
-from nanoserve.quant import DEQUANTIZED_AT_LOAD, FORMATS_BY_GGML_TYPE, QuantizedWeight
+from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
 SUPPORTED_ARCHITECTURE = "llama"
 # GGUF architecture -> (HF model_type, HF architecture).
@@ -488,7 +488,8 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
         kind = tensor.name.split(".")[-2]
-        fmt = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))
+        # Matrices stay in their type's bytes (F16 / BF16 too); a vector of one is widened.
+        fmt = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type)) if len(tensor.shape) >= 2 else None
         if fmt is None:
             values = _hf_shape(tensor.name, _hf_norm(tensor.name, dequantize_tensor(tensor), config))
             if values.ndim >= 2 and tensor.tensor_type.name != "F32":
@@ -497,7 +498,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
         else:
             *outer, cols = (int(d) for d in reversed(tensor.shape.tolist()))
             rows = math.prod(outer)
-            stored = tensor.data.reshape(rows, -1)
+            stored = tensor.data.view(np.uint8).reshape(rows, -1)  # F16 / BF16 come typed
             # One copy either way: a row gather for Q and K, a plain copy for the rest.
             blocks = stored[qk_row_order(rows, heads[kind])] if kind in heads else np.array(stored)
             weight = QuantizedWeight(fmt, (rows, cols), torch.from_numpy(blocks))
@@ -561,9 +562,10 @@ def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
-    reference = DEQUANTIZED_AT_LOAD.get(int(tensor.tensor_type))
+    reference = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))
     if reference is not None:  # nanoserve's own reference (tests hold it to gguf's, bit for bit)
-        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(-1, reference.bytes))
+        raw = np.ascontiguousarray(tensor.data).view(np.uint8)
+        blocks = torch.from_numpy(raw.reshape(-1, reference.bytes).copy())
         return reference.dequantize(blocks).numpy().reshape(shape)
     try:
         values = dequantize(tensor.data, tensor.tensor_type)

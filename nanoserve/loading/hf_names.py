@@ -91,7 +91,7 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         names = sparse if config.is_sparse(i) else layer
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in names.items()}
     shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings and config.has_lm_head:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes
 
@@ -163,6 +163,9 @@ def weights_from_hf(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Ll
         )
 
     embed = tensors["model.embed_tokens.weight"]
-    lm_head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+    # A headless checkpoint (an embedding model) pools and never samples (the engine refuses to
+    # generate with it): the embedding table stands in where the head's place is.
+    tied = config.tie_word_embeddings or not config.has_lm_head
+    lm_head = embed if tied else tensors["lm_head.weight"]
     layers = [layer(i) for i in range(config.num_layers)]
     return LlamaWeights(embed, layers, norm("model.norm.weight"), lm_head)

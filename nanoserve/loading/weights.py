@@ -21,7 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig, family_of
-from nanoserve.distributed.shards import SPLIT_BY_OUTPUT, Shard, local_config, shard_of, shard_tensor
+from nanoserve.distributed.shards import (
+    SPLIT_BY_OUTPUT,
+    Shard,
+    local_config,
+    mlp_width,
+    shard_of,
+    shard_tensor,
+)
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf import gguf_weights
 from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
@@ -63,6 +70,14 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def with_model_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors under the causal-LM names: a base-model checkpoint (`Qwen3Model`, as embedding
+    models are saved) names them without the `model.` prefix."""
+    if "embed_tokens.weight" not in tensors or "model.embed_tokens.weight" in tensors:
+        return tensors
+    return {f"model.{name}": tensor for name, tensor in tensors.items()}
+
+
 def load_shard_state_dict(model_dir: Path, config: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
     """Rank `shard`'s part of every tensor, read as safetensors slices: no rank reads the rest."""
     tensors: dict[str, torch.Tensor] = {}
@@ -95,7 +110,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     elif shard is not None:
         tensors = load_shard_state_dict(model_dir, config, shard)
     else:
-        tensors = load_state_dict(model_dir)
+        tensors = with_model_prefix(load_state_dict(model_dir))
     check_tensors(model_dir, config, tensors, shard)
     weights = weights_from_hf(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:
@@ -111,7 +126,7 @@ def local_shapes(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, ...]
         rows = config.hidden_size // shard.world
         for name in shapes:
             if name.endswith(SPLIT_BY_OUTPUT):
-                full = config.num_heads * config.head_dim if "o_proj" in name else config.intermediate_size
+                full = config.num_heads * config.head_dim if "o_proj" in name else mlp_width(name, config)
                 shapes[name] = (rows, full)
     return shapes
 

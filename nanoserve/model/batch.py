@@ -48,6 +48,8 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [n] rows whose next-token logits are wanted
     # LoRA: the rows of each adapter the step runs with (rows of none: the base model alone)
     adapter_rows: list[AdapterRows] = field(default_factory=list)
+    # [m] rows whose final hidden states are wanted (embedding requests' pooling); None: none
+    hidden_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -27,7 +27,8 @@ two ways, chosen once per model:
   row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
   plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
   kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
-  the separate calls' bits.
+  the separate calls' bits; a sparse layer with such matrices runs its routed experts as one
+  native call (`nanoserve.native.moe`).
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.
@@ -44,7 +45,7 @@ import torch
 from nanoserve.config import ModelConfig
 from nanoserve.model.attention import TorchAttention
 from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
-from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.kv_cache import NATIVE_KV_CACHE_DTYPES, KVCache
 from nanoserve.model.layers import ACTIVATIONS, rms_norm
 from nanoserve.model.linear import KERNELS, LinearKernel, embedding
 from nanoserve.model.lora import apply as apply_lora
@@ -53,6 +54,7 @@ from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import ops as native_ops
 from nanoserve.native.decoder import DecoderShape, NativeDecoder
+from nanoserve.native.moe import NativeExperts
 from nanoserve.native.ops import NativeOps
 from nanoserve.quant import Weight
 
@@ -67,6 +69,11 @@ class TensorParallel(Protocol):
 
     def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def by_output(self) -> bool: ...
+
 
 def native_ops_for(like: torch.Tensor) -> NativeOps | None:
     """The native ops for tensors like `like`: float32 on the CPU with the library built, else
@@ -79,16 +86,21 @@ def native_ops_for(like: torch.Tensor) -> NativeOps | None:
 class Llama:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
                  linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
-                 native: bool = True, tensor_parallel: TensorParallel | None = None) -> None:
+                 native: bool = True, tensor_parallel: TensorParallel | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
         GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
         `native`: run the small ops in C where they can run here (`native_ops_for`).
         `tensor_parallel`: this rank's collectives, when `config` and `weights` are one rank's
         shard (nanoserve.distributed): the same forward, o and down across the ranks, the
-        embedding summed over ranks and the logits of this rank's vocabulary rows."""
+        embedding summed over ranks and the logits of this rank's vocabulary rows.
+        `kv_cache_dtype`: what the KV cache it runs with stores (kv_cache.py; None: the
+        weights' dtype); the native attention reads float32 and q8_0 caches, the torch
+        attention any other."""
         self.config = config
         self.tp = tensor_parallel
         self.ops = native_ops_for(weights.embed) if native else None
+        self.native_kv = kv_cache_dtype is None or kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
         self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
         self.weights = weights.packed_for(self.linear_kernel)
         self.batch_invariant = batch_invariant
@@ -107,8 +119,18 @@ class Llama:
         self.activation = ACTIVATIONS[config.hidden_act]
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.gemma_norms else None)
-        self.moe = MixtureOfExperts(config.experts, self.linear, self._gated) if config.experts else None
+        self.moe = MixtureOfExperts(config.experts, self._linear, self._activate) if config.experts else None
+        self.native_experts = self._native_experts()
         self.decoder = self._native_decoder()
+
+    def _native_experts(self) -> list[NativeExperts | None]:
+        """Per layer, its routed experts as one native call where the native small ops run and
+        the experts are native matrices (else None: the layer loops over its experts)."""
+        if self.ops is None or (self.tp is not None and self.tp.by_output):  # (by output: the loop gathers)
+            return [None] * len(self.weights.layers)
+        float_panels = self.linear_kernel.name == "native"
+        return [NativeExperts.for_layer(w.moe.gate_up, w.moe.down, w.moe.top_k, float_panels=float_panels)
+                if w.moe is not None else None for w in self.weights.layers]
 
     def _native_decoder(self) -> NativeDecoder | None:
         """Every layer of a step in one native call, where it computes exactly what the loop of
@@ -125,13 +147,28 @@ class Llama:
 
     @property
     def native_attention(self) -> bool:
-        """The native attention has no soft-capping: a model with it attends in torch (the rest
-        of its small ops stay native)."""
-        return self.ops is not None and not self.config.attn_softcap
+        """The native attention has no soft-capping and reads float32 and q8_0 caches only: a
+        model with soft-capping or another cache attends in torch (the rest of its small ops
+        stay native)."""
+        return self.ops is not None and not self.config.attn_softcap and self.native_kv
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`.
+        """Run every row, write their K/V into the cache, return float32 logits of `logits_rows`."""
+        return self._head(self._residual_stream(batch, kv_cache), batch.logits_rows)
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and beside its logits the final hidden states of `hidden_rows`: after the
+        model's last norm, without the head (transformers' `last_hidden_state`), what pooling
+        reads."""
+        hidden = self._residual_stream(batch, kv_cache)
+        rows = batch.hidden_rows if batch.hidden_rows is not None else batch.logits_rows[:0]
+        return self._head(hidden, batch.logits_rows), self._add_norm(hidden[rows], None, self.weights.norm)
+
+    def _residual_stream(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Every row through every layer, K/V written into the cache; the residual stream after
+        the last layer, before the final norm.
 
         Each layer: norm -> attention block -> residual add + norm -> MLP -> residual add, the
         residual adds done in place and fused with the norm that follows them (`delta` is the
@@ -152,7 +189,11 @@ class Llama:
             delta = self._layers(hidden, step, kv_cache)
         if delta is not None:
             hidden += delta
-        last = self._add_norm(hidden[batch.logits_rows], None, self.weights.norm)
+        return hidden
+
+    def _head(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of `rows` of the residual stream: final norm, output head, soft-cap."""
+        last = self._add_norm(hidden[rows], None, self.weights.norm)
         logits = self.linear(last, self.weights.lm_head).float()
         if self.config.final_softcap:
             cap = self.config.final_softcap
@@ -187,11 +228,13 @@ class Llama:
             # RoPE and the K/V write, then attention over the paged cache in place: q is the
             # first heads * head_dim columns of qkv, rotated in place by the first call.
             k_cache, v_cache = kv_cache.k[index], kv_cache.v[index]
+            k_scales, v_scales = kv_cache.scales(index)  # a q8_0 cache's; None for float32
             cos, sin = self.rope_tables[rope]
             self.ops.rope_write_kv(qkv, batch.positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
-                                   cfg.num_heads)
+                                   cfg.num_heads, k_scales, v_scales)
             out = self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, cfg.num_heads, self.scale,
-                                           window=window, out=step.attended)
+                                           window=window, out=step.attended, k_scales=k_scales,
+                                           v_scales=v_scales)
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)
@@ -217,8 +260,11 @@ class Llama:
         k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
 
     def _mlp(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        if layer.moe is not None:  # routed and shared experts' partial sums, reduced once
-            return self._reduced(self.moe(x, layer.moe))
+        if layer.moe is not None:
+            if self.tp is not None and self.tp.by_output:  # this rank's columns, then all of them
+                return self.tp.all_gather(self.moe(x, layer.moe, gather=self.tp.all_gather))
+            # routed and shared experts' partial sums (split by input), reduced once
+            return self._reduced(self.moe(x, layer.moe, self.native_experts[index]))
         gate_up = self.linear(x, layer.gate_up)
         if layer.gate_up_bias is not None:
             gate_up += layer.gate_up_bias
@@ -239,9 +285,9 @@ class Llama:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.activation(gate) * up
 
-    def _gated(self, x: torch.Tensor, gate_up: Weight, down: Weight) -> torch.Tensor:
-        """One expert's gated MLP (no biases) over the rows `x` routed to it."""
-        return self.linear(self._activate(self.linear(x, gate_up)), down)
+    def _linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        """`linear` as it is at the call (the profile times the matrix multiplies by replacing it)."""
+        return self.linear(x, weight)
 
     def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
         """Each LoRA row's low-rank update, after the base linear that ran for every row."""

@@ -50,7 +50,10 @@ PROBE_ROWS = (1, 4, 16, 32)
 PROBE_MIN_BYTES = 128 << 20
 # Bump when a kernel's code changes, so verdicts cached by older code are measured again
 # (the native kernels' own changes are keyed by their build's source hash).
-CACHE_VERSION = 5
+CACHE_VERSION = 6
+# Rows from which `native-quant-gemm` runs the prefill GEMM: the probe's 16- and 32-row calls
+# measure it against the x8 tiles, and the self-test crosses the threshold.
+GEMM_MIN_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,19 +133,33 @@ def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
         return native_quant.matmul(x, weight)
     if isinstance(weight, repack.RepackedWeight):
         return repack.matmul(x, weight)
+    if isinstance(weight, repack.KRepackedWeight):
+        return repack.matmul_k(x, weight)
     if isinstance(weight, quant.QuantizedStack):
         return torch.cat([_native_quant(x, part) for part in weight.parts], dim=1)
     return _aten_tiled(x, weight)  # a matrix of a GGUF type with no kernel, dequantized at load
 
 
 def _repack(weight: quant.Weight) -> quant.Weight:
-    """Q4_0, Q4_1 and Q8_0 matrices (and such parts of a stack) in the 8-column interleaved
-    layout; other formats stay in the file's layout, for the row-major kernel."""
+    """Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices (and such parts of a stack) in the 8-column
+    interleaved layouts; other formats stay in the file's layout, for the row-major kernel."""
     from nanoserve.native import repack
 
     if isinstance(weight, quant.QuantizedStack):
         return quant.QuantizedStack(tuple(_repack(part) for part in weight.parts))
-    return repack.repack(weight) if isinstance(weight, quant.QuantizedWeight) else weight
+    if not isinstance(weight, quant.QuantizedWeight):
+        return weight
+    return repack.repack_k(weight) if repack.k_repackable(weight) else repack.repack(weight)
+
+
+def _native_quant_gemm(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
+    """`native-quant-x8`'s product, with calls of GEMM_MIN_ROWS rows or more on the 32-value
+    layouts through the prefill GEMM (csrc/matmul_gemm.c: the same bits, a row's fixed order)."""
+    if isinstance(weight, repack.RepackedWeight) and x.shape[0] >= GEMM_MIN_ROWS:
+        return repack.gemm(x, weight)
+    if isinstance(weight, quant.QuantizedStack):
+        return torch.cat([_native_quant_gemm(x, part) for part in weight.parts], dim=1)
+    return _native_quant(x, weight)
 
 
 # The kernels for GGUF block formats (nanoserve.quant): a model's matrices are blocks or floats.
@@ -150,8 +167,10 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
     LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
-                 "columns interleaved (Q4_0, Q4_1, Q8_0; other formats as native-quant)", _repack,
+                 "columns interleaved (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; other formats as native-quant)", _repack,
                  _native_quant, ("cpu",)),
+    LinearKernel("native-quant-gemm", "native-quant-x8, prompt chunks through a register-blocked GEMM "
+                 "(Q4_0, Q4_1, Q8_0)", _repack, _native_quant_gemm, ("cpu",)),
 )}
 
 

@@ -28,7 +28,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("eps", _F32), ("scale", _F32), ("input_norm", _P), ("post_norm", _P),
                 ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
-                ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P)]
+                ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -89,8 +89,8 @@ class NativeDecoder:
                              shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
                              ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
                              ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
-                             signed_sin.data_ptr())
-        self._cache: tuple[object, ctypes.Array, ctypes.Array] | None = None
+                             signed_sin.data_ptr(), None, None)
+        self._cache: tuple[object, list[ctypes.Array]] | None = None
         # None, or the seconds the projections took so far (with their barriers), for the
         # profile's split of the forward; timing costs two clock reads a projection.
         self.linear_s: float | None = None
@@ -118,13 +118,19 @@ class NativeDecoder:
         return cls(library.lib, shape, norms, matrices, formats, cos, signed_sin)
 
     def _bind_cache(self, kv_cache) -> None:
-        """The cache's per-layer addresses, once per cache (the engine keeps one for its life)."""
+        """The cache's per-layer addresses, once per cache (the engine keeps one for its life);
+        a q8_0 cache's scales too (None: float32 K/V)."""
         if self._cache is not None and self._cache[0] is kv_cache:
             return
-        k, v = _pointers(list(kv_cache.k)), _pointers(list(kv_cache.v))
-        self._model.k_cache, self._model.v_cache = ctypes.addressof(k), ctypes.addressof(v)
+        arrays = [_pointers(list(kv_cache.k)), _pointers(list(kv_cache.v))]
+        self._model.k_cache, self._model.v_cache = (ctypes.addressof(a) for a in arrays)
+        self._model.k_scales = self._model.v_scales = None
+        if kv_cache.k_scales is not None:
+            scales = [_pointers(list(kv_cache.k_scales)), _pointers(list(kv_cache.v_scales))]
+            self._model.k_scales, self._model.v_scales = (ctypes.addressof(a) for a in scales)
+            arrays += scales
         self._model.block_size, self._model.num_blocks = kv_cache.block_size, kv_cache.num_blocks
-        self._cache = (kv_cache, k, v)
+        self._cache = (kv_cache, arrays)
 
     def run(self, hidden: torch.Tensor, slot_mapping: torch.Tensor, paged: PagedContext, kv_cache,
             normed: torch.Tensor, attended: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""The native quantized kernels (csrc/matmul_quant.c) behind torch-shaped calls.
+"""The native kernels on GGUF weights in their file's bytes, behind torch-shaped calls.
 
-Owns: the ctypes signatures of ns_matmul_quant / ns_matmul_quant_portable / ns_dequantize_rows,
-and the checks a raw pointer cannot make for itself (dtype, contiguity, shapes), done before
-every call: a wrong pointer is a segfault, not an exception.
+Owns: which C file runs each format (csrc/matmul_quant.c: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K;
+csrc/matmul_more.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, F16, BF16), the ctypes signatures
+of their entry points (a matmul, its portable twin, and a row lookup each), and the checks a
+raw pointer cannot make for itself (dtype, contiguity, shapes), done before every call: a wrong
+pointer is a segfault, not an exception.
 Refuses: to run without the library; `runs(format)` says whether it can, and callers take the
 torch path (nanoserve.quant) otherwise.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +24,23 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
+@dataclass(frozen=True, slots=True)
+class _Entries:
+    matmul: str
+    portable: str
+    lookup: str
+
+
+_QUANT = _Entries("ns_matmul_quant", "ns_matmul_quant_portable", "ns_dequantize_rows")
+_MORE = _Entries("ns_matmul_more", "ns_matmul_more_portable", "ns_dequantize_rows_more")
+# The formats csrc/matmul_more.c runs; every other one in nanoserve.quant.FORMATS is matmul_quant.c's.
+MORE_FORMATS = frozenset({"q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "f16", "bf16"})
+
+
+def _entries(fmt: BlockFormat) -> _Entries:
+    return _MORE if fmt.name in MORE_FORMATS else _QUANT
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     loaded = native.library()
@@ -28,11 +48,12 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib = loaded.lib
     matmul_args = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
-    for name in ("ns_matmul_quant", "ns_matmul_quant_portable"):
-        getattr(lib, name).argtypes = matmul_args
-        getattr(lib, name).restype = ctypes.c_int
-    lib.ns_dequantize_rows.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
-    lib.ns_dequantize_rows.restype = ctypes.c_int
+    lookup_args = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
+    for entries in (_QUANT, _MORE):
+        for name, args in ((entries.matmul, matmul_args), (entries.portable, matmul_args),
+                           (entries.lookup, lookup_args)):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -54,7 +75,8 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) 
     blocks = weight.blocks.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0]:
-        entry = lib.ns_matmul_quant_portable if portable else lib.ns_matmul_quant
+        entries = _entries(weight.format)
+        entry = getattr(lib, entries.portable if portable else entries.matmul)
         status = entry(weight.format.ggml_type, x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
                        x.shape[0], out_features, in_features, torch.get_num_threads())
         _raise_for(status, weight)
@@ -69,10 +91,10 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.numel(), weight.shape[1], dtype=torch.float32)
     if flat.numel():
-        status = lib.ns_dequantize_rows(weight.format.ggml_type, weight.blocks.contiguous().data_ptr(),
-                                        flat.data_ptr(), flat.numel(), weight.shape[0], weight.shape[1],
-                                        out.data_ptr(),
-                                        torch.get_num_threads())
+        entry = getattr(lib, _entries(weight.format).lookup)
+        status = entry(weight.format.ggml_type, weight.blocks.contiguous().data_ptr(), flat.data_ptr(),
+                       flat.numel(), weight.shape[0], weight.shape[1], out.data_ptr(),
+                       torch.get_num_threads())
         _raise_for(status, weight)
     return out.reshape(*ids.shape, weight.shape[1])
 

@@ -6,8 +6,12 @@ in turn), `repack` (a QuantizedWeight -> its repacked form, the file's bytes reo
 goes into the Q4_1 layout with m = -8 d), `matmul` and `lookup` (a tied head's table serving
 the embedding's row lookups, so the table is resident once), each checked before a pointer
 reaches C.
-Refuses: the formats it has no layout for (`repackable` says which: Q4_0, Q4_1, Q8_0); the
-kernel choice leaves those matrices in their file layout for matmul_quant.c.
+Also: `gemm`, the prefill GEMM over the same layouts (csrc/matmul_gemm.c, the same bits as
+`matmul`), and `KRepackedWeight` / `repack_k` / `matmul_k`, Q4_K and Q6_K in groups of 8 columns
+(csrc/matmul_kx8.c documents that layout).
+Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
+Q4_1, Q8_0; Q4_K, Q6_K); the kernel choice leaves those matrices in their file layout for
+matmul_quant.c.
 """
 
 from __future__ import annotations
@@ -139,3 +143,205 @@ def lookup(weight: RepackedWeight, ids: torch.Tensor) -> torch.Tensor:
 def _raise_for(status: int, weight: RepackedWeight) -> None:
     what = f"{weight.source.name} {weight.shape} repacked"
     native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
+
+
+# ---- the prefill GEMM (csrc/matmul_gemm.c) over the same layouts ----------------------------
+
+@functools.cache
+def _gemm_lib() -> ctypes.CDLL | None:
+    loaded = native.library()
+    if loaded is None:
+        return None
+    lib = loaded.lib
+    for name in ("ns_gemm_x8", "ns_gemm_x8_portable"):
+        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def gemm(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
+    """`matmul`'s product, bit for bit, by the register-blocked GEMM for prompt chunks (many
+    rows); `portable` runs its scalar reference."""
+    lib = _gemm_lib()
+    if lib is None:
+        raise RuntimeError(native.status())
+    x, y = _checked(x, weight.shape)
+    if x.shape[0]:
+        entry = lib.ns_gemm_x8_portable if portable else lib.ns_gemm_x8
+        status = entry(weight.layout.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
+                       x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+        _raise_for(status, weight)
+    return y
+
+
+def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x made contiguous, and an empty float32 output, once x is known to multiply [out, in]."""
+    out_features, in_features = shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features or x.device.type != "cpu":
+        raise ValueError(f"x must be float32 [rows, {in_features}] on the CPU; got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+# ---- Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c) --------------------------------
+
+K_LAYOUT_BYTES = {"q4_k": 1184, "q6_k": 1680}  # per group of 8 columns and super-block of 256
+
+
+@dataclass(frozen=True, slots=True)
+class KRepackedWeight(PackedBlocks):
+    """A Q4_K or Q6_K matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
+    in / 256 * K_LAYOUT_BYTES[format]], group g holding output features 8g..8g+7 (zero columns
+    past `out`). Its values are the file's (`dequantize` gives them back)."""
+
+    format: BlockFormat
+    shape: tuple[int, int]
+    blocks: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in], read back from the layout alone (what the tests hold against the
+        file's reference dequantizer)."""
+        return _k_dequantize_layout(self)
+
+
+def k_repackable(weight: object) -> bool:
+    return isinstance(weight, QuantizedWeight) and weight.format.name in K_LAYOUT_BYTES
+
+
+def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
+    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K or Q6_K."""
+    if not k_repackable(weight):
+        return weight
+    out_features, in_features = weight.shape
+    blocks = weight.blocks.reshape(out_features, in_features // 256, weight.format.bytes)
+    padded = torch.zeros(-(-out_features // COLUMNS) * COLUMNS, *blocks.shape[1:], dtype=torch.uint8)
+    padded[:out_features] = blocks
+    groups = padded.view(-1, COLUMNS, *blocks.shape[1:])  # [group, column, super-block, bytes]
+    fields = _q4_k_fields(groups) if weight.format.name == "q4_k" else _q6_k_fields(groups)
+    packed = torch.cat(fields, dim=-1)  # [group, super-block, layout bytes]
+    return KRepackedWeight(weight.format, weight.shape, packed.reshape(packed.shape[0], -1).contiguous())
+
+
+def _per_column(field: torch.Tensor) -> torch.Tensor:
+    """[group, column, super-block, entries(, bytes)] -> [group, super-block, entry-major bytes]:
+    each entry's 8 columns side by side."""
+    moved = field.movedim(1, 3) if field.dim() == 5 else field.movedim(1, -1)
+    return moved.reshape(field.shape[0], field.shape[2], -1)
+
+
+def _chunked(codes: torch.Tensor) -> torch.Tensor:
+    """Code bytes [group, column, super-block, sets, 32] -> [group, super-block, sets * 256]:
+    per set, chunk t holds each column's bytes 4t..4t+3 in turn."""
+    g, _, s, sets, _ = codes.shape
+    return codes.reshape(g, COLUMNS, s, sets, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, s, -1)
+
+
+def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [group, column, super-block, 8, 32] -> bytes [.., 4, 32]: sub-block 2p low, 2p+1 high."""
+    pairs = codes.reshape(*codes.shape[:3], 4, 2, 32)
+    return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+
+
+def _q4_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    from nanoserve.quant import _k_scales_mins, _k_sub_block_values
+
+    g, _, s, _ = groups.shape
+    flat = groups.reshape(-1, 144)
+    sc, mn = (t.reshape(g, COLUMNS, s, 8) for t in _k_scales_mins(flat[:, 4:16]))
+    codes = _k_sub_block_values(flat[:, 16:144]).reshape(g, COLUMNS, s, 8, 32)
+    return [_per_column(groups[..., 0:2].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(groups[..., 2:4].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(sc), _per_column(mn), _chunked(_nibble_pairs(codes))]
+
+
+def _q6_k_codes(flat: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [n, 210] -> codes [n, 8, 32] in 0..63 (quant.py's docstring, before the -32)."""
+    ql = flat[:, 0:128].reshape(-1, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(-1, 2, 4, 32)
+    qh = flat[:, 128:192].reshape(-1, 2, 1, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    return (low | (((qh >> shifts) & 3) << 4)).reshape(-1, 8, 32)
+
+
+def _q6_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    g, _, s, _ = groups.shape
+    codes = _q6_k_codes(groups.reshape(-1, 210)).reshape(g, COLUMNS, s, 8, 32)
+    top = (codes >> 4).reshape(g, COLUMNS, s, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
+    top_bytes = (top << shifts).sum(dim=4, dtype=torch.uint8)  # disjoint bits: the sum is an OR
+    return [_per_column(groups[..., 208:210].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(groups[..., 192:208]), _chunked(_nibble_pairs(codes & 0x0F)), _chunked(top_bytes)]
+
+
+def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
+    """The layout's values as float32 [out, in], by matmul_kx8.c's own reading of it."""
+    out_features, in_features = weight.shape
+    s = in_features // 256
+    blocks = weight.blocks.reshape(-1, s, K_LAYOUT_BYTES[weight.format.name])
+    g = blocks.shape[0]
+
+    def columns(start: int, entries: int, width: int = 1) -> torch.Tensor:  # [g, column, s, entries, width]
+        field = blocks[..., start : start + entries * COLUMNS * width].reshape(g, s, entries, COLUMNS, width)
+        return field.permute(0, 3, 1, 2, 4)
+
+    def unchunked(start: int, sets: int) -> torch.Tensor:  # -> [g, column, s, sets, 32]
+        field = blocks[..., start : start + 256 * sets].reshape(g, s, sets, 8, COLUMNS, 4)
+        return field.permute(0, 4, 1, 2, 3, 5).reshape(g, COLUMNS, s, sets, 32)
+
+    def f16(start: int) -> torch.Tensor:  # -> [g, column, s, 1]
+        return columns(start, 1, 2).contiguous().view(torch.float16).float().reshape(g, COLUMNS, s, 1)
+
+    def low_nibbles(start: int) -> torch.Tensor:  # -> [g, column, s, 8, 32]
+        pairs = unchunked(start, 4)
+        return torch.stack([pairs & 0x0F, pairs >> 4], dim=4).reshape(g, COLUMNS, s, 8, 32)
+
+    if weight.format.name == "q4_k":
+        sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
+        values = (f16(0) * sc).unsqueeze(-1) * low_nibbles(160).float() - (f16(16) * mn).unsqueeze(-1)
+    else:
+        top = unchunked(1168, 2).unsqueeze(3)  # [g, column, s, 1, 2, 32]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+        high = ((top >> shifts) & 3).permute(0, 1, 2, 4, 3, 5).reshape(g, COLUMNS, s, 8, 32)
+        codes = (low_nibbles(144) | (high << 4)).to(torch.int8) - 32
+        scales = columns(16, 16).squeeze(-1).contiguous().view(torch.int8).float()  # [g, column, s, 16]
+        values = (f16(0) * scales).unsqueeze(-1) * codes.reshape(g, COLUMNS, s, 16, 16).float()
+    return values.reshape(g * COLUMNS, in_features)[:out_features]
+
+
+@functools.cache
+def _k_lib() -> ctypes.CDLL | None:
+    loaded = native.library()
+    if loaded is None:
+        return None
+    lib = loaded.lib
+    for name in ("ns_matmul_kx8", "ns_matmul_kx8_portable"):
+        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False) -> torch.Tensor:
+    """x [rows, in] float32 @ weight^T -> float32 [rows, out]; `portable` runs the scalar reference."""
+    lib = _k_lib()
+    if lib is None:
+        raise RuntimeError(native.status())
+    x, y = _checked(x, weight.shape)
+    if x.shape[0]:
+        entry = lib.ns_matmul_kx8_portable if portable else lib.ns_matmul_kx8
+        status = entry(weight.format.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
+                       x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+        native.raise_for_status(status, "repacked matmul", f"{weight.format.name} {weight.shape} repacked",
+                                weight.shape[0])
+    return y

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from nanoserve.server import routes
-from nanoserve.server.errors import TYPES, APIError, bad_request
+from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.generation import Generation, unary_response
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
@@ -308,8 +308,19 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+# Anthropic's own error types by status (its docs' "Errors" page), not OpenAI's: a client that
+# branches on `error.type` looks for `rate_limit_error`, never OpenAI's `requests`.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 504: "timeout_error",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
 def error_response(error: APIError) -> JSONResponse:
-    body = {"type": "error", "error": {"type": TYPES.get(error.status, "invalid_request_error"),
+    body = {"type": "error", "error": {"type": error_type(error.status),
                                        "message": error.message, "param": error.param}}
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
@@ -383,7 +394,7 @@ async def _events(generation: Generation, model: str) -> AsyncIterator[str]:
 
 def _error_event(error: APIError) -> str:
     return event("error", {"type": "error", "error": {
-        "type": TYPES.get(error.status, "api_error"), "message": error.message}})
+        "type": error_type(error.status), "message": error.message}})
 
 
 class _BlockStream:

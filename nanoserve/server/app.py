@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import adapter_routes, anthropic, responses, routes
+from nanoserve.server import adapter_routes, anthropic, embeddings, responses, routes
 from nanoserve.server.adapters import AdapterRegistry, LoRAModule
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
@@ -32,6 +32,7 @@ from nanoserve.server.protocol import (
     TokenizeRequest,
 )
 from nanoserve.server.reasoning import ReasoningConfig
+from nanoserve.server.replicas import ReplicaPlan, ReplicaPool
 from nanoserve.server.state import ServerLimits, ServerState
 from nanoserve.server.tenants import Tenancy
 
@@ -52,8 +53,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
               on_engine_death: Callable[[BaseException], None] | None = None,
-              reasoning: ReasoningConfig | None = None, lora_modules: tuple[LoRAModule, ...] = (),
-              lora_runtime_updates: bool = False) -> FastAPI:
+              reasoning: ReasoningConfig | None = None, replicas: ReplicaPlan | None = None,
+              lora_modules: tuple[LoRAModule, ...] = (), lora_runtime_updates: bool = False) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
     the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
@@ -63,12 +64,17 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     `on_engine_death`: called on the event loop if the engine thread dies (`nanoserve serve`
     stops the server and exits non-zero, rather than answering 503 for ever).
     `reasoning`: the reasoning parser and default budget; a named parser the model's
-    vocabulary cannot serve stops the engine at startup. `lora_modules`: LoRA adapters loaded
-    at startup (an adapter the engine refuses stops it), which requests pick by `model`;
-    `lora_runtime_updates`: serve vLLM's load/unload routes (else they answer 404)."""
+    vocabulary cannot serve stops the engine at startup.
+    `replicas`: serve from that many data-parallel engine processes (`replicas.py`) instead of
+    `build_engine` on a thread of this one. `lora_modules`: LoRA adapters loaded at startup
+    (an adapter the engine refuses stops it), which requests pick by `model`;
+    `lora_runtime_updates`: serve vLLM's load/unload routes (else they answer 404). Neither
+    beside `replicas` yet (a ValueError)."""
     limits = limits or ServerLimits()
     tenancy = tenancy or Tenancy()
     reasoning = reasoning or ReasoningConfig()
+    if replicas is not None and (lora_modules or lora_runtime_updates):
+        raise ValueError("LoRA adapters are not served beside data-parallel replicas yet")
     adapters = AdapterRegistry(frozenset((*model_names, *aliases)), model_names[0], tuple(lora_modules),
                                lora_runtime_updates)
 
@@ -80,8 +86,12 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine = AsyncEngine(build_checked_engine, asyncio.get_running_loop(),
-                                   prefill_log_s=prefill_log_s, on_death=on_engine_death)
+        loop = asyncio.get_running_loop()
+        async_engine = (ReplicaPool(replicas, loop, on_death=on_engine_death,
+                                    check_engine=lambda front: reasoning.tags(front.tokenizer))
+                        if replicas is not None else
+                        AsyncEngine(build_checked_engine, loop, prefill_log_s=prefill_log_s,
+                                    on_death=on_engine_death))
         app.state.server = ServerState(
             async_engine, list(model_names), frozenset((*model_names, *aliases)), tenancy, limits,
             ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),
@@ -115,7 +125,8 @@ def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(routes.require_api_key)])
     router.add_api_route("/models", routes.list_models, methods=["GET"])
     router.add_api_route("/models/{model_id:path}", routes.retrieve_model, methods=["GET"])
-    router.add_api_route("/embeddings", routes.embeddings, methods=["POST"])
+    router.add_api_route("/embeddings", embeddings.create_embeddings, methods=["POST"],
+                         openapi_extra=_body_schema(embeddings.EmbeddingRequest))
     router.add_api_route("/completions", routes.create_completion, methods=["POST"],
                          openapi_extra=_body_schema(CompletionRequest))
     router.add_api_route("/chat/completions", routes.create_chat_completion, methods=["POST"],
@@ -216,7 +227,7 @@ def _document_bodies(app: FastAPI) -> None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          anthropic.MessagesRequest, responses.ResponsesRequest):
+                          anthropic.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
     from nanoserve.model.lora import LoRARequest
+    from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
@@ -46,6 +47,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     parent_id: str | None = None
+    pooling: PoolingParams | None = None  # an embedding request
     lora_request: LoRARequest | None = None
 
 
@@ -56,10 +58,11 @@ class _Abort:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    """Run `run(engine)` between steps; its result or exception settles `future` on the loop."""
+    """Run `run(engine)` between steps; `settle(result, error)` then hands the outcome to the
+    event loop (AsyncEngine only: a replica's commands cross a process boundary)."""
 
     run: Callable[[Engine], object]
-    future: asyncio.Future
+    settle: Callable[[object, BaseException | None], None]
 
 
 class AsyncEngine:
@@ -111,6 +114,15 @@ class AsyncEngine:
             return "dead"
         return "loading" if not self.ready else "draining"
 
+    def health_report(self) -> dict[str, object]:
+        """/health's body; 200 when its status is "ok", else 503."""
+        return {"status": self.status}
+
+    @property
+    def replica_figures(self) -> tuple[tuple[EngineSnapshot, bool], ...]:
+        """One engine, no replicas: /metrics shows `snapshot` unlabelled."""
+        return ()
+
     @property
     def num_in_flight(self) -> int:
         """Sequences handed to the engine and not yet finished or aborted."""
@@ -126,12 +138,13 @@ class AsyncEngine:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
-            lora_request: LoRARequest | None = None) -> None:
-        """Queue a sequence, one choice of the client request `parent_id`, run with the adapter
-        `lora_request` (resident already); its outputs (or an exception) arrive on `queue`."""
+            pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> None:
+        """Queue a sequence, one choice of the client request `parent_id` (with `pooling`, an
+        embedding request; with `lora_request`, run with that adapter, resident already); its
+        outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params, parent_id, lora_request))
+        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling, lora_request))
 
     async def call(self, run: Callable[[Engine], object], *,
                    then: Callable[[object], None] | None = None) -> object:
@@ -144,7 +157,7 @@ class AsyncEngine:
             future.add_done_callback(lambda done: then(done.result())
                                      if not done.cancelled() and done.exception() is None else None)
         self._calls.add(future)
-        self._send(_Call(run, future))
+        self._send(_Call(run, lambda result, error: self._call_soon(self._settle, future, result, error)))
         return await asyncio.shield(future)
 
     def abort(self, request_id: str) -> None:
@@ -251,7 +264,7 @@ class AsyncEngine:
             stopping = self._stopping
         if stopping:
             return False
-        delivered: list[RequestOutput | tuple[str, BaseException]] = self._apply(commands)
+        delivered: list[RequestOutput | tuple[str, BaseException]] = apply_commands(engine, commands)
         if engine.has_unfinished():
             outputs = engine.step()
             self._log_long_prefills(outputs)
@@ -260,26 +273,6 @@ class AsyncEngine:
         if delivered:
             self._call_soon(self._deliver, delivered)
         return True
-
-    def _apply(self, commands: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
-        rejected = []
-        for command in commands:
-            if isinstance(command, _Abort):
-                self.engine.abort(command.request_id)
-                continue
-            if isinstance(command, _Call):
-                try:
-                    result, error = command.run(self.engine), None
-                except Exception as refused:  # the caller's to answer; the loop goes on
-                    result, error = None, refused
-                self._call_soon(self._settle, command.future, result, error)
-                continue
-            try:
-                self.engine.add_request(command.prompt_ids, command.params, command.request_id,
-                                        parent_id=command.parent_id, lora_request=command.lora_request)
-            except Exception as error:  # checked before; a late refusal only fails this request
-                rejected.append((command.request_id, error))
-        return rejected
 
     def _log_long_prefills(self, outputs: list[RequestOutput]) -> None:
         """A line per prefill that has run `prefill_log_s` since its request arrived (or since
@@ -311,24 +304,52 @@ class AsyncEngine:
         self._publish_snapshot()
 
     def _publish_snapshot(self) -> None:
-        engine = self.engine
-        pool = engine.pool
-        self.snapshot = EngineSnapshot(
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            kv_cache_usage=pool.usage,
-            kv_free_blocks=pool.num_free_blocks,
-            kv_total_blocks=pool.num_blocks,
-            preemptions=engine.scheduler.num_preemptions,
-            prefix_cache_queries=engine.scheduler.prefix_cache_queries,
-            prefix_cache_hits=engine.scheduler.prefix_cache_hits,
-            prompt_tokens=engine.stats.prompt_tokens,
-            generation_tokens=engine.stats.generation_tokens,
-            steps=engine.stats.steps,
-            spec_draft_tokens=engine.stats.spec_draft_tokens,
-            spec_accepted_tokens=engine.stats.spec_accepted_tokens,
-        )
+        self.snapshot = snapshot_of(self.engine)
 
     def _call_soon(self, callback: Callable, *args: object) -> None:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read
             self._loop.call_soon_threadsafe(callback, *args)
+
+
+def apply_commands(engine: Engine, commands: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
+    """Apply a batch of commands in order; the requests the engine refuses, with its error.
+    (The server's checks ran before: a late refusal only fails that request.) Also a replica's."""
+    rejected = []
+    for command in commands:
+        if isinstance(command, _Abort):
+            engine.abort(command.request_id)
+            continue
+        if isinstance(command, _Call):
+            try:
+                result, error = command.run(engine), None
+            except Exception as refused:  # the caller's to answer; the loop goes on
+                result, error = None, refused
+            command.settle(result, error)
+            continue
+        try:
+            engine.add_request(command.prompt_ids, command.params, command.request_id,
+                               parent_id=command.parent_id, pooling=command.pooling,
+                               lora_request=command.lora_request)
+        except Exception as error:
+            rejected.append((command.request_id, error))
+    return rejected
+
+
+def snapshot_of(engine: Engine) -> EngineSnapshot:
+    """The engine's figures for /metrics, read on the thread that steps it."""
+    pool, scheduler, stats = engine.pool, engine.scheduler, engine.stats
+    return EngineSnapshot(
+        running=len(scheduler.running),
+        waiting=len(scheduler.waiting),
+        kv_cache_usage=pool.usage,
+        kv_free_blocks=pool.num_free_blocks,
+        kv_total_blocks=pool.num_blocks,
+        preemptions=scheduler.num_preemptions,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens,
+        steps=stats.steps,
+        spec_draft_tokens=stats.spec_draft_tokens,
+        spec_accepted_tokens=stats.spec_accepted_tokens,
+    )

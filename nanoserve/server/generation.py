@@ -77,6 +77,7 @@ class Choice:
     echo_logprobs: int | None = None  # completions' echo with logprobs N
     reasoning: ReasoningReader | None = None  # a reasoning model's chat: thinking apart from content
     reasoning_shown: bool = True  # include_reasoning
+    embedding: list[float] | None = None  # an embedding request's vector
 
     @property
     def reported_finish_reason(self) -> str | None:
@@ -122,11 +123,13 @@ class Generation:
         tenancy = state.tenancy
         tenancy.enter(tenant)
         parent_id = tenancy.parent_id(tenant, request_id)
+        # Only the in-process engine serves adapters (build_app refuses them beside replicas).
+        adapter = {"lora_request": lora_request} if lora_request is not None else {}
         for seq_id, seq in zip(ids, plan, strict=True):
             try:
                 params = tenancy.scoped_params(seq.params, tenant)
                 state.async_engine.add(seq_id, seq.prompt_ids, params, queue, parent_id=parent_id,
-                                       lora_request=lora_request)
+                                       pooling=seq.pooling, **adapter)
             except EngineUnavailableError as error:
                 generation.close()
                 raise unavailable(str(error), state.limits) from None
@@ -163,6 +166,8 @@ class Generation:
         if choice.reasoning is not None:
             choice.reasoning.count(output.token_ids)
         choice.num_cached_tokens = output.num_cached_tokens
+        if output.embedding is not None:
+            choice.embedding = output.embedding
         if output.prompt_logprobs is not None:
             choice.prompt_logprobs = output.prompt_logprobs
         if output.finished:
@@ -216,7 +221,7 @@ async def unary_response(request: Request, kind: Kind, generation: Generation, m
     """The whole answer once every choice is done; `translate` turns the chat completion body
     into another protocol's (Messages, Responses)."""
     try:
-        await _until_done_or_disconnect(request, generation)
+        await until_done_or_disconnect(request, generation)
     except ClientDisconnectedError:
         return Response(status_code=499)  # nobody is listening; the sequences are aborted below
     finally:
@@ -229,7 +234,7 @@ class ClientDisconnectedError(Exception):
     """The client hung up before its unary response was ready."""
 
 
-async def _until_done_or_disconnect(request: Request, generation: Generation) -> None:
+async def until_done_or_disconnect(request: Request, generation: Generation) -> None:
     """Collect every output; if the client hangs up first, stop (the caller aborts)."""
     async def collect() -> None:
         while not generation.done:

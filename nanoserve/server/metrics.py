@@ -6,13 +6,14 @@ finished, prompt and generated tokens, requests in flight, requests refused over
 limit: labelled by the tenant's name, never its key), and rendering them beside the engine's
 own figures (running and waiting requests, KV cache usage, preemptions, token counters) taken
 from the snapshot the engine thread publishes after every step. The names are vLLM's, with
-`nanoserve_` for `vllm:`.
+`nanoserve_` for `vllm:`. With data-parallel replicas each engine figure is one series per
+replica, labelled `replica` (its index), and no unlabelled one: Prometheus's `sum` adds them.
 Refuses: reading the engine directly; the engine is not thread-safe, the snapshot is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -111,10 +112,13 @@ class ServerMetrics:
         self._tenant_rejected.labels(self.model_name, tenant).inc()
 
     def render(self, snapshot: EngineSnapshot, *, healthy: bool,
-               in_flight: Mapping[str, int] | None = None) -> bytes:
+               in_flight: Mapping[str, int] | None = None,
+               replicas: Sequence[tuple[EngineSnapshot, bool]] = ()) -> bytes:
         """The exposition text: the engine's figures as of `snapshot`, each tenant's requests
-        in flight as of `in_flight`, and everything observed so far."""
+        in flight as of `in_flight`, and everything observed so far. `replicas`: each
+        data-parallel replica's (snapshot, healthy), shown instead of `snapshot`."""
         self._engine.snapshot, self._engine.healthy = snapshot, healthy
+        self._engine.replicas = tuple(replicas)
         self._engine.in_flight.update(in_flight or {})
         return generate_latest(self.registry)
 
@@ -127,13 +131,21 @@ class _EngineFigures:
         self.model_name = model_name
         self.snapshot = EngineSnapshot()
         self.healthy = False
+        self.replicas: tuple[tuple[EngineSnapshot, bool], ...] = ()
         self.in_flight: dict[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
-        for name, kind, help_, value in _engine_rows(self.snapshot, self.healthy):
+        if self.replicas:
+            labels = ["model_name", "replica"]
+            series = [([self.model_name, str(i)], _engine_rows(snapshot, healthy))
+                      for i, (snapshot, healthy) in enumerate(self.replicas)]
+        else:
+            labels, series = ["model_name"], [([self.model_name], _engine_rows(self.snapshot, self.healthy))]
+        for index, (name, kind, help_, _) in enumerate(series[0][1]):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-                name, help_, labels=["model_name"])
-            family.add_metric([self.model_name], value)
+                name, help_, labels=labels)
+            for label_values, rows in series:
+                family.add_metric(label_values, rows[index][3])
             yield family
         if self.in_flight:
             family = GaugeMetricFamily("nanoserve_tenant_requests_in_flight",

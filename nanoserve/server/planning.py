@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.errors import InvalidRequestError
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
@@ -49,6 +50,7 @@ class PlannedSequence:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as the body asked
     echo_logprobs: int | None = None  # completions' echo with logprobs N: the prompt's tokens lead them
     reasoning: ReasoningPlan | None = None  # a chat of a reasoning model: its think block
+    pooling: PoolingParams | None = None  # an embedding request (/v1/embeddings): pooled, not sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +87,7 @@ def client_param(body: RequestBody, param: str | None) -> str | None:
 
 def check_body(state: ServerState, body: RequestBody) -> None:
     """Refuse what the body asks for that this server does not serve or allow: 404 or 400."""
-    _check_model(state, body.model)
+    check_model(state, body.model)
     _check_limits(body, state.limits)
     if isinstance(body, ChatCompletionRequest):
         check_chat_template(body, state.limits)
@@ -103,7 +105,7 @@ def check_chat_template(body: protocol.ChatTemplateFlags, limits: ServerLimits) 
                           code="unsupported")
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.accepted_names:
         state.adapters.lora_for(model)  # a LoRA adapter's name, or a 404 naming what is served
 
@@ -140,7 +142,7 @@ def _top_logprobs(body: RequestBody) -> tuple[int | None, str]:
 
 def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
     """The prompt's or the chat's token ids, as a generation request would see them. Blocking."""
-    _check_model(state, body.model)
+    check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages",
                           "prompt" if body.prompt is None else "messages")
@@ -160,7 +162,7 @@ def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
 
 
 def detokenize(state: ServerState, body: protocol.DetokenizeRequest) -> str:
-    _check_model(state, body.model)
+    check_model(state, body.model)
     vocab_size = state.engine.vocab_size
     bad = [i for i, token in enumerate(body.tokens) if token >= vocab_size]
     if bad:

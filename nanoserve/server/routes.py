@@ -1,6 +1,5 @@
 """The endpoints: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}),
-vLLM's /tokenize, /detokenize and /version, /health and /metrics; /v1/embeddings answers a 404
-that says why.
+vLLM's /tokenize, /detokenize and /version, /health and /metrics (/v1/embeddings is `embeddings`').
 
 Owns: the API key check, reading a body no larger than the server's limit and validating it
 (`parse_body`), and the order one generation request goes through (`serve_generation`): the
@@ -59,14 +58,15 @@ def tenant_of(request: Request) -> Tenant | None:
 
 
 async def health(request: Request) -> JSONResponse:
-    status = state_of(request).async_engine.status
-    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+    report = state_of(request).async_engine.health_report()
+    return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
 
 async def metrics(request: Request) -> Response:
     state = state_of(request)
-    text = state.metrics.render(state.async_engine.snapshot, healthy=state.async_engine.healthy,
-                                in_flight=state.tenancy.in_flight)
+    engine = state.async_engine
+    text = state.metrics.render(engine.snapshot, healthy=engine.healthy, in_flight=state.tenancy.in_flight,
+                                replicas=engine.replica_figures)
     return Response(text, media_type=CONTENT_TYPE)
 
 
@@ -98,19 +98,10 @@ async def version(_: Request) -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-async def embeddings(_: Request) -> JSONResponse:
-    # A decision, not a gap: the served models are chat models, whose pooled hidden states are
-    # not trained embeddings; an endpoint that answered would return vectors nobody should use.
-    raise APIError(404, "/v1/embeddings is not served: nanoserve runs generative models, and a "
-                        "generative model's pooled hidden state is not an embedding (vLLM pools only "
-                        "models run with --task embed); use an embedding model server",
-                   code="not_found")
-
-
 async def tokenize(request: Request) -> JSONResponse:
     state = state_of(request)
     body = await parse_body(request, protocol.TokenizeRequest)
-    _check_available(state)
+    check_available(state)
     tokens = await asyncio.to_thread(planning.tokenize, state, body)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
 
@@ -118,7 +109,7 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     state = state_of(request)
     body = await parse_body(request, protocol.DetokenizeRequest)
-    _check_available(state)
+    check_available(state)
     return JSONResponse({"prompt": await asyncio.to_thread(planning.detokenize, state, body)})
 
 
@@ -130,7 +121,7 @@ def check_tenant_room(state: ServerState, tenant: Tenant | None) -> None:
                                 "flight, its limit on this server; retry once one has finished", state.limits)
 
 
-def _check_available(state: ServerState) -> None:
+def check_available(state: ServerState) -> None:
     try:
         state.async_engine.check_available()
     except EngineUnavailableError as error:
@@ -209,7 +200,10 @@ async def serve_generation(request: Request, kind: Kind, body: RequestBody, answ
     state = state_of(request)
     tenant = tenant_of(request)
     planning.check_body(state, body)
-    _check_available(state)
+    check_available(state)
+    if state.engine.config.task == "embed":
+        raise APIError(400, "this server runs an embedding model (--task embed): it serves /v1/embeddings "
+                            "and generates no text", param="model", code="unsupported")
     check_tenant_room(state, tenant)  # before tokenizing: a refusal costs nothing
     plan = await asyncio.to_thread(planning.plan, state, kind, body)
     check_capacity(state, len(plan))

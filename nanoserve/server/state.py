@@ -27,6 +27,7 @@ from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
+    from nanoserve.server.replicas import ReplicaFront, ReplicaPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ class ServerLimits:
 
 @dataclass(slots=True)
 class ServerState:
-    async_engine: AsyncEngine
+    async_engine: AsyncEngine | ReplicaPool  # one engine on a thread, or data-parallel replicas
     model_names: list[str]
     accepted_names: frozenset[str]
     tenancy: Tenancy  # the API keys, each a tenant, and what the server keeps apart between them
@@ -67,7 +68,7 @@ class ServerState:
         return None if self.default_seeds is None else self.default_seeds.getrandbits(62)
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | ReplicaFront:
         return self.async_engine.engine
 
 

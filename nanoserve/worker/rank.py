@@ -34,7 +34,7 @@ from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.machine import cache_root
 from nanoserve.model.decoder import Llama
-from nanoserve.model.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from nanoserve.model.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from nanoserve.model.linear import KernelChoice, KernelUnavailableError, choose_kernel, kernel_named
 from nanoserve.model.weights import LlamaWeights
 from nanoserve.quant import QUANTIZERS, format_names
@@ -184,9 +184,10 @@ def num_kv_blocks(config: EngineConfig, local: ModelConfig, dtype: torch.dtype, 
     if config.kv_cache_gb is None and device.type == "cpu":
         budget = min(budget, CPU_DEFAULT_KV_CACHE_BYTES)
     useful = config.max_num_seqs * max_model_len
-    per_block = bytes_per_block(local, config.block_size, dtype)
+    cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    per_block = bytes_per_block(local, config.block_size, cache_dtype)
     wanted = min(int(budget), -(-useful // config.block_size) * per_block)
-    return num_blocks_for_budget(local, config.block_size, dtype, wanted)
+    return num_blocks_for_budget(local, config.block_size, cache_dtype, wanted)
 
 
 @dataclass(slots=True)
@@ -200,10 +201,11 @@ class Rank:
     def build(cls, config: EngineConfig, model_config: ModelConfig, weights: LlamaWeights, plan: RankPlan, *,
               dtype: torch.dtype, device: torch.device, collectives: Collectives | None = None) -> Rank:
         local = local_config(model_config, config.tensor_parallel_size)
+        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         model = Llama(local, weights, batch_invariant=config.batch_invariant,
                       linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
-                      tensor_parallel=collectives)
-        return cls(model, KVCache(local, plan.num_blocks, config.block_size, dtype, device))
+                      tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
+        return cls(model, KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype))
 
 
 def start_tensor_parallel(config: EngineConfig, source: ModelSource,

@@ -34,9 +34,11 @@ typedef struct {
     const float *const *input_norm, *const *post_norm;
     const void *const *matrices;    /* [layer * 4 + QKV/O/GATE_UP/DOWN] */
     const int32_t *formats;         /* the same order: FLOAT_PANELS or the x8 layout */
-    float *const *k_cache, *const *v_cache; /* [layer]: [kv_heads, num_blocks * block_size, head_dim] */
+    void *const *k_cache, *const *v_cache; /* [layer]: [kv_heads, num_blocks * block_size, head_dim] */
     int64_t block_size, num_blocks;
     const float *cos, *signed_sin; /* [positions, head_dim] */
+    /* NULL: float32 caches; else [layer]: a q8_0 cache's scales [kv_heads, num_blocks * block_size] */
+    float *const *k_scales, *const *v_scales;
 } DecoderModel;
 
 /* One step: its rows, where their context lives, and the buffers the stages write. */
@@ -95,18 +97,19 @@ static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {
     const DecoderModel *m = job->m;
     const DecoderStep *s = job->s;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    const ns_kv_rows k_cache = {m->k_cache[layer], m->k_scales != NULL ? m->k_scales[layer] : NULL};
+    const ns_kv_rows v_cache = {m->v_cache[layer], m->v_scales != NULL ? m->v_scales[layer] : NULL};
     int64_t begin, end;
     stage_rows(s->rows, s->rows * qkv_width, thread, threads, &begin, &end);
-    ns_stage_rope_rows(s->qkv, s->positions, m->cos, m->signed_sin, s->slot_mapping, m->k_cache[layer],
-                       m->v_cache[layer], m->heads, m->kv_heads, m->head_dim, m->num_blocks * m->block_size,
-                       begin, end);
+    ns_stage_rope_rows(s->qkv, s->positions, m->cos, m->signed_sin, s->slot_mapping, k_cache, v_cache, m->heads,
+                       m->kv_heads, m->head_dim, m->num_blocks * m->block_size, begin, end);
     ns_barrier(threads);
     int64_t longest = 0;
     for (int64_t r = 0; r < s->rows; r++) longest = s->positions[r] + 1 > longest ? s->positions[r] + 1 : longest;
     const int64_t units = s->rows * m->kv_heads;
     int split = units > 1 && units * (m->heads / m->kv_heads) * longest * m->head_dim >= NS_STAGE_MIN_WORK;
     if (split || thread == 0) {
-        int status = ns_stage_attention(s->qkv, qkv_width, m->k_cache[layer], m->v_cache[layer], s->block_tables,
+        int status = ns_stage_attention(s->qkv, qkv_width, k_cache, v_cache, s->block_tables,
                                         s->table_width, s->row_seq, s->positions, s->attended, s->rows, m->heads,
                                         m->kv_heads, m->head_dim, m->block_size, m->num_blocks, m->scale,
                                         split ? thread : 0, split ? threads : 1);

@@ -19,7 +19,7 @@
 #include <stdint.h>
 
 /* Bumped when a function's signature changes, so Python refuses a stale library. */
-#define NS_ABI_VERSION 2
+#define NS_ABI_VERSION 3
 
 #if defined(_MSC_VER)
 #define NS_EXPORT __declspec(dllexport)

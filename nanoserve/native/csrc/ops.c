@@ -8,6 +8,12 @@
  *   paged cache IN PLACE through the block table (no gather copy).
  * - ns_silu_mul: SiLU(gate) * up over the stacked gate/up projection.
  *
+ * The cache holds float32 rows, or q8_0 rows (int8 codes and one float32 scale per row of
+ * head_dim values: model/kv_cache.py says why). A q8_0 row is quantized as the K/V write
+ * stores it and dequantized one row at a time inside the attention loop, into a head_dim
+ * buffer the dot products read; the whole cache is never expanded. The quantization is the
+ * same arithmetic as kv_cache.quantize_q8 (the torch path), so both read the same numbers.
+ *
  * Batch invariance by construction: every (row, head) is computed by the same code whatever
  * the other rows are, so a token scored in a prefill chunk and in a decode step agree bit for
  * bit. Attention reads exactly the slots a row can see (never the padding), scores them in slot
@@ -17,8 +23,9 @@
  *
  * Each kernel is exported twice: ns_X runs the widest vector path compiled in, ns_X_portable
  * the plain C one the tests hold it against. Both share one body, parametrized by a table of
- * vector primitives (dot product, sum of squares, a*x+y, exp).
+ * vector primitives (dot product, sum of squares, a*x+y, exp, q8_0 dequantization).
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +49,7 @@ typedef struct {
     void (*axpy)(float a, const float *x, float *y, int64_t n); /* y += a * x */
     void (*exp_shifted)(const float *x, float shift, float *out, int64_t n); /* exp(x - shift) */
     void (*silu_mul)(const float *gate, const float *up, float *out, int64_t n);
+    void (*dequantize_q8)(const int8_t *codes, float scale, float *out, int64_t n); /* code * scale */
 } VecOps;
 
 /* ---------------------------------------------------------------- portable primitives */
@@ -66,8 +74,12 @@ static void silu_mul_portable(const float *gate, const float *up, float *out, in
     for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+static void dequantize_q8_portable(const int8_t *codes, float scale, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = (float)codes[i] * scale;
+}
+
 static const VecOps PORTABLE = {dot_portable, sum_squares_portable, axpy_portable,
-                                exp_shifted_portable, silu_mul_portable};
+                                exp_shifted_portable, silu_mul_portable, dequantize_q8_portable};
 
 /* ---------------------------------------------------------------- AVX2 + FMA primitives */
 #ifdef NS_OPS_AVX2
@@ -136,7 +148,19 @@ static void silu_mul_avx2(const float *gate, const float *up, float *out, int64_
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-static const VecOps AVX2 = {dot_avx2, sum_squares_avx2, axpy_avx2, exp_shifted_avx2, silu_mul_avx2};
+/* The same products as the portable loop (an int8 converts to float exactly), 8 at a time. */
+static void dequantize_q8_avx2(const int8_t *codes, float scale, float *out, int64_t n) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), s));
+    }
+    for (; i < n; i++) out[i] = (float)codes[i] * scale;
+}
+
+static const VecOps AVX2 = {dot_avx2, sum_squares_avx2, axpy_avx2, exp_shifted_avx2, silu_mul_avx2,
+                            dequantize_q8_avx2};
 #define BEST (&AVX2)
 #else
 #define BEST (&PORTABLE)
@@ -237,11 +261,30 @@ static void rope_head(const float *x, const float *cos, const float *signed_sin,
     for (int64_t i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * signed_sin[i];
 }
 
+/* q8_0 of one row of n values: scale = amax / 127 and codes round(x * (1 / scale)), rounded half
+ * to even (nearbyintf in the default rounding mode, as torch.round). kv_cache.quantize_q8 is
+ * the same arithmetic in torch; a scale below FLT_MIN (a zero row) stores zero codes. */
+static void quantize_row_q8(const float *x, int64_t n, int8_t *codes, float *scale) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.0f, inverse = d >= FLT_MIN ? 1.0f / d : 0.0f;
+    for (int64_t i = 0; i < n; i++) codes[i] = (int8_t)nearbyintf(x[i] * inverse);
+    *scale = d;
+}
+
+/* Row `index` (kv_head * cache_slots + slot) of a K or V cache takes the values x [dim]. */
+static void store_row(const ns_kv_rows *cache, int64_t index, const float *x, int64_t dim) {
+    if (cache->scales == NULL)
+        memcpy((float *)cache->rows + index * dim, x, (size_t)dim * sizeof(float));
+    else
+        quantize_row_q8(x, dim, (int8_t *)cache->rows + index * dim, cache->scales + index);
+}
+
 typedef struct {
     float *qkv;
     const int64_t *positions, *slots;
     const float *cos, *signed_sin;
-    float *k_cache, *v_cache;
+    ns_kv_rows k_cache, v_cache;
     int64_t heads, kv_heads, dim, cache_slots;
 } RopeArgs;
 
@@ -255,17 +298,18 @@ static void rope_one_row(const void *args, int64_t r) {
         memcpy(row + h * dim, rotated, (size_t)dim * sizeof(float));
     }
     for (int64_t h = 0; h < a->kv_heads; h++) {
-        int64_t at = (h * a->cache_slots + a->slots[r]) * dim;
-        rope_head(row + (a->heads + h) * dim, c, s, a->k_cache + at, dim);
-        memcpy(a->v_cache + at, row + (a->heads + a->kv_heads + h) * dim, (size_t)dim * sizeof(float));
+        int64_t at = h * a->cache_slots + a->slots[r];
+        rope_head(row + (a->heads + h) * dim, c, s, rotated, dim);
+        store_row(&a->k_cache, at, rotated, dim);
+        store_row(&a->v_cache, at, row + (a->heads + a->kv_heads + h) * dim, dim);
     }
 }
 
-/* qkv [rows, (heads + 2 kv_heads) * dim]: q rotated in place; k rotated and v copied into the
+/* qkv [rows, (heads + 2 kv_heads) * dim]: q rotated in place; k rotated and v stored into the
  * caches [kv_heads, cache_slots, dim] at each row's slot. cos/sin [positions, dim]. */
 static void rope_write_kv(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
-                          const int64_t *slots, float *k_cache, float *v_cache, int64_t rows, int64_t heads,
-                          int64_t kv_heads, int64_t dim, int64_t cache_slots, int num_threads) {
+                          const int64_t *slots, ns_kv_rows k_cache, ns_kv_rows v_cache, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t cache_slots, int num_threads) {
     RopeArgs args = {qkv, positions, slots, cos, signed_sin, k_cache, v_cache, heads, kv_heads, dim, cache_slots};
     for_each_row(rope_one_row, &args, rows, rows * (heads + 2 * kv_heads) * dim, num_threads);
 }
@@ -273,33 +317,48 @@ static void rope_write_kv(float *qkv, const int64_t *positions, const float *cos
 /* ---------------------------------------------------------------- attention over the paged cache */
 
 typedef struct {
-    const float *k_cache, *v_cache; /* [kv_heads, num_blocks * block_size, dim] */
+    ns_kv_rows k_cache, v_cache;    /* [kv_heads, num_blocks * block_size, dim] */
     const int64_t *block_tables;    /* [seqs, table_width] */
     int64_t table_width, block_size, cache_slots, dim;
 } PagedCache;
 
 /* Walks one sequence's slots in order through its block table, one division at the start. */
 typedef struct {
-    const float *block; /* the current block's first row for this K/V head */
     const int64_t *table;
-    int64_t offset, block_index, block_size, dim, head_base;
+    int64_t index; /* the current slot's row of the cache: kv_head * cache_slots + its cache slot */
+    int64_t offset, block_index, block_size, head_base;
 } SlotCursor;
 
-static inline SlotCursor cursor_at(const PagedCache *c, const float *cache, const int64_t *table,
-                                   int64_t kv_head, int64_t slot) {
-    SlotCursor at = {NULL, table, slot % c->block_size, slot / c->block_size, c->block_size, c->dim,
+static inline SlotCursor cursor_at(const PagedCache *c, const int64_t *table, int64_t kv_head, int64_t slot) {
+    SlotCursor at = {table, 0, slot % c->block_size, slot / c->block_size, c->block_size,
                      kv_head * c->cache_slots};
-    at.block = cache + (at.head_base + table[at.block_index] * c->block_size) * c->dim;
+    at.index = at.head_base + table[at.block_index] * c->block_size + at.offset;
     return at;
 }
 
-static inline const float *cursor_row(const SlotCursor *at) { return at->block + at->offset * at->dim; }
-
-static inline void cursor_next(SlotCursor *at, const float *cache) {
+static inline void cursor_next(SlotCursor *at) {
     if (++at->offset == at->block_size) {
         at->offset = 0;
-        at->block = cache + (at->head_base + at->table[++at->block_index] * at->block_size) * at->dim;
+        at->index = at->head_base + at->table[++at->block_index] * at->block_size;
+    } else {
+        at->index++;
     }
+}
+
+/* The float32 values of cache row `index`: the row itself, or a q8_0 row dequantized into
+ * `buffer` [dim] (one row at a time: the tile the dot products read, never the whole cache). */
+static inline const float *cache_row(const VecOps *ops, const ns_kv_rows *cache, int64_t index, int64_t dim,
+                                     float *buffer) {
+    if (cache->scales == NULL) return (const float *)cache->rows + index * dim;
+    ops->dequantize_q8((const int8_t *)cache->rows + index * dim, cache->scales[index], buffer, dim);
+    return buffer;
+}
+
+/* Floats of one thread's attention scratch: per query head of the group, its scores over the
+ * longest context, its scaled q, its chunk's output and three running sums; and one
+ * dequantized cache row. */
+static inline int64_t attention_scratch_floats(int64_t group, int64_t longest, int64_t dim) {
+    return group * (longest + 2 * dim + 3) + dim;
 }
 
 /* The `group` query heads of one row that share K/V head `kv_head` (grouped-query attention),
@@ -309,26 +368,27 @@ static inline void cursor_next(SlotCursor *at, const float *cache) {
  * slot order, the softmax's max over the visible slots, each chunk's exp-weighted values summed
  * in slot order into its chunk_out, and the chunks' partials (values and weights) added in
  * chunk order. q and out hold the group's heads back to back (dim floats each); scratch holds
- * group * (scores_len + 2 * dim + 3) floats. */
+ * attention_scratch_floats(group, scores_len, dim) floats. */
 static void attend_group(const VecOps *ops, const PagedCache *c, const int64_t *table, int64_t kv_head,
                          const float *q, int64_t group, float scale, int64_t first, int64_t last,
                          int64_t scores_len, float *scratch, float *out) {
     int64_t dim = c->dim, count = last - first + 1;
     float *scores = scratch, *scaled_q = scores + group * scores_len, *chunk_out = scaled_q + group * dim;
     float *max_score = chunk_out + group * dim, *total = max_score + group, *chunk_total = total + group;
+    float *dequantized = chunk_total + group;
     for (int64_t g = 0; g < group; g++) {
         for (int64_t i = 0; i < dim; i++) scaled_q[g * dim + i] = q[g * dim + i] * scale;
         max_score[g] = -INFINITY;
     }
-    SlotCursor k = cursor_at(c, c->k_cache, table, kv_head, first);
+    SlotCursor k = cursor_at(c, table, kv_head, first);
     for (int64_t j = first; j <= last; j++) {
-        const float *k_row = cursor_row(&k);
+        const float *k_row = cache_row(ops, &c->k_cache, k.index, dim, dequantized);
         for (int64_t g = 0; g < group; g++) {
             float score = ops->dot(scaled_q + g * dim, k_row, dim);
             scores[g * scores_len + j] = score;
             max_score[g] = score > max_score[g] ? score : max_score[g];
         }
-        if (j < last) cursor_next(&k, c->k_cache);
+        if (j < last) cursor_next(&k);
     }
     for (int64_t g = 0; g < group; g++) {
         float *row_scores = scores + g * scores_len + first;
@@ -336,20 +396,20 @@ static void attend_group(const VecOps *ops, const PagedCache *c, const int64_t *
         total[g] = 0.0f;
     }
     memset(out, 0, (size_t)(group * dim) * sizeof(float));
-    SlotCursor v = cursor_at(c, c->v_cache, table, kv_head, first);
+    SlotCursor v = cursor_at(c, table, kv_head, first);
     for (int64_t start = first; start <= last;) {
         int64_t stop = (start / NS_CONTEXT_CHUNK + 1) * NS_CONTEXT_CHUNK; /* the chunk's end */
         stop = stop > last + 1 ? last + 1 : stop;
         memset(chunk_out, 0, (size_t)(group * dim) * sizeof(float));
         for (int64_t g = 0; g < group; g++) chunk_total[g] = 0.0f;
         for (int64_t j = start; j < stop; j++) {
-            const float *v_row = cursor_row(&v);
+            const float *v_row = cache_row(ops, &c->v_cache, v.index, dim, dequantized);
             for (int64_t g = 0; g < group; g++) {
                 float weight = scores[g * scores_len + j];
                 chunk_total[g] += weight;
                 ops->axpy(weight, v_row, chunk_out + g * dim, dim);
             }
-            if (j < last) cursor_next(&v, c->v_cache);
+            if (j < last) cursor_next(&v);
         }
         for (int64_t g = 0; g < group; g++) {
             total[g] += chunk_total[g];
@@ -385,7 +445,7 @@ static void attention_task(void *context, int thread, int threads) {
     int64_t begin, end;
     ns_share(a->units, thread, threads, &begin, &end);
     if (begin == end) return;
-    float *scratch = malloc((size_t)(group * (a->longest + 2 * dim + 3)) * sizeof(float));
+    float *scratch = malloc((size_t)attention_scratch_floats(group, a->longest, dim) * sizeof(float));
     if (scratch == NULL) {
         a->failed = 1;
         return;
@@ -432,13 +492,13 @@ void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t
 }
 
 void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
-                        const int64_t *slots, float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads,
-                        int64_t dim, int64_t cache_slots, int64_t begin, int64_t end) {
+                        const int64_t *slots, ns_kv_rows k_cache, ns_kv_rows v_cache, int64_t heads,
+                        int64_t kv_heads, int64_t dim, int64_t cache_slots, int64_t begin, int64_t end) {
     RopeArgs args = {qkv, positions, slots, cos, signed_sin, k_cache, v_cache, heads, kv_heads, dim, cache_slots};
     for (int64_t r = begin; r < end; r++) rope_one_row(&args, r);
 }
 
-int ns_stage_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+int ns_stage_attention(const float *q, int64_t q_row_stride, ns_kv_rows k_cache, ns_kv_rows v_cache,
                        const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
                        const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
                        int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads) {
@@ -474,23 +534,25 @@ NS_EXPORT_BOTH(silu_mul,
                ARGS(gate_up, out, rows, width, num_threads))
 
 /* RoPE has no vector primitive: one export, the compiler vectorizes it. */
+/* k_scales/v_scales NULL: float32 caches; else int8 q8_0 codes with one scale per row. */
 NS_EXPORT void ns_rope_write_kv(float *qkv, const int64_t *positions, const float *cos,
-                                const float *signed_sin, const int64_t *slots, float *k_cache,
-                                float *v_cache, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
-                                int64_t cache_slots, int num_threads) {
-    rope_write_kv(qkv, positions, cos, signed_sin, slots, k_cache, v_cache, rows, heads, kv_heads, dim,
-                  cache_slots, num_threads);
+                                const float *signed_sin, const int64_t *slots, void *k_cache, float *k_scales,
+                                void *v_cache, float *v_scales, int64_t rows, int64_t heads, int64_t kv_heads,
+                                int64_t dim, int64_t cache_slots, int num_threads) {
+    ns_kv_rows k = {k_cache, k_scales}, v = {v_cache, v_scales};
+    rope_write_kv(qkv, positions, cos, signed_sin, slots, k, v, rows, heads, kv_heads, dim, cache_slots,
+                  num_threads);
 }
 
 #define PAGED_PARAMS                                                                                   \
-    (const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,                 \
-     const int64_t *block_tables, int64_t table_width, const int64_t *row_seq, const int64_t *positions, \
+    (const float *q, int64_t q_row_stride, void *k_cache, float *k_scales, void *v_cache,              \
+     float *v_scales, const int64_t *block_tables, int64_t table_width, const int64_t *row_seq, const int64_t *positions, \
      float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,        \
      int64_t num_blocks, float scale, int64_t window, int num_threads)
 #define PAGED_BODY(ops)                                                                                 \
     {                                                                                                   \
-        PagedCache cache = {k_cache, v_cache, block_tables, table_width, block_size,                    \
-                            num_blocks * block_size, dim};                                              \
+        PagedCache cache = {{k_cache, k_scales}, {v_cache, v_scales}, block_tables, table_width,         \
+                            block_size, num_blocks * block_size, dim};                                  \
         return paged_attention(ops, q, q_row_stride, &cache, row_seq, positions, out, rows, heads,      \
                                kv_heads, scale, window, num_threads);                                   \
     }

@@ -108,4 +108,21 @@ static inline void quantize_row_portable(const float *x, int64_t k, xblock *out)
     for (int64_t b = 0; b < k / 32; b++) quantize_block_portable(x + 32 * b, out + b);
 }
 
+/* The GGUF block layouts csrc/matmul_more.c reads, as ggml-common.h defines them (nanoserve/
+ * quant.py's docstring gives the value of each element). Byte arrays only, so no padding: a
+ * row of blocks is an array of these. f16 fields are two bytes, read with f16_to_f32. */
+typedef struct { uint8_t d[2], qh[4], qs[16]; } block_q5_0;
+typedef struct { uint8_t d[2], m[2], qh[4], qs[16]; } block_q5_1;
+typedef struct { uint8_t d[2], qs[16]; } block_iq4_nl;
+typedef struct { uint8_t d[2], scales_h[2], scales_l[4], qs[128]; } block_iq4_xs;
+typedef struct { uint8_t scales[16], qs[64], d[2], dmin[2]; } block_q2_k;
+typedef struct { uint8_t hmask[32], qs[64], scales[12], d[2]; } block_q3_k;
+_Static_assert(sizeof(block_q5_0) == 22 && sizeof(block_q5_1) == 24 && sizeof(block_iq4_nl) == 18,
+               "32-value block sizes");
+_Static_assert(sizeof(block_iq4_xs) == 136 && sizeof(block_q2_k) == 84 && sizeof(block_q3_k) == 110,
+               "256-value block sizes");
+
+/* IQ4_NL / IQ4_XS: each 4-bit code indexes these 16 non-uniform levels (ggml's kvalues_iq4nl). */
+static const int8_t IQ4_GRID[16] __attribute__((unused)) = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 #endif

@@ -9,16 +9,23 @@
 
 #include "quant_blocks.h"
 
+/* One layer's K or V cache, [kv_heads, cache_slots, head_dim] rows: float32 (scales NULL), or
+ * q8_0: int8 codes and one float32 scale per row, [kv_heads, cache_slots] (ops.c says how). */
+typedef struct {
+    void *rows;
+    float *scales;
+} ns_kv_rows;
+
 /* ops.c, on the vector path. Rows [begin, end). delta NULL: a plain RMSNorm of residual. */
 void ns_stage_norm_rows(float *residual, const float *delta, const float *weight, float *out, int64_t dim,
                         float eps, int64_t begin, int64_t end);
 void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t begin, int64_t end);
 void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
-                        const int64_t *slots, float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads,
-                        int64_t dim, int64_t cache_slots, int64_t begin, int64_t end);
+                        const int64_t *slots, ns_kv_rows k_cache, ns_kv_rows v_cache, int64_t heads,
+                        int64_t kv_heads, int64_t dim, int64_t cache_slots, int64_t begin, int64_t end);
 /* Attention over the paged cache (ops.c's ns_paged_attention), thread `thread`'s (row, K/V head)
  * units; returns 0, or -2 when its scratch could not be allocated. */
-int ns_stage_attention(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+int ns_stage_attention(const float *q, int64_t q_row_stride, ns_kv_rows k_cache, ns_kv_rows v_cache,
                        const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
                        const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
                        int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads);

@@ -1,35 +1,31 @@
-"""The block formats dequantized at load (nanoserve.quant.DEQUANTIZED_AT_LOAD: Q5_0, Q5_1,
-IQ4_NL, IQ4_XS, Q2_K, Q3_K): the torch reference against gguf's own code bit for bit, and
-against a float64 evaluation of ggml-common.h's formula written out element by element here,
-on ragged shapes (row counts that are no power of two, one block or several per row)."""
+"""The block formats csrc/matmul_more.c runs (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K): the torch
+reference against gguf's own code bit for bit, and against a float64 evaluation of
+ggml-common.h's formula written out element by element here, on ragged shapes (row counts that
+are no power of two, one block or several per row). The kernels themselves are held to a float64
+product in test_quant.py, with every other format."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from nanoserve.quant import DEQUANTIZED_AT_LOAD, FORMATS_BY_GGML_TYPE
+from nanoserve.native.quant import MORE_FORMATS
+from nanoserve.quant import FORMATS, FORMATS_BY_GGML_TYPE, random_weight
 
-# Where each format keeps its f16 scales: random bytes there would be NaN or huge.
-F16_FIELDS = {"q5_0": (0,), "q5_1": (0, 2), "iq4_nl": (0,), "iq4_xs": (0,), "q2_k": (80, 82), "q3_k": (108,)}
 GRID = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
-NAMES = sorted(F16_FIELDS)
+NAMES = ["iq4_nl", "iq4_xs", "q2_k", "q3_k", "q5_0", "q5_1"]
 
 
 def fmt(name):
-    return next(f for f in DEQUANTIZED_AT_LOAD.values() if f.name == name)
+    return FORMATS[name]
 
 
 def random_blocks(name: str, count: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (count, fmt(name).bytes), dtype=torch.uint8, generator=generator)
-    for offset in F16_FIELDS[name]:
-        scales = (torch.rand(count, 1, generator=generator) * 0.02 - 0.005).half()
-        blocks[:, offset : offset + 2] = scales.view(torch.uint8)
-    return blocks
+    weight = random_weight(name, count, fmt(name).values, generator=torch.Generator().manual_seed(seed))
+    return weight.blocks
 
 
 def f16(b: bytes, at: int) -> float:
@@ -75,10 +71,12 @@ def scalar_block(name: str, b: bytes) -> list[float]:
     return out
 
 
-def test_no_format_is_both_run_natively_and_dequantized_at_load():
-    assert not set(DEQUANTIZED_AT_LOAD) & set(FORMATS_BY_GGML_TYPE)
-    for ggml_type, f in DEQUANTIZED_AT_LOAD.items():
+def test_every_format_is_named_and_numbered_as_ggml_does():
+    assert set(NAMES) < MORE_FORMATS <= set(FORMATS)
+    for ggml_type, f in FORMATS_BY_GGML_TYPE.items():
         assert GGMLQuantizationType(ggml_type).name.lower() == f.name
+        assert GGMLQuantizationType(ggml_type) in GGML_QUANT_SIZES
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)] == (f.values, f.bytes)
 
 
 @pytest.mark.parametrize("name", NAMES)

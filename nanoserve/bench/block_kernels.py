@@ -1,0 +1,137 @@
+"""The block-format kernels side by side on the default model's matrix shapes: the file's row-major
+layout (csrc/matmul_quant.c), the 8-column repacked layouts (matmul_x8.c, matmul_kx8.c) and the
+prefill GEMM (matmul_gemm.c), per format and row count.
+
+Owns: timing one call of each kernel on random blocks of each shape (qkv 960x576, o 576x576,
+gate_up 3072x576, down 576x1536; the K-quants only down), the kernels taken in turns and each
+call's best of `--repeat` (the minimum: a busy neighbour only ever adds time), summed over the
+shapes; and the CSV of
+it with the machine, the load average and the ratios to the row-major kernel.
+Refuses: choosing anything (model/linear.py measures and chooses at start-up) and running without
+the native library.
+
+    python -m nanoserve.bench.block_kernels --formats q4_1,q8_0,q4_k,q6_k --rows 1,16,64,512 \\
+        --out results/block_kernels.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nanoserve import native, quant
+from nanoserve.bench.hardware import describe_machine
+
+# (out, in) of one layer's matrices in SmolLM2-135M: q, k and v stacked, o, gate and up stacked, down.
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+
+
+def random_blocks(format_name: str, out_features: int, in_features: int, seed: int) -> quant.QuantizedWeight:
+    """Random codes, and f16 scales of a trained model's size (every code pattern is a valid block)."""
+    fmt = quant.FORMATS[format_name]
+    generator = torch.Generator().manual_seed(seed)
+    count = out_features * in_features // fmt.values
+    blocks = torch.randint(0, 256, (count, fmt.bytes), dtype=torch.uint8, generator=generator)
+    scale_offsets = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}[format_name]
+    for offset in scale_offsets:
+        scales = (torch.rand(count, 1, generator=generator) * 0.01).half()
+        blocks[:, offset : offset + 2] = scales.view(torch.uint8)
+    return quant.QuantizedWeight(fmt, (out_features, in_features), blocks.reshape(out_features, -1))
+
+
+def shapes_for(format_name: str) -> list[tuple[int, int]]:
+    """The SHAPES a format can hold: the K-quants' 256-value blocks fit only down's 1536 inputs
+    (llama-quantize writes the others of this model in a 32-value fallback format)."""
+    return [(n, k) for n, k in SHAPES if k % quant.FORMATS[format_name].values == 0]
+
+
+def kernels_for(format_name: str) -> dict[str, tuple[Callable, Callable]]:
+    """Name -> (pack, multiply) of every kernel that runs this format."""
+    from nanoserve.native import quant as row_major
+    from nanoserve.native import repack
+
+    kernels = {"row-major": (lambda w: w, row_major.matmul)}
+    if repack.k_repackable(random_blocks(format_name, 8, 256, 0)):
+        kernels["x8"] = (repack.repack_k, repack.matmul_k)
+    else:
+        kernels["x8"] = (repack.repack, repack.matmul)
+        kernels["gemm"] = (repack.repack, repack.gemm)
+    return kernels
+
+
+def seconds(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure(format_name: str, rows: int, repeat: int) -> dict[str, float]:
+    """Milliseconds of one call per shape, summed over the format's shapes, per kernel; kernels in turns."""
+    kernels = kernels_for(format_name)
+    total = dict.fromkeys(kernels, 0.0)
+    for index, (out_features, in_features) in enumerate(shapes_for(format_name)):
+        weight = random_blocks(format_name, out_features, in_features, seed=index)
+        packed = {name: pack(weight) for name, (pack, _) in kernels.items()}
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(index))
+        best = dict.fromkeys(kernels, float("inf"))
+        for _ in range(repeat):  # every kernel once per turn, so a neighbour's burst hits them alike
+            for name, (_, multiply) in kernels.items():
+                best[name] = min(best[name], seconds(lambda m=multiply, p=packed[name], x=x: m(x, p)))
+        for name in kernels:
+            total[name] += 1000 * best[name]
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.block_kernels",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default="q4_1,q8_0,q4_k,q6_k", help=",".join(FORMATS))
+    parser.add_argument("--rows", default="1,16,64,512", help="rows per call, comma-separated")
+    parser.add_argument("--repeat", type=int, default=50, help="turns per shape; each call's best is kept")
+    parser.add_argument("--out", type=Path, default=Path("results/block_kernels.csv"))
+    args = parser.parse_args(argv)
+    formats = args.formats.split(",")
+    if unknown := [f for f in formats if f not in FORMATS]:
+        parser.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows: expected N,N,... got {args.rows!r}")
+    if args.repeat < 1 or any(r < 1 for r in rows):
+        parser.error("--repeat and every --rows value must be >= 1")
+    if native.library() is None:
+        sys.exit(native.status())
+    machine = describe_machine("cpu").columns()
+    records = []
+    for format_name in formats:
+        for count in rows:
+            load = os.getloadavg()[0]
+            ms = measure(format_name, count, args.repeat)
+            shapes = " ".join(f"{n}x{k}" for n, k in shapes_for(format_name))
+            record = {**machine, "format": format_name, "shapes": shapes, "rows": count,
+                      "repeat": args.repeat, "load_avg_1m": round(load, 2)}
+            record |= {f"{name}_ms": round(value, 4) for name, value in ms.items()}
+            record |= {f"{name}_speedup_vs_row_major": round(ms["row-major"] / value, 3)
+                       for name, value in ms.items() if name != "row-major"}
+            if "gemm" in ms:
+                record["gemm_speedup_vs_x8"] = round(ms["x8"] / ms["gemm"], 3)
+            records.append(record)
+            print(", ".join(f"{k}={v}" for k, v in record.items() if k not in machine), file=sys.stderr)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(column for record in records for column in record))
+    with args.out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(records)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Decode step time of each GGUF weight type nanoserve runs in its own bytes, against Q4_K's.
+
+Owns: a model of the default model's shape written to GGUF once per type (random blocks with
+sane scales, `nanoserve.quant.random_weight`, and the default GGUF's tokenizer), its hidden
+width rounded down to whole 256-value blocks (SmolLM2-135M: 576 -> 512, 9 -> 8 heads of 64,
+3 -> 2 KV heads; 30 layers, 1536 intermediate, the 49152-token table tied to the head) so that
+Q4_K and the other K formats hold every matrix; the same decode workload through each type's
+engine at each slot count, the types timed in turns (q4_k, a, b, ..., then again) so that a
+neighbour's burst of load falls on every side of a ratio; and the CSV: each type's median decode
+step, its ratio to Q4_K's (the median over turns of the paired ratios) beside the goal (1.3),
+resident and file bytes, and the machine.
+Refuses: choosing anything or asserting a time (no test times anything).
+
+    python -m nanoserve.bench.quant_types --slots 1,16 --repeat 3 --out results/quant_types.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from nanoserve.bench.driver import run_closed_loop
+from nanoserve.bench.hardware import describe_machine
+from nanoserve.bench.offline import kv_blocks_for, parse_int_list, synthetic_prompts
+from nanoserve.config import EngineConfig
+from nanoserve.engine.core import Engine
+from nanoserve.loading.default_model import default_gguf_path
+from nanoserve.machine import cache_root
+from nanoserve.native.quant import MORE_FORMATS
+from nanoserve.quant import random_weight
+from nanoserve.sampling_params import SamplingParams
+
+REFERENCE_TYPE = "q4_k"
+GOAL_RATIO = 1.3  # issue 32: each new type's decode step within 1.3x of Q4_K's
+DEFAULT_TYPES = (REFERENCE_TYPE, *sorted(MORE_FORMATS))
+INPUT_LEN, OUTPUT_LEN = 32, 64
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    context: int
+    rms_eps: float
+    rope_base: float
+
+    @classmethod
+    def of_default_model(cls, reader: GGUFReader) -> ModelShape:
+        """The default model's shape, its widths rounded down to whole 256-value blocks."""
+        def value(key: str) -> float:
+            return reader.fields[key].contents()
+
+        hidden, heads = int(value("llama.embedding_length")), int(value("llama.attention.head_count"))
+        head_dim = hidden // heads
+        rounded = hidden // 256 * 256
+        return cls(layers=int(value("llama.block_count")), hidden=rounded, heads=rounded // head_dim,
+                   kv_heads=max(1, int(value("llama.attention.head_count_kv")) * rounded // hidden),
+                   intermediate=int(value("llama.feed_forward_length")) // 256 * 256,
+                   vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
+                   context=int(value("llama.context_length")),
+                   rms_eps=float(value("llama.attention.layer_norm_rms_epsilon")),
+                   rope_base=float(value("llama.rope.freq_base")))
+
+    def matrices(self) -> dict[str, tuple[int, int]]:
+        """GGUF tensor name -> (rows, columns) of every matrix, the token table first."""
+        kv = self.hidden // self.heads * self.kv_heads
+        hidden, intermediate = self.hidden, self.intermediate
+        layer = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+                 "attn_output": (hidden, hidden), "ffn_gate": (intermediate, hidden),
+                 "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
+        blocks = {f"blk.{i}.{name}.weight": shape
+                  for i in range(self.layers) for name, shape in layer.items()}
+        return {"token_embd.weight": (self.vocab, hidden), **blocks}
+
+
+def write_model(path: Path, type_name: str, shape: ModelShape, tokenizer: GGUFReader) -> Path:
+    """The model in `type_name` (every matrix; norms float32), written once and then reused."""
+    if path.is_file():
+        return path
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    writer = GGUFWriter(str(partial), "llama")
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_rope_freq_base(shape.rope_base)
+    for field in tokenizer.fields.values():
+        if field.name.startswith("tokenizer."):
+            sub_type = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+    generator = torch.Generator().manual_seed(0)
+    raw_dtype = GGMLQuantizationType[type_name.upper()]
+    for name, (rows, cols) in shape.matrices().items():
+        blocks = random_weight(type_name, rows, cols, generator=generator).blocks
+        writer.add_tensor(name, blocks.numpy(), raw_dtype=raw_dtype)
+    norms = [f"blk.{i}.{n}.weight" for i in range(shape.layers) for n in ("attn_norm", "ffn_norm")]
+    for name in [*norms, "output_norm.weight"]:
+        writer.add_tensor(name, torch.ones(shape.hidden).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(path)
+    return path
+
+
+def engine_for(path: Path, slots: tuple[int, ...], threads: int | None) -> Engine:
+    max_len = INPUT_LEN + OUTPUT_LEN + 1
+    return Engine(EngineConfig(model=str(path), dtype="auto", device="cpu", max_num_seqs=max(slots),
+                               max_model_len=max_len, num_kv_blocks=kv_blocks_for(max(slots), max_len),
+                               max_num_batched_tokens=max(512, INPUT_LEN * max(slots)), threads=threads))
+
+
+def decode_step_ms(engine: Engine, slots: int, seed: int, output_len: int = OUTPUT_LEN) -> float:
+    """Mean decode step of `slots` requests in flight (prompts of INPUT_LEN random ids, greedy)."""
+    prompts = synthetic_prompts(slots, INPUT_LEN, engine.model_config.vocab_size, seed=seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    run = run_closed_loop(engine, [(p, params) for p in prompts], slots)
+    decodes = [s.seconds for s in run.steps if s.is_decode]
+    return 1000 * sum(decodes) / len(decodes)
+
+
+def measure(types: tuple[str, ...], slots: tuple[int, ...], repeat: int, threads: int | None,
+            directory: Path) -> pd.DataFrame:
+    tokenizer = GGUFReader(default_gguf_path())
+    shape = ModelShape.of_default_model(tokenizer)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {t: write_model(directory / f"smollm2-shape-{shape.hidden}-{t}.gguf", t, shape, tokenizer)
+             for t in types}
+    engines = {t: engine_for(path, slots, threads) for t, path in paths.items()}
+    machine = describe_machine("cpu")
+    rows = []
+    for count in slots:
+        for engine in engines.values():  # warm: first calls, allocations
+            decode_step_ms(engine, count, seed=0, output_len=4)
+        load_avg = os.getloadavg()[0]
+        runs: dict[str, list[float]] = {t: [] for t in types}
+        for turn in range(repeat):
+            for t, engine in engines.items():
+                runs[t].append(decode_step_ms(engine, count, seed=1 + turn))
+        for t, engine in engines.items():
+            ratios = [ms / ref for ms, ref in zip(runs[t], runs[REFERENCE_TYPE], strict=True)]
+            file_bytes = sum(int(tensor.n_bytes) for tensor in GGUFReader(paths[t]).tensors)
+            rows.append({
+                "type": t, "slots": count, "decode_step_ms": statistics.median(runs[t]),
+                "decode_step_ms_runs": " ".join(f"{ms:.3f}" for ms in runs[t]),
+                f"ratio_to_{REFERENCE_TYPE}": statistics.median(ratios), "goal_ratio": GOAL_RATIO,
+                "linear_kernel": engine.kernel_choice.kernel.name, "weight_format": engine.weight_format,
+                "resident_mb": engine.weights_nbytes / 1e6, "file_tensor_mb": file_bytes / 1e6,
+                # every weight byte is read once a step: how near the memory bus each type runs
+                "weights_read_gbs": engine.weights_nbytes / statistics.median(runs[t]) / 1e6,
+                "resident_to_file": engine.weights_nbytes / file_bytes, "hidden": shape.hidden,
+                "layers": shape.layers, "intermediate": shape.intermediate, "vocab": shape.vocab,
+                "load_avg_1m": load_avg, **machine.columns()})
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=",".join(DEFAULT_TYPES),
+                        help=f"GGUF types to run, {REFERENCE_TYPE} among them (default: every new one)")
+    parser.add_argument("--slots", default="1,16", help="requests in flight (default 1,16)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed turns per slot count (default 3)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch / kernel threads (default: all cores)")
+    parser.add_argument("--out", type=Path, default=Path("results/quant_types.csv"))
+    args = parser.parse_args(argv)
+    types = tuple(t.strip().lower() for t in args.types.split(",") if t.strip())
+    unknown = [t for t in types if t not in DEFAULT_TYPES]
+    if unknown or REFERENCE_TYPE not in types:
+        parser.error(f"--types: {unknown or 'no ' + REFERENCE_TYPE}; choose from {', '.join(DEFAULT_TYPES)}, "
+                     f"{REFERENCE_TYPE} among them")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1; got {args.repeat}")
+    slots = parse_int_list(args.slots)
+    frame = measure(types, slots, args.repeat, args.threads, cache_root() / "bench-quant-types")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out, index=False)
+    columns = ["type", "slots", "decode_step_ms", f"ratio_to_{REFERENCE_TYPE}", "weights_read_gbs",
+               "resident_to_file"]
+    print(frame[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"{args.out}: {frame['cpu_model'].iloc[0]}, {frame['threads'].iloc[0]} threads")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+/* y = x @ W^T with Q4_K or Q6_K blocks repacked at load: eight output columns interleaved.
+ *
+ * matmul_quant.c reads the K-quants in the file's row-major layout: every 32-value sub-block
+ * of one output column unpacked alone, reduced with a horizontal sum. Here, as matmul_x8.c does
+ * for the 32-value formats (and ggml-cpu's repack for Q4_K, its block_q4_Kx8), the super-blocks
+ * of 8 consecutive output columns are interleaved, so one step does a sub-block of 8 columns
+ * with every lane busy: each 32-bit lane holds 4 code bytes of one column, the integer dot
+ * products sum into one lane per column, and the per-column sub-block scales multiply them
+ * as integers in the same madd that widens the sums.
+ *
+ * Layout of a group of 8 columns, super-block by super-block along K (nanoserve/native/repack.py
+ * writes it from the file's blocks; the values are the file's, regrouped), each group-super-block:
+ *     Q4_K (1184 bytes = 8 x 144 + 32): d[8] f16, dmin[8] f16, sc[8 sub-blocks][8 columns] u8,
+ *          mn[8][8] u8 (the 6-bit scales and mins unpacked to bytes), then 4 pairs p of 256 bytes:
+ *          chunk t (32 bytes) of pair p holds column c's bytes 4t..4t+3 at 32t + 4c; byte l's low
+ *          nibble is value l of sub-block 2p, its high nibble value l of sub-block 2p+1.
+ *     Q6_K (1680 bytes = 8 x 210): d[8] f16, scales[16 halves of 16][8 columns] i8, then the low
+ *          4 bits of the codes (0..63) as Q4_K's pairs (1024 bytes), then their top 2 bits: 2
+ *          sets s of 256 bytes, chunked the same way, bits 2i, 2i+1 of byte l holding value l of
+ *          sub-block 4s + i.
+ * N is padded to a multiple of 8 with zero columns.
+ *
+ * Activations: each row quantized once per call to 8-bit blocks of 32 (quant_blocks.h), so
+ * each weight sub-block j meets one activation block (codes xq_j, scale dx_j, sx_j = dx_j *
+ * sum xq_j). The arithmetic of output (row, column), on every path and in every tile:
+ *     Q4_K: acc = fma(float(sc_j * isum_j), d * dx_j, acc), off = fma(dmin * float(mn_j), sx_j, off)
+ *           over the sub-blocks in K order; y = acc - off; isum_j = sum q * xq (q in 0..15)
+ *     Q6_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc;
+ *           isum_j = sc_{2j} * sum_{l<16} (q - 32) xq + sc_{2j+1} * sum_{l>=16} (q - 32) xq
+ * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 15 * 127 and |isum_j| <= 2 * 128 * 16 *
+ * 32 * 127 < 2^24, so the conversions to float are exact too), so the AVX2 path equals the
+ * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend on
+ * its tile, its neighbours or the thread split (threads split groups of columns).
+ * Int16 headroom: Q4_K sums 8 chunks of maddubs pairs (2 x 15 x 127) per sub-block: 30480;
+ * Q6_K moves the sign of q - 32 onto x (|q - 32| <= 32) and sums 4 chunks per 16-value half:
+ * 4 x 2 x 32 x 127 = 32512 < 32767.
+ *
+ * Tiles: for each sub-block, each 32-byte chunk of codes is unpacked once and met by every row
+ * of a tile of KX8_TILE rows (a decode step's row alone is a tile of one); a row keeps only its
+ * integer sums and accumulator in registers, and Q4_K's offset chain runs as a second loop
+ * (the two chains never mix before the final subtraction, so this changes no bit).
+ */
+#include <stdlib.h>
+
+#include "nanoserve.h"
+#include "quant_blocks.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NS_KX8_AVX2 1
+#endif
+
+enum { KX8_Q4_K = 12, KX8_Q6_K = 14 }; /* the GGML type numbers */
+enum { KX8_COLUMNS = 8, KX8_TILE = 3, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
+enum { Q4_K_CODES = 160, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
+
+static int kx8_bytes(int fmt) { return fmt == KX8_Q4_K ? 1184 : fmt == KX8_Q6_K ? 1680 : 0; }
+
+/* ---- the scalar reference ---------------------------------------------------------------- */
+
+/* Code l of sub-block j (0..7) of column c in a group-super-block: 0..15 (Q4_K), 0..63 (Q6_K). */
+static int kx8_code(int fmt, const uint8_t *block, int j, int c, int l) {
+    const int at = 256 * (j / 2) + 32 * (l / 4) + 4 * c + l % 4;
+    const int offset = fmt == KX8_Q4_K ? Q4_K_CODES : Q6_K_LOW;
+    int code = (j & 1) ? block[offset + at] >> 4 : block[offset + at] & 0x0F;
+    if (fmt == KX8_Q6_K) code |= ((block[Q6_K_HIGH + 256 * (j / 4) + 32 * (l / 4) + 4 * c + l % 4] >> (2 * (j % 4))) & 3) << 4;
+    return code;
+}
+
+static float kx8_output_portable(int fmt, const uint8_t *group, int c, const xblock *x, int64_t blocks) {
+    const int bytes = kx8_bytes(fmt);
+    float acc = 0.0f, off = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * bytes;
+        const int j = (int)(b % 8);
+        const float d = f16_to_f32(block + 2 * c);
+        if (fmt == KX8_Q4_K) {
+            int isum = 0;
+            for (int l = 0; l < 32; l++) isum += kx8_code(fmt, block, j, c, l) * x[b].qs[l];
+            acc = fmaf((float)(block[32 + 8 * j + c] * isum), d * x[b].d, acc);
+            off = fmaf(f16_to_f32(block + 16 + 2 * c) * (float)block[96 + 8 * j + c], x[b].s, off);
+        } else {
+            int half[2] = {0, 0};
+            for (int l = 0; l < 32; l++) half[l / 16] += (kx8_code(fmt, block, j, c, l) - 32) * x[b].qs[l];
+            const int8_t *scales = (const int8_t *)block + Q6_K_SCALES;
+            int isum = scales[8 * (2 * j) + c] * half[0] + scales[8 * (2 * j + 1) + c] * half[1];
+            acc = fmaf((float)isum, d * x[b].d, acc);
+        }
+    }
+    return acc - off;
+}
+
+static void kx8_tile_portable(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y,
+                              int64_t n, int valid) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < valid; c++) y[r * n + c] = kx8_output_portable(fmt, group, c, x + r * blocks, blocks);
+}
+
+/* ---- AVX2 -------------------------------------------------------------------------------- */
+
+#ifdef NS_KX8_AVX2
+static inline __m256i kx8_broadcast4(const int8_t *p) { /* 4 code bytes into every 32-bit lane */
+    int32_t word;
+    memcpy(&word, p, 4);
+    return _mm256_set1_epi32(word);
+}
+
+/* 8 bytes (one per column) -> int16 pairs (v, v) per 32-bit lane: madd's per-column multiplier. */
+static inline __m256i kx8_pairs(const uint8_t *bytes, int is_signed) {
+    __m128i eight = _mm_loadl_epi64((const __m128i *)bytes);
+    __m256i v = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+/* Sub-block j's 32-byte chunk t of codes, as unsigned bytes: 0..15 (Q4_K), 0..63 (Q6_K). */
+static inline __m256i kx8_chunk(const int fmt, const uint8_t *block, int j, int t) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const int offset = fmt == KX8_Q4_K ? Q4_K_CODES : Q6_K_LOW;
+    __m256i w = _mm256_loadu_si256((const __m256i *)(block + offset + 256 * (j / 2) + 32 * t));
+    __m256i q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(w, 4) : w, low4);
+    if (fmt == KX8_Q6_K) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(block + Q6_K_HIGH + 256 * (j / 4) + 32 * t));
+        h = _mm256_and_si256(_mm256_srli_epi16(h, 2 * (j % 4)), _mm256_set1_epi8(3));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(h, 4));
+    }
+    return q;
+}
+
+/* The integer chain of `rows` rows (`blocks` blocks apart) against one group: acc[r]. */
+static inline __attribute__((always_inline)) void kx8_products(const int fmt, const int rows, const uint8_t *group,
+                                                               const xblock *x, int64_t blocks, __m256 *acc) {
+    const int bytes = kx8_bytes(fmt);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * bytes;
+        const int j = (int)(b % 8);
+        __m256i isum[KX8_TILE];
+        if (fmt == KX8_Q4_K) {
+            __m256i sums[KX8_TILE];
+            for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                const __m256i q = kx8_chunk(fmt, block, j, t);
+                for (int r = 0; r < rows; r++)
+                    sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
+            }
+            const __m256i sc = kx8_pairs(block + 32 + 8 * j, 0);
+            for (int r = 0; r < rows; r++) isum[r] = _mm256_madd_epi16(sums[r], sc);
+        } else {
+            __m256i sums[KX8_TILE][2];
+            for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                /* maddubs multiplies unsigned by signed bytes: the sign of q - 32 moves onto x */
+                const __m256i w = _mm256_sub_epi8(kx8_chunk(fmt, block, j, t), _mm256_set1_epi8(32));
+                const __m256i magnitude = _mm256_sign_epi8(w, w);
+                for (int r = 0; r < rows; r++) {
+                    __m256i xs = _mm256_sign_epi8(kx8_broadcast4(x[r * blocks + b].qs + 4 * t), w);
+                    sums[r][t / 4] = _mm256_add_epi16(sums[r][t / 4], _mm256_maddubs_epi16(magnitude, xs));
+                }
+            }
+            const __m256i sc0 = kx8_pairs(block + Q6_K_SCALES + 8 * (2 * j), 1);
+            const __m256i sc1 = kx8_pairs(block + Q6_K_SCALES + 8 * (2 * j + 1), 1);
+            for (int r = 0; r < rows; r++)
+                isum[r] = _mm256_add_epi32(_mm256_madd_epi16(sums[r][0], sc0), _mm256_madd_epi16(sums[r][1], sc1));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r * blocks + b].d)),
+                                     acc[r]);
+    }
+}
+
+static inline void kx8_store(float *y, __m256 v, int valid) {
+    if (valid == KX8_COLUMNS) {
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    float lanes[KX8_COLUMNS];
+    _mm256_storeu_ps(lanes, v);
+    memcpy(y, lanes, (size_t)valid * sizeof(float));
+}
+
+static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, const int rows, const uint8_t *group,
+                                                                const xblock *x, int64_t blocks, float *y, int64_t n,
+                                                                int valid) {
+    __m256 acc[KX8_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    kx8_products(fmt, rows, group, x, blocks, acc);
+    if (fmt == KX8_Q4_K) {
+        __m256 off[KX8_TILE];
+        for (int r = 0; r < rows; r++) off[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = group + (b / 8) * kx8_bytes(fmt);
+            const int j = (int)(b % 8);
+            const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 96 + 8 * j))));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)));
+            const __m256 m = _mm256_mul_ps(dmin, mn);
+            for (int r = 0; r < rows; r++) off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[r * blocks + b].s), off[r]);
+        }
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_sub_ps(acc[r], off[r]);
+    }
+    for (int r = 0; r < rows; r++) kx8_store(y + r * n, acc[r], valid);
+}
+
+/* One function per (format, tile height), both constants, so the tile's registers are named. */
+#define DEFINE_KX8_TILE(NAME, FMT)                                                                      \
+    static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y, \
+                     int64_t n, int valid) {                                                            \
+        (void)fmt;                                                                                      \
+        switch (rows) {                                                                                 \
+        case 3: kx8_tile_avx2(FMT, 3, group, x, blocks, y, n, valid); return;                           \
+        case 2: kx8_tile_avx2(FMT, 2, group, x, blocks, y, n, valid); return;                           \
+        default: kx8_tile_avx2(FMT, 1, group, x, blocks, y, n, valid); return;                          \
+        }                                                                                               \
+    }
+DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, KX8_Q4_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q6_k, KX8_Q6_K)
+#endif
+
+/* ---- the entry points -------------------------------------------------------------------- */
+
+typedef void (*kx8_tile_fn)(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y,
+                            int64_t n, int valid);
+
+typedef struct {
+    kx8_tile_fn tile;
+    void (*quantize)(const float *x, int64_t k, xblock *out);
+    int fmt;
+    const float *x;
+    const uint8_t *w;
+    xblock *xq;
+    float *y;
+    int64_t rows, n, k;
+} Kx8Job;
+
+/* A call of at most KX8_PRIVATE_ROWS rows has every thread quantize all of them into its own
+ * copy rather than split them and wait at a barrier (matmul_x8.c's PRIVATE_ROWS, for the same
+ * reason); the codes are the same either way. Then the thread's groups of columns, panel by
+ * panel of rows, tile by tile. */
+static void kx8_task(void *context, int thread, int threads) {
+    const Kx8Job *job = context;
+    const int64_t blocks = job->k / 32, groups = (job->n + KX8_COLUMNS - 1) / KX8_COLUMNS;
+    const int64_t group_bytes = job->k / 256 * kx8_bytes(job->fmt);
+    xblock *xq = job->xq;
+    int64_t begin, end;
+    if (job->rows <= KX8_PRIVATE_ROWS) {
+        xq += thread * job->rows * blocks;
+        begin = 0, end = job->rows;
+    } else {
+        ns_share(job->rows, thread, threads, &begin, &end);
+    }
+    for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
+    if (job->rows > KX8_PRIVATE_ROWS) ns_barrier(threads);
+    ns_share(groups, thread, threads, &begin, &end);
+    for (int64_t panel = 0; panel < job->rows; panel += KX8_PANEL) {
+        int64_t panel_end = panel + KX8_PANEL < job->rows ? panel + KX8_PANEL : job->rows;
+        for (int64_t g = begin; g < end; g++) {
+            int valid = job->n - g * KX8_COLUMNS < KX8_COLUMNS ? (int)(job->n - g * KX8_COLUMNS) : KX8_COLUMNS;
+            for (int64_t r = panel; r < panel_end; r += KX8_TILE) {
+                int tile_rows = panel_end - r < KX8_TILE ? (int)(panel_end - r) : KX8_TILE;
+                job->tile(job->fmt, tile_rows, job->w + g * group_bytes, xq + r * blocks, blocks,
+                          job->y + r * job->n + g * KX8_COLUMNS, job->n, valid);
+            }
+        }
+    }
+}
+
+static int matmul_kx8(kx8_tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
+                      const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (kx8_bytes(fmt) == 0 || k % 256 != 0) return -1;
+    int64_t groups = (n + KX8_COLUMNS - 1) / KX8_COLUMNS;
+    if (num_threads > groups) num_threads = (int)groups;
+    if (num_threads < 1) num_threads = 1;
+    int64_t copies = rows <= KX8_PRIVATE_ROWS ? num_threads : 1;
+    xblock *xq = malloc(sizeof(xblock) * (size_t)(copies * rows * (k / 32)));
+    if (xq == NULL) return -2;
+    Kx8Job job = {tile, quantize, fmt, x, w, xq, y, rows, n, k};
+    ns_parallel(num_threads, kx8_task, &job);
+    free(xq);
+    return 0;
+}
+
+#ifdef NS_KX8_AVX2
+#define KX8_BEST_TILE(fmt) ((fmt) == KX8_Q4_K ? kx8_tile_avx2_q4_k : kx8_tile_avx2_q6_k)
+#else
+#define KX8_BEST_TILE(fmt) kx8_tile_portable
+#endif
+
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 14: Q6_K), on the widest
+ * path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
+ * -2 when out of memory. */
+NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
+                            int num_threads) {
+    return matmul_kx8(KX8_BEST_TILE(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
+}
+
+/* The scalar reference, for the tests to hold the vector path against (bit for bit). */
+NS_EXPORT int ns_matmul_kx8_portable(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
+                                     int64_t k, int num_threads) {
+    return matmul_kx8(kx8_tile_portable, quantize_row_portable, fmt, x, w, y, rows, n, k, num_threads);
+}

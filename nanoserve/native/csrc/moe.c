@@ -1,0 +1,222 @@
+/* A sparse layer's routed experts in one native call: group, gather, every expert's gated MLP,
+ * and each row's weighted sum, inside one parallel region.
+ *
+ * The Python loop (model/moe.py) makes, per expert that has rows, a gather, two matmuls, the
+ * SiLU*up, a scale and an index_add: a dozen trips through Python and ctypes per expert, and a
+ * host read of the counts per layer. Here the caller's (row, expert) choices are grouped by
+ * expert on the calling thread (a counting sort over rows * top_k pairs, stable, so each
+ * expert's rows stay ascending), then the pool's threads run the stages, separated by barriers:
+ *     gather the pairs' rows (and quantize) | every expert's gate_up over its rows |
+ *     SiLU*up (and quantize) | every expert's down | each row's sum over its experts
+ * A matmul stage runs the experts one after another, each split by output columns across the
+ * threads (stages.h: the exported kernels' own code), so an expert's rows get the bits the
+ * separate call over the same rows gets, which is a row's bits alone (the kernels are batch-
+ * invariant). A row's sum starts from zero and adds weight * output for its experts in
+ * ascending expert index, the product rounded before the add, as the loop's `routed * scale`
+ * then `index_add_` does; so this call and the loop through the same kernels agree bit for bit.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "nanoserve.h"
+#include "stages.h"
+
+/* Elements of work below which a row-wise stage runs on thread 0 (decoder.c's threshold). */
+#define MOE_STAGE_MIN_WORK 16384
+
+enum { FLOAT_PANELS = 0 }; /* a matrix's format: 0, or matmul_x8.c's layout (3: Q4_1, 8: Q8_0) */
+
+/* One sparse layer's experts: fixed after load. */
+typedef struct {
+    int64_t experts, top_k, hidden, width;
+    const void *const *gate_up; /* [experts]: [2 * width, hidden] each */
+    const void *const *down;    /* [experts]: [hidden, width] each */
+    const int32_t *formats;     /* [experts * 2]: expert e's gate_up at 2e, its down at 2e + 1 */
+} MoEModel;
+
+/* One call: the rows, each row's top_k experts and weights, where the sum goes. */
+typedef struct {
+    int64_t rows;
+    const float *x;          /* [rows, hidden] */
+    const int64_t *choices;  /* [rows, top_k]: expert indices, distinct within a row */
+    const float *weights;    /* [rows, top_k] */
+    float *out;              /* [rows, hidden] */
+    int64_t *expert_rows;    /* NULL, or [experts]: each expert's rows are added here (profile) */
+    double *expert_seconds;  /* NULL, or [experts]: each expert's matmul wall time is added here */
+} MoEStep;
+
+typedef struct {
+    const MoEModel *m;
+    const MoEStep *s;
+    int64_t pairs;
+    const int64_t *starts;   /* [experts + 1]: expert e's pairs are [starts[e], starts[e + 1]) */
+    const int64_t *pair_row; /* [pairs]: the row of each grouped pair */
+    const int64_t *slot;     /* [rows * top_k]: where pair (row, j) sits in the grouped order */
+    float *gathered, *gate_up, *activated, *expert_out;
+    xblock *xq;              /* the quantized input of the matmul stage that needs it */
+    int quantized_gate_up, quantized_down;
+} MoEJob;
+
+static void stage_rows(int64_t rows, int64_t work, int thread, int threads, int64_t *begin, int64_t *end) {
+    if (work < MOE_STAGE_MIN_WORK) {
+        *begin = 0;
+        *end = thread == 0 ? rows : 0;
+        return;
+    }
+    ns_share(rows, thread, threads, begin, end);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* y = input @ W^T over expert e's pairs, for every expert in turn: W is gate_up (which 0) or
+ * down (which 1). With the profile's timing on, a barrier ends each expert and thread 0 adds
+ * its wall time. */
+static void experts_project(const MoEJob *job, int which, const float *input, float *y, int64_t n, int64_t k,
+                            int thread, int threads) {
+    const MoEModel *m = job->m;
+    double *seconds = job->s->expert_seconds;
+    for (int64_t e = 0; e < m->experts; e++) {
+        const int64_t start = job->starts[e], count = job->starts[e + 1] - start;
+        if (count == 0) continue;
+        const double begun = seconds != NULL && thread == 0 ? now_s() : 0.0;
+        const void *w = which == 0 ? m->gate_up[e] : m->down[e];
+        const int fmt = m->formats[2 * e + which];
+        if (fmt == FLOAT_PANELS)
+            ns_stage_float(input + start * k, w, y + start * n, count, n, k, thread, threads);
+        else
+            ns_stage_x8(fmt, job->xq + start * (k / 32), w, y + start * n, count, n, k, thread, threads);
+        if (seconds != NULL) {
+            ns_barrier(threads);
+            if (thread == 0) seconds[e] += now_s() - begun;
+        }
+    }
+}
+
+static void gather(const MoEJob *job, int thread, int threads) {
+    const int64_t hidden = job->m->hidden;
+    int64_t begin, end;
+    stage_rows(job->pairs, job->pairs * hidden, thread, threads, &begin, &end);
+    for (int64_t p = begin; p < end; p++)
+        memcpy(job->gathered + p * hidden, job->s->x + job->pair_row[p] * hidden, sizeof(float) * (size_t)hidden);
+    if (job->quantized_gate_up) ns_stage_quantize_rows(job->gathered, hidden, job->xq, begin, end);
+}
+
+static void activate(const MoEJob *job, int thread, int threads) {
+    const int64_t width = job->m->width;
+    int64_t begin, end;
+    stage_rows(job->pairs, job->pairs * width, thread, threads, &begin, &end);
+    ns_stage_silu_rows(job->gate_up, job->activated, width, begin, end);
+    if (job->quantized_down) ns_stage_quantize_rows(job->activated, width, job->xq, begin, end);
+}
+
+/* out[row] = 0, then += (weight * expert output), rounded in that order, experts ascending:
+ * the loop's `routed * scale` and `index_add_`. A fused multiply-add would round once, and
+ * GCC fuses across statements unless told not to. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void add_weighted(float *out, float weight, const float *y, int64_t n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        const float scaled = weight * y[i];
+        out[i] += scaled;
+    }
+}
+
+static void combine(const MoEJob *job, int thread, int threads) {
+    const MoEModel *m = job->m;
+    const MoEStep *s = job->s;
+    const int64_t k = m->top_k, hidden = m->hidden;
+    int64_t begin, end;
+    stage_rows(s->rows, s->rows * k * hidden, thread, threads, &begin, &end);
+    for (int64_t r = begin; r < end; r++) {
+        float *out = s->out + r * hidden;
+        memset(out, 0, sizeof(float) * (size_t)hidden);
+        int64_t done = -1; /* the last expert added: each pass adds the next larger one */
+        for (int64_t added = 0; added < k; added++) {
+            int64_t next = -1;
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t e = s->choices[r * k + j];
+                if (e > done && (next < 0 || e < s->choices[r * k + next])) next = j;
+            }
+            done = s->choices[r * k + next];
+            add_weighted(out, s->weights[r * k + next], job->expert_out + job->slot[r * k + next] * hidden, hidden);
+        }
+    }
+}
+
+static void moe_task(void *context, int thread, int threads) {
+    const MoEJob *job = context;
+    const MoEModel *m = job->m;
+    gather(job, thread, threads);
+    ns_barrier(threads);
+    experts_project(job, 0, job->gathered, job->gate_up, 2 * m->width, m->hidden, thread, threads);
+    ns_barrier(threads);
+    activate(job, thread, threads);
+    ns_barrier(threads);
+    experts_project(job, 1, job->activated, job->expert_out, m->hidden, m->width, thread, threads);
+    ns_barrier(threads);
+    combine(job, thread, threads);
+}
+
+/* Groups the step's (row, expert) pairs by expert: starts, each pair's row, each choice's place.
+ * Returns 0, or -3 for an expert index outside [0, experts). */
+static int group(const MoEModel *m, const MoEStep *s, int64_t *starts, int64_t *pair_row, int64_t *slot) {
+    const int64_t pairs = s->rows * m->top_k;
+    memset(starts, 0, sizeof(int64_t) * (size_t)(m->experts + 1));
+    for (int64_t i = 0; i < pairs; i++) {
+        if (s->choices[i] < 0 || s->choices[i] >= m->experts) return -3;
+        starts[s->choices[i] + 1]++;
+    }
+    for (int64_t e = 0; e < m->experts; e++) starts[e + 1] += starts[e];
+    int64_t *next = malloc(sizeof(int64_t) * (size_t)m->experts);
+    if (next == NULL) return -2;
+    memcpy(next, starts, sizeof(int64_t) * (size_t)m->experts);
+    for (int64_t i = 0; i < pairs; i++) { /* rows ascending, so each expert's rows stay ascending */
+        const int64_t at = next[s->choices[i]]++;
+        pair_row[at] = i / m->top_k;
+        slot[i] = at;
+    }
+    if (s->expert_rows != NULL)
+        for (int64_t e = 0; e < m->experts; e++) s->expert_rows[e] += starts[e + 1] - starts[e];
+    free(next);
+    return 0;
+}
+
+/* out [rows, hidden] = each row's sum over its top_k experts of weight * expert(x row), experts
+ * in ascending index. Returns 0, -1 when a quantized matrix's input is not whole blocks of 32,
+ * -2 when out of memory, -3 for an expert index outside [0, experts). */
+NS_EXPORT int ns_moe_experts(const MoEModel *m, const MoEStep *s, int num_threads) {
+    int quantized_gate_up = 0, quantized_down = 0;
+    for (int64_t e = 0; e < m->experts; e++) {
+        quantized_gate_up |= m->formats[2 * e] != FLOAT_PANELS;
+        quantized_down |= m->formats[2 * e + 1] != FLOAT_PANELS;
+    }
+    if ((quantized_gate_up && m->hidden % 32) || (quantized_down && m->width % 32)) return -1;
+    if (s->rows == 0) return 0;
+    const int64_t pairs = s->rows * m->top_k;
+    const int64_t widest = m->hidden > m->width ? m->hidden : m->width;
+    const size_t floats = (size_t)(pairs * (m->hidden + 2 * m->width + m->width + m->hidden));
+    int64_t *indices = malloc(sizeof(int64_t) * (size_t)(m->experts + 1 + 2 * pairs));
+    float *buffers = malloc(sizeof(float) * floats);
+    xblock *xq = malloc(sizeof(xblock) * (size_t)(pairs * (widest / 32) + 1));
+    int status = indices == NULL || buffers == NULL || xq == NULL ? -2 : 0;
+    if (status == 0) status = group(m, s, indices, indices + m->experts + 1, indices + m->experts + 1 + pairs);
+    if (status == 0) {
+        MoEJob job = {m, s, pairs, indices, indices + m->experts + 1, indices + m->experts + 1 + pairs,
+                      buffers, buffers + pairs * m->hidden, buffers + pairs * (m->hidden + 2 * m->width),
+                      buffers + pairs * (m->hidden + 3 * m->width), xq, quantized_gate_up, quantized_down};
+        ns_parallel(num_threads, moe_task, &job);
+    }
+    free(indices);
+    free(buffers);
+    free(xq);
+    return status;
+}
