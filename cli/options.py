@@ -134,6 +134,7 @@ FIELD_TO_OPTION = {
     "frequency_penalty": "--frequency-penalty", "logprobs": "--logprobs",
     "threads": "--threads", "linear_kernel": "--linear-kernel", "quantize": "--quantize",
     "p_less": "--p-less", "json_schema": "--json-schema", "regex": "--regex",
+    "lora_path": "--lora-modules", "lora_name": "--lora-modules",
 }
 
 _DEFAULT = EngineConfig()  # the options' defaults are the engine's own

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from nanoserve.engine.core import Engine
+    from nanoserve.server.adapters import LoRAModule
     from nanoserve.server.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
 
@@ -84,6 +85,18 @@ def serve(
     reasoning_budget: Annotated[int | None, typer.Option(
         min=0, help="Thinking tokens a request gets unless it sets thinking_token_budget: then the "
                     "end tag is forced and the answer follows. Default: no limit.")] = None,
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="A LoRA adapter to serve, name=path (a PEFT adapter folder or a GGUF LoRA file) or vLLM's "
+             'JSON {"name": ..., "path": ..., "base_model_name": ...}; repeatable. A request picks it '
+             "by `model`; /v1/models lists it with the base model as its parent.")] = None,
+    enable_lora: Annotated[bool, typer.Option(
+        "--enable-lora", help="Serve LoRA adapters (implied by --lora-modules and "
+                              "--enable-lora-runtime-updates).")] = False,
+    max_loras: Annotated[int, typer.Option(min=1, help="Most LoRA adapters loaded at once.")] = 1,
+    max_lora_rank: Annotated[int, typer.Option(min=1, help="Highest LoRA rank an adapter may have.")] = 16,
+    enable_lora_runtime_updates: Annotated[bool, typer.Option(
+        "--enable-lora-runtime-updates", help="Serve POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (vLLM's): clients then load files by path; off: they answer 404.")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error or critical.")] = "info",
     seed: Annotated[int | None, typer.Option(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
@@ -119,7 +132,12 @@ def serve(
         options.fail_for(error)
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
-    config = engine.config()
+    modules = _lora_modules(lora_modules or [], max_loras)
+    enable_lora = enable_lora or bool(modules) or enable_lora_runtime_updates
+    if enable_lora and data_parallel_size > 1:
+        options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
+                     "with --data-parallel-size above 1 yet")
+    config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
     replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,6 +154,7 @@ def serve(
         options.fail_for(error)
     names = list(served_model_name or [_served_name(engine.model, source.dir, source.gguf)])
     aliases = (engine.model,) if engine.model else ()
+    _check_lora_modules(modules, source.dir, names, aliases, max_lora_rank)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
                           max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
@@ -147,7 +166,8 @@ def serve(
 
     server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
                            tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death,
-                           reasoning=reasoning, replicas=replicas)
+                           reasoning=reasoning, replicas=replicas, lora_modules=modules,
+                           lora_runtime_updates=enable_lora_runtime_updates)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))
@@ -200,6 +220,41 @@ def _tenancy(api_keys: list[str] | None, keys_file: Path | None, cache_scope: st
                        max_per_tenant)
     except TenancyError as error:
         options.fail(str(error))
+
+
+def _lora_modules(entries: list[str], max_loras: int) -> tuple[LoRAModule, ...]:
+    """The --lora-modules entries, or exit 2 naming the one that does not parse."""
+    from nanoserve.server.adapters import parse_lora_module
+
+    try:
+        modules = tuple(parse_lora_module(entry) for entry in entries)
+    except ValueError as error:
+        options.fail(f"invalid value for --lora-modules: {error}")
+    if len(modules) > max_loras:
+        options.fail(f"--lora-modules names {len(modules)} adapters; --max-loras is {max_loras}")
+    return modules
+
+
+def _check_lora_modules(modules: tuple[LoRAModule, ...], model_dir: Path, names: list[str],
+                        aliases: tuple[str, ...], max_rank: int) -> None:
+    """Each adapter read whole and checked against the model's config before the model loads:
+    exit 2 naming --lora-modules (the engine reads them again when it starts)."""
+    from nanoserve.errors import InvalidRequestError
+    from nanoserve.loading.adapters import read_adapter
+    from nanoserve.loading.weights import read_config
+    from nanoserve.server.adapters import AdapterRegistry
+
+    if not modules:
+        return
+    try:
+        AdapterRegistry(frozenset((*names, *aliases)), names[0], modules)
+        model_config = read_config(model_dir)
+        for module in modules:
+            read_adapter(module.path, model_config, max_rank)
+    except InvalidRequestError as error:
+        options.fail(f"invalid value for --lora-modules: {error.message}")
+    except NanoserveError as error:
+        options.fail_for(error)
 
 
 def _draining_server(config: uvicorn.Config, server_app: FastAPI, drain_s: float) -> uvicorn.Server:

@@ -2,15 +2,20 @@
 here with random weights on a tiny model gives our engine the logprobs PEFT's model gives
 (float32, within 1e-4); a row with its adapter has the same bits alone and beside rows with
 other adapters and none; the prefix cache never hands one adapter's K/V to another; a bad
-adapter is refused by name and nothing of it stays loaded."""
+adapter is refused by name and nothing of it stays loaded. llama.cpp's GGUF LoRA, written here
+by the `gguf` package from a PEFT adapter as llama.cpp's converter writes it, gives the outputs
+of that PEFT adapter."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_gguf_import import native_off
 from tiny_model import write_tiny_llama
 
@@ -151,3 +156,79 @@ def test_lora_requests_without_enable_lora_or_over_max_loras_are_refused_by_name
     assert error.value.param == "max_loras"
     one.engine.remove_lora("adapter-0")
     assert one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[1])[0].token_ids
+
+
+# -- llama.cpp's GGUF LoRA ----------------------------------------------------------------------
+
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, which its LoRA converter applies to B's rows."""
+    rows = weights.shape[0]
+    halves = weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_gguf_lora(adapter_dir: Path, model_dir: Path, out: Path, *,
+                    general_type: str = "adapter") -> Path:
+    """The PEFT adapter as convert_lora_to_gguf.py writes it for a llama: general.type adapter,
+    adapter.type lora, adapter.lora.alpha, `blk.N.<tensor>.weight.lora_a/_b`, Q and K rows of B
+    permuted as the base model's are."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    model = json.loads((model_dir / "config.json").read_text())
+    heads = {"q_proj": model["num_attention_heads"], "k_proj": model["num_key_value_heads"]}
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_type(general_type)
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for key, tensor in sorted(load_file(str(adapter_dir / "adapter_model.safetensors")).items()):
+        parts = key.split(".")  # base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight
+        layer, module, which = parts[4], parts[6], parts[7][-1].lower()
+        values = tensor.float().numpy()
+        if which == "b" and module in heads:
+            values = llama_cpp_permute(values, heads[module])
+        writer.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{which}",
+                          np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_gguf_lora_gives_the_outputs_of_the_peft_adapter_it_was_converted_from(
+        tiny_model_dir, adapters, tmp_path, monkeypatch, native):
+    gguf_file = write_gguf_lora(adapters[0], tiny_model_dir, tmp_path / "adapter.gguf")
+    if native:
+        llm = lora_llm(tiny_model_dir)
+    else:
+        with native_off(monkeypatch):
+            llm = lora_llm(tiny_model_dir)
+    from_gguf = llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("gguf", 1, str(gguf_file)))[0]
+    from_peft = llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("peft", 2, str(adapters[0])))[0]
+    assert from_gguf.token_ids == from_peft.token_ids
+    assert [e.logprob for e in from_gguf.logprobs] == [e.logprob for e in from_peft.logprobs]
+    expected = peft_logprobs(tiny_model_dir, adapters[0], from_gguf.prompt_token_ids, from_gguf.token_ids)
+    ours = [entry.logprob for entry in from_gguf.logprobs]
+    assert max(abs(a - b) for a, b in zip(ours, expected, strict=True)) < 1e-4
+
+
+def test_bad_gguf_loras_are_refused_by_name_and_nothing_of_them_loads(tiny_model_dir, adapters, tmp_path):
+    llm = lora_llm(tiny_model_dir)
+    model_file = write_gguf_lora(adapters[0], tiny_model_dir, tmp_path / "model.gguf", general_type="model")
+    assert "general.type is 'model'" in refused(llm, LoRARequest("model", 1, str(model_file))).message
+    wide = build_adapter(tiny_model_dir, tmp_path / "wide", seed=5, rank=16)
+    wide_file = write_gguf_lora(wide, tiny_model_dir, tmp_path / "w.gguf")
+    error = refused(llm, LoRARequest("wide", 2, str(wide_file)))
+    assert "max_lora_rank=8" in error.message and "r=16" in error.message
+    other_base = write_tiny_llama(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    other_adapter = build_adapter(other_base, tmp_path / "o", seed=6)
+    other = write_gguf_lora(other_adapter, other_base, tmp_path / "o.gguf")
+    error = refused(llm, LoRARequest("other", 3, str(other)))
+    assert "shape" in error.message and error.param == "lora_path"
+    (tmp_path / "junk.bin").write_bytes(b"not an adapter")
+    junk = refused(llm, LoRARequest("junk", 4, str(tmp_path / "junk.bin")))
+    assert "neither a PEFT adapter folder" in junk.message

@@ -79,11 +79,13 @@ from nanoserve.engine.spec_decode import (
 )
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.adapters import read_adapter
 from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.pooling import checkpoint_pooling
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.model.decoder import Llama
 from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
+from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
@@ -240,9 +242,21 @@ class Engine:
         if not isinstance(lora_request, LoRARequest):
             raise InvalidRequestError(f"lora_request must be a LoRARequest; got {lora_request!r}",
                                       param="lora_request")
+        kernel = self._adapter_kernel()
         return self.loras.add(lora_request, lambda request, serial: load_adapter(
-            request, self.model_config, max_rank=self.loras.max_lora_rank, serial=serial,
-            pack=self.kernel_choice.kernel.pack, dtype=self.dtype, device=self.device))
+            request, read_adapter(request.lora_path, self.model_config, self.loras.max_lora_rank),
+            self.model_config, serial=serial, pack=kernel.pack, matmul=kernel.apply, dtype=self.dtype,
+            device=self.device))
+
+    def _adapter_kernel(self) -> LinearKernel:
+        """The kernel of adapters' float matrices: the model's, unless that one runs GGUF blocks
+        (floats then take its torch fallback, many times slower per call than the native float
+        kernel; results/bench_lora.csv); then the native float kernel where it runs here."""
+        kernel = self.kernel_choice.kernel
+        if kernel.name in QUANTIZED_KERNELS and self.device.type == "cpu" and "native" not in left_out(
+                self.device) and self.dtype in (torch.float32, torch.bfloat16):
+            return KERNELS["native"]
+        return kernel
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter; requests running with it keep it until they finish."""

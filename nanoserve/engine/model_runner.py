@@ -107,7 +107,11 @@ class ModelRunner:
                 drafts: DeviceDrafts | None = None) -> PreparedStep:
         """The step's tensors; `in_flight` holds the tokens still pending on the host, `drafts`
         the drafts the host has not seen."""
-        ordered = sorted(chunks, key=lambda chunk: not chunk.is_decode)  # decodes first, stable
+        # Decodes first, then each LoRA adapter's rows side by side (stable): an adapter's
+        # update then runs over a slice of rows, not a gather and a scatter.
+        first_seen = dict.fromkeys(id(chunk.request.adapter) for chunk in chunks)
+        adapter_order = {key: order for order, key in enumerate(first_seen)}
+        ordered = sorted(chunks, key=lambda c: (not c.is_decode, adapter_order[id(c.request.adapter)]))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -245,15 +249,20 @@ class ModelRunner:
         return self._tensor([row for row, _, _ in rows]), [request_id for _, request_id, _ in rows]
 
     def _adapter_rows(self, ordered: list[ScheduledChunk]) -> list[AdapterRows]:
-        """The rows of each LoRA adapter this step runs with, in the batch's row order."""
-        rows: dict[int, tuple[Adapter, list[int]]] = {}
+        """The row ranges of each LoRA adapter this step runs with (one among the decodes, one
+        among the prefills, at most), in the batch's row order."""
+        ranges: dict[int, tuple[Adapter, list[tuple[int, int]]]] = {}
         row = 0
         for chunk in ordered:
-            adapter = chunk.request.adapter
+            adapter, stop = chunk.request.adapter, row + chunk.num_tokens
             if adapter is not None:
-                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(row, row + chunk.num_tokens))
-            row += chunk.num_tokens
-        return [AdapterRows(adapter, self._tensor(ids)) for adapter, ids in rows.values()]
+                spans = ranges.setdefault(id(adapter), (adapter, []))[1]
+                if spans and spans[-1][1] == row:
+                    spans[-1] = (spans[-1][0], stop)
+                else:
+                    spans.append((row, stop))
+            row = stop
+        return [AdapterRows(adapter, tuple(spans)) for adapter, spans in ranges.values()]
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size

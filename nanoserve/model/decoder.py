@@ -292,7 +292,7 @@ class Llama:
     def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
         """Each LoRA row's low-rank update, after the base linear that ran for every row."""
         if step.batch.adapter_rows:
-            apply_lora(out, x, step.batch.adapter_rows, index, target, self.linear)
+            apply_lora(out, x, step.batch.adapter_rows, index, target)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-split matrix's output summed over the ranks (itself with one rank)."""

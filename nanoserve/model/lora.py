@@ -1,14 +1,16 @@
-"""LoRA adapters: PEFT adapter folders loaded against the base model, and each row's low-rank
-update applied after the base linear (multi-LoRA serving, as vLLM's --enable-lora).
+"""LoRA adapters: checked against the base model, fused, and each row's low-rank update applied
+after the base linear (multi-LoRA serving, as vLLM's --enable-lora).
 
-Owns: `LoRARequest` (vLLM's: a name, an integer id, a path), reading a PEFT folder
-(adapter_config.json + adapter_model.safetensors) into an `Adapter` whose matrices sit fused
-like the base model's (q, k and v share the qkv output's columns, gate and up gate_up's), with
-the scaling (lora_alpha / r, or / sqrt(r) with use_rslora) folded into B; `AdapterSet`, the
+Owns: `LoRARequest` (vLLM's: a name, an integer id, a path), the checks every adapter file
+passes (`check_rank`, `check_weights`; `loading.adapters` reads PEFT folders and llama.cpp's
+GGUF LoRA files into `AdapterTensor`s), and `load_adapter`, which makes an `Adapter` whose
+matrices sit fused like the base model's (q, k and v share the qkv output's columns, gate and
+up gate_up's), with the file's scaling folded into B; `AdapterSet`, the
 adapters resident at once (at most max_loras); and `apply`, which adds each adapter's
 update to its own rows of a base linear's output: the base matmul runs once for the whole
-batch, then each adapter's two small matmuls over its rows alone, through the model's linear
-kernel, so a row's bits do not depend on which adapters its neighbours use.
+batch, then each adapter's two small matmuls over its rows alone, through a batch-invariant
+float kernel (the model's own, or the native float kernel beside a GGUF model's block kernel),
+so a row's bits do not depend on which adapters its neighbours use.
 Refuses, by name, before anything is kept: a rank above max_lora_rank, a target module the
 decoder has no linear for, DoRA, trained biases or modules_to_save, and a tensor whose shape
 does not fit the base model; an adapter is resident whole or not at all.
@@ -16,15 +18,10 @@ does not fit the base model; an adapter is resident whole or not at all.
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import InvalidRequestError
@@ -32,7 +29,6 @@ from nanoserve.errors import InvalidRequestError
 # PEFT's module names, and the fused base linear each one's output columns live in.
 TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
            "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,37 +66,65 @@ class Adapter:
     path: str
     rank: int
     cache_key: str  # the prefix cache's namespace: one per load, so a reloaded name never hits old K/V
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the kernel A and B are packed for
     layers: list[dict[str, FusedUpdate]] = field(default_factory=list)  # [layer][fused target]
 
 
-def _refuse(path: str, message: str) -> InvalidRequestError:
+def refuse(path: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"the LoRA adapter at {path}: {message}", param="lora_path")
 
 
-def _read_config(folder: Path, path: str, max_rank: int) -> dict:
-    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights_file.is_file():
-        raise _refuse(path, "is not a PEFT adapter folder (adapter_config.json and "
-                            "adapter_model.safetensors)")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    if config.get("peft_type", "LORA") != "LORA":
-        raise _refuse(path, f"peft_type {config.get('peft_type')!r} is not LORA")
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise _refuse(path, f"r must be an integer >= 1; got {rank!r}")
+@dataclass(frozen=True, slots=True)
+class AdapterTensor:
+    """One A or B matrix as a file holds it, named for messages, placed by layer and PEFT module."""
+
+    key: str  # the file's name for it
+    layer: int
+    module: str  # q_proj, ..., down_proj
+    which: str  # "A" [rank, in] or "B" [out, rank], in Hugging Face's row order
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWeights:
+    """An adapter read whole and checked against the base model: each layer's (A, B) per PEFT
+    module, float32, and the scaling its update is multiplied by."""
+
+    rank: int
+    scaling: float
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+
+def check_rank(path: str, rank: object, max_rank: int) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse(path, f"r must be an integer >= 1; got {rank!r}")
     if rank > max_rank:
-        raise _refuse(path, f"its rank r={rank} is above max_lora_rank={max_rank}")
-    unsupported = (("use_dora", (False, None)), ("bias", ("none", None)), ("modules_to_save", (None, [])))
-    for key, allowed in unsupported:
-        if config.get(key) not in allowed:
-            raise _refuse(path, f"{key}={config.get(key)!r} is not supported")
-    targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise _refuse(path, f"target_modules {unknown} have no LoRA support here (supported: "
-                            f"{', '.join(TARGETS)})")
-    return config
+        raise refuse(path, f"its rank r={rank} is above max_lora_rank={max_rank}")
+    return rank
+
+
+def check_weights(path: str, model: ModelConfig, rank: int, scaling: float,
+                  tensors: Iterable[AdapterTensor]) -> AdapterWeights:
+    """The tensors as one adapter, or a refusal naming the first that does not fit the base
+    model (its layer, its shape) and the first module with A but no B or B but no A."""
+    per_layer: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(model.num_layers)]
+    for entry in tensors:
+        if entry.layer >= model.num_layers:
+            raise refuse(path, f"tensor {entry.key!r} names layer {entry.layer}; the base model has "
+                               f"{model.num_layers}")
+        expected = ((rank, _input_width(model, entry.module)) if entry.which == "A"
+                    else (_output_columns(model)[entry.module][2], rank))
+        if tuple(entry.tensor.shape) != expected:
+            raise refuse(path, f"tensor {entry.key!r} has shape {list(entry.tensor.shape)}; the base model "
+                               f"needs {list(expected)}")
+        per_layer[entry.layer].setdefault(entry.module, {})[entry.which] = entry.tensor.float()
+    for index, modules in enumerate(per_layer):
+        for module, pair in modules.items():
+            if set(pair) != {"A", "B"}:
+                missing = "A" if "A" not in pair else "B"
+                raise refuse(path, f"layer {index} {module} has no lora_{missing}")
+    layers = [{module: (pair["A"], pair["B"]) for module, pair in modules.items()} for modules in per_layer]
+    return AdapterWeights(rank, scaling, layers)
 
 
 def _output_columns(config: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -118,41 +142,17 @@ def _input_width(config: ModelConfig, module: str) -> int:
             "down_proj": config.intermediate_size}.get(module, config.hidden_size)
 
 
-def load_adapter(request: LoRARequest, model: ModelConfig, *, max_rank: int, serial: int,
-                 pack: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+def load_adapter(request: LoRARequest, weights: AdapterWeights, model: ModelConfig, *, serial: int,
+                 pack: Callable[[torch.Tensor], torch.Tensor],
+                 matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype,
                  device: torch.device) -> Adapter:
-    """Read and check a PEFT folder whole, then fuse and pack it; nothing is kept on a refusal."""
-    path = request.lora_path
-    folder = Path(path)
-    config = _read_config(folder, path, max_rank)
-    rank = config["r"]
-    alpha = config.get("lora_alpha", rank)
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    per_layer: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(model.num_layers)]
-    for key, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
-        found = _KEY.match(key)
-        if found is None or found.group(2) not in TARGETS:
-            raise _refuse(path, f"tensor {key!r} is no LoRA A or B of a supported module")
-        layer, module, which = int(found.group(1)), found.group(2), found.group(3)
-        if layer >= model.num_layers:
-            raise _refuse(path, f"tensor {key!r} names layer {layer}; the base model has {model.num_layers}")
-        expected = ((rank, _input_width(model, module)) if which == "A"
-                    else (_output_columns(model)[module][2], rank))
-        if tuple(tensor.shape) != expected:
-            raise _refuse(path, f"tensor {key!r} has shape {list(tensor.shape)}; the base model "
-                                f"needs {list(expected)}")
-        per_layer[layer].setdefault(module, {})[which] = tensor.float()
-    for index, modules in enumerate(per_layer):
-        for module, pair in modules.items():
-            if set(pair) != {"A", "B"}:
-                missing = "A" if "A" not in pair else "B"
-                raise _refuse(path, f"layer {index} {module} has no lora_{missing}")
-    layers = [_fuse(modules, model, scaling, pack, dtype, device) for modules in per_layer]
-    return Adapter(request.lora_name, request.lora_int_id, path, rank,
-                   f"{request.lora_name}\0{serial}", layers)
+    """The checked weights fused and packed for a batch-invariant float kernel (`pack`, `matmul`)."""
+    layers = [_fuse(modules, model, weights.scaling, pack, dtype, device) for modules in weights.layers]
+    return Adapter(request.lora_name, request.lora_int_id, request.lora_path, weights.rank,
+                   f"{request.lora_name}\0{serial}", matmul, layers)
 
 
-def _fuse(modules: dict[str, dict[str, torch.Tensor]], model: ModelConfig, scaling: float,
+def _fuse(modules: dict[str, tuple[torch.Tensor, torch.Tensor]], model: ModelConfig, scaling: float,
           pack: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
           device: torch.device) -> dict[str, FusedUpdate]:
     """One layer's modules grouped by fused target: A stacked along the rank, B placed at its
@@ -163,14 +163,14 @@ def _fuse(modules: dict[str, dict[str, torch.Tensor]], model: ModelConfig, scali
         names = [name for name in modules if TARGETS[name] == target]
         if not names:
             continue
-        a = torch.cat([modules[name]["A"] for name in names])
+        a = torch.cat([modules[name][0] for name in names])
         width = columns[names[0]][0]
         b = torch.zeros(width, a.shape[0])
         start = 0
         for name in names:
             _, first, size = columns[name]
-            rank = modules[name]["B"].shape[1]
-            b[first:first + size, start:start + rank] = modules[name]["B"] * scaling
+            rank = modules[name][1].shape[1]
+            b[first:first + size, start:start + rank] = modules[name][1] * scaling
             start += rank
         fused[target] = FusedUpdate(pack(a.to(device, dtype).contiguous()),
                                     pack(b.to(device, dtype).contiguous()))
@@ -219,18 +219,17 @@ class AdapterSet:
 
 @dataclass(frozen=True, slots=True)
 class AdapterRows:
-    """The rows of one step that run with `adapter` (an index tensor into the flat batch)."""
+    """The rows of one step that run with `adapter`: [start, stop) ranges of the flat batch."""
 
     adapter: Adapter
-    rows: torch.Tensor
+    ranges: tuple[tuple[int, int], ...]
 
 
-def apply(out: torch.Tensor, x: torch.Tensor, groups: list[AdapterRows], layer: int, target: str,
-          linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+def apply(out: torch.Tensor, x: torch.Tensor, groups: list[AdapterRows], layer: int, target: str) -> None:
     """out[rows] += each adapter's update of its own rows, in place (rows without one: nothing)."""
     for group in groups:
-        update = group.adapter.layers[layer].get(target)
+        update, matmul = group.adapter.layers[layer].get(target), group.adapter.matmul
         if update is None:
             continue
-        delta = linear(linear(x.index_select(0, group.rows), update.a), update.b)
-        out.index_copy_(0, group.rows, out.index_select(0, group.rows) + delta)
+        for start, stop in group.ranges:
+            out[start:stop] += matmul(matmul(x[start:stop].contiguous(), update.a), update.b)

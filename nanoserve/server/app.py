@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import anthropic, embeddings, responses, routes
+from nanoserve.server import adapter_routes, anthropic, embeddings, responses, routes
+from nanoserve.server.adapters import AdapterRegistry, LoRAModule
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
@@ -52,7 +53,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               limits: ServerLimits | None = None, seed: int | None = None,
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
               on_engine_death: Callable[[BaseException], None] | None = None,
-              reasoning: ReasoningConfig | None = None, replicas: ReplicaPlan | None = None) -> FastAPI:
+              reasoning: ReasoningConfig | None = None, replicas: ReplicaPlan | None = None,
+              lora_modules: tuple[LoRAModule, ...] = (), lora_runtime_updates: bool = False) -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
     the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
@@ -64,14 +66,22 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     `reasoning`: the reasoning parser and default budget; a named parser the model's
     vocabulary cannot serve stops the engine at startup.
     `replicas`: serve from that many data-parallel engine processes (`replicas.py`) instead of
-    `build_engine` on a thread of this one."""
+    `build_engine` on a thread of this one. `lora_modules`: LoRA adapters loaded at startup
+    (an adapter the engine refuses stops it), which requests pick by `model`;
+    `lora_runtime_updates`: serve vLLM's load/unload routes (else they answer 404). Neither
+    beside `replicas` yet (a ValueError)."""
     limits = limits or ServerLimits()
     tenancy = tenancy or Tenancy()
     reasoning = reasoning or ReasoningConfig()
+    if replicas is not None and (lora_modules or lora_runtime_updates):
+        raise ValueError("LoRA adapters are not served beside data-parallel replicas yet")
+    adapters = AdapterRegistry(frozenset((*model_names, *aliases)), model_names[0], tuple(lora_modules),
+                               lora_runtime_updates)
 
     def build_checked_engine() -> Engine:
         engine = build_engine()
         reasoning.tags(engine.tokenizer)
+        adapters.load_at_start(engine)
         return engine
 
     @contextlib.asynccontextmanager
@@ -86,7 +96,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
             async_engine, list(model_names), frozenset((*model_names, *aliases)), tenancy, limits,
             ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),
             sse_keep_alive_s=sse_keep_alive_s,
-            default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning)
+            default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning,
+            adapters=adapters)
         async_engine.start()
         try:
             yield
@@ -122,6 +133,10 @@ def _v1_router() -> APIRouter:
                          openapi_extra=_body_schema(ChatCompletionRequest))
     router.add_api_route("/responses", responses.create_response, methods=["POST"],
                          openapi_extra=_body_schema(responses.ResponsesRequest))
+    router.add_api_route("/load_lora_adapter", adapter_routes.load_lora_adapter, methods=["POST"],
+                         openapi_extra=_body_schema(adapter_routes.LoadLoRAAdapterRequest))
+    router.add_api_route("/unload_lora_adapter", adapter_routes.unload_lora_adapter, methods=["POST"],
+                         openapi_extra=_body_schema(adapter_routes.UnloadLoRAAdapterRequest))
     return router
 
 

@@ -3,7 +3,7 @@
 Owns: one thread that builds the engine (so the server answers 503 while it loads) and then
 steps it while there is work, sleeping on a condition when there is none (and logs how far a
 prefill has got every `prefill_log_s` it keeps running, so a long prompt is visibly working); a command queue
-(add, abort, stop) that is the only way the event loop touches the engine; per-request
+(add, abort, call, stop) that is the only way the event loop touches the engine; per-request
 `asyncio.Queue`s fed by one `loop.call_soon_threadsafe` per step; the health flag, cleared
 if the loop dies, which fails every open stream; and the engine snapshot for /metrics.
 Refuses: HTTP, and any engine call from the event loop thread (the engine is not thread-safe).
@@ -29,6 +29,7 @@ from nanoserve.server.metrics import EngineSnapshot
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
+    from nanoserve.model.lora import LoRARequest
     from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
@@ -47,11 +48,21 @@ class _Add:
     params: SamplingParams
     parent_id: str | None = None
     pooling: PoolingParams | None = None  # an embedding request
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `run(engine)` between steps; `settle(result, error)` then hands the outcome to the
+    event loop (AsyncEngine only: a replica's commands cross a process boundary)."""
+
+    run: Callable[[Engine], object]
+    settle: Callable[[object, BaseException | None], None]
 
 
 class AsyncEngine:
@@ -68,7 +79,8 @@ class AsyncEngine:
         self._prefill_logged_s: dict[str, float] = {}  # engine thread: when each prefill last logged
         self._arrivals: dict[str, float] = {}  # engine thread: arrival of each prefill logged
         self._loop = loop
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._calls: set[asyncio.Future] = set()  # event loop only: `call`s not yet settled
         self._wake = threading.Condition()
         self._stopping = False
         self._draining = False
@@ -126,12 +138,27 @@ class AsyncEngine:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
-            pooling: PoolingParams | None = None) -> None:
+            pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a sequence, one choice of the client request `parent_id` (with `pooling`, an
-        embedding request); its outputs (or an exception) arrive on `queue`."""
+        embedding request; with `lora_request`, run with that adapter, resident already); its
+        outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling))
+        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling, lora_request))
+
+    async def call(self, run: Callable[[Engine], object], *,
+                   then: Callable[[object], None] | None = None) -> object:
+        """`run(engine)` on the engine thread, between steps; its result, or its exception raised
+        here. `then(result)` runs on the event loop when it succeeds, even if the awaiting task
+        was cancelled meanwhile (the engine's change is made either way)."""
+        self.check_available()
+        future = self._loop.create_future()
+        if then is not None:
+            future.add_done_callback(lambda done: then(done.result())
+                                     if not done.cancelled() and done.exception() is None else None)
+        self._calls.add(future)
+        self._send(_Call(run, lambda result, error: self._call_soon(self._settle, future, result, error)))
+        return await asyncio.shield(future)
 
     def abort(self, request_id: str) -> None:
         """Stop a sequence (its reader is gone): no more outputs, its blocks freed at once."""
@@ -170,7 +197,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         with self._wake:
             self._commands.append(command)
             self._wake.notify()
@@ -193,6 +220,17 @@ class AsyncEngine:
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(error)
+        for future in list(self._calls):
+            self._settle(future, None, error)
+
+    def _settle(self, future: asyncio.Future, result: object, error: BaseException | None) -> None:
+        self._calls.discard(future)
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     # -- engine thread side -------------------------------------------------------------------
 
@@ -273,7 +311,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(callback, *args)
 
 
-def apply_commands(engine: Engine, commands: list[_Add | _Abort]) -> list[tuple[str, BaseException]]:
+def apply_commands(engine: Engine, commands: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
     """Apply a batch of commands in order; the requests the engine refuses, with its error.
     (The server's checks ran before: a late refusal only fails that request.) Also a replica's."""
     rejected = []
@@ -281,9 +319,17 @@ def apply_commands(engine: Engine, commands: list[_Add | _Abort]) -> list[tuple[
         if isinstance(command, _Abort):
             engine.abort(command.request_id)
             continue
+        if isinstance(command, _Call):
+            try:
+                result, error = command.run(engine), None
+            except Exception as refused:  # the caller's to answer; the loop goes on
+                result, error = None, refused
+            command.settle(result, error)
+            continue
         try:
             engine.add_request(command.prompt_ids, command.params, command.request_id,
-                               parent_id=command.parent_id, pooling=command.pooling)
+                               parent_id=command.parent_id, pooling=command.pooling,
+                               lora_request=command.lora_request)
         except Exception as error:
             rejected.append((command.request_id, error))
     return rejected

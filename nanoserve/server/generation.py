@@ -29,6 +29,7 @@ from nanoserve.server.state import ServerState, unavailable
 
 if TYPE_CHECKING:
     from nanoserve.engine.output import RequestOutput, TokenLogprob
+    from nanoserve.model.lora import LoRARequest
     from nanoserve.server.planning import PlannedSequence
     from nanoserve.server.reasoning import ReasoningReader
     from nanoserve.server.tenants import Tenant
@@ -104,9 +105,10 @@ class Generation:
 
     @classmethod
     def start(cls, state: ServerState, plan: list[PlannedSequence], arrival_s: float, *,
-              request_id: str, tenant: Tenant | None) -> Generation:
+              request_id: str, tenant: Tenant | None, lora_request: LoRARequest | None = None) -> Generation:
         """Add the plan's sequences as one client request of `tenant` (None: the server has no
-        keys): its cache scope salts their params, its fair share parent groups them."""
+        keys), run with the LoRA adapter `lora_request` (None: the base model): its cache scope
+        salts their params, its fair share parent groups them."""
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{request_id}-{seq.index}" for seq in plan]
         choices = {seq_id: Choice(seq.index, seq.prompt_index, seq_id, len(seq.prompt_ids),
@@ -121,11 +123,13 @@ class Generation:
         tenancy = state.tenancy
         tenancy.enter(tenant)
         parent_id = tenancy.parent_id(tenant, request_id)
+        # Only the in-process engine serves adapters (build_app refuses them beside replicas).
+        adapter = {"lora_request": lora_request} if lora_request is not None else {}
         for seq_id, seq in zip(ids, plan, strict=True):
             try:
                 params = tenancy.scoped_params(seq.params, tenant)
                 state.async_engine.add(seq_id, seq.prompt_ids, params, queue, parent_id=parent_id,
-                                       pooling=seq.pooling)
+                                       pooling=seq.pooling, **adapter)
             except EngineUnavailableError as error:
                 generation.close()
                 raise unavailable(str(error), state.limits) from None

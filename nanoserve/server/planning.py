@@ -28,7 +28,7 @@ from nanoserve.sampling_params import (
     keep_last_tokens,
 )
 from nanoserve.server import protocol
-from nanoserve.server.errors import APIError, bad_request
+from nanoserve.server.errors import bad_request
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.reasoning import ReasoningPlan
 from nanoserve.server.state import ServerLimits, ServerState
@@ -107,8 +107,7 @@ def check_chat_template(body: protocol.ChatTemplateFlags, limits: ServerLimits) 
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.accepted_names:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{state.model_names[0]!r}", param="model", code="model_not_found")
+        state.adapters.lora_for(model)  # a LoRA adapter's name, or a 404 naming what is served
 
 
 def _check_limits(body: RequestBody, limits: ServerLimits) -> None:

@@ -441,7 +441,7 @@ def chat_delta_choice(index: int, delta: dict[str, str], logprobs: dict | None,
 def model_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
-         "root": names[0], "max_model_len": max_model_len} for name in names]}
+         "root": names[0], "parent": None, "max_model_len": max_model_len} for name in names]}
 
 
 def now_s() -> int:

@@ -77,13 +77,15 @@ async def list_models(request: Request) -> JSONResponse:
 def list_models_body(state: ServerState) -> dict:
     engine = state.engine
     max_model_len = engine.max_model_len if engine is not None else None
-    return protocol.model_list(state.model_names, max_model_len, state.created)
+    listed = protocol.model_list(state.model_names, max_model_len, state.created)
+    listed["data"] += state.adapters.cards(state.created, max_model_len)
+    return listed
 
 
 async def retrieve_model(request: Request) -> JSONResponse:
     state = state_of(request)
     model_id = request.path_params["model_id"]
-    if model_id not in state.accepted_names:
+    if model_id not in state.accepted_names and model_id not in state.adapters.served:
         raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
                             f"{state.model_names[0]!r}", param="model", code="model_not_found")
     listed = list_models_body(state)["data"]
@@ -206,7 +208,9 @@ async def serve_generation(request: Request, kind: Kind, body: RequestBody, answ
     plan = await asyncio.to_thread(planning.plan, state, kind, body)
     check_capacity(state, len(plan))
     check_tenant_room(state, tenant)  # again: others of the tenant may have started meanwhile
-    generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind), tenant=tenant)
+    lora = state.adapters.lora_for(body.model)  # again: it may have been unloaded while planning
+    generation = Generation.start(state, plan, arrival_s, request_id=new_request_id(kind), tenant=tenant,
+                                  lora_request=lora)
     model = body.model or state.model_names[0]
     if answer is not None:
         return await answer(request, generation, model)

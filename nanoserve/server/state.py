@@ -17,6 +17,7 @@ from fastapi import Request
 
 from nanoserve.sampling_params import MAX_LOGPROBS
 from nanoserve.server import protocol
+from nanoserve.server.adapters import AdapterRegistry
 from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
@@ -57,6 +58,8 @@ class ServerState:
     sse_keep_alive_s: float = 15.0  # a stream quiet this long gets a keep-alive comment
     default_seeds: random.Random | None = None  # `serve --seed`: seeds for requests that give none
     reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)  # --reasoning-parser, -budget
+    # The LoRA adapters a request's `model` may name (`build_app` gives the server's).
+    adapters: AdapterRegistry = field(default_factory=lambda: AdapterRegistry(frozenset(), ""))
 
     def default_seed(self) -> int | None:
         """The next seed for a request that gives none; None: the engine picks a random one.
