@@ -10,6 +10,8 @@ decoder_sparse_step); experts narrower and wider than the dense MLP; renormalise
 top-k weights; OLMoE's q/k norms over the whole projection.
 """
 
+import dataclasses
+
 import families
 import gguf
 import pytest
@@ -326,7 +328,8 @@ def native_layer(kernel, block_format, hidden, width, count=60, top_k=4):
     packed = weights.with_matrices(kernel.pack)
     spec = mixtral_experts(count, top_k, hidden, width)
     block = MixtureOfExperts(spec, kernel.apply, native_ops.load().silu_mul)
-    experts = NativeExperts.for_layer(packed.gate_up, packed.down, top_k, float_panels=block_format is None)
+    experts = NativeExperts.for_layer(packed.router, packed.gate_up, packed.down, top_k, renormalize=True,
+                                      float_panels=block_format is None)
     assert experts is not None
     return block, packed, experts
 
@@ -335,14 +338,35 @@ def native_layer(kernel, block_format, hidden, width, count=60, top_k=4):
 @pytest.mark.parametrize(("kernel", "block_format", "hidden", "width"), NATIVE_FORMS)
 def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel, block_format, hidden,
                                                                           width):
-    """60 experts, top-4: most experts see no row, the others from 1 to many; the one call
-    equals the loop through the same kernels bit for bit, and every row its own call alone."""
+    """60 experts, top-4: most experts see no row, the others from 1 to many; given route()'s
+    routing the one call equals the loop through the same kernels bit for bit, and routing
+    itself, every row has the bits of its own call alone."""
     block, packed, experts = native_layer(kernel, block_format, hidden, width)
     x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(5))
-    fused = block(x, packed, experts)
-    assert torch.equal(fused, block(x, packed))
+    routing = route(block.linear(x, packed.router), block.spec)
+    assert torch.equal(experts(x, routing.experts, routing.weights), block(x, packed))
+    routed = block(x, packed, experts)  # routed in the call too
     for row in (0, 17, 39):
-        assert torch.equal(block(x[row:row + 1], packed, experts)[0], fused[row])
+        assert torch.equal(block(x[row:row + 1], packed, experts)[0], routed[row])
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalised", "raw"])
+def test_the_native_routing_picks_routes_experts_and_runs_them_with_its_weights(renormalize):
+    """The call that routes the rows itself picks route()'s experts with its weights to 1e-6,
+    and its sum is the bits of the call given those experts and weights."""
+    block, packed, experts = native_layer(KERNELS["native"], None, 40, 24)
+    experts = NativeExperts.for_layer(packed.router, packed.gate_up, packed.down, 4, renormalize=renormalize,
+                                      float_panels=True)
+    spec = dataclasses.replace(block.spec, renormalize=renormalize)
+    x = torch.randn(33, 40, generator=torch.Generator().manual_seed(8))
+    out, chosen, weights = experts.routed(x)
+    reference = route(block.linear(x, packed.router), spec)
+    assert torch.equal(chosen.sort(dim=1).values, reference.experts.sort(dim=1).values)
+    order = chosen.argsort(dim=1)
+    expected = reference.weights.gather(1, reference.experts.argsort(dim=1))
+    torch.testing.assert_close(weights.gather(1, order), expected, atol=1e-6, rtol=0)
+    assert torch.equal(out, experts(x, chosen, weights))
 
 
 @NEEDS_NATIVE
@@ -351,7 +375,7 @@ def test_the_native_experts_are_one_native_call_and_bad_routing_is_refused():
     x = torch.randn(9, 40)
     routing = route(block.linear(x, packed.router), block.spec)
     before = native_library.calls()
-    experts(x, routing.experts, routing.weights)
+    experts.routed(x)
     assert native_library.calls() - before == 1
     outside = routing.experts.clone()
     outside[3, 1] = 60
@@ -365,8 +389,8 @@ def test_the_native_experts_are_one_native_call_and_bad_routing_is_refused():
 
 @NEEDS_NATIVE
 def test_a_model_on_native_matrices_runs_its_experts_natively_as_transformers_does(checkpoint, monkeypatch):
-    """Every sparse layer one native call (the loop's grouping, with its host read, made to
-    raise), logits within 1e-4 of transformers, a request's logits alone == in a crowd."""
+    """Every sparse layer one native call (the loop's routing and grouping, with its host read,
+    made to raise), logits within 1e-4 of transformers, a request's logits alone == in a crowd."""
     from nanoserve.loading.weights import load_weights
     from nanoserve.model import moe
     from nanoserve.model.decoder import Llama
@@ -377,9 +401,10 @@ def test_a_model_on_native_matrices_runs_its_experts_natively_as_transformers_do
     assert [e is not None for e in model.native_experts] == [w.moe is not None for w in model.weights.layers]
 
     def no_grouping(*_):
-        raise AssertionError("the loop's grouping ran")
+        raise AssertionError("the loop's routing or grouping ran")
 
     monkeypatch.setattr(moe, "group_by_expert", no_grouping)
+    monkeypatch.setattr(moe, "route", no_grouping)
     for prompt, reference in zip(PROMPTS, expected, strict=True):
         torch.testing.assert_close(prefill_logits(model, prompt), reference, atol=1e-4, rtol=0)
     for alone, crowded in zip(*(crowd_logits(model, PROMPTS, crowd) for crowd in (False, True)), strict=True):
@@ -416,7 +441,8 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
     """Every matrix in Q8_0 blocks (--quantize), experts and the shared expert split as the dense
     MLP on blocks: gate/up by width, down by output after one gather of every expert's slices.
     Two gloo ranks in threads decode one rank's logits bit for bit, two requests in one step
-    (one rank runs the native experts' one call, the ranks the loop with its gathers)."""
+    (one rank runs the native experts' one call; the ranks route through it and run the loop with
+    its gathers)."""
     from families import Cache, step
     from rank_threads import in_threads
 
@@ -439,7 +465,7 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
         local = shards.local_config(config, world if shard else 1)
         model = Llama(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
                       tensor_parallel=collectives)
-        assert any(e is not None for e in model.native_experts) == (shard is None)
+        assert any(e is not None for e in model.native_experts)
         cache, seen = Cache(local), []
         positions = {"a": len(PROMPTS[0]), "b": len(PROMPTS[2])}
         chunks = [("a", PROMPTS[0], 0), ("b", PROMPTS[2], 0)]

@@ -125,11 +125,18 @@ class Llama:
 
     def _native_experts(self) -> list[NativeExperts | None]:
         """Per layer, its routed experts as one native call where the native small ops run and
-        the experts are native matrices (else None: the layer loops over its experts)."""
-        if self.ops is None or (self.tp is not None and self.tp.by_output):  # (by output: the loop gathers)
+        the experts are native matrices (else None: the layer loops over its experts); split by
+        output across ranks, its router alone (the loop runs the experts, between gathers)."""
+        if self.ops is None:
             return [None] * len(self.weights.layers)
         float_panels = self.linear_kernel.name == "native"
-        return [NativeExperts.for_layer(w.moe.gate_up, w.moe.down, w.moe.top_k, float_panels=float_panels)
+        renormalize = self.config.experts.renormalize if self.config.experts else False
+        if self.tp is not None and self.tp.by_output:  # the loop runs the experts; the router is native
+            return [NativeExperts.router_only(w.moe.router, w.moe.top_k, renormalize=renormalize,
+                                              float_panels=float_panels)
+                    if w.moe is not None else None for w in self.weights.layers]
+        return [NativeExperts.for_layer(w.moe.router, w.moe.gate_up, w.moe.down, w.moe.top_k,
+                                        renormalize=renormalize, float_panels=float_panels)
                 if w.moe is not None else None for w in self.weights.layers]
 
     def _native_decoder(self) -> NativeDecoder | None:
@@ -262,7 +269,8 @@ class Llama:
     def _mlp(self, index: int, layer: LayerWeights, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         if layer.moe is not None:
             if self.tp is not None and self.tp.by_output:  # this rank's columns, then all of them
-                return self.tp.all_gather(self.moe(x, layer.moe, gather=self.tp.all_gather))
+                native = self.native_experts[index]
+                return self.tp.all_gather(self.moe(x, layer.moe, native, gather=self.tp.all_gather))
             # routed and shared experts' partial sums (split by input), reduced once
             return self._reduced(self.moe(x, layer.moe, self.native_experts[index]))
         gate_up = self.linear(x, layer.gate_up)

@@ -17,9 +17,10 @@ not depend on which rows share its step, nor on which experts they chose. Transf
 the same order (its loop over the experts hit), so the float32 forwards agree closely too.
 
 Native: where the layer's experts are native matrices (the float32 `native` kernel's panels or
-repacked blocks), the grouping, the experts and the sum run as one native call
-(`nanoserve.native.moe`, the same bits as this loop through those kernels); the router, the
-top-k and the shared expert stay here.
+repacked blocks), the router, the top-k, the grouping, the experts and the sum run as one
+native call (`nanoserve.native.moe`: given the same routing, the bits of this loop through
+those kernels; its own routing agrees with `route` to the last bits of the weights); the
+shared expert stays here.
 
 Host read: the loop splits the rows by each expert's count, read on the host (`tolist`): on
 the CPU that is no transfer; on CUDA it is one sync per sparse layer (nanoserve has no fused
@@ -113,19 +114,20 @@ class MixtureOfExperts:
     def __call__(self, x: torch.Tensor, weights: MoEWeights, native: NativeExperts | None = None,
                  gather: Gather | None = None) -> torch.Tensor:
         """Each row's routed experts (and shared expert), summed: [rows, hidden], or with `gather`
-        this rank's columns of it. `native`: the routed experts as one native call, else the loop.
+        this rank's columns of it. `native`: the routing and experts as one native call (with
+        `gather`, its routing and then the loop), else the loop.
         `gather`: the down projections split by output across tensor-parallel ranks (each rank's
         slice of every expert's width gathered whole before its down); None: one rank, or the
         ranks' partial sums reduced by the caller."""
-        routing = route(self.linear(x, weights.router), self.spec)
-        if self.tally is not None:
-            self.tally.calls += 1
-        if native is not None:
-            tally = self.tally
-            out = native(x, routing.experts, routing.weights,
-                         expert_rows=None if tally is None else tally.rows,
-                         expert_seconds=None if tally is None else tally.seconds)
-        else:
+        tally = self.tally
+        if tally is not None:
+            tally.calls += 1
+        if native is not None and gather is None:
+            out, _, _ = native.routed(x, expert_rows=None if tally is None else tally.rows,
+                                      expert_seconds=None if tally is None else tally.seconds)
+        else:  # (split by output, the ranks route as the native call does, to its bits)
+            routing = Routing(*native.route(x)) if native is not None else route(
+                self.linear(x, weights.router), self.spec)
             out = self._loop(x, routing, weights, gather)
         if weights.shared_gate_up is not None:
             # The gate is one value a row, so float32 sigmoid takes torch's vector path for a

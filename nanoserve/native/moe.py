@@ -4,7 +4,11 @@ Owns: the C struct describing one layer's experts (built once: each expert's gat
 as the model's kernel packed them), the checks a raw pointer cannot make, and
 `NativeExperts.__call__`, which takes the rows and their routing (model/moe.py's `route`) and
 returns each row's weighted sum over its experts: the bits of model/moe.py's loop through the
-same kernels, without its per-expert trips through Python and its host read of the counts.
+same kernels, without its per-expert trips through Python and its host read of the counts;
+and `routed`, which routes the rows in the same call (the router's matmul in the float kernel,
+the softmax and top-k in C), so a sparse layer's routed experts are one call with no torch op
+between its parts (on a busy 2-core machine each torch op beside the pool's threads could
+wait a time slice).
 Refuses: a layer it cannot run exactly as that loop does (`for_layer` is None): a matrix
 neither in the repacked layout (nanoserve.native.repack) nor float32 in nanoserve.native.matmul's
 panels, or the library off. The model then keeps the loop.
@@ -17,19 +21,20 @@ import ctypes
 import torch
 
 from nanoserve import native
+from nanoserve.native import matmul as native_matmul
 from nanoserve.native.decoder import FLOAT_PANELS
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("experts", _I64), ("top_k", _I64), ("hidden", _I64), ("width", _I64), ("gate_up", _P),
-                ("down", _P), ("formats", _P)]
+    _fields_ = [("experts", _I64), ("top_k", _I64), ("hidden", _I64), ("width", _I64), ("router", _P),
+                ("renormalize", _I64), ("gate_up", _P), ("down", _P), ("formats", _P)]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", _I64), ("x", _P), ("choices", _P), ("weights", _P), ("out", _P), ("expert_rows", _P),
-                ("expert_seconds", _P)]
+    _fields_ = [("rows", _I64), ("x", _P), ("route", _I64), ("choices", _P), ("weights", _P), ("out", _P),
+                ("expert_rows", _P), ("expert_seconds", _P)]
 
 
 def _format(matrix: object, float_panels: bool) -> int | None:
@@ -51,28 +56,49 @@ class NativeExperts:
     """One sparse layer's experts, ready to run a step's rows in one call. Holds references to
     every tensor whose address it passes, so none is freed under it."""
 
-    def __init__(self, lib: ctypes.CDLL, gate_up: list[object], down: list[object], formats: list[int],
-                 top_k: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, router: torch.Tensor, gate_up: list[object], down: list[object],
+                 formats: list[int], top_k: int, renormalize: bool) -> None:
+        """`gate_up` and `down` empty: the router alone (`route` runs, nothing else)."""
         self._run = lib.ns_moe_experts
         self._run.argtypes, self._run.restype = [_P, _P, ctypes.c_int], ctypes.c_int
-        self._kept = [gate_up, down]
-        self.count, self.top_k = len(gate_up), top_k
-        self.hidden, self.width = gate_up[0].shape[1], down[0].shape[1]
+        self._kept = [router, gate_up, down]
+        self.count, self.top_k = router.shape[0], top_k
+        self.holds_experts = bool(gate_up)
+        self.hidden = router.shape[1]
+        self.width = down[0].shape[1] if down else 0
         self._gate_up = (_P * self.count)(*(_storage(m).data_ptr() for m in gate_up))
         self._down = (_P * self.count)(*(_storage(m).data_ptr() for m in down))
-        self._formats = (ctypes.c_int32 * len(formats))(*formats)
-        self._model = _Model(self.count, top_k, self.hidden, self.width, ctypes.addressof(self._gate_up),
-                             ctypes.addressof(self._down), ctypes.addressof(self._formats))
+        self._formats = (ctypes.c_int32 * (2 * self.count))(*formats)
+        self._model = _Model(self.count, top_k, self.hidden, self.width, router.data_ptr(), int(renormalize),
+                             ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
+                             ctypes.addressof(self._formats))
 
     @classmethod
-    def for_layer(cls, gate_up: list[object], down: list[object], top_k: int, *,
-                  float_panels: bool) -> NativeExperts | None:
-        """The native experts of one layer (each expert's gate_up [2 * width, hidden] and down
-        [hidden, width], as the model's kernel packed them; `float_panels`: dense ones are in
-        nanoserve.native.matmul's panels), or None where it cannot run them as the loop does."""
+    def router_only(cls, router: object, top_k: int, *, renormalize: bool,
+                    float_panels: bool) -> NativeExperts | None:
+        """The routing alone of a layer whose experts are split by output across ranks (the loop
+        runs them, routed to the bits one rank's call routes them), or None as `for_layer`."""
         library = native.library()
-        if library is None or not gate_up:
+        if library is None or not isinstance(router, torch.Tensor) or router.dtype != torch.float32:
             return None
+        if not router.is_cpu:
+            return None
+        router = router if float_panels else native_matmul.pack(router.contiguous())
+        return cls(library.lib, router, [], [], [FLOAT_PANELS] * 2 * router.shape[0], top_k, renormalize)
+
+    @classmethod
+    def for_layer(cls, router: object, gate_up: list[object], down: list[object], top_k: int, *,
+                  renormalize: bool, float_panels: bool) -> NativeExperts | None:
+        """The native experts of one layer (the router [experts, hidden], each expert's gate_up
+        [2 * width, hidden] and down [hidden, width], as the model's kernel packed them;
+        `float_panels`: dense ones are in nanoserve.native.matmul's panels, else the float
+        router is packed here), or None where it cannot run them as the loop does."""
+        library = native.library()
+        if library is None or not gate_up or not isinstance(router, torch.Tensor):
+            return None
+        if router.dtype != torch.float32 or not router.is_cpu:
+            return None
+        router = router if float_panels else native_matmul.pack(router.contiguous())
         formats = [f for up, dn in zip(gate_up, down, strict=True)
                    for f in (_format(up, float_panels), _format(dn, float_panels))]
         if None in formats or any(not _storage(m).is_contiguous() for m in (*gate_up, *down)):
@@ -83,7 +109,7 @@ class NativeExperts:
             return None
         if (any(formats[0::2]) and hidden % 32) or (any(formats[1::2]) and width % 32):
             return None
-        return cls(library.lib, gate_up, down, formats, top_k)
+        return cls(library.lib, router, gate_up, down, formats, top_k, renormalize)
 
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
                  expert_rows: torch.Tensor | None = None,
@@ -93,25 +119,50 @@ class NativeExperts:
         (distinct experts within a row). `expert_rows` (int64) and `expert_seconds` (float64),
         [experts] each: when given, each expert's routed rows and its matmuls' wall time are
         added to them (the profile)."""
-        rows = x.shape[0]
-        if x.dtype != torch.float32 or tuple(x.shape) != (rows, self.hidden) or not x.is_cpu:
-            raise ValueError(f"x must be float32 [rows, {self.hidden}] on the CPU; got {x.dtype} "
-                             f"{list(x.shape)} on {x.device}")
-        shape = (rows, self.top_k)
+        shape = (x.shape[0], self.top_k)
         if experts.dtype != torch.int64 or tuple(experts.shape) != shape:
             raise ValueError(f"experts must be int64 {list(shape)}; got {experts.dtype} "
                              f"{list(experts.shape)}")
         if weights.dtype != torch.float32 or tuple(weights.shape) != shape:
             raise ValueError(f"weights must be float32 {list(shape)}; got {weights.dtype} "
                              f"{list(weights.shape)}")
+        return self._call(x, experts.contiguous(), weights.contiguous(), False, expert_rows, expert_seconds)
+
+    def routed(self, x: torch.Tensor, *, expert_rows: torch.Tensor | None = None,
+               expert_seconds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows routed here too (the router's logits, softmax, top_k, renormalised as
+        model/moe.py's `route`, to its last bits rather than torch's): (out, experts, weights)."""
+        experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
+        weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
+        out = self._call(x, experts, weights, True, expert_rows, expert_seconds)
+        return out, experts, weights
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the routing `routed` does, to the same bits: (experts, weights) [rows, top_k]
+        (for the loop under tensor parallelism on blocks, so N ranks route as one rank does)."""
+        experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
+        weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
+        self._call(x, experts, weights, True, None, None, run_experts=False)
+        return experts, weights
+
+    def _call(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, route: bool,
+              expert_rows: torch.Tensor | None, expert_seconds: torch.Tensor | None, *,
+              run_experts: bool = True) -> torch.Tensor:
+        if run_experts and not self.holds_experts:
+            raise RuntimeError("this layer's native call holds its router alone: only `route` runs")
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or tuple(x.shape) != (rows, self.hidden) or not x.is_cpu:
+            raise ValueError(f"x must be float32 [rows, {self.hidden}] on the CPU; got {x.dtype} "
+                             f"{list(x.shape)} on {x.device}")
         for name, tally, dtype in (("expert_rows", expert_rows, torch.int64),
                                    ("expert_seconds", expert_seconds, torch.float64)):
             if tally is not None and (tally.dtype != dtype or tuple(tally.shape) != (self.count,)
                                       or not tally.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous {dtype} [{self.count}] tensor")
-        x, experts, weights = x.contiguous(), experts.contiguous(), weights.contiguous()
+        x = x.contiguous()
         out = torch.empty_like(x)
-        step = _Step(rows, x.data_ptr(), experts.data_ptr(), weights.data_ptr(), out.data_ptr(),
+        step = _Step(rows, x.data_ptr(), int(route), experts.data_ptr(), weights.data_ptr(),
+                     out.data_ptr() if run_experts else None,
                      None if expert_rows is None else expert_rows.data_ptr(),
                      None if expert_seconds is None else expert_seconds.data_ptr())
         status = self._run(ctypes.addressof(self._model), ctypes.addressof(step), torch.get_num_threads())

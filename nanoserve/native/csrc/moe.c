@@ -1,13 +1,14 @@
-/* A sparse layer's routed experts in one native call: group, gather, every expert's gated MLP,
- * and each row's weighted sum, inside one parallel region.
+/* A sparse layer's routed experts in one native call: route, group, gather, every expert's gated
+ * MLP, and each row's weighted sum, inside one parallel region.
  *
  * The Python loop (model/moe.py) makes, per expert that has rows, a gather, two matmuls, the
  * SiLU*up, a scale and an index_add: a dozen trips through Python and ctypes per expert, and a
- * host read of the counts per layer. Here the caller's (row, expert) choices are grouped by
- * expert on the calling thread (a counting sort over rows * top_k pairs, stable, so each
- * expert's rows stay ascending), then the pool's threads run the stages, separated by barriers:
- *     gather the pairs' rows (and quantize) | every expert's gate_up over its rows |
- *     SiLU*up (and quantize) | every expert's down | each row's sum over its experts
+ * host read of the counts per layer. Here the pool's threads run the stages, separated by
+ * barriers:
+ *     the router's logits (when the call routes) | each row's softmax and top_k, and the
+ *     grouping by expert (thread 0: a counting sort over rows * top_k pairs, stable, so each
+ *     expert's rows stay ascending) | gather the pairs' rows (and quantize) | every expert's
+ *     gate_up over its rows | SiLU*up (and quantize) | every expert's down | each row's sum
  * A matmul stage runs the experts one after another, each split by output columns across the
  * threads (stages.h: the exported kernels' own code), so an expert's rows get the bits the
  * separate call over the same rows gets, which is a row's bits alone (the kernels are batch-
@@ -15,6 +16,7 @@
  * ascending expert index, the product rounded before the add, as the loop's `routed * scale`
  * then `index_add_` does; so this call and the loop through the same kernels agree bit for bit.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -30,6 +32,8 @@ enum { FLOAT_PANELS = 0 }; /* a matrix's format: 0, or matmul_x8.c's layout (3: 
 /* One sparse layer's experts: fixed after load. */
 typedef struct {
     int64_t experts, top_k, hidden, width;
+    const float *router;        /* [experts, hidden] in matmul_float.c's panels */
+    int64_t renormalize;        /* the top-k weights divided by their sum */
     const void *const *gate_up; /* [experts]: [2 * width, hidden] each */
     const void *const *down;    /* [experts]: [hidden, width] each */
     const int32_t *formats;     /* [experts * 2]: expert e's gate_up at 2e, its down at 2e + 1 */
@@ -39,9 +43,10 @@ typedef struct {
 typedef struct {
     int64_t rows;
     const float *x;          /* [rows, hidden] */
-    const int64_t *choices;  /* [rows, top_k]: expert indices, distinct within a row */
-    const float *weights;    /* [rows, top_k] */
-    float *out;              /* [rows, hidden] */
+    int64_t route;           /* 1: this call routes the rows into choices and weights; 0: given */
+    int64_t *choices;        /* [rows, top_k]: expert indices, distinct within a row */
+    float *weights;          /* [rows, top_k] */
+    float *out;              /* [rows, hidden], or NULL: the call only routes the rows */
     int64_t *expert_rows;    /* NULL, or [experts]: each expert's rows are added here (profile) */
     double *expert_seconds;  /* NULL, or [experts]: each expert's matmul wall time is added here */
 } MoEStep;
@@ -50,9 +55,11 @@ typedef struct {
     const MoEModel *m;
     const MoEStep *s;
     int64_t pairs;
-    const int64_t *starts;   /* [experts + 1]: expert e's pairs are [starts[e], starts[e + 1]) */
-    const int64_t *pair_row; /* [pairs]: the row of each grouped pair */
-    const int64_t *slot;     /* [rows * top_k]: where pair (row, j) sits in the grouped order */
+    int64_t *starts;         /* [experts + 1]: expert e's pairs are [starts[e], starts[e + 1]) */
+    int64_t *pair_row;       /* [pairs]: the row of each grouped pair */
+    int64_t *slot;           /* [rows * top_k]: where pair (row, j) sits in the grouped order */
+    float *logits;           /* [rows, experts]: the router's, when the call routes */
+    int64_t *next;           /* [experts]: the grouping's scratch */
     float *gathered, *gate_up, *activated, *expert_out;
     xblock *xq;              /* the quantized input of the matmul stage that needs it */
     int quantized_gate_up, quantized_down;
@@ -152,9 +159,74 @@ static void combine(const MoEJob *job, int thread, int threads) {
     }
 }
 
+/* Groups the step's (row, expert) pairs by expert: starts, each pair's row, each choice's place
+ * (`next`: scratch of `experts` entries). Rows go in ascending, so each expert's rows stay
+ * ascending. */
+static void group(const MoEJob *job, int64_t *next) {
+    const MoEModel *m = job->m;
+    const MoEStep *s = job->s;
+    int64_t *starts = job->starts;
+    memset(starts, 0, sizeof(int64_t) * (size_t)(m->experts + 1));
+    for (int64_t i = 0; i < job->pairs; i++) starts[s->choices[i] + 1]++;
+    for (int64_t e = 0; e < m->experts; e++) starts[e + 1] += starts[e];
+    memcpy(next, starts, sizeof(int64_t) * (size_t)m->experts);
+    for (int64_t i = 0; i < job->pairs; i++) {
+        const int64_t at = next[s->choices[i]]++;
+        job->pair_row[at] = i / m->top_k;
+        job->slot[i] = at;
+    }
+    if (s->expert_rows != NULL)
+        for (int64_t e = 0; e < m->experts; e++) s->expert_rows[e] += starts[e + 1] - starts[e];
+}
+
+/* One row's routing, as model/moe.py's `route`: the softmax over every expert's logit (in
+ * place), the top_k (ties to the lower index), renormalised when the family says. */
+static void route_row(float *probs, int64_t experts, int64_t top_k, int renormalize, int64_t *choices,
+                      float *weights) {
+    float max = probs[0], sum = 0.0f;
+    for (int64_t e = 1; e < experts; e++) max = probs[e] > max ? probs[e] : max;
+    for (int64_t e = 0; e < experts; e++) {
+        probs[e] = expf(probs[e] - max);
+        sum += probs[e];
+    }
+    for (int64_t e = 0; e < experts; e++) probs[e] /= sum;
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < top_k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= choices[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        choices[j] = best;
+        weights[j] = probs[best];
+        chosen += probs[best];
+    }
+    if (renormalize)
+        for (int64_t j = 0; j < top_k; j++) weights[j] /= chosen;
+}
+
+/* The router's logits over the threads, then (thread 0) each row's routing and the grouping. */
+static void route_and_group(const MoEJob *job, int64_t *next, int thread, int threads) {
+    const MoEModel *m = job->m;
+    const MoEStep *s = job->s;
+    if (s->route) {
+        ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, thread, threads);
+        ns_barrier(threads);
+        if (thread == 0)
+            for (int64_t r = 0; r < s->rows; r++)
+                route_row(job->logits + r * m->experts, m->experts, m->top_k, (int)m->renormalize,
+                          s->choices + r * m->top_k, s->weights + r * m->top_k);
+    }
+    if (thread == 0) group(job, next);
+    ns_barrier(threads);
+}
+
 static void moe_task(void *context, int thread, int threads) {
     const MoEJob *job = context;
     const MoEModel *m = job->m;
+    route_and_group(job, job->next, thread, threads);
+    if (job->s->out == NULL) return;
     gather(job, thread, threads);
     ns_barrier(threads);
     experts_project(job, 0, job->gathered, job->gate_up, 2 * m->width, m->hidden, thread, threads);
@@ -166,33 +238,11 @@ static void moe_task(void *context, int thread, int threads) {
     combine(job, thread, threads);
 }
 
-/* Groups the step's (row, expert) pairs by expert: starts, each pair's row, each choice's place.
- * Returns 0, or -3 for an expert index outside [0, experts). */
-static int group(const MoEModel *m, const MoEStep *s, int64_t *starts, int64_t *pair_row, int64_t *slot) {
-    const int64_t pairs = s->rows * m->top_k;
-    memset(starts, 0, sizeof(int64_t) * (size_t)(m->experts + 1));
-    for (int64_t i = 0; i < pairs; i++) {
-        if (s->choices[i] < 0 || s->choices[i] >= m->experts) return -3;
-        starts[s->choices[i] + 1]++;
-    }
-    for (int64_t e = 0; e < m->experts; e++) starts[e + 1] += starts[e];
-    int64_t *next = malloc(sizeof(int64_t) * (size_t)m->experts);
-    if (next == NULL) return -2;
-    memcpy(next, starts, sizeof(int64_t) * (size_t)m->experts);
-    for (int64_t i = 0; i < pairs; i++) { /* rows ascending, so each expert's rows stay ascending */
-        const int64_t at = next[s->choices[i]]++;
-        pair_row[at] = i / m->top_k;
-        slot[i] = at;
-    }
-    if (s->expert_rows != NULL)
-        for (int64_t e = 0; e < m->experts; e++) s->expert_rows[e] += starts[e + 1] - starts[e];
-    free(next);
-    return 0;
-}
-
 /* out [rows, hidden] = each row's sum over its top_k experts of weight * expert(x row), experts
- * in ascending index. Returns 0, -1 when a quantized matrix's input is not whole blocks of 32,
- * -2 when out of memory, -3 for an expert index outside [0, experts). */
+ * in ascending index; with s->route, the rows are routed here first (choices and weights
+ * written), else choices and weights are the caller's. Returns 0, -1 when a quantized matrix's
+ * input is not whole blocks of 32, -2 when out of memory, -3 for a given expert index outside
+ * [0, experts). */
 NS_EXPORT int ns_moe_experts(const MoEModel *m, const MoEStep *s, int num_threads) {
     int quantized_gate_up = 0, quantized_down = 0;
     for (int64_t e = 0; e < m->experts; e++) {
@@ -200,19 +250,23 @@ NS_EXPORT int ns_moe_experts(const MoEModel *m, const MoEStep *s, int num_thread
         quantized_down |= m->formats[2 * e + 1] != FLOAT_PANELS;
     }
     if ((quantized_gate_up && m->hidden % 32) || (quantized_down && m->width % 32)) return -1;
-    if (s->rows == 0) return 0;
     const int64_t pairs = s->rows * m->top_k;
+    if (!s->route)
+        for (int64_t i = 0; i < pairs; i++)
+            if (s->choices[i] < 0 || s->choices[i] >= m->experts) return -3;
+    if (s->rows == 0) return 0;
     const int64_t widest = m->hidden > m->width ? m->hidden : m->width;
-    const size_t floats = (size_t)(pairs * (m->hidden + 2 * m->width + m->width + m->hidden));
-    int64_t *indices = malloc(sizeof(int64_t) * (size_t)(m->experts + 1 + 2 * pairs));
+    const size_t floats = (size_t)(pairs * (m->hidden + 2 * m->width + m->width + m->hidden) + s->rows * m->experts);
+    int64_t *indices = malloc(sizeof(int64_t) * (size_t)(2 * m->experts + 1 + 2 * pairs));
     float *buffers = malloc(sizeof(float) * floats);
     xblock *xq = malloc(sizeof(xblock) * (size_t)(pairs * (widest / 32) + 1));
     int status = indices == NULL || buffers == NULL || xq == NULL ? -2 : 0;
-    if (status == 0) status = group(m, s, indices, indices + m->experts + 1, indices + m->experts + 1 + pairs);
     if (status == 0) {
+        float *gathered = buffers + s->rows * m->experts;
         MoEJob job = {m, s, pairs, indices, indices + m->experts + 1, indices + m->experts + 1 + pairs,
-                      buffers, buffers + pairs * m->hidden, buffers + pairs * (m->hidden + 2 * m->width),
-                      buffers + pairs * (m->hidden + 3 * m->width), xq, quantized_gate_up, quantized_down};
+                      buffers, indices + m->experts + 1 + 2 * pairs, gathered, gathered + pairs * m->hidden,
+                      gathered + pairs * (m->hidden + 2 * m->width), gathered + pairs * (m->hidden + 3 * m->width),
+                      xq, quantized_gate_up, quantized_down};
         ns_parallel(num_threads, moe_task, &job);
     }
     free(indices);
