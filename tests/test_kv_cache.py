@@ -14,6 +14,7 @@ import torch
 from families import step
 from test_batch_invariance import crowd_prompts, fingerprint, params_for, staggered_crowd
 from test_cli import generate
+from test_engine import readbacks_raise_outside_the_output_processor
 from test_model import CONFIG, WEIGHTS, Cache
 from test_native_ops import paged_setup
 
@@ -198,6 +199,22 @@ def test_with_q8_0_kv_preemption_by_recompute_changes_no_token_nor_logprob(tiny_
     assert cramped.engine.scheduler.num_preemptions >= 3, "the pool was not small enough to preempt"
     assert got == expected
     assert cramped.engine.pool.is_completely_free
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_with_q8_0_kv_a_step_still_reads_back_once(tiny_model_dir, ops, monkeypatch):
+    """Quantizing and dequantizing K/V happen on the device: no value comes back to decide them."""
+    use_ops(ops, monkeypatch)
+    engine = LLM(str(tiny_model_dir), device="cpu", kv_cache_dtype="q8_0", max_num_batched_tokens=12).engine
+    for i, prompt in enumerate(crowd_prompts(3)):
+        engine.add_request(prompt, params_for(i, max_tokens=6))
+    reads_per_step = []
+    while engine.has_unfinished():
+        with readbacks_raise_outside_the_output_processor() as reads:
+            outputs = engine.step()
+        reads_per_step.append((len(reads), bool(outputs)))
+    assert all(reads == int(produced) for reads, produced in reads_per_step)
+    assert engine.pool.is_completely_free
 
 
 @needs_native

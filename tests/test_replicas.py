@@ -68,7 +68,7 @@ def _greedy(max_tokens: int) -> dict:
     return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
 
 
-def test_a_crowd_over_two_replicas_gets_its_solo_tokens_and_both_serve(tiny_model_dir, solo: LLM) -> None:
+def test_a_crowd_over_two_replicas_gets_its_solo_tokens_and_vectors_both_serve(tiny_model_dir, solo) -> None:
     lengths = [5 + 3 * i for i in range(len(PROMPTS))]
     expected = [solo.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0))[0]
                 for p, n in zip(PROMPTS, lengths, strict=True)]
@@ -87,10 +87,26 @@ def test_a_crowd_over_two_replicas_gets_its_solo_tokens_and_both_serve(tiny_mode
             assert choice["text"] == want.outputs[0].text
             assert choice["logprobs"]["token_logprobs"] == [lp.logprob for lp in want.outputs[0].logprobs]
         metrics = httpx.get(f"{base_url}/metrics").text
+        vectors = httpx.post(f"{base_url}/v1/embeddings", json={"model": MODEL, "input": PROMPTS[:2]}).json()
+    assert [item["embedding"] for item in vectors["data"]] == [e.embedding for e in solo.embed(PROMPTS[:2])]
     served = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
               for line in metrics.splitlines() if line.startswith("nanoserve_generation_tokens_total{")}
     assert set(served) == {"0", "1"} and all(tokens > 0 for tokens in served.values()), served
     assert sum(served.values()) == sum(lengths)
+
+
+def test_embeddings_over_two_replicas_equal_the_solo_vectors(tiny_model_dir, solo: LLM) -> None:
+    expected = [result.embedding for result in solo.embed(PROMPTS)]
+    with replica_server(tiny_model_dir, solo) as (base_url, _):
+
+        async def crowd() -> list[list[float]]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+                responses = await asyncio.gather(*(http.post("/v1/embeddings", json={"input": p})
+                                                   for p in PROMPTS))
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            return [r.json()["data"][0]["embedding"] for r in responses]
+
+        assert asyncio.run(crowd()) == expected
 
 
 def test_two_replicas_of_two_tensor_parallel_ranks_serve_the_solo_greedy_text(tiny_model_dir, solo) -> None:
@@ -175,7 +191,7 @@ def test_a_replica_that_cannot_load_its_model_stops_the_server_naming_why(tmp_pa
 def _bookkeeping_pool(size: int = 2, block_size: int = 4) -> ReplicaPool:
     pool = ReplicaPool(ReplicaPlan(EngineConfig(block_size=block_size, threads=1), size),
                        asyncio.new_event_loop())
-    pool.replicas = [Replica(index, None, ready=ReplicaReady("", 100, 64, 8, "aten", ""))
+    pool.replicas = [Replica(index, None, ready=ReplicaReady("", None, 100, 64, 8, "aten", ""))
                      for index in range(size)]
     pool.ready = True
     return pool

@@ -1,16 +1,14 @@
 """OpenAI's /v1/embeddings through the official client's `embeddings.create` over loopback:
 float and base64 vectors equal to the offline engine's, every input shape, a 400 naming the
-field for each bad body (before any engine step), the API key, the tenant's limit, and a
-server run with --task embed refusing to generate."""
+field for each bad body (before any engine step), the API key, and a server run with --task
+embed refusing to generate. (The tenant's limit: tests/test_server_tenants.py walks every
+generation endpoint, this one too.)"""
 
 from __future__ import annotations
 
 import base64
-import threading
-import time
 from collections.abc import Iterator
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -27,7 +25,7 @@ TEXTS = ["hello there friend", "a b c"]
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    tenancy = Tenancy(tuple(tenants_from_options([KEY])), max_concurrent=1)
+    tenancy = Tenancy(tuple(tenants_from_options([KEY])))
     with serving(lambda: tiny_engine(tiny_model_dir), tenancy=tenancy) as server:
         yield server
 
@@ -115,29 +113,6 @@ def test_the_api_key_is_required(served: Served) -> None:
     with (openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="wrong", max_retries=0) as wrong,
           pytest.raises(openai.AuthenticationError)):
         wrong.embeddings.create(model="tiny", input="x")
-
-
-def test_a_tenant_at_its_limit_gets_429_for_embeddings_too(served: Served) -> None:
-    gate = threading.Event()
-    step = served.engine.step
-
-    def held_step():
-        gate.wait(5)
-        return step()
-
-    served.engine.step = held_step
-    try:
-        body = {"prompt": "Hi", "max_tokens": 2, "stream": True}
-        with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, headers=AUTH, timeout=30):
-            while served.async_engine.num_in_flight == 0:
-                time.sleep(0.01)
-            refused = httpx.post(f"{served.base_url}/v1/embeddings", json={"input": "x"}, headers=AUTH)
-            gate.set()
-        assert refused.status_code == 429, refused.text
-    finally:
-        gate.set()
-        served.engine.step = step
-    wait_idle(served)
 
 
 def test_an_embed_task_server_embeds_and_refuses_to_generate(tiny_model_dir) -> None:

@@ -219,6 +219,8 @@ LIMITED_ENDPOINTS = {
                      lambda body: body["type"] == "error" and body["error"]["type"] == "rate_limit_error"),
     "/v1/responses": ({"model": "tiny", "input": "Hi", "max_output_tokens": 1},
                       lambda body: body["error"]["code"] == "rate_limit_exceeded"),
+    "/v1/embeddings": ({"model": "tiny", "input": "Hi"},
+                       lambda body: body["error"]["code"] == "rate_limit_exceeded"),
 }
 
 

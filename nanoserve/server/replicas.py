@@ -45,7 +45,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.distributed.group import cores, local_ranks
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.core import Engine
@@ -64,6 +64,7 @@ from nanoserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from nanoserve.engine.output import RequestOutput
+    from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
 log = logging.getLogger("nanoserve.server")
@@ -116,6 +117,7 @@ class ReplicaReady:
     """What a replica says once its engine is built: what the server needs to check requests."""
 
     model_dir: str
+    model_config: ModelConfig
     vocab_size: int
     max_model_len: int
     num_blocks: int
@@ -137,7 +139,8 @@ def run_replica(config: EngineConfig, cpus: tuple[int, ...] | None, conn: Connec
     except BaseException as error:
         conn.send(("failed", _picklable(error)))
         return
-    conn.send(("ready", ReplicaReady(str(engine.model_dir), engine.vocab_size, engine.max_model_len,
+    conn.send(("ready", ReplicaReady(str(engine.model_dir), engine.model_config, engine.vocab_size,
+                                     engine.max_model_len,
                                      engine.pool.num_blocks, engine.kernel_choice.kernel.name,
                                      engine.kernel_summary)))
     try:
@@ -182,11 +185,15 @@ class ReplicaFront:
 
     encode_prompt = Engine.encode_prompt
     check_request = Engine.check_request
+    check_pooling = Engine.check_pooling
 
     def __init__(self, config: EngineConfig, ready: ReplicaReady, size: int) -> None:
         # The server's queue bound counts the running batches of every replica.
         self.config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * size)
         self.tokenizer = Tokenizer.from_dir(Path(ready.model_dir))
+        self.model_config = ready.model_config
+        # `check_pooling` asks only whether the replicas run tensor-parallel groups.
+        self.tp = "tensor-parallel replicas" if config.tensor_parallel_size > 1 else None
         self.vocab_size = ready.vocab_size
         self.max_model_len = ready.max_model_len
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -318,8 +325,10 @@ class ReplicaPool:
         self._starter.start()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-            queue: asyncio.Queue, *, parent_id: str | None = None) -> None:
-        """Route a sequence to a replica and queue it there; its outputs arrive on `queue`."""
+            queue: asyncio.Queue, *, parent_id: str | None = None,
+            pooling: PoolingParams | None = None) -> None:
+        """Route a sequence (with `pooling`, an embedding request) to a replica and queue it
+        there; its outputs arrive on `queue`."""
         self.check_available()
         replica = self._route(prompt_ids, params, parent_id)
         self._routes[request_id] = _Route(queue, replica, parent_id)
@@ -327,7 +336,7 @@ class ReplicaPool:
         if parent_id is not None:
             _, count = self._parents.get(parent_id, (replica, 0))
             self._parents[parent_id] = (replica, count + 1)
-        replica.outbox.put(_Add(request_id, prompt_ids, params, parent_id))
+        replica.outbox.put(_Add(request_id, prompt_ids, params, parent_id, pooling))
 
     def abort(self, request_id: str) -> None:
         route = self._forget(request_id)

@@ -91,6 +91,13 @@ static void dot_tile_portable(int fmt, int rows, const uint8_t *group, const xbl
 /* ---- AVX2 -------------------------------------------------------------------------------- */
 
 #ifdef NS_X8_AVX2
+/* How far ahead of the block it multiplies a tile asks for its weights. A thread's groups lie
+ * end to end, so this runs along its one stream of the matrix; the hardware prefetcher alone
+ * restarts at every matrix (a decode step's thread share of one is 80-400 KB) and fell behind
+ * on a contended memory bus (results/x8_prefetch_ab.csv). Prefetch never faults, so asking
+ * past a matrix's end is harmless; the bits do not change. */
+#define PREFETCH_BYTES 4096
+
 static inline __m256i broadcast4(const int8_t *p) { /* 4 code bytes into every 32-bit lane */
     int32_t word;
     memcpy(&word, p, 4);
@@ -120,6 +127,8 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
     for (int r = 0; r < rows; r++) acc[r] = off[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * bytes;
+        for (int line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)block + PREFETCH_BYTES + line, _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
         if (fmt == X8_Q4_1) {
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)));
@@ -141,17 +150,24 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                 off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), off[r]);
             }
         } else {
+            /* Chunk by chunk, each chunk's weights loaded once for all the tile's rows (their
+             * magnitudes too): at 4 rows the rows' sums and accumulators and one chunk fit the
+             * 16 ymm registers. The integer sums do not depend on the order. */
+            __m256i sums[ROW_TILE];
+            for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; t++) {
+                /* maddubs multiplies unsigned by signed bytes: the weight's sign moves onto x */
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * t));
+                const __m256i magnitude = _mm256_sign_epi8(w, w);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xq = x[r * x_stride + b].qs;
+                    __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(xq + 4 * t), w));
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(products, ones));
+                }
+            }
             for (int r = 0; r < rows; r++) {
                 const xblock *xb = x + r * x_stride + b;
-                __m256i sums = _mm256_setzero_si256();
-                for (int t = 0; t < 8; t++) {
-                    /* maddubs multiplies unsigned by signed bytes: the weight's sign moves onto x */
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * t));
-                    __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
-                                                            _mm256_sign_epi8(broadcast4(xb->qs + 4 * t), w));
-                    sums = _mm256_add_epi32(sums, _mm256_madd_epi16(products, ones));
-                }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
             }
         }
     }
