@@ -25,3 +25,18 @@ def test_every_matrix_of_the_shape_is_whole_blocks_of_every_type():
     assert matrices["blk.1.attn_k.weight"] == (128, 512)
     for name in DEFAULT_TYPES:
         assert all(cols % FORMATS[name].values == 0 for _, cols in matrices.values()), name
+
+
+def test_without_the_native_kernels_it_exits_2_rather_than_time_float32(monkeypatch, capsys):
+    from nanoserve import native
+
+    monkeypatch.setenv("NANOSERVE_NO_NATIVE", "1")
+    native._load.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["--slots", "1"])
+    finally:
+        monkeypatch.delenv("NANOSERVE_NO_NATIVE")
+        native._load.cache_clear()
+    assert exited.value.code == 2
+    assert "native kernels: off" in capsys.readouterr().err

@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
+from nanoserve import native
 from nanoserve.bench.driver import run_closed_loop
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.bench.offline import kv_blocks_for, parse_int_list, synthetic_prompts
@@ -142,6 +143,9 @@ def measure(types: tuple[str, ...], slots: tuple[int, ...], repeat: int, threads
     paths = {t: write_model(directory / f"smollm2-shape-{shape.hidden}-{t}.gguf", t, shape, tokenizer)
              for t in types}
     engines = {t: engine_for(path, slots, threads) for t, path in paths.items()}
+    for t, engine in engines.items():
+        if engine.weight_format != t:  # a figure of another format would be compared as this one
+            raise RuntimeError(f"the {t} model runs as {engine.weight_format}: {engine.weight_notes}")
     machine = describe_machine("cpu")
     rows = []
     for count in slots:
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1; got {args.repeat}")
     slots = parse_int_list(args.slots)
+    if native.library() is None:  # every type would be dequantized to float32: no ratio to read
+        parser.error(f"{native.status()}; this benchmark times the native kernels")
     frame = measure(types, slots, args.repeat, args.threads, cache_root() / "bench-quant-types")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out, index=False)
