@@ -167,21 +167,27 @@ def test_each_tenants_requests_share_one_fair_share_parent(tiny_model_dir, tmp_p
 
 # -- the concurrency limit and the metrics ------------------------------------------------------
 
+@contextlib.contextmanager
+def alice_holds_her_slot(base_url: str, app) -> Iterator[threading.Event]:
+    """Alice's one allowed request streaming, the engine's steps held until the gate is set."""
+    async_engine = app.state.server.async_engine
+    gate = threading.Event()
+    step = async_engine.engine.step
+
+    def held_step():
+        gate.wait(5)
+        return step()
+
+    async_engine.engine.step = held_step
+    body = {"prompt": "Hi", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=bearer(ALICE), timeout=30):
+        while async_engine.num_in_flight == 0:
+            time.sleep(0.01)
+        yield gate
+
 def test_a_tenant_over_its_limit_gets_429_while_another_is_served(tiny_model_dir, tmp_path) -> None:
     with serving(tiny_model_dir, two_tenants(tmp_path, max_concurrent=1)) as (base_url, app):
-        async_engine = app.state.server.async_engine
-        gate = threading.Event()
-        step = async_engine.engine.step
-
-        def held_step():
-            gate.wait(5)
-            return step()
-
-        async_engine.engine.step = held_step
-        body = {"prompt": "Hi", "max_tokens": 4, "stream": True}
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=bearer(ALICE), timeout=30):
-            while async_engine.num_in_flight == 0:
-                time.sleep(0.01)
+        with alice_holds_her_slot(base_url, app) as gate:
             second = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
                                 headers=bearer(ALICE))
             assert second.status_code == 429, second.text
@@ -227,23 +233,11 @@ LIMITED_ENDPOINTS = {
 @pytest.mark.parametrize("path", sorted(LIMITED_ENDPOINTS))
 def test_every_generation_endpoint_counts_against_the_tenants_limit(tiny_model_dir, tmp_path, path) -> None:
     body, refused_in_its_shape = LIMITED_ENDPOINTS[path]
-    with serving(tiny_model_dir, two_tenants(tmp_path, max_concurrent=1)) as (base_url, app):
-        async_engine = app.state.server.async_engine
-        gate = threading.Event()
-        step = async_engine.engine.step
-
-        def held_step():
-            gate.wait(5)
-            return step()
-
-        async_engine.engine.step = held_step
-        held = {"prompt": "Hi", "max_tokens": 4, "stream": True}
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=held, headers=bearer(ALICE), timeout=30):
-            while async_engine.num_in_flight == 0:
-                time.sleep(0.01)
-            refused = httpx.post(f"{base_url}{path}", json=body, headers=bearer(ALICE), timeout=30)
-            gate.set()
-            served_elsewhere = httpx.post(f"{base_url}{path}", json=body, headers=bearer(BOB), timeout=30)
+    with serving(tiny_model_dir, two_tenants(tmp_path, max_concurrent=1)) as (base_url, app), \
+            alice_holds_her_slot(base_url, app) as gate:
+        refused = httpx.post(f"{base_url}{path}", json=body, headers=bearer(ALICE), timeout=30)
+        gate.set()
+        served_elsewhere = httpx.post(f"{base_url}{path}", json=body, headers=bearer(BOB), timeout=30)
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "1"
     assert refused_in_its_shape(refused.json()), refused.text
