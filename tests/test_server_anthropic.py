@@ -11,9 +11,7 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from test_server_api import Served, idle_client, serving, tiny_engine, wait_idle
-
-from nanoserve.server.tenants import Tenancy, tenants_from_options
+from test_server_api import Served, idle_client, keyed_serving, wait_idle
 
 KEY = "sk-test-1"
 HI = [{"role": "user", "content": "Hello there"}]
@@ -25,8 +23,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    tenancy = Tenancy(tuple(tenants_from_options([KEY])))
-    with serving(lambda: tiny_engine(tiny_model_dir), tenancy=tenancy) as server:
+    with keyed_serving(tiny_model_dir, KEY) as server:
         yield server
 
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import openai
 import pytest
 from server_harness import BackgroundServer
 
@@ -29,6 +30,7 @@ from nanoserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampling
 from nanoserve.server.app import ServerLimits, build_app, start_drain
 from nanoserve.server.planning import _base_params
 from nanoserve.server.protocol import CompletionRequest, TextOffset, TokenText, completion_logprobs
+from nanoserve.server.tenants import Tenancy, tenants_from_options
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_n=4, max_prompts=4, max_tokens=48, max_waiting=8,
@@ -80,6 +82,22 @@ def serving(engine_factory, **app_options) -> Iterator[Served]:
     with BackgroundServer(app) as server:
         wait_healthy(server.base_url)
         yield Served(server.base_url, app)
+
+
+@contextlib.contextmanager
+def keyed_serving(model_dir, key: str) -> Iterator[Served]:
+    """A fresh tiny-model server whose one API key is `key`."""
+    tenancy = Tenancy(tuple(tenants_from_options([key])))
+    with serving(lambda: tiny_engine(model_dir), tenancy=tenancy) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def openai_client(served: Served, key: str) -> Iterator[openai.OpenAI]:
+    """The official client of `served`; on leaving, waits until the server is idle."""
+    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=key, max_retries=0) as client:
+        yield client
+    wait_idle(served)
 
 
 @contextlib.contextmanager

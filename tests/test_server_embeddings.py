@@ -12,11 +12,18 @@ from collections.abc import Iterator
 import numpy as np
 import openai
 import pytest
-from test_server_api import Served, assert_error, idle_client, serving, tiny_engine, wait_idle
+from test_server_api import (
+    Served,
+    assert_error,
+    idle_client,
+    keyed_serving,
+    openai_client,
+    serving,
+    tiny_engine,
+)
 
 from nanoserve.llm import LLM
 from nanoserve.pooling_params import PoolingParams
-from nanoserve.server.tenants import Tenancy, tenants_from_options
 
 KEY = "sk-embeddings"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -25,16 +32,14 @@ TEXTS = ["hello there friend", "a b c"]
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    tenancy = Tenancy(tuple(tenants_from_options([KEY])))
-    with serving(lambda: tiny_engine(tiny_model_dir), tenancy=tenancy) as server:
+    with keyed_serving(tiny_model_dir, KEY) as server:
         yield server
 
 
 @pytest.fixture
 def client(served: Served) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=KEY, max_retries=0) as embeddings_client:
-        yield embeddings_client
-    wait_idle(served)
+    with openai_client(served, KEY) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

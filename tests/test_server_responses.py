@@ -10,9 +10,13 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
-from test_server_api import Served, assert_error, idle_client, serving, tiny_engine, wait_idle
-
-from nanoserve.server.tenants import Tenancy, tenants_from_options
+from test_server_api import (
+    Served,
+    assert_error,
+    idle_client,
+    keyed_serving,
+    openai_client,
+)
 
 KEY = "sk-responses"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
@@ -24,16 +28,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[Served]:
-    tenancy = Tenancy(tuple(tenants_from_options([KEY])))
-    with serving(lambda: tiny_engine(tiny_model_dir), tenancy=tenancy) as server:
+    with keyed_serving(tiny_model_dir, KEY) as server:
         yield server
 
 
 @pytest.fixture
 def client(served: Served) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=KEY, max_retries=0) as responses_client:
-        yield responses_client
-    wait_idle(served)
+    with openai_client(served, KEY) as client:
+        yield client
 
 
 def chat(served: Served, messages: list[dict], max_tokens: int) -> dict:
