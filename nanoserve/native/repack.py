@@ -89,15 +89,19 @@ def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     return RepackedWeight(weight.format, layout, weight.shape, packed.reshape(count, -1).contiguous())
 
 
+PRODUCTS = ("ns_matmul_x8", "ns_gemm_x8", "ns_matmul_kx8")  # each with a `_portable` twin
+
+
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     loaded = native.library()
     if loaded is None:
         return None
     lib = loaded.lib
-    for name in ("ns_matmul_x8", "ns_matmul_x8_portable"):
-        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
-        getattr(lib, name).restype = ctypes.c_int
+    for name in PRODUCTS:  # x8 GEMV tiles, the prefill GEMM, the K layouts: one signature
+        for entry in (getattr(lib, name), getattr(lib, f"{name}_portable")):
+            entry.argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+            entry.restype = ctypes.c_int
     lib.ns_dequantize_rows_x8.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
     lib.ns_dequantize_rows_x8.restype = ctypes.c_int
     return lib
@@ -113,18 +117,20 @@ def _require() -> ctypes.CDLL:
 def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T -> float32 [rows, out]. `portable` runs the plain C path
     (for the tests: it gives the vector path's bits)."""
+    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape,
+                    f"{weight.source.name} {weight.shape} repacked")
+
+
+def _product(name: str, portable: bool, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
+             shape: tuple[int, int], what: str) -> torch.Tensor:
+    """One of PRODUCTS (or its scalar reference) over x [rows, in] and a layout's `blocks`."""
     lib = _require()
-    out_features, in_features = weight.shape
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features or x.device.type != "cpu":
-        raise ValueError(f"x must be float32 [rows, {in_features}] on the CPU; got {x.dtype} "
-                         f"{list(x.shape)} on {x.device}")
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    x, y = _checked(x, shape)
     if x.shape[0]:
-        entry = lib.ns_matmul_x8_portable if portable else lib.ns_matmul_x8
-        status = entry(weight.layout.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
-                       x.shape[0], out_features, in_features, torch.get_num_threads())
-        _raise_for(status, weight)
+        entry = getattr(lib, f"{name}_portable" if portable else name)
+        status = entry(ggml_type, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), x.shape[0], shape[0],
+                       shape[1], torch.get_num_threads())
+        native.raise_for_status(status, "repacked matmul", what, shape[0])
     return y
 
 
@@ -147,31 +153,11 @@ def _raise_for(status: int, weight: RepackedWeight) -> None:
 
 # ---- the prefill GEMM (csrc/matmul_gemm.c) over the same layouts ----------------------------
 
-@functools.cache
-def _gemm_lib() -> ctypes.CDLL | None:
-    loaded = native.library()
-    if loaded is None:
-        return None
-    lib = loaded.lib
-    for name in ("ns_gemm_x8", "ns_gemm_x8_portable"):
-        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
-
-
 def gemm(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
     """`matmul`'s product, bit for bit, by the register-blocked GEMM for prompt chunks (many
     rows); `portable` runs its scalar reference."""
-    lib = _gemm_lib()
-    if lib is None:
-        raise RuntimeError(native.status())
-    x, y = _checked(x, weight.shape)
-    if x.shape[0]:
-        entry = lib.ns_gemm_x8_portable if portable else lib.ns_gemm_x8
-        status = entry(weight.layout.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
-                       x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
-        _raise_for(status, weight)
-    return y
+    return _product("ns_gemm_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape,
+                    f"{weight.source.name} {weight.shape} repacked")
 
 
 def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,28 +306,7 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
     return values.reshape(g * COLUMNS, in_features)[:out_features]
 
 
-@functools.cache
-def _k_lib() -> ctypes.CDLL | None:
-    loaded = native.library()
-    if loaded is None:
-        return None
-    lib = loaded.lib
-    for name in ("ns_matmul_kx8", "ns_matmul_kx8_portable"):
-        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
-
-
 def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T -> float32 [rows, out]; `portable` runs the scalar reference."""
-    lib = _k_lib()
-    if lib is None:
-        raise RuntimeError(native.status())
-    x, y = _checked(x, weight.shape)
-    if x.shape[0]:
-        entry = lib.ns_matmul_kx8_portable if portable else lib.ns_matmul_kx8
-        status = entry(weight.format.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
-                       x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
-        native.raise_for_status(status, "repacked matmul", f"{weight.format.name} {weight.shape} repacked",
-                                weight.shape[0])
-    return y
+    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape,
+                    f"{weight.format.name} {weight.shape} repacked")
