@@ -7,6 +7,10 @@ without pulling in torch.
 
 from importlib import import_module
 
+from nanoserve import openmp
+
+openmp.configure()  # before anything imports torch: libgomp reads it once
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -9,6 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import nanoserve  # noqa: F401  (before torch: it shortens torch's OpenMP spin, as the CLI does)
 import pytest
 import torch
 from gguf import GGMLQuantizationType

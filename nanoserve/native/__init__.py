@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from nanoserve import openmp
 from nanoserve.native.build import BuildResult, build_library
 
 log = logging.getLogger("nanoserve")
@@ -72,7 +73,8 @@ def status() -> str:
     native, reason = _load()
     if native is None:
         return f"native kernels: off ({reason}); running torch kernels"
-    return f"native kernels: on ({native.isa}; {reason})"
+    spin = openmp.note()
+    return f"native kernels: on ({native.isa}; {reason})" + (f"; {spin}" if spin else "")
 
 
 def raise_for_status(status: int, kernel: str, weight: str, rows: int) -> None:
