@@ -159,6 +159,7 @@ def profile_table(frame, title: str):
     table.add_column("batch", justify="right")
     table.add_column("small ops")
     table.add_column("step ms", justify="right")
+    table.add_column("roofline ms (share)", justify="right")
     for phase in PHASES:
         table.add_column(f"{phase} ms (rb)", justify="right")
     table.add_column("other ms", justify="right")
@@ -169,7 +170,8 @@ def profile_table(frame, title: str):
     for row in frame.itertuples():
         phases = [f"{getattr(row, f'{p}_ms'):.2f} ({getattr(row, f'{p}_readbacks'):.0f})" for p in PHASES]
         table.add_row(str(row.batch_size), "native" if row.native_ops else "torch", f"{row.step_ms:.2f}",
-                      *phases, f"{row.other_ms:.2f}",
+                      f"{row.roofline_step_ms:.2f} ({row.roofline_fraction:.2f})", *phases,
+                      f"{row.other_ms:.2f}",
                       f"{row.forward_linear_ms:.2f}",
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")

@@ -415,6 +415,13 @@ def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir
     assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
     assert (frame.forward_rest_ms > 0).all()
     assert frame.native_calls_per_step[1] > 0  # the native small ops' calls, counted
+    # Each step beside its memory roofline: the weights a step reads at the measured bandwidth.
+    # The CSV keeps 6 significant digits.
+    expected = 1e3 * frame.weight_bytes_per_step / (frame.measured_read_gbs * 1e9)
+    assert (frame.weight_bytes_per_step > 0).all()
+    assert frame.roofline_step_ms.tolist() == pytest.approx(expected.tolist(), rel=1e-4)
+    fraction = frame.roofline_step_ms / frame.step_ms
+    assert frame.roofline_fraction.tolist() == pytest.approx(fraction.tolist(), rel=1e-4)
 
 
 def test_every_neighbour_kind_is_a_body_the_protocol_accepts_under_the_body_limit():

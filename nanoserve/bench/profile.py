@@ -6,7 +6,9 @@ the engine's own `stats.phase_s` and `stats.phase_readbacks`; the forward's spli
 matrix multiplies (every call of the model's `linear`, timed around the call) and the rest of
 it (norms, RoPE, the cache write, attention, activations, residual adds, Python); and, on
 request, a torch.profiler Chrome trace of a few steps, with the phases the engine names there;
-for a mixture of experts, its routed-rows histogram and per-expert matmul time (`expert_profile`).
+for a mixture of experts, its routed-rows histogram and per-expert matmul time (`expert_profile`);
+and each step beside its memory roofline (the weight bytes a step reads over this machine's
+streaming read bandwidth, measured once per profile).
 Refuses: printing and file formats beyond the trace (the CLI and `charts` do those).
 """
 
@@ -24,7 +26,8 @@ from torch.profiler import ProfilerActivity, record_function
 
 from nanoserve import native
 from nanoserve.bench.driver import StepRecord, run_closed_loop
-from nanoserve.bench.offline import kv_blocks_for, sampling_params, synthetic_prompts
+from nanoserve.bench.hardware import read_bandwidth_gbs
+from nanoserve.bench.offline import ModelCost, kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import PHASES, Engine
 from nanoserve.errors import InvalidRequestError
@@ -212,6 +215,11 @@ def profile_engine(engine: Engine, spec: ProfileSpec,
     if progress:
         progress(spec.batch_sizes[-1], len(spec.batch_sizes), len(spec.batch_sizes))
     frame = pd.DataFrame(rows)
+    weight_bytes = ModelCost.of_engine(engine).weight_bytes
+    read_gbs = read_bandwidth_gbs(engine.device)
+    roofline_ms = 1e3 * weight_bytes / (read_gbs * 1e9)
+    frame = frame.assign(weight_bytes_per_step=weight_bytes, measured_read_gbs=read_gbs,
+                         roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / frame["step_ms"])
     return frame.assign(params=spec.params, dtype=spec.dtype, weight_format=engine.weight_format,
                         batch_invariant=spec.batch_invariant, prefix_caching=spec.prefix_caching,
                         input_len=spec.input_len, output_len=spec.output_len)
