@@ -22,16 +22,26 @@ POLICY_VARIABLE = "OMP_WAIT_POLICY"
 SPIN_COUNT = "10000"
 
 _configured = False
+_set_here = False  # whether SPIN_VARIABLE is ours (not the user's)
 
 
 def configure() -> None:
     """Shorten libgomp's spin, where torch is not loaded yet and the user has not chosen."""
-    global _configured
+    global _configured, _set_here
     if SPIN_VARIABLE in os.environ or POLICY_VARIABLE in os.environ:
         _configured = True
     elif "torch" not in sys.modules:
         os.environ[SPIN_VARIABLE] = SPIN_COUNT
-        _configured = True
+        _configured = _set_here = True
+
+
+def foreign_environment() -> dict[str, str]:
+    """The environment for another program's process (llama.cpp beside us in a benchmark): without
+    our spin setting, which suits our pool and would slow an OpenMP program's own barriers."""
+    environment = dict(os.environ)
+    if _set_here:
+        environment.pop(SPIN_VARIABLE, None)
+    return environment
 
 
 def note() -> str | None:

@@ -36,3 +36,10 @@ def test_torch_loaded_first_is_said_at_start_up():
     spin, note = _spin_after(code).split("\n", 1)
     assert spin == "None"
     assert "GOMP_SPINCOUNT" in note and "imported before nanoserve" in note
+
+
+def test_another_programs_environment_leaves_out_our_spin_but_keeps_a_users():
+    code = ("import nanoserve, os; from nanoserve import openmp; "
+            "print(openmp.foreign_environment().get('GOMP_SPINCOUNT'))")
+    assert _spin_after(code) == "None"  # llama.cpp's OpenMP barriers keep their own default
+    assert _spin_after(code, GOMP_SPINCOUNT="7") == "7"

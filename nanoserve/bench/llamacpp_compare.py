@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve import openmp
 from nanoserve.bench.hardware import git_commit
 from nanoserve.machine import cpu_model, vector_flags
 
@@ -78,7 +79,7 @@ def model_file(weights: str, anchors: Anchors) -> Path:
                             f"-j{os.cpu_count() or 1}"], check=True, stdout=sys.stderr)
         partial = target.with_suffix(".part")
         subprocess.run([str(quantize), str(f32), str(partial), QUANTIZE_TYPES[weights]], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=openmp.foreign_environment())
         partial.replace(target)
     return target
 
@@ -90,7 +91,8 @@ def llama_cpp(model: Path, slots: list[int], prompt_len: int, output_len: int,
     command = [str(anchors.tool("llama-batched-bench")), "-m", str(model), "-c", str(context), "-b", "512",
                "-ub", "512", "-npp", str(prompt_len), "-ntg", str(output_len),
                "-npl", ",".join(map(str, slots)), "-t", str(os.cpu_count() or 1)]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(command, check=True, capture_output=True, text=True,
+                         env=openmp.foreign_environment()).stdout
     figures = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("|")]
