@@ -42,12 +42,23 @@ def partials(world: int, rows: int, cols: int = 1000) -> list[torch.Tensor]:
             for r in range(world)]
 
 
+# The exchange in C (native/collective.py) and in Python: the same bits.
+EXCHANGES = [pytest.param(True, id="native-exchange",
+                          marks=pytest.mark.skipif(native.library() is None, reason=native.status())),
+             pytest.param(False, id="python-exchange")]
+
+
+@pytest.mark.parametrize("native_exchange", EXCHANGES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_the_all_reduce_is_the_sum_in_rank_order_bit_for_bit_on_every_rank(rows):
+def test_the_all_reduce_is_the_sum_in_rank_order_bit_for_bit_on_every_rank(rows, native_exchange):
     world = 4
     parts = partials(world, rows)
     in_order = ((parts[0] + parts[1]) + parts[2]) + parts[3]
-    for result in in_threads(world, lambda group, rank: group.all_reduce(parts[rank])):
+    results = in_threads(world, lambda group, rank: (group.native_exchange is not None,
+                                                     group.all_reduce(parts[rank])),
+                         native_exchange=native_exchange)
+    for ran_natively, result in results:
+        assert ran_natively == native_exchange
         assert torch.equal(result, in_order)
 
 
@@ -57,7 +68,8 @@ def test_the_all_gather_puts_every_rank_side_by_side_in_rank_order():
         assert torch.equal(result, torch.cat(parts, dim=1))
 
 
-def test_ranks_at_different_speeds_reuse_the_buffers_without_reading_a_later_write():
+@pytest.mark.parametrize("native_exchange", EXCHANGES)
+def test_ranks_at_different_speeds_reuse_the_buffers_without_reading_a_later_write(native_exchange):
     world, rounds = 3, 60
     parts = [partials(world, 2, 16) for _ in range(rounds)]
 
@@ -70,7 +82,7 @@ def test_ranks_at_different_speeds_reuse_the_buffers_without_reading_a_later_wri
         return out
 
     # A slot of one row: every call is two exchanges, both halves reused all along.
-    for result in in_threads(world, work, slot_bytes=64):
+    for result in in_threads(world, work, slot_bytes=64, native_exchange=native_exchange):
         for r in range(rounds):
             assert torch.equal(result[r], (parts[r][0] + parts[r][1]) + parts[r][2])
 

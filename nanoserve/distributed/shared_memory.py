@@ -9,6 +9,8 @@ Layout: one counter a rank (its own cache line), then two halves of N slots of S
 k-th exchange uses half k % 2: a rank writes half k % 2 again at exchange k + 2 only after every
 rank published k + 1, which each did after reading exchange k, so one barrier an exchange is
 enough. A tensor larger than a slot goes in row chunks (a row's sum or copy is the same).
+With the native library loaded, the write, the publication, the first spin and a float32 sum
+are one C call (native/collective.py); the waiting below takes over where its spin runs out.
 Waiting spins a few microseconds, then yields the core (releasing the GIL), then sleeps: with
 more ranks than cores a spinning rank would take the core of the rank it waits for. A wait gives
 up after its timeout naming the rank, or when its `check` raises (rank 0: a worker exited).
@@ -37,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from nanoserve.native import collective
 
 SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 1 << 20
@@ -87,14 +91,20 @@ class SharedMemoryGroup:
     check: Callable[[], None] | None = None
     counters: np.ndarray = field(init=False)
     data: torch.Tensor = field(init=False)
+    _counters_address: int = field(init=False)  # for the C exchange
+    _data_address: int = field(init=False)
     views: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     exchanges: int = 0
     unlinked: bool = False
+    # The exchange in C (None: the library is off, or `native_exchange=False`); both give the same bits.
+    native_exchange: collective.NativeExchange | None = field(default_factory=collective.load)
 
     def __post_init__(self) -> None:
         self.counters = np.frombuffer(self.buffer, dtype=np.int64, count=self.world * COUNTER_STRIDE)
         self.data = torch.frombuffer(self.buffer, dtype=torch.uint8, offset=self.counters.nbytes,
                                      count=2 * self.world * self.slot_bytes)
+        self._counters_address = self.counters.ctypes.data
+        self._data_address = self.data.data_ptr()
 
     @staticmethod
     def size(world: int, slot_bytes: int = SLOT_BYTES) -> int:
@@ -102,9 +112,11 @@ class SharedMemoryGroup:
 
     @classmethod
     def join(cls, store: dist.Store, rank: int, world: int, timeout_s: float,
-             slot_bytes: int = SLOT_BYTES, check: Callable[[], None] | None = None) -> SharedMemoryGroup:
+             slot_bytes: int = SLOT_BYTES, check: Callable[[], None] | None = None,
+             native_exchange: bool = True) -> SharedMemoryGroup:
         """Rank 0 creates the buffer and names it in the store; the others map it. Blocks no rank
-        on another (rank 0 unlinks the file once every rank has been seen in an exchange)."""
+        on another (rank 0 unlinks the file once every rank has been seen in an exchange).
+        `native_exchange=False` keeps the Python exchange where the library is loaded."""
         size = cls.size(world, slot_bytes)
         if rank == 0:
             remove_orphans()
@@ -120,7 +132,8 @@ class SharedMemoryGroup:
             os.close(fd)
         if rank == 0:
             store.set("shared_memory/path", str(path))  # named once it has its size
-        return cls(rank, world, path, buffer, timeout_s, slot_bytes, check)
+        return cls(rank, world, path, buffer, timeout_s, slot_bytes, check,
+                   native_exchange=collective.load() if native_exchange else None)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of `x` [rows, cols], added in rank order 0..N-1 on every rank."""
@@ -145,6 +158,8 @@ class SharedMemoryGroup:
         return torch.cat([exchange(part) for part in x.split(rows)])
 
     def _reduce_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_exchange is not None and x.dtype is torch.float32:
+            return self._all_reduce_natively(x)
         slots = self._exchange(x)
         out = slots[0].clone()
         for rank in range(1, self.world):
@@ -158,16 +173,52 @@ class SharedMemoryGroup:
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
         """Write `x` into this rank's slot, wait for every rank's; returns the N slots as a view
         [N, x.numel()] (valid until the exchange after next)."""
+        if self.native_exchange is not None:
+            self._publish_natively(x)
+            return self._halves(x.dtype)[self.exchanges % 2, :, :x.numel()]
         self.exchanges += 1
         slots = self._halves(x.dtype)[self.exchanges % 2, :, :x.numel()]
-        slots[self.rank].copy_(x.reshape(-1))
-        self.counters[self.rank * COUNTER_STRIDE] = self.exchanges  # after the data: x86 keeps the order
         try:
+            slots[self.rank].copy_(x.reshape(-1))
+            self.counters[self.rank * COUNTER_STRIDE] = self.exchanges  # after the data: x86 keeps the order
             self._wait_for_all(self.exchanges)
         finally:
             # Every rank has mapped the file (or the group is broken): the name can go.
             self._unlink()
         return slots
+
+    def _all_reduce_natively(self, x: torch.Tensor) -> torch.Tensor:
+        """The hot path of a step (two a layer): one C call, addresses rather than tensor views
+        into the buffer; Python's wait and a second call only where the spin ran out."""
+        self.exchanges += 1
+        half = self._data_address + (self.exchanges % 2) * self.world * self.slot_bytes
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=torch.float32)
+        try:
+            if self.native_exchange.all_reduce(self._counters_address, COUNTER_STRIDE, self.rank, self.world,
+                                               self.exchanges, half, self.slot_bytes, x.data_ptr(), x.numel(),
+                                               out.data_ptr(), collective.SPIN_US):
+                self._wait_for_all(self.exchanges)
+                self.native_exchange.sum_slots(half, self.slot_bytes // 4, self.world, x.numel(),
+                                               out.data_ptr())
+        finally:
+            self._unlink()
+        return out
+
+    def _publish_natively(self, x: torch.Tensor) -> int:
+        """`_exchange` in one C call (write, publish, spin), Python's wait only where the spin ran
+        out; returns the address of the exchange's half of the buffer."""
+        self.exchanges += 1
+        half = self._data_address + (self.exchanges % 2) * self.world * self.slot_bytes
+        x = x.contiguous()
+        try:
+            if self.native_exchange.publish(self._counters_address, COUNTER_STRIDE, self.rank, self.world,
+                                            self.exchanges, half, self.slot_bytes, x.data_ptr(),
+                                            x.numel() * x.element_size(), collective.SPIN_US):
+                self._wait_for_all(self.exchanges)
+        finally:
+            self._unlink()
+        return half
 
     def _halves(self, dtype: torch.dtype) -> torch.Tensor:
         """The data as [2 halves, N slots, elements of `dtype`], made once per dtype."""
