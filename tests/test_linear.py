@@ -177,3 +177,22 @@ def test_self_test_compares_every_row_of_a_prefill_sized_call_not_only_the_first
 
     kernel = LinearKernel("later-panels", "test only", lambda w: w, later_panels_moved, ("cpu",))
     assert "32 rows at offset 0 differ" in self_test(kernel, probe_shape(), max_rows=8, prefill_rows=32)
+
+
+def test_the_per_layer_loops_measured_overhead_counts_against_the_kernels_that_cannot_skip_it(monkeypatch):
+    """A kernel a few percent faster in its linears alone loses to the one that runs the
+    one-call decoder once the loop's own cost is added; without that cost it wins."""
+    tiled = KERNELS["aten-tile16"]
+    looping = LinearKernel("looping", "test only", tiled.pack, tiled.apply, ("cpu",))
+    one_call = LinearKernel("one-call", "test only", tiled.pack, tiled.apply, ("cpu",), one_call_decoder=True)
+    linears_ms = {"looping": 5.65, "one-call": 5.82}  # a cached pair seen on a busy machine
+    monkeypatch.setattr(linear, "kernels_for", lambda device: [looping, one_call])
+    monkeypatch.setattr(linear, "time_kernel",
+                        lambda kernel, layers, rows, device: {r: linears_ms[kernel.name] for r in rows})
+
+    def chosen(overhead_ms: float) -> str:
+        return choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
+                             loop_overhead_ms=overhead_ms).kernel.name
+
+    assert chosen(0.0) == "looping"
+    assert chosen(1.0) == "one-call"

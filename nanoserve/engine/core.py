@@ -168,7 +168,7 @@ class Engine:
         self.weight_format = weight_format(weights)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.kernel_choice = choose_rank_kernel(config, weights, self.device)
+        self.kernel_choice = choose_rank_kernel(config, self.model_config, weights, self.device)
         local = local_config(self.model_config, config.tensor_parallel_size)
         plan = RankPlan(self.kernel_choice.kernel.name,
                         num_kv_blocks(config, local, self.dtype, self.device, self.max_model_len),

@@ -58,6 +58,10 @@ from nanoserve.native.moe import NativeExperts
 from nanoserve.native.ops import NativeOps
 from nanoserve.quant import Weight
 
+# The native small-op calls one layer of the per-layer loop makes beside its linears (`Llama._layers`:
+# norm, RoPE + K/V write, attention, residual add + norm, SiLU*up): what the one-call decoder
+# saves, as the kernel choice (worker/rank.py) counts it.
+LOOP_NATIVE_OPS_PER_LAYER = 5
 
 class TensorParallel(Protocol):
     """What a forward on one rank's shard asks of its ranks (nanoserve.distributed.collectives)."""

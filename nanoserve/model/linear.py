@@ -65,6 +65,10 @@ class LinearKernel:
     pack: Callable[[torch.Tensor], torch.Tensor]
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], packed) -> [M, N]
     device_types: tuple[str, ...]
+    # Whether a model packed by it can run a step in the one-call native decoder
+    # (native/decoder.py); with the others it runs the per-layer loop, which pays a trip through
+    # Python, ctypes and the pool for every small op of every layer (`choose_kernel` counts it).
+    one_call_decoder: bool = False
 
 
 def _aten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -110,7 +114,7 @@ KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     # float32 and bfloat16 only: pack raises a RuntimeError for other dtypes, so `_runnable`
     # leaves it out for them. Batch-invariant by construction (one FMA chain per output).
     LinearKernel("native", "nanoserve's C kernels, weights prepacked in 16-column panels",
-                 native_matmul.pack, _native, ("cpu",)),
+                 native_matmul.pack, _native, ("cpu",), one_call_decoder=True),
 )}
 
 
@@ -168,9 +172,9 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
     LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
                  "columns interleaved (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; other formats as native-quant)", _repack,
-                 _native_quant, ("cpu",)),
+                 _native_quant, ("cpu",), one_call_decoder=True),
     LinearKernel("native-quant-gemm", "native-quant-x8, prompt chunks through a register-blocked GEMM "
-                 "(Q4_0, Q4_1, Q8_0)", _repack, _native_quant_gemm, ("cpu",)),
+                 "(Q4_0, Q4_1, Q8_0)", _repack, _native_quant_gemm, ("cpu",), one_call_decoder=True),
 )}
 
 
@@ -257,8 +261,12 @@ class KernelUnavailableError(ValueError):
 
 def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, prefill_rows: int,
                   batch_invariant: bool, forced: str | None = None,
-                  cache_path: Path | None = None) -> KernelChoice:
-    """The fastest kernel that qualifies: measured (or read from the cache), never assumed."""
+                  cache_path: Path | None = None, loop_overhead_ms: float = 0.0) -> KernelChoice:
+    """The fastest kernel that qualifies: measured (or read from the cache), never assumed.
+    `loop_overhead_ms`: what a forward through the per-layer loop costs beyond its linears,
+    measured by the caller where the model could run the one-call decoder (else 0); it is
+    added to the kernels that cannot, so a few percent of linears' noise never trades the
+    one-call step away."""
     candidates = quantized_kernels_for(device) if shape.quantized else kernels_for(device)
     if forced is not None:
         names = [k.name for k in candidates]
@@ -277,7 +285,10 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     for kernel in candidates:
         if not verdicts[kernel.name].ms_by_rows:
             verdicts[kernel.name].ms_by_rows = time_kernel(kernel, shape.layers, rows, device)
-    ranked = sorted(candidates, key=lambda k: verdicts[k.name].score_ms)
+    def step_ms(kernel: LinearKernel) -> float:
+        return verdicts[kernel.name].score_ms + (0.0 if kernel.one_call_decoder else loop_overhead_ms)
+
+    ranked = sorted(candidates, key=step_ms)
     chosen, reason = ranked[0], "fastest"
     if batch_invariant:
         for kernel in ranked:
@@ -301,6 +312,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     if cache_path is not None:
         _write_cache(cache_path, key, verdicts)
     reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
+    if loop_overhead_ms and len(candidates) > 1:
+        reason += f"; {loop_overhead_ms:.1f} ms a forward added to kernels that run the per-layer loop"
     if forced is None and (unusable := left_out(device)):
         reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)

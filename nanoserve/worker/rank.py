@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,11 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.machine import cache_root
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import LOOP_NATIVE_OPS_PER_LAYER, Llama
 from nanoserve.model.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from nanoserve.model.linear import KernelChoice, KernelUnavailableError, choose_kernel, kernel_named
 from nanoserve.model.weights import LlamaWeights
+from nanoserve.native import ops as native_ops
 from nanoserve.quant import QUANTIZERS, format_names
 
 log = logging.getLogger("nanoserve")
@@ -158,13 +160,35 @@ def weight_format(weights: LlamaWeights) -> str:
     return "+".join(dict.fromkeys(names))
 
 
-def choose_rank_kernel(config: EngineConfig, weights: LlamaWeights, device: torch.device) -> KernelChoice:
+def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> float:
+    """What a forward through the per-layer loop costs beyond its linears, where this model
+    could run the one-call decoder instead (else 0): the loop's native small-op calls a forward,
+    each timed here as a one-row RMSNorm call (Python, the checks, ctypes, the pool)."""
+    ops = native_ops.load()
+    if (ops is None or device.type != "cpu" or config.tensor_parallel_size > 1
+            or not model_config.is_plain_llama):
+        return 0.0
+    x = torch.randn(1, model_config.hidden_size)
+    weight, out = torch.ones(model_config.hidden_size), torch.empty_like(x)
+    calls = 200
+    for _ in range(calls // 10):
+        ops.rms_norm(x, weight, 1e-6, out)
+    start = time.perf_counter()
+    for _ in range(calls):
+        ops.rms_norm(x, weight, 1e-6, out)
+    per_call_ms = 1e3 * (time.perf_counter() - start) / calls
+    return per_call_ms * LOOP_NATIVE_OPS_PER_LAYER * model_config.num_layers
+
+
+def choose_rank_kernel(config: EngineConfig, model_config: ModelConfig, weights: LlamaWeights,
+                       device: torch.device) -> KernelChoice:
     """The linear kernel every rank runs, measured on this rank's weights (or forced)."""
     try:
         choice = choose_kernel(weights.probe_shape(), device=device, max_rows=config.max_num_seqs,
                                prefill_rows=config.max_num_batched_tokens,
                                batch_invariant=config.batch_invariant, forced=config.linear_kernel,
-                               cache_path=cache_root() / "linear_kernels.json")
+                               cache_path=cache_root() / "linear_kernels.json",
+                               loop_overhead_ms=loop_overhead_ms(config, model_config, device))
     except KernelUnavailableError as error:
         raise InvalidRequestError(str(error), param=error.option) from error
     if config.batch_invariant and not choice.batch_invariant:
