@@ -204,6 +204,25 @@ def test_a_rows_attention_bits_are_the_same_alone_in_a_prefill_chunk_and_in_a_cr
 
 
 @needs_native
+def test_a_prefill_chunks_attention_bits_do_not_depend_on_the_thread_count():
+    """Threads take (row, K/V head) units in turn; whichever thread runs a unit, its bits are
+    the same, at 1, 2 and 3 threads, over a causal chunk (rows of growing context)."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    tables, k_cache, v_cache = paged_setup([150], heads, kv_heads, dim, block_size)
+    q = torch.randn(150, heads * dim, generator=torch.Generator().manual_seed(4))
+    chunk = PagedContext(tables, torch.zeros(150, dtype=torch.long), torch.arange(150))
+    before = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(NATIVE.paged_attention(q, k_cache, v_cache, chunk, heads, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+@needs_native
 @pytest.mark.parametrize("path", PATHS)
 def test_a_query_heads_bits_do_not_depend_on_the_heads_sharing_its_kv_head(path):
     """The kernel reads each K/V head once for all the query heads that share it: each head's

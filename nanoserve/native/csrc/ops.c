@@ -442,15 +442,16 @@ typedef struct {
 static void attention_task(void *context, int thread, int threads) {
     AttentionJob *a = context;
     const int64_t dim = a->c->dim, group = a->heads / a->kv_heads;
-    int64_t begin, end;
-    ns_share(a->units, thread, threads, &begin, &end);
-    if (begin == end) return;
+    if (thread >= a->units) return;
     float *scratch = malloc((size_t)attention_scratch_floats(group, a->longest, dim) * sizeof(float));
     if (scratch == NULL) {
         a->failed = 1;
         return;
     }
-    for (int64_t unit = begin; unit < end; unit++) {
+    /* Units dealt in turn, not in contiguous ranges: a prompt chunk's rows attend over contexts
+     * growing row by row (causal), so a contiguous split left the last thread most of the work.
+     * A unit's arithmetic does not depend on which thread runs it. */
+    for (int64_t unit = thread; unit < a->units; unit += threads) {
         int64_t r = unit / a->kv_heads, kv_head = unit % a->kv_heads, last = a->positions[r];
         int64_t first = a->window > 0 && last + 1 > a->window ? last + 1 - a->window : 0;
         int64_t h = kv_head * group; /* the group's first query head */
