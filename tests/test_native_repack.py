@@ -109,6 +109,18 @@ def test_repacked_kernel_passes_the_batch_invariance_self_test(format_name):
     assert self_test(QUANTIZED_KERNELS["native-quant-x8"], shape, max_rows=9, prefill_rows=70) == ""
 
 
+def test_the_gemm_kernel_runs_layouts_the_gemm_lacks_through_the_x8_tiles():
+    kernel = QUANTIZED_KERNELS["native-quant-gemm"]
+    weight = random_weight("q5_0", 40, 96, seed=1)
+    packed = kernel.pack(weight)
+    assert not _repack().has_gemm(packed)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kernel.apply(x, packed), _repack().matmul(x, packed))
+    layer = [weight, random_weight("q5_1", 33, 96, seed=2)]
+    shape = ProbeShape([layer], random_weight("q5_0", 17, 96, seed=3))
+    assert self_test(kernel, shape, max_rows=9, prefill_rows=70) == ""
+
+
 def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():
     q, v = random_weight("q5_k", 8, 256), random_weight("q8_0", 12, 256, seed=1)
     kernel = QUANTIZED_KERNELS["native-quant-x8"]
