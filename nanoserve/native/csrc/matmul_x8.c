@@ -284,8 +284,6 @@ void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t 
     x8_groups(BEST_TILE(fmt), fmt, xq, w, y, n, rows, n, k, thread, threads);
 }
 
-int ns_x8_layout(int fmt) { return group_block_bytes(fmt) != 0; }
-
 void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                          int64_t n, int64_t k, int thread, int threads) {
     x8_groups(BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
