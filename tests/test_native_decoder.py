@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import Cache as FamilyCache
 from families import step
 from test_model import CONFIG, WEIGHTS, Cache
 
@@ -31,7 +32,7 @@ def _model(format_name: str, fused: bool) -> Llama:
 
 
 def _run(model: Llama) -> tuple[list[dict[str, torch.Tensor]], Cache]:
-    cache, outputs = Cache(), []
+    cache, outputs = (Cache() if model.config is CONFIG else FamilyCache(model.config)), []
     a, b = PROMPTS["a"], PROMPTS["b"]
     outputs.append(step(model, cache, [("a", a, 0)]))
     outputs.append(step(model, cache, [("a", [5], len(a)), ("b", b[:40], 0)]))  # a decode beside a chunk
@@ -78,3 +79,74 @@ def test_the_decoder_times_its_projections_only_when_asked():
     model.decoder.linear_s = 0.0
     _run(model)
     assert model.decoder.linear_s > 0
+
+
+def _q4_k_m_type(name: str):
+    """llama-quantize's Q4_K_M as it comes out on a model whose width is not whole super-blocks
+    for every matrix (the default model's): Q5_0 where Q4_K cannot go, Q8_0 for some v, Q4_K
+    and Q6_K downs by layer, one Q5_1 to cover the other offset layout."""
+    from gguf import GGMLQuantizationType as T
+
+    kind = name.split(".")[-2]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if kind == "ffn_down":
+        return T.Q6_K if layer % 2 else T.Q4_K
+    if kind == "attn_v":
+        return T.Q8_0 if layer % 2 == 0 else T.Q5_0
+    if kind == "attn_output":
+        return T.Q5_1
+    return T.Q8_0 if name == "token_embd.weight" else T.Q5_0
+
+
+def _mixed_model(tmp_path, matrix_type=_q4_k_m_type) -> Llama:
+    from tiny_model import write_tiny_gguf, write_tiny_llama
+
+    from nanoserve.loading.weights import load_weights
+
+    model_dir = write_tiny_llama(tmp_path / "mixed", hidden_size=64, intermediate_size=256, num_heads=4,
+                                 num_kv_heads=2, num_layers=3)
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type)
+    config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
+    return Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+
+
+def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
+    from families import crowd_logits
+
+    from nanoserve.native.repack import KRepackedWeight, RepackedWeight
+    from nanoserve.quant import QuantizedStack
+
+    model = _mixed_model(tmp_path)
+    assert model.decoder is not None
+    layers = model.weights.layers
+    assert isinstance(layers[0].qkv, QuantizedStack)  # q, k in Q5_0 beside v in Q8_0
+    assert [p.layout.name for p in layers[0].qkv.parts] == ["q5_1", "q5_1", "q8_0"]
+    assert isinstance(layers[1].qkv, RepackedWeight) and layers[1].qkv.layout.name == "q5_1"
+    assert [type(w.down) for w in layers] == [KRepackedWeight] * 3
+    assert [w.down.format.name for w in layers] == ["q4_k", "q6_k", "q4_k"]
+    fused, fused_cache = _run(model)
+    separate_model = _mixed_model(tmp_path)
+    separate_model.decoder = None
+    separate, separate_cache = _run(separate_model)
+    for one, other in zip(fused, separate, strict=True):
+        assert all(torch.equal(one[seq], other[seq]) for seq in one)
+    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
+                          strict=True):
+        assert torch.equal(one, other)
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+
+
+def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
+    from gguf import GGMLQuantizationType as T
+
+    def one_q2_k(name: str):
+        return T.Q2_K if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
+
+    model = _mixed_model(tmp_path, one_q2_k)
+    assert model.decoder is None
+    cache, before = FamilyCache(model.config), native.calls()
+    logits = step(model, cache, [("a", PROMPTS["a"], 0)])["a"]
+    assert torch.isfinite(logits).all() and native.calls() - before >= 9 * model.config.num_layers

@@ -15,7 +15,7 @@ from nanoserve.quant import QuantizedStack, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
-REPACKED_FORMATS = ("q4_0", "q4_1", "q8_0")
+REPACKED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 # N odd, N below one group of 8, N a multiple of 8; K one block, and not a multiple of 256.
 SHAPES = [(1, 32), (37, 96), (19, 608), (64, 576)]
 
@@ -39,7 +39,7 @@ def test_repacked_rows_read_back_as_the_reference_dequantizer_gives_them(format_
         repacked.lookup(torch.tensor([out_features]))
 
 
-@pytest.mark.parametrize("format_name", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("format_name", ["q4_1", "q5_1", "q8_0"])
 def test_repacking_keeps_the_files_bytes_up_to_the_padding_to_eight_columns(format_name):
     weight = random_weight(format_name, 37, 96)
     assert _repack().repack(weight).nbytes == weight.nbytes // 37 * 40
@@ -59,8 +59,9 @@ def test_kernel_agrees_with_float64_and_the_vector_path_gives_the_portable_bits(
         assert torch.equal(y, _repack().matmul(x, repacked, portable=True)), f"{rows} rows"
 
 
-def test_a_rows_bits_do_not_depend_on_the_thread_count():
-    repacked = _repack().repack(random_weight("q4_1", 203, 608))
+@pytest.mark.parametrize("format_name", ["q4_1", "q5_0"])
+def test_a_rows_bits_do_not_depend_on_the_thread_count(format_name):
+    repacked = _repack().repack(random_weight(format_name, 203, 608))
     x = torch.randn(9, 608, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     try:
@@ -70,6 +71,30 @@ def test_a_rows_bits_do_not_depend_on_the_thread_count():
         assert torch.equal(_repack().matmul(x, repacked), alone)
     finally:
         torch.set_num_threads(before)
+
+
+def test_q5_0_is_held_as_q5_1_with_the_offset_of_its_codes():
+    weight = random_weight("q5_0", 16, 64)
+    repacked = _repack().repack(weight)
+    assert repacked.layout.name == "q5_1" and repacked.nbytes == weight.nbytes // 22 * 24
+    assert torch.equal(repacked.lookup(torch.arange(16)), weight.dequantize())
+
+
+@pytest.mark.parametrize("format_name", ["q5_0", "q5_1"])
+def test_extreme_five_bit_codes_stay_exact(format_name):
+    """Every code 31 (or 0) against activations at +-127: the int16 sums sit at their limit."""
+    weight = random_weight(format_name, 8, 256)
+    base = 2 if format_name == "q5_0" else 4
+    for fill in (0x00, 0xFF):
+        blocks = weight.blocks.clone().reshape(-1, weight.format.bytes)
+        blocks[:, base:] = fill
+        extreme = quant.QuantizedWeight(weight.format, weight.shape, blocks.reshape(8, -1))
+        repacked = _repack().repack(extreme)
+        x = torch.tensor([[1.0, -1.0] * 128, [1.0] * 256, [-1.0] * 256])
+        y = _repack().matmul(x, repacked)
+        assert torch.equal(y, _repack().matmul(x, repacked, portable=True))
+        exact = x.double() @ extreme.dequantize().double().T
+        assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_formats_without_a_layout_stay_in_the_files_layout():
@@ -82,6 +107,18 @@ def test_repacked_kernel_passes_the_batch_invariance_self_test(format_name):
     layer = [random_weight(format_name, 40, 96, seed=1), random_weight(format_name, 33, 96, seed=2)]
     shape = ProbeShape([layer], random_weight(format_name, 17, 96, seed=3))
     assert self_test(QUANTIZED_KERNELS["native-quant-x8"], shape, max_rows=9, prefill_rows=70) == ""
+
+
+def test_the_gemm_kernel_runs_layouts_the_gemm_lacks_through_the_x8_tiles():
+    kernel = QUANTIZED_KERNELS["native-quant-gemm"]
+    weight = random_weight("q5_0", 40, 96, seed=1)
+    packed = kernel.pack(weight)
+    assert not _repack().has_gemm(packed)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kernel.apply(x, packed), _repack().matmul(x, packed))
+    layer = [weight, random_weight("q5_1", 33, 96, seed=2)]
+    shape = ProbeShape([layer], random_weight("q5_0", 17, 96, seed=3))
+    assert self_test(kernel, shape, max_rows=9, prefill_rows=70) == ""
 
 
 def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():

@@ -281,12 +281,13 @@ def write_tiny_gguf(
     architecture: str = "llama",
     tokenizer_model: str = "gpt2",
     pre_tokenizer: str = "smollm",
-    matrix_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    matrix_type: GGMLQuantizationType | Callable[[str], GGMLQuantizationType] = GGMLQuantizationType.F32,
     tokenizer_keys: Callable[[GGUFWriter], None] | None = None,
     tensor_hook: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> Path:
     """Write the checkpoint in `hf_dir` as a GGUF the way llama.cpp would: float32, or with
-    every matrix in `matrix_type` (norms stay float32). gguf quantizes Q8_0/Q4_0/Q4_1 itself;
+    every matrix in `matrix_type` (norms stay float32), or in `matrix_type(tensor name)`, types
+    mixed as llama-quantize's Q4_K_M mixes them. gguf quantizes Q8_0/Q4_0/Q4_1 itself;
     for other block types the matrices are random blocks (the values are not the checkpoint's).
     `tokenizer_keys` writes the tokenizer keys instead of the checkpoint's own tokenizer;
     `tensor_hook(name, values)` replaces a tensor's values as written (a damaged file)."""
@@ -307,8 +308,9 @@ def write_tiny_gguf(
             values = llama_cpp_permute(values, heads[kind])
         if tensor_hook is not None:
             values = tensor_hook(name, values)
-        if values.ndim == 2 and matrix_type != GGMLQuantizationType.F32:
-            writer.add_tensor(name, _blocks(values, matrix_type), raw_dtype=matrix_type)
+        tensor_type = matrix_type(name) if callable(matrix_type) else matrix_type
+        if values.ndim == 2 and tensor_type != GGMLQuantizationType.F32:
+            writer.add_tensor(name, _blocks(values, tensor_type), raw_dtype=tensor_type)
         else:
             writer.add_tensor(name, np.ascontiguousarray(values))
     if config["rope_scaling"]:

@@ -1,6 +1,7 @@
 """The block-format kernels side by side on the default model's matrix shapes: the file's row-major
-layout (csrc/matmul_quant.c), the 8-column repacked layouts (matmul_x8.c, matmul_kx8.c) and the
-prefill GEMM (matmul_gemm.c), per format and row count.
+layout (csrc/matmul_quant.c, matmul_more.c for Q5_0 / Q5_1), the 8-column repacked layouts
+(matmul_x8.c, matmul_kx8.c) and the prefill GEMM (matmul_gemm.c: Q4_0, Q4_1, Q8_0), per format
+and row count.
 
 Owns: timing one call of each kernel on random blocks of each shape (qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536; the K-quants only down), the kernels taken in turns and each
@@ -31,7 +32,7 @@ from nanoserve.bench.hardware import describe_machine
 
 # (out, in) of one layer's matrices in SmolLM2-135M: q, k and v stacked, o, gate and up stacked, down.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
 
 
 def random_blocks(format_name: str, out_features: int, in_features: int, seed: int) -> quant.QuantizedWeight:
@@ -40,8 +41,7 @@ def random_blocks(format_name: str, out_features: int, in_features: int, seed: i
     generator = torch.Generator().manual_seed(seed)
     count = out_features * in_features // fmt.values
     blocks = torch.randint(0, 256, (count, fmt.bytes), dtype=torch.uint8, generator=generator)
-    scale_offsets = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}[format_name]
-    for offset in scale_offsets:
+    for offset in fmt.scale_offsets:
         scales = (torch.rand(count, 1, generator=generator) * 0.01).half()
         blocks[:, offset : offset + 2] = scales.view(torch.uint8)
     return quant.QuantizedWeight(fmt, (out_features, in_features), blocks.reshape(out_features, -1))
@@ -61,8 +61,9 @@ def kernels_for(format_name: str) -> dict[str, tuple[Callable, Callable]]:
     kernels = {"row-major": (lambda w: w, row_major.matmul)}
     if repack.k_repackable(random_blocks(format_name, 8, 256, 0)):
         kernels["x8"] = (repack.repack_k, repack.matmul_k)
-    else:
-        kernels["x8"] = (repack.repack, repack.matmul)
+        return kernels
+    kernels["x8"] = (repack.repack, repack.matmul)
+    if repack.has_gemm(repack.repack(random_blocks(format_name, 8, 32, 0))):
         kernels["gemm"] = (repack.repack, repack.gemm)
     return kernels
 

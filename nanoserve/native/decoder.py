@@ -6,7 +6,8 @@ the stages write), the checks a raw pointer cannot make, and `NativeDecoder.run`
 takes the same step data the per-op path takes and leaves the same bits: the stages are the
 exported kernels' own code.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
-None): a matrix neither in the repacked layout (nanoserve.native.repack) nor float32 in
+None): a matrix neither in a repacked layout (nanoserve.native.repack: the x8 layouts, the K
+layouts, or a stack of parts in those, as a Q4_K_M file mixes them) nor float32 in
 nanoserve.native.matmul's panels, a width not whole blocks of 32, or the library off. The
 model then keeps its loop of separate calls.
 """
@@ -31,6 +32,10 @@ class _Model(ctypes.Structure):
                 ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P)]
 
 
+class _Stack(ctypes.Structure):  # stages.h's ns_stacked_blocks
+    _fields_ = [("parts", _I64), ("formats", _P), ("columns", _P), ("blocks", _P)]
+
+
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("table_width", _I64), ("positions", _P), ("slot_mapping", _P),
                 ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
@@ -49,25 +54,58 @@ class DecoderShape:
 
 
 FLOAT_PANELS = 0  # csrc/decoder.c: a float32 matrix in nanoserve.native.matmul's panels
+STACKED = -1  # csrc/stages.h's NS_STACKED: parts in different block layouts, side by side
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
     return (_P * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
-def _format(matrix: object, float_panels: bool) -> int | None:
-    """The C decoder's format number of a packed matrix, or None where it cannot run it."""
-    from nanoserve.native.repack import RepackedWeight
+def _layout(matrix: object) -> int | None:
+    """The block layout's number (a GGML type) of a repacked matrix, else None."""
+    from nanoserve.native.repack import KRepackedWeight, RepackedWeight
 
     if isinstance(matrix, RepackedWeight):
         return matrix.layout.ggml_type
-    if float_panels and isinstance(matrix, torch.Tensor) and matrix.dtype == torch.float32:
-        return FLOAT_PANELS
+    if isinstance(matrix, KRepackedWeight):
+        return matrix.format.ggml_type
     return None
 
 
-def _storage(matrix: object) -> torch.Tensor:
-    return matrix if isinstance(matrix, torch.Tensor) else matrix.blocks
+class _Matrix:
+    """One projection as csrc/decoder.c reads it: its format number and the address it passes
+    (a stack's: its ns_stacked_blocks, kept here with the arrays it points at)."""
+
+    def __init__(self, matrix: object, fmt: int) -> None:
+        self.format, self._kept = fmt, matrix
+        if fmt != STACKED:
+            self.address = (matrix if isinstance(matrix, torch.Tensor) else matrix.blocks).data_ptr()
+            return
+        parts = matrix.parts
+        self._arrays = ((ctypes.c_int32 * len(parts))(*(_layout(p) for p in parts)),
+                        (_I64 * len(parts))(*(p.shape[0] for p in parts)),
+                        _pointers([p.blocks for p in parts]))
+        self._stack = _Stack(len(parts), *(ctypes.addressof(a) for a in self._arrays))
+        self.address = ctypes.addressof(self._stack)
+
+    @classmethod
+    def of(cls, matrix: object, float_panels: bool) -> _Matrix | None:
+        """The matrix as the C decoder runs it, or None where it cannot."""
+        from nanoserve.quant import QuantizedStack
+
+        if (layout := _layout(matrix)) is not None:
+            return cls(matrix, layout)
+        if isinstance(matrix, QuantizedStack) and all(_layout(p) is not None for p in matrix.parts):
+            return cls(matrix, STACKED)
+        if float_panels and isinstance(matrix, torch.Tensor) and matrix.dtype == torch.float32:
+            return cls(matrix, FLOAT_PANELS)
+        return None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors whose addresses it passes."""
+        if isinstance(self._kept, torch.Tensor):
+            return [self._kept]
+        return [p.blocks for p in self._kept.parts] if self.format == STACKED else [self._kept.blocks]
 
 
 class NativeDecoder:
@@ -75,17 +113,16 @@ class NativeDecoder:
     whose address it passes, so none is freed under it."""
 
     def __init__(self, lib: ctypes.CDLL, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
-                 matrices: list[list[object]], formats: list[int], cos: torch.Tensor,
-                 signed_sin: torch.Tensor) -> None:
+                 matrices: list[_Matrix], cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
         self._run = lib.ns_decoder_layers
         self._run.argtypes, self._run.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
         self.shape = shape
         self._kept = [norms, matrices, cos, signed_sin]
         self._input_norms = _pointers([n[0] for n in norms])
         self._post_norms = _pointers([n[1] for n in norms])
-        self._matrices = _pointers([_storage(m) for layer in matrices for m in layer])
-        self._formats = (ctypes.c_int32 * (4 * len(formats)))(*formats)
-        self._model = _Model(len(matrices), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+        self._matrices = (_P * len(matrices))(*(m.address for m in matrices))
+        self._formats = (ctypes.c_int32 * len(matrices))(*(m.format for m in matrices))
+        self._model = _Model(len(norms), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                              shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
                              ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
                              ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
@@ -106,16 +143,16 @@ class NativeDecoder:
         if library is None or not matrices:
             return None
         widths = (shape.hidden, shape.heads * shape.head_dim, shape.intermediate)
-        formats = [_format(m, float_panels) for layer in matrices for m in layer]
-        if any(w % 32 for w in widths) or None in formats:
+        packed = [_Matrix.of(m, float_panels) for layer in matrices for m in layer]
+        if any(w % 32 for w in widths) or None in packed:
             return None
-        tensors = [t for pair in norms for t in pair] + [cos, signed_sin] + [_storage(m) for layer in matrices
-                                                                             for m in layer]
+        tensors = [t for pair in norms for t in pair] + [cos, signed_sin]
+        tensors += [t for m in packed for t in m.tensors()]
         if any(not t.is_contiguous() or not t.is_cpu for t in tensors):
             return None
         if any(t.dtype != torch.float32 for t in tensors[: 2 * len(norms) + 2]):
             return None
-        return cls(library.lib, shape, norms, matrices, formats, cos, signed_sin)
+        return cls(library.lib, shape, norms, packed, cos, signed_sin)
 
     def _bind_cache(self, kv_cache) -> None:
         """The cache's per-layer addresses, once per cache (the engine keeps one for its life);

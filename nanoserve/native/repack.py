@@ -3,15 +3,16 @@
 Owns: `RepackedWeight` (the layout matmul_x8.c documents: per group of 8 output columns and
 per 32-value block, the 8 scales side by side, then the codes in 4-byte chunks of each column
 in turn), `repack` (a QuantizedWeight -> its repacked form, the file's bytes reordered; Q4_0
-goes into the Q4_1 layout with m = -8 d), `matmul` and `lookup` (a tied head's table serving
+goes into the Q4_1 layout with m = -8 d, Q5_0 into Q5_1's with m = -16 d), `matmul` and
+`lookup` (a tied head's table serving
 the embedding's row lookups, so the table is resident once), each checked before a pointer
 reaches C.
-Also: `gemm`, the prefill GEMM over the same layouts (csrc/matmul_gemm.c, the same bits as
-`matmul`), and `KRepackedWeight` / `repack_k` / `matmul_k`, Q4_K and Q6_K in groups of 8 columns
-(csrc/matmul_kx8.c documents that layout).
+Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
+bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
+Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
-Q4_1, Q8_0; Q4_K, Q6_K); the kernel choice leaves those matrices in their file layout for
-matmul_quant.c.
+Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q6_K); the kernel choice leaves those matrices in their file
+layout for matmul_quant.c / matmul_more.c.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from nanoserve.quant import FORMATS, BlockFormat, PackedBlocks, QuantizedWeight
 
 COLUMNS = 8  # csrc/matmul_x8.c's COLUMNS: output columns interleaved per group
 # The layout each format is repacked into (a GGML type number: csrc/matmul_x8.c's X8_*).
-LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q8_0": FORMATS["q8_0"]}
+LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q5_0": FORMATS["q5_1"], "q5_1": FORMATS["q5_1"],
+          "q8_0": FORMATS["q8_0"]}
+# Formats held in another's layout with the offset m = -SHIFT * d (exact in f16 unless it overflows).
+SHIFTED = {"q4_0": 8, "q5_0": 16}
+GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/matmul_gemm.c runs
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -37,7 +42,7 @@ class RepackedWeight(PackedBlocks):
     8 * layout.bytes], group g holding output features 8g..8g+7 (zero columns past `out`)."""
 
     source: BlockFormat  # the file's format
-    layout: BlockFormat  # the block format the groups hold (Q4_0 is held as Q4_1)
+    layout: BlockFormat  # the block format the groups hold (Q4_0 is held as Q4_1, Q5_0 as Q5_1)
     shape: tuple[int, int]  # (out_features, in_features)
     blocks: torch.Tensor
 
@@ -62,31 +67,47 @@ def repackable(weight: object) -> bool:
     return isinstance(weight, QuantizedWeight) and weight.format.name in LAYOUT
 
 
+def has_gemm(weight: object) -> bool:
+    return isinstance(weight, RepackedWeight) and weight.layout.name in GEMM_LAYOUTS
+
+
 def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     """`weight` in the interleaved layout; itself where there is no layout for its format (or
-    Q4_0 with a scale too large for m = -8 d in f16)."""
+    Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16)."""
     if not repackable(weight):
         return weight
     out_features, in_features = weight.shape
     blocks = weight.blocks.reshape(out_features, in_features // 32, weight.format.bytes)
-    if weight.format.name == "q4_0":
+    if weight.format.name in SHIFTED:
         d = blocks[..., :2].contiguous()
-        m = (d.view(torch.float16) * -8).contiguous()
+        m = (d.view(torch.float16) * -SHIFTED[weight.format.name]).contiguous()
         if not torch.isfinite(m).all():
             return weight
         blocks = torch.cat([d, m.view(torch.uint8), blocks[..., 2:]], dim=-1)
     layout = LAYOUT[weight.format.name]
-    scale_bytes = 4 if layout.name == "q4_1" else 2
+    if layout.name == "q5_1":  # d, m, then the fifth bits regrouped by chunk, then the low 4 bits
+        blocks = torch.cat([blocks[..., :4], _fifth_bits(blocks[..., 4:8]), blocks[..., 8:]], dim=-1)
+    scale_bytes = 2 if layout.name == "q8_0" else 4
     padded = torch.zeros(-(-out_features // COLUMNS) * COLUMNS, *blocks.shape[1:], dtype=torch.uint8)
     padded[:out_features] = blocks
     groups = padded.view(-1, COLUMNS, *blocks.shape[1:])  # [group, column, block, bytes]
     count, _, per_row, _ = groups.shape
     # -> [group, block, field, column, 2]: the columns' d side by side, then their m
     scales = groups[..., :scale_bytes].reshape(count, COLUMNS, per_row, -1, 2).permute(0, 2, 3, 1, 4)
-    # -> [group, block, chunk, column, 4]: 4 code bytes of each column in turn
+    # -> [group, block, chunk, column, 4]: 4 code bytes of each column in turn (Q5_1: its 4 bytes
+    # of fifth bits are one chunk of its own)
     codes = groups[..., scale_bytes:].reshape(count, COLUMNS, per_row, -1, 4).permute(0, 2, 3, 1, 4)
     packed = torch.cat([scales.reshape(count, per_row, -1), codes.reshape(count, per_row, -1)], dim=-1)
     return RepackedWeight(weight.format, layout, weight.shape, packed.reshape(count, -1).contiguous())
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5 blocks' qh [..., 4] (bit i: value i's fifth bit) -> [..., 4] in matmul_x8.c's order:
+    byte i holds at bit t value 4t + i's fifth bit, at bit 4 + t value 16 + 4t + i's."""
+    bits = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [..., byte, bit]
+    bits = bits.reshape(*qh.shape[:-1], 2, 4, 4)  # value 16h + 4t + i -> [.., h, t, i]
+    weights = (1 << (torch.arange(4).view(1, 4, 1) + 4 * torch.arange(2).view(2, 1, 1))).to(torch.uint8)
+    return (bits * weights).sum(dim=(-3, -2), dtype=torch.uint8)  # disjoint bits: the sum is an OR
 
 
 PRODUCTS = ("ns_matmul_x8", "ns_gemm_x8", "ns_matmul_kx8")  # each with a `_portable` twin

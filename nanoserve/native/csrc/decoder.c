@@ -10,7 +10,7 @@
  * K/V head) units, groups of 8 columns: never a reduction), so the bits are the separate
  * calls' bits, and batch-invariant for the same reasons. A stage too small to be worth
  * splitting (NS_STAGE_MIN_WORK) runs on thread 0 while the others wait at the barrier.
- * The matrices are in matmul_x8.c's repacked layout (their inputs quantized once, in the
+ * The matrices are in repacked block layouts (stage_blocks.c; their inputs quantized once, in the
  * stage that writes them) or float32 in matmul_float.c's panels (format FLOAT_PANELS). The
  * last layer's down projection is left in `delta`, not yet added to `hidden`, as the Python
  * loop leaves it.
@@ -25,7 +25,8 @@
 #define NS_STAGE_MIN_WORK 16384
 
 enum { QKV, O, GATE_UP, DOWN, MATRICES };
-enum { FLOAT_PANELS = 0 }; /* a matrix's format: 0, or matmul_x8.c's layout (3: Q4_1, 8: Q8_0) */
+/* a matrix's format: 0, or its block layout (stages.h's ns_stage_blocks: x8, kx8 or NS_STACKED) */
+enum { FLOAT_PANELS = 0 };
 
 /* The model: fixed after load. Per-layer arrays hold `layers` entries (matrices: 4 per layer). */
 typedef struct {
@@ -33,7 +34,7 @@ typedef struct {
     float eps, scale;
     const float *const *input_norm, *const *post_norm;
     const void *const *matrices;    /* [layer * 4 + QKV/O/GATE_UP/DOWN] */
-    const int32_t *formats;         /* the same order: FLOAT_PANELS or the x8 layout */
+    const int32_t *formats;         /* the same order: FLOAT_PANELS or a block layout */
     void *const *k_cache, *const *v_cache; /* [layer]: [kv_heads, num_blocks * block_size, head_dim] */
     int64_t block_size, num_blocks;
     const float *cos, *signed_sin; /* [positions, head_dim] */
@@ -90,7 +91,7 @@ static void project(const DecoderJob *job, int64_t layer, int which, const float
     if (m->formats[at] == FLOAT_PANELS)
         ns_stage_float(input, m->matrices[at], y, job->s->rows, n, k, thread, threads);
     else
-        ns_stage_x8(m->formats[at], job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
+        ns_stage_blocks(m->formats[at], job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
 }
 
 static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {

@@ -44,6 +44,7 @@
 
 #include "nanoserve.h"
 #include "quant_blocks.h"
+#include "stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NS_KX8_AVX2 1
@@ -230,14 +231,33 @@ typedef struct {
     int64_t rows, n, k;
 } Kx8Job;
 
+/* Thread `thread`'s groups of columns of y = xq @ W^T (rows of y `y_stride` apart), panel by
+ * panel of rows, tile by tile. */
+static void kx8_groups(kx8_tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
+                       int64_t rows, int64_t n, int64_t k, int thread, int threads) {
+    const int64_t blocks = k / 32, groups = (n + KX8_COLUMNS - 1) / KX8_COLUMNS;
+    const int64_t group_bytes = k / 256 * kx8_bytes(fmt);
+    int64_t begin, end;
+    ns_share(groups, thread, threads, &begin, &end);
+    for (int64_t panel = 0; panel < rows; panel += KX8_PANEL) {
+        int64_t panel_end = panel + KX8_PANEL < rows ? panel + KX8_PANEL : rows;
+        for (int64_t g = begin; g < end; g++) {
+            int valid = n - g * KX8_COLUMNS < KX8_COLUMNS ? (int)(n - g * KX8_COLUMNS) : KX8_COLUMNS;
+            for (int64_t r = panel; r < panel_end; r += KX8_TILE) {
+                int tile_rows = panel_end - r < KX8_TILE ? (int)(panel_end - r) : KX8_TILE;
+                tile(fmt, tile_rows, w + g * group_bytes, xq + r * blocks, blocks, y + r * y_stride + g * KX8_COLUMNS,
+                     y_stride, valid);
+            }
+        }
+    }
+}
+
 /* A call of at most KX8_PRIVATE_ROWS rows has every thread quantize all of them into its own
  * copy rather than split them and wait at a barrier (matmul_x8.c's PRIVATE_ROWS, for the same
- * reason); the codes are the same either way. Then the thread's groups of columns, panel by
- * panel of rows, tile by tile. */
+ * reason); the codes are the same either way. Then the thread's groups of columns. */
 static void kx8_task(void *context, int thread, int threads) {
     const Kx8Job *job = context;
-    const int64_t blocks = job->k / 32, groups = (job->n + KX8_COLUMNS - 1) / KX8_COLUMNS;
-    const int64_t group_bytes = job->k / 256 * kx8_bytes(job->fmt);
+    const int64_t blocks = job->k / 32;
     xblock *xq = job->xq;
     int64_t begin, end;
     if (job->rows <= KX8_PRIVATE_ROWS) {
@@ -248,18 +268,7 @@ static void kx8_task(void *context, int thread, int threads) {
     }
     for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
     if (job->rows > KX8_PRIVATE_ROWS) ns_barrier(threads);
-    ns_share(groups, thread, threads, &begin, &end);
-    for (int64_t panel = 0; panel < job->rows; panel += KX8_PANEL) {
-        int64_t panel_end = panel + KX8_PANEL < job->rows ? panel + KX8_PANEL : job->rows;
-        for (int64_t g = begin; g < end; g++) {
-            int valid = job->n - g * KX8_COLUMNS < KX8_COLUMNS ? (int)(job->n - g * KX8_COLUMNS) : KX8_COLUMNS;
-            for (int64_t r = panel; r < panel_end; r += KX8_TILE) {
-                int tile_rows = panel_end - r < KX8_TILE ? (int)(panel_end - r) : KX8_TILE;
-                job->tile(job->fmt, tile_rows, job->w + g * group_bytes, xq + r * blocks, blocks,
-                          job->y + r * job->n + g * KX8_COLUMNS, job->n, valid);
-            }
-        }
-    }
+    kx8_groups(job->tile, job->fmt, xq, job->w, job->y, job->n, job->rows, job->n, job->k, thread, threads);
 }
 
 static int matmul_kx8(kx8_tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
@@ -282,6 +291,13 @@ static int matmul_kx8(kx8_tile_fn tile, void (*quantize)(const float *, int64_t,
 #else
 #define KX8_BEST_TILE(fmt) kx8_tile_portable
 #endif
+
+int ns_kx8_layout(int fmt) { return kx8_bytes(fmt) != 0; }
+
+void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
+                          int64_t n, int64_t k, int thread, int threads) {
+    kx8_groups(KX8_BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
+}
 
 /* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 14: Q6_K), on the widest
  * path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,

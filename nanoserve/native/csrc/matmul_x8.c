@@ -15,8 +15,13 @@
  *          16 + i (high nibble), as in the file.
  *     Q8_0 (272 bytes = 8 x 34): d[8] f16, then 8 chunks t of 32 bytes: column c's codes
  *          4t..4t+3 at 32t + 4c.
+ *     Q5_1 (192 bytes = 8 x 24): d[8] f16, m[8] f16, then the fifth bits h[32]: byte 4c + i holds
+ *          at bit t the fifth bit of column c's value 4t + i and at bit 4 + t that of value
+ *          16 + 4t + i (so chunk t's fifth bits are one shift and one mask of h away), then the
+ *          low 4 bits as Q4_1's 4 chunks.
  * The file's bytes, reordered; N is padded to a multiple of 8 with zero columns. Q4_0 is
- * repacked into the Q4_1 layout with m = -8 d (exact in f16), 20 bytes a block instead of 18.
+ * repacked into the Q4_1 layout with m = -8 d (exact in f16), 20 bytes a block instead of 18;
+ * Q5_0 into the Q5_1 layout with m = -16 d, 24 bytes instead of 22.
  *
  * Activations: each row quantized once per call to 8-bit blocks (quant_blocks.h), rows split
  * among the threads, then one barrier; a call of a few rows has each thread quantize them all
@@ -29,7 +34,8 @@
  * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend
  * on its tile, its neighbours or the thread split (threads split groups of columns).
  * Int16 headroom (Q4_1): a maddubs lane sums 2 products of at most 15 x 127; eight of them
- * (4 chunks, 2 halves) sum to at most 30480 < 32767.
+ * (4 chunks, 2 halves) sum to at most 30480 < 32767. Q5_1's codes reach 31, so each half's
+ * 4 chunks (31496) widen to int32 before the halves add.
  *
  * Blocking: a thread takes its groups one at a time for each panel of ROW_PANEL rows, and
  * runs the panel's rows in tiles of ROW_TILE against the group, whose blocks stay in L1
@@ -48,10 +54,18 @@
 #define NS_X8_AVX2 1
 #endif
 
-enum { X8_Q4_1 = 3, X8_Q8_0 = 8 }; /* the GGML type numbers of the layouts' formats */
+enum { X8_Q4_1 = 3, X8_Q5_1 = 7, X8_Q8_0 = 8 }; /* the GGML type numbers of the layouts' formats */
 enum { COLUMNS = 8, ROW_TILE = 4, ROW_PANEL = 32 };
 
-static int group_block_bytes(int fmt) { return fmt == X8_Q4_1 ? 160 : fmt == X8_Q8_0 ? 272 : 0; }
+static int group_block_bytes(int fmt) {
+    return fmt == X8_Q4_1 ? 160 : fmt == X8_Q5_1 ? 192 : fmt == X8_Q8_0 ? 272 : 0;
+}
+
+/* Q5_1's code of value 4t + i (`high`: value 16 + 4t + i) of column c in a group-block, 0..31. */
+static inline int q5_code(const uint8_t *block, int c, int t, int i, int high) {
+    const int code = block[64 + 32 * t + 4 * c + i], fifth = block[32 + 4 * c + i] >> (t + 4 * high);
+    return (high ? code >> 4 : code & 0x0F) | (fifth & 1) << 4;
+}
 
 /* ---- portable ---------------------------------------------------------------------------- */
 
@@ -71,6 +85,11 @@ static void dot_group_portable(const int fmt, const uint8_t *group, const xblock
                         int code = block[32 + 32 * t + 4 * c + i];
                         isum += (code & 0x0F) * xq[4 * t + i] + (code >> 4) * xq[16 + 4 * t + i];
                     }
+                off[c] = fmaf(f16_to_f32(block + 16 + 2 * c), x[b].s, off[c]);
+            } else if (fmt == X8_Q5_1) {
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++)
+                        isum += q5_code(block, c, t, i, 0) * xq[4 * t + i] + q5_code(block, c, t, i, 1) * xq[16 + 4 * t + i];
                 off[c] = fmaf(f16_to_f32(block + 16 + 2 * c), x[b].s, off[c]);
             } else {
                 for (int t = 0; t < 8; t++)
@@ -149,6 +168,28 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                 acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
                 off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), off[r]);
             }
+        } else if (fmt == X8_Q5_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16)));
+            const __m256i fifth = _mm256_loadu_si256((const __m256i *)(block + 32)), bit4 = _mm256_set1_epi8(0x10);
+            __m256i lo[4], hi[4];
+            for (int t = 0; t < 4; t++) {
+                /* 16-bit shifts: the mask keeps bit 4 of each byte, which no bit of the other byte reaches */
+                __m256i w = _mm256_loadu_si256((const __m256i *)(block + 64 + 32 * t));
+                lo[t] = _mm256_or_si256(_mm256_and_si256(w, low4), _mm256_and_si256(_mm256_slli_epi16(fifth, 4 - t), bit4));
+                hi[t] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low4),
+                                        _mm256_and_si256(_mm256_srli_epi16(fifth, t), bit4));
+            }
+            for (int r = 0; r < rows; r++) {
+                const xblock *xb = x + r * x_stride + b;
+                __m256i low_sums = _mm256_setzero_si256(), high_sums = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    low_sums = _mm256_add_epi16(low_sums, _mm256_maddubs_epi16(lo[t], broadcast4(xb->qs + 4 * t)));
+                    high_sums = _mm256_add_epi16(high_sums, _mm256_maddubs_epi16(hi[t], broadcast4(xb->qs + 16 + 4 * t)));
+                }
+                __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(low_sums, ones), _mm256_madd_epi16(high_sums, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
+                off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), off[r]);
+            }
         } else {
             /* Chunk by chunk, each chunk's weights loaded once for all the tile's rows (their
              * magnitudes too): at 4 rows the rows' sums and accumulators and one chunk fit the
@@ -186,6 +227,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                                                      y + r * n, n, valid);                               \
     }
 DEFINE_TILE_AVX2(dot_tile_avx2_q4_1, X8_Q4_1)
+DEFINE_TILE_AVX2(dot_tile_avx2_q5_1, X8_Q5_1)
 DEFINE_TILE_AVX2(dot_tile_avx2_q8_0, X8_Q8_0)
 #endif
 
@@ -205,9 +247,10 @@ typedef struct {
     int64_t rows, n, k;
 } X8Job;
 
-/* Thread `thread`'s groups of columns of y = xq @ W^T, every panel of rows. */
-static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows,
-                      int64_t n, int64_t k, int thread, int threads) {
+/* Thread `thread`'s groups of columns of y = xq @ W^T (rows of y `y_stride` apart), every panel
+ * of rows. */
+static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
+                      int64_t rows, int64_t n, int64_t k, int thread, int threads) {
     const int64_t blocks = k / 32, groups = (n + COLUMNS - 1) / COLUMNS;
     const int64_t group_bytes = blocks * group_block_bytes(fmt);
     int64_t begin, end;
@@ -218,15 +261,16 @@ static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w,
             int valid = n - g * COLUMNS < COLUMNS ? (int)(n - g * COLUMNS) : COLUMNS;
             for (int64_t r = panel; r < panel_end; r += ROW_TILE) {
                 int tile_rows = panel_end - r < ROW_TILE ? (int)(panel_end - r) : ROW_TILE;
-                tile(fmt, tile_rows, w + g * group_bytes, xq + r * blocks, blocks, blocks, y + r * n + g * COLUMNS,
-                     n, valid);
+                tile(fmt, tile_rows, w + g * group_bytes, xq + r * blocks, blocks, blocks,
+                     y + r * y_stride + g * COLUMNS, y_stride, valid);
             }
         }
     }
 }
 
 #ifdef NS_X8_AVX2
-#define BEST_TILE(fmt) ((fmt) == X8_Q4_1 ? dot_tile_avx2_q4_1 : dot_tile_avx2_q8_0)
+#define BEST_TILE(fmt) \
+    ((fmt) == X8_Q4_1 ? dot_tile_avx2_q4_1 : (fmt) == X8_Q5_1 ? dot_tile_avx2_q5_1 : dot_tile_avx2_q8_0)
 #else
 #define BEST_TILE(fmt) dot_tile_portable
 #endif
@@ -237,7 +281,12 @@ void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin
 
 void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                  int thread, int threads) {
-    x8_groups(BEST_TILE(fmt), fmt, xq, w, y, rows, n, k, thread, threads);
+    x8_groups(BEST_TILE(fmt), fmt, xq, w, y, n, rows, n, k, thread, threads);
+}
+
+void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
+                         int64_t n, int64_t k, int thread, int threads) {
+    x8_groups(BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
 /* A call of at most this many rows has every thread quantize all of them into its own copy
@@ -258,7 +307,7 @@ static void x8_task(void *context, int thread, int threads) {
     }
     for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
     if (job->rows > PRIVATE_ROWS) ns_barrier(threads);
-    x8_groups(job->tile, job->fmt, xq, job->w, job->y, job->rows, job->n, job->k, thread, threads);
+    x8_groups(job->tile, job->fmt, xq, job->w, job->y, job->n, job->rows, job->n, job->k, thread, threads);
 }
 
 static int matmul_x8(tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
@@ -276,7 +325,7 @@ static int matmul_x8(tile_fn tile, void (*quantize)(const float *, int64_t, xblo
     return 0;
 }
 
-/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 8: Q8_0), on the
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 7: Q5_1, 8: Q8_0), on the
  * widest path compiled in. Returns 0, -1 for an unknown layout or k not whole blocks, -2 when
  * out of memory. */
 NS_EXPORT int ns_matmul_x8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
@@ -318,6 +367,13 @@ static void lookup_task(void *context, int thread, int threads) {
                         int code = block[32 + 32 * t + 4 * c + j];
                         row[32 * b + 4 * t + j] = d * (float)(code & 0x0F) + m;
                         row[32 * b + 16 + 4 * t + j] = d * (float)(code >> 4) + m;
+                    }
+            } else if (fmt == X8_Q5_1) {
+                const float m = f16_to_f32(block + 16 + 2 * c);
+                for (int t = 0; t < 4; t++)
+                    for (int j = 0; j < 4; j++) {
+                        row[32 * b + 4 * t + j] = d * (float)q5_code(block, c, t, j, 0) + m;
+                        row[32 * b + 16 + 4 * t + j] = d * (float)q5_code(block, c, t, j, 1) + m;
                     }
             } else {
                 for (int t = 0; t < 8; t++)

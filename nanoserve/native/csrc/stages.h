@@ -36,6 +36,28 @@ void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin
 void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                  int thread, int threads);
 
+/* The same over one of the layouts of matmul_x8.c or of matmul_kx8.c (Q4_K, Q6_K: `ns_kx8_layout`
+ * says which), writing y's rows `y_stride` apart (a part of a stacked matrix writes its columns
+ * of the stack's rows). */
+int ns_kx8_layout(int fmt);
+void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
+                         int64_t n, int64_t k, int thread, int threads);
+void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
+                          int64_t n, int64_t k, int thread, int threads);
+
+/* stage_blocks.c: a projection in any of those layouts, or stacked from parts in different ones
+ * along the output columns (fmt NS_STACKED, w an ns_stacked_blocks): a Q4_K_M file's q, k and v.
+ * Each part's groups are split among the threads on their own; no reduction is ever split. */
+enum { NS_STACKED = -1 };
+typedef struct {
+    int64_t parts;
+    const int32_t *formats;          /* [parts]: an x8 or kx8 layout each */
+    const int64_t *columns;          /* [parts]: each part's output columns, in stack order */
+    const uint8_t *const *blocks;    /* [parts] */
+} ns_stacked_blocks;
+void ns_stage_blocks(int fmt, const xblock *xq, const void *w, float *y, int64_t rows, int64_t n, int64_t k,
+                     int thread, int threads);
+
 /* matmul_float.c, on the vector path: thread `thread`'s panels of 16 columns of y [m, n] =
  * x @ W^T, W float32 in matmul.py's packed panels. */
 void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
