@@ -539,6 +539,21 @@ def test_waiting_requests_are_admitted_round_robin_by_client_not_behind_one_clie
     assert "many0" in first
 
 
+def test_a_clients_further_prompts_are_charged_to_its_share_not_admitted_whole_beside_a_decode():
+    # One request of 64 prompts x n=4: its first prompt is an arrival's one-off; the rest are its
+    # steady work, so while another client decodes it takes the share's rows, prompts included.
+    scheduler = make_scheduler(num_blocks=800, max_num_seqs=32, max_tokens_per_step=512, prefill_cap=64,
+                               fair_share=2.0)
+    decoding_crowd(scheduler, {"light": 1})
+    for i in range(16):
+        scheduler.add(make_request(f"many{i}", 20, max_tokens=50, parent="many"))
+    first = rows_by_parent(run_step(scheduler))
+    assert 20 < first["many"] <= 20 + 3, first  # its first prompt whole, then its share: 1 + 2 units
+    for _ in range(8):
+        rows = rows_by_parent(run_step(scheduler))
+        assert rows["light"] == 1 and rows.get("many", 0) <= 4, rows  # 3 row units, carried at most one
+
+
 def test_fair_share_off_keeps_first_come_first_served_admission():
     scheduler = make_scheduler(num_blocks=400, max_num_seqs=2, max_tokens_per_step=128)
     for i in range(3):

@@ -27,7 +27,8 @@ choices, or a tenant's requests) run and one decodes, each parent takes at most 
 of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
 requests least advanced first, so one request with many choices, a long context or a long
 prompt slows the others by a bounded factor; an arriving prompt that fits whole in the prefill
-budget is exempt (a one-off cost). A request its parent's share holds back lets the ones behind
+budget is exempt (a one-off cost), unless its parent already runs and someone decodes (a
+client's further prompts are its steady work). A request its parent's share holds back lets the ones behind
 it in the queue pass.
 
 With the fair share on, a step is *contended* when more than one parent is running or waiting,
@@ -408,6 +409,7 @@ class Scheduler:
         return candidates[-1]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        running_parents = Counter(request.parent for request in self.running)
         for request in self._waiting_order(budget.contended):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -416,8 +418,11 @@ class Scheduler:
             hits = self._take_cached_prefix(request)
             num_tokens = budget.grant(request)
             self.share.admit(request.parent, decoding=budget.shared,
-                             others_running=any(other.parent != request.parent for other in self.running))
-            whole = num_tokens == request.num_uncomputed_tokens  # an arrival's one-off: no share
+                             others_running=bool(running_parents.keys() - {request.parent}))
+            # An arrival whose prompt fits whole is a one-off, exempt from its share; a client's
+            # further prompts (one request's many, a tenant's) are steady work while anyone decodes.
+            whole = num_tokens == request.num_uncomputed_tokens and (
+                request.parent not in running_parents or not budget.decoding)
             if not whole:
                 num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
                 if num_tokens == 0 and budget.grant(request) > 0:
@@ -430,6 +435,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            running_parents[request.parent] += 1
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget.spend(request, num_tokens)
             if not whole:
