@@ -452,7 +452,8 @@ class Engine:
 
     def _pace_prefill(self, plan: SchedulerOutput, step_s: float) -> None:
         """Report a step of prompt chunks and nothing else (a lone prefill) to the prefill pace:
-        what a step of prompt tokens costs this machine, measured, not assumed."""
+        what a step of prompt tokens costs this machine, measured, not assumed. With deferred
+        output the call also collected the step before: an overestimate, so smaller steps."""
         pace = self.scheduler.pace
         if pace is not None and all(not chunk.is_decode for chunk in plan.chunks):
             pace.observe([(chunk.start, chunk.num_tokens) for chunk in plan.chunks], step_s)
