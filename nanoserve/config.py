@@ -630,8 +630,8 @@ FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 # The prefill pace (EngineConfig.prefill_step_ms=None) per device type: on CPU a step no one
 # shares computes the prompt tokens its measured cost fits in this many ms (an arrival waits
 # for the step in flight), at least PREFILL_PACE_MIN_TOKENS a step, below which a lone prompt
-# loses speed (results/README.md, "One request's neighbours"); on CUDA a 512-token step is
-# short and no GPU has measured it: no pace.
+# would lose speed to per-step overhead (results/README.md, "No request behind another
+# client's prefill": the command measuring both); on CUDA a 512-token step is short: no pace.
 PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 150.0, "cuda": None}
 PREFILL_PACE_MIN_TOKENS = 64
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)

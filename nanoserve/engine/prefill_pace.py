@@ -10,7 +10,8 @@ pace measures the seconds a prompt *unit* costs (`step_cost`'s row unit: a token
 C earlier tokens is 1 + C / context_tokens_per_row units, so a chunk deep into a long prompt gets
 fewer tokens for the same time) and grants the tokens whose units fit in `step_s`. The grant
 never falls below `min_tokens`, where a chunk's per-step overhead would start to cost a lone
-prompt its speed (results/README.md, "One request's neighbours", has both figures).
+prompt its speed (results/README.md, "No request behind another client's prefill", has the
+command that measures what the pace costs a lone prompt).
 
 Measured, not assumed: only steps that compute prompt tokens and nothing else (a lone prefill)
 are observed, so a decode row's cost never counts as a prompt's; the estimate is a moving
