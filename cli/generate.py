@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 # One request runs: there is no batch to size or share, and its blocks keep the default size.
 ONE_REQUEST_OMITS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_while_decoding",
-                     "block_size", "fair_share_rows", "task", "pooling")
+                     "block_size", "fair_share_rows", "long_prefill_token_threshold", "prefill_step_ms",
+                     "task", "pooling")
 
 
 @app.command()

@@ -57,6 +57,30 @@ FairShareRows = Annotated[float | None, typer.Option(
          "(plus their attention context) plus ROWS a step, so one request with many choices, a "
          "long context or a long prompt slows the others by a bounded factor; tokens unchanged. "
          "off: no share. Default per device: 2 on CPU (measured), off on CUDA.")]
+LongPrefillTokenThreshold = Annotated[int | None, typer.Option(
+    min=1, help="Most prompt tokens of one request in a step (vLLM's option): a longer prompt is "
+                "computed in chunks of at most this many; default: no bound but the step's budgets.")]
+
+
+def parse_prefill_step_ms(value: str) -> float:
+    """`off`, or milliseconds > 0."""
+    if value.strip().lower() == "off":
+        return float("inf")
+    try:
+        step_ms = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"milliseconds > 0, or off; got {value!r}") from None
+    if not 0 < step_ms < float("inf"):
+        raise typer.BadParameter(f"must be > 0, or off; got {value!r}")
+    return step_ms
+
+
+PrefillStepMs = Annotated[float | None, typer.Option(
+    parser=parse_prefill_step_ms, metavar="MS|off",
+    help="A step no one shares computes the prompt tokens its measured cost fits in about MS "
+         "milliseconds (at least 64 tokens), since a request that arrives waits for the step in "
+         "flight; tokens unchanged. off: the whole --max-num-batched-tokens. Default per device: "
+         "150 on CPU, off on CUDA.")]
 SchedulingPolicy = Annotated[str, typer.Option(
     help="Which waiting request runs first, and which running one is preempted first when the KV "
          "cache is full: fcfs (arrival order) or priority (a request's priority field, lower "
@@ -169,6 +193,8 @@ class EngineOptions:
         _DEFAULT.speculative_disable_by_batch_size)
     async_scheduling: AsyncScheduling = _DEFAULT.async_scheduling
     fair_share_rows: FairShareRows = _DEFAULT.fair_share_rows
+    long_prefill_token_threshold: LongPrefillTokenThreshold = _DEFAULT.long_prefill_token_threshold
+    prefill_step_ms: PrefillStepMs = _DEFAULT.prefill_step_ms
     scheduling_policy: SchedulingPolicy = _DEFAULT.scheduling_policy
     tensor_parallel_size: TensorParallelSize = _DEFAULT.tensor_parallel_size
     task: Task = _DEFAULT.task

@@ -627,6 +627,13 @@ ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 # one-row decode to ~1.8x (results/neighbours.csv); on CUDA rows are nearly free until the
 # batch is large, and no GPU has measured it: off.
 FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
+# The prefill pace (EngineConfig.prefill_step_ms=None) per device type: on CPU a step no one
+# shares computes the prompt tokens its measured cost fits in this many ms (an arrival waits
+# for the step in flight), at least PREFILL_PACE_MIN_TOKENS a step, below which a lone prompt
+# would lose speed to per-step overhead (results/README.md, "No request behind another
+# client's prefill": the command measuring both); on CUDA a 512-token step is short: no pace.
+PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 150.0, "cuda": None}
+PREFILL_PACE_MIN_TOKENS = 64
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
 TASKS = ("generate", "embed")  # EngineConfig.task
 # EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
@@ -683,6 +690,12 @@ class EngineConfig:
     # While more than one client request runs, each takes at most the lightest one's row units
     # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
     fair_share_rows: float | None = None
+    # Most prompt tokens of one request in a step (vLLM's --long-prefill-token-threshold); None:
+    # no bound but the step's budgets.
+    long_prefill_token_threshold: int | None = None
+    # A step no one shares computes the prompt tokens its measured cost fits in about this many
+    # ms (engine/prefill_pace.py); inf: no pace; None: PREFILL_STEP_MS_DEFAULT for the device.
+    prefill_step_ms: float | None = None
     # Which waiting request runs first and which running one is preempted first (vLLM's
     # --scheduling-policy): "fcfs" by arrival, "priority" by SamplingParams.priority, then arrival.
     scheduling_policy: str = "fcfs"
@@ -704,6 +717,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold < 1:
+            raise InvalidRequestError(f"long_prefill_token_threshold must be >= 1; got {threshold}",
+                                      param="long_prefill_token_threshold")
+        if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:
+            raise InvalidRequestError(f"prefill_step_ms must be > 0 (or inf: no pace); got "
+                                      f"{self.prefill_step_ms}", param="prefill_step_ms")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                                       f"got {self.kv_cache_dtype!r}", param="kv_cache_dtype")

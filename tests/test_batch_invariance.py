@@ -121,6 +121,24 @@ def test_prompts_prefilled_beside_decodes_in_budgeted_chunks_equal_one_prefill(t
     assert staggered_crowd(budgeted, prompts, params) == expected
 
 
+def test_a_paced_prefill_and_a_per_request_chunk_cap_equal_one_prefill(tiny_model_dir):
+    """A lone long prompt paced to its measured cost (the pace's smallest steps, 64 tokens), and
+    prompts capped at 7 tokens a step (long_prefill_token_threshold): the same bits as unpaced."""
+    prompts = [" ".join(["word"] * 80) + " story:", *crowd_prompts(3)]  # the first over 64 tokens
+    params = [params_for(i) for i in range(4)]
+    whole = LLM(str(tiny_model_dir), device="cpu", prefill_step_ms=float("inf"))
+    paced = LLM(str(tiny_model_dir), device="cpu", prefill_step_ms=1e-6)
+    capped = LLM(str(tiny_model_dir), device="cpu", long_prefill_token_threshold=7)
+    assert whole.engine.scheduler.pace is None
+    expected = [fingerprint(c) for c in whole.generate(prompts, params)]
+    alone = [paced.generate([p], [q])[0] for p, q in zip(prompts, params, strict=True)]  # each paced alone
+    assert [fingerprint(c) for c in alone] == expected
+    prefill_steps = -(-len(paced.tokenizer.encode(prompts[0])) // 64)
+    assert paced.engine.stats.steps >= prefill_steps + 4 * 9 + 3  # the long prompt in 64-token steps
+    assert paced.engine.scheduler.pace.s_per_unit is not None  # it measured its own prefill steps
+    assert [fingerprint(c) for c in capped.generate(prompts, params)] == expected
+
+
 def test_preemption_by_recompute_changes_no_token_nor_logprob(tiny_model_dir):
     prompts = [f"request {i}:" + " hi" * i for i in range(8)]
     params = [params_for(i, max_tokens=16) for i in range(8)]

@@ -444,3 +444,18 @@ def test_an_unknown_neighbour_kind_is_a_usage_error_naming_the_option():
     result = invoke("bench", "serve", "--launch", "--neighbour", "plain-n1,noisy")
     assert result.exit_code == 2
     assert "--neighbour" in result.output and "noisy" in result.output
+
+
+def test_the_prefill_pace_bench_times_each_side_in_turns_and_the_paced_side_takes_smaller_steps(
+        tiny_model_dir, tmp_path):
+    from nanoserve.bench import prefill_pace
+
+    out = tmp_path / "prefill_pace.csv"
+    prefill_pace.main(["--model", str(tiny_model_dir), "--input-len", "60", "--step-ms", "0.001",
+                       "--turns", "2", "--out", str(out)])
+    frame = pd.read_csv(out)
+    assert list(frame["prefill_step_ms"].astype(str)) == ["off", "0.001", "off", "0.001"]
+    unpaced, paced = frame[frame["turn"] == 0].itertuples()
+    assert paced.largest_chunk == 64 < unpaced.largest_chunk  # the pace's smallest step
+    assert paced.steps > unpaced.steps
+    assert {"median_vs_unpaced", "cpu_model", "git_commit"} <= set(frame.columns)

@@ -16,12 +16,13 @@ from nanoserve.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_len=256,
-                   prefix_caching=False, prefill_cap=None, fair_share=float("inf")):
+                   prefix_caching=False, prefill_cap=None, fair_share=float("inf"), prefill_step_s=None):
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(SchedulerConfig(max_num_seqs, max_tokens_per_step, max_len,
                                      enable_prefix_caching=prefix_caching,
                                      max_prefill_tokens_while_decoding=prefill_cap,
-                                     fair_share_rows=fair_share), pool)
+                                     fair_share_rows=fair_share, prefill_step_s=prefill_step_s,
+                                     prefill_pace_min_tokens=16), pool)
 
 
 def make_request(rid, prompt_len, max_tokens=8, parent=None, **params):
@@ -539,6 +540,21 @@ def test_waiting_requests_are_admitted_round_robin_by_client_not_behind_one_clie
     assert "many0" in first
 
 
+def test_a_clients_further_prompts_are_charged_to_its_share_not_admitted_whole_beside_a_decode():
+    # One request of 64 prompts x n=4: its first prompt is an arrival's one-off; the rest are its
+    # steady work, so while another client decodes it takes the share's rows, prompts included.
+    scheduler = make_scheduler(num_blocks=800, max_num_seqs=32, max_tokens_per_step=512, prefill_cap=64,
+                               fair_share=2.0)
+    decoding_crowd(scheduler, {"light": 1})
+    for i in range(16):
+        scheduler.add(make_request(f"many{i}", 20, max_tokens=50, parent="many"))
+    first = rows_by_parent(run_step(scheduler))
+    assert 20 < first["many"] <= 20 + 3, first  # its first prompt whole, then its share: 1 + 2 units
+    for _ in range(8):
+        rows = rows_by_parent(run_step(scheduler))
+        assert rows["light"] == 1 and rows.get("many", 0) <= 4, rows  # 3 row units, carried at most one
+
+
 def test_fair_share_off_keeps_first_come_first_served_admission():
     scheduler = make_scheduler(num_blocks=400, max_num_seqs=2, max_tokens_per_step=128)
     for i in range(3):
@@ -570,13 +586,15 @@ def test_a_client_with_nothing_running_gets_a_slot_from_the_one_holding_them_all
     st.integers(1, 60),
     st.sampled_from([None, 16, 64]),
     st.integers(2, 8),
+    st.sampled_from([None, 0.15]),
 )
 def test_an_arrival_runs_in_every_step_beside_any_one_heavy_client(heavy, arrive_at, ordinary_len,
-                                                                   prefill_cap, max_num_seqs):
+                                                                   prefill_cap, max_num_seqs, prefill_step_s):
     """Whatever one client holds (many prompts, long prompts, every slot), an ordinary request of
     another client gets a chunk in every step from its arrival until it finishes."""
     scheduler = make_scheduler(num_blocks=4000, block_size=4, max_num_seqs=max_num_seqs,
-                               max_tokens_per_step=256, max_len=1024, prefill_cap=prefill_cap, fair_share=2.0)
+                               max_tokens_per_step=256, max_len=1024, prefill_cap=prefill_cap, fair_share=2.0,
+                               prefill_step_s=prefill_step_s)  # a pace with nothing measured: 16 a step
     for i, (prompt_len, n) in enumerate(heavy):
         for j in range(n):
             scheduler.add(make_request(f"heavy{i}-{j}", prompt_len, max_tokens=200, parent="heavy"))

@@ -62,7 +62,13 @@ import torch
 from torch.profiler import record_function
 
 from nanoserve import native
-from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, FAIR_SHARE_ROWS_DEFAULT, EngineConfig
+from nanoserve.config import (
+    ASYNC_SCHEDULING_DEFAULT,
+    FAIR_SHARE_ROWS_DEFAULT,
+    PREFILL_PACE_MIN_TOKENS,
+    PREFILL_STEP_MS_DEFAULT,
+    EngineConfig,
+)
 from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
 from nanoserve.distributed.shards import local_config
 from nanoserve.engine.block_pool import BlockPool
@@ -190,6 +196,9 @@ class Engine:
                             enable_prefix_caching=config.enable_prefix_caching,
                             max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
                             fair_share_rows=self._fair_share_rows(), kv_window=self.model_config.kv_window,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
+                            prefill_step_s=self._prefill_step_s(),
+                            prefill_pace_min_tokens=PREFILL_PACE_MIN_TOKENS,
                             scheduling_policy=config.scheduling_policy),
             self.pool,
         )
@@ -272,6 +281,13 @@ class Engine:
         if self.config.fair_share_rows is not None:
             return self.config.fair_share_rows
         return FAIR_SHARE_ROWS_DEFAULT.get(self.device.type, float("inf"))
+
+    def _prefill_step_s(self) -> float | None:
+        """The prefill pace's step time (None: no pace): the config's, else the device's default."""
+        step_ms = self.config.prefill_step_ms
+        if step_ms is None:
+            step_ms = PREFILL_STEP_MS_DEFAULT.get(self.device.type)
+        return None if step_ms is None or step_ms == float("inf") else step_ms / 1e3
 
     def _drafter(self) -> Drafter | None:
         if not self.spec.enabled:
@@ -420,6 +436,7 @@ class Engine:
         """
         timer = PhaseTimer(self.stats, self.readbacks, sync_cuda=self.sync_phases, label=self.label_phases)
         in_flight, self._in_flight = self._in_flight, None
+        start_s = time.perf_counter()
         launched = self._launch(timer, in_flight)
         outputs = []
         if in_flight is not None:
@@ -430,7 +447,16 @@ class Engine:
                 self._in_flight = launched
             else:
                 outputs += self._resolve(timer, launched, next_launched=False)
+            self._pace_prefill(launched.plan, time.perf_counter() - start_s)
         return outputs
+
+    def _pace_prefill(self, plan: SchedulerOutput, step_s: float) -> None:
+        """Report a step of prompt chunks and nothing else (a lone prefill) to the prefill pace:
+        what a step of prompt tokens costs this machine, measured, not assumed. With deferred
+        output the call also collected the step before: an overestimate, so smaller steps."""
+        pace = self.scheduler.pace
+        if pace is not None and all(not chunk.is_decode for chunk in plan.chunks):
+            pace.observe([(chunk.start, chunk.num_tokens) for chunk in plan.chunks], step_s)
 
     def _launch(self, timer: PhaseTimer, in_flight: LaunchedStep | None) -> LaunchedStep | None:
         """Schedule, prepare, forward and sample a step; its tokens stay on the device. On CPU,

@@ -28,7 +28,9 @@ below 2 for any u.
   few steps instead of never, and no parent banks a share.
 - An arriving prompt that fits whole in the step's prefill budget is computed at once: that is
   the one-off cost of an arrival, not the steady cost this bounds; a longer prompt is chunked
-  to its share.
+  to its share. Only a parent's first is an arrival: while anyone decodes, the further prompts
+  of a parent already running (one request's 64 prompts x n=4) are its steady work, paid from
+  its share like its decode rows.
 - A parent alone is never held back. A step where nothing decodes is shared only when another
   parent runs or waits (the scheduler's contended step: a waiting parent's next prompt is one
   of the demands, and each prompt's demand is its parent's slice of the prefill budget), so an

@@ -27,7 +27,8 @@ choices, or a tenant's requests) run and one decodes, each parent takes at most 
 of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
 requests least advanced first, so one request with many choices, a long context or a long
 prompt slows the others by a bounded factor; an arriving prompt that fits whole in the prefill
-budget is exempt (a one-off cost). A request its parent's share holds back lets the ones behind
+budget is exempt (a one-off cost), unless its parent already runs and someone decodes (a
+client's further prompts are its steady work). A request its parent's share holds back lets the ones behind
 it in the queue pass.
 
 With the fair share on, a step is *contended* when more than one parent is running or waiting,
@@ -42,7 +43,11 @@ and then no one waits behind another client's prefill:
   requests first, rather than first come first served behind one client's many prompts;
 - when every slot (`max_num_seqs`) is taken and a parent with nothing running waits, the
   newest request of the parent holding the most slots is preempted to give it one.
-A long prompt alone (one parent) still prefills with the whole step budget.
+A long prompt alone (one parent) is paced: since a step cannot be interrupted, an arrival
+waits for the one in flight, so a step no one shares computes the prompt tokens its measured
+cost fits in about `prefill_step_s` (`prefill_pace.py`; the engine reports each prefill step's
+time), never fewer than `prefill_pace_min_tokens`, where the lone prompt's own speed would
+suffer. vLLM's `long_prefill_token_threshold` caps one request's chunk in every step.
 
 With speculation, a decoding request also carries the drafts the engine proposed for it
 (`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
@@ -75,6 +80,7 @@ from dataclasses import dataclass, field
 from nanoserve.config import SCHEDULING_POLICIES
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.fair_share import FairShare
+from nanoserve.engine.prefill_pace import PrefillPace
 from nanoserve.engine.request import NewToken, Request, RequestStatus
 from nanoserve.errors import InvalidRequestError
 
@@ -91,6 +97,13 @@ class SchedulerConfig:
     # Row units a parent may take in a step beyond the lightest running parent's (fair_share.py);
     # inf: no fair share.
     fair_share_rows: float = float("inf")
+    # Most prompt tokens of one request in a step (vLLM's --long-prefill-token-threshold): a
+    # longer prompt is computed in chunks of at most this; None: no bound but the budgets'.
+    long_prefill_token_threshold: int | None = None
+    # A step no one shares computes the prompt tokens that its measured pace fits in about this
+    # many seconds (prefill_pace.py), at least prefill_pace_min_tokens; None: no pace.
+    prefill_step_s: float | None = None
+    prefill_pace_min_tokens: int = 64
     # "fcfs": arrival order; "priority": lowest `SamplingParams.priority` first, then arrival
     # (vLLM's --scheduling-policy), in the waiting queue, the running order and preemption.
     scheduling_policy: str = "fcfs"
@@ -106,6 +119,13 @@ class SchedulerConfig:
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None and cap < 1:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {threshold}")
+        if self.prefill_step_s is not None and not self.prefill_step_s > 0:
+            raise ValueError(f"prefill_step_s must be > 0 (or None: no pace), got {self.prefill_step_s}")
+        if self.prefill_pace_min_tokens < 1:
+            raise ValueError(f"prefill_pace_min_tokens must be >= 1, got {self.prefill_pace_min_tokens}")
         if not self.fair_share_rows >= 0:
             raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -200,6 +220,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up in the cache
         self.prefix_cache_hits = 0  # of those, tokens the cache supplied
         self.share = FairShare(config.fair_share_rows)
+        self.pace = (PrefillPace(config.prefill_step_s, config.prefill_pace_min_tokens)
+                     if config.prefill_step_s is not None else None)
 
     @property
     def max_request_tokens(self) -> int:
@@ -272,7 +294,22 @@ class Scheduler:
             budget.prefill_tokens = min(tokens, cap)
         elif cap is not None and contended:
             budget.prefill_tokens = min(tokens, cap * len(self._prefilling_parents()))
+        elif self.pace is not None and not budget.shared:
+            budget.prefill_tokens = min(tokens, self.pace.tokens(self._pace_context()))
         return budget
+
+    def _pace_context(self) -> int:
+        """Where the step's first prompt chunk starts: the oldest running prefill's computed
+        tokens (a long prompt deep into its context gets fewer tokens), else a new prompt's 0."""
+        return next((r.num_computed_tokens for r in self.running if r.num_uncomputed_tokens > 1), 0)
+
+    def _grant(self, budget: StepBudget, request: Request) -> int:
+        """The step budget's grant, a prompt chunk at most `long_prefill_token_threshold`."""
+        granted = budget.grant(request)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and request.num_uncomputed_tokens > 1:
+            return min(granted, threshold)
+        return granted
 
     def _prefilling_parents(self) -> set[str]:
         """The parents with prompt work this step: running prefills, and waiting parents' heads."""
@@ -366,7 +403,7 @@ class Scheduler:
             if request.num_pending_tokens and request.num_tokens >= request.max_total_tokens:
                 continue  # its pending token is its last: max_tokens ends it when resolved
             start, extra = request.num_computed_tokens, self._row_extra(request)
-            num_tokens = self.share.affordable(request.parent, start, budget.grant(request), extra)
+            num_tokens = self.share.affordable(request.parent, start, self._grant(budget, request), extra)
             if num_tokens == 0:
                 continue
             drafts = self._drafts(request, budget.tokens - num_tokens)
@@ -408,19 +445,23 @@ class Scheduler:
         return candidates[-1]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        running_parents = Counter(request.parent for request in self.running)
         for request in self._waiting_order(budget.contended):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admitted once the token is known
             hits = self._take_cached_prefix(request)
-            num_tokens = budget.grant(request)
+            num_tokens = self._grant(budget, request)
             self.share.admit(request.parent, decoding=budget.shared,
-                             others_running=any(other.parent != request.parent for other in self.running))
-            whole = num_tokens == request.num_uncomputed_tokens  # an arrival's one-off: no share
+                             others_running=bool(running_parents.keys() - {request.parent}))
+            # An arrival whose prompt fits whole is a one-off, exempt from its share; a client's
+            # further prompts (one request's many, a tenant's) are steady work while anyone decodes.
+            whole = num_tokens == request.num_uncomputed_tokens and (
+                request.parent not in running_parents or not budget.decoding)
             if not whole:
                 num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
-                if num_tokens == 0 and budget.grant(request) > 0:
+                if num_tokens == 0 and self._grant(budget, request) > 0:
                     self._unadmit(request)
                     continue  # its parent's share is spent this step: the next in line may run
             if num_tokens == 0 or not self._reserve(request, request.num_computed_tokens + num_tokens):
@@ -430,6 +471,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            running_parents[request.parent] += 1
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget.spend(request, num_tokens)
             if not whole:
