@@ -80,7 +80,7 @@ PrefillStepMs = Annotated[float | None, typer.Option(
     help="A step no one shares computes the prompt tokens its measured cost fits in about MS "
          "milliseconds (at least 64 tokens), since a request that arrives waits for the step in "
          "flight; tokens unchanged. off: the whole --max-num-batched-tokens. Default per device: "
-         "150 on CPU, off on CUDA.")]
+         "100 on CPU, off on CUDA.")]
 SchedulingPolicy = Annotated[str, typer.Option(
     help="Which waiting request runs first, and which running one is preempted first when the KV "
          "cache is full: fcfs (arrival order) or priority (a request's priority field, lower "

@@ -632,7 +632,7 @@ FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 # for the step in flight), at least PREFILL_PACE_MIN_TOKENS a step, below which a lone prompt
 # would lose speed to per-step overhead (results/README.md, "No request behind another
 # client's prefill": the command measuring both); on CUDA a 512-token step is short: no pace.
-PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 150.0, "cuda": None}
+PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 100.0, "cuda": None}
 PREFILL_PACE_MIN_TOKENS = 64
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
 TASKS = ("generate", "embed")  # EngineConfig.task
