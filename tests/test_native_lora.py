@@ -158,3 +158,11 @@ def test_the_c_updates_are_the_torch_paths_within_float_tolerance():
             apply(theirs, x, groups, layer, target)
             assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4), (layer, target)
             assert torch.equal(ours[8], out[8])
+
+
+def test_a_row_slot_past_the_steps_adapters_is_refused():
+    pool = adapters()
+    with pytest.raises(RuntimeError, match="row_slot must lie in"):
+        NativeLoRAStep([pool[0][0]], torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        NativeLoRAStep([pool[0][0]], torch.tensor([0, 0]))

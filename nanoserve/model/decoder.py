@@ -27,8 +27,8 @@ two ways, chosen once per model:
   row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
   plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
   kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
-  the separate calls' bits, LoRA rows' updates included (`nanoserve.native.lora`); a sparse layer with such matrices runs its routed experts as one
-  native call (`nanoserve.native.moe`).
+  the separate calls' bits, LoRA rows' updates included (`nanoserve.native.lora`); a sparse
+  layer with such matrices runs its routed experts as one native call (`nanoserve.native.moe`).
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.

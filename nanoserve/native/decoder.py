@@ -2,9 +2,9 @@
 
 Owns: the C structs that describe the model (built once: norms, the repacked matrices of
 each layer, the RoPE table) and one step (rows, positions, slots, block tables, the buffers
-the stages write, the LoRA rows' adapters: nanoserve.native.lora), the checks a raw pointer cannot make, and `NativeDecoder.run`, which
-takes the same step data the per-op path takes and leaves the same bits: the stages are the
-exported kernels' own code.
+the stages write, the LoRA rows' adapters: nanoserve.native.lora), the checks a raw pointer
+cannot make, and `NativeDecoder.run`, which takes the same step data the per-op path takes and
+leaves the same bits: the stages are the exported kernels' own code.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
 None): a matrix neither in the repacked layout (nanoserve.native.repack) nor float32 in
 nanoserve.native.matmul's panels, a width not whole blocks of 32, or the library off. The

@@ -145,6 +145,13 @@ class NativeLoRAStep:
     """One step's LoRA rows for the C code: row r runs with adapters[row_slot[r]] (-1: none)."""
 
     def __init__(self, adapters: list[NativeAdapter], row_slot: torch.Tensor) -> None:
+        if row_slot.dtype != torch.int32 or row_slot.dim() != 1 or not row_slot.is_contiguous():
+            raise ValueError("row_slot must be a contiguous 1-D int32 tensor")
+        if not adapters:
+            raise ValueError("a LoRA step needs at least one adapter")
+        # Checked inside torch, not read back (the C code indexes the tables by it).
+        torch._assert_async(((row_slot >= -1) & (row_slot < len(adapters))).all(),
+                            f"row_slot must lie in [-1, {len(adapters)})")
         self._run = _library().ns_lora_apply
         self._adapters = adapters
         self._row_slot = row_slot
