@@ -31,6 +31,7 @@ def bench_lora(
     output_len: Annotated[int, typer.Option(min=1, help="Output tokens per request.")] = 64,
     turns: Annotated[int, typer.Option(min=1, help="Turns of (base, LoRA) in alternating order.")] = 3,
     threads: options.Threads = None,
+    linear_kernel: options.LinearKernel = None,
     out: Annotated[Path, typer.Option(help="CSV to write (one row per turn).")] = DEFAULT_OUT,
 ) -> None:
     """Output tokens/s of requests on LoRA adapters against the same requests without."""
@@ -39,7 +40,9 @@ def bench_lora(
     from nanoserve.bench.lora import LoRABenchSpec, median_ratio, run_lora_bench
     from nanoserve.errors import NanoserveError
 
-    spec = LoRABenchSpec(model, dtype, adapters, requests, rank, input_len, output_len, turns, threads)
+    options.check_linear_kernel(linear_kernel)
+    spec = LoRABenchSpec(model, dtype, adapters, requests, rank, input_len, output_len, turns, threads,
+                         linear_kernel)
     try:
         with tempfile.TemporaryDirectory(prefix="nanoserve-lora-bench-") as adapter_root:
             results, setup = run_lora_bench(spec, Path(adapter_root), on_turn=_echo)

@@ -20,6 +20,7 @@ from nanoserve.loading.weights import load_weights
 from nanoserve.model.batch import AttentionGroup, ForwardBatch
 from nanoserve.model.decoder import Llama
 from nanoserve.model.kv_cache import KVCache
+from nanoserve.model.lora import Adapter, AdapterRows
 
 BLOCK = 4
 transformers = None  # imported by `require_transformers`, so this module imports without it
@@ -108,18 +109,24 @@ class Cache:
         return table
 
 
-def step(model: Llama, cache: Cache, chunks: list[tuple[str, list[int], int]]) -> dict[str, torch.Tensor]:
+def step(model: Llama, cache: Cache, chunks: list[tuple[str, list[int], int]],
+         adapters: dict[str, Adapter] | None = None) -> dict[str, torch.Tensor]:
     """chunks: (seq, token_ids, start). Decodes (1 token) first as one group, then each prefill
-    chunk as its own; returns each sequence's last-row logits."""
+    chunk as its own; returns each sequence's last-row logits. `adapters`: the LoRA adapter a
+    sequence runs with (others: none)."""
     chunks = sorted(chunks, key=lambda c: len(c[1]) > 1)
     decodes = [c for c in chunks if len(c[1]) == 1]
     units = ([decodes] if decodes else []) + [[c] for c in chunks if len(c[1]) > 1]
     ids, positions, slots, groups, last_rows = [], [], [], [], []
+    adapter_ranges: dict[int, tuple[Adapter, list[tuple[int, int]]]] = {}
     for unit in units:
         row_start, tables = len(ids), []
         for seq, tokens, start in unit:
             table = cache.blocks(seq, start + len(tokens))
             tables.append(table)
+            if adapters and seq in adapters:
+                adapter_ranges.setdefault(id(adapters[seq]), (adapters[seq], []))[1].append(
+                    (len(ids), len(ids) + len(tokens)))
             for p, token in enumerate(tokens, start):
                 ids.append(token)
                 positions.append(p)
@@ -132,7 +139,8 @@ def step(model: Llama, cache: Cache, chunks: list[tuple[str, list[int], int]]) -
             torch.tensor([t + [0] * (width - len(t)) for t in tables]),
             first_positions=tuple(start for _, _, start in unit)))
     batch = ForwardBatch(torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), groups,
-                         torch.tensor(last_rows))
+                         torch.tensor(last_rows),
+                         [AdapterRows(adapter, tuple(spans)) for adapter, spans in adapter_ranges.values()])
     logits = model.forward(batch, cache.kv)
     return {seq: logits[i] for i, (seq, _, _) in enumerate(c for unit in units for c in unit)}
 

@@ -33,3 +33,9 @@ def test_a_random_bench_adapter_loads_and_changes_the_logprobs(tiny_model_dir, t
     with_adapter = llm.generate(["Hello"], params, lora_request=LoRARequest("a", 1, str(folder)))[0]
     base = llm.generate(["Hello"], params)[0]
     assert [e.logprob for e in with_adapter.logprobs] != [e.logprob for e in base.logprobs]
+
+
+def test_an_unknown_linear_kernel_is_refused_by_name_before_the_model_loads(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "lora", "--model", str(tmp_path / "none"), "--linear-kernel",
+                                      "nope", "--out", str(tmp_path / "out.csv")])
+    assert result.exit_code == 2 and "--linear-kernel must be one of" in result.output

@@ -232,3 +232,36 @@ def test_bad_gguf_loras_are_refused_by_name_and_nothing_of_them_loads(tiny_model
     (tmp_path / "junk.bin").write_bytes(b"not an adapter")
     junk = refused(llm, LoRARequest("junk", 4, str(tmp_path / "junk.bin")))
     assert "neither a PEFT adapter folder" in junk.message
+
+
+@pytest.fixture(scope="module")
+def ragged_adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
+    """Rank 1 on every module, rank 8 (max_lora_rank) on q and v only, rank 2 on o, up and down."""
+    root = tmp_path_factory.mktemp("ragged")
+    specs = [(1, ALL_TARGETS), (8, ["q_proj", "v_proj"]), (2, ["o_proj", "up_proj", "down_proj"])]
+    return [build_adapter(tiny_model_dir, root / f"r{rank}", seed=10 + i, rank=rank, targets=targets)
+            for i, (rank, targets) in enumerate(specs)]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_ragged_ranks_and_subsets_of_targets_give_peft_logprobs_alone_and_in_a_crowd(
+        tiny_model_dir, ragged_adapters, monkeypatch, native):
+    loras = requests_of(ragged_adapters)
+    if native:
+        llm = lora_llm(tiny_model_dir)
+    else:
+        with native_off(monkeypatch):
+            llm = lora_llm(tiny_model_dir)
+    prompts = [f"{PROMPT} {i}" for i in range(4)]
+    per_prompt = [*loras, None]
+    crowd = llm.generate(prompts, GREEDY, lora_request=per_prompt)
+    assert all(adapter.native is not None for adapter in llm.engine.list_loras()) is native
+    for prompt, lora, together in zip(prompts, per_prompt, crowd, strict=True):
+        alone = llm.generate([prompt], GREEDY, lora_request=lora)[0]
+        assert alone.token_ids == together.token_ids
+        assert [e.logprob for e in alone.logprobs] == [e.logprob for e in together.logprobs]
+        if lora is not None:
+            expected = peft_logprobs(tiny_model_dir, Path(lora.lora_path), together.prompt_token_ids,
+                                     together.token_ids)
+            ours = [entry.logprob for entry in together.logprobs]
+            assert max(abs(a - b) for a, b in zip(ours, expected, strict=True)) < 1e-4

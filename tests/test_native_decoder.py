@@ -9,10 +9,12 @@ import torch
 from families import Cache as FamilyCache
 from families import step
 from test_model import CONFIG, WEIGHTS, Cache
+from test_native_lora import random_weights
 
 from nanoserve import native
 from nanoserve.model.decoder import Llama
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
+from nanoserve.model.lora import Adapter, LoRARequest, load_adapter
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
@@ -31,15 +33,28 @@ def _model(format_name: str, fused: bool) -> Llama:
     return model
 
 
-def _run(model: Llama) -> tuple[list[dict[str, torch.Tensor]], Cache]:
+def _run(model: Llama,
+         adapters: dict[str, Adapter] | None = None) -> tuple[list[dict[str, torch.Tensor]], Cache]:
     cache, outputs = (Cache() if model.config is CONFIG else FamilyCache(model.config)), []
     a, b = PROMPTS["a"], PROMPTS["b"]
-    outputs.append(step(model, cache, [("a", a, 0)]))
-    outputs.append(step(model, cache, [("a", [5], len(a)), ("b", b[:40], 0)]))  # a decode beside a chunk
-    outputs.append(step(model, cache, [("b", b[40:], 40)]))
+    outputs.append(step(model, cache, [("a", a, 0)], adapters))
+    # a decode beside a chunk
+    outputs.append(step(model, cache, [("a", [5], len(a)), ("b", b[:40], 0)], adapters))
+    outputs.append(step(model, cache, [("b", b[40:], 40)], adapters))
     for i in range(3):
-        outputs.append(step(model, cache, [("a", [9 + i], len(a) + 1 + i), ("b", [3 + i], len(b) + i)]))
+        outputs.append(step(model, cache, [("a", [9 + i], len(a) + 1 + i), ("b", [3 + i], len(b) + i)],
+                            adapters))
     return outputs, cache
+
+
+def _adapters(model: Llama) -> list[Adapter]:
+    """Rank 16 on every module; rank 1 on q and v only; rank 8 on o and down only."""
+    specs = [(16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+             (1, ["q_proj", "v_proj"]), (8, ["o_proj", "down_proj"])]
+    assert model.native_lora
+    return [load_adapter(LoRARequest(f"a{i}", i + 1, "/none"), random_weights(rank, modules, seed=i), CONFIG,
+                         serial=i, pack=model.linear_kernel.pack, matmul=model.linear, dtype=torch.float32,
+                         device=torch.device("cpu"), native=True) for i, (rank, modules) in enumerate(specs)]
 
 
 @pytest.mark.parametrize("format_name", ["q4_0", "q8_0", "float32"])
@@ -52,6 +67,33 @@ def test_one_call_per_step_leaves_the_bits_of_the_separate_calls(format_name):
     for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
                           strict=True):
         assert torch.equal(one, other)
+
+
+@pytest.mark.parametrize("format_name", ["q4_0", "float32"])
+@pytest.mark.parametrize("who", [(0, None), (1, 2), (0, 1)],
+                         ids=["one-and-none", "subsets", "all-and-subset"])
+def test_lora_steps_in_one_call_leave_the_bits_of_the_separate_calls(format_name, who):
+    results = []
+    for fused in (True, False):
+        model = _model(format_name, fused)
+        pool = _adapters(model)
+        results.append(_run(model, {seq: pool[i] for seq, i in zip("ab", who, strict=True) if i is not None}))
+    (fused, fused_cache), (separate, separate_cache) = results
+    for one, other in zip(fused, separate, strict=True):
+        assert all(torch.equal(one[seq], other[seq]) for seq in one)
+    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
+                          strict=True):
+        assert torch.equal(one, other)
+    base, _ = _run(_model(format_name, fused=True))
+    assert not torch.equal(base[-1]["a"], fused[-1]["a"]), "no update applied"
+
+
+def test_a_lora_step_runs_in_one_native_call():
+    model, cache = _model("q4_0", fused=True), Cache()
+    pool = _adapters(model)
+    before = native.calls()
+    step(model, cache, [("a", PROMPTS["a"], 0), ("b", PROMPTS["b"][:20], 0)], {"a": pool[0], "b": pool[1]})
+    assert native.calls() - before <= 4
 
 
 @pytest.mark.parametrize("fused", [True, False])

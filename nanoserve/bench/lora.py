@@ -43,6 +43,7 @@ class LoRABenchSpec:
     output_len: int = 64
     turns: int = 3
     threads: int | None = None
+    linear_kernel: str | None = None  # None: the kernel the engine measures at start-up
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ def run_lora_bench(spec: LoRABenchSpec, adapter_root: Path, *,
     ran on (a row's columns)."""
     llm = LLM(spec.model, dtype=spec.dtype, enable_lora=True, max_loras=spec.adapters,
               max_lora_rank=spec.rank, max_num_seqs=max(spec.requests, 1), enable_prefix_caching=False,
-              threads=spec.threads)
+              threads=spec.threads, linear_kernel=spec.linear_kernel)
     engine = llm.engine
     loras = [LoRARequest(f"bench-{i}", i + 1, str(write_random_adapter(
         adapter_root / f"adapter-{i}", engine.model_config, rank=spec.rank, seed=i)))

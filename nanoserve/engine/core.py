@@ -255,7 +255,7 @@ class Engine:
         return self.loras.add(lora_request, lambda request, serial: load_adapter(
             request, read_adapter(request.lora_path, self.model_config, self.loras.max_lora_rank),
             self.model_config, serial=serial, pack=kernel.pack, matmul=kernel.apply, dtype=self.dtype,
-            device=self.device))
+            device=self.device, native=self.model.native_lora))
 
     def _adapter_kernel(self) -> LinearKernel:
         """The kernel of adapters' float matrices: the model's, unless that one runs GGUF blocks

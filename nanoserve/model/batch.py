@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.lora import AdapterRows
+from nanoserve.native.lora import NativeLoRAStep
 from nanoserve.native.ops import PagedContext
 
 
@@ -64,6 +65,7 @@ class StepContext:
     normed: torch.Tensor | None = None  # [rows, hidden]
     attended: torch.Tensor | None = None  # [rows, heads * head_dim]
     activated: torch.Tensor | None = None  # [rows, intermediate]
+    lora: NativeLoRAStep | None = None  # the LoRA rows' adapters for the C code (nanoserve.native.lora)
     # Torch attention only: the attention plan of the full layers and of the sliding layers,
     # and each RoPE table's (cos, signed sin) rows [rows, 1, head_dim].
     plan: PositionPlan | list[torch.Tensor] | None = None

@@ -27,8 +27,8 @@ two ways, chosen once per model:
   row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
   plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
   kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
-  the separate calls' bits; a sparse layer with such matrices runs its routed experts as one
-  native call (`nanoserve.native.moe`).
+  the separate calls' bits, LoRA rows' updates included (`nanoserve.native.lora`); a sparse
+  layer with such matrices runs its routed experts as one native call (`nanoserve.native.moe`).
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.
@@ -49,9 +49,11 @@ from nanoserve.model.kv_cache import NATIVE_KV_CACHE_DTYPES, KVCache
 from nanoserve.model.layers import ACTIVATIONS, rms_norm
 from nanoserve.model.linear import KERNELS, LinearKernel, embedding
 from nanoserve.model.lora import apply as apply_lora
+from nanoserve.model.lora import native_step as native_lora_step
 from nanoserve.model.moe import MixtureOfExperts
 from nanoserve.model.rope import rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
+from nanoserve.native import lora as native_lora
 from nanoserve.native import ops as native_ops
 from nanoserve.native.decoder import DecoderShape, NativeDecoder
 from nanoserve.native.moe import NativeExperts
@@ -192,10 +194,11 @@ class Llama:
             hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
-        # The one-call decoder runs the base model alone: a step with LoRA rows takes the loop.
-        if self.decoder is not None and self.ops is not None and not batch.adapter_rows:
+        # The one-call decoder adds LoRA rows' updates itself, where the adapters run in C.
+        runs_lora = step.lora is not None or not batch.adapter_rows
+        if self.decoder is not None and self.ops is not None and runs_lora:
             delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
-                                     step.attended, step.activated)
+                                     step.attended, step.activated, step.lora)
         else:
             delta = self._layers(hidden, step, kv_cache)
         if delta is not None:
@@ -303,8 +306,16 @@ class Llama:
 
     def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
         """Each LoRA row's low-rank update, after the base linear that ran for every row."""
-        if step.batch.adapter_rows:
+        if step.lora is not None:
+            step.lora.apply(out, x, index, target)
+        elif step.batch.adapter_rows:
             apply_lora(out, x, step.batch.adapter_rows, index, target)
+
+    @property
+    def native_lora(self) -> bool:
+        """Whether LoRA adapters' updates run in C here (nanoserve.native.lora): wherever the
+        native small ops run; the engine loads its adapters for that path or the torch one."""
+        return self.ops is not None and native_lora.available()
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-split matrix's output summed over the ranks (itself with one rank)."""
@@ -330,6 +341,7 @@ class Llama:
     def _step_context(self, batch: ForwardBatch, kv_cache: KVCache) -> StepContext:
         step = StepContext(batch)
         if self.ops is not None:
+            step.lora = native_lora_step(batch.adapter_rows, batch.input_ids.shape[0])
             rows, cfg = batch.input_ids.shape[0], self.config
             cos = self.rope_tables[0][0]
             new = functools.partial(torch.empty, dtype=cos.dtype, device=cos.device)

@@ -6,11 +6,13 @@ passes (`check_rank`, `check_weights`; `loading.adapters` reads PEFT folders and
 GGUF LoRA files into `AdapterTensor`s), and `load_adapter`, which makes an `Adapter` whose
 matrices sit fused like the base model's (q, k and v share the qkv output's columns, gate and
 up gate_up's), with the file's scaling folded into B; `AdapterSet`, the
-adapters resident at once (at most max_loras); and `apply`, which adds each adapter's
-update to its own rows of a base linear's output: the base matmul runs once for the whole
-batch, then each adapter's two small matmuls over its rows alone, through a batch-invariant
-float kernel (the model's own, or the native float kernel beside a GGUF model's block kernel),
-so a row's bits do not depend on which adapters its neighbours use.
+adapters resident at once (at most max_loras); and each row's update added to a base
+linear's output after the base matmul ran once for the whole batch, two ways: where the native
+small ops run (float32 on the CPU), every adapter of a step in one C pass per target matrix
+(`native_step`, nanoserve.native.lora; inside the one-call decoder where that runs); else
+`apply`, the reference, each adapter's two small matmuls over its rows alone through a
+batch-invariant float kernel (the model's own, or the native float kernel beside a GGUF
+model's block kernel). Either way a row's bits do not depend on which adapters its neighbours use.
 Refuses, by name, before anything is kept: a rank above max_lora_rank, a target module the
 decoder has no linear for, DoRA, trained biases or modules_to_save, and a tensor whose shape
 does not fit the base model; an adapter is resident whole or not at all.
@@ -25,6 +27,7 @@ import torch
 
 from nanoserve.config import ModelConfig
 from nanoserve.errors import InvalidRequestError
+from nanoserve.native.lora import NativeAdapter, NativeLoRAStep, Piece, TargetUpdate
 
 # PEFT's module names, and the fused base linear each one's output columns live in.
 TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
@@ -67,7 +70,8 @@ class Adapter:
     rank: int
     cache_key: str  # the prefix cache's namespace: one per load, so a reloaded name never hits old K/V
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the kernel A and B are packed for
-    layers: list[dict[str, FusedUpdate]] = field(default_factory=list)  # [layer][fused target]
+    layers: list[dict[str, FusedUpdate]] = field(default_factory=list)  # [layer][fused target]; torch path
+    native: NativeAdapter | None = None  # the C tables, in place of `layers`, where the C code runs it
 
 
 def refuse(path: str, message: str) -> InvalidRequestError:
@@ -145,36 +149,50 @@ def _input_width(config: ModelConfig, module: str) -> int:
 def load_adapter(request: LoRARequest, weights: AdapterWeights, model: ModelConfig, *, serial: int,
                  pack: Callable[[torch.Tensor], torch.Tensor],
                  matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> Adapter:
-    """The checked weights fused and packed for a batch-invariant float kernel (`pack`, `matmul`)."""
-    layers = [_fuse(modules, model, weights.scaling, pack, dtype, device) for modules in weights.layers]
-    return Adapter(request.lora_name, request.lora_int_id, request.lora_path, weights.rank,
-                   f"{request.lora_name}\0{serial}", matmul, layers)
+                 device: torch.device, native: bool = False) -> Adapter:
+    """The checked weights fused by target: as tables for the C code (`native`, float32 on the
+    CPU: nanoserve.native.lora), else packed for a batch-invariant float kernel (`pack`, `matmul`)."""
+    targets = [_fuse(modules, model, weights.scaling) for modules in weights.layers]
+    adapter = Adapter(request.lora_name, request.lora_int_id, request.lora_path, weights.rank,
+                      f"{request.lora_name}\0{serial}", matmul)
+    if native:
+        adapter.native = NativeAdapter(targets)
+    else:
+        widths = {target: _output_columns(model)[name][0] for name, target in TARGETS.items()}
+        adapter.layers = [{target: _packed(update, widths[target], pack, dtype, device)
+                           for target, update in layer.items()} for layer in targets]
+    return adapter
 
 
-def _fuse(modules: dict[str, tuple[torch.Tensor, torch.Tensor]], model: ModelConfig, scaling: float,
-          pack: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
-          device: torch.device) -> dict[str, FusedUpdate]:
-    """One layer's modules grouped by fused target: A stacked along the rank, B placed at its
-    module's output columns (zeros elsewhere), so one pair of matmuls serves q, k and v."""
+def _fuse(modules: dict[str, tuple[torch.Tensor, torch.Tensor]], model: ModelConfig,
+          scaling: float) -> dict[str, TargetUpdate]:
+    """One layer's modules grouped by fused target: A stacked along the rank, each module's B
+    (scaled) a piece at its module's output columns, reading its module's ranks; so one pair
+    of matmuls serves q, k and v."""
     columns = _output_columns(model)
-    fused: dict[str, FusedUpdate] = {}
+    fused: dict[str, TargetUpdate] = {}
     for target in dict.fromkeys(TARGETS.values()):
         names = [name for name in modules if TARGETS[name] == target]
         if not names:
             continue
-        a = torch.cat([modules[name][0] for name in names])
-        width = columns[names[0]][0]
-        b = torch.zeros(width, a.shape[0])
-        start = 0
+        pieces, start = [], 0
         for name in names:
-            _, first, size = columns[name]
-            rank = modules[name][1].shape[1]
-            b[first:first + size, start:start + rank] = modules[name][1] * scaling
-            start += rank
-        fused[target] = FusedUpdate(pack(a.to(device, dtype).contiguous()),
-                                    pack(b.to(device, dtype).contiguous()))
+            b = modules[name][1] * scaling
+            pieces.append(Piece(columns[name][1], start, b))
+            start += b.shape[1]
+        fused[target] = TargetUpdate(torch.cat([modules[name][0] for name in names]), tuple(pieces))
     return fused
+
+
+def _packed(update: TargetUpdate, width: int, pack: Callable[[torch.Tensor], torch.Tensor],
+            dtype: torch.dtype, device: torch.device) -> FusedUpdate:
+    """The target's B whole [width, rank] (zeros where a module's columns meet another's ranks),
+    A and B packed for the torch path's kernel."""
+    b = torch.zeros(width, update.a.shape[0])
+    for piece in update.pieces:
+        size, rank = piece.b.shape
+        b[piece.column:piece.column + size, piece.rank_start:piece.rank_start + rank] = piece.b
+    return FusedUpdate(pack(update.a.to(device, dtype).contiguous()), pack(b.to(device, dtype).contiguous()))
 
 
 @dataclass(slots=True)
@@ -225,8 +243,20 @@ class AdapterRows:
     ranges: tuple[tuple[int, int], ...]
 
 
+def native_step(groups: list[AdapterRows], rows: int) -> NativeLoRAStep | None:
+    """The step's adapters for the C code (every update of a step in one call per target, or
+    inside the one-call decoder), or None: no LoRA rows, or adapters loaded for the torch path."""
+    if not groups or groups[0].adapter.native is None:
+        return None
+    if any(group.adapter.native is None for group in groups):
+        raise ValueError("a step's adapters are all loaded for the C code or none is")
+    return NativeLoRAStep.for_rows([group.adapter.native for group in groups],
+                                   [group.ranges for group in groups], rows)
+
+
 def apply(out: torch.Tensor, x: torch.Tensor, groups: list[AdapterRows], layer: int, target: str) -> None:
-    """out[rows] += each adapter's update of its own rows, in place (rows without one: nothing)."""
+    """out[rows] += each adapter's update of its own rows, in place (rows without one: nothing):
+    the torch path, the reference the C code is held against."""
     for group in groups:
         update, matmul = group.adapter.layers[layer].get(target), group.adapter.matmul
         if update is None:

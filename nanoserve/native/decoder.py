@@ -2,9 +2,9 @@
 
 Owns: the C structs that describe the model (built once: norms, the repacked matrices of
 each layer, the RoPE table) and one step (rows, positions, slots, block tables, the buffers
-the stages write), the checks a raw pointer cannot make, and `NativeDecoder.run`, which
-takes the same step data the per-op path takes and leaves the same bits: the stages are the
-exported kernels' own code.
+the stages write, the LoRA rows' adapters: nanoserve.native.lora), the checks a raw pointer
+cannot make, and `NativeDecoder.run`, which takes the same step data the per-op path takes and
+leaves the same bits: the stages are the exported kernels' own code.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
 None): a matrix neither in a repacked layout (nanoserve.native.repack: the x8 layouts, the K
 layouts, or a stack of parts in those, as a Q4_K_M file mixes them) nor float32 in
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve import native
+from nanoserve.native.lora import NativeLoRAStep
 from nanoserve.native.ops import PagedContext
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -39,7 +40,8 @@ class _Stack(ctypes.Structure):  # stages.h's ns_stacked_blocks
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("table_width", _I64), ("positions", _P), ("slot_mapping", _P),
                 ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
-                ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P)]
+                ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P),
+                ("lora", _P)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +172,13 @@ class NativeDecoder:
         self._cache = (kv_cache, arrays)
 
     def run(self, hidden: torch.Tensor, slot_mapping: torch.Tensor, paged: PagedContext, kv_cache,
-            normed: torch.Tensor, attended: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
+            normed: torch.Tensor, attended: torch.Tensor, activated: torch.Tensor,
+            lora: NativeLoRAStep | None = None) -> torch.Tensor:
         """Every layer over the step's rows: `hidden` updated in place; returns the last
         layer's MLP output, not yet added (as the per-op loop returns it). `normed`,
         `attended`, `activated`: the step's buffers [rows, hidden / heads * head_dim /
-        intermediate]; `paged` and `slot_mapping` checked by the model (model.paged_context)."""
+        intermediate]; `paged` and `slot_mapping` checked by the model (model.paged_context);
+        `lora`: the step's LoRA rows, each projection's adapter updates added after it."""
         s, rows = self.shape, hidden.shape[0]
         for name, t, width in (("hidden", hidden, s.hidden), ("normed", normed, s.hidden),
                                ("attended", attended, s.heads * s.head_dim),
@@ -183,6 +187,10 @@ class NativeDecoder:
                 raise ValueError(f"{name} must be a contiguous float32 [{rows}, {width}] tensor")
         if paged.rows != rows or slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (rows,):
             raise ValueError(f"the step's context and slots must describe its {rows} rows")
+        if lora is not None:
+            q, qkv = s.heads * s.head_dim, (s.heads + 2 * s.kv_heads) * s.head_dim
+            lora.check(self._model.layers, ((s.hidden, qkv), (q, s.hidden), (s.hidden, 2 * s.intermediate),
+                                            (s.intermediate, s.hidden)), rows)
         self._bind_cache(kv_cache)
         delta = torch.empty_like(hidden)
         qkv = hidden.new_empty(rows, (s.heads + 2 * s.kv_heads) * s.head_dim)
@@ -195,6 +203,8 @@ class NativeDecoder:
         linear_s = ctypes.c_double(0.0)
         if self.linear_s is not None:
             step.linear_seconds = ctypes.addressof(linear_s)
+        if lora is not None:
+            step.lora = ctypes.addressof(lora.struct)
         if rows and self._run(ctypes.addressof(self._model), ctypes.addressof(step), torch.get_num_threads()):
             raise MemoryError("the native decoder could not allocate its scratch")
         if self.linear_s is not None:

@@ -13,7 +13,8 @@
  * The matrices are in repacked block layouts (stage_blocks.c; their inputs quantized once, in the
  * stage that writes them) or float32 in matmul_float.c's panels (format FLOAT_PANELS). The
  * last layer's down projection is left in `delta`, not yet added to `hidden`, as the Python
- * loop leaves it.
+ * loop leaves it. A step with LoRA rows adds their adapters' updates after each projection
+ * (lora.c's two stages, the same code the loop's call runs).
  */
 #include <stdlib.h>
 #include <time.h>
@@ -48,6 +49,7 @@ typedef struct {
     const int64_t *positions, *slot_mapping, *block_tables, *row_seq;
     float *hidden, *delta, *normed, *qkv, *attended, *gate_up, *activated;
     double *linear_seconds; /* NULL, or where thread 0 adds the projections' wall time (profile) */
+    const ns_lora_step *lora; /* NULL, or the LoRA rows' adapters (lora.c), added after each projection */
 } DecoderStep;
 
 typedef struct {
@@ -138,13 +140,22 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* A projection and the barrier that ends it, timed on thread 0 when the profile asks. */
+/* A projection and the barrier that ends it, timed on thread 0 when the profile asks; with
+ * LoRA rows, their adapters' updates of it (the shrink beside the projection, the expand into
+ * its output past the barrier), timed with it. */
 static void timed_project(const DecoderJob *job, int64_t layer, int which, const float *input, float *y,
                           int64_t n, int64_t k, int thread, int threads) {
-    double start = job->s->linear_seconds != NULL && thread == 0 ? now_s() : 0.0;
+    const DecoderStep *s = job->s;
+    double start = s->linear_seconds != NULL && thread == 0 ? now_s() : 0.0;
+    const int lora = s->lora != NULL && ns_lora_touches(s->lora, layer * MATRICES + which, s->rows);
     project(job, layer, which, input, y, n, k, thread, threads);
+    if (lora) ns_stage_lora_shrink(s->lora, layer * MATRICES + which, input, s->rows, k, thread, threads);
     ns_barrier(threads);
-    if (start != 0.0) *job->s->linear_seconds += now_s() - start;
+    if (lora) {
+        ns_stage_lora_expand(s->lora, layer * MATRICES + which, y, s->rows, n, thread, threads);
+        ns_barrier(threads);
+    }
+    if (start != 0.0) *s->linear_seconds += now_s() - start;
 }
 
 static void decoder_task(void *context, int thread, int threads) {

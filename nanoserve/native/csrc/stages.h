@@ -63,4 +63,35 @@ void ns_stage_blocks(int fmt, const xblock *xq, const void *w, float *y, int64_t
 void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
                     int threads);
 
+/* lora.c: LoRA's low-rank updates of a step's rows, every adapter at once (lora.c and
+ * nanoserve/native/lora.py describe the layout). One adapter's update of one target matrix:
+ * A stacked over its modules [rank, k], and per module a piece of B, transposed and scaled. */
+#define NS_LORA_PIECES 3 /* modules per target at most: q, k and v share qkv */
+typedef struct {
+    int64_t column, width;    /* the output columns the piece writes */
+    int64_t rank_start, rank; /* the ranks of A it reads */
+    const float *bt;          /* [rank, width] */
+} ns_lora_piece;
+typedef struct {
+    const float *a; /* [rank, k]; NULL: the adapter leaves this target alone */
+    int64_t rank, pieces;
+    ns_lora_piece piece[NS_LORA_PIECES];
+} ns_lora_update;
+/* One step's rows: each row's adapter slot (-1: none), each slot's tables [layer * 4 + target],
+ * and the scratch the shrink writes, [rows, max_rank]. */
+typedef struct {
+    const ns_lora_update *const *updates;
+    const int32_t *row_slot;
+    float *shrunk;
+    int64_t max_rank;
+} ns_lora_step;
+/* Whether any of the `rows` rows has an update at target `at` (the same answer on every thread). */
+int ns_lora_touches(const ns_lora_step *l, int64_t at, int64_t rows);
+/* Thread `thread`'s (row block, rank) units of shrunk = x @ A^T, x [rows, k]; then, past a
+ * barrier, its columns of y [rows, n] += shrunk @ B^T. */
+void ns_stage_lora_shrink(const ns_lora_step *l, int64_t at, const float *x, int64_t rows, int64_t k, int thread,
+                          int threads);
+void ns_stage_lora_expand(const ns_lora_step *l, int64_t at, float *y, int64_t rows, int64_t n, int thread,
+                          int threads);
+
 #endif
