@@ -20,8 +20,8 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def real(default_model_dir):
-    return LLM(str(default_model_dir), dtype="float32", device="cpu", kv_cache_gb=0.25)
+def real(default_llm):
+    return default_llm  # float32, batch-invariant
 
 
 @pytest.fixture(scope="module")

@@ -170,8 +170,8 @@ REAL_PROMPTS = ["Describe a person as JSON.", "Give a city as JSON.",
 
 
 @pytest.mark.real_model
-def test_default_model_answers_validate_greedy_and_sampled(default_model_dir):
-    llm = LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25)
+def test_default_model_answers_validate_greedy_and_sampled(default_llm):
+    llm = default_llm
     prompts, params, cases = [], [], []
     for schema, question in zip(REAL_SCHEMAS, REAL_PROMPTS, strict=True):
         for temperature in (0.0, 0.8):
@@ -185,10 +185,10 @@ def test_default_model_answers_validate_greedy_and_sampled(default_model_dir):
 
 
 @pytest.mark.real_model
-def test_default_model_answers_to_fifty_generated_schemas_validate_greedy_and_sampled(default_model_dir):
+def test_default_model_answers_to_fifty_generated_schemas_validate_greedy_and_sampled(default_llm):
     """The issue's goal on the model itself: 50 generated schemas (nesting, enums, arrays,
     required fields, numbers) x greedy and sampled, each answer parsed and validated."""
-    llm = LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25, max_num_seqs=32)
+    llm = default_llm  # 32 sequences at once
     cases = [(schema, temperature) for schema in schemas(50, seed=7) for temperature in (0.0, 0.8)]
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Answer with a JSON object."}])
     params = [constrained(StructuredOutputs(json=schema), temperature=t, seed=i, max_tokens=400)
