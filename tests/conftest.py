@@ -87,3 +87,15 @@ def default_model_dir() -> Path:
     except metadata.PackageNotFoundError:
         pytest.skip(f"the default model is not installed: {INSTALL_COMMAND}")
     return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_model_dir):
+    """The default model in float32 with the default engine (batch-invariant, prefix caching, 32
+    sequences), loaded once for every module that only runs requests through it. A test that
+    needs other engine settings builds its own."""
+    from nanoserve.llm import LLM
+
+    llm = LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25)
+    assert llm.engine.dtype == torch.float32 and llm.engine.config.batch_invariant
+    return llm

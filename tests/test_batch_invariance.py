@@ -57,8 +57,8 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def real(default_model_dir):
-    return LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25)
+def real(default_llm):
+    return default_llm
 
 
 def test_the_default_engine_is_batch_invariant_with_a_kernel_that_passed_the_self_test(tiny):

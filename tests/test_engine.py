@@ -20,15 +20,8 @@ def tiny(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def real(default_model_dir):
-    return LLM(str(default_model_dir), dtype="float32", device="cpu", kv_cache_gb=0.25)
-
-
-@pytest.fixture(scope="module")
-def real_invariant(default_model_dir):
-    """Batch-invariant kernels: what makes 'a crowd equals solo runs' exact, not most of the time."""
-    return LLM(str(default_model_dir), dtype="float32", device="cpu", batch_invariant=True,
-               kv_cache_gb=0.25)
+def real(default_llm):
+    return default_llm  # float32, batch-invariant
 
 
 def solo(llm, prompt, params):
@@ -182,28 +175,9 @@ def test_different_seeds_at_high_temperature_give_different_text(real):
     assert len(texts) > 1
 
 
-@pytest.mark.real_model
-def test_greedy_and_seeded_outputs_in_a_staggered_crowd_of_16_equal_their_solo_runs(real_invariant):
-    real = real_invariant
-    engine = real.engine
-    prompts = [" ".join(["word"] * (1 + 3 * i)) + f" story {i}:" for i in range(16)]
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
-              SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
-              for i in range(16)]
-    alone = [solo(real, p, sp).token_ids for p, sp in zip(prompts, params, strict=True)]
-    ids, outputs = {}, {}
-    for i in range(16):  # a new arrival every step, while earlier ones decode
-        ids[engine.add_request(prompts[i], params[i])] = i
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.token_ids)
-    crowd = [None] * 16
-    for request_id, i in ids.items():
-        crowd[i] = outputs[request_id]
-    assert crowd == alone
-    assert engine.pool.is_completely_free
+# A real crowd of 16 staggered arrivals equals its solo runs: test_batch_invariance's
+# test_real_crowd_of_16_gives_every_request_its_solo_tokens_and_logprobs (the same prompts and
+# sampling, tokens and logprobs both).
 
 
 def test_preemption_by_recompute_changes_no_token(tiny_model_dir):

@@ -161,8 +161,8 @@ def tiny_prompt(i: int) -> list[int]:
 
 
 @pytest.mark.real_model
-def test_on_the_default_model_prompt_logprobs_equal_the_generated_logprobs(default_model_dir):
-    llm = LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25)
+def test_on_the_default_model_prompt_logprobs_equal_the_generated_logprobs(default_llm):
+    llm = default_llm
     run = llm.generate(["The three primary colours are"],
                        SamplingParams(max_tokens=8, temperature=0.0, logprobs=TOP))[0]
     entries = score(llm, run.prompt_token_ids + run.token_ids).prompt_logprobs

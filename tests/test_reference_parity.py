@@ -13,8 +13,8 @@ pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_dir):
-    return LLM(str(default_model_dir), dtype="float32", device="cpu", kv_cache_gb=0.25)
+def llm(default_llm):
+    return default_llm  # float32
 
 
 def test_last_position_logits_match_the_reference_within_1e_3(llm, reference):
