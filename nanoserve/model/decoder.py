@@ -141,16 +141,18 @@ class Llama:
 
     def _native_decoder(self) -> NativeDecoder | None:
         """Every layer of a step in one native call, where it computes exactly what the loop of
-        separate native calls computes: the plain Llama stack, one rank, native matrices."""
+        separate native calls computes: the Llama stack (its sparse layers each with their
+        experts' native call), one rank, native matrices."""
         cfg, layers = self.config, self.weights.layers
-        if self.ops is None or not self.native_attention or not cfg.is_plain_llama or self.tp is not None:
+        if self.ops is None or not self.native_attention or not cfg.is_llama_stack or self.tp is not None:
             return None
         shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         cos, signed_sin = self.rope_tables[0]
         return NativeDecoder.for_layers(shape, [(w.input_norm, w.post_norm) for w in layers],
-                                        [w.matrices() for w in layers], cos, signed_sin,
-                                        float_panels=self.linear_kernel.name == "native")
+                                        [[w.qkv, w.o, w.gate_up, w.down] for w in layers], cos, signed_sin,
+                                        float_panels=self.linear_kernel.name == "native",
+                                        experts=self.native_experts)
 
     @property
     def native_attention(self) -> bool:
@@ -190,8 +192,13 @@ class Llama:
             hidden *= self.embed_scale
         # The one-call decoder runs the base model alone: a step with LoRA rows takes the loop.
         if self.decoder is not None and self.ops is not None and not batch.adapter_rows:
+            tally = self.moe.tally if self.moe is not None else None
+            if tally is not None:
+                tally.calls += self.decoder.sparse_layers
             delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
-                                     step.attended, step.activated)
+                                     step.attended, step.activated,
+                                     expert_rows=None if tally is None else tally.rows,
+                                     expert_seconds=None if tally is None else tally.seconds)
         else:
             delta = self._layers(hidden, step, kv_cache)
         if delta is not None:

@@ -73,6 +73,12 @@ class NativeExperts:
                              ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
                              ctypes.addressof(self._formats))
 
+    @property
+    def layer_address(self) -> int:
+        """The address of this layer's C struct (csrc/stages.h's ns_moe_layer), for the one-call
+        decoder, which runs it as a stage; valid while this object lives."""
+        return ctypes.addressof(self._model)
+
     @classmethod
     def router_only(cls, router: object, top_k: int, *, renormalize: bool,
                     float_panels: bool) -> NativeExperts | None:
