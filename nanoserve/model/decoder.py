@@ -24,11 +24,11 @@ two ways, chosen once per model:
   the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
   paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
   modes (each row alone over exactly the slots it sees, in context-chunk order), and every
-  row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
-  plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
-  kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
-  the separate calls' bits; a sparse layer with such matrices runs its routed experts as one
-  native call (`nanoserve.native.moe`).
+  row, prefill or decode, goes through it, so the two agree bit for bit. A sparse layer with
+  native matrices (the `native-quant-x8` or the float32 `native` kernel) runs its routed
+  experts as one native call (`nanoserve.native.moe`). Where the stack is plain Llama on one
+  rank with such matrices, its MLPs dense or such experts (Mixtral), all its layers run as one
+  native call a step (`nanoserve.native.decoder`), with the separate calls' bits.
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.

@@ -8,7 +8,11 @@
  *     the router's logits (when the call routes) | each row's softmax and top_k, and the
  *     grouping by expert (thread 0: a counting sort over rows * top_k pairs, stable, so each
  *     expert's rows stay ascending) | gather the pairs' rows (and quantize) | every expert's
- *     gate_up over its rows | SiLU*up (and quantize) | every expert's down | each row's sum
+ *     gate_up over its rows | SiLU*up (and quantize) | every expert's down, then each row's sum
+ * A barrier costs most where there is least work (one row, on a busy machine a descheduled
+ * thread's time slice), so the small parts run on thread 0 without one between them (a router of
+ * one panel of 16 experts, the routing, the grouping, a gather of few rows), and each thread sums
+ * the output columns it computed in every expert's down, with no barrier between the two.
  * A matmul stage runs the experts one after another, each split by output columns across the
  * threads (stages.h: the exported kernels' own code), so an expert's rows get the bits the
  * separate call over the same rows gets, which is a row's bits alone (the kernels are batch-
@@ -45,8 +49,13 @@ typedef struct {
     int quantized_gate_up, quantized_down;
 } MoEJob;
 
+/* Whether a row-wise stage of `work` elements runs on thread 0 alone (stage_rows). */
+static int on_thread_0(int64_t work) {
+    return work < MOE_STAGE_MIN_WORK;
+}
+
 static void stage_rows(int64_t rows, int64_t work, int thread, int threads, int64_t *begin, int64_t *end) {
-    if (work < MOE_STAGE_MIN_WORK) {
+    if (on_thread_0(work)) {
         *begin = 0;
         *end = thread == 0 ? rows : 0;
         return;
@@ -84,6 +93,7 @@ static void experts_project(const MoEJob *job, int which, const float *input, fl
     }
 }
 
+/* Row-wise, split as stage_rows splits pairs * hidden (ns_stage_moe's barrier before it knows). */
 static void gather(const MoEJob *job, int thread, int threads) {
     const int64_t hidden = job->m->hidden;
     int64_t begin, end;
@@ -117,15 +127,13 @@ static void add_weighted(float *out, float weight, const float *y, int64_t n) {
     }
 }
 
-static void combine(const MoEJob *job, int thread, int threads) {
-    const ns_moe_layer *m = job->m;
+/* Columns [begin, end) of rows [first, last) of the sums, each element's experts ascending. */
+static void combine_block(const MoEJob *job, int64_t first, int64_t last, int64_t begin, int64_t end) {
     const ns_moe_step *s = job->s;
-    const int64_t k = m->top_k, hidden = m->hidden;
-    int64_t begin, end;
-    stage_rows(s->rows, s->rows * k * hidden, thread, threads, &begin, &end);
-    for (int64_t r = begin; r < end; r++) {
-        float *out = s->out + r * hidden;
-        memset(out, 0, sizeof(float) * (size_t)hidden);
+    const int64_t k = job->m->top_k, hidden = job->m->hidden;
+    for (int64_t r = first; r < last; r++) {
+        float *out = s->out + r * hidden + begin;
+        memset(out, 0, sizeof(float) * (size_t)(end - begin));
         int64_t done = -1; /* the last expert added: each pass adds the next larger one */
         for (int64_t added = 0; added < k; added++) {
             int64_t next = -1;
@@ -134,9 +142,39 @@ static void combine(const MoEJob *job, int thread, int threads) {
                 if (e > done && (next < 0 || e < s->choices[r * k + next])) next = j;
             }
             done = s->choices[r * k + next];
-            add_weighted(out, s->weights[r * k + next], job->expert_out + job->slot[r * k + next] * hidden, hidden);
+            add_weighted(out, s->weights[r * k + next], job->expert_out + job->slot[r * k + next] * hidden + begin,
+                         end - begin);
         }
     }
+}
+
+/* The output columns thread `thread` wrote in every expert's down (stages.h: the x8 stage's
+ * share of groups of 8, the float stage's of panels of 16), or 0 when the experts' downs are
+ * of both kinds, so no one thread owns a column in all of them. */
+static int down_columns(const MoEJob *job, int thread, int threads, int64_t *begin, int64_t *end) {
+    const ns_moe_layer *m = job->m;
+    int floats = 0;
+    for (int64_t e = 0; e < m->experts; e++) floats += m->formats[2 * e + 1] == FLOAT_PANELS;
+    if (floats != 0 && floats != m->experts) return 0;
+    const int64_t unit = floats ? 16 : 8;
+    ns_share((m->hidden + unit - 1) / unit, thread, threads, begin, end);
+    *begin *= unit;
+    *end = *end * unit < m->hidden ? *end * unit : m->hidden;
+    return 1;
+}
+
+/* Each row's sum, right after the downs: each thread sums the columns it wrote itself, with no
+ * barrier between (where the downs' formats allow; else past one, split by rows). */
+static void combine(const MoEJob *job, int thread, int threads) {
+    const ns_moe_step *s = job->s;
+    int64_t begin, end;
+    if (down_columns(job, thread, threads, &begin, &end)) {
+        if (begin < end) combine_block(job, 0, s->rows, begin, end);
+        return;
+    }
+    ns_barrier(threads);
+    stage_rows(s->rows, s->rows * job->m->top_k * job->m->hidden, thread, threads, &begin, &end);
+    combine_block(job, begin, end, 0, job->m->hidden);
 }
 
 /* Groups the step's (row, expert) pairs by expert: starts, each pair's row, each choice's place
@@ -186,20 +224,25 @@ static void route_row(float *probs, int64_t experts, int64_t top_k, int renormal
         for (int64_t j = 0; j < top_k; j++) weights[j] /= chosen;
 }
 
-/* The router's logits over the threads, then (thread 0) each row's routing and the grouping. */
+/* The router's logits (over the threads where there is more than one panel of 16 experts and
+ * enough work, else on thread 0 with no barrier: the same columns, the same bits), then
+ * (thread 0) each row's routing and the grouping. No barrier after. */
 static void route_and_group(const MoEJob *job, int64_t *next, int thread, int threads) {
     const ns_moe_layer *m = job->m;
     const ns_moe_step *s = job->s;
     if (s->route) {
-        ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, thread, threads);
-        ns_barrier(threads);
+        if (m->experts <= 16 || on_thread_0(s->rows * m->experts * m->hidden)) {
+            if (thread == 0) ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, 0, 1);
+        } else {
+            ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, thread, threads);
+            ns_barrier(threads);
+        }
         if (thread == 0)
             for (int64_t r = 0; r < s->rows; r++)
                 route_row(job->logits + r * m->experts, m->experts, m->top_k, (int)m->renormalize,
                           s->choices + r * m->top_k, s->weights + r * m->top_k);
     }
     if (thread == 0) group(job, next);
-    ns_barrier(threads);
 }
 
 /* The buffers' sizes for `rows` rows of layer m: index entries, floats, quantized blocks. */
@@ -258,6 +301,7 @@ void ns_stage_moe(const ns_moe_layer *m, const ns_moe_step *s, const ns_moe_scra
     const MoEJob job = job_in(m, s, scratch);
     route_and_group(&job, job.next, thread, threads);
     if (s->out == NULL) return;
+    if (!on_thread_0(job.pairs * m->hidden)) ns_barrier(threads); /* else thread 0 grouped, and gathers */
     gather(&job, thread, threads);
     ns_barrier(threads);
     experts_project(&job, 0, job.gathered, job.gate_up, 2 * m->width, m->hidden, thread, threads);
@@ -265,7 +309,6 @@ void ns_stage_moe(const ns_moe_layer *m, const ns_moe_step *s, const ns_moe_scra
     activate(&job, thread, threads);
     ns_barrier(threads);
     experts_project(&job, 1, job.activated, job.expert_out, m->hidden, m->width, thread, threads);
-    ns_barrier(threads);
     combine(&job, thread, threads);
 }
 
