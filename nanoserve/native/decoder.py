@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve import native
+from nanoserve.native.matmul import FLOAT_PANELS
 from nanoserve.native.ops import PagedContext
 
 if TYPE_CHECKING:
@@ -54,9 +55,6 @@ class DecoderShape:
     intermediate: int
     eps: float
     scale: float
-
-
-FLOAT_PANELS = 0  # csrc/decoder.c: a float32 matrix in nanoserve.native.matmul's panels
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:

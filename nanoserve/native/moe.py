@@ -22,7 +22,7 @@ import torch
 
 from nanoserve import native
 from nanoserve.native import matmul as native_matmul
-from nanoserve.native.decoder import FLOAT_PANELS
+from nanoserve.native.matmul import FLOAT_PANELS
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
