@@ -595,3 +595,13 @@ def test_a_fused_sparse_step_is_a_few_native_calls_and_tallies_every_routed_row(
     assert tally.calls == layers
     assert int(tally.rows.sum()) == len(PROMPTS[1]) * 2 * layers
     assert torch.equal(tally.seconds > 0, tally.rows > 0)
+
+
+def test_bench_moe_refuses_an_unknown_linear_kernel_naming_the_option():
+    from typer.testing import CliRunner
+
+    from nanoserve_cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "moe", "--linear-kernel", "blas9000"])
+    assert result.exit_code == 2, result.output
+    assert "--linear-kernel" in result.output and "Traceback" not in result.output
