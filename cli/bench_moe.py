@@ -41,6 +41,7 @@ def bench_moe(
     quantize: Annotated[str | None, typer.Option(
         help="q8_0 or q4_0: both models' matrices in GGUF blocks at load (the router stays float).")] = None,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads (default: torch's).")] = None,
+    linear_kernel: options.LinearKernel = None,
     models_dir: Annotated[Path | None, typer.Option(
         help="Where the two checkpoints are written (default: the nanoserve cache).")] = None,
     out: Annotated[Path, typer.Option(help="CSV to write.")] = DEFAULT_OUT,
@@ -58,6 +59,7 @@ def bench_moe(
 
     if quantize is not None and quantize not in QUANTIZERS:
         options.fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {quantize!r}")
+    options.check_linear_kernel(linear_kernel)
     if experts < top_k:
         options.fail(f"--top-k {top_k} is more than the {experts} --experts")
     shape = MoEShape(experts, top_k)
@@ -67,7 +69,7 @@ def bench_moe(
         options.fail(f"--top-k: {error}")
     console = Console(stderr=True)
     spec = ComparisonSpec(slots=slots, turns=turns, input_len=input_len, output_len=output_len,
-                          quantize=quantize, threads=threads, shape=shape)
+                          quantize=quantize, threads=threads, linear_kernel=linear_kernel, shape=shape)
     try:
         with console.status("writing the checkpoints (once)"):
             tokenizer_dir = resolve_model(None, float_weights=False).dir

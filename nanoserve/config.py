@@ -545,9 +545,15 @@ class ModelConfig:
     def is_plain_llama(self) -> bool:
         """Every switch off: the layers are the Llama stack and nothing else (Phi-3 without a
         window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
+        return self.is_llama_stack and not self.experts
+
+    @property
+    def is_llama_stack(self) -> bool:
+        """Every switch off but the MLP's kind: the Llama stack, its MLPs dense or routed
+        experts (Mixtral; a shared expert is a family's switch too, Qwen2-MoE's)."""
         return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
                      or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope
-                     or self.experts)
+                     or (self.experts and self.experts.shared_intermediate_size))
                 and self.hidden_act == "silu" and self.attention_scale in (None, self.head_dim ** -0.5))
 
     def window(self, layer: int) -> int:

@@ -340,13 +340,14 @@ def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel
                                                                           width):
     """60 experts, top-4: most experts see no row, the others from 1 to many; given route()'s
     routing the one call equals the loop through the same kernels bit for bit, and routing
-    itself, every row has the bits of its own call alone."""
+    itself, every row has the bits of its own call alone (70 rows: the router and the gather
+    split across the threads; a row alone: both on one thread)."""
     block, packed, experts = native_layer(kernel, block_format, hidden, width)
-    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(70, hidden, generator=torch.Generator().manual_seed(5))
     routing = route(block.linear(x, packed.router), block.spec)
     assert torch.equal(experts(x, routing.experts, routing.weights), block(x, packed))
     routed = block(x, packed, experts)  # routed in the call too
-    for row in (0, 17, 39):
+    for row in (0, 17, 69):
         assert torch.equal(block(x[row:row + 1], packed, experts)[0], routed[row])
 
 
@@ -510,3 +511,97 @@ def test_the_profile_histogram_routes_every_decode_row_to_top_k_experts_in_every
         assert ((rows["expert_ms_per_step"] > 0) == (rows["rows_per_step"] > 0)).all()
     dense = ProfileSpec(batch_sizes=(1,), model=str(tiny_model_dir), device="cpu")
     assert expert_profile(build_engine(dense), dense) is None
+
+
+# The one-call decoder (csrc/decoder.c) over a Llama stack whose MLPs are experts: widths in whole
+# blocks of 32, as it asks; three layers, so a sparse layer's sums feed the next layer's norm.
+FUSED_CASE = Case("mixtral-8-experts-top2-whole-blocks", "MixtralConfig",
+                  {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+                   "num_hidden_layers": 3})
+FUSED_FORMS = [pytest.param("float32", KERNELS["native"], id="float32-panels"),
+               pytest.param("q8_0", QUANTIZED_KERNELS["native-quant-x8"], id="q8_0-repacked"),
+               pytest.param("q4_0", QUANTIZED_KERNELS["native-quant-x8"], id="q4_0-repacked")]
+
+
+@pytest.fixture(scope="module")
+def fused_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp(FUSED_CASE.name)
+    families.write_checkpoint(FUSED_CASE, path)
+    return path
+
+
+def fused_model(path, format_name, kernel, *, fused: bool):
+    from nanoserve.loading.weights import load_weights
+    from nanoserve.model.decoder import Llama
+
+    config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
+    if format_name != "float32":
+        weights = weights.quantized(format_name)
+    model = Llama(config, weights, batch_invariant=True, linear_kernel=kernel)
+    assert model.decoder is not None and model.decoder.sparse_layers == config.num_layers
+    if not fused:
+        model.decoder = None
+    return model
+
+
+def fused_steps(model) -> tuple[list[dict[str, torch.Tensor]], families.Cache]:
+    """A prefill, a decode beside a chunk, the chunk's end, then three decode steps of two."""
+    from families import Cache, step
+
+    cache, outputs = Cache(model.config), []
+    a, b = PROMPTS[0], PROMPTS[2]
+    outputs.append(step(model, cache, [("a", a, 0)]))
+    outputs.append(step(model, cache, [("a", [5], len(a)), ("b", b[:11], 0)]))
+    outputs.append(step(model, cache, [("b", b[11:], 11)]))
+    for i in range(3):
+        outputs.append(step(model, cache, [("a", [9 + i], len(a) + 1 + i), ("b", [3 + i], len(b) + i)]))
+    return outputs, cache
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize(("format_name", "kernel"), FUSED_FORMS)
+def test_the_one_call_decoder_runs_sparse_layers_to_the_bits_of_the_per_layer_calls(fused_checkpoint,
+                                                                                      format_name, kernel):
+    """Logits and the K/V written, fused == one native call per sparse layer, bit for bit; and
+    in the fused decoder a request's logits alone == in a crowd."""
+    fused = fused_model(fused_checkpoint, format_name, kernel, fused=True)
+    fused_out, fused_cache = fused_steps(fused)
+    separate = fused_model(fused_checkpoint, format_name, kernel, fused=False)
+    separate_out, separate_cache = fused_steps(separate)
+    for one, other in zip(fused_out, separate_out, strict=True):
+        assert one.keys() == other.keys()
+        assert all(torch.equal(one[seq], other[seq]) for seq in one)
+    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
+                          strict=True):
+        assert torch.equal(one, other)
+    for alone, crowded in zip(*(crowd_logits(fused, PROMPTS, crowd) for crowd in (False, True)), strict=True):
+        assert torch.equal(alone, crowded)
+
+
+@NEEDS_NATIVE
+def test_a_fused_sparse_step_is_a_few_native_calls_and_tallies_every_routed_row(fused_checkpoint):
+    """The whole stack one call (the per-layer experts' calls made to raise); the profile's
+    tally counts each row top_k times a sparse layer, and times only the experts hit."""
+    from families import Cache, step
+
+    model = fused_model(fused_checkpoint, "q4_0", QUANTIZED_KERNELS["native-quant-x8"], fused=True)
+    for experts in model.native_experts:
+        experts._run = None  # any per-layer call would raise a TypeError
+    model.moe.tally = tally = ExpertTally.zeros(8)
+    before = native_library.calls()
+    step(model, Cache(model.config), [("a", PROMPTS[1], 0)])
+    assert native_library.calls() - before <= 4  # the embedding, the decoder, the final norm, the head
+    layers = model.config.num_layers
+    assert tally.calls == layers
+    assert int(tally.rows.sum()) == len(PROMPTS[1]) * 2 * layers
+    assert torch.equal(tally.seconds > 0, tally.rows > 0)
+
+
+def test_bench_moe_refuses_an_unknown_linear_kernel_naming_the_option():
+    from typer.testing import CliRunner
+
+    from nanoserve_cli.main import app
+
+    result = CliRunner().invoke(app, ["bench", "moe", "--linear-kernel", "blas9000"])
+    assert result.exit_code == 2, result.output
+    assert "--linear-kernel" in result.output and "Traceback" not in result.output

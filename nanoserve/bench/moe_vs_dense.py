@@ -127,6 +127,9 @@ class ComparisonSpec:
     dtype: str = "float32"
     quantize: str | None = None  # q8_0 or q4_0: both models' matrices in blocks, as --quantize
     threads: int | None = None
+    # One kernel for both sides (None: each engine's start-up measurement picks its own, which
+    # under load can pick one the one-call decoder does not run; the CSV names both).
+    linear_kernel: str | None = None
     shape: MoEShape = MoEShape()
 
 
@@ -135,7 +138,7 @@ def _engine(path: Path, spec: ComparisonSpec) -> EngineRunner:
     return EngineRunner(EngineConfig(
         model=str(path), dtype=spec.dtype, device="cpu", max_num_seqs=slots, max_model_len=max_len,
         num_kv_blocks=kv_blocks_for(slots, max_len), max_num_batched_tokens=max(512, spec.input_len * slots),
-        batch_invariant=True, threads=spec.threads, quantize=spec.quantize))
+        batch_invariant=True, threads=spec.threads, quantize=spec.quantize, linear_kernel=spec.linear_kernel))
 
 
 def decode_step_s(run: RunRecord) -> float:
@@ -183,5 +186,8 @@ def compare(dense_dir: Path, moe_dir: Path, spec: ComparisonSpec,
         moe_weight_mb=first.weights_nbytes / 1e6,
         dense_weight_mb=engines["dense"].engine.weights_nbytes / 1e6,
         dense_linear_kernel=engines["dense"].engine.kernel_choice.kernel.name,
+        # every layer of a step in one native call (nanoserve.native.decoder), on each side
+        dense_one_call_decoder=engines["dense"].engine.model.decoder is not None,
+        moe_one_call_decoder=first.model.decoder is not None,
         native_experts=any(e is not None for e in first.model.native_experts),
         **describe_machine("cpu").columns(), **first.kernel_choice.columns())

@@ -24,11 +24,12 @@ two ways, chosen once per model:
   the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
   paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
   modes (each row alone over exactly the slots it sees, in context-chunk order), and every
-  row, prefill or decode, goes through it, so the two agree bit for bit. Where the stack is
-  plain Llama on one rank with native matrices (the `native-quant-x8` or the float32 `native`
-  kernel), all its layers run as one native call a step (`nanoserve.native.decoder`), with
-  the separate calls' bits, LoRA rows' updates included (`nanoserve.native.lora`); a sparse
-  layer with such matrices runs its routed experts as one native call (`nanoserve.native.moe`).
+  row, prefill or decode, goes through it, so the two agree bit for bit. A sparse layer with
+  native matrices (the `native-quant-x8` or the float32 `native` kernel) runs its routed
+  experts as one native call (`nanoserve.native.moe`). Where the stack is plain Llama on one
+  rank with such matrices, its MLPs dense or such experts (Mixtral), all its layers run as one
+  native call a step (`nanoserve.native.decoder`), with the separate calls' bits, LoRA rows'
+  updates included (`nanoserve.native.lora`).
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.
@@ -147,16 +148,18 @@ class Llama:
 
     def _native_decoder(self) -> NativeDecoder | None:
         """Every layer of a step in one native call, where it computes exactly what the loop of
-        separate native calls computes: the plain Llama stack, one rank, native matrices."""
+        separate native calls computes: the Llama stack (its sparse layers each with their
+        experts' native call), one rank, native matrices."""
         cfg, layers = self.config, self.weights.layers
-        if self.ops is None or not self.native_attention or not cfg.is_plain_llama or self.tp is not None:
+        if self.ops is None or not self.native_attention or not cfg.is_llama_stack or self.tp is not None:
             return None
         shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         cos, signed_sin = self.rope_tables[0]
         return NativeDecoder.for_layers(shape, [(w.input_norm, w.post_norm) for w in layers],
-                                        [w.matrices() for w in layers], cos, signed_sin,
-                                        float_panels=self.linear_kernel.name == "native")
+                                        [[w.qkv, w.o, w.gate_up, w.down] for w in layers], cos, signed_sin,
+                                        float_panels=self.linear_kernel.name == "native",
+                                        experts=self.native_experts)
 
     @property
     def native_attention(self) -> bool:
@@ -197,8 +200,13 @@ class Llama:
         # The one-call decoder adds LoRA rows' updates itself, where the adapters run in C.
         runs_lora = step.lora is not None or not batch.adapter_rows
         if self.decoder is not None and self.ops is not None and runs_lora:
+            tally = self.moe.tally if self.moe is not None else None
+            if tally is not None:
+                tally.calls += self.decoder.sparse_layers
             delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
-                                     step.attended, step.activated, step.lora)
+                                     step.attended, step.activated, step.lora,
+                                     expert_rows=None if tally is None else tally.rows,
+                                     expert_seconds=None if tally is None else tally.seconds)
         else:
             delta = self._layers(hidden, step, kv_cache)
         if delta is not None:

@@ -20,7 +20,8 @@ Native: where the layer's experts are native matrices (the float32 `native` kern
 repacked blocks), the router, the top-k, the grouping, the experts and the sum run as one
 native call (`nanoserve.native.moe`: given the same routing, the bits of this loop through
 those kernels; its own routing agrees with `route` to the last bits of the weights); the
-shared expert stays here.
+shared expert stays here. In a Llama stack (Mixtral) the one-call decoder runs that call's
+code as a stage of its step (`nanoserve.native.decoder`), and this block is not called.
 
 Host read: the loop splits the rows by each expert's count, read on the host (`tolist`): on
 the CPU that is no transfer; on CUDA it is one sync per sparse layer (nanoserve has no fused

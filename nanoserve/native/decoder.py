@@ -1,27 +1,34 @@
-"""Every decoder layer of a step in one native call (csrc/decoder.c), for the plain Llama stack.
+"""Every decoder layer of a step in one native call (csrc/decoder.c), for the plain Llama stack,
+its MLPs dense or routed experts (Mixtral).
 
 Owns: the C structs that describe the model (built once: norms, the repacked matrices of
 each layer, the RoPE table) and one step (rows, positions, slots, block tables, the buffers
 the stages write, the LoRA rows' adapters: nanoserve.native.lora), the checks a raw pointer
 cannot make, and `NativeDecoder.run`, which takes the same step data the per-op path takes and
-leaves the same bits: the stages are the exported kernels' own code.
+leaves the same bits: the stages are the exported kernels' own code. A sparse layer runs its
+experts' one call (nanoserve.native.moe) as a stage, to that call's bits.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
 None): a matrix neither in a repacked layout (nanoserve.native.repack: the x8 layouts, the K
 layouts, or a stack of parts in those, as a Q4_K_M file mixes them) nor float32 in
-nanoserve.native.matmul's panels, a width not whole blocks of 32, or the library off. The
-model then keeps its loop of separate calls.
+nanoserve.native.matmul's panels, a width not whole blocks of 32, a sparse layer without its
+experts' native call, or the library off. The model then keeps its loop of separate calls.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve import native
 from nanoserve.native.lora import NativeLoRAStep
+from nanoserve.native.matmul import FLOAT_PANELS
 from nanoserve.native.ops import PagedContext
+
+if TYPE_CHECKING:
+    from nanoserve.native.moe import NativeExperts
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -30,7 +37,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("eps", _F32), ("scale", _F32), ("input_norm", _P), ("post_norm", _P),
                 ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
-                ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P)]
+                ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P),
+                ("moe", _P)]
 
 
 class _Stack(ctypes.Structure):  # stages.h's ns_stacked_blocks
@@ -41,7 +49,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("table_width", _I64), ("positions", _P), ("slot_mapping", _P),
                 ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
                 ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P),
-                ("lora", _P)]
+                ("lora", _P), ("expert_rows", _P), ("expert_seconds", _P)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +63,6 @@ class DecoderShape:
     scale: float
 
 
-FLOAT_PANELS = 0  # csrc/decoder.c: a float32 matrix in nanoserve.native.matmul's panels
 STACKED = -1  # csrc/stages.h's NS_STACKED: parts in different block layouts, side by side
 
 
@@ -80,6 +87,9 @@ class _Matrix:
 
     def __init__(self, matrix: object, fmt: int) -> None:
         self.format, self._kept = fmt, matrix
+        if matrix is None:  # a sparse layer's gate_up or down: its experts' stage runs instead
+            self.address = None
+            return
         if fmt != STACKED:
             self.address = (matrix if isinstance(matrix, torch.Tensor) else matrix.blocks).data_ptr()
             return
@@ -103,8 +113,15 @@ class _Matrix:
             return cls(matrix, FLOAT_PANELS)
         return None
 
+    @classmethod
+    def absent(cls) -> _Matrix:
+        """A sparse layer's gate_up or down, which the decoder never reads."""
+        return cls(None, FLOAT_PANELS)
+
     def tensors(self) -> list[torch.Tensor]:
         """The tensors whose addresses it passes."""
+        if self._kept is None:
+            return []
         if isinstance(self._kept, torch.Tensor):
             return [self._kept]
         return [p.blocks for p in self._kept.parts] if self.format == STACKED else [self._kept.blocks]
@@ -115,20 +132,25 @@ class NativeDecoder:
     whose address it passes, so none is freed under it."""
 
     def __init__(self, lib: ctypes.CDLL, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
-                 matrices: list[_Matrix], cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+                 matrices: list[_Matrix], cos: torch.Tensor, signed_sin: torch.Tensor,
+                 experts: list[NativeExperts | None]) -> None:
         self._run = lib.ns_decoder_layers
         self._run.argtypes, self._run.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
         self.shape = shape
-        self._kept = [norms, matrices, cos, signed_sin]
+        self._kept = [norms, matrices, cos, signed_sin, experts]
         self._input_norms = _pointers([n[0] for n in norms])
         self._post_norms = _pointers([n[1] for n in norms])
         self._matrices = (_P * len(matrices))(*(m.address for m in matrices))
         self._formats = (ctypes.c_int32 * len(matrices))(*(m.format for m in matrices))
+        self._experts = (_P * len(experts))(*(None if e is None else e.layer_address for e in experts))
+        self.sparse_layers = sum(e is not None for e in experts)
+        self.expert_count = max((e.count for e in experts if e is not None), default=0)  # the tally's width
         self._model = _Model(len(norms), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                              shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
                              ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
                              ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
-                             signed_sin.data_ptr(), None, None)
+                             signed_sin.data_ptr(), None, None,
+                             ctypes.addressof(self._experts) if self.sparse_layers else None)
         self._cache: tuple[object, list[ctypes.Array]] | None = None
         # None, or the seconds the projections took so far (with their barriers), for the
         # profile's split of the forward; timing costs two clock reads a projection.
@@ -137,15 +159,22 @@ class NativeDecoder:
     @classmethod
     def for_layers(cls, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
                    matrices: list[list[object]], cos: torch.Tensor, signed_sin: torch.Tensor, *,
-                   float_panels: bool) -> NativeDecoder | None:
+                   float_panels: bool, experts: list[NativeExperts | None] | None = None,
+                   ) -> NativeDecoder | None:
         """The decoder for these layers (each: qkv, o, gate_up, down, as the model's kernel
-        packed them; `float_panels`: dense ones are in nanoserve.native.matmul's panels), or
-        None where it cannot run them exactly as the per-op path does."""
+        packed them, a sparse layer's gate_up and down None; `float_panels`: dense ones are in
+        nanoserve.native.matmul's panels; `experts`: per layer, a sparse layer's native call,
+        else None), or None where it cannot run them exactly as the per-op path does."""
         library = native.library()
         if library is None or not matrices:
             return None
+        experts = experts or [None] * len(matrices)
+        sparse = [layer[2] is None for layer in matrices]
+        if any(s != (e is not None and e.holds_experts) for s, e in zip(sparse, experts, strict=True)):
+            return None
         widths = (shape.hidden, shape.heads * shape.head_dim, shape.intermediate)
-        packed = [_Matrix.of(m, float_panels) for layer in matrices for m in layer]
+        packed = [_Matrix.absent() if m is None else _Matrix.of(m, float_panels)  # a sparse layer's MLP
+                  for layer in matrices for m in layer]
         if any(w % 32 for w in widths) or None in packed:
             return None
         tensors = [t for pair in norms for t in pair] + [cos, signed_sin]
@@ -154,7 +183,7 @@ class NativeDecoder:
             return None
         if any(t.dtype != torch.float32 for t in tensors[: 2 * len(norms) + 2]):
             return None
-        return cls(library.lib, shape, norms, packed, cos, signed_sin)
+        return cls(library.lib, shape, norms, packed, cos, signed_sin, experts)
 
     def _bind_cache(self, kv_cache) -> None:
         """The cache's per-layer addresses, once per cache (the engine keeps one for its life);
@@ -173,12 +202,15 @@ class NativeDecoder:
 
     def run(self, hidden: torch.Tensor, slot_mapping: torch.Tensor, paged: PagedContext, kv_cache,
             normed: torch.Tensor, attended: torch.Tensor, activated: torch.Tensor,
-            lora: NativeLoRAStep | None = None) -> torch.Tensor:
+            lora: NativeLoRAStep | None = None, *, expert_rows: torch.Tensor | None = None,
+            expert_seconds: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the step's rows: `hidden` updated in place; returns the last
         layer's MLP output, not yet added (as the per-op loop returns it). `normed`,
         `attended`, `activated`: the step's buffers [rows, hidden / heads * head_dim /
         intermediate]; `paged` and `slot_mapping` checked by the model (model.paged_context);
-        `lora`: the step's LoRA rows, each projection's adapter updates added after it."""
+        `lora`: the step's LoRA rows, each projection's adapter updates added after it.
+        `expert_rows` (int64) and `expert_seconds` (float64) [experts]: when given, the sparse
+        layers add each expert's routed rows and matmul time to them (the profile's tally)."""
         s, rows = self.shape, hidden.shape[0]
         for name, t, width in (("hidden", hidden, s.hidden), ("normed", normed, s.hidden),
                                ("attended", attended, s.heads * s.head_dim),
@@ -205,6 +237,14 @@ class NativeDecoder:
             step.linear_seconds = ctypes.addressof(linear_s)
         if lora is not None:
             step.lora = ctypes.addressof(lora.struct)
+        for name, tally, dtype in (("expert_rows", expert_rows, torch.int64),
+                                   ("expert_seconds", expert_seconds, torch.float64)):
+            if tally is None:
+                continue
+            width = self.expert_count
+            if tally.dtype != dtype or tuple(tally.shape) != (width,) or not tally.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} [{width}] tensor")
+            setattr(step, name, tally.data_ptr())
         if rows and self._run(ctypes.addressof(self._model), ctypes.addressof(step), torch.get_num_threads()):
             raise MemoryError("the native decoder could not allocate its scratch")
         if self.linear_s is not None:

@@ -23,6 +23,9 @@ from nanoserve import native
 
 DTYPES = (torch.float32, torch.bfloat16)
 PANEL = 16  # csrc/matmul_float.c's PANEL: output columns per packed panel
+# The format number csrc/decoder.c and csrc/moe.c give a float32 matrix in these panels (a
+# repacked block matrix has its GGML type's number).
+FLOAT_PANELS = 0
 
 
 class NativeUnavailableError(RuntimeError):

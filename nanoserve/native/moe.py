@@ -22,7 +22,7 @@ import torch
 
 from nanoserve import native
 from nanoserve.native import matmul as native_matmul
-from nanoserve.native.decoder import FLOAT_PANELS
+from nanoserve.native.matmul import FLOAT_PANELS
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -72,6 +72,12 @@ class NativeExperts:
         self._model = _Model(self.count, top_k, self.hidden, self.width, router.data_ptr(), int(renormalize),
                              ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
                              ctypes.addressof(self._formats))
+
+    @property
+    def layer_address(self) -> int:
+        """The address of this layer's C struct (csrc/stages.h's ns_moe_layer), for the one-call
+        decoder, which runs it as a stage; valid while this object lives."""
+        return ctypes.addressof(self._model)
 
     @classmethod
     def router_only(cls, router: object, top_k: int, *, renormalize: bool,

@@ -14,7 +14,9 @@
  * stage that writes them) or float32 in matmul_float.c's panels (format FLOAT_PANELS). The
  * last layer's down projection is left in `delta`, not yet added to `hidden`, as the Python
  * loop leaves it. A step with LoRA rows adds their adapters' updates after each projection
- * (lora.c's two stages, the same code the loop's call runs).
+ * (lora.c's two stages, the same code the loop's call runs). A sparse layer (a mixture of
+ * experts) runs moe.c's stage in place of gate_up | SiLU*up | down: its router, grouping,
+ * experts and sums, the bits of its own call.
  */
 #include <stdlib.h>
 #include <time.h>
@@ -41,6 +43,7 @@ typedef struct {
     const float *cos, *signed_sin; /* [positions, head_dim] */
     /* NULL: float32 caches; else [layer]: a q8_0 cache's scales [kv_heads, num_blocks * block_size] */
     float *const *k_scales, *const *v_scales;
+    const ns_moe_layer *const *moe; /* NULL: every layer dense; else [layer]: its experts, or NULL */
 } DecoderModel;
 
 /* One step: its rows, where their context lives, and the buffers the stages write. */
@@ -50,12 +53,15 @@ typedef struct {
     float *hidden, *delta, *normed, *qkv, *attended, *gate_up, *activated;
     double *linear_seconds; /* NULL, or where thread 0 adds the projections' wall time (profile) */
     const ns_lora_step *lora; /* NULL, or the LoRA rows' adapters (lora.c), added after each projection */
+    int64_t *expert_rows;   /* NULL, or [experts]: each expert's routed rows are added here (profile) */
+    double *expert_seconds; /* NULL, or [experts]: each expert's matmul wall time is added here */
 } DecoderStep;
 
 typedef struct {
     const DecoderModel *m;
     const DecoderStep *s;
     xblock *xq; /* one quantized input at a time: every reuse is past a barrier */
+    ns_moe_scratch moe; /* the sparse layers' buffers, and their rows' routing */
     _Atomic int failed;
 } DecoderJob;
 
@@ -158,6 +164,15 @@ static void timed_project(const DecoderJob *job, int64_t layer, int which, const
     if (start != 0.0) *s->linear_seconds += now_s() - start;
 }
 
+/* A sparse layer's MLP: its experts over the normed rows, each row's sum left in delta. */
+static void routed_experts(const DecoderJob *job, int64_t layer, int thread, int threads) {
+    const DecoderStep *s = job->s;
+    const ns_moe_step step = {s->rows, s->normed, 1, job->moe.choices, job->moe.weights, s->delta,
+                              s->expert_rows, s->expert_seconds};
+    ns_stage_moe(job->m->moe[layer], &step, &job->moe, thread, threads);
+    ns_barrier(threads);
+}
+
 static void decoder_task(void *context, int thread, int threads) {
     DecoderJob *job = context;
     const DecoderModel *m = job->m;
@@ -173,6 +188,10 @@ static void decoder_task(void *context, int thread, int threads) {
         timed_project(job, layer, O, s->attended, s->delta, m->hidden, q_size, thread, threads);
         norm_and_quantize(job, s->delta, m->post_norm[layer], quantized(m, layer, GATE_UP), thread, threads);
         ns_barrier(threads);
+        if (m->moe != NULL && m->moe[layer] != NULL) {
+            routed_experts(job, layer, thread, threads);
+            continue;
+        }
         timed_project(job, layer, GATE_UP, s->normed, s->gate_up, 2 * m->intermediate, m->hidden, thread, threads);
         mlp_activation(job, quantized(m, layer, DOWN), thread, threads);
         ns_barrier(threads);
@@ -186,9 +205,11 @@ static void decoder_task(void *context, int thread, int threads) {
 NS_EXPORT int ns_decoder_layers(const DecoderModel *m, const DecoderStep *s, int num_threads) {
     int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
     widest = widest > m->heads * m->head_dim ? widest : m->heads * m->head_dim;
-    DecoderJob job = {m, s, malloc(sizeof(xblock) * (size_t)(s->rows * (widest / 32))), 0};
-    if (job.xq == NULL) return -2;
-    ns_parallel(num_threads, decoder_task, &job);
+    DecoderJob job = {m, s, malloc(sizeof(xblock) * (size_t)(s->rows * (widest / 32))), {0}, 0};
+    int status = job.xq == NULL ? -2 : 0;
+    if (status == 0 && m->moe != NULL) status = ns_moe_scratch_init(&job.moe, m->moe, m->layers, s->rows, 1);
+    if (status == 0) ns_parallel(num_threads, decoder_task, &job);
     free(job.xq);
-    return job.failed ? -2 : 0;
+    ns_moe_scratch_free(&job.moe);
+    return status != 0 || job.failed ? -2 : 0;
 }

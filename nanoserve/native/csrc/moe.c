@@ -8,13 +8,19 @@
  *     the router's logits (when the call routes) | each row's softmax and top_k, and the
  *     grouping by expert (thread 0: a counting sort over rows * top_k pairs, stable, so each
  *     expert's rows stay ascending) | gather the pairs' rows (and quantize) | every expert's
- *     gate_up over its rows | SiLU*up (and quantize) | every expert's down | each row's sum
+ *     gate_up over its rows | SiLU*up (and quantize) | every expert's down, then each row's sum
+ * A barrier costs most where there is least work (one row, on a busy machine a descheduled
+ * thread's time slice), so the small parts run on thread 0 without one between them (a router of
+ * one panel of 16 experts, the routing, the grouping, a gather of few rows), and each thread sums
+ * the output columns it computed in every expert's down, with no barrier between the two.
  * A matmul stage runs the experts one after another, each split by output columns across the
  * threads (stages.h: the exported kernels' own code), so an expert's rows get the bits the
  * separate call over the same rows gets, which is a row's bits alone (the kernels are batch-
  * invariant). A row's sum starts from zero and adds weight * output for its experts in
  * ascending expert index, the product rounded before the add, as the loop's `routed * scale`
  * then `index_add_` does; so this call and the loop through the same kernels agree bit for bit.
+ * The parts run as one stage (ns_stage_moe, stages.h): ns_moe_experts runs it alone, and the
+ * one-call decoder (decoder.c) runs it as a sparse layer's MLP, in its own parallel region.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -29,31 +35,9 @@
 
 enum { FLOAT_PANELS = 0 }; /* a matrix's format: 0, or matmul_x8.c's layout (3: Q4_1, 8: Q8_0) */
 
-/* One sparse layer's experts: fixed after load. */
 typedef struct {
-    int64_t experts, top_k, hidden, width;
-    const float *router;        /* [experts, hidden] in matmul_float.c's panels */
-    int64_t renormalize;        /* the top-k weights divided by their sum */
-    const void *const *gate_up; /* [experts]: [2 * width, hidden] each */
-    const void *const *down;    /* [experts]: [hidden, width] each */
-    const int32_t *formats;     /* [experts * 2]: expert e's gate_up at 2e, its down at 2e + 1 */
-} MoEModel;
-
-/* One call: the rows, each row's top_k experts and weights, where the sum goes. */
-typedef struct {
-    int64_t rows;
-    const float *x;          /* [rows, hidden] */
-    int64_t route;           /* 1: this call routes the rows into choices and weights; 0: given */
-    int64_t *choices;        /* [rows, top_k]: expert indices, distinct within a row */
-    float *weights;          /* [rows, top_k] */
-    float *out;              /* [rows, hidden], or NULL: the call only routes the rows */
-    int64_t *expert_rows;    /* NULL, or [experts]: each expert's rows are added here (profile) */
-    double *expert_seconds;  /* NULL, or [experts]: each expert's matmul wall time is added here */
-} MoEStep;
-
-typedef struct {
-    const MoEModel *m;
-    const MoEStep *s;
+    const ns_moe_layer *m;
+    const ns_moe_step *s;
     int64_t pairs;
     int64_t *starts;         /* [experts + 1]: expert e's pairs are [starts[e], starts[e + 1]) */
     int64_t *pair_row;       /* [pairs]: the row of each grouped pair */
@@ -65,8 +49,13 @@ typedef struct {
     int quantized_gate_up, quantized_down;
 } MoEJob;
 
+/* Whether a row-wise stage of `work` elements runs on thread 0 alone (stage_rows). */
+static int on_thread_0(int64_t work) {
+    return work < MOE_STAGE_MIN_WORK;
+}
+
 static void stage_rows(int64_t rows, int64_t work, int thread, int threads, int64_t *begin, int64_t *end) {
-    if (work < MOE_STAGE_MIN_WORK) {
+    if (on_thread_0(work)) {
         *begin = 0;
         *end = thread == 0 ? rows : 0;
         return;
@@ -85,7 +74,7 @@ static double now_s(void) {
  * its wall time. */
 static void experts_project(const MoEJob *job, int which, const float *input, float *y, int64_t n, int64_t k,
                             int thread, int threads) {
-    const MoEModel *m = job->m;
+    const ns_moe_layer *m = job->m;
     double *seconds = job->s->expert_seconds;
     for (int64_t e = 0; e < m->experts; e++) {
         const int64_t start = job->starts[e], count = job->starts[e + 1] - start;
@@ -104,6 +93,7 @@ static void experts_project(const MoEJob *job, int which, const float *input, fl
     }
 }
 
+/* Row-wise, split as stage_rows splits pairs * hidden (ns_stage_moe's barrier before it knows). */
 static void gather(const MoEJob *job, int thread, int threads) {
     const int64_t hidden = job->m->hidden;
     int64_t begin, end;
@@ -137,15 +127,13 @@ static void add_weighted(float *out, float weight, const float *y, int64_t n) {
     }
 }
 
-static void combine(const MoEJob *job, int thread, int threads) {
-    const MoEModel *m = job->m;
-    const MoEStep *s = job->s;
-    const int64_t k = m->top_k, hidden = m->hidden;
-    int64_t begin, end;
-    stage_rows(s->rows, s->rows * k * hidden, thread, threads, &begin, &end);
-    for (int64_t r = begin; r < end; r++) {
-        float *out = s->out + r * hidden;
-        memset(out, 0, sizeof(float) * (size_t)hidden);
+/* Columns [begin, end) of rows [first, last) of the sums, each element's experts ascending. */
+static void combine_block(const MoEJob *job, int64_t first, int64_t last, int64_t begin, int64_t end) {
+    const ns_moe_step *s = job->s;
+    const int64_t k = job->m->top_k, hidden = job->m->hidden;
+    for (int64_t r = first; r < last; r++) {
+        float *out = s->out + r * hidden + begin;
+        memset(out, 0, sizeof(float) * (size_t)(end - begin));
         int64_t done = -1; /* the last expert added: each pass adds the next larger one */
         for (int64_t added = 0; added < k; added++) {
             int64_t next = -1;
@@ -154,17 +142,47 @@ static void combine(const MoEJob *job, int thread, int threads) {
                 if (e > done && (next < 0 || e < s->choices[r * k + next])) next = j;
             }
             done = s->choices[r * k + next];
-            add_weighted(out, s->weights[r * k + next], job->expert_out + job->slot[r * k + next] * hidden, hidden);
+            add_weighted(out, s->weights[r * k + next], job->expert_out + job->slot[r * k + next] * hidden + begin,
+                         end - begin);
         }
     }
+}
+
+/* The output columns thread `thread` wrote in every expert's down (stages.h: the x8 stage's
+ * share of groups of 8, the float stage's of panels of 16), or 0 when the experts' downs are
+ * of both kinds, so no one thread owns a column in all of them. */
+static int down_columns(const MoEJob *job, int thread, int threads, int64_t *begin, int64_t *end) {
+    const ns_moe_layer *m = job->m;
+    int floats = 0;
+    for (int64_t e = 0; e < m->experts; e++) floats += m->formats[2 * e + 1] == FLOAT_PANELS;
+    if (floats != 0 && floats != m->experts) return 0;
+    const int64_t unit = floats ? 16 : 8;
+    ns_share((m->hidden + unit - 1) / unit, thread, threads, begin, end);
+    *begin *= unit;
+    *end = *end * unit < m->hidden ? *end * unit : m->hidden;
+    return 1;
+}
+
+/* Each row's sum, right after the downs: each thread sums the columns it wrote itself, with no
+ * barrier between (where the downs' formats allow; else past one, split by rows). */
+static void combine(const MoEJob *job, int thread, int threads) {
+    const ns_moe_step *s = job->s;
+    int64_t begin, end;
+    if (down_columns(job, thread, threads, &begin, &end)) {
+        if (begin < end) combine_block(job, 0, s->rows, begin, end);
+        return;
+    }
+    ns_barrier(threads);
+    stage_rows(s->rows, s->rows * job->m->top_k * job->m->hidden, thread, threads, &begin, &end);
+    combine_block(job, begin, end, 0, job->m->hidden);
 }
 
 /* Groups the step's (row, expert) pairs by expert: starts, each pair's row, each choice's place
  * (`next`: scratch of `experts` entries). Rows go in ascending, so each expert's rows stay
  * ascending. */
 static void group(const MoEJob *job, int64_t *next) {
-    const MoEModel *m = job->m;
-    const MoEStep *s = job->s;
+    const ns_moe_layer *m = job->m;
+    const ns_moe_step *s = job->s;
     int64_t *starts = job->starts;
     memset(starts, 0, sizeof(int64_t) * (size_t)(m->experts + 1));
     for (int64_t i = 0; i < job->pairs; i++) starts[s->choices[i] + 1]++;
@@ -206,36 +224,103 @@ static void route_row(float *probs, int64_t experts, int64_t top_k, int renormal
         for (int64_t j = 0; j < top_k; j++) weights[j] /= chosen;
 }
 
-/* The router's logits over the threads, then (thread 0) each row's routing and the grouping. */
+/* The router's logits (over the threads where there is more than one panel of 16 experts and
+ * enough work, else on thread 0 with no barrier: the same columns, the same bits), then
+ * (thread 0) each row's routing and the grouping. No barrier after. */
 static void route_and_group(const MoEJob *job, int64_t *next, int thread, int threads) {
-    const MoEModel *m = job->m;
-    const MoEStep *s = job->s;
+    const ns_moe_layer *m = job->m;
+    const ns_moe_step *s = job->s;
     if (s->route) {
-        ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, thread, threads);
-        ns_barrier(threads);
+        if (m->experts <= 16 || on_thread_0(s->rows * m->experts * m->hidden)) {
+            if (thread == 0) ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, 0, 1);
+        } else {
+            ns_stage_float(s->x, m->router, job->logits, s->rows, m->experts, m->hidden, thread, threads);
+            ns_barrier(threads);
+        }
         if (thread == 0)
             for (int64_t r = 0; r < s->rows; r++)
                 route_row(job->logits + r * m->experts, m->experts, m->top_k, (int)m->renormalize,
                           s->choices + r * m->top_k, s->weights + r * m->top_k);
     }
     if (thread == 0) group(job, next);
-    ns_barrier(threads);
 }
 
+/* The buffers' sizes for `rows` rows of layer m: index entries, floats, quantized blocks. */
+static void scratch_sizes(const ns_moe_layer *m, int64_t rows, int64_t *indices, int64_t *floats, int64_t *blocks) {
+    const int64_t pairs = rows * m->top_k, widest = m->hidden > m->width ? m->hidden : m->width;
+    *indices = 2 * m->experts + 1 + 2 * pairs;
+    *floats = pairs * (m->hidden + 2 * m->width + m->width + m->hidden) + rows * m->experts;
+    *blocks = pairs * (widest / 32) + 1;
+}
+
+int ns_moe_scratch_init(ns_moe_scratch *scratch, const ns_moe_layer *const *layers, int64_t count, int64_t rows,
+                        int routing) {
+    int64_t indices = 0, floats = 0, blocks = 0, pairs = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (layers[i] == NULL) continue;
+        int64_t layer_indices, layer_floats, layer_blocks;
+        scratch_sizes(layers[i], rows, &layer_indices, &layer_floats, &layer_blocks);
+        indices = layer_indices > indices ? layer_indices : indices;
+        floats = layer_floats > floats ? layer_floats : floats;
+        blocks = layer_blocks > blocks ? layer_blocks : blocks;
+        pairs = rows * layers[i]->top_k > pairs ? rows * layers[i]->top_k : pairs;
+    }
+    const int64_t routed = routing ? pairs : 0;
+    scratch->indices = malloc(sizeof(int64_t) * (size_t)(indices + routed + 1));
+    scratch->buffers = malloc(sizeof(float) * (size_t)(floats + routed + 1));
+    scratch->xq = malloc(sizeof(xblock) * (size_t)blocks);
+    scratch->choices = routing && scratch->indices != NULL ? scratch->indices + indices : NULL;
+    scratch->weights = routing && scratch->buffers != NULL ? scratch->buffers + floats : NULL;
+    return scratch->indices == NULL || scratch->buffers == NULL || scratch->xq == NULL ? -2 : 0;
+}
+
+void ns_moe_scratch_free(ns_moe_scratch *scratch) {
+    free(scratch->indices);
+    free(scratch->buffers);
+    free(scratch->xq);
+}
+
+/* This call's view of the scratch: the same on every thread, so each builds its own. */
+static MoEJob job_in(const ns_moe_layer *m, const ns_moe_step *s, const ns_moe_scratch *scratch) {
+    const int64_t pairs = s->rows * m->top_k;
+    int quantized_gate_up = 0, quantized_down = 0;
+    for (int64_t e = 0; e < m->experts; e++) {
+        quantized_gate_up |= m->formats[2 * e] != FLOAT_PANELS;
+        quantized_down |= m->formats[2 * e + 1] != FLOAT_PANELS;
+    }
+    int64_t *indices = scratch->indices;
+    float *gathered = scratch->buffers + s->rows * m->experts;
+    return (MoEJob){m, s, pairs, indices, indices + m->experts + 1, indices + m->experts + 1 + pairs,
+                    scratch->buffers, indices + m->experts + 1 + 2 * pairs, gathered, gathered + pairs * m->hidden,
+                    gathered + pairs * (m->hidden + 2 * m->width), gathered + pairs * (m->hidden + 3 * m->width),
+                    scratch->xq, quantized_gate_up, quantized_down};
+}
+
+void ns_stage_moe(const ns_moe_layer *m, const ns_moe_step *s, const ns_moe_scratch *scratch, int thread,
+                  int threads) {
+    const MoEJob job = job_in(m, s, scratch);
+    route_and_group(&job, job.next, thread, threads);
+    if (s->out == NULL) return;
+    if (!on_thread_0(job.pairs * m->hidden)) ns_barrier(threads); /* else thread 0 grouped, and gathers */
+    gather(&job, thread, threads);
+    ns_barrier(threads);
+    experts_project(&job, 0, job.gathered, job.gate_up, 2 * m->width, m->hidden, thread, threads);
+    ns_barrier(threads);
+    activate(&job, thread, threads);
+    ns_barrier(threads);
+    experts_project(&job, 1, job.activated, job.expert_out, m->hidden, m->width, thread, threads);
+    combine(&job, thread, threads);
+}
+
+typedef struct {
+    const ns_moe_layer *m;
+    const ns_moe_step *s;
+    const ns_moe_scratch *scratch;
+} MoECall;
+
 static void moe_task(void *context, int thread, int threads) {
-    const MoEJob *job = context;
-    const MoEModel *m = job->m;
-    route_and_group(job, job->next, thread, threads);
-    if (job->s->out == NULL) return;
-    gather(job, thread, threads);
-    ns_barrier(threads);
-    experts_project(job, 0, job->gathered, job->gate_up, 2 * m->width, m->hidden, thread, threads);
-    ns_barrier(threads);
-    activate(job, thread, threads);
-    ns_barrier(threads);
-    experts_project(job, 1, job->activated, job->expert_out, m->hidden, m->width, thread, threads);
-    ns_barrier(threads);
-    combine(job, thread, threads);
+    const MoECall *call = context;
+    ns_stage_moe(call->m, call->s, call->scratch, thread, threads);
 }
 
 /* out [rows, hidden] = each row's sum over its top_k experts of weight * expert(x row), experts
@@ -243,34 +328,21 @@ static void moe_task(void *context, int thread, int threads) {
  * written), else choices and weights are the caller's. Returns 0, -1 when a quantized matrix's
  * input is not whole blocks of 32, -2 when out of memory, -3 for a given expert index outside
  * [0, experts). */
-NS_EXPORT int ns_moe_experts(const MoEModel *m, const MoEStep *s, int num_threads) {
-    int quantized_gate_up = 0, quantized_down = 0;
-    for (int64_t e = 0; e < m->experts; e++) {
-        quantized_gate_up |= m->formats[2 * e] != FLOAT_PANELS;
-        quantized_down |= m->formats[2 * e + 1] != FLOAT_PANELS;
-    }
-    if ((quantized_gate_up && m->hidden % 32) || (quantized_down && m->width % 32)) return -1;
-    const int64_t pairs = s->rows * m->top_k;
+NS_EXPORT int ns_moe_experts(const ns_moe_layer *m, const ns_moe_step *s, int num_threads) {
+    for (int64_t e = 0; e < m->experts; e++)
+        if ((m->formats[2 * e] != FLOAT_PANELS && m->hidden % 32) ||
+            (m->formats[2 * e + 1] != FLOAT_PANELS && m->width % 32))
+            return -1;
     if (!s->route)
-        for (int64_t i = 0; i < pairs; i++)
+        for (int64_t i = 0; i < s->rows * m->top_k; i++)
             if (s->choices[i] < 0 || s->choices[i] >= m->experts) return -3;
     if (s->rows == 0) return 0;
-    const int64_t widest = m->hidden > m->width ? m->hidden : m->width;
-    const size_t floats = (size_t)(pairs * (m->hidden + 2 * m->width + m->width + m->hidden) + s->rows * m->experts);
-    int64_t *indices = malloc(sizeof(int64_t) * (size_t)(2 * m->experts + 1 + 2 * pairs));
-    float *buffers = malloc(sizeof(float) * floats);
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(pairs * (widest / 32) + 1));
-    int status = indices == NULL || buffers == NULL || xq == NULL ? -2 : 0;
+    ns_moe_scratch scratch;
+    int status = ns_moe_scratch_init(&scratch, &m, 1, s->rows, 0);
     if (status == 0) {
-        float *gathered = buffers + s->rows * m->experts;
-        MoEJob job = {m, s, pairs, indices, indices + m->experts + 1, indices + m->experts + 1 + pairs,
-                      buffers, indices + m->experts + 1 + 2 * pairs, gathered, gathered + pairs * m->hidden,
-                      gathered + pairs * (m->hidden + 2 * m->width), gathered + pairs * (m->hidden + 3 * m->width),
-                      xq, quantized_gate_up, quantized_down};
-        ns_parallel(num_threads, moe_task, &job);
+        MoECall call = {m, s, &scratch};
+        ns_parallel(num_threads, moe_task, &call);
     }
-    free(indices);
-    free(buffers);
-    free(xq);
+    ns_moe_scratch_free(&scratch);
     return status;
 }

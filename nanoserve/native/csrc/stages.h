@@ -94,4 +94,47 @@ void ns_stage_lora_shrink(const ns_lora_step *l, int64_t at, const float *x, int
 void ns_stage_lora_expand(const ns_lora_step *l, int64_t at, float *y, int64_t rows, int64_t n, int thread,
                           int threads);
 
+/* moe.c: a sparse layer's routed experts. The layer, fixed after load (nanoserve/native/moe.py
+ * builds it): */
+typedef struct {
+    int64_t experts, top_k, hidden, width;
+    const float *router;        /* [experts, hidden] in matmul_float.c's panels */
+    int64_t renormalize;        /* the top-k weights divided by their sum */
+    const void *const *gate_up; /* [experts]: [2 * width, hidden] each */
+    const void *const *down;    /* [experts]: [hidden, width] each */
+    const int32_t *formats;     /* [experts * 2]: expert e's gate_up at 2e, its down at 2e + 1 */
+} ns_moe_layer;
+
+/* One call over rows: each row's top_k experts and weights, where the sum goes. */
+typedef struct {
+    int64_t rows;
+    const float *x;          /* [rows, hidden] */
+    int64_t route;           /* 1: the stage routes the rows into choices and weights; 0: given */
+    int64_t *choices;        /* [rows, top_k]: expert indices, distinct within a row */
+    float *weights;          /* [rows, top_k] */
+    float *out;              /* [rows, hidden], or NULL: the call only routes the rows */
+    int64_t *expert_rows;    /* NULL, or [experts]: each expert's rows are added here (profile) */
+    double *expert_seconds;  /* NULL, or [experts]: each expert's matmul wall time is added here */
+} ns_moe_step;
+
+/* The stage's buffers for up to `rows` rows of any of `layers` (NULL entries skipped), and with
+ * `routing`, room for the rows' choices and weights (the stage's caller points its step there).
+ * ns_moe_scratch_init returns 0, or -2 when out of memory (ns_moe_scratch_free frees either way). */
+typedef struct {
+    int64_t *indices;
+    float *buffers;
+    xblock *xq;
+    int64_t *choices;
+    float *weights;
+} ns_moe_scratch;
+int ns_moe_scratch_init(ns_moe_scratch *scratch, const ns_moe_layer *const *layers, int64_t count, int64_t rows,
+                        int routing);
+void ns_moe_scratch_free(ns_moe_scratch *scratch);
+
+/* The whole sparse MLP over s's rows, by every thread of the region together (its parts
+ * separated by barriers inside; the last part, each row's sum, is not followed by one): route
+ * (s->route), group, gather, every expert's gate_up, SiLU*up, every expert's down, the sums. */
+void ns_stage_moe(const ns_moe_layer *m, const ns_moe_step *s, const ns_moe_scratch *scratch, int thread,
+                  int threads);
+
 #endif
