@@ -15,12 +15,15 @@ import ctypes
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from nanoserve import openmp
 from nanoserve.native.build import BuildResult, build_library
 
 log = logging.getLogger("nanoserve")
+T = TypeVar("T")
 
 ABI_VERSION = 3  # csrc/nanoserve.h's NS_ABI_VERSION
 DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
@@ -59,6 +62,18 @@ def _load() -> tuple[NativeLibrary | None, str]:
 def library() -> NativeLibrary | None:
     """The loaded library, or None (the reason is in `status()`)."""
     return _load()[0]
+
+
+def bound(cache: list, bind: Callable[[ctypes.CDLL], T]) -> T | None:
+    """`bind(lib)`'s result for the loaded library, made once per library (`cache` holds the
+    library it was made for and the result: a reloaded library, as the tests make, is bound
+    again); None when the library is off."""
+    native = library()
+    if native is None:
+        return None
+    if not cache or cache[0][0] is not native:
+        cache[:] = [(native, bind(native.lib))]
+    return cache[0][1]
 
 
 def calls() -> int:

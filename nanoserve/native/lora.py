@@ -68,14 +68,8 @@ _bound: list[tuple[native.NativeLibrary, ctypes.CDLL]] = []  # the library last 
 
 
 def _library() -> ctypes.CDLL | None:
-    """The library with the LoRA functions bound, or None when it is off (bound again only
-    when it was reloaded, as the tests do)."""
-    library = native.library()
-    if library is None:
-        return None
-    if not _bound or _bound[0][0] is not library:
-        _bound[:] = [(library, _bind(library.lib))]
-    return _bound[0][1]
+    """The library with the LoRA functions bound, or None when it is off."""
+    return native.bound(_bound, _bind)
 
 
 def available() -> bool:

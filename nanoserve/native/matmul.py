@@ -47,14 +47,8 @@ _bound: list[tuple[native.NativeLibrary, _Functions]] = []  # the library last b
 
 
 def _functions() -> _Functions | None:
-    """The bound functions, or None when the library is off (`native` caches the library;
-    binding again only when it was reloaded, as the tests do)."""
-    library = native.library()
-    if library is None:
-        return None
-    if not _bound or _bound[0][0] is not library:
-        _bound[:] = [(library, _bind(library.lib))]
-    return _bound[0][1]
+    """The bound functions, or None when the library is off."""
+    return native.bound(_bound, _bind)
 
 
 def _bind(lib: ctypes.CDLL) -> _Functions:

@@ -32,14 +32,6 @@
 #define NS_LORA_AVX2 1
 #endif
 
-#ifdef FP_FAST_FMAF
-#define MADD(a, b, c) fmaf((a), (b), (c))
-#define PORTABLE_FUSED 1
-#else
-#define MADD(a, b, c) ((a) * (b) + (c))
-#define PORTABLE_FUSED 0
-#endif
-
 enum { ROWS = 4, LANES = 8 };
 
 #define NS_LORA_INLINE static inline __attribute__((always_inline))
@@ -93,14 +85,15 @@ NS_LORA_INLINE void shrink_rows(const float *x, const float *a, float *u, int64_
         for (int64_t r = 0; r < count; r++) {
             float lanes[LANES] = {0};
             for (int64_t i = 0; i < body; i += LANES)
-                for (int lane = 0; lane < LANES; lane++) lanes[lane] = MADD(x[r * k + i + lane], a[i + lane], lanes[lane]);
+                for (int lane = 0; lane < LANES; lane++)
+                    lanes[lane] = NS_MADD(x[r * k + i + lane], a[i + lane], lanes[lane]);
             sums[r] = portable_hsum(lanes);
         }
     }
     (void)portable;
     for (int64_t r = 0; r < count; r++) {
         float sum = sums[r];
-        for (int64_t i = body; i < k; i++) sum = MADD(x[r * k + i], a[i], sum);
+        for (int64_t i = body; i < k; i++) sum = NS_MADD(x[r * k + i], a[i], sum);
         u[r * ustride] = sum;
     }
 }
@@ -131,7 +124,7 @@ NS_LORA_INLINE void expand_rows(const float *u, int64_t ustride, const float *bt
     for (; c < end; c++)
         for (int64_t r = 0; r < count; r++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < rank; j++) acc = MADD(u[r * ustride + j], bt[j * width + c], acc);
+            for (int64_t j = 0; j < rank; j++) acc = NS_MADD(u[r * ustride + j], bt[j * width + c], acc);
             y[r * ystride + c] += acc;
         }
 }
@@ -243,6 +236,6 @@ NS_EXPORT int ns_lora_apply_portable(const ns_lora_step *l, int64_t at, const fl
     return lora_apply(l, at, x, y, rows, n, k, num_threads, 1);
 }
 
-NS_EXPORT int ns_lora_portable_fused(void) { return PORTABLE_FUSED; }
+NS_EXPORT int ns_lora_portable_fused(void) { return NS_PORTABLE_FUSED; }
 
 NS_EXPORT int ns_lora_pieces(void) { return NS_LORA_PIECES; }

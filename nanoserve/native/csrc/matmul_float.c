@@ -43,16 +43,6 @@ enum { PANEL = 16, ROW_BLOCK = 6 };
  * smallest, 576 x 576 at one row, still on two). Bits do not depend on it. */
 enum { MIN_MACS_PER_THREAD = 1 << 17 };
 
-/* fmaf where the machine has a fused multiply-add (then it is one instruction and the portable
- * chain equals the AVX2 one); a plain multiply-add elsewhere, still one fixed order. */
-#ifdef FP_FAST_FMAF
-#define MADD(a, b, c) fmaf((a), (b), (c))
-#define PORTABLE_FUSED 1
-#else
-#define MADD(a, b, c) ((a) * (b) + (c))
-#define PORTABLE_FUSED 0
-#endif
-
 #define NS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -105,7 +95,7 @@ static void row_panel_portable(const Problem *p, int64_t row, int64_t panel) {
     float acc[PANEL] = {0}, w[PANEL];
     for (int64_t kk = 0; kk < p->k; kk++) {
         panel_step(p, panel, kk, width, w);
-        for (int c = 0; c < PANEL; c++) acc[c] = MADD(x[kk], w[c], acc[c]);
+        for (int c = 0; c < PANEL; c++) acc[c] = NS_MADD(x[kk], w[c], acc[c]);
     }
     for (int c = 0; c < width; c++) {
         const int64_t at = row * p->n + panel * PANEL + c;
@@ -312,4 +302,4 @@ NS_EXPORT int ns_matmul_bf16_portable(const uint16_t *x, const uint16_t *w, uint
 /* The panel width `pack` must use, and whether the portable chain is fused (then it equals the
  * ISA path bit for bit). */
 NS_EXPORT int ns_matmul_float_panel(void) { return PANEL; }
-NS_EXPORT int ns_matmul_float_portable_fused(void) { return PORTABLE_FUSED; }
+NS_EXPORT int ns_matmul_float_portable_fused(void) { return NS_PORTABLE_FUSED; }

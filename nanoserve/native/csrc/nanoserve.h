@@ -16,6 +16,7 @@
 #ifndef NANOSERVE_H
 #define NANOSERVE_H
 
+#include <math.h>
 #include <stdint.h>
 
 /* Bumped when a function's signature changes, so Python refuses a stale library. */
@@ -39,6 +40,17 @@ static inline void ns_share(int64_t count, int thread, int threads, int64_t *beg
     *begin = count * thread / threads;
     *end = count * (thread + 1) / threads;
 }
+
+/* The float kernels' portable multiply-add: fmaf where the machine has a fused multiply-add
+ * (then it is one instruction and the portable chain equals the AVX2 one), a plain
+ * multiply-add elsewhere, still one fixed order. NS_PORTABLE_FUSED says which (the tests ask). */
+#ifdef FP_FAST_FMAF
+#define NS_MADD(a, b, c) fmaf((a), (b), (c))
+#define NS_PORTABLE_FUSED 1
+#else
+#define NS_MADD(a, b, c) ((a) * (b) + (c))
+#define NS_PORTABLE_FUSED 0
+#endif
 
 #if defined(__AVX__)
 #include <immintrin.h>
