@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -561,6 +562,7 @@ class Report:
     drain: Tally
     second_signal: Tally
     tracebacks: int  # in the servers' logs: a bug caught by a handler still leaves one
+    logged_errors: Counter[str]  # the servers' ERROR lines by cause: for a reader, not judged
 
     def tallies(self) -> dict[str, Tally]:
         return {"bad-inputs": self.bad_inputs, "auth": self.auth, "crowd": self.crowd,
@@ -579,6 +581,8 @@ class Report:
         rows.append({"probe": "crowd", "route": "/metrics", "outcome": "preemptions",
                      "count": self.preemptions})
         rows.append({"probe": "server-log", "outcome": "tracebacks", "count": self.tracebacks})
+        rows += [{"probe": "server-log", "outcome": f"ERROR {message}", "count": count}
+                 for message, count in sorted(self.logged_errors.items())]
         for probe, tally in self.tallies().items():
             rows += [{"probe": probe, "count": 1, "failed": True, **failure} for failure in tally.failures]
         return rows
@@ -600,7 +604,8 @@ class Report:
             f"({_side_channel_figures(self.side_channel)})",
             f"drain (SIGTERM): {_outcomes(self.drain)}",
             f"second SIGTERM: {_outcomes(self.second_signal)}",
-            f"tracebacks in the server logs: {self.tracebacks}",
+            f"tracebacks in the server logs: {self.tracebacks}; ERROR lines: "
+            f"{', '.join(f'{m} x{n}' for m, n in self.logged_errors.items()) or 'none'}",
             f"failures: {self.failures}",
         ]
 
@@ -655,9 +660,19 @@ def run(*, model: str | None, per_route: int, num_clients: int, trials: int, see
         args = [*args, "--drain-s", "600"]
         with launched_process(args, log_path=log_dir / "hostile_server_signals.log") as (url, process):
             second = asyncio.run(_second_server(url, process))
-    tracebacks = sum(path.read_text(errors="replace").count("Traceback (most recent call last)")
-                     for path in (log_dir / "hostile_server.log", log_dir / "hostile_server_signals.log"))
-    return Report(*first, second, tracebacks)
+    logs = [path.read_text(errors="replace")
+            for path in (log_dir / "hostile_server.log", log_dir / "hostile_server_signals.log")]
+    tracebacks = sum(log.count("Traceback (most recent call last)") for log in logs)
+    return Report(*first, second, tracebacks, _logged_errors(logs))
+
+
+def _logged_errors(logs: list[str]) -> Counter[str]:
+    """The ERROR lines by logger and the message's head, numbers as N, so one cause is one key:
+    `... ERROR nanoserve: grammar refused token 75: parser error: ...` -> `nanoserve: grammar
+    refused token N`."""
+    heads = (": ".join(line.split(" ERROR ", 1)[1].split(": ")[:2])
+             for log in logs for line in log.splitlines() if " ERROR " in line)
+    return Counter(re.sub(r"\d+", "N", head) for head in heads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine("cpu").columns()
     columns = ["probe", "route", "outcome", "count", "failed", "case", "detail"]
     frame = pd.DataFrame(report.rows(), columns=columns)
-    frame = frame.fillna({"failed": False}).assign(**machine)
+    frame = frame.assign(failed=frame["failed"].eq(True), **machine)  # a count row has no verdict
     args.out.parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out, index=False)
     for line in report.summary():
