@@ -2,9 +2,11 @@
 
 Hypothesis writes request bodies field by field, mixing plausible values (edge floats, huge and
 negative integers, token ids outside the vocabulary, odd messages) with JSON of the wrong
-shape, plus raw bytes that are not JSON at all. Each answer must be a well-formed OpenAI
-answer: a 200 with choices (or an SSE stream ending in [DONE]; /tokenize and /detokenize: their
-own shape), or an error object whose status is a client error naming the field. Bounded: a
+shape, plus raw bytes that are not JSON at all, on completions, chat completions, Responses,
+Anthropic's Messages, embeddings and the tokenizer routes. Each answer must be a well-formed
+answer of the route's protocol: a 200 with choices (or an SSE stream ending in [DONE]; the
+others: their own shape and their own last stream event), or an error object whose status is
+a client error naming the field (Anthropic's shape on /v1/messages). Bounded: a
 fixed number of examples, each request under a read timeout, a tiny model and a small
 max_tokens limit. Afterwards the engine is still healthy and its pool completely free.
 """
@@ -111,16 +113,16 @@ messages = st.lists(st.fixed_dictionaries(
     min_size=1, max_size=3)
 
 
-def bodies(required: str, required_values: st.SearchStrategy, only: dict) -> st.SearchStrategy:
+def bodies(required: dict[str, st.SearchStrategy], fields: dict[str, st.SearchStrategy]
+           ) -> st.SearchStrategy:
     """Valid bodies (the engine runs them), valid bodies with one field replaced by an edge
-    value or any JSON (or the required field missing), and any JSON object at all."""
-    fields = {**VALID, **only}
-    valid = st.fixed_dictionaries({required: required_values}, optional=fields)
-    mutated = st.tuples(valid, st.sampled_from([required, *fields, "echo", "suffix", "best_of", "tools",
+    value or any JSON (or a required field missing), and any JSON object at all."""
+    valid = st.fixed_dictionaries(required, optional=fields)
+    mutated = st.tuples(valid, st.sampled_from([*required, *fields, "echo", "suffix", "best_of", "tools",
                                                 "top_logprobs", "stream_options", "response_format"]),
                         INVALID_EDGES | json_values | st.just(...)).map(lambda case: _mutate(*case))
     anything = st.fixed_dictionaries({}, optional={name: maybe(value) for name, value in
-                                                   {required: required_values, **fields}.items()})
+                                                   {**required, **fields}.items()})
     return valid | mutated | mutated | anything
 
 
@@ -133,8 +135,8 @@ def _mutate(body: dict, key: str, value: object) -> dict:
     return body
 
 
-completion_bodies = bodies("prompt", prompts, COMPLETION_ONLY)
-chat_bodies = bodies("messages", messages, CHAT_ONLY)
+completion_bodies = bodies({"prompt": prompts}, VALID | COMPLETION_ONLY)
+chat_bodies = bodies({"messages": messages}, VALID | CHAT_ONLY)
 
 raw_bodies = st.binary(max_size=64) | st.text(max_size=64).map(str.encode) | json_values.map(
     lambda value: json.dumps(value).encode()) | st.sampled_from([
@@ -174,10 +176,78 @@ def test_chat_completions_never_500_or_hang(client: httpx.Client, body: dict) ->
     check_answer(client.post("/v1/chat/completions", json=body))
 
 
+# -- Responses, Anthropic's Messages and embeddings: each from its own protocol's fields ---------
+
+RESPONSES_FIELDS = {
+    "model": st.just(MODEL), "max_output_tokens": st.integers(1, 16),
+    "temperature": VALID["temperature"], "top_p": VALID["top_p"], "instructions": words,
+    "stream": st.booleans(), "user": words,
+    "text": st.just({"format": {"type": "text"}}), "tools": st.just([]), "unknown_field": json_values}
+MESSAGES_FIELDS = {
+    "model": st.just(MODEL), "system": words | content_parts,
+    "stop_sequences": st.lists(some_words, max_size=3),
+    "temperature": st.floats(0, 1), "top_p": VALID["top_p"], "top_k": st.integers(1, 400),
+    "stream": st.booleans(), "metadata": st.fixed_dictionaries({"user_id": words}),
+    "unknown_field": json_values}
+EMBEDDINGS_FIELDS = {
+    "model": st.just(MODEL), "encoding_format": st.sampled_from(["float", "base64"]),
+    "dimensions": st.integers(1, 100), "normalize": st.booleans(),
+    "truncate_prompt_tokens": st.integers(1, 8),
+    "user": words, "unknown_field": json_values}
+responses_input = some_words | st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer"]), "content": words}),
+    min_size=1, max_size=3)
+anthropic_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant"]), "content": words | content_parts}),
+    min_size=1, max_size=3)
+embedding_inputs = prompts | st.lists(st.lists(VOCAB, min_size=1, max_size=4), min_size=1, max_size=2)
+OTHER_ROUTES = {
+    "/v1/responses": bodies({"input": responses_input}, RESPONSES_FIELDS),
+    "/v1/messages": bodies({"messages": anthropic_messages, "max_tokens": st.integers(1, 16)},
+                           MESSAGES_FIELDS),
+    "/v1/embeddings": bodies({"input": embedding_inputs}, EMBEDDINGS_FIELDS),
+}
+# A stream's last event, by route: each protocol's own end (Responses and Messages send no [DONE]).
+LAST_EVENTS = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+UNARY_SHAPES = {"/v1/responses": ("object", "response"), "/v1/messages": ("type", "message"),
+                "/v1/embeddings": ("object", "list")}
+
+
+def check_protocol_answer(path: str, response: httpx.Response) -> None:
+    """As `check_answer`, in the route's own protocol: Anthropic's error shape on /v1/messages."""
+    status = response.status_code
+    assert status == 200 or status in CLIENT_ERRORS, response.text
+    if status != 200:
+        body = response.json()
+        error = body["error"]
+        if path == "/v1/messages":
+            assert body["type"] == "error" and error["type"] == "invalid_request_error", body
+        assert error["message"] and isinstance(error["param"], str) and error["param"], body
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        blocks = [block for block in response.text.split("\n\n") if block]
+        events = [block.split("\n")[0].removeprefix("event: ") for block in blocks]
+        assert "error" not in events and events[-1] == LAST_EVENTS[path], response.text[-2000:]
+    else:
+        key, value = UNARY_SHAPES[path]
+        assert response.json()[key] == value, response.text[:2000]
+
+
+@settings(FUZZ, max_examples=40)
+@given(data=st.data())
+@pytest.mark.parametrize("path", sorted(OTHER_ROUTES))
+def test_responses_messages_and_embeddings_never_500_or_hang(client: httpx.Client, path: str,
+                                                              data: st.DataObject) -> None:
+    check_protocol_answer(path, client.post(path, json=data.draw(OTHER_ROUTES[path], label="body")))
+
+
 @settings(FUZZ, max_examples=60)
-@given(raw=raw_bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+@given(raw=raw_bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions", *OTHER_ROUTES]))
 def test_arbitrary_bytes_never_500_or_hang(client: httpx.Client, raw: bytes, path: str) -> None:
-    check_answer(client.post(path, content=raw, headers={"content-type": "application/json"}))
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    if path in OTHER_ROUTES:
+        check_protocol_answer(path, response)
+    else:
+        check_answer(response)
 
 
 tokenizer_bodies = st.fixed_dictionaries({}, optional={

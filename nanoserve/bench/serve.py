@@ -251,6 +251,15 @@ def launched_server(serve_args: Sequence[str], *, log_path: Path, ready_timeout_
                     ) -> Iterator[str]:
     """`nanoserve serve` in a child process on a free loopback port; yields its base URL and
     stops it with SIGTERM (then SIGKILL) on the way out."""
+    with launched_process(serve_args, log_path=log_path, ready_timeout_s=ready_timeout_s) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def launched_process(serve_args: Sequence[str], *, log_path: Path, ready_timeout_s: float = 600.0
+                     ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As `launched_server`, yielding the process too, for a caller that signals it itself; on
+    the way out a process still running gets SIGTERM (then SIGKILL)."""
     port = free_port()
     command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *serve_args]
@@ -260,7 +269,7 @@ def launched_server(serve_args: Sequence[str], *, log_path: Path, ready_timeout_
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(base_url, process, log_path, ready_timeout_s)
-        yield base_url
+        yield base_url, process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
