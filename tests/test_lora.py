@@ -20,6 +20,7 @@ from test_gguf_import import native_off
 from tiny_model import write_tiny_llama
 
 from nanoserve import LoRARequest
+from nanoserve import native as native_library
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
@@ -243,7 +244,10 @@ def ragged_adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
             for i, (rank, targets) in enumerate(specs)]
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("native", [
+    pytest.param(True, id="native", marks=pytest.mark.skipif(
+        native_library.library() is None, reason="the adapters' C stages need the native library")),
+    pytest.param(False, id="torch")])
 def test_ragged_ranks_and_subsets_of_targets_give_peft_logprobs_alone_and_in_a_crowd(
         tiny_model_dir, ragged_adapters, monkeypatch, native):
     loras = requests_of(ragged_adapters)
