@@ -116,6 +116,9 @@ def test_constrained_steps_still_read_back_once(tiny):
     (StructuredOutputs(json={"type": "string", "format": "no-such-format"}), "no-such-format"),
     (StructuredOutputs(regex="(?<=a)b", param="guided_regex"), "look-around"),
     (StructuredOutputs(grammar="start: missing_rule"), "missing_rule"),
+    # No finite instance: it compiles, and the parser gives up at its first token.
+    (StructuredOutputs(json={"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                       param="response_format"), "Too many items"),
 ])
 def test_what_the_library_cannot_enforce_is_refused_naming_the_field(tiny, spec, says):
     with pytest.raises(InvalidRequestError) as error:

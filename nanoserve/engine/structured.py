@@ -45,6 +45,11 @@ JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexi
 ANY_JSON_OBJECT = {"type": "object"}
 MAX_CACHED_GRAMMARS = 256
 BITS_PER_WORD = 32  # llguidance's bitmask: bit j of int32 word w allows token 32 w + j
+# Steps a compiled grammar is walked at compile time (each: the mask, then its lowest allowed
+# token): a grammar that compiles but cannot be parsed (a JSON schema with no finite instance,
+# which llguidance gives up on as too complex at its first token) is refused at admission
+# rather than found mid-request.
+PROBE_STEPS = 4
 
 
 def grammar_text(spec: StructuredOutputs) -> str:
@@ -170,7 +175,25 @@ class GrammarCompiler:
             self.stats.compile_s += time.perf_counter() - start_s
         if matcher.is_error():
             raise _refusal(spec, matcher.get_error())
+        if (error := self._probe(matcher)) is not None:
+            raise _refusal(spec, error)
         return matcher
+
+    def _probe(self, matcher: llguidance.LLMatcher) -> str | None:
+        """The library's error on a copy of `matcher` walked PROBE_STEPS tokens (each the lowest
+        its mask allows), or None when it parses them."""
+        walker = matcher.deep_copy()
+        bitmask = np.zeros((1, -(-self._vocab_size // BITS_PER_WORD)), dtype=np.int32)
+        for _ in range(PROBE_STEPS):
+            llguidance.numpy.fill_next_token_bitmask(walker, bitmask, 0)
+            if walker.is_error():
+                return walker.get_error()
+            allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+            if walker.is_stopped() or not allowed.size:
+                return None
+            if not walker.consume_token(int(allowed[0])) or walker.is_error():
+                return walker.get_error() or "the grammar refuses every token its mask allows"
+        return None
 
 
 def _refusal(spec: StructuredOutputs, reason: str) -> InvalidRequestError:
