@@ -49,7 +49,7 @@ from pathlib import Path
 import httpx
 
 from nanoserve.bench.hardware import describe_machine
-from nanoserve.bench.serve import WORDS, launched_process
+from nanoserve.bench.serve import launched_process, words
 
 TENANTS = {"alice": "alice-0b7e5d2c", "bob": "bob-91f3a6e4"}
 BODY_LIMIT_BYTES = 64 * 1024
@@ -81,10 +81,6 @@ class Tally:
 
 def _headers(tenant: str = "alice") -> dict[str, str]:
     return {"Authorization": f"Bearer {TENANTS[tenant]}"}
-
-
-def words(rng: random.Random, count: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
 # -- 1. bad inputs --------------------------------------------------------------------------------
@@ -366,7 +362,7 @@ def crowd_calls(num_clients: int, seed: int) -> list[Call]:
         body |= {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if seeded else {"temperature": 0.0}
         if i % 5 == 0:
             body["n"] = 2
-        text = f"Note {i}. " + words(rng, rng.randint(8, 120))
+        text = f"Note {i}. " + words(rng.randint(8, 120), rng)
         if chat:
             body["messages"] = [{"role": "user", "content": text}]
             if i % 2 == 0:
@@ -378,7 +374,7 @@ def crowd_calls(num_clients: int, seed: int) -> list[Call]:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         calls.append(Call(i, ("alice", "bob")[i % 2], path, body))
     for j in range(3):
-        body = {"prompt": f"Long note {j}. " + words(rng, 300), "max_tokens": 128, "ignore_eos": True,
+        body = {"prompt": f"Long note {j}. " + words(300, rng), "max_tokens": 128, "ignore_eos": True,
                 "stream": j == 1, "logprobs": 1, **({"temperature": 0.8, "seed": 77} if j == 1 else
                                                    {"temperature": 0.0})}
         calls.append(Call(num_clients + j, ("alice", "bob")[j % 2], "/v1/completions", body))
@@ -470,7 +466,7 @@ async def probe_side_channel(http: httpx.AsyncClient, model: str, trials: int, s
     rng = random.Random(seed)
     tally = Tally()
     for trial in range(trials):
-        preamble, tail = words(rng, 40), words(rng, 40)
+        preamble, tail = words(40, rng), words(40, rng)
         secret, *wrong = rng.sample(range(1000, 10000), 4)
 
         prompts = {code: f"{preamble} The door code is {code}. {tail}" for code in (secret, *wrong)}

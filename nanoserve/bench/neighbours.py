@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from nanoserve.bench.serve import WORDS
+from nanoserve.bench.serve import words
 
 ORDINARY_TOKENS = 16
 ORDINARY_WORDS = 32
@@ -74,10 +74,6 @@ class NeighbourResult:
                 "after_tpot_ms": 1e3 * self.after.tpot_s,
                 "after_vs_alone": self.after.e2e_s / self.alone.e2e_s,
                 "neighbour_status": self.neighbour_status}
-
-
-def words(count: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
 def _sampled(**fields: object) -> dict:

@@ -52,6 +52,11 @@ few public bad same able make know take see come think look want give use find t
 seem feel try leave call keep let begin show hear play run move live believe hold bring
 """
 WORDS = tuple(WORDS_TEXT.split())
+
+
+def words(count: int, rng: random.Random) -> str:
+    """`count` words of WORDS drawn by `rng`, space-separated."""
+    return " ".join(rng.choice(WORDS) for _ in range(count))
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
