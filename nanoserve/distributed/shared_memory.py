@@ -190,8 +190,7 @@ class SharedMemoryGroup:
     def _all_reduce_natively(self, x: torch.Tensor) -> torch.Tensor:
         """The hot path of a step (two a layer): one C call, addresses rather than tensor views
         into the buffer; Python's wait and a second call only where the spin ran out."""
-        self.exchanges += 1
-        half = self._data_address + (self.exchanges % 2) * self.world * self.slot_bytes
+        half = self._next_half()
         x = x.contiguous()
         out = torch.empty(x.shape, dtype=torch.float32)
         try:
@@ -208,8 +207,7 @@ class SharedMemoryGroup:
     def _publish_natively(self, x: torch.Tensor) -> int:
         """`_exchange` in one C call (write, publish, spin), Python's wait only where the spin ran
         out; returns the address of the exchange's half of the buffer."""
-        self.exchanges += 1
-        half = self._data_address + (self.exchanges % 2) * self.world * self.slot_bytes
+        half = self._next_half()
         x = x.contiguous()
         try:
             if self.native_exchange.publish(self._counters_address, COUNTER_STRIDE, self.rank, self.world,
@@ -219,6 +217,11 @@ class SharedMemoryGroup:
         finally:
             self._unlink()
         return half
+
+    def _next_half(self) -> int:
+        """Counts the next exchange; the address of the buffer half it uses (exchange k: k % 2)."""
+        self.exchanges += 1
+        return self._data_address + (self.exchanges % 2) * self.world * self.slot_bytes
 
     def _halves(self, dtype: torch.dtype) -> torch.Tensor:
         """The data as [2 halves, N slots, elements of `dtype`], made once per dtype."""
