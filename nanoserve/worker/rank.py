@@ -162,11 +162,12 @@ def weight_format(weights: LlamaWeights) -> str:
 
 def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> float:
     """What a forward through the per-layer loop costs beyond its linears, where this model
-    could run the one-call decoder instead (else 0): the loop's native small-op calls a forward,
-    each timed here as a one-row RMSNorm call (Python, the checks, ctypes, the pool)."""
+    could run the one-call decoder instead (the stack `Llama._native_decoder` takes) and a
+    kernel is to be chosen (else 0): the loop's native small-op calls a forward, each timed here
+    as a one-row RMSNorm call (Python, the checks, ctypes, the pool)."""
     ops = native_ops.load()
-    if (ops is None or device.type != "cpu" or config.tensor_parallel_size > 1
-            or not model_config.is_plain_llama):
+    if (config.linear_kernel is not None or ops is None or device.type != "cpu"
+            or config.tensor_parallel_size > 1 or not model_config.is_llama_stack):
         return 0.0
     x = torch.randn(1, model_config.hidden_size)
     weight, out = torch.ones(model_config.hidden_size), torch.empty_like(x)
