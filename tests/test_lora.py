@@ -72,6 +72,14 @@ def lora_llm(model_dir, **options) -> LLM:
                max_loras=4, max_lora_rank=8, num_kv_blocks=64, **options)
 
 
+def lora_llm_on(model_dir, monkeypatch, *, native: bool) -> LLM:
+    """`lora_llm`, started with the native kernels (where the library loads) or without them."""
+    if native:
+        return lora_llm(model_dir)
+    with native_off(monkeypatch):
+        return lora_llm(model_dir)
+
+
 def requests_of(adapters: list[Path]) -> list[LoRARequest]:
     return [LoRARequest(f"adapter-{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
 
@@ -80,11 +88,7 @@ def requests_of(adapters: list[Path]) -> list[LoRARequest]:
 def test_an_adapter_gives_the_logprobs_transformers_and_peft_give(tiny_model_dir, adapters, monkeypatch,
                                                                    native):
     lora = requests_of(adapters)[0]
-    if native:
-        llm = lora_llm(tiny_model_dir)
-    else:
-        with native_off(monkeypatch):
-            llm = lora_llm(tiny_model_dir)
+    llm = lora_llm_on(tiny_model_dir, monkeypatch, native=native)
     got = llm.generate([PROMPT], GREEDY, lora_request=lora)[0]
     base = llm.generate([PROMPT], GREEDY)[0]
     expected = peft_logprobs(tiny_model_dir, adapters[0], got.prompt_token_ids, got.token_ids)
@@ -97,11 +101,7 @@ def test_an_adapter_gives_the_logprobs_transformers_and_peft_give(tiny_model_dir
 def test_a_row_with_its_adapter_has_the_same_bits_alone_and_beside_other_adapters(tiny_model_dir, adapters,
                                                                                   monkeypatch, native):
     loras = requests_of(adapters)
-    if native:
-        llm = lora_llm(tiny_model_dir)
-    else:
-        with native_off(monkeypatch):
-            llm = lora_llm(tiny_model_dir)
+    llm = lora_llm_on(tiny_model_dir, monkeypatch, native=native)
     prompts = [f"{PROMPT} {i}" + " the" * i for i in range(6)]
     per_prompt = [loras[i % 3] if i % 4 != 3 else None for i in range(6)]
     crowd = llm.generate(prompts, GREEDY, lora_request=per_prompt)
@@ -203,11 +203,7 @@ def write_gguf_lora(adapter_dir: Path, model_dir: Path, out: Path, *,
 def test_a_gguf_lora_gives_the_outputs_of_the_peft_adapter_it_was_converted_from(
         tiny_model_dir, adapters, tmp_path, monkeypatch, native):
     gguf_file = write_gguf_lora(adapters[0], tiny_model_dir, tmp_path / "adapter.gguf")
-    if native:
-        llm = lora_llm(tiny_model_dir)
-    else:
-        with native_off(monkeypatch):
-            llm = lora_llm(tiny_model_dir)
+    llm = lora_llm_on(tiny_model_dir, monkeypatch, native=native)
     from_gguf = llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("gguf", 1, str(gguf_file)))[0]
     from_peft = llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("peft", 2, str(adapters[0])))[0]
     assert from_gguf.token_ids == from_peft.token_ids
@@ -251,11 +247,7 @@ def ragged_adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
 def test_ragged_ranks_and_subsets_of_targets_give_peft_logprobs_alone_and_in_a_crowd(
         tiny_model_dir, ragged_adapters, monkeypatch, native):
     loras = requests_of(ragged_adapters)
-    if native:
-        llm = lora_llm(tiny_model_dir)
-    else:
-        with native_off(monkeypatch):
-            llm = lora_llm(tiny_model_dir)
+    llm = lora_llm_on(tiny_model_dir, monkeypatch, native=native)
     prompts = [f"{PROMPT} {i}" for i in range(4)]
     per_prompt = [*loras, None]
     crowd = llm.generate(prompts, GREEDY, lora_request=per_prompt)
