@@ -145,6 +145,17 @@ def step(model: Llama, cache: Cache, chunks: list[tuple[str, list[int], int]],
     return {seq: logits[i] for i, (seq, _, _) in enumerate(c for unit in units for c in unit)}
 
 
+def assert_same_steps(run, other) -> None:
+    """Two runs of the same steps, each (outputs per step, cache): every step's outputs for the
+    same sequences and every K/V cache bit, equal bit for bit."""
+    (outputs, cache), (other_outputs, other_cache) = run, other
+    for one, two in zip(outputs, other_outputs, strict=True):
+        assert one.keys() == two.keys()
+        assert all(torch.equal(one[seq], two[seq]) for seq in one)
+    for one, two in zip(cache.kv.k + cache.kv.v, other_cache.kv.k + other_cache.kv.v, strict=True):
+        assert torch.equal(one, two)
+
+
 def crowd_logits(model: Llama, prompts: list[list[int]], crowd: bool) -> list[torch.Tensor]:
     """Six steps of request a (the first prompt): its logits each step, alone or in a crowd
     where b prefills beside it then decodes, and c arrives in chunks later."""

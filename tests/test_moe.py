@@ -16,7 +16,15 @@ import families
 import gguf
 import pytest
 import torch
-from families import Case, crowd_logits, greedy, load_model, prefill_logits, reference_greedy
+from families import (
+    Case,
+    assert_same_steps,
+    crowd_logits,
+    greedy,
+    load_model,
+    prefill_logits,
+    reference_greedy,
+)
 
 from nanoserve import native as native_library
 from nanoserve.config import ModelConfig
@@ -565,15 +573,8 @@ def test_the_one_call_decoder_runs_sparse_layers_to_the_bits_of_the_per_layer_ca
     """Logits and the K/V written, fused == one native call per sparse layer, bit for bit; and
     in the fused decoder a request's logits alone == in a crowd."""
     fused = fused_model(fused_checkpoint, format_name, kernel, fused=True)
-    fused_out, fused_cache = fused_steps(fused)
     separate = fused_model(fused_checkpoint, format_name, kernel, fused=False)
-    separate_out, separate_cache = fused_steps(separate)
-    for one, other in zip(fused_out, separate_out, strict=True):
-        assert one.keys() == other.keys()
-        assert all(torch.equal(one[seq], other[seq]) for seq in one)
-    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
-                          strict=True):
-        assert torch.equal(one, other)
+    assert_same_steps(fused_steps(fused), fused_steps(separate))
     for alone, crowded in zip(*(crowd_logits(fused, PROMPTS, crowd) for crowd in (False, True)), strict=True):
         assert torch.equal(alone, crowded)
 

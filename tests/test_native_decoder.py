@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import Cache as FamilyCache
-from families import step
+from families import assert_same_steps, step
 from test_model import CONFIG, WEIGHTS, Cache
 from test_native_lora import random_weights
 
@@ -59,14 +59,7 @@ def _adapters(model: Llama) -> list[Adapter]:
 
 @pytest.mark.parametrize("format_name", ["q4_0", "q8_0", "float32"])
 def test_one_call_per_step_leaves_the_bits_of_the_separate_calls(format_name):
-    fused, fused_cache = _run(_model(format_name, fused=True))
-    separate, separate_cache = _run(_model(format_name, fused=False))
-    for one, other in zip(fused, separate, strict=True):
-        assert one.keys() == other.keys()
-        assert all(torch.equal(one[seq], other[seq]) for seq in one)
-    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
-                          strict=True):
-        assert torch.equal(one, other)
+    assert_same_steps(_run(_model(format_name, fused=True)), _run(_model(format_name, fused=False)))
 
 
 @pytest.mark.parametrize("format_name", ["q4_0", "float32"])
@@ -78,14 +71,10 @@ def test_lora_steps_in_one_call_leave_the_bits_of_the_separate_calls(format_name
         model = _model(format_name, fused)
         pool = _adapters(model)
         results.append(_run(model, {seq: pool[i] for seq, i in zip("ab", who, strict=True) if i is not None}))
-    (fused, fused_cache), (separate, separate_cache) = results
-    for one, other in zip(fused, separate, strict=True):
-        assert all(torch.equal(one[seq], other[seq]) for seq in one)
-    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
-                          strict=True):
-        assert torch.equal(one, other)
+    assert_same_steps(*results)
+    (fused_outputs, _), _ = results
     base, _ = _run(_model(format_name, fused=True))
-    assert not torch.equal(base[-1]["a"], fused[-1]["a"]), "no update applied"
+    assert not torch.equal(base[-1]["a"], fused_outputs[-1]["a"]), "no update applied"
 
 
 def test_a_lora_step_runs_in_one_native_call():
@@ -166,15 +155,10 @@ def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_
     assert isinstance(layers[1].qkv, RepackedWeight) and layers[1].qkv.layout.name == "q5_1"
     assert [type(w.down) for w in layers] == [KRepackedWeight] * 3
     assert [w.down.format.name for w in layers] == ["q4_k", "q6_k", "q4_k"]
-    fused, fused_cache = _run(model)
+    fused = _run(model)
     separate_model = _mixed_model(tmp_path)
     separate_model.decoder = None
-    separate, separate_cache = _run(separate_model)
-    for one, other in zip(fused, separate, strict=True):
-        assert all(torch.equal(one[seq], other[seq]) for seq in one)
-    for one, other in zip(fused_cache.kv.k + fused_cache.kv.v, separate_cache.kv.k + separate_cache.kv.v,
-                          strict=True):
-        assert torch.equal(one, other)
+    assert_same_steps(fused, _run(separate_model))
     vocab = model.config.vocab_size
     prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
     alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
