@@ -38,17 +38,22 @@ MaxBatchedTokens = Annotated[int, typer.Option(
 MaxPrefillWhileDecoding = Annotated[int, typer.Option(
     min=1, help="Most prompt tokens one step computes while other requests decode; a prompt up to "
                 "this long prefills at once, a longer one in chunks of its fair share (--fair-share-rows).")]
-def parse_fair_share_rows(value: str) -> float:
-    """`off`, or row units >= 0 (typer's own range check cannot spell `off`)."""
+def _number_or_off(value: str, *, what: str, bound: str, within: Callable[[float], bool]) -> float:
+    """`off` (infinity), or a number `within` its bound (typer's own range check cannot spell `off`)."""
     if value.strip().lower() == "off":
         return float("inf")
     try:
-        rows = float(value)
+        number = float(value)
     except ValueError:
-        raise typer.BadParameter(f"a number of row units >= 0, or off; got {value!r}") from None
-    if not rows >= 0:
-        raise typer.BadParameter(f"must be >= 0, or off; got {value!r}")
-    return rows
+        raise typer.BadParameter(f"{what} {bound}, or off; got {value!r}") from None
+    if not within(number):
+        raise typer.BadParameter(f"must be {bound}, or off; got {value!r}")
+    return number
+
+
+def parse_fair_share_rows(value: str) -> float:
+    """`off`, or row units >= 0."""
+    return _number_or_off(value, what="a number of row units", bound=">= 0", within=lambda rows: rows >= 0)
 
 
 FairShareRows = Annotated[float | None, typer.Option(
@@ -64,15 +69,7 @@ LongPrefillTokenThreshold = Annotated[int | None, typer.Option(
 
 def parse_prefill_step_ms(value: str) -> float:
     """`off`, or milliseconds > 0."""
-    if value.strip().lower() == "off":
-        return float("inf")
-    try:
-        step_ms = float(value)
-    except ValueError:
-        raise typer.BadParameter(f"milliseconds > 0, or off; got {value!r}") from None
-    if not 0 < step_ms < float("inf"):
-        raise typer.BadParameter(f"must be > 0, or off; got {value!r}")
-    return step_ms
+    return _number_or_off(value, what="milliseconds", bound="> 0", within=lambda ms: 0 < ms < float("inf"))
 
 
 PrefillStepMs = Annotated[float | None, typer.Option(
