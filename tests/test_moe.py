@@ -28,7 +28,7 @@ from families import (
 
 from nanoserve import native as native_library
 from nanoserve.config import ModelConfig
-from nanoserve.errors import UnsupportedModelError
+from nanoserve.errors import InvalidRequestError, UnsupportedModelError
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
 from nanoserve.model.moe import ExpertTally, MixtureOfExperts, route
 from nanoserve.native import ops as native_ops
@@ -294,6 +294,32 @@ def test_a_size_that_does_not_divide_the_experts_width_is_refused_naming_the_opt
     with pytest.raises(InvalidRequestError, match="experts' width 30") as error:
         check_shardable(config, 4)
     assert error.value.param == "tensor_parallel_size"
+
+
+def test_a_lora_on_the_mlp_of_a_sparse_layer_is_refused_naming_the_tensor():
+    """A sparse layer has no gate/up/down for an adapter's update to follow (the experts run in
+    their place): an adapter targeting them is refused, not loaded and silently skipped; the
+    same modules on a dense layer and attention on a sparse one are taken."""
+    from nanoserve.model.lora import AdapterTensor, check_weights
+
+    config = ModelConfig.from_hf_dict(CASES[0].config().to_dict())  # layer 0 sparse, layer 1 dense
+    assert config.is_sparse(0) and not config.is_sparse(1)
+    rank, hidden, width = 2, config.hidden_size, config.intermediate_size
+
+    def pair(layer: int, module: str, width_in: int, width_out: int) -> list[AdapterTensor]:
+        key = f"layers.{layer}.{module}"
+        return [AdapterTensor(f"{key}.A", layer, module, "A", torch.zeros(rank, width_in)),
+                AdapterTensor(f"{key}.B", layer, module, "B", torch.zeros(width_out, rank))]
+
+    q_width = config.num_heads * config.head_dim
+    taken = check_weights("ok", config, rank, 1.0, pair(0, "q_proj", hidden, q_width)
+                          + pair(1, "gate_proj", hidden, width) + pair(1, "down_proj", width, hidden))
+    assert set(taken.layers[0]) == {"q_proj"} and set(taken.layers[1]) == {"gate_proj", "down_proj"}
+    for module, shape in (("gate_proj", (hidden, width)), ("down_proj", (width, hidden))):
+        with pytest.raises(InvalidRequestError) as error:
+            check_weights("moe-adapter", config, rank, 1.0, pair(0, module, *shape))
+        assert f"layers.0.{module}.A" in error.value.message and "mixture of experts" in error.value.message
+        assert error.value.param == "lora_path"
 
 
 def test_the_engine_serves_a_mixture_of_experts_end_to_end(tmp_path, tiny_model_dir):

@@ -14,8 +14,9 @@ small ops run (float32 on the CPU), every adapter of a step in one C pass per ta
 batch-invariant float kernel (the model's own, or the native float kernel beside a GGUF
 model's block kernel). Either way a row's bits do not depend on which adapters its neighbours use.
 Refuses, by name, before anything is kept: a rank above max_lora_rank, a target module the
-decoder has no linear for, DoRA, trained biases or modules_to_save, and a tensor whose shape
-does not fit the base model; an adapter is resident whole or not at all.
+decoder has no linear for, an MLP module on a layer whose MLP is a mixture of experts, DoRA,
+trained biases or modules_to_save, and a tensor whose shape does not fit the base model; an
+adapter is resident whole or not at all.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from nanoserve.native.lora import NativeAdapter, NativeLoRAStep, Piece, TargetUp
 # PEFT's module names, and the fused base linear each one's output columns live in.
 TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
            "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+# The modules of a dense MLP: a sparse layer's experts have none of them (nor LoRA support).
+MLP_TARGETS = frozenset(("gate_proj", "up_proj", "down_proj"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,10 @@ def check_weights(path: str, model: ModelConfig, rank: int, scaling: float,
         if entry.layer >= model.num_layers:
             raise refuse(path, f"tensor {entry.key!r} names layer {entry.layer}; the base model has "
                                f"{model.num_layers}")
+        if entry.module in MLP_TARGETS and model.is_sparse(entry.layer):
+            raise refuse(path, f"tensor {entry.key!r} targets {entry.module} of layer {entry.layer}, whose "
+                               "MLP is a mixture of experts: LoRA on experts is not supported (attention "
+                               "modules are)")
         expected = ((rank, _input_width(model, entry.module)) if entry.which == "A"
                     else (_output_columns(model)[entry.module][2], rank))
         if tuple(entry.tensor.shape) != expected:
