@@ -98,6 +98,29 @@ def test_an_adapter_gives_the_logprobs_transformers_and_peft_give(tiny_model_dir
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_an_attention_adapter_on_a_mixture_of_experts_gives_peft_logprobs(tiny_model_dir, tmp_path,
+                                                                           monkeypatch, native):
+    """The experts run where the MLP would (a stage of the one-call decoder where that runs);
+    the attention modules' updates still apply around them as PEFT applies them."""
+    import shutil
+
+    import families
+    from test_moe import CASES
+
+    mixtral = next(case for case in CASES if case.config_class == "MixtralConfig")
+    model_dir = tmp_path / "moe"
+    families.write_checkpoint(families.Case(mixtral.name, mixtral.config_class,
+                                            {**mixtral.fields, "vocab_size": 400}), model_dir)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, model_dir / file)
+    adapter = build_adapter(model_dir, tmp_path / "adapter", seed=3, targets=["q_proj", "v_proj", "o_proj"])
+    llm = lora_llm_on(model_dir, monkeypatch, native=native)
+    got = llm.generate([PROMPT], GREEDY, lora_request=LoRARequest("attention", 1, str(adapter)))[0]
+    expected = peft_logprobs(model_dir, adapter, got.prompt_token_ids, got.token_ids)
+    assert max(abs(a - b) for a, b in zip([e.logprob for e in got.logprobs], expected, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_a_row_with_its_adapter_has_the_same_bits_alone_and_beside_other_adapters(tiny_model_dir, adapters,
                                                                                   monkeypatch, native):
     loras = requests_of(adapters)
