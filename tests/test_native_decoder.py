@@ -180,6 +180,7 @@ def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
 
 @pytest.mark.parametrize("file_type", ["F16", "BF16"])
 def test_f16_and_bf16_files_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path, file_type):
+    from families import crowd_logits
     from gguf import GGMLQuantizationType as T
 
     from nanoserve.native.matmul import HalfPanels
@@ -194,6 +195,10 @@ def test_f16_and_bf16_files_run_in_one_call_with_the_bits_of_the_separate_calls(
     separate_model = _mixed_model(tmp_path, every_matrix)
     separate_model.decoder = None
     assert_same_steps(_run(model), _run(separate_model))
+    vocab = model.config.vocab_size
+    prompts = [[(5 * i + 2 * seq) % vocab for i in range(n)] for seq, n in enumerate((9, 17, 12))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
 
 
 def test_a_stack_mixing_f16_panels_with_block_layouts_runs_in_one_call_with_the_separate_calls_bits(tmp_path):
