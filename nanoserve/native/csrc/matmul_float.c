@@ -21,11 +21,11 @@
  *
  * The arithmetic, and why it is batch-invariant: output (i, j) is one fused multiply-add chain,
  * acc = fma(x[i][k], W[j][k], acc) for k = 0, 1, ..., K-1, starting from 0 and rounded once
- * at the end (to bfloat16 for bfloat16 calls; widening a 16-bit weight is exact, so it is not a
- * rounding). Every path below runs exactly that chain, whatever
- * the row block, the number of rows in the call, the thread split or the tile, so a row's bits
- * never depend on its neighbours; and the portable path equals the AVX2 path bit for bit where
- * fmaf is a real fused instruction (FP_FAST_FMAF), which the tests check.
+ * at the end (to bfloat16 for bfloat16 calls; widening a 16-bit weight is exact, not a rounding).
+ * Every path below runs exactly that chain, whatever the row block, the number of rows in the
+ * call, the thread split or the tile, so a row's bits never depend on its neighbours; and the
+ * portable path equals the AVX2 path bit for bit where fmaf is a real fused instruction
+ * (FP_FAST_FMAF), which the tests check.
  *
  * Blocking: threads take contiguous ranges of panels (output columns, never K). For each panel
  * (two at a time for blocks of up to 3 rows, to keep enough independent FMA chains in flight)
@@ -33,10 +33,11 @@
  * byte comes from memory once per call whatever the row count. A 6-row x 16-column tile keeps
  * 12 accumulators, 2 weight vectors and 1 broadcast in the 16 AVX2 registers: per k, 2 weight
  * loads and 6 broadcasts feed 12 FMAs, enough to keep both FMA pipes busy in prefill, and at
- * one row the loop streams the panel at memory speed: two panels, two streams, four independent
- * chains, each k step's 64 bytes (16-bit) consumed by 4 FMAs, far below the FMA pipes' rate, so
- * the loads, not the arithmetic, set the pace. bfloat16 activations are widened to a float32
- * copy once per call (M x K floats, small beside the weights).
+ * one row the loop streams the panel at memory speed: two panels, two sequential streams, four
+ * independent chains, enough that a core consumes its panels faster than its share of the
+ * memory bus delivers them (results/README.md has the rates), so the stream sets the pace.
+ * bfloat16 activations are widened to a float32 copy once per call (M x K floats, small beside
+ * the weights).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -92,13 +93,14 @@ NS_INLINE uint16_t f32_to_bf16(float f) {
 
 /* ---- portable path: one row x one panel at a time, the 16 columns a loop the compiler vectorizes */
 
-/* Column c of the panel at step kk, widened to float32; 0 past a tail panel's width. */
+/* Element `at` of a packed weight of element type `type`, widened to float32 (exactly). */
 NS_INLINE float weight_at(int type, const void *w, int64_t at) {
     if (type == F32) return ((const float *)w)[at];
     if (type == F16) return f16_to_f32((const uint8_t *)((const uint16_t *)w + at));
     return bf16_to_f32(((const uint16_t *)w)[at]);
 }
 
+/* Column c of the panel at step kk, widened to float32; 0 past a tail panel's width. */
 NS_INLINE void panel_step(const Problem *p, int64_t panel, int64_t kk, int width, float *out) {
     const int64_t base = panel * PANEL * p->k;
     const int type = weight_type(p->call);
