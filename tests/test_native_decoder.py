@@ -176,3 +176,49 @@ def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
     cache, before = FamilyCache(model.config), native.calls()
     logits = step(model, cache, [("a", PROMPTS["a"], 0)])["a"]
     assert torch.isfinite(logits).all() and native.calls() - before >= 9 * model.config.num_layers
+
+
+@pytest.mark.parametrize("file_type", ["F16", "BF16"])
+def test_f16_and_bf16_files_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path, file_type):
+    from families import crowd_logits
+    from gguf import GGMLQuantizationType as T
+
+    from nanoserve.native.matmul import HalfPanels
+
+    def every_matrix(name: str):
+        return T[file_type]
+
+    model = _mixed_model(tmp_path, every_matrix)
+    assert model.decoder is not None
+    matrices = [m for w in model.weights.layers for m in (w.qkv, w.o, w.gate_up, w.down)]
+    assert all(isinstance(m, HalfPanels) for m in matrices)
+    separate_model = _mixed_model(tmp_path, every_matrix)
+    separate_model.decoder = None
+    assert_same_steps(_run(model), _run(separate_model))
+    vocab = model.config.vocab_size
+    prompts = [[(5 * i + 2 * seq) % vocab for i in range(n)] for seq, n in enumerate((9, 17, 12))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+
+
+def test_a_stack_mixing_f16_panels_with_block_layouts_runs_in_one_call_with_the_separate_calls_bits(tmp_path):
+    """v in F16 beside q and k in Q5_0: the stack's parts read the float input and its quantized
+    copy in the same stage; one layer's down in BF16 between K layouts."""
+    from gguf import GGMLQuantizationType as T
+
+    from nanoserve.native.matmul import HalfPanels
+    from nanoserve.quant import QuantizedStack
+
+    def mixed(name: str):
+        if name.split(".")[-2] == "attn_v":
+            return T.F16
+        return T.BF16 if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
+
+    model = _mixed_model(tmp_path, mixed)
+    assert model.decoder is not None
+    layers = model.weights.layers
+    assert isinstance(layers[0].qkv, QuantizedStack) and isinstance(layers[0].qkv.parts[-1], HalfPanels)
+    assert isinstance(layers[1].down, HalfPanels)
+    separate_model = _mixed_model(tmp_path, mixed)
+    separate_model.decoder = None
+    assert_same_steps(_run(model), _run(separate_model))

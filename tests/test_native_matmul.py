@@ -10,7 +10,7 @@ output is rounded to bfloat16. A misplaced weight or a dropped term is off by O(
 import pytest
 import torch
 
-from nanoserve import native
+from nanoserve import native, quant
 from nanoserve.llm import LLM
 from nanoserve.model import linear
 from nanoserve.model.linear import KERNELS, KernelUnavailableError, ProbeShape, choose_kernel, self_test
@@ -147,6 +147,90 @@ def test_float16_leaves_the_native_kernel_out_of_the_choice(tmp_path):
     choice = choose_kernel(ProbeShape([layer], torch.randn(64, 32, generator=g).half()), device=CPU,
                            max_rows=4, prefill_rows=8, batch_invariant=False, cache_path=tmp_path / "k.json")
     assert "native" not in choice.verdicts
+
+
+# ---- a GGUF file's F16 / BF16 matrices in the same panels (HalfPanels) ------------------------
+
+HALF_FORMATS = ["f16", "bf16"]
+
+
+def half_weight(format_name: str, n: int, k: int, seed: int = 0) -> quant.QuantizedWeight:
+    return quant.random_weight(format_name, n, k, generator=torch.Generator().manual_seed(seed + 7 * n + k))
+
+
+@needs_library
+@pytest.mark.parametrize("format_name", HALF_FORMATS)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_half_panels_match_a_float64_reference_within_the_fma_chain_bound(format_name, n, k):
+    """The file's values widen exactly, so the bound is the float32 chain's alone."""
+    weight = half_weight(format_name, n, k)
+    packed = matmul.pack_half(weight)
+    for m in ROWS:
+        x, _ = operands(m, n, k, torch.float32)
+        assert_within_bound(matmul.matmul_half(x, packed), x, weight.dequantize())
+
+
+@needs_library
+@pytest.mark.parametrize("format_name", HALF_FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(33, 17), (200, 96), (96, 1536)])
+def test_half_panels_portable_path_agrees_with_the_isa_path(format_name, n, k):
+    weight = half_weight(format_name, n, k)
+    packed = matmul.pack_half(weight)
+    for m in (1, 3, 6, 7, 16, 33):
+        x, _ = operands(m, n, k, torch.float32)
+        fast, portable = matmul.matmul_half(x, packed), matmul.matmul_half(x, packed, portable=True)
+        assert_within_bound(portable, x, weight.dequantize())
+        if matmul.portable_is_fused():
+            assert torch.equal(fast, portable), f"{m} rows: the paths differ"
+
+
+@needs_library
+@pytest.mark.parametrize("portable", [False, True], ids=["isa", "portable"])
+@pytest.mark.parametrize("format_name", HALF_FORMATS)
+def test_a_half_panel_rows_bits_do_not_depend_on_its_call_its_position_or_the_threads(format_name, portable):
+    n, k = 200, 700
+    x, _ = operands(40, n, k, torch.float32)
+    packed = matmul.pack_half(half_weight(format_name, n, k))
+    alone = torch.cat([matmul.matmul_half(x[r : r + 1], packed, portable=portable) for r in range(40)])
+    for m in range(1, 34):
+        for start in (0, 7):
+            call = matmul.matmul_half(x[start : start + m], packed, portable=portable)
+            assert torch.equal(call, alone[start : start + m]), f"{m} rows at offset {start}"
+    for threads in (1, 2, 3):
+        assert torch.equal(matmul.matmul_half(x, packed, threads=threads, portable=portable), alone)
+
+
+@needs_library
+@pytest.mark.parametrize("format_name", HALF_FORMATS)
+def test_half_panels_hold_the_files_values_in_its_bytes_and_look_rows_up_exactly(format_name):
+    weight = half_weight(format_name, 37, 100)  # two full panels and a tail of 5
+    packed = matmul.pack_half(weight)
+    assert packed.nbytes == weight.nbytes and packed.shape == weight.shape
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+    ids = torch.tensor([[36, 0], [15, 16], [31, 32]])
+    assert torch.equal(packed.lookup(ids), weight.dequantize()[ids])
+    with pytest.raises(IndexError, match=r"\[0, 37\)"):
+        packed.lookup(torch.tensor([37]))
+
+
+@needs_library
+@pytest.mark.parametrize("format_name", HALF_FORMATS)
+def test_the_repacking_kernel_runs_half_panels_and_passes_the_batch_invariance_self_test(format_name):
+    kernel = linear.QUANTIZED_KERNELS["native-quant-x8"]
+    layer = [half_weight(format_name, 40, 100, seed=1), half_weight(format_name, 33, 100, seed=2)]
+    assert isinstance(kernel.pack(layer[0]), matmul.HalfPanels)
+    shape = ProbeShape([layer], half_weight(format_name, 17, 100, seed=3))
+    assert self_test(kernel, shape, max_rows=9, prefill_rows=40) == ""
+
+
+@needs_library
+def test_half_panels_refuse_bad_operands_by_name():
+    packed = matmul.pack_half(half_weight("f16", 8, 24))
+    for x in (torch.zeros(2, 20), torch.zeros(2, 24, dtype=torch.bfloat16), torch.zeros(2, 2, 24)):
+        with pytest.raises(ValueError, match=r"x must be float32 \[rows, 24\]"):
+            matmul.matmul_half(x, packed)
+    with pytest.raises(matmul.UnsupportedDtypeError, match="f16 and bf16"):
+        matmul.pack_half(half_weight("q8_0", 8, 32))
 
 
 @pytest.fixture

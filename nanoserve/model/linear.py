@@ -139,6 +139,8 @@ def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
         return repack.matmul(x, weight)
     if isinstance(weight, repack.KRepackedWeight):
         return repack.matmul_k(x, weight)
+    if isinstance(weight, native_matmul.HalfPanels):
+        return native_matmul.matmul_half(x, weight)
     if isinstance(weight, quant.QuantizedStack):
         return torch.cat([_native_quant(x, part) for part in weight.parts], dim=1)
     return _aten_tiled(x, weight)  # a matrix of a GGUF type with no kernel, dequantized at load
@@ -146,14 +148,16 @@ def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
 
 def _repack(weight: quant.Weight) -> quant.Weight:
     """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K matrices (and such parts of a stack) in the
-    8-column interleaved layouts; other formats stay in the file's layout, for the row-major
-    kernel."""
+    8-column interleaved layouts, F16 and BF16 ones in the float kernel's 16-column panels; other
+    formats stay in the file's layout, for the row-major kernel."""
     from nanoserve.native import repack
 
     if isinstance(weight, quant.QuantizedStack):
         return quant.QuantizedStack(tuple(_repack(part) for part in weight.parts))
     if not isinstance(weight, quant.QuantizedWeight):
         return weight
+    if native_matmul.half_packable(weight):
+        return native_matmul.pack_half(weight)
     return repack.repack_k(weight) if repack.k_repackable(weight) else repack.repack(weight)
 
 
@@ -172,8 +176,9 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
     LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
-                 "columns interleaved (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; other formats as "
-                 "native-quant)", _repack, _native_quant, ("cpu",), one_call_decoder=True),
+                 "columns interleaved (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; F16 and BF16 in the "
+                 "float kernel's panels; other formats as native-quant)", _repack, _native_quant, ("cpu",),
+                 one_call_decoder=True),
     LinearKernel("native-quant-gemm", "native-quant-x8, prompt chunks through a register-blocked GEMM "
                  "(Q4_0, Q4_1, Q8_0)", _repack, _native_quant_gemm, ("cpu",), one_call_decoder=True),
 )}

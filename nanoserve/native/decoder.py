@@ -9,9 +9,10 @@ leaves the same bits: the stages are the exported kernels' own code. A sparse la
 experts' one call (nanoserve.native.moe) as a stage, to that call's bits.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
 None): a matrix neither in a repacked layout (nanoserve.native.repack: the x8 layouts, the K
-layouts, or a stack of parts in those, as a Q4_K_M file mixes them) nor float32 in
-nanoserve.native.matmul's panels, a width not whole blocks of 32, a sparse layer without its
-experts' native call, or the library off. The model then keeps its loop of separate calls.
+layouts), nor a GGUF F16 / BF16 one in nanoserve.native.matmul's panels (HalfPanels), nor a
+stack of parts in those (as a Q4_K_M file mixes them), nor float32 in nanoserve.native.matmul's
+panels; a width not whole blocks of 32, a sparse layer without its experts' native call, or
+the library off. The model then keeps its loop of separate calls.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from nanoserve import native
 from nanoserve.native.lora import NativeLoRAStep
-from nanoserve.native.matmul import FLOAT_PANELS
+from nanoserve.native.matmul import FLOAT_PANELS, HalfPanels
 from nanoserve.native.ops import PagedContext
 
 if TYPE_CHECKING:
@@ -71,12 +72,13 @@ def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
 
 
 def _layout(matrix: object) -> int | None:
-    """The block layout's number (a GGML type) of a repacked matrix, else None."""
+    """The layout's number (a GGML type) of a repacked matrix or of a GGUF F16 / BF16 one in
+    panels (csrc/stages.h's ns_stage_blocks formats), else None."""
     from nanoserve.native.repack import KRepackedWeight, RepackedWeight
 
     if isinstance(matrix, RepackedWeight):
         return matrix.layout.ggml_type
-    if isinstance(matrix, KRepackedWeight):
+    if isinstance(matrix, KRepackedWeight | HalfPanels):
         return matrix.format.ggml_type
     return None
 

@@ -1,7 +1,8 @@
 """The native kernels on GGUF weights in their file's bytes, behind torch-shaped calls.
 
-Owns: which C file runs each format (csrc/matmul_quant.c: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K;
-csrc/matmul_more.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, F16, BF16), the ctypes signatures
+Owns: which C file runs each format in the file's layout (csrc/matmul_quant.c: Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K, Q6_K; csrc/matmul_more.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, F16, BF16; the
+repacking kernels hold F16 and BF16 in nanoserve.native.matmul's panels instead), the ctypes signatures
 of their entry points (a matmul, its portable twin, and a row lookup each), and the checks a
 raw pointer cannot make for itself (dtype, contiguity, shapes), done before every call: a wrong
 pointer is a segfault, not an exception.

@@ -11,7 +11,8 @@
  * calls' bits, and batch-invariant for the same reasons. A stage too small to be worth
  * splitting (NS_STAGE_MIN_WORK) runs on thread 0 while the others wait at the barrier.
  * The matrices are in repacked block layouts (stage_blocks.c; their inputs quantized once, in the
- * stage that writes them) or float32 in matmul_float.c's panels (format FLOAT_PANELS). The
+ * stage that writes them), in matmul_float.c's panels (float32, or a GGUF file's F16 / BF16
+ * values: stages.h's NS_*_PANELS, read from the float input), or stacks mixing them. The
  * last layer's down projection is left in `delta`, not yet added to `hidden`, as the Python
  * loop leaves it. A step with LoRA rows adds their adapters' updates after each projection
  * (lora.c's two stages, the same code the loop's call runs). A sparse layer (a mixture of
@@ -28,8 +29,6 @@
 #define NS_STAGE_MIN_WORK 16384
 
 enum { QKV, O, GATE_UP, DOWN, MATRICES };
-/* a matrix's format: 0, or its block layout (stages.h's ns_stage_blocks: x8, kx8 or NS_STACKED) */
-enum { FLOAT_PANELS = 0 };
 
 /* The model: fixed after load. Per-layer arrays hold `layers` entries (matrices: 4 per layer). */
 typedef struct {
@@ -37,7 +36,7 @@ typedef struct {
     float eps, scale;
     const float *const *input_norm, *const *post_norm;
     const void *const *matrices;    /* [layer * 4 + QKV/O/GATE_UP/DOWN] */
-    const int32_t *formats;         /* the same order: FLOAT_PANELS or a block layout */
+    const int32_t *formats;         /* the same order: stages.h's ns_stage_blocks formats */
     void *const *k_cache, *const *v_cache; /* [layer]: [kv_heads, num_blocks * block_size, head_dim] */
     int64_t block_size, num_blocks;
     const float *cos, *signed_sin; /* [positions, head_dim] */
@@ -77,7 +76,8 @@ static void stage_rows(int64_t rows, int64_t work, int thread, int threads, int6
 
 /* Whether matrix `which` of `layer` reads its input quantized (then the stage before it quantizes). */
 static int quantized(const DecoderModel *m, int64_t layer, int which) {
-    return m->formats[layer * MATRICES + which] != FLOAT_PANELS;
+    const int64_t at = layer * MATRICES + which;
+    return ns_stage_reads_quantized(m->formats[at], m->matrices[at]);
 }
 
 static void norm_and_quantize(const DecoderJob *job, const float *delta, const float *weight, int quantize,
@@ -91,15 +91,12 @@ static void norm_and_quantize(const DecoderJob *job, const float *delta, const f
 }
 
 /* y = input @ W^T for matrix `which` of `layer`: from the float input, or from its quantized
- * copy in job->xq. */
+ * copy in job->xq (a stack's parts each from the one its layout reads). */
 static void project(const DecoderJob *job, int64_t layer, int which, const float *input, float *y, int64_t n,
                     int64_t k, int thread, int threads) {
     const DecoderModel *m = job->m;
-    int64_t at = layer * MATRICES + which;
-    if (m->formats[at] == FLOAT_PANELS)
-        ns_stage_float(input, m->matrices[at], y, job->s->rows, n, k, thread, threads);
-    else
-        ns_stage_blocks(m->formats[at], job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
+    const int64_t at = layer * MATRICES + which;
+    ns_stage_blocks(m->formats[at], input, job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
 }
 
 static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {

@@ -1,20 +1,31 @@
-/* Float matrix multiplies: y[M, N] = x[M, K] @ W[N, K]^T for float32 and bfloat16 weights.
+/* Float matrix multiplies: y[M, N] = x[M, K] @ W[N, K]^T for float32, bfloat16 and float16 weights.
+ *
+ * Three kinds of call, one set of panels and tiles:
+ *   float32 weights, float32 x and y             (a float32 model)
+ *   bfloat16 weights, bfloat16 x and y           (a float model held in bfloat16)
+ *   F16 or BF16 weights, float32 x and y         (a GGUF file's F16 / BF16 matrices, whose
+ *                                                 activations are float32 like every block type's)
+ * The weight's element type is named by its GGML type number (F32 0, F16 1, BF16 30), which is
+ * also the format the one-call decoder gives such a matrix (stages.h).
  *
  * Weight layout (made once at load by nanoserve/native/matmul.py's `pack`): W's rows (output
  * columns) in panels of 16; a full panel is stored K-major, 16 values per k, so a k step is one
- * contiguous 64-byte (float32) or 32-byte (bfloat16) read and the whole panel is one stream.
+ * contiguous 64-byte (float32) or 32-byte (16-bit) read and the whole panel is one stream.
  * The last N % 16 columns form a narrower tail panel, [K][N % 16]. The packed tensor keeps W's
- * element count, so it keeps W's shape. In a bfloat16 panel the 16 values of a k step are
- * interleaved c0 c8 c1 c9 ... c7 c15: read as 8 32-bit words, `word << 16` is columns 0..7 and
+ * element count, so it keeps W's shape (and a GGUF file's 2-byte values, regrouped: resident
+ * bytes are the file's). In a bfloat16 panel the 16 values of a k step are interleaved
+ * c0 c8 c1 c9 ... c7 c15: read as 8 32-bit words, `word << 16` is columns 0..7 and
  * `word & 0xffff0000` is columns 8..15 as float32, two integer ops and no shuffles
- * (this CPU has no AVX512-BF16; a bfloat16 is the top half of a float32).
+ * (this CPU has no AVX512-BF16; a bfloat16 is the top half of a float32). A float16 panel keeps
+ * the columns in order: each 8 halves widen with one F16C vcvtph2ps (exact, as the shift is).
  *
  * The arithmetic, and why it is batch-invariant: output (i, j) is one fused multiply-add chain,
  * acc = fma(x[i][k], W[j][k], acc) for k = 0, 1, ..., K-1, starting from 0 and rounded once
- * at the end (to bfloat16 for bfloat16 calls). Every path below runs exactly that chain, whatever
- * the row block, the number of rows in the call, the thread split or the tile, so a row's bits
- * never depend on its neighbours; and the portable path equals the AVX2 path bit for bit where
- * fmaf is a real fused instruction (FP_FAST_FMAF), which the tests check.
+ * at the end (to bfloat16 for bfloat16 calls; widening a 16-bit weight is exact, not a rounding).
+ * Every path below runs exactly that chain, whatever the row block, the number of rows in the
+ * call, the thread split or the tile, so a row's bits never depend on its neighbours; and the
+ * portable path equals the AVX2 path bit for bit where fmaf is a real fused instruction
+ * (FP_FAST_FMAF), which the tests check.
  *
  * Blocking: threads take contiguous ranges of panels (output columns, never K). For each panel
  * (two at a time for blocks of up to 3 rows, to keep enough independent FMA chains in flight)
@@ -22,8 +33,11 @@
  * byte comes from memory once per call whatever the row count. A 6-row x 16-column tile keeps
  * 12 accumulators, 2 weight vectors and 1 broadcast in the 16 AVX2 registers: per k, 2 weight
  * loads and 6 broadcasts feed 12 FMAs, enough to keep both FMA pipes busy in prefill, and at
- * one row the loop streams the panel at memory speed. bfloat16 activations are widened to a
- * float32 copy once per call (M x K floats, small beside the weights).
+ * one row the loop streams the panel at memory speed: two panels, two sequential streams, four
+ * independent chains, enough that a core consumes its panels faster than its share of the
+ * memory bus delivers them (results/README.md has the rates), so the stream sets the pace.
+ * bfloat16 activations are widened to a float32 copy once per call (M x K floats, small beside
+ * the weights).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -32,12 +46,16 @@
 #include "nanoserve.h"
 #include "stages.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define NS_FLOAT_AVX2 1
 #endif
 
 enum { PANEL = 16, ROW_BLOCK = 6 };
+/* The weight's element type: its GGML type number (stages.h's NS_*_PANELS) */
+enum { F32 = NS_F32_PANELS, F16 = NS_F16_PANELS, BF16 = NS_BF16_PANELS };
+/* The kinds of call (header): a weight type, and whether x and y are bfloat16 */
+enum { CALL_F32, CALL_BF16, CALL_BF16_WEIGHT, CALL_F16_WEIGHT, CALLS };
 /* A thread's share must be worth waking it: below this many multiply-adds per thread a call
  * runs on fewer threads (a test model's 64 x 64 weights run on one; the default model's
  * smallest, 576 x 576 at one row, still on two). Bits do not depend on it. */
@@ -46,12 +64,17 @@ enum { MIN_MACS_PER_THREAD = 1 << 17 };
 #define NS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
-    const float *x;  /* [m, k] float32 (bfloat16 inputs widened first) */
-    const void *w;   /* packed weight, float32 or bfloat16 */
-    void *y;         /* [m, n], the weight's dtype */
+    const float *x;   /* [m, k] float32 (bfloat16 inputs widened first) */
+    const void *w;    /* packed weight */
+    void *y;          /* [m, y_stride]: float32, or bfloat16 for CALL_BF16 */
     int64_t m, n, k;
-    int bf16;        /* weight and output are bfloat16 */
+    int64_t y_stride; /* n, or a stack's width (a part writes its columns of the stack's rows) */
+    int call;         /* CALL_*: the weight's type and the output's */
 } Problem;
+
+NS_INLINE int weight_type(int call) {
+    return call == CALL_F32 ? F32 : call == CALL_F16_WEIGHT ? F16 : BF16;
+}
 
 NS_INLINE float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -70,10 +93,18 @@ NS_INLINE uint16_t f32_to_bf16(float f) {
 
 /* ---- portable path: one row x one panel at a time, the 16 columns a loop the compiler vectorizes */
 
+/* Element `at` of a packed weight of element type `type`, widened to float32 (exactly). */
+NS_INLINE float weight_at(int type, const void *w, int64_t at) {
+    if (type == F32) return ((const float *)w)[at];
+    if (type == F16) return f16_to_f32((const uint8_t *)((const uint16_t *)w + at));
+    return bf16_to_f32(((const uint16_t *)w)[at]);
+}
+
 /* Column c of the panel at step kk, widened to float32; 0 past a tail panel's width. */
 NS_INLINE void panel_step(const Problem *p, int64_t panel, int64_t kk, int width, float *out) {
     const int64_t base = panel * PANEL * p->k;
-    if (width == PANEL && p->bf16) {
+    const int type = weight_type(p->call);
+    if (width == PANEL && type == BF16) {
         const uint16_t *w = (const uint16_t *)p->w + base + kk * PANEL;
         for (int l = 0; l < PANEL / 2; l++) {
             out[l] = bf16_to_f32(w[2 * l]);
@@ -81,12 +112,7 @@ NS_INLINE void panel_step(const Problem *p, int64_t panel, int64_t kk, int width
         }
         return;
     }
-    for (int c = 0; c < PANEL; c++) {
-        const int64_t at = base + kk * width + c;
-        out[c] = c >= width ? 0.0f
-                 : p->bf16  ? bf16_to_f32(((const uint16_t *)p->w)[at])
-                            : ((const float *)p->w)[at];
-    }
+    for (int c = 0; c < PANEL; c++) out[c] = c < width ? weight_at(type, p->w, base + kk * width + c) : 0.0f;
 }
 
 static void row_panel_portable(const Problem *p, int64_t row, int64_t panel) {
@@ -98,8 +124,8 @@ static void row_panel_portable(const Problem *p, int64_t row, int64_t panel) {
         for (int c = 0; c < PANEL; c++) acc[c] = NS_MADD(x[kk], w[c], acc[c]);
     }
     for (int c = 0; c < width; c++) {
-        const int64_t at = row * p->n + panel * PANEL + c;
-        if (p->bf16)
+        const int64_t at = row * p->y_stride + panel * PANEL + c;
+        if (p->call == CALL_BF16)
             ((uint16_t *)p->y)[at] = f32_to_bf16(acc[c]);
         else
             ((float *)p->y)[at] = acc[c];
@@ -110,8 +136,12 @@ static void row_panel_portable(const Problem *p, int64_t row, int64_t panel) {
 
 #ifdef NS_FLOAT_AVX2
 /* Step kk of a full panel as two float32 vectors: columns 0..7 and 8..15. */
-NS_INLINE void load_panel_step(const void *panel, int64_t kk, int bf16, __m256 *lo, __m256 *hi) {
-    if (bf16) {
+NS_INLINE void load_panel_step(const void *panel, int64_t kk, int type, __m256 *lo, __m256 *hi) {
+    if (type == F16) {
+        const __m128i *halves = (const __m128i *)((const uint16_t *)panel + kk * PANEL);
+        *lo = _mm256_cvtph_ps(_mm_loadu_si128(halves));
+        *hi = _mm256_cvtph_ps(_mm_loadu_si128(halves + 1));
+    } else if (type == BF16) {
         const __m256i words = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panel + kk * PANEL));
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
         *hi = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xffff0000u)));
@@ -131,7 +161,7 @@ NS_INLINE __m256i bf16_round(__m256 v) {
 }
 
 NS_INLINE void store_panel_row(const Problem *p, int64_t row, int64_t panel, int bf16, __m256 lo, __m256 hi) {
-    const int64_t at = row * p->n + panel * PANEL;
+    const int64_t at = row * p->y_stride + panel * PANEL;
     if (bf16) {
         /* packus works per 128-bit lane: lo0-3 hi0-3 lo4-7 hi4-7; the permute restores the order */
         const __m256i packed = _mm256_packus_epi32(bf16_round(lo), bf16_round(hi));
@@ -143,14 +173,15 @@ NS_INLINE void store_panel_row(const Problem *p, int64_t row, int64_t panel, int
 }
 
 /* One tile: R rows (1..6) x one panel, or R rows (1..3) x two panels (then the second panel's
- * accumulators are the "row + 3" ones). R, NP and bf16 are compile-time constants in every
+ * accumulators are the "row + 3" ones). R, NP and call are compile-time constants in every
  * instance, so the `if`s fold away; the accumulators are named variables, not an array,
  * because GCC 12 otherwise stores an array of them to the stack at every k step. */
 NS_INLINE void tile_avx2(const Problem *p, int64_t row0, int64_t panel, const int R, const int NP,
-                         const int bf16) {
+                         const int call) {
     const int64_t k = p->k;
     const float *x = p->x + row0 * k;
-    const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int type = weight_type(call), bf16 = call == CALL_BF16;
+    const size_t element = type == F32 ? sizeof(float) : sizeof(uint16_t);
     const char *w0 = (const char *)p->w + (size_t)(panel * k * PANEL) * element;
     const char *w1 = w0 + (size_t)(k * PANEL) * element;
     const float *x0 = x, *x1 = x + k, *x2 = x + 2 * k;
@@ -160,8 +191,8 @@ NS_INLINE void tile_avx2(const Problem *p, int64_t row0, int64_t panel, const in
     __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
     for (int64_t kk = 0; kk < k; kk++) {
         __m256 lo, hi, lo2 = _mm256_setzero_ps(), hi2 = lo2;
-        load_panel_step(w0, kk, bf16, &lo, &hi);
-        if (NP == 2) load_panel_step(w1, kk, bf16, &lo2, &hi2);
+        load_panel_step(w0, kk, type, &lo, &hi);
+        if (NP == 2) load_panel_step(w1, kk, type, &lo2, &hi2);
         const __m256 v3 = NP == 2 ? lo2 : lo, u3 = NP == 2 ? hi2 : hi;
 #define NS_ROW(i, xi, vl, vh) \
         if ((i < 3 ? R : rows_hi + 3) > i) { \
@@ -185,19 +216,23 @@ NS_INLINE void tile_avx2(const Problem *p, int64_t row0, int64_t panel, const in
 }
 
 typedef void (*TileFn)(const Problem *, int64_t, int64_t);
-#define TILE(R, NP, B) \
-    static void tile_##R##_##NP##_##B(const Problem *p, int64_t row0, int64_t panel) { \
-        tile_avx2(p, row0, panel, R, NP, B); \
+#define TILE(R, NP, C) \
+    static void tile_##R##_##NP##_##C(const Problem *p, int64_t row0, int64_t panel) { \
+        tile_avx2(p, row0, panel, R, NP, C); \
     }
-#define TILES_FOR(B) TILE(1, 1, B) TILE(2, 1, B) TILE(3, 1, B) TILE(4, 1, B) TILE(5, 1, B) TILE(6, 1, B) \
-                     TILE(1, 2, B) TILE(2, 2, B) TILE(3, 2, B)
-TILES_FOR(0)
-TILES_FOR(1)
-/* [bf16][rows - 1]: one panel; two panels for blocks of up to 3 rows */
-static const TileFn TILES_1[2][ROW_BLOCK] = {
-    {tile_1_1_0, tile_2_1_0, tile_3_1_0, tile_4_1_0, tile_5_1_0, tile_6_1_0},
-    {tile_1_1_1, tile_2_1_1, tile_3_1_1, tile_4_1_1, tile_5_1_1, tile_6_1_1}};
-static const TileFn TILES_2[2][3] = {{tile_1_2_0, tile_2_2_0, tile_3_2_0}, {tile_1_2_1, tile_2_2_1, tile_3_2_1}};
+#define TILES_FOR(C) TILE(1, 1, C) TILE(2, 1, C) TILE(3, 1, C) TILE(4, 1, C) TILE(5, 1, C) TILE(6, 1, C) \
+                     TILE(1, 2, C) TILE(2, 2, C) TILE(3, 2, C)
+TILES_FOR(CALL_F32)
+TILES_FOR(CALL_BF16)
+TILES_FOR(CALL_BF16_WEIGHT)
+TILES_FOR(CALL_F16_WEIGHT)
+#define ONE_PANEL(C) {tile_1_1_##C, tile_2_1_##C, tile_3_1_##C, tile_4_1_##C, tile_5_1_##C, tile_6_1_##C}
+#define TWO_PANELS(C) {tile_1_2_##C, tile_2_2_##C, tile_3_2_##C}
+/* [call][rows - 1]: one panel; two panels for blocks of up to 3 rows */
+static const TileFn TILES_1[CALLS][ROW_BLOCK] = {ONE_PANEL(CALL_F32), ONE_PANEL(CALL_BF16),
+                                                 ONE_PANEL(CALL_BF16_WEIGHT), ONE_PANEL(CALL_F16_WEIGHT)};
+static const TileFn TILES_2[CALLS][3] = {TWO_PANELS(CALL_F32), TWO_PANELS(CALL_BF16),
+                                         TWO_PANELS(CALL_BF16_WEIGHT), TWO_PANELS(CALL_F16_WEIGHT)};
 #endif
 
 /* ---- the loop over a thread's panels and the call's row blocks */
@@ -214,9 +249,9 @@ static void run_panels(const Problem *p, int64_t first, int64_t last, int use_is
 #ifdef NS_FLOAT_AVX2
             if (use_isa && panel < full) {
                 if (pair && rows <= 3) {
-                    TILES_2[p->bf16][rows - 1](p, row0, panel);
+                    TILES_2[p->call][rows - 1](p, row0, panel);
                 } else {
-                    for (int q = 0; q < np; q++) TILES_1[p->bf16][rows - 1](p, row0, panel + q);
+                    for (int q = 0; q < np; q++) TILES_1[p->call][rows - 1](p, row0, panel + q);
                 }
                 continue;
             }
@@ -251,17 +286,29 @@ static void run(const Problem *p, int num_threads, int use_isa) {
     ns_parallel(num_threads, panels_task, &job);
 }
 
-void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
-                    int threads) {
-    const Problem p = {x, w, y, m, n, k, 0};
+/* The call that multiplies float32 activations by weights of GGML type `fmt`: -1 for a type
+ * with no panels. */
+static int float32_call(int fmt) {
+    return fmt == F32 ? CALL_F32 : fmt == F16 ? CALL_F16_WEIGHT : fmt == BF16 ? CALL_BF16_WEIGHT : -1;
+}
+
+void ns_stage_panels(int fmt, const float *x, const void *w, float *y, int64_t y_stride, int64_t m, int64_t n,
+                     int64_t k, int thread, int threads) {
+    const Problem p = {x, w, y, m, n, k, y_stride, float32_call(fmt)};
     int64_t begin, end;
     ns_share((n + PANEL - 1) / PANEL, thread, threads, &begin, &end);
     run_panels(&p, begin, end, 1);
 }
 
-static int matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
-                      int num_threads, int use_isa) {
-    const Problem p = {x, w, y, m, n, k, 0};
+void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
+                    int threads) {
+    ns_stage_panels(F32, x, w, y, n, m, n, k, thread, threads);
+}
+
+static int matmul_float32(int fmt, const float *x, const void *w, float *y, int64_t m, int64_t n, int64_t k,
+                          int num_threads, int use_isa) {
+    const Problem p = {x, w, y, m, n, k, n, float32_call(fmt)};
+    if (p.call < 0) return -1;
     run(&p, num_threads, use_isa);
     return 0;
 }
@@ -271,7 +318,7 @@ static int matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_
     float *wide = malloc((size_t)(m * k) * sizeof *wide);
     if (wide == NULL) return 1;
     for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_to_f32(x[i]);
-    const Problem p = {wide, w, y, m, n, k, 1};
+    const Problem p = {wide, w, y, m, n, k, n, CALL_BF16};
     run(&p, num_threads, use_isa);
     free(wide);
     return 0;
@@ -281,12 +328,12 @@ static int matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_
  * `*_portable` skip the ISA path (for the tests that hold one against the other). */
 NS_EXPORT int ns_matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
                             int num_threads) {
-    return matmul_f32(x, w, y, m, n, k, num_threads, 1);
+    return matmul_float32(F32, x, w, y, m, n, k, num_threads, 1);
 }
 
 NS_EXPORT int ns_matmul_f32_portable(const float *x, const float *w, float *y, int64_t m, int64_t n,
                                      int64_t k, int num_threads) {
-    return matmul_f32(x, w, y, m, n, k, num_threads, 0);
+    return matmul_float32(F32, x, w, y, m, n, k, num_threads, 0);
 }
 
 NS_EXPORT int ns_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n,
@@ -297,6 +344,18 @@ NS_EXPORT int ns_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, 
 NS_EXPORT int ns_matmul_bf16_portable(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m,
                                       int64_t n, int64_t k, int num_threads) {
     return matmul_bf16(x, w, y, m, n, k, num_threads, 0);
+}
+
+/* A GGUF file's F16 or BF16 matrix (`fmt`: its GGML type) in panels, float32 x and y; -1 for
+ * another type. */
+NS_EXPORT int ns_matmul_half_panels(int fmt, const float *x, const uint16_t *w, float *y, int64_t m, int64_t n,
+                                    int64_t k, int num_threads) {
+    return fmt == F32 ? -1 : matmul_float32(fmt, x, w, y, m, n, k, num_threads, 1);
+}
+
+NS_EXPORT int ns_matmul_half_panels_portable(int fmt, const float *x, const uint16_t *w, float *y, int64_t m,
+                                             int64_t n, int64_t k, int num_threads) {
+    return fmt == F32 ? -1 : matmul_float32(fmt, x, w, y, m, n, k, num_threads, 0);
 }
 
 /* The panel width `pack` must use, and whether the portable chain is fused (then it equals the

@@ -45,21 +45,34 @@ void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, 
 void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                           int64_t n, int64_t k, int thread, int threads);
 
-/* stage_blocks.c: a projection in any of those layouts, or stacked from parts in different ones
- * along the output columns (fmt NS_STACKED, w an ns_stacked_blocks): a Q4_K_M file's q, k and v.
- * Each part's groups are split among the threads on their own; no reduction is ever split. */
+/* stage_blocks.c: a projection in any of those layouts or in matmul_float.c's panels (below),
+ * or stacked from parts in different ones along the output columns (fmt NS_STACKED, w an
+ * ns_stacked_blocks): a Q4_K_M file's q, k and v. A block layout reads xq, the panels read x
+ * (both the same rows). Each part's groups are split among the threads on their own; no
+ * reduction is ever split. ns_stage_reads_quantized: whether the stage reads xq (the stage
+ * before it must quantize). */
 enum { NS_STACKED = -1 };
 typedef struct {
     int64_t parts;
-    const int32_t *formats;          /* [parts]: an x8 or kx8 layout each */
+    const int32_t *formats;          /* [parts]: an x8 or kx8 layout, or float panels, each */
     const int64_t *columns;          /* [parts]: each part's output columns, in stack order */
     const uint8_t *const *blocks;    /* [parts] */
 } ns_stacked_blocks;
-void ns_stage_blocks(int fmt, const xblock *xq, const void *w, float *y, int64_t rows, int64_t n, int64_t k,
-                     int thread, int threads);
+void ns_stage_blocks(int fmt, const float *x, const xblock *xq, const void *w, float *y, int64_t rows, int64_t n,
+                     int64_t k, int thread, int threads);
+int ns_stage_reads_quantized(int fmt, const void *w);
 
 /* matmul_float.c, on the vector path: thread `thread`'s panels of 16 columns of y [m, n] =
- * x @ W^T, W float32 in matmul.py's packed panels. */
+ * x @ W^T, x and y float32, W in matmul.py's packed panels of GGML type `fmt` (the format the
+ * decoder gives such a matrix): float32, or a GGUF file's F16 / BF16 values. y's rows are
+ * `y_stride` apart (a part of a stack writes its columns of the stack's rows); ns_stage_float is
+ * the float32 call with y_stride n. */
+enum { NS_F32_PANELS = 0, NS_F16_PANELS = 1, NS_BF16_PANELS = 30 };
+static inline int ns_float_panels(int fmt) {
+    return fmt == NS_F32_PANELS || fmt == NS_F16_PANELS || fmt == NS_BF16_PANELS;
+}
+void ns_stage_panels(int fmt, const float *x, const void *w, float *y, int64_t y_stride, int64_t m, int64_t n,
+                     int64_t k, int thread, int threads);
 void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
                     int threads);
 
