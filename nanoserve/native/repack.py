@@ -29,7 +29,7 @@ from nanoserve.quant import FORMATS, BlockFormat, PackedBlocks, QuantizedWeight
 COLUMNS = 8  # csrc/matmul_x8.c's COLUMNS: output columns interleaved per group
 # The layout each format is repacked into (a GGML type number: csrc/matmul_x8.c's X8_*).
 LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q5_0": FORMATS["q5_1"], "q5_1": FORMATS["q5_1"],
-          "q8_0": FORMATS["q8_0"]}
+          "q8_0": FORMATS["q8_0"], "iq4_nl": FORMATS["iq4_nl"]}
 # Formats held in another's layout with the offset m = -SHIFT * d (exact in f16 unless it overflows).
 SHIFTED = {"q4_0": 8, "q5_0": 16}
 GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/matmul_gemm.c runs
@@ -87,7 +87,7 @@ def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     layout = LAYOUT[weight.format.name]
     if layout.name == "q5_1":  # d, m, then the fifth bits regrouped by chunk, then the low 4 bits
         blocks = torch.cat([blocks[..., :4], _fifth_bits(blocks[..., 4:8]), blocks[..., 8:]], dim=-1)
-    scale_bytes = 2 if layout.name == "q8_0" else 4
+    scale_bytes = 2 if layout.name in ("q8_0", "iq4_nl") else 4  # d alone, or d and m
     padded = torch.zeros(-(-out_features // COLUMNS) * COLUMNS, *blocks.shape[1:], dtype=torch.uint8)
     padded[:out_features] = blocks
     groups = padded.view(-1, COLUMNS, *blocks.shape[1:])  # [group, column, block, bytes]
