@@ -202,9 +202,12 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
             }
         } else if (fmt == X8_IQ4_NL) {
             /* As Q8_0's chunks below, each byte of codes giving two: its low nibbles meet x's
-             * values 4t.., its high nibbles x's values 16 + 4t.. */
+             * values 4t.., its high nibbles x's values 16 + 4t.. Unrolled whole, the loop had
+             * all 8 looked-up chunks and their magnitudes computed first and spilled; two
+             * chunks at a time keep a 4-row tile in registers. */
             __m256i sums[ROW_TILE];
             for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+            #pragma GCC unroll 2
             for (int t = 0; t < 4; t++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * t));
                 for (int half = 0; half < 2; half++) {
