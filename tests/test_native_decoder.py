@@ -130,15 +130,15 @@ def _q4_k_m_type(name: str):
 
 
 def _iq4_xs_type(name: str):
-    """An IQ4_XS file's mix, kept to the types with a repacked layout: IQ4_XS where the width is
-    whole super-blocks, IQ4_NL (llama-quantize's fallback) and Q8_0 for some v, an IQ4_NL output
-    projection, one Q6_K down, a Q6_K token table."""
+    """An IQ4_XS file's mix: IQ4_XS, v in Q5_K (llama-quantize's choice for 4 or more query heads
+    a KV head), IQ4_NL (its fallback) or Q8_0, an IQ4_NL output projection, one Q6_K down, a
+    Q6_K token table."""
     from gguf import GGMLQuantizationType as T
 
     kind = name.split(".")[-2]
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     if kind == "attn_v":
-        return T.Q8_0 if layer % 2 == 0 else T.IQ4_NL
+        return (T.Q5_K, T.IQ4_NL, T.Q8_0)[layer]
     if kind == "attn_output":
         return T.IQ4_NL
     if kind == "ffn_down" and layer == 1:
@@ -191,9 +191,10 @@ def test_an_iq4_xs_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate
     model = _mixed_model(tmp_path, _iq4_xs_type, hidden_size=256)
     assert model.decoder is not None
     layers = model.weights.layers
-    assert isinstance(layers[0].qkv, QuantizedStack)  # q, k in IQ4_XS beside v in Q8_0
-    assert [type(p) for p in layers[0].qkv.parts] == [KRepackedWeight, KRepackedWeight, RepackedWeight]
-    assert [p.layout.name for p in layers[1].qkv.parts[2:]] == ["iq4_nl"]
+    assert all(isinstance(w.qkv, QuantizedStack) for w in layers)  # q, k in IQ4_XS beside v
+    assert [p.format.name for p in layers[0].qkv.parts] == ["iq4_xs", "iq4_xs", "q5_k"]
+    assert [type(p) for p in layers[0].qkv.parts] == [KRepackedWeight] * 3
+    assert [w.qkv.parts[2].layout.name for w in layers[1:]] == ["iq4_nl", "q8_0"]
     assert all(isinstance(w.o, RepackedWeight) and w.o.layout.name == "iq4_nl" for w in layers)
     assert [w.down.format.name for w in layers] == ["iq4_xs", "q6_k", "iq4_xs"]
     fused = _run(model)

@@ -9,9 +9,9 @@ the embedding's row lookups, so the table is resident once), each checked before
 reaches C.
 Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
-Q4_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
+Q4_K, Q5_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q6_K, IQ4_XS); the kernel choice leaves those matrices
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q5_K, Q6_K, IQ4_XS); the kernel choice leaves those matrices
 in their file layout for matmul_quant.c / matmul_more.c.
 """
 
@@ -190,14 +190,15 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-# ---- Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c) --------------------------------
+# ---- Q4_K, Q5_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c) -------------------
 
-K_LAYOUT_BYTES = {"q4_k": 1184, "q6_k": 1680, "iq4_xs": 1104}  # per group of 8 columns and super-block of 256
+# Bytes per group of 8 columns and super-block of 256.
+K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 1680, "iq4_xs": 1104}
 
 
 @dataclass(frozen=True, slots=True)
 class KRepackedWeight(PackedBlocks):
-    """A Q4_K, Q6_K or IQ4_XS matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
+    """A Q4_K, Q5_K, Q6_K or IQ4_XS matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
     in / 256 * K_LAYOUT_BYTES[format]], group g holding output features 8g..8g+7 (zero columns
     past `out`). Its values are the file's (`dequantize` gives them back)."""
 
@@ -228,7 +229,7 @@ def k_repackable(weight: object) -> bool:
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K, Q6_K or IQ4_XS."""
+    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K, Q5_K, Q6_K or IQ4_XS."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -261,16 +262,23 @@ def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
 
 
-def _q4_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+def _q4_k_fields(groups: torch.Tensor, codes_at: int = 16) -> list[torch.Tensor]:
+    """Q4_K's fields, or Q5_K's but its fifth bits (its 128 bytes of low nibbles at `codes_at`)."""
     from nanoserve.quant import _k_scales_mins, _k_sub_block_values
 
-    g, _, s, _ = groups.shape
-    flat = groups.reshape(-1, 144)
+    g, _, s, width = groups.shape
+    flat = groups.reshape(-1, width)
     sc, mn = (t.reshape(g, COLUMNS, s, 8) for t in _k_scales_mins(flat[:, 4:16]))
-    codes = _k_sub_block_values(flat[:, 16:144]).reshape(g, COLUMNS, s, 8, 32)
+    codes = _k_sub_block_values(flat[:, codes_at : codes_at + 128]).reshape(g, COLUMNS, s, 8, 32)
     return [_per_column(groups[..., 0:2].reshape(g, COLUMNS, s, 1, 2)),
             _per_column(groups[..., 2:4].reshape(g, COLUMNS, s, 1, 2)),
             _per_column(sc), _per_column(mn), _chunked(_nibble_pairs(codes))]
+
+
+def _q5_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    g, _, s, _ = groups.shape
+    fifth_bits = groups[..., 16:48].reshape(g, COLUMNS, s, 1, 32)  # qh: byte l's bit j, sub-block j's value l
+    return [*_q4_k_fields(groups, codes_at=48), _chunked(fifth_bits)]
 
 
 def _q6_k_codes(flat: torch.Tensor) -> torch.Tensor:
@@ -304,7 +312,7 @@ def _iq4_xs_fields(groups: torch.Tensor) -> list[torch.Tensor]:
 
 # Each format's fields of a group-super-block in layout order, from the file's blocks
 # [group, column, super-block, bytes].
-_K_FIELDS = {"q4_k": _q4_k_fields, "q6_k": _q6_k_fields, "iq4_xs": _iq4_xs_fields}
+_K_FIELDS = {"q4_k": _q4_k_fields, "q5_k": _q5_k_fields, "q6_k": _q6_k_fields, "iq4_xs": _iq4_xs_fields}
 
 
 def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
@@ -336,9 +344,13 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         ls = columns(16, 8).squeeze(-1).contiguous().view(torch.int8).float()  # [g, column, s, 8]
         codes = _nibbles(unchunked(80, 8, 16))  # [g, column, s, 8, 32]
         values = (f16(0) * ls).unsqueeze(-1) * _IQ4_GRID[codes.long()]
-    elif weight.format.name == "q4_k":
+    elif weight.format.name in ("q4_k", "q5_k"):
+        codes = low_nibbles(160)
+        if weight.format.name == "q5_k":
+            shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+            codes = codes | (((unchunked(1184, 1) >> shifts) & 1) << 4)  # [g, column, s, 8, 32]
         sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
-        values = (f16(0) * sc).unsqueeze(-1) * low_nibbles(160).float() - (f16(16) * mn).unsqueeze(-1)
+        values = (f16(0) * sc).unsqueeze(-1) * codes.float() - (f16(16) * mn).unsqueeze(-1)
     else:
         top = unchunked(1168, 2).unsqueeze(3)  # [g, column, s, 1, 2, 32]
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
