@@ -285,13 +285,17 @@ def _dequantize_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks, 0) * _IQ4_GRID[_nibbles(blocks[:, 2:]).long()]
 
 
-def _dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+def _iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks [n, 136] -> each sub-block's 6-bit scale less 32, int32 [n, 8]."""
     high = blocks[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [n, 1]
     low = blocks[:, 4:8]
     sub = torch.arange(8)
-    scales = ((low[:, sub // 2].int() >> (4 * (sub % 2))) & 0xF) | (((high >> (2 * sub)) & 3) << 4)
+    return (((low[:, sub // 2].int() >> (4 * (sub % 2))) & 0xF) | (((high >> (2 * sub)) & 3) << 4)) - 32
+
+
+def _dequantize_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     codes = _nibbles(blocks[:, 8:].reshape(-1, 8, 16))  # [n, 8, 32]
-    scale = (_f16(blocks, 0) * (scales - 32).float()).unsqueeze(-1)
+    scale = (_f16(blocks, 0) * _iq4_xs_scales(blocks).float()).unsqueeze(-1)
     return (scale * _IQ4_GRID[codes.long()]).reshape(-1, 256)
 
 

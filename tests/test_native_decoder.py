@@ -129,13 +129,30 @@ def _q4_k_m_type(name: str):
     return T.Q8_0 if name == "token_embd.weight" else T.Q5_0
 
 
-def _mixed_model(tmp_path, matrix_type=_q4_k_m_type) -> Llama:
+def _iq4_xs_type(name: str):
+    """An IQ4_XS file's mix: IQ4_XS, v in Q5_K (llama-quantize's choice for 4 or more query heads
+    a KV head), IQ4_NL (its fallback) or Q8_0, an IQ4_NL output projection, one Q6_K down, a
+    Q6_K token table."""
+    from gguf import GGMLQuantizationType as T
+
+    kind = name.split(".")[-2]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if kind == "attn_v":
+        return (T.Q5_K, T.IQ4_NL, T.Q8_0)[layer]
+    if kind == "attn_output":
+        return T.IQ4_NL
+    if kind == "ffn_down" and layer == 1:
+        return T.Q6_K
+    return T.Q6_K if name == "token_embd.weight" else T.IQ4_XS
+
+
+def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64) -> Llama:
     from tiny_model import write_tiny_gguf, write_tiny_llama
 
     from nanoserve.loading.weights import load_weights
 
-    model_dir = write_tiny_llama(tmp_path / "mixed", hidden_size=64, intermediate_size=256, num_heads=4,
-                                 num_kv_heads=2, num_layers=3)
+    model_dir = write_tiny_llama(tmp_path / "mixed", hidden_size=hidden_size, intermediate_size=256,
+                                 num_heads=4, num_kv_heads=2, num_layers=3)
     path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type)
     config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
     return Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
@@ -157,6 +174,31 @@ def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_
     assert [w.down.format.name for w in layers] == ["q4_k", "q6_k", "q4_k"]
     fused = _run(model)
     separate_model = _mixed_model(tmp_path)
+    separate_model.decoder = None
+    assert_same_steps(fused, _run(separate_model))
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+
+
+def test_an_iq4_xs_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
+    from families import crowd_logits
+
+    from nanoserve.native.repack import KRepackedWeight, RepackedWeight
+    from nanoserve.quant import QuantizedStack
+
+    model = _mixed_model(tmp_path, _iq4_xs_type, hidden_size=256)
+    assert model.decoder is not None
+    layers = model.weights.layers
+    assert all(isinstance(w.qkv, QuantizedStack) for w in layers)  # q, k in IQ4_XS beside v
+    assert [p.format.name for p in layers[0].qkv.parts] == ["iq4_xs", "iq4_xs", "q5_k"]
+    assert [type(p) for p in layers[0].qkv.parts] == [KRepackedWeight] * 3
+    assert [w.qkv.parts[2].layout.name for w in layers[1:]] == ["iq4_nl", "q8_0"]
+    assert all(isinstance(w.o, RepackedWeight) and w.o.layout.name == "iq4_nl" for w in layers)
+    assert [w.down.format.name for w in layers] == ["iq4_xs", "q6_k", "iq4_xs"]
+    fused = _run(model)
+    separate_model = _mixed_model(tmp_path, _iq4_xs_type, hidden_size=256)
     separate_model.decoder = None
     assert_same_steps(fused, _run(separate_model))
     vocab = model.config.vocab_size

@@ -15,7 +15,7 @@ from nanoserve.quant import QuantizedStack, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
-REPACKED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+REPACKED_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")
 # N odd, N below one group of 8, N a multiple of 8; K one block, and not a multiple of 256.
 SHAPES = [(1, 32), (37, 96), (19, 608), (64, 576)]
 
@@ -39,7 +39,7 @@ def test_repacked_rows_read_back_as_the_reference_dequantizer_gives_them(format_
         repacked.lookup(torch.tensor([out_features]))
 
 
-@pytest.mark.parametrize("format_name", ["q4_1", "q5_1", "q8_0"])
+@pytest.mark.parametrize("format_name", ["q4_1", "q5_1", "q8_0", "iq4_nl"])
 def test_repacking_keeps_the_files_bytes_up_to_the_padding_to_eight_columns(format_name):
     weight = random_weight(format_name, 37, 96)
     assert _repack().repack(weight).nbytes == weight.nbytes // 37 * 40
@@ -97,6 +97,21 @@ def test_extreme_five_bit_codes_stay_exact(format_name):
         assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
+def test_extreme_iq4_nl_codes_stay_exact():
+    """Every code at the grid's -127 against activations at +-127: each maddubs pair sits at
+    32258, so a chunk's pairs must widen before the next chunk adds."""
+    weight = random_weight("iq4_nl", 8, 256)
+    blocks = weight.blocks.clone().reshape(-1, weight.format.bytes)
+    blocks[:, 2:] = 0x00
+    extreme = quant.QuantizedWeight(weight.format, weight.shape, blocks.reshape(8, -1))
+    repacked = _repack().repack(extreme)
+    x = torch.tensor([[1.0, -1.0] * 128, [1.0] * 256, [-1.0] * 256])
+    y = _repack().matmul(x, repacked)
+    assert torch.equal(y, _repack().matmul(x, repacked, portable=True))
+    exact = x.double() @ extreme.dequantize().double().T
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
+
+
 def test_formats_without_a_layout_stay_in_the_files_layout():
     weight = random_weight("q4_k", 8, 256)
     assert _repack().repack(weight) is weight
@@ -122,7 +137,7 @@ def test_the_gemm_kernel_runs_layouts_the_gemm_lacks_through_the_x8_tiles():
 
 
 def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():
-    q, v = random_weight("q5_k", 8, 256), random_weight("q8_0", 12, 256, seed=1)
+    q, v = random_weight("f16", 8, 256), random_weight("q8_0", 12, 256, seed=1)
     kernel = QUANTIZED_KERNELS["native-quant-x8"]
     packed = kernel.pack(QuantizedStack((q, v)))
     assert isinstance(packed.parts[0], QuantizedWeight)

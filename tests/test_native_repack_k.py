@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K repacked at load (nanoserve.native.repack.repack_k, csrc/matmul_kx8.c): the
+"""Q4_K, Q5_K, Q6_K and IQ4_XS repacked at load (nanoserve.native.repack.repack_k, csrc/matmul_kx8.c): the
 layout holds the file's values bit for bit, the kernel agrees with a float64 product within the
 activation rounding bound (tests/test_quant.py's module doc) on ragged shapes, its scalar
 reference gives the vector path's bits, and a row's bits never depend on its neighbours, the
@@ -16,7 +16,7 @@ from nanoserve.quant import QuantizedStack, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
-FORMATS = ("q4_k", "q6_k")
+FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 # N odd, N below one group of 8, N a multiple of 8; K one, two, three and six super-blocks.
 SHAPES = [(1, 256), (37, 512), (19, 768), (64, 1536)]
 ROW_COUNTS = (*range(1, 18), 33, 130)  # past one 32-row panel, and ragged tiles of 3
@@ -41,8 +41,9 @@ def test_layout_reads_back_as_the_reference_dequantizer_gives_the_file(format_na
 @pytest.mark.parametrize("format_name", FORMATS)
 def test_layout_is_the_files_bytes_up_to_padding_and_q4_k_unpacked_scales(format_name):
     weight = random_weight(format_name, 37, 512)
-    # Q4_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked
-    per_super_block = {"q4_k": 148, "q6_k": 210}[format_name]
+    # Q4_K's and Q5_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, IQ4_XS's
+    # 6 bytes of 6-bit scales 8
+    per_super_block = {"q4_k": 148, "q5_k": 180, "q6_k": 210, "iq4_xs": 138}[format_name]
     assert _repack().repack_k(weight).nbytes == 40 * 2 * per_super_block
 
 
@@ -66,18 +67,21 @@ def test_kernel_agrees_with_float64_and_a_row_alone_has_its_bits_in_any_chunk(fo
 
 def test_extreme_codes_and_scales_stay_exact():
     """Every Q6_K code at -32 against activations at +-127 fills the int16 sums to their bound;
-    Q4_K's codes at 15 with 6-bit scales at 63 likewise: the vector path must still give the
-    scalar reference's bits."""
+    Q4_K's codes at 15 (Q5_K's at 31) with 6-bit scales at 63 likewise; IQ4_XS's codes at the grid's -127 fill
+    each maddubs pair (32258) and its scales at -32 the int32 sums: the vector path must still
+    give the scalar reference's bits."""
     repack = _repack()
     x = torch.full((5, 512), 1.0)  # every activation code at +127, then at -127
     x[3:] = -1.0
-    for format_name, code_bytes in (("q6_k", slice(0, 192)), ("q4_k", slice(16, 144))):
+    extremes = (("q6_k", slice(0, 192)), ("q4_k", slice(16, 144)), ("q5_k", slice(16, 176)),
+                ("iq4_xs", slice(2, 136)))
+    for format_name, code_bytes in extremes:
         weight = random_weight(format_name, 9, 512)
         blocks = weight.blocks.reshape(-1, weight.format.bytes).clone()
-        blocks[:, code_bytes] = 0x00 if format_name == "q6_k" else 0xFF
-        if format_name == "q4_k":
+        blocks[:, code_bytes] = 0xFF if format_name in ("q4_k", "q5_k") else 0x00  # IQ4_XS: scales at -32
+        if format_name in ("q4_k", "q5_k"):
             blocks[:, 4:16] = 0xFF  # every 6-bit scale and min at 63
-        else:
+        elif format_name == "q6_k":
             blocks[:, 192:208] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
         extreme = QuantizedWeight(weight.format, weight.shape, blocks.reshape(9, -1))
         packed = repack.repack_k(extreme)
@@ -102,7 +106,7 @@ def test_kernel_bits_do_not_depend_on_the_thread_count():
 
 
 def test_formats_without_a_k_layout_stay_in_the_files_layout():
-    for format_name in ("q5_k", "q4_1"):
+    for format_name in ("f16", "q4_1"):
         weight = random_weight(format_name, 8, 256)
         assert _repack().repack_k(weight) is weight
 
@@ -125,7 +129,7 @@ def test_repacking_kernels_run_k_quants_in_their_layout_and_pass_the_self_test(k
     assert self_test(kernel, shape, max_rows=18, prefill_rows=70) == ""
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_a_k_quant_gguf_runs_in_the_layout_and_a_request_alone_equals_it_in_a_crowd(type_name, tmp_path):
     from families import crowd_logits, load_model, prefill_logits
     from gguf import GGMLQuantizationType

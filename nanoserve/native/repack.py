@@ -9,10 +9,10 @@ the embedding's row lookups, so the table is resident once), each checked before
 reaches C.
 Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
-Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
+Q4_K, Q5_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q6_K); the kernel choice leaves those matrices in their file
-layout for matmul_quant.c / matmul_more.c.
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q5_K, Q6_K, IQ4_XS); the kernel choice leaves those matrices
+in their file layout for matmul_quant.c / matmul_more.c.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from nanoserve.quant import FORMATS, BlockFormat, PackedBlocks, QuantizedWeight
 COLUMNS = 8  # csrc/matmul_x8.c's COLUMNS: output columns interleaved per group
 # The layout each format is repacked into (a GGML type number: csrc/matmul_x8.c's X8_*).
 LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q5_0": FORMATS["q5_1"], "q5_1": FORMATS["q5_1"],
-          "q8_0": FORMATS["q8_0"]}
+          "q8_0": FORMATS["q8_0"], "iq4_nl": FORMATS["iq4_nl"]}
 # Formats held in another's layout with the offset m = -SHIFT * d (exact in f16 unless it overflows).
 SHIFTED = {"q4_0": 8, "q5_0": 16}
 GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/matmul_gemm.c runs
@@ -87,7 +87,7 @@ def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     layout = LAYOUT[weight.format.name]
     if layout.name == "q5_1":  # d, m, then the fifth bits regrouped by chunk, then the low 4 bits
         blocks = torch.cat([blocks[..., :4], _fifth_bits(blocks[..., 4:8]), blocks[..., 8:]], dim=-1)
-    scale_bytes = 2 if layout.name == "q8_0" else 4
+    scale_bytes = 2 if layout.name in ("q8_0", "iq4_nl") else 4  # d alone, or d and m
     padded = torch.zeros(-(-out_features // COLUMNS) * COLUMNS, *blocks.shape[1:], dtype=torch.uint8)
     padded[:out_features] = blocks
     groups = padded.view(-1, COLUMNS, *blocks.shape[1:])  # [group, column, block, bytes]
@@ -190,14 +190,15 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-# ---- Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c) --------------------------------
+# ---- Q4_K, Q5_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c) -------------------
 
-K_LAYOUT_BYTES = {"q4_k": 1184, "q6_k": 1680}  # per group of 8 columns and super-block of 256
+# Bytes per group of 8 columns and super-block of 256.
+K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 1680, "iq4_xs": 1104}
 
 
 @dataclass(frozen=True, slots=True)
 class KRepackedWeight(PackedBlocks):
-    """A Q4_K or Q6_K matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
+    """A Q4_K, Q5_K, Q6_K or IQ4_XS matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
     in / 256 * K_LAYOUT_BYTES[format]], group g holding output features 8g..8g+7 (zero columns
     past `out`). Its values are the file's (`dequantize` gives them back)."""
 
@@ -228,7 +229,7 @@ def k_repackable(weight: object) -> bool:
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K or Q6_K."""
+    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K, Q5_K, Q6_K or IQ4_XS."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -236,7 +237,7 @@ def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
     padded = torch.zeros(-(-out_features // COLUMNS) * COLUMNS, *blocks.shape[1:], dtype=torch.uint8)
     padded[:out_features] = blocks
     groups = padded.view(-1, COLUMNS, *blocks.shape[1:])  # [group, column, super-block, bytes]
-    fields = _q4_k_fields(groups) if weight.format.name == "q4_k" else _q6_k_fields(groups)
+    fields = _K_FIELDS[weight.format.name](groups)
     packed = torch.cat(fields, dim=-1)  # [group, super-block, layout bytes]
     return KRepackedWeight(weight.format, weight.shape, packed.reshape(packed.shape[0], -1).contiguous())
 
@@ -249,10 +250,10 @@ def _per_column(field: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked(codes: torch.Tensor) -> torch.Tensor:
-    """Code bytes [group, column, super-block, sets, 32] -> [group, super-block, sets * 256]:
-    per set, chunk t holds each column's bytes 4t..4t+3 in turn."""
+    """Code bytes [group, column, super-block, sets, bytes] -> [group, super-block, sets * 8 *
+    bytes]: per set, chunk t holds each column's bytes 4t..4t+3 in turn."""
     g, _, s, sets, _ = codes.shape
-    return codes.reshape(g, COLUMNS, s, sets, 8, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, s, -1)
+    return codes.reshape(g, COLUMNS, s, sets, -1, 4).permute(0, 2, 3, 4, 1, 5).reshape(g, s, -1)
 
 
 def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -261,16 +262,23 @@ def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
 
 
-def _q4_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+def _q4_k_fields(groups: torch.Tensor, codes_at: int = 16) -> list[torch.Tensor]:
+    """Q4_K's fields, or Q5_K's but its fifth bits (its 128 bytes of low nibbles at `codes_at`)."""
     from nanoserve.quant import _k_scales_mins, _k_sub_block_values
 
-    g, _, s, _ = groups.shape
-    flat = groups.reshape(-1, 144)
+    g, _, s, width = groups.shape
+    flat = groups.reshape(-1, width)
     sc, mn = (t.reshape(g, COLUMNS, s, 8) for t in _k_scales_mins(flat[:, 4:16]))
-    codes = _k_sub_block_values(flat[:, 16:144]).reshape(g, COLUMNS, s, 8, 32)
+    codes = _k_sub_block_values(flat[:, codes_at : codes_at + 128]).reshape(g, COLUMNS, s, 8, 32)
     return [_per_column(groups[..., 0:2].reshape(g, COLUMNS, s, 1, 2)),
             _per_column(groups[..., 2:4].reshape(g, COLUMNS, s, 1, 2)),
             _per_column(sc), _per_column(mn), _chunked(_nibble_pairs(codes))]
+
+
+def _q5_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    g, _, s, _ = groups.shape
+    fifth_bits = groups[..., 16:48].reshape(g, COLUMNS, s, 1, 32)  # qh: byte l's bit j, sub-block j's value l
+    return [*_q4_k_fields(groups, codes_at=48), _chunked(fifth_bits)]
 
 
 def _q6_k_codes(flat: torch.Tensor) -> torch.Tensor:
@@ -292,6 +300,21 @@ def _q6_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
             _per_column(groups[..., 192:208]), _chunked(_nibble_pairs(codes & 0x0F)), _chunked(top_bytes)]
 
 
+def _iq4_xs_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    from nanoserve.quant import _iq4_xs_scales
+
+    g, _, s, _ = groups.shape
+    scales = _iq4_xs_scales(groups.reshape(-1, 136)).to(torch.int8).view(torch.uint8)
+    return [_per_column(groups[..., 0:2].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(scales.reshape(g, COLUMNS, s, 8)),
+            _chunked(groups[..., 8:136].reshape(g, COLUMNS, s, 8, 16))]
+
+
+# Each format's fields of a group-super-block in layout order, from the file's blocks
+# [group, column, super-block, bytes].
+_K_FIELDS = {"q4_k": _q4_k_fields, "q5_k": _q5_k_fields, "q6_k": _q6_k_fields, "iq4_xs": _iq4_xs_fields}
+
+
 def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
     """The layout's values as float32 [out, in], by matmul_kx8.c's own reading of it."""
     out_features, in_features = weight.shape
@@ -303,9 +326,10 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         field = blocks[..., start : start + entries * COLUMNS * width].reshape(g, s, entries, COLUMNS, width)
         return field.permute(0, 3, 1, 2, 4)
 
-    def unchunked(start: int, sets: int) -> torch.Tensor:  # -> [g, column, s, sets, 32]
-        field = blocks[..., start : start + 256 * sets].reshape(g, s, sets, 8, COLUMNS, 4)
-        return field.permute(0, 4, 1, 2, 3, 5).reshape(g, COLUMNS, s, sets, 32)
+    def unchunked(start: int, sets: int, width: int = 32) -> torch.Tensor:  # -> [g, column, s, sets, width]
+        field = blocks[..., start : start + COLUMNS * width * sets]
+        field = field.reshape(g, s, sets, width // 4, COLUMNS, 4)
+        return field.permute(0, 4, 1, 2, 3, 5).reshape(g, COLUMNS, s, sets, width)
 
     def f16(start: int) -> torch.Tensor:  # -> [g, column, s, 1]
         return columns(start, 1, 2).contiguous().view(torch.float16).float().reshape(g, COLUMNS, s, 1)
@@ -314,9 +338,19 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         pairs = unchunked(start, 4)
         return torch.stack([pairs & 0x0F, pairs >> 4], dim=4).reshape(g, COLUMNS, s, 8, 32)
 
-    if weight.format.name == "q4_k":
+    if weight.format.name == "iq4_xs":
+        from nanoserve.quant import _IQ4_GRID, _nibbles
+
+        ls = columns(16, 8).squeeze(-1).contiguous().view(torch.int8).float()  # [g, column, s, 8]
+        codes = _nibbles(unchunked(80, 8, 16))  # [g, column, s, 8, 32]
+        values = (f16(0) * ls).unsqueeze(-1) * _IQ4_GRID[codes.long()]
+    elif weight.format.name in ("q4_k", "q5_k"):
+        codes = low_nibbles(160)
+        if weight.format.name == "q5_k":
+            shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
+            codes = codes | (((unchunked(1184, 1) >> shifts) & 1) << 4)  # [g, column, s, 8, 32]
         sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
-        values = (f16(0) * sc).unsqueeze(-1) * low_nibbles(160).float() - (f16(16) * mn).unsqueeze(-1)
+        values = (f16(0) * sc).unsqueeze(-1) * codes.float() - (f16(16) * mn).unsqueeze(-1)
     else:
         top = unchunked(1168, 2).unsqueeze(3)  # [g, column, s, 1, 2, 32]
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)

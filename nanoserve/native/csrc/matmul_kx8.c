@@ -1,4 +1,5 @@
-/* y = x @ W^T with Q4_K or Q6_K blocks repacked at load: eight output columns interleaved.
+/* y = x @ W^T with Q4_K, Q5_K, Q6_K or IQ4_XS blocks repacked at load: eight output columns
+ * interleaved.
  *
  * matmul_quant.c reads the K-quants in the file's row-major layout: every 32-value sub-block
  * of one output column unpacked alone, reduced with a horizontal sum. Here, as matmul_x8.c does
@@ -14,26 +15,41 @@
  *          mn[8][8] u8 (the 6-bit scales and mins unpacked to bytes), then 4 pairs p of 256 bytes:
  *          chunk t (32 bytes) of pair p holds column c's bytes 4t..4t+3 at 32t + 4c; byte l's low
  *          nibble is value l of sub-block 2p, its high nibble value l of sub-block 2p+1.
+ *     Q5_K (1440 bytes = 8 x 180): Q4_K's 1184 bytes (the low 4 bits of the codes, 0..31), then
+ *          their fifth bits: one set of 256 bytes chunked the same way, bit j of byte l holding
+ *          value l of sub-block j (the file's qh, regrouped).
  *     Q6_K (1680 bytes = 8 x 210): d[8] f16, scales[16 halves of 16][8 columns] i8, then the low
  *          4 bits of the codes (0..63) as Q4_K's pairs (1024 bytes), then their top 2 bits: 2
  *          sets s of 256 bytes, chunked the same way, bits 2i, 2i+1 of byte l holding value l of
  *          sub-block 4s + i.
+ *     IQ4_XS (1104 bytes = 8 x 138): d[8] f16, ls[8 sub-blocks][8 columns] i8 (the 6-bit scales
+ *          less 32, unpacked to bytes), then per sub-block j 4 chunks t of 32 bytes (128 bytes):
+ *          column c's bytes 4t..4t+3 of the sub-block at 32t + 4c, byte i's low nibble value i,
+ *          its high nibble value 16 + i (the file's order); a code stands for IQ4_GRID[code]
+ *          (quant_blocks.h: ggml's kvalues_iq4nl, -127..113).
  * N is padded to a multiple of 8 with zero columns.
  *
  * Activations: each row quantized once per call to 8-bit blocks of 32 (quant_blocks.h), so
  * each weight sub-block j meets one activation block (codes xq_j, scale dx_j, sx_j = dx_j *
  * sum xq_j). The arithmetic of output (row, column), on every path and in every tile:
  *     Q4_K: acc = fma(float(sc_j * isum_j), d * dx_j, acc), off = fma(dmin * float(mn_j), sx_j, off)
- *           over the sub-blocks in K order; y = acc - off; isum_j = sum q * xq (q in 0..15)
+ *           over the sub-blocks in K order; y = acc - off; isum_j = sum q * xq (q in 0..15;
+ *           Q5_K the same, q in 0..31)
  *     Q6_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc;
  *           isum_j = sc_{2j} * sum_{l<16} (q - 32) xq + sc_{2j+1} * sum_{l>=16} (q - 32) xq
- * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 15 * 127 and |isum_j| <= 2 * 128 * 16 *
- * 32 * 127 < 2^24, so the conversions to float are exact too), so the AVX2 path equals the
+ *     IQ4_XS: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc;
+ *           isum_j = ls_j * sum grid[q] xq
+ * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 31 * 127, Q6_K's |isum_j| <= 2 * 128 * 16 *
+ * 32 * 127 and IQ4_XS's <= 32 * 32 * 127 * 127, all < 2^24, so the conversions to float are
+ * exact too), so the AVX2 path equals the
  * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend on
  * its tile, its neighbours or the thread split (threads split groups of columns).
  * Int16 headroom: Q4_K sums 8 chunks of maddubs pairs (2 x 15 x 127) per sub-block: 30480;
+ * Q5_K's codes reach 31, so it sums each half's 4 chunks (31496) and widens them apart;
  * Q6_K moves the sign of q - 32 onto x (|q - 32| <= 32) and sums 4 chunks per 16-value half:
- * 4 x 2 x 32 x 127 = 32512 < 32767.
+ * 4 x 2 x 32 x 127 = 32512 < 32767. IQ4_XS moves the sign of the grid value onto x too, but a
+ * maddubs pair reaches 2 x 127 x 127 = 32258, so each chunk's pairs widen to int32 at once, in
+ * the madd that multiplies them by ls_j.
  *
  * Tiles: for each sub-block, each 32-byte chunk of codes is unpacked once and met by every row
  * of a tile of KX8_TILE rows (a decode step's row alone is a tile of one); a row keeps only its
@@ -50,31 +66,62 @@
 #define NS_KX8_AVX2 1
 #endif
 
-enum { KX8_Q4_K = 12, KX8_Q6_K = 14 }; /* the GGML type numbers */
+enum { KX8_Q4_K = 12, KX8_Q5_K = 13, KX8_Q6_K = 14, KX8_IQ4_XS = 23 }; /* the GGML type numbers */
 enum { KX8_COLUMNS = 8, KX8_TILE = 3, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
 enum { Q4_K_CODES = 160, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
+enum { Q5_K_HIGH = 1184, IQ4_XS_SCALES = 16, IQ4_XS_CODES = 80 };
 
-static int kx8_bytes(int fmt) { return fmt == KX8_Q4_K ? 1184 : fmt == KX8_Q6_K ? 1680 : 0; }
+static int kx8_bytes(int fmt) {
+    switch (fmt) {
+    case KX8_Q4_K: return 1184;
+    case KX8_Q5_K: return 1440;
+    case KX8_Q6_K: return 1680;
+    case KX8_IQ4_XS: return 1104;
+    default: return 0;
+    }
+}
 
 /* ---- the scalar reference ---------------------------------------------------------------- */
 
-/* Code l of sub-block j (0..7) of column c in a group-super-block: 0..15 (Q4_K), 0..63 (Q6_K). */
+/* Code l of sub-block j (0..7) of column c in a group-super-block: 0..15 (Q4_K), 0..31 (Q5_K),
+ * 0..63 (Q6_K). */
 static int kx8_code(int fmt, const uint8_t *block, int j, int c, int l) {
     const int at = 256 * (j / 2) + 32 * (l / 4) + 4 * c + l % 4;
-    const int offset = fmt == KX8_Q4_K ? Q4_K_CODES : Q6_K_LOW;
+    const int offset = fmt == KX8_Q6_K ? Q6_K_LOW : Q4_K_CODES; /* Q5_K: its low 4 bits where Q4_K has them */
     int code = (j & 1) ? block[offset + at] >> 4 : block[offset + at] & 0x0F;
     if (fmt == KX8_Q6_K) code |= ((block[Q6_K_HIGH + 256 * (j / 4) + 32 * (l / 4) + 4 * c + l % 4] >> (2 * (j % 4))) & 3) << 4;
+    if (fmt == KX8_Q5_K) code |= ((block[Q5_K_HIGH + 32 * (l / 4) + 4 * c + l % 4] >> j) & 1) << 4;
     return code;
 }
 
+/* IQ4_XS: value l of sub-block j of column c in a group-super-block, through the grid. */
+static int iq4_xs_value(const uint8_t *block, int j, int c, int l) {
+    const int code = block[IQ4_XS_CODES + 128 * j + 32 * (l % 16 / 4) + 4 * c + l % 4];
+    return IQ4_GRID[l < 16 ? code & 0x0F : code >> 4];
+}
+
+static float iq4_xs_output_portable(const uint8_t *group, int c, const xblock *x, int64_t blocks) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * kx8_bytes(KX8_IQ4_XS);
+        const int j = (int)(b % 8);
+        int isum = 0;
+        for (int l = 0; l < 32; l++) isum += iq4_xs_value(block, j, c, l) * x[b].qs[l];
+        const int ls = ((const int8_t *)block)[IQ4_XS_SCALES + 8 * j + c];
+        acc = fmaf((float)(ls * isum), f16_to_f32(block + 2 * c) * x[b].d, acc);
+    }
+    return acc;
+}
+
 static float kx8_output_portable(int fmt, const uint8_t *group, int c, const xblock *x, int64_t blocks) {
+    if (fmt == KX8_IQ4_XS) return iq4_xs_output_portable(group, c, x, blocks);
     const int bytes = kx8_bytes(fmt);
     float acc = 0.0f, off = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + (b / 8) * bytes;
         const int j = (int)(b % 8);
         const float d = f16_to_f32(block + 2 * c);
-        if (fmt == KX8_Q4_K) {
+        if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) {
             int isum = 0;
             for (int l = 0; l < 32; l++) isum += kx8_code(fmt, block, j, c, l) * x[b].qs[l];
             acc = fmaf((float)(block[32 + 8 * j + c] * isum), d * x[b].d, acc);
@@ -168,6 +215,64 @@ static inline __attribute__((always_inline)) void kx8_products(const int fmt, co
     }
 }
 
+/* Q5_K's integer chain of `rows` rows against one group: acc[r]. Q4_K's, with the fifth bits
+ * ORed into each chunk and each half's 4 chunks summed apart (int16 headroom). */
+static inline __attribute__((always_inline)) void q5_k_products(const int rows, const uint8_t *group,
+                                                                const xblock *x, int64_t blocks, __m256 *acc) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * kx8_bytes(KX8_Q5_K);
+        const int j = (int)(b % 8);
+        __m256i sums[KX8_TILE][2];
+        for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; t++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(block + Q5_K_HIGH + 32 * t));
+            const __m256i fifth = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1)), 4);
+            const __m256i q = _mm256_or_si256(kx8_chunk(KX8_Q4_K, block, j, t), fifth);
+            for (int r = 0; r < rows; r++)
+                sums[r][t / 4] = _mm256_add_epi16(sums[r][t / 4],
+                                                  _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
+        }
+        const __m256i sc = kx8_pairs(block + 32 + 8 * j, 0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        for (int r = 0; r < rows; r++) {
+            __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(sums[r][0], sc), _mm256_madd_epi16(sums[r][1], sc));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(x[r * blocks + b].d)),
+                                     acc[r]);
+        }
+    }
+}
+
+/* IQ4_XS's chain of `rows` rows against one group: acc[r]. Each chunk's codes go through the
+ * grid once for the tile's rows, low nibbles and then high ones, so few registers stay live. */
+static inline __attribute__((always_inline)) void iq4_xs_products(const int rows, const uint8_t *group,
+                                                                  const xblock *x, int64_t blocks, __m256 *acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * kx8_bytes(KX8_IQ4_XS);
+        const int j = (int)(b % 8);
+        const __m256i ls = kx8_pairs(block + IQ4_XS_SCALES + 8 * j, 1);
+        __m256i isum[KX8_TILE];
+        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(block + IQ4_XS_CODES + 128 * j + 32 * t));
+            for (int half = 0; half < 2; half++) {
+                /* maddubs multiplies unsigned by signed bytes: the grid value's sign moves onto x */
+                const __m256i q = iq4_grid_values(_mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, low4));
+                const __m256i magnitude = _mm256_sign_epi8(q, q);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xq = x[r * blocks + b].qs + 16 * half + 4 * t;
+                    __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(kx8_broadcast4(xq), q));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(products, ls));
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+        for (int r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r * blocks + b].d)),
+                                     acc[r]);
+    }
+}
+
 static inline void kx8_store(float *y, __m256 v, int valid) {
     if (valid == KX8_COLUMNS) {
         _mm256_storeu_ps(y, v);
@@ -183,8 +288,13 @@ static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, c
                                                                 int valid) {
     __m256 acc[KX8_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    kx8_products(fmt, rows, group, x, blocks, acc);
-    if (fmt == KX8_Q4_K) {
+    if (fmt == KX8_IQ4_XS)
+        iq4_xs_products(rows, group, x, blocks, acc);
+    else if (fmt == KX8_Q5_K)
+        q5_k_products(rows, group, x, blocks, acc);
+    else
+        kx8_products(fmt, rows, group, x, blocks, acc);
+    if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) { /* the offset chain: Q5_K's scales and mins are Q4_K's */
         __m256 off[KX8_TILE];
         for (int r = 0; r < rows; r++) off[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
@@ -212,7 +322,9 @@ static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, c
         }                                                                                               \
     }
 DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, KX8_Q4_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q5_k, KX8_Q5_K)
 DEFINE_KX8_TILE(kx8_tile_avx2_q6_k, KX8_Q6_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_iq4_xs, KX8_IQ4_XS)
 #endif
 
 /* ---- the entry points -------------------------------------------------------------------- */
@@ -287,7 +399,9 @@ static int matmul_kx8(kx8_tile_fn tile, void (*quantize)(const float *, int64_t,
 }
 
 #ifdef NS_KX8_AVX2
-#define KX8_BEST_TILE(fmt) ((fmt) == KX8_Q4_K ? kx8_tile_avx2_q4_k : kx8_tile_avx2_q6_k)
+#define KX8_BEST_TILE(fmt)                                                                                 \
+    ((fmt) == KX8_Q4_K ? kx8_tile_avx2_q4_k : (fmt) == KX8_Q5_K ? kx8_tile_avx2_q5_k                        \
+     : (fmt) == KX8_IQ4_XS ? kx8_tile_avx2_iq4_xs : kx8_tile_avx2_q6_k)
 #else
 #define KX8_BEST_TILE(fmt) kx8_tile_portable
 #endif
@@ -299,9 +413,9 @@ void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y,
     kx8_groups(KX8_BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
-/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 14: Q6_K), on the widest
- * path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
- * -2 when out of memory. */
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 13: Q5_K, 14: Q6_K, 23: IQ4_XS), on
+ * the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of
+ * 256, -2 when out of memory. */
 NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
     return matmul_kx8(KX8_BEST_TILE(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);

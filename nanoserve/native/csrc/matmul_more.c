@@ -238,11 +238,6 @@ static inline __m256i high_bits16(const uint8_t *qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
 }
 
-static inline __m256i iq4_lookup(__m256i codes) {
-    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
-    return _mm256_shuffle_epi8(grid, codes);
-}
-
 /* Sub-block j's codes as 32 bytes (signed for IQ4_NL, IQ4_XS and Q3_K), the int16 scale and min
  * of each half (lanes 0-7: values 0-15; lanes 8-15: values 16-31), A, B and M. */
 static inline __attribute__((always_inline)) __m256i unpack_avx2(const int fmt, const uint8_t *p, int j,
@@ -267,12 +262,12 @@ static inline __attribute__((always_inline)) __m256i unpack_avx2(const int fmt, 
     case GGML_IQ4_NL: {
         const block_iq4_nl *b = (const block_iq4_nl *)p;
         *A = f16_to_f32(b->d);
-        return iq4_lookup(nibbles16(b->qs));
+        return iq4_grid_values(nibbles16(b->qs));
     }
     case GGML_IQ4_XS: {
         const block_iq4_xs *b = (const block_iq4_xs *)p;
         *A = f16_to_f32(b->d) * (float)iq4_xs_scale(b, j);
-        return iq4_lookup(nibbles16(b->qs + 16 * j));
+        return iq4_grid_values(nibbles16(b->qs + 16 * j));
     }
     case GGML_Q2_K: {
         const block_q2_k *b = (const block_q2_k *)p;

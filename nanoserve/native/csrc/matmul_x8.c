@@ -19,6 +19,8 @@
  *          at bit t the fifth bit of column c's value 4t + i and at bit 4 + t that of value
  *          16 + 4t + i (so chunk t's fifth bits are one shift and one mask of h away), then the
  *          low 4 bits as Q4_1's 4 chunks.
+ *     IQ4_NL (144 bytes = 8 x 18): d[8] f16, then Q4_1's 4 chunks of code bytes; a code (0..15)
+ *          stands for the value IQ4_GRID[code] (quant_blocks.h: ggml's kvalues_iq4nl, -127..113).
  * The file's bytes, reordered; N is padded to a multiple of 8 with zero columns. Q4_0 is
  * repacked into the Q4_1 layout with m = -8 d (exact in f16), 20 bytes a block instead of 18;
  * Q5_0 into the Q5_1 layout with m = -16 d, 24 bytes instead of 22.
@@ -29,13 +31,15 @@
  *
  * The arithmetic of output (row, column), the same on every path and in every tile:
  *     acc = fma(float(isum_b), d_b * dx_b, acc), off = fma(m_b, sx_b, off) for b in K order,
- *     y = acc + off   (Q8_0: off = 0)
- * where isum_b is the block's exact integer dot product. So the AVX2 path equals the
+ *     y = acc + off   (Q8_0 and IQ4_NL: off = 0)
+ * where isum_b is the block's exact integer dot product (IQ4_NL: of the grid values). So the AVX2 path equals the
  * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend
  * on its tile, its neighbours or the thread split (threads split groups of columns).
  * Int16 headroom (Q4_1): a maddubs lane sums 2 products of at most 15 x 127; eight of them
  * (4 chunks, 2 halves) sum to at most 30480 < 32767. Q5_1's codes reach 31, so each half's
- * 4 chunks (31496) widen to int32 before the halves add.
+ * 4 chunks (31496) widen to int32 before the halves add. Q8_0 and IQ4_NL weights are signed:
+ * maddubs takes their magnitude and their sign moves onto x, a lane's pair reaching 2 x 127 x
+ * 127 = 32258, so each chunk's pairs widen to int32 before the next chunk adds.
  *
  * Blocking: a thread takes its groups one at a time for each panel of ROW_PANEL rows, and
  * runs the panel's rows in tiles of ROW_TILE against the group, whose blocks stay in L1
@@ -54,11 +58,11 @@
 #define NS_X8_AVX2 1
 #endif
 
-enum { X8_Q4_1 = 3, X8_Q5_1 = 7, X8_Q8_0 = 8 }; /* the GGML type numbers of the layouts' formats */
+enum { X8_Q4_1 = 3, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_IQ4_NL = 20 }; /* the GGML type numbers of the layouts' formats */
 enum { COLUMNS = 8, ROW_TILE = 4, ROW_PANEL = 32 };
 
 static int group_block_bytes(int fmt) {
-    return fmt == X8_Q4_1 ? 160 : fmt == X8_Q5_1 ? 192 : fmt == X8_Q8_0 ? 272 : 0;
+    return fmt == X8_Q4_1 ? 160 : fmt == X8_Q5_1 ? 192 : fmt == X8_Q8_0 ? 272 : fmt == X8_IQ4_NL ? 144 : 0;
 }
 
 /* Q5_1's code of value 4t + i (`high`: value 16 + 4t + i) of column c in a group-block, 0..31. */
@@ -91,6 +95,12 @@ static void dot_group_portable(const int fmt, const uint8_t *group, const xblock
                     for (int i = 0; i < 4; i++)
                         isum += q5_code(block, c, t, i, 0) * xq[4 * t + i] + q5_code(block, c, t, i, 1) * xq[16 + 4 * t + i];
                 off[c] = fmaf(f16_to_f32(block + 16 + 2 * c), x[b].s, off[c]);
+            } else if (fmt == X8_IQ4_NL) {
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < 4; i++) {
+                        int code = block[16 + 32 * t + 4 * c + i];
+                        isum += IQ4_GRID[code & 0x0F] * xq[4 * t + i] + IQ4_GRID[code >> 4] * xq[16 + 4 * t + i];
+                    }
             } else {
                 for (int t = 0; t < 8; t++)
                     for (int i = 0; i < 4; i++) isum += (int8_t)block[16 + 32 * t + 4 * c + i] * xq[4 * t + i];
@@ -190,6 +200,30 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
                 off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), off[r]);
             }
+        } else if (fmt == X8_IQ4_NL) {
+            /* As Q8_0's chunks below, each byte of codes giving two: its low nibbles meet x's
+             * values 4t.., its high nibbles x's values 16 + 4t.. Unrolled whole, the loop had
+             * all 8 looked-up chunks and their magnitudes computed first and spilled; two
+             * chunks at a time keep a 4-row tile in registers. */
+            __m256i sums[ROW_TILE];
+            for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+            #pragma GCC unroll 2
+            for (int t = 0; t < 4; t++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * t));
+                for (int half = 0; half < 2; half++) {
+                    const __m256i q = iq4_grid_values(_mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, low4));
+                    const __m256i magnitude = _mm256_sign_epi8(q, q);
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *xq = x[r * x_stride + b].qs + 16 * half + 4 * t;
+                        __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(xq), q));
+                        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(products, ones));
+                    }
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const xblock *xb = x + r * x_stride + b;
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
+            }
         } else {
             /* Chunk by chunk, each chunk's weights loaded once for all the tile's rows (their
              * magnitudes too): at 4 rows the rows' sums and accumulators and one chunk fit the
@@ -229,6 +263,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
 DEFINE_TILE_AVX2(dot_tile_avx2_q4_1, X8_Q4_1)
 DEFINE_TILE_AVX2(dot_tile_avx2_q5_1, X8_Q5_1)
 DEFINE_TILE_AVX2(dot_tile_avx2_q8_0, X8_Q8_0)
+DEFINE_TILE_AVX2(dot_tile_avx2_iq4_nl, X8_IQ4_NL)
 #endif
 
 /* ---- the entry points -------------------------------------------------------------------- */
@@ -269,8 +304,9 @@ static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w,
 }
 
 #ifdef NS_X8_AVX2
-#define BEST_TILE(fmt) \
-    ((fmt) == X8_Q4_1 ? dot_tile_avx2_q4_1 : (fmt) == X8_Q5_1 ? dot_tile_avx2_q5_1 : dot_tile_avx2_q8_0)
+#define BEST_TILE(fmt)                                                                                     \
+    ((fmt) == X8_Q4_1 ? dot_tile_avx2_q4_1 : (fmt) == X8_Q5_1 ? dot_tile_avx2_q5_1                        \
+     : (fmt) == X8_IQ4_NL ? dot_tile_avx2_iq4_nl : dot_tile_avx2_q8_0)
 #else
 #define BEST_TILE(fmt) dot_tile_portable
 #endif
@@ -325,8 +361,8 @@ static int matmul_x8(tile_fn tile, void (*quantize)(const float *, int64_t, xblo
     return 0;
 }
 
-/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 7: Q5_1, 8: Q8_0), on the
- * widest path compiled in. Returns 0, -1 for an unknown layout or k not whole blocks, -2 when
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 7: Q5_1, 8: Q8_0,
+ * 20: IQ4_NL), on the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole blocks, -2 when
  * out of memory. */
 NS_EXPORT int ns_matmul_x8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
                            int64_t k, int num_threads) {
@@ -374,6 +410,13 @@ static void lookup_task(void *context, int thread, int threads) {
                     for (int j = 0; j < 4; j++) {
                         row[32 * b + 4 * t + j] = d * (float)q5_code(block, c, t, j, 0) + m;
                         row[32 * b + 16 + 4 * t + j] = d * (float)q5_code(block, c, t, j, 1) + m;
+                    }
+            } else if (fmt == X8_IQ4_NL) {
+                for (int t = 0; t < 4; t++)
+                    for (int j = 0; j < 4; j++) {
+                        int code = block[16 + 32 * t + 4 * c + j];
+                        row[32 * b + 4 * t + j] = d * (float)IQ4_GRID[code & 0x0F];
+                        row[32 * b + 16 + 4 * t + j] = d * (float)IQ4_GRID[code >> 4];
                     }
             } else {
                 for (int t = 0; t < 8; t++)

@@ -125,4 +125,12 @@ _Static_assert(sizeof(block_iq4_xs) == 136 && sizeof(block_q2_k) == 84 && sizeof
 /* IQ4_NL / IQ4_XS: each 4-bit code indexes these 16 non-uniform levels (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_GRID[16] __attribute__((unused)) = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+#if defined(__AVX2__)
+/* 32 codes 0..15 -> their grid values, one table lookup per byte (ggml-cpu's way). */
+static inline __m256i iq4_grid_values(__m256i codes) {
+    const __m256i grid = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_GRID));
+    return _mm256_shuffle_epi8(grid, codes);
+}
+#endif
+
 #endif
