@@ -136,8 +136,21 @@ def test_the_gemm_kernel_runs_layouts_the_gemm_lacks_through_the_x8_tiles():
     assert self_test(kernel, shape, max_rows=9, prefill_rows=70) == ""
 
 
+def q4_0_whose_offset_overflows_f16(out_features: int, in_features: int) -> QuantizedWeight:
+    """A Q4_0 matrix with one scale (16384) whose Q4_1 offset m = -8 d is past f16's range."""
+    weight = random_weight("q4_0", out_features, in_features)
+    large = torch.tensor([16384.0], dtype=torch.float16).view(torch.uint8)
+    weight.blocks.view(out_features, -1, 18)[0, 0, :2] = large
+    return weight
+
+
+def test_a_q4_0_matrix_whose_offset_overflows_f16_stays_in_the_files_layout():
+    weight = q4_0_whose_offset_overflows_f16(8, 64)
+    assert _repack().repack(weight) is weight
+
+
 def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():
-    q, v = random_weight("f16", 8, 256), random_weight("q8_0", 12, 256, seed=1)
+    q, v = q4_0_whose_offset_overflows_f16(8, 256), random_weight("q8_0", 12, 256, seed=1)
     kernel = QUANTIZED_KERNELS["native-quant-x8"]
     packed = kernel.pack(QuantizedStack((q, v)))
     assert isinstance(packed.parts[0], QuantizedWeight)
