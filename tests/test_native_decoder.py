@@ -129,13 +129,33 @@ def _q4_k_m_type(name: str):
     return T.Q8_0 if name == "token_embd.weight" else T.Q5_0
 
 
-def _mixed_model(tmp_path, matrix_type=_q4_k_m_type) -> Llama:
+def _low_bit_type(name: str):
+    """llama-quantize's Q2_K and Q3_K_M mixes on a model whose widths are whole super-blocks:
+    Q2_K or Q3_K q, k, gate and up by layer (q and k stacked beside a Q4_K v), Q3_K o, Q3_K and
+    Q6_K downs by layer."""
+    from gguf import GGMLQuantizationType as T
+
+    kind = name.split(".")[-2]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if kind == "attn_v":
+        return T.Q4_K
+    if kind == "ffn_down":
+        return T.Q6_K if layer % 2 else T.Q3_K
+    if kind == "attn_output":
+        return T.Q3_K
+    if name == "token_embd.weight":
+        return T.Q8_0
+    return T.Q3_K if layer % 2 else T.Q2_K
+
+
+def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64,
+                 intermediate_size: int = 256) -> Llama:
     from tiny_model import write_tiny_gguf, write_tiny_llama
 
     from nanoserve.loading.weights import load_weights
 
-    model_dir = write_tiny_llama(tmp_path / "mixed", hidden_size=64, intermediate_size=256, num_heads=4,
-                                 num_kv_heads=2, num_layers=3)
+    widths = {"hidden_size": hidden_size, "intermediate_size": intermediate_size}
+    model_dir = write_tiny_llama(tmp_path / "mixed", **widths, num_heads=4, num_kv_heads=2, num_layers=3)
     path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type)
     config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
     return Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
@@ -165,13 +185,37 @@ def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_
     assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
 
 
+def test_q2_k_and_q3_k_mixes_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
+    from families import crowd_logits
+
+    from nanoserve.native.repack import KRepackedWeight
+    from nanoserve.quant import QuantizedStack
+
+    model = _mixed_model(tmp_path, _low_bit_type, hidden_size=256, intermediate_size=512)
+    assert model.decoder is not None
+    layers = model.weights.layers
+    assert isinstance(layers[0].qkv, QuantizedStack)
+    assert [(type(p), p.format.name) for p in layers[0].qkv.parts] == [(KRepackedWeight, "q2_k")] * 2 + [
+        (KRepackedWeight, "q4_k")]
+    assert [w.down.format.name for w in layers] == ["q3_k", "q6_k", "q3_k"]
+    assert [w.o.format.name for w in layers] == ["q3_k"] * 3
+    fused = _run(model)
+    separate_model = _mixed_model(tmp_path, _low_bit_type, hidden_size=256, intermediate_size=512)
+    separate_model.decoder = None
+    assert_same_steps(fused, _run(separate_model))
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+
+
 def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    def one_q2_k(name: str):
-        return T.Q2_K if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
+    def one_q5_k(name: str):
+        return T.Q5_K if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
 
-    model = _mixed_model(tmp_path, one_q2_k)
+    model = _mixed_model(tmp_path, one_q5_k)
     assert model.decoder is None
     cache, before = FamilyCache(model.config), native.calls()
     logits = step(model, cache, [("a", PROMPTS["a"], 0)])["a"]

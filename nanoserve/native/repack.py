@@ -9,10 +9,10 @@ the embedding's row lookups, so the table is resident once), each checked before
 reaches C.
 Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
-Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
+Q4_K, Q6_K, Q2_K and Q3_K in groups of 8 columns (csrc/matmul_kx8.c documents those layouts).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q6_K); the kernel choice leaves those matrices in their file
-layout for matmul_quant.c / matmul_more.c.
+Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q6_K, Q2_K, Q3_K); the kernel choice leaves those matrices in
+their file layout for matmul_quant.c / matmul_more.c.
 """
 
 from __future__ import annotations
@@ -190,14 +190,15 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-# ---- Q4_K and Q6_K in groups of 8 columns (csrc/matmul_kx8.c) --------------------------------
+# ---- Q4_K, Q6_K, Q2_K and Q3_K in groups of 8 columns (csrc/matmul_kx8.c) ----------------------
 
-K_LAYOUT_BYTES = {"q4_k": 1184, "q6_k": 1680}  # per group of 8 columns and super-block of 256
+# Per group of 8 columns and super-block of 256.
+K_LAYOUT_BYTES = {"q4_k": 1184, "q6_k": 1680, "q2_k": 672, "q3_k": 912}
 
 
 @dataclass(frozen=True, slots=True)
 class KRepackedWeight(PackedBlocks):
-    """A Q4_K or Q6_K matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
+    """A Q4_K, Q6_K, Q2_K or Q3_K matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
     in / 256 * K_LAYOUT_BYTES[format]], group g holding output features 8g..8g+7 (zero columns
     past `out`). Its values are the file's (`dequantize` gives them back)."""
 
@@ -228,7 +229,7 @@ def k_repackable(weight: object) -> bool:
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K or Q6_K."""
+    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K, Q6_K, Q2_K or Q3_K."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -236,7 +237,7 @@ def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
     padded = torch.zeros(-(-out_features // COLUMNS) * COLUMNS, *blocks.shape[1:], dtype=torch.uint8)
     padded[:out_features] = blocks
     groups = padded.view(-1, COLUMNS, *blocks.shape[1:])  # [group, column, super-block, bytes]
-    fields = _q4_k_fields(groups) if weight.format.name == "q4_k" else _q6_k_fields(groups)
+    fields = _K_FIELDS[weight.format.name](groups)
     packed = torch.cat(fields, dim=-1)  # [group, super-block, layout bytes]
     return KRepackedWeight(weight.format, weight.shape, packed.reshape(packed.shape[0], -1).contiguous())
 
@@ -292,6 +293,27 @@ def _q6_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
             _per_column(groups[..., 192:208]), _chunked(_nibble_pairs(codes & 0x0F)), _chunked(top_bytes)]
 
 
+def _q2_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    g, _, s, _ = groups.shape
+    return [_per_column(groups[..., 80:82].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(groups[..., 82:84].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(groups[..., 0:16]), _chunked(groups[..., 16:80].reshape(g, COLUMNS, s, 2, 32))]
+
+
+def _q3_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    from nanoserve.quant import _q3_k_scales
+
+    g, _, s, _ = groups.shape
+    scales = (_q3_k_scales(groups.reshape(-1, 110)[:, 96:108]) - 32).to(torch.int8).view(torch.uint8)
+    return [_per_column(groups[..., 108:110].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(scales.reshape(g, COLUMNS, s, 16)),
+            _chunked(groups[..., 32:96].reshape(g, COLUMNS, s, 2, 32)),
+            _chunked(groups[..., 0:32].reshape(g, COLUMNS, s, 1, 32))]
+
+
+_K_FIELDS = {"q4_k": _q4_k_fields, "q6_k": _q6_k_fields, "q2_k": _q2_k_fields, "q3_k": _q3_k_fields}
+
+
 def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
     """The layout's values as float32 [out, in], by matmul_kx8.c's own reading of it."""
     out_features, in_features = weight.shape
@@ -314,9 +336,23 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         pairs = unchunked(start, 4)
         return torch.stack([pairs & 0x0F, pairs >> 4], dim=4).reshape(g, COLUMNS, s, 8, 32)
 
+    def two_bits(start: int) -> torch.Tensor:  # -> [g, column, s, 16, 16]: the 2-bit codes of the halves
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
+        return ((unchunked(start, 2).unsqueeze(4) >> shifts) & 3).reshape(g, COLUMNS, s, 16, 16)
+
     if weight.format.name == "q4_k":
         sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
         values = (f16(0) * sc).unsqueeze(-1) * low_nibbles(160).float() - (f16(16) * mn).unsqueeze(-1)
+    elif weight.format.name == "q2_k":
+        scales = columns(32, 16).squeeze(-1)  # [g, column, s, 16]
+        values = ((f16(0) * (scales & 0xF).float()).unsqueeze(-1) * two_bits(160).float()
+                  - (f16(16) * (scales >> 4).float()).unsqueeze(-1))
+    elif weight.format.name == "q3_k":
+        bits = torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1)
+        high = ((unchunked(656, 1) >> bits) & 1).reshape(g, COLUMNS, s, 16, 16)  # bit j: sub-block j
+        codes = two_bits(144).to(torch.int8) - 4 * (1 - high.to(torch.int8))
+        scales = columns(16, 16).squeeze(-1).contiguous().view(torch.int8).float()
+        values = (f16(0) * scales).unsqueeze(-1) * codes.float()
     else:
         top = unchunked(1168, 2).unsqueeze(3)  # [g, column, s, 1, 2, 32]
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)

@@ -1,4 +1,4 @@
-/* y = x @ W^T with Q4_K or Q6_K blocks repacked at load: eight output columns interleaved.
+/* y = x @ W^T with Q4_K, Q6_K, Q2_K or Q3_K blocks repacked at load: eight output columns interleaved.
  *
  * matmul_quant.c reads the K-quants in the file's row-major layout: every 32-value sub-block
  * of one output column unpacked alone, reduced with a horizontal sum. Here, as matmul_x8.c does
@@ -18,6 +18,14 @@
  *          4 bits of the codes (0..63) as Q4_K's pairs (1024 bytes), then their top 2 bits: 2
  *          sets s of 256 bytes, chunked the same way, bits 2i, 2i+1 of byte l holding value l of
  *          sub-block 4s + i.
+ *     Q2_K (672 bytes = 8 x 84): d[8] f16, dmin[8] f16, scales[16 halves of 16][8 columns] u8 (the
+ *          file's bytes: scale in the low nibble, min in the high), then the 2-bit codes (0..3): 2
+ *          sets s of 256 bytes, chunked as Q6_K's top bits (bits 2i, 2i+1 of byte l: value l of
+ *          sub-block 4s + i; set s is the file's qs[32s .. 32s + 31] regrouped).
+ *     Q3_K (912 bytes = 8 x 114): d[8] f16, scales[16 halves][8 columns] i8 (the 6-bit scales,
+ *          less 32, unpacked to bytes), the low 2 bits of the codes as Q2_K's (512 bytes), then
+ *          the file's hmask chunked (256 bytes): bit j of byte l set means value l of sub-block j
+ *          has no -4.
  * N is padded to a multiple of 8 with zero columns.
  *
  * Activations: each row quantized once per call to 8-bit blocks of 32 (quant_blocks.h), so
@@ -27,18 +35,32 @@
  *           over the sub-blocks in K order; y = acc - off; isum_j = sum q * xq (q in 0..15)
  *     Q6_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc;
  *           isum_j = sc_{2j} * sum_{l<16} (q - 32) xq + sc_{2j+1} * sum_{l>=16} (q - 32) xq
+ *     Q2_K: acc = fma(float(isum_j), d * dx_j, acc), off = fma(float(msum_j), dmin * dx_j, off)
+ *           in K order; y = acc - off; with h the halves of 16 values, q in 0..3,
+ *           isum_j = sum_h sc_h sum q xq, msum_j = sum_h mn_h sum xq (sc, mn the nibbles)
+ *     Q3_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc; q = low + 4 hbit - 4,
+ *           isum_j = sum_h sc_h sum q xq, computed as sum_h sc_h (sum (q + 4) xq - 4 sum xq)
+ *           (the same integer: q + 4 in 0..7 needs no sign trick, and the half sums of xq are
+ *           Q2_K's)
  * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 15 * 127 and |isum_j| <= 2 * 128 * 16 *
  * 32 * 127 < 2^24, so the conversions to float are exact too), so the AVX2 path equals the
  * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend on
  * its tile, its neighbours or the thread split (threads split groups of columns).
  * Int16 headroom: Q4_K sums 8 chunks of maddubs pairs (2 x 15 x 127) per sub-block: 30480;
  * Q6_K moves the sign of q - 32 onto x (|q - 32| <= 32) and sums 4 chunks per 16-value half:
- * 4 x 2 x 32 x 127 = 32512 < 32767.
+ * 4 x 2 x 32 x 127 = 32512 < 32767. Q2_K and Q3_K sum 4 chunks per half: 4 x 2 x 3 x 127 =
+ * 3048 and 4 x 2 x 7 x 127 = 7112; their integers |isum_j| <= 2 x 15 x 16 x 3 x 127 (Q2_K),
+ * 2 x 32 x 16 x 4 x 127 (Q3_K) and |msum_j| <= 2 x 15 x 16 x 127 are below 2^24 too, and the
+ * half sums of xq (|S| <= 16 x 127) fit the int16 pairs madd multiplies by the per-half mins
+ * or scales.
  *
  * Tiles: for each sub-block, each 32-byte chunk of codes is unpacked once and met by every row
  * of a tile of KX8_TILE rows (a decode step's row alone is a tile of one); a row keeps only its
  * integer sums and accumulator in registers, and Q4_K's offset chain runs as a second loop
- * (the two chains never mix before the final subtraction, so this changes no bit).
+ * (the two chains never mix before the final subtraction, so this changes no bit). Q2_K and
+ * Q3_K unroll the 8 sub-blocks of a super-block so that every shift that picks a sub-block's
+ * bits is a constant: these layouts read fewer bytes than Q4_K, so their unpacking, not the
+ * memory, sets their speed.
  */
 #include <stdlib.h>
 
@@ -53,8 +75,20 @@
 enum { KX8_Q4_K = 12, KX8_Q6_K = 14 }; /* the GGML type numbers */
 enum { KX8_COLUMNS = 8, KX8_TILE = 3, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
 enum { Q4_K_CODES = 160, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
+enum { KX8_Q2_K = 10, KX8_Q3_K = 11 }; /* the GGML type numbers of the 2- and 3-bit layouts */
+enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_LOW = 144, Q3_K_HIGH = 656 };
 
-static int kx8_bytes(int fmt) { return fmt == KX8_Q4_K ? 1184 : fmt == KX8_Q6_K ? 1680 : 0; }
+static int kx8_bytes(int fmt) {
+    switch (fmt) {
+    case KX8_Q4_K: return 1184;
+    case KX8_Q6_K: return 1680;
+    case KX8_Q2_K: return 672;
+    case KX8_Q3_K: return 912;
+    default: return 0;
+    }
+}
+
+static int kx8_low_bits(int fmt) { return fmt == KX8_Q2_K || fmt == KX8_Q3_K; }
 
 /* ---- the scalar reference ---------------------------------------------------------------- */
 
@@ -90,10 +124,47 @@ static float kx8_output_portable(int fmt, const uint8_t *group, int c, const xbl
     return acc - off;
 }
 
+/* Value l's 2-bit code in sub-block j (0..7) of column c, from two sets of 256 bytes at `codes`. */
+static int kx8_two_bits(const uint8_t *codes, int j, int c, int l) {
+    return (codes[256 * (j / 4) + 32 * (l / 4) + 4 * c + l % 4] >> (2 * (j % 4))) & 3;
+}
+
+/* Q2_K and Q3_K's output (row, column c) by the header's arithmetic, one value at a time. */
+static float kx8_low_bits_output_portable(int fmt, const uint8_t *group, int c, const xblock *x, int64_t blocks) {
+    const int bytes = kx8_bytes(fmt);
+    float acc = 0.0f, off = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * bytes;
+        const int j = (int)(b % 8);
+        int dot[2] = {0, 0}, xsum[2] = {0, 0}; /* per half of 16: sum q xq (Q3_K: (q + 4) xq), sum xq */
+        for (int l = 0; l < 32; l++) {
+            int q = kx8_two_bits(block + (fmt == KX8_Q2_K ? Q2_K_CODES : Q3_K_LOW), j, c, l);
+            if (fmt == KX8_Q3_K) q |= ((block[Q3_K_HIGH + 32 * (l / 4) + 4 * c + l % 4] >> j) & 1) << 2;
+            dot[l / 16] += q * x[b].qs[l];
+            xsum[l / 16] += x[b].qs[l];
+        }
+        const float d = f16_to_f32(block + 2 * c);
+        if (fmt == KX8_Q2_K) {
+            const uint8_t *scales = block + Q2_K_SCALES + 16 * j + c; /* halves 2j and 2j + 1 */
+            int isum = (scales[0] & 15) * dot[0] + (scales[8] & 15) * dot[1];
+            int msum = (scales[0] >> 4) * xsum[0] + (scales[8] >> 4) * xsum[1];
+            acc = fmaf((float)isum, d * x[b].d, acc);
+            off = fmaf((float)msum, f16_to_f32(block + Q2_K_DMIN + 2 * c) * x[b].d, off);
+        } else {
+            const int8_t *scales = (const int8_t *)block + Q3_K_SCALES + 16 * j + c;
+            int isum = scales[0] * (dot[0] - 4 * xsum[0]) + scales[8] * (dot[1] - 4 * xsum[1]);
+            acc = fmaf((float)isum, d * x[b].d, acc);
+        }
+    }
+    return acc - off;
+}
+
 static void kx8_tile_portable(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y,
                               int64_t n, int valid) {
+    float (*output)(int, const uint8_t *, int, const xblock *, int64_t) =
+        kx8_low_bits(fmt) ? kx8_low_bits_output_portable : kx8_output_portable;
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < valid; c++) y[r * n + c] = kx8_output_portable(fmt, group, c, x + r * blocks, blocks);
+        for (int c = 0; c < valid; c++) y[r * n + c] = output(fmt, group, c, x + r * blocks, blocks);
 }
 
 /* ---- AVX2 -------------------------------------------------------------------------------- */
@@ -200,19 +271,131 @@ static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, c
     for (int r = 0; r < rows; r++) kx8_store(y + r * n, acc[r], valid);
 }
 
+/* ---- Q2_K and Q3_K, AVX2 ------------------------------------------------------------------- */
+
+/* Shuffles of the 16 scale bytes of halves 2j (bytes 0..7, one per column) and 2j + 1 (8..15),
+ * broadcast to both 128-bit lanes, into an int16 pair per column's 32-bit lane: bytes (A + c,
+ * B + c) at the bottom of their int16 (LOW: zero-extended) or at the top (HIGH: an arithmetic
+ * shift right by 8 then sign-extends them). */
+#define KX8_LOW(a, b) a, -1, b, -1
+#define KX8_HIGH(a, b) -1, a, -1, b
+#define KX8_SCALE_SHUFFLE(PAIR, A, B)                                                                     \
+    _mm256_setr_epi8(PAIR(A, B), PAIR(A + 1, B + 1), PAIR(A + 2, B + 2), PAIR(A + 3, B + 3), PAIR(A + 4, B + 4), \
+                     PAIR(A + 5, B + 5), PAIR(A + 6, B + 6), PAIR(A + 7, B + 7))
+
+/* The 16 scale bytes of sub-block j's halves, in both 128-bit lanes. */
+static inline __m256i kx8_half_scales(const uint8_t *block, int offset, int j) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(block + offset + 16 * j)));
+}
+
+/* An activation block's (sum of codes 0..15, of 16..31) as an int16 pair in every 32-bit lane. */
+static inline __m256i kx8_half_sums(const xblock *xb) {
+    int32_t pair;
+    memcpy(&pair, xb->half_sums, 4);
+    return _mm256_set1_epi32(pair);
+}
+
+/* Sub-block j's 32-byte chunk t of codes as unsigned bytes: Q2_K's 0..3, Q3_K's q + 4 in 0..7. */
+static inline __attribute__((always_inline)) __m256i kx8_low_bits_chunk(const int fmt, const uint8_t *block,
+                                                                         const int j, int t) {
+    const int offset = fmt == KX8_Q2_K ? Q2_K_CODES : Q3_K_LOW;
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(block + offset + 256 * (j / 4) + 32 * t));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(w, 2 * (j % 4)), _mm256_set1_epi8(3));
+    if (fmt == KX8_Q3_K) { /* hmask bit j to bit 2 */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(block + Q3_K_HIGH + 32 * t));
+        const __m256i moved = j >= 2 ? _mm256_srli_epi16(h, j - 2) : _mm256_slli_epi16(h, 2 - j);
+        q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(4)));
+    }
+    return q;
+}
+
+/* Sub-block j (activation block b) against `rows` rows: the header's acc chain. isum runs half
+ * by half, so a row holds one int16 sum and one int32 sum. */
+static inline __attribute__((always_inline)) void kx8_low_bits_sub_block(const int fmt, const int rows,
+                                                                          const uint8_t *block, const int j,
+                                                                          const xblock *x, int64_t blocks,
+                                                                          int64_t b, __m256 *acc) {
+    const __m256i scale_bytes = kx8_half_scales(block, fmt == KX8_Q2_K ? Q2_K_SCALES : Q3_K_SCALES, j);
+    __m256i isum[KX8_TILE];
+    for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; half++) {
+        __m256i sums[KX8_TILE];
+        for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+        for (int t = 4 * half; t < 4 * half + 4; t++) {
+            const __m256i q = kx8_low_bits_chunk(fmt, block, j, t);
+            for (int r = 0; r < rows; r++)
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
+        }
+        const __m256i sc = fmt == KX8_Q2_K
+            ? _mm256_and_si256(_mm256_shuffle_epi8(scale_bytes, half ? KX8_SCALE_SHUFFLE(KX8_LOW, 8, 8)
+                                                                     : KX8_SCALE_SHUFFLE(KX8_LOW, 0, 0)),
+                               _mm256_set1_epi16(0x0F))
+            : _mm256_srai_epi16(_mm256_shuffle_epi8(scale_bytes, half ? KX8_SCALE_SHUFFLE(KX8_HIGH, 8, 8)
+                                                                      : KX8_SCALE_SHUFFLE(KX8_HIGH, 0, 0)), 8);
+        for (int r = 0; r < rows; r++)
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sums[r], sc));
+    }
+    if (fmt == KX8_Q3_K) { /* less 4 sum_h sc_h sum xq */
+        const __m256i scales = _mm256_srai_epi16(_mm256_shuffle_epi8(scale_bytes, KX8_SCALE_SHUFFLE(KX8_HIGH, 0, 8)), 8);
+        for (int r = 0; r < rows; r++)
+            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(scales, kx8_half_sums(x + r * blocks + b)), 2));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r * blocks + b].d)), acc[r]);
+}
+
+/* Q2_K's offset chain, its own loop as Q4_K's: off = fma(float(msum_j), dmin * dx_j, off). */
+static inline __attribute__((always_inline)) void kx8_q2_k_offsets(const int rows, const uint8_t *group,
+                                                                   const xblock *x, int64_t blocks, __m256 *off) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + (b / 8) * kx8_bytes(KX8_Q2_K);
+        const __m256i mins = _mm256_srli_epi16(
+            _mm256_shuffle_epi8(kx8_half_scales(block, Q2_K_SCALES, (int)(b % 8)), KX8_SCALE_SHUFFLE(KX8_LOW, 0, 8)), 4);
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + Q2_K_DMIN)));
+        for (int r = 0; r < rows; r++) {
+            const xblock *xb = x + r * blocks + b;
+            const __m256i msum = _mm256_madd_epi16(mins, kx8_half_sums(xb));
+            off[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, _mm256_set1_ps(xb->d)), off[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void kx8_low_bits_tile_avx2(const int fmt, const int rows,
+                                                                         const uint8_t *group, const xblock *x,
+                                                                         int64_t blocks, float *y, int64_t n,
+                                                                         int valid) {
+    __m256 acc[KX8_TILE];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 8) {
+        const uint8_t *block = group + (b / 8) * kx8_bytes(fmt);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) kx8_low_bits_sub_block(fmt, rows, block, j, x, blocks, b + j, acc);
+    }
+    if (fmt == KX8_Q2_K) {
+        __m256 off[KX8_TILE];
+        for (int r = 0; r < rows; r++) off[r] = _mm256_setzero_ps();
+        kx8_q2_k_offsets(rows, group, x, blocks, off);
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_sub_ps(acc[r], off[r]);
+    }
+    for (int r = 0; r < rows; r++) kx8_store(y + r * n, acc[r], valid);
+}
+
 /* One function per (format, tile height), both constants, so the tile's registers are named. */
-#define DEFINE_KX8_TILE(NAME, FMT)                                                                      \
+#define DEFINE_KX8_TILE(NAME, BODY, FMT)                                                                \
     static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y, \
                      int64_t n, int valid) {                                                            \
         (void)fmt;                                                                                      \
         switch (rows) {                                                                                 \
-        case 3: kx8_tile_avx2(FMT, 3, group, x, blocks, y, n, valid); return;                           \
-        case 2: kx8_tile_avx2(FMT, 2, group, x, blocks, y, n, valid); return;                           \
-        default: kx8_tile_avx2(FMT, 1, group, x, blocks, y, n, valid); return;                          \
+        case 3: BODY(FMT, 3, group, x, blocks, y, n, valid); return;                                    \
+        case 2: BODY(FMT, 2, group, x, blocks, y, n, valid); return;                                    \
+        default: BODY(FMT, 1, group, x, blocks, y, n, valid); return;                                   \
         }                                                                                               \
     }
-DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, KX8_Q4_K)
-DEFINE_KX8_TILE(kx8_tile_avx2_q6_k, KX8_Q6_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, kx8_tile_avx2, KX8_Q4_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q6_k, kx8_tile_avx2, KX8_Q6_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q2_k, kx8_low_bits_tile_avx2, KX8_Q2_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q3_k, kx8_low_bits_tile_avx2, KX8_Q3_K)
 #endif
 
 /* ---- the entry points -------------------------------------------------------------------- */
@@ -286,25 +469,33 @@ static int matmul_kx8(kx8_tile_fn tile, void (*quantize)(const float *, int64_t,
     return 0;
 }
 
+/* The widest tile compiled in for a layout. */
+static kx8_tile_fn kx8_best_tile(int fmt) {
 #ifdef NS_KX8_AVX2
-#define KX8_BEST_TILE(fmt) ((fmt) == KX8_Q4_K ? kx8_tile_avx2_q4_k : kx8_tile_avx2_q6_k)
-#else
-#define KX8_BEST_TILE(fmt) kx8_tile_portable
+    switch (fmt) {
+    case KX8_Q4_K: return kx8_tile_avx2_q4_k;
+    case KX8_Q6_K: return kx8_tile_avx2_q6_k;
+    case KX8_Q2_K: return kx8_tile_avx2_q2_k;
+    case KX8_Q3_K: return kx8_tile_avx2_q3_k;
+    }
 #endif
+    (void)fmt;
+    return kx8_tile_portable;
+}
 
 int ns_kx8_layout(int fmt) { return kx8_bytes(fmt) != 0; }
 
 void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                           int64_t n, int64_t k, int thread, int threads) {
-    kx8_groups(KX8_BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
+    kx8_groups(kx8_best_tile(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
-/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 14: Q6_K), on the widest
- * path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 14: Q6_K, 10: Q2_K,
+ * 11: Q3_K), on the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
  * -2 when out of memory. */
 NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
-    return matmul_kx8(KX8_BEST_TILE(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
+    return matmul_kx8(kx8_best_tile(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
 }
 
 /* The scalar reference, for the tests to hold the vector path against (bit for bit). */
