@@ -301,14 +301,19 @@ def _q2_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _q3_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
-    from nanoserve.quant import _q3_k_scales
+    from nanoserve.quant import _q3_k_scales, _two_bit_groups
 
     g, _, s, _ = groups.shape
-    scales = (_q3_k_scales(groups.reshape(-1, 110)[:, 96:108]) - 32).to(torch.int8).view(torch.uint8)
+    flat = groups.reshape(-1, 110)
+    scales = (_q3_k_scales(flat[:, 96:108]) - 32).to(torch.int8).view(torch.uint8)
+    bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = ((flat[:, 0:32].unsqueeze(1) >> bits) & 1).reshape(-1, 16, 16)  # as quant.py's dequantizer reads
+    w = (_two_bit_groups(flat[:, 32:96]) | (high << 2)).reshape(g, COLUMNS, s, 8, 32)  # q + 4 in 0..7
+    planes = [w[..., 0, :] | (w[..., 1, :] << 3) | ((w[..., 6, :] & 3) << 6),
+              w[..., 2, :] | (w[..., 3, :] << 3) | ((w[..., 7, :] & 3) << 6),
+              w[..., 4, :] | (w[..., 5, :] << 3) | ((w[..., 6, :] >> 2) << 6) | ((w[..., 7, :] >> 2) << 7)]
     return [_per_column(groups[..., 108:110].reshape(g, COLUMNS, s, 1, 2)),
-            _per_column(scales.reshape(g, COLUMNS, s, 16)),
-            _chunked(groups[..., 32:96].reshape(g, COLUMNS, s, 2, 32)),
-            _chunked(groups[..., 0:32].reshape(g, COLUMNS, s, 1, 32))]
+            _per_column(scales.reshape(g, COLUMNS, s, 16)), _chunked(torch.stack(planes, dim=3))]
 
 
 _K_FIELDS = {"q4_k": _q4_k_fields, "q6_k": _q6_k_fields, "q2_k": _q2_k_fields, "q3_k": _q3_k_fields}
@@ -336,21 +341,20 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         pairs = unchunked(start, 4)
         return torch.stack([pairs & 0x0F, pairs >> 4], dim=4).reshape(g, COLUMNS, s, 8, 32)
 
-    def two_bits(start: int) -> torch.Tensor:  # -> [g, column, s, 16, 16]: the 2-bit codes of the halves
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
-        return ((unchunked(start, 2).unsqueeze(4) >> shifts) & 3).reshape(g, COLUMNS, s, 16, 16)
-
     if weight.format.name == "q4_k":
         sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
         values = (f16(0) * sc).unsqueeze(-1) * low_nibbles(160).float() - (f16(16) * mn).unsqueeze(-1)
     elif weight.format.name == "q2_k":
         scales = columns(32, 16).squeeze(-1)  # [g, column, s, 16]
-        values = ((f16(0) * (scales & 0xF).float()).unsqueeze(-1) * two_bits(160).float()
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
+        codes = ((unchunked(160, 2).unsqueeze(4) >> shifts) & 3).reshape(g, COLUMNS, s, 16, 16)
+        values = ((f16(0) * (scales & 0xF).float()).unsqueeze(-1) * codes.float()
                   - (f16(16) * (scales >> 4).float()).unsqueeze(-1))
     elif weight.format.name == "q3_k":
-        bits = torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1)
-        high = ((unchunked(656, 1) >> bits) & 1).reshape(g, COLUMNS, s, 16, 16)  # bit j: sub-block j
-        codes = two_bits(144).to(torch.int8) - 4 * (1 - high.to(torch.int8))
+        p0, p1, p2 = unchunked(144, 3).unbind(3)  # [g, column, s, 32] each
+        w = torch.stack([p0 & 7, (p0 >> 3) & 7, p1 & 7, (p1 >> 3) & 7, p2 & 7, (p2 >> 3) & 7,
+                         (p0 >> 6) | (((p2 >> 6) & 1) << 2), (p1 >> 6) | ((p2 >> 7) << 2)], dim=3)
+        codes = w.reshape(g, COLUMNS, s, 16, 16).to(torch.int8) - 4
         scales = columns(16, 16).squeeze(-1).contiguous().view(torch.int8).float()
         values = (f16(0) * scales).unsqueeze(-1) * codes.float()
     else:

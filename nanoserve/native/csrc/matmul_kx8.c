@@ -23,9 +23,13 @@
  *          sets s of 256 bytes, chunked as Q6_K's top bits (bits 2i, 2i+1 of byte l: value l of
  *          sub-block 4s + i; set s is the file's qs[32s .. 32s + 31] regrouped).
  *     Q3_K (912 bytes = 8 x 114): d[8] f16, scales[16 halves][8 columns] i8 (the 6-bit scales,
- *          less 32, unpacked to bytes), the low 2 bits of the codes as Q2_K's (512 bytes), then
- *          the file's hmask chunked (256 bytes): bit j of byte l set means value l of sub-block j
- *          has no -4.
+ *          less 32, unpacked to bytes), then the codes as w = q + 4 (0..7: the file's low 2 bits,
+ *          and its hmask bit as bit 2) in 3 planes p of 256 bytes, chunked as Q4_K's pairs: byte
+ *          l of plane p holds value l's w of sub-block 2p at bits 0-2 and of 2p + 1 at bits 3-5
+ *          (p < 3); bits 6-7 of planes 0 and 1 hold the low 2 bits of sub-blocks 6 and 7, bits 6
+ *          and 7 of plane 2 their bit 2. The file's bits regrouped so that six of the eight
+ *          sub-blocks take their codes with one shift and one mask, as Q2_K's do, where the
+ *          file's planes cost two loads, two shifts, two masks and an or a chunk.
  * N is padded to a multiple of 8 with zero columns.
  *
  * Activations: each row quantized once per call to 8-bit blocks of 32 (quant_blocks.h), so
@@ -38,9 +42,9 @@
  *     Q2_K: acc = fma(float(isum_j), d * dx_j, acc), off = fma(float(msum_j), dmin * dx_j, off)
  *           in K order; y = acc - off; with h the halves of 16 values, q in 0..3,
  *           isum_j = sum_h sc_h sum q xq, msum_j = sum_h mn_h sum xq (sc, mn the nibbles)
- *     Q3_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc; q = low + 4 hbit - 4,
- *           isum_j = sum_h sc_h sum q xq, computed as sum_h sc_h (sum (q + 4) xq - 4 sum xq)
- *           (the same integer: q + 4 in 0..7 needs no sign trick, and the half sums of xq are
+ *     Q3_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc; q = w - 4 in -4..3,
+ *           isum_j = sum_h sc_h sum q xq, computed as sum_h sc_h (sum w xq - 4 sum xq)
+ *           (the same integer: w in 0..7 needs no sign trick, and the half sums of xq are
  *           Q2_K's)
  * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 15 * 127 and |isum_j| <= 2 * 128 * 16 *
  * 32 * 127 < 2^24, so the conversions to float are exact too), so the AVX2 path equals the
@@ -76,7 +80,7 @@ enum { KX8_Q4_K = 12, KX8_Q6_K = 14 }; /* the GGML type numbers */
 enum { KX8_COLUMNS = 8, KX8_TILE = 3, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
 enum { Q4_K_CODES = 160, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
 enum { KX8_Q2_K = 10, KX8_Q3_K = 11 }; /* the GGML type numbers of the 2- and 3-bit layouts */
-enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_LOW = 144, Q3_K_HIGH = 656 };
+enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_CODES = 144 };
 
 static int kx8_bytes(int fmt) {
     switch (fmt) {
@@ -124,9 +128,14 @@ static float kx8_output_portable(int fmt, const uint8_t *group, int c, const xbl
     return acc - off;
 }
 
-/* Value l's 2-bit code in sub-block j (0..7) of column c, from two sets of 256 bytes at `codes`. */
-static int kx8_two_bits(const uint8_t *codes, int j, int c, int l) {
-    return (codes[256 * (j / 4) + 32 * (l / 4) + 4 * c + l % 4] >> (2 * (j % 4))) & 3;
+/* Value l's code in sub-block j (0..7) of column c of a group-super-block: Q2_K's q (0..3),
+ * Q3_K's w = q + 4 (0..7). */
+static int kx8_low_bits_code(int fmt, const uint8_t *block, int j, int c, int l) {
+    const int at = 32 * (l / 4) + 4 * c + l % 4;
+    if (fmt == KX8_Q2_K) return (block[Q2_K_CODES + 256 * (j / 4) + at] >> (2 * (j % 4))) & 3;
+    const uint8_t *planes = block + Q3_K_CODES + at;
+    if (j < 6) return (planes[256 * (j / 2)] >> (3 * (j % 2))) & 7;
+    return planes[256 * (j - 6)] >> 6 | ((planes[512] >> j) & 1) << 2;
 }
 
 /* Q2_K and Q3_K's output (row, column c) by the header's arithmetic, one value at a time. */
@@ -136,11 +145,9 @@ static float kx8_low_bits_output_portable(int fmt, const uint8_t *group, int c, 
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + (b / 8) * bytes;
         const int j = (int)(b % 8);
-        int dot[2] = {0, 0}, xsum[2] = {0, 0}; /* per half of 16: sum q xq (Q3_K: (q + 4) xq), sum xq */
+        int dot[2] = {0, 0}, xsum[2] = {0, 0}; /* per half of 16: sum q xq (Q3_K: w xq), sum xq */
         for (int l = 0; l < 32; l++) {
-            int q = kx8_two_bits(block + (fmt == KX8_Q2_K ? Q2_K_CODES : Q3_K_LOW), j, c, l);
-            if (fmt == KX8_Q3_K) q |= ((block[Q3_K_HIGH + 32 * (l / 4) + 4 * c + l % 4] >> j) & 1) << 2;
-            dot[l / 16] += q * x[b].qs[l];
+            dot[l / 16] += kx8_low_bits_code(fmt, block, j, c, l) * x[b].qs[l];
             xsum[l / 16] += x[b].qs[l];
         }
         const float d = f16_to_f32(block + 2 * c);
@@ -295,18 +302,21 @@ static inline __m256i kx8_half_sums(const xblock *xb) {
     return _mm256_set1_epi32(pair);
 }
 
-/* Sub-block j's 32-byte chunk t of codes as unsigned bytes: Q2_K's 0..3, Q3_K's q + 4 in 0..7. */
+/* Sub-block j's 32-byte chunk t of codes as unsigned bytes: Q2_K's q in 0..3, Q3_K's w in 0..7. */
 static inline __attribute__((always_inline)) __m256i kx8_low_bits_chunk(const int fmt, const uint8_t *block,
                                                                          const int j, int t) {
-    const int offset = fmt == KX8_Q2_K ? Q2_K_CODES : Q3_K_LOW;
-    const __m256i w = _mm256_loadu_si256((const __m256i *)(block + offset + 256 * (j / 4) + 32 * t));
-    __m256i q = _mm256_and_si256(_mm256_srli_epi16(w, 2 * (j % 4)), _mm256_set1_epi8(3));
-    if (fmt == KX8_Q3_K) { /* hmask bit j to bit 2 */
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(block + Q3_K_HIGH + 32 * t));
-        const __m256i moved = j >= 2 ? _mm256_srli_epi16(h, j - 2) : _mm256_slli_epi16(h, 2 - j);
-        q = _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8(4)));
-    }
-    return q;
+#define KX8_CHUNK(offset) _mm256_loadu_si256((const __m256i *)(block + (offset) + 32 * t))
+    if (fmt == KX8_Q2_K)
+        return _mm256_and_si256(_mm256_srli_epi16(KX8_CHUNK(Q2_K_CODES + 256 * (j / 4)), 2 * (j % 4)),
+                                _mm256_set1_epi8(3));
+    if (j < 6)
+        return _mm256_and_si256(_mm256_srli_epi16(KX8_CHUNK(Q3_K_CODES + 256 * (j / 2)), 3 * (j % 2)),
+                                _mm256_set1_epi8(7));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(KX8_CHUNK(Q3_K_CODES + 256 * (j - 6)), 6),
+                                         _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_and_si256(_mm256_srli_epi16(KX8_CHUNK(Q3_K_CODES + 512), j - 2),
+                                                 _mm256_set1_epi8(4)));
+#undef KX8_CHUNK
 }
 
 /* Sub-block j (activation block b) against `rows` rows: the header's acc chain. isum runs half
