@@ -131,14 +131,14 @@ def _q4_k_m_type(name: str):
 
 def _low_bit_type(name: str):
     """llama-quantize's Q2_K and Q3_K_M mixes on a model whose widths are whole super-blocks:
-    Q2_K or Q3_K q, k, gate and up by layer (q and k stacked beside a Q4_K v), Q3_K o, Q3_K and
-    Q6_K downs by layer."""
+    Q2_K or Q3_K q, k, gate and up by layer (q and k stacked beside a Q5_K or Q4_K v), Q3_K o,
+    Q3_K and Q6_K downs by layer."""
     from gguf import GGMLQuantizationType as T
 
     kind = name.split(".")[-2]
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     if kind == "attn_v":
-        return T.Q4_K
+        return T.Q5_K if layer == 0 else T.Q4_K
     if kind == "ffn_down":
         return T.Q6_K if layer % 2 else T.Q3_K
     if kind == "attn_output":
@@ -185,7 +185,7 @@ def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_
     assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
 
 
-def test_q2_k_and_q3_k_mixes_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
+def test_q2_k_and_q3_k_m_mixes_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
     from families import crowd_logits
 
     from nanoserve.native.repack import KRepackedWeight
@@ -196,7 +196,7 @@ def test_q2_k_and_q3_k_mixes_run_in_one_call_with_the_bits_of_the_separate_calls
     layers = model.weights.layers
     assert isinstance(layers[0].qkv, QuantizedStack)
     assert [(type(p), p.format.name) for p in layers[0].qkv.parts] == [(KRepackedWeight, "q2_k")] * 2 + [
-        (KRepackedWeight, "q4_k")]
+        (KRepackedWeight, "q5_k")]
     assert [w.down.format.name for w in layers] == ["q3_k", "q6_k", "q3_k"]
     assert [w.o.format.name for w in layers] == ["q3_k"] * 3
     fused = _run(model)
@@ -212,10 +212,10 @@ def test_q2_k_and_q3_k_mixes_run_in_one_call_with_the_bits_of_the_separate_calls
 def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    def one_q5_k(name: str):
-        return T.Q5_K if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
+    def one_f16(name: str):  # F16 matrices have no repacked layout
+        return T.F16 if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
 
-    model = _mixed_model(tmp_path, one_q5_k)
+    model = _mixed_model(tmp_path, one_f16)
     assert model.decoder is None
     cache, before = FamilyCache(model.config), native.calls()
     logits = step(model, cache, [("a", PROMPTS["a"], 0)])["a"]

@@ -122,7 +122,7 @@ def test_the_gemm_kernel_runs_layouts_the_gemm_lacks_through_the_x8_tiles():
 
 
 def test_a_stack_of_formats_repacks_the_parts_that_have_a_layout():
-    q, v = random_weight("q5_k", 8, 256), random_weight("q8_0", 12, 256, seed=1)
+    q, v = random_weight("f16", 8, 256), random_weight("q8_0", 12, 256, seed=1)
     kernel = QUANTIZED_KERNELS["native-quant-x8"]
     packed = kernel.pack(QuantizedStack((q, v)))
     assert isinstance(packed.parts[0], QuantizedWeight)

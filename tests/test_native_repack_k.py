@@ -1,4 +1,4 @@
-"""Q4_K, Q6_K, Q2_K and Q3_K repacked at load (nanoserve.native.repack.repack_k, csrc/matmul_kx8.c): the
+"""Q4_K, Q5_K, Q6_K, Q2_K and Q3_K repacked at load (nanoserve.native.repack.repack_k, csrc/matmul_kx8.c): the
 layout holds the file's values bit for bit, the kernel agrees with a float64 product within the
 activation rounding bound (tests/test_quant.py's module doc) on ragged shapes, its scalar
 reference gives the vector path's bits, and a row's bits never depend on its neighbours, the
@@ -16,7 +16,7 @@ from nanoserve.quant import QuantizedStack, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
-FORMATS = ("q4_k", "q6_k", "q2_k", "q3_k")
+FORMATS = ("q4_k", "q5_k", "q6_k", "q2_k", "q3_k")
 # N odd, N below one group of 8, N a multiple of 8; K one, two, three and six super-blocks.
 SHAPES = [(1, 256), (37, 512), (19, 768), (64, 1536)]
 ROW_COUNTS = (*range(1, 18), 33, 130)  # past one 32-row panel, and ragged tiles of 3
@@ -41,9 +41,9 @@ def test_layout_reads_back_as_the_reference_dequantizer_gives_the_file(format_na
 @pytest.mark.parametrize("format_name", FORMATS)
 def test_layout_is_the_files_bytes_up_to_padding_and_q4_k_unpacked_scales(format_name):
     weight = random_weight(format_name, 37, 512)
-    # Q4_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, Q3_K's 12 bytes of
-    # 6-bit scales 16 (resident 114 / 110 of the file's bytes)
-    per_super_block = {"q4_k": 148, "q6_k": 210, "q2_k": 84, "q3_k": 114}[format_name]
+    # Q4_K's and Q5_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, Q3_K's
+    # 12 bytes of 6-bit scales 16 (resident 114 / 110 of the file's bytes)
+    per_super_block = {"q4_k": 148, "q5_k": 180, "q6_k": 210, "q2_k": 84, "q3_k": 114}[format_name]
     assert _repack().repack_k(weight).nbytes == 40 * 2 * per_super_block
 
 
@@ -69,6 +69,7 @@ def test_kernel_agrees_with_float64_and_a_row_alone_has_its_bits_in_any_chunk(fo
 EXTREMES = [
     ("q6_k", [(slice(0, 192), 0x00), (slice(192, 208), 0x80)]),  # codes at -32, scales at -128
     ("q4_k", [(slice(16, 144), 0xFF), (slice(4, 16), 0xFF)]),  # codes at 15, 6-bit scales and mins at 63
+    ("q5_k", [(slice(16, 176), 0xFF), (slice(4, 16), 0xFF)]),  # codes at 31, 6-bit scales and mins at 63
     ("q2_k", [(slice(16, 80), 0xFF), (slice(0, 16), 0xFF)]),  # codes at 3, 4-bit scales and mins at 15
     ("q3_k", [(slice(0, 96), 0x00), (slice(96, 108), 0x00)]),  # codes at -4, 6-bit scales at 0 - 32
     ("q3_k", [(slice(0, 96), 0xFF), (slice(96, 108), 0xFF)]),  # codes at 3 (q + 4 at 7), scales at 31
@@ -110,7 +111,7 @@ def test_kernel_bits_do_not_depend_on_the_thread_count():
 
 
 def test_formats_without_a_k_layout_stay_in_the_files_layout():
-    for format_name in ("q5_k", "q4_1"):
+    for format_name in ("q8_0", "q4_1"):
         weight = random_weight(format_name, 8, 256)
         assert _repack().repack_k(weight) is weight
 
@@ -120,15 +121,14 @@ def test_repacking_kernels_run_k_quants_in_their_layout_and_pass_the_self_test(k
     kernel = QUANTIZED_KERNELS[kernel_name]
     stack = QuantizedStack((random_weight("q4_k", 12, 512, seed=1), random_weight("q6_k", 9, 512, seed=2),
                             random_weight("q4_1", 8, 512, seed=3), random_weight("q2_k", 11, 512, seed=8),
-                            random_weight("q3_k", 5, 512, seed=9)))
+                            random_weight("q3_k", 5, 512, seed=9), random_weight("q5_k", 3, 512, seed=10)))
     packed = kernel.pack(stack)
     repack = _repack()
-    layouts = [repack.KRepackedWeight, repack.KRepackedWeight, repack.RepackedWeight, repack.KRepackedWeight,
-               repack.KRepackedWeight]
+    layouts = [repack.KRepackedWeight] * 2 + [repack.RepackedWeight] + [repack.KRepackedWeight] * 3
     assert [type(p) for p in packed.parts] == layouts
     x = torch.randn(20, 512, generator=torch.Generator().manual_seed(4))
     y = kernel.apply(x, packed)
-    columns = (slice(0, 12), slice(12, 21), slice(21, 29), slice(29, 40), slice(40, 45))
+    columns = (slice(0, 12), slice(12, 21), slice(21, 29), slice(29, 40), slice(40, 45), slice(45, 48))
     for part, part_columns in zip(stack.parts, columns, strict=True):
         assert_within_bound(y[:, part_columns], x, part)
     layer = [random_weight("q2_k", 40, 512, seed=5), random_weight("q3_k", 33, 512, seed=6), stack]
@@ -136,7 +136,7 @@ def test_repacking_kernels_run_k_quants_in_their_layout_and_pass_the_self_test(k
     assert self_test(kernel, shape, max_rows=18, prefill_rows=70) == ""
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q2_K", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K"])
 def test_a_k_quant_gguf_runs_in_the_layout_and_a_request_alone_equals_it_in_a_crowd(type_name, tmp_path):
     from families import crowd_logits, load_model, prefill_logits
     from gguf import GGMLQuantizationType

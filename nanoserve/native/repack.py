@@ -9,10 +9,11 @@ the embedding's row lookups, so the table is resident once), each checked before
 reaches C.
 Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
-Q4_K, Q6_K, Q2_K and Q3_K in groups of 8 columns (csrc/matmul_kx8.c documents those layouts).
+Q4_K, Q5_K, Q6_K, Q2_K and Q3_K in groups of 8 columns (csrc/matmul_kx8.c documents those
+layouts).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q6_K, Q2_K, Q3_K); the kernel choice leaves those matrices in
-their file layout for matmul_quant.c / matmul_more.c.
+Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q5_K, Q6_K, Q2_K, Q3_K); the kernel choice leaves those matrices
+in their file layout for matmul_quant.c / matmul_more.c.
 """
 
 from __future__ import annotations
@@ -190,15 +191,15 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-# ---- Q4_K, Q6_K, Q2_K and Q3_K in groups of 8 columns (csrc/matmul_kx8.c) ----------------------
+# ---- the K-quants in groups of 8 columns (csrc/matmul_kx8.c) ------------------------------------
 
 # Per group of 8 columns and super-block of 256.
-K_LAYOUT_BYTES = {"q4_k": 1184, "q6_k": 1680, "q2_k": 672, "q3_k": 912}
+K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 1680, "q2_k": 672, "q3_k": 912}
 
 
 @dataclass(frozen=True, slots=True)
 class KRepackedWeight(PackedBlocks):
-    """A Q4_K, Q6_K, Q2_K or Q3_K matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
+    """A Q4_K, Q5_K, Q6_K, Q2_K or Q3_K matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
     in / 256 * K_LAYOUT_BYTES[format]], group g holding output features 8g..8g+7 (zero columns
     past `out`). Its values are the file's (`dequantize` gives them back)."""
 
@@ -229,7 +230,7 @@ def k_repackable(weight: object) -> bool:
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K, Q6_K, Q2_K or Q3_K."""
+    """`weight` in matmul_kx8.c's layout; itself where it is no K-quant in K_LAYOUT_BYTES."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -262,16 +263,22 @@ def _nibble_pairs(codes: torch.Tensor) -> torch.Tensor:
     return pairs[..., 0, :] | (pairs[..., 1, :] << 4)
 
 
-def _q4_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+def _q4_k_fields(groups: torch.Tensor, codes_at: int = 16) -> list[torch.Tensor]:
     from nanoserve.quant import _k_scales_mins, _k_sub_block_values
 
-    g, _, s, _ = groups.shape
-    flat = groups.reshape(-1, 144)
+    g, _, s, block_bytes = groups.shape
+    flat = groups.reshape(-1, block_bytes)
     sc, mn = (t.reshape(g, COLUMNS, s, 8) for t in _k_scales_mins(flat[:, 4:16]))
-    codes = _k_sub_block_values(flat[:, 16:144]).reshape(g, COLUMNS, s, 8, 32)
+    codes = _k_sub_block_values(flat[:, codes_at : codes_at + 128]).reshape(g, COLUMNS, s, 8, 32)
     return [_per_column(groups[..., 0:2].reshape(g, COLUMNS, s, 1, 2)),
             _per_column(groups[..., 2:4].reshape(g, COLUMNS, s, 1, 2)),
             _per_column(sc), _per_column(mn), _chunked(_nibble_pairs(codes))]
+
+
+def _q5_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    """Q4_K's fields from the low 4 bits (qs at 48), then the file's qh chunked."""
+    g, _, s, _ = groups.shape
+    return [*_q4_k_fields(groups, codes_at=48), _chunked(groups[..., 16:48].reshape(g, COLUMNS, s, 1, 32))]
 
 
 def _q6_k_codes(flat: torch.Tensor) -> torch.Tensor:
@@ -316,7 +323,8 @@ def _q3_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
             _per_column(scales.reshape(g, COLUMNS, s, 16)), _chunked(torch.stack(planes, dim=3))]
 
 
-_K_FIELDS = {"q4_k": _q4_k_fields, "q6_k": _q6_k_fields, "q2_k": _q2_k_fields, "q3_k": _q3_k_fields}
+_K_FIELDS = {"q4_k": _q4_k_fields, "q5_k": _q5_k_fields, "q6_k": _q6_k_fields, "q2_k": _q2_k_fields,
+             "q3_k": _q3_k_fields}
 
 
 def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
@@ -341,9 +349,13 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         pairs = unchunked(start, 4)
         return torch.stack([pairs & 0x0F, pairs >> 4], dim=4).reshape(g, COLUMNS, s, 8, 32)
 
-    if weight.format.name == "q4_k":
+    if weight.format.name in ("q4_k", "q5_k"):
+        codes = low_nibbles(160)
+        if weight.format.name == "q5_k":
+            bits = torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1)
+            codes = codes | (((unchunked(1184, 1) >> bits) & 1) << 4)
         sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
-        values = (f16(0) * sc).unsqueeze(-1) * low_nibbles(160).float() - (f16(16) * mn).unsqueeze(-1)
+        values = (f16(0) * sc).unsqueeze(-1) * codes.float() - (f16(16) * mn).unsqueeze(-1)
     elif weight.format.name == "q2_k":
         scales = columns(32, 16).squeeze(-1)  # [g, column, s, 16]
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)

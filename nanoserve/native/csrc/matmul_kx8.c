@@ -1,4 +1,4 @@
-/* y = x @ W^T with Q4_K, Q6_K, Q2_K or Q3_K blocks repacked at load: eight output columns interleaved.
+/* y = x @ W^T with Q4_K, Q5_K, Q6_K, Q2_K or Q3_K blocks repacked at load: 8 output columns interleaved.
  *
  * matmul_quant.c reads the K-quants in the file's row-major layout: every 32-value sub-block
  * of one output column unpacked alone, reduced with a horizontal sum. Here, as matmul_x8.c does
@@ -14,6 +14,8 @@
  *          mn[8][8] u8 (the 6-bit scales and mins unpacked to bytes), then 4 pairs p of 256 bytes:
  *          chunk t (32 bytes) of pair p holds column c's bytes 4t..4t+3 at 32t + 4c; byte l's low
  *          nibble is value l of sub-block 2p, its high nibble value l of sub-block 2p+1.
+ *     Q5_K (1440 bytes = 8 x 180): Q4_K's 1184 bytes, then the fifth bits: the file's qh chunked
+ *          (256 bytes), bit j of byte l set adding 16 to value l of sub-block j.
  *     Q6_K (1680 bytes = 8 x 210): d[8] f16, scales[16 halves of 16][8 columns] i8, then the low
  *          4 bits of the codes (0..63) as Q4_K's pairs (1024 bytes), then their top 2 bits: 2
  *          sets s of 256 bytes, chunked the same way, bits 2i, 2i+1 of byte l holding value l of
@@ -34,9 +36,10 @@
  *
  * Activations: each row quantized once per call to 8-bit blocks of 32 (quant_blocks.h), so
  * each weight sub-block j meets one activation block (codes xq_j, scale dx_j, sx_j = dx_j *
- * sum xq_j). The arithmetic of output (row, column), on every path and in every tile:
+ * sum xq_j, and the integer sum of each half of 16 codes). The arithmetic of output (row, column), on every path and in every tile:
  *     Q4_K: acc = fma(float(sc_j * isum_j), d * dx_j, acc), off = fma(dmin * float(mn_j), sx_j, off)
  *           over the sub-blocks in K order; y = acc - off; isum_j = sum q * xq (q in 0..15)
+ *     Q5_K: Q4_K's, with q in 0..31
  *     Q6_K: acc = fma(float(isum_j), d * dx_j, acc) in K order; y = acc;
  *           isum_j = sc_{2j} * sum_{l<16} (q - 32) xq + sc_{2j+1} * sum_{l>=16} (q - 32) xq
  *     Q2_K: acc = fma(float(isum_j), d * dx_j, acc), off = fma(float(msum_j), dmin * dx_j, off)
@@ -46,11 +49,12 @@
  *           isum_j = sum_h sc_h sum q xq, computed as sum_h sc_h (sum w xq - 4 sum xq)
  *           (the same integer: w in 0..7 needs no sign trick, and the half sums of xq are
  *           Q2_K's)
- * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 15 * 127 and |isum_j| <= 2 * 128 * 16 *
+ * Every integer is exact (|sc_j isum_j| <= 63 * 32 * 31 * 127 and |isum_j| <= 2 * 128 * 16 *
  * 32 * 127 < 2^24, so the conversions to float are exact too), so the AVX2 path equals the
  * portable one bit for bit wherever fmaf is one instruction, and a row's bits never depend on
  * its tile, its neighbours or the thread split (threads split groups of columns).
  * Int16 headroom: Q4_K sums 8 chunks of maddubs pairs (2 x 15 x 127) per sub-block: 30480;
+ * Q5_K, its codes to 31, sums 4 chunks per half (4 x 2 x 31 x 127 = 31496) and widens each;
  * Q6_K moves the sign of q - 32 onto x (|q - 32| <= 32) and sums 4 chunks per 16-value half:
  * 4 x 2 x 32 x 127 = 32512 < 32767. Q2_K and Q3_K sum 4 chunks per half: 4 x 2 x 3 x 127 =
  * 3048 and 4 x 2 x 7 x 127 = 7112; their integers |isum_j| <= 2 x 15 x 16 x 3 x 127 (Q2_K),
@@ -76,15 +80,16 @@
 #define NS_KX8_AVX2 1
 #endif
 
-enum { KX8_Q4_K = 12, KX8_Q6_K = 14 }; /* the GGML type numbers */
+enum { KX8_Q4_K = 12, KX8_Q5_K = 13, KX8_Q6_K = 14 }; /* the GGML type numbers */
 enum { KX8_COLUMNS = 8, KX8_TILE = 3, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
-enum { Q4_K_CODES = 160, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
+enum { Q4_K_CODES = 160, Q5_K_HIGH = 1184, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
 enum { KX8_Q2_K = 10, KX8_Q3_K = 11 }; /* the GGML type numbers of the 2- and 3-bit layouts */
 enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_CODES = 144 };
 
 static int kx8_bytes(int fmt) {
     switch (fmt) {
     case KX8_Q4_K: return 1184;
+    case KX8_Q5_K: return 1440;
     case KX8_Q6_K: return 1680;
     case KX8_Q2_K: return 672;
     case KX8_Q3_K: return 912;
@@ -96,11 +101,13 @@ static int kx8_low_bits(int fmt) { return fmt == KX8_Q2_K || fmt == KX8_Q3_K; }
 
 /* ---- the scalar reference ---------------------------------------------------------------- */
 
-/* Code l of sub-block j (0..7) of column c in a group-super-block: 0..15 (Q4_K), 0..63 (Q6_K). */
+/* Code l of sub-block j (0..7) of column c in a group-super-block: 0..15 (Q4_K), 0..31 (Q5_K),
+ * 0..63 (Q6_K). */
 static int kx8_code(int fmt, const uint8_t *block, int j, int c, int l) {
     const int at = 256 * (j / 2) + 32 * (l / 4) + 4 * c + l % 4;
-    const int offset = fmt == KX8_Q4_K ? Q4_K_CODES : Q6_K_LOW;
+    const int offset = fmt == KX8_Q6_K ? Q6_K_LOW : Q4_K_CODES;
     int code = (j & 1) ? block[offset + at] >> 4 : block[offset + at] & 0x0F;
+    if (fmt == KX8_Q5_K) code |= ((block[Q5_K_HIGH + 32 * (l / 4) + 4 * c + l % 4] >> j) & 1) << 4;
     if (fmt == KX8_Q6_K) code |= ((block[Q6_K_HIGH + 256 * (j / 4) + 32 * (l / 4) + 4 * c + l % 4] >> (2 * (j % 4))) & 3) << 4;
     return code;
 }
@@ -112,7 +119,7 @@ static float kx8_output_portable(int fmt, const uint8_t *group, int c, const xbl
         const uint8_t *block = group + (b / 8) * bytes;
         const int j = (int)(b % 8);
         const float d = f16_to_f32(block + 2 * c);
-        if (fmt == KX8_Q4_K) {
+        if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) {
             int isum = 0;
             for (int l = 0; l < 32; l++) isum += kx8_code(fmt, block, j, c, l) * x[b].qs[l];
             acc = fmaf((float)(block[32 + 8 * j + c] * isum), d * x[b].d, acc);
@@ -190,12 +197,18 @@ static inline __m256i kx8_pairs(const uint8_t *bytes, int is_signed) {
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
 
-/* Sub-block j's 32-byte chunk t of codes, as unsigned bytes: 0..15 (Q4_K), 0..63 (Q6_K). */
+/* Sub-block j's 32-byte chunk t of codes, as unsigned bytes: 0..15 (Q4_K), 0..31 (Q5_K), 0..63 (Q6_K). */
 static inline __m256i kx8_chunk(const int fmt, const uint8_t *block, int j, int t) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const int offset = fmt == KX8_Q4_K ? Q4_K_CODES : Q6_K_LOW;
+    const int offset = fmt == KX8_Q6_K ? Q6_K_LOW : Q4_K_CODES;
     __m256i w = _mm256_loadu_si256((const __m256i *)(block + offset + 256 * (j / 2) + 32 * t));
     __m256i q = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(w, 4) : w, low4);
+    if (fmt == KX8_Q5_K) { /* bit j of the fifth bits, as 16 where it is set */
+        const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(block + Q5_K_HIGH + 32 * t));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
     if (fmt == KX8_Q6_K) {
         __m256i h = _mm256_loadu_si256((const __m256i *)(block + Q6_K_HIGH + 256 * (j / 4) + 32 * t));
         h = _mm256_and_si256(_mm256_srli_epi16(h, 2 * (j % 4)), _mm256_set1_epi8(3));
@@ -212,16 +225,21 @@ static inline __attribute__((always_inline)) void kx8_products(const int fmt, co
         const uint8_t *block = group + (b / 8) * bytes;
         const int j = (int)(b % 8);
         __m256i isum[KX8_TILE];
-        if (fmt == KX8_Q4_K) {
-            __m256i sums[KX8_TILE];
-            for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
+        if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) {
+            __m256i sums[KX8_TILE][2]; /* Q5_K: one per half of 4 chunks (the header's headroom) */
+            for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
                 const __m256i q = kx8_chunk(fmt, block, j, t);
+                const int half = fmt == KX8_Q5_K ? t / 4 : 0;
                 for (int r = 0; r < rows; r++)
-                    sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
+                    sums[r][half] = _mm256_add_epi16(sums[r][half],
+                                                     _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
             }
             const __m256i sc = kx8_pairs(block + 32 + 8 * j, 0);
-            for (int r = 0; r < rows; r++) isum[r] = _mm256_madd_epi16(sums[r], sc);
+            for (int r = 0; r < rows; r++) {
+                isum[r] = _mm256_madd_epi16(sums[r][0], sc);
+                if (fmt == KX8_Q5_K) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sums[r][1], sc));
+            }
         } else {
             __m256i sums[KX8_TILE][2];
             for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
@@ -262,7 +280,7 @@ static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, c
     __m256 acc[KX8_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     kx8_products(fmt, rows, group, x, blocks, acc);
-    if (fmt == KX8_Q4_K) {
+    if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) {
         __m256 off[KX8_TILE];
         for (int r = 0; r < rows; r++) off[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
@@ -403,6 +421,7 @@ static inline __attribute__((always_inline)) void kx8_low_bits_tile_avx2(const i
         }                                                                                               \
     }
 DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, kx8_tile_avx2, KX8_Q4_K)
+DEFINE_KX8_TILE(kx8_tile_avx2_q5_k, kx8_tile_avx2, KX8_Q5_K)
 DEFINE_KX8_TILE(kx8_tile_avx2_q6_k, kx8_tile_avx2, KX8_Q6_K)
 DEFINE_KX8_TILE(kx8_tile_avx2_q2_k, kx8_low_bits_tile_avx2, KX8_Q2_K)
 DEFINE_KX8_TILE(kx8_tile_avx2_q3_k, kx8_low_bits_tile_avx2, KX8_Q3_K)
@@ -484,6 +503,7 @@ static kx8_tile_fn kx8_best_tile(int fmt) {
 #ifdef NS_KX8_AVX2
     switch (fmt) {
     case KX8_Q4_K: return kx8_tile_avx2_q4_k;
+    case KX8_Q5_K: return kx8_tile_avx2_q5_k;
     case KX8_Q6_K: return kx8_tile_avx2_q6_k;
     case KX8_Q2_K: return kx8_tile_avx2_q2_k;
     case KX8_Q3_K: return kx8_tile_avx2_q3_k;
@@ -500,8 +520,8 @@ void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y,
     kx8_groups(kx8_best_tile(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
-/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 14: Q6_K, 10: Q2_K,
- * 11: Q3_K), on the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
+/* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 13: Q5_K, 14: Q6_K,
+ * 10: Q2_K, 11: Q3_K), on the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
  * -2 when out of memory. */
 NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
