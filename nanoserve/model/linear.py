@@ -145,8 +145,8 @@ def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
 
 
 def _repack(weight: quant.Weight) -> quant.Weight:
-    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q2_K and Q3_K matrices (and such parts of a
-    stack) in the 8-column interleaved layouts; other formats stay in the file's layout, for the
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q2_K and Q3_K matrices (and such parts
+    of a stack) in the 8-column interleaved layouts; other formats stay in the file's layout, for the
     row-major kernel."""
     from nanoserve.native import repack
 
@@ -172,8 +172,8 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
     LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
-                 "columns interleaved (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q2_K, Q3_K; other "
-                 "formats as native-quant)", _repack, _native_quant, ("cpu",), one_call_decoder=True),
+                 "columns interleaved (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K; "
+                 "other formats as native-quant)", _repack, _native_quant, ("cpu",), one_call_decoder=True),
     LinearKernel("native-quant-gemm", "native-quant-x8, prompt chunks through a register-blocked GEMM "
                  "(Q4_0, Q4_1, Q8_0)", _repack, _native_quant_gemm, ("cpu",), one_call_decoder=True),
 )}

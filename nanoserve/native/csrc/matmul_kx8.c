@@ -27,16 +27,17 @@
  *     Q3_K (912 bytes = 8 x 114): d[8] f16, scales[16 halves][8 columns] i8 (the 6-bit scales,
  *          less 32, unpacked to bytes), then the codes as w = q + 4 (0..7: the file's low 2 bits,
  *          and its hmask bit as bit 2) in 3 planes p of 256 bytes, chunked as Q4_K's pairs: byte
- *          l of plane p holds value l's w of sub-block 2p at bits 0-2 and of 2p + 1 at bits 3-5
- *          (p < 3); bits 6-7 of planes 0 and 1 hold the low 2 bits of sub-blocks 6 and 7, bits 6
- *          and 7 of plane 2 their bit 2. The file's bits regrouped so that six of the eight
+ *          l of plane p holds value l's w of sub-block 2p at bits 0-2 and of 2p + 1 at bits 3-5;
+ *          bits 6-7 of planes 0 and 1 hold the low 2 bits of sub-blocks 6 and 7, bits 6 and 7 of
+ *          plane 2 their bit 2. The file's bits regrouped so that six of the eight
  *          sub-blocks take their codes with one shift and one mask, as Q2_K's do, where the
  *          file's planes cost two loads, two shifts, two masks and an or a chunk.
  * N is padded to a multiple of 8 with zero columns.
  *
  * Activations: each row quantized once per call to 8-bit blocks of 32 (quant_blocks.h), so
  * each weight sub-block j meets one activation block (codes xq_j, scale dx_j, sx_j = dx_j *
- * sum xq_j, and the integer sum of each half of 16 codes). The arithmetic of output (row, column), on every path and in every tile:
+ * sum xq_j, and the integer sum of each half of 16 codes). The arithmetic of output (row,
+ * column), on every path and in every tile:
  *     Q4_K: acc = fma(float(sc_j * isum_j), d * dx_j, acc), off = fma(dmin * float(mn_j), sx_j, off)
  *           over the sub-blocks in K order; y = acc - off; isum_j = sum q * xq (q in 0..15)
  *     Q5_K: Q4_K's, with q in 0..31
@@ -146,7 +147,8 @@ static int kx8_low_bits_code(int fmt, const uint8_t *block, int j, int c, int l)
 }
 
 /* Q2_K and Q3_K's output (row, column c) by the header's arithmetic, one value at a time. */
-static float kx8_low_bits_output_portable(int fmt, const uint8_t *group, int c, const xblock *x, int64_t blocks) {
+static float kx8_low_bits_output_portable(int fmt, const uint8_t *group, int c, const xblock *x,
+                                          int64_t blocks) {
     const int bytes = kx8_bytes(fmt);
     float acc = 0.0f, off = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
@@ -197,7 +199,8 @@ static inline __m256i kx8_pairs(const uint8_t *bytes, int is_signed) {
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
 
-/* Sub-block j's 32-byte chunk t of codes, as unsigned bytes: 0..15 (Q4_K), 0..31 (Q5_K), 0..63 (Q6_K). */
+/* Sub-block j's 32-byte chunk t of codes, as unsigned bytes: 0..15 (Q4_K), 0..31 (Q5_K),
+ * 0..63 (Q6_K). */
 static inline __m256i kx8_chunk(const int fmt, const uint8_t *block, int j, int t) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const int offset = fmt == KX8_Q6_K ? Q6_K_LOW : Q4_K_CODES;
@@ -231,9 +234,10 @@ static inline __attribute__((always_inline)) void kx8_products(const int fmt, co
             for (int t = 0; t < 8; t++) {
                 const __m256i q = kx8_chunk(fmt, block, j, t);
                 const int half = fmt == KX8_Q5_K ? t / 4 : 0;
-                for (int r = 0; r < rows; r++)
-                    sums[r][half] = _mm256_add_epi16(sums[r][half],
-                                                     _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
+                for (int r = 0; r < rows; r++) {
+                    const __m256i xq = kx8_broadcast4(x[r * blocks + b].qs + 4 * t);
+                    sums[r][half] = _mm256_add_epi16(sums[r][half], _mm256_maddubs_epi16(q, xq));
+                }
             }
             const __m256i sc = kx8_pairs(block + 32 + 8 * j, 0);
             for (int r = 0; r < rows; r++) {
@@ -304,9 +308,9 @@ static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, c
  * shift right by 8 then sign-extends them). */
 #define KX8_LOW(a, b) a, -1, b, -1
 #define KX8_HIGH(a, b) -1, a, -1, b
-#define KX8_SCALE_SHUFFLE(PAIR, A, B)                                                                     \
-    _mm256_setr_epi8(PAIR(A, B), PAIR(A + 1, B + 1), PAIR(A + 2, B + 2), PAIR(A + 3, B + 3), PAIR(A + 4, B + 4), \
-                     PAIR(A + 5, B + 5), PAIR(A + 6, B + 6), PAIR(A + 7, B + 7))
+#define KX8_SCALE_SHUFFLE(PAIR, A, B)                                                                   \
+    _mm256_setr_epi8(PAIR(A, B), PAIR(A + 1, B + 1), PAIR(A + 2, B + 2), PAIR(A + 3, B + 3),            \
+                     PAIR(A + 4, B + 4), PAIR(A + 5, B + 5), PAIR(A + 6, B + 6), PAIR(A + 7, B + 7))
 
 /* The 16 scale bytes of sub-block j's halves, in both 128-bit lanes. */
 static inline __m256i kx8_half_scales(const uint8_t *block, int offset, int j) {
@@ -351,8 +355,10 @@ static inline __attribute__((always_inline)) void kx8_low_bits_sub_block(const i
         for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
         for (int t = 4 * half; t < 4 * half + 4; t++) {
             const __m256i q = kx8_low_bits_chunk(fmt, block, j, t);
-            for (int r = 0; r < rows; r++)
-                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(q, kx8_broadcast4(x[r * blocks + b].qs + 4 * t)));
+            for (int r = 0; r < rows; r++) {
+                const __m256i xq = kx8_broadcast4(x[r * blocks + b].qs + 4 * t);
+                sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(q, xq));
+            }
         }
         const __m256i sc = fmt == KX8_Q2_K
             ? _mm256_and_si256(_mm256_shuffle_epi8(scale_bytes, half ? KX8_SCALE_SHUFFLE(KX8_LOW, 8, 8)
@@ -364,13 +370,18 @@ static inline __attribute__((always_inline)) void kx8_low_bits_sub_block(const i
             isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sums[r], sc));
     }
     if (fmt == KX8_Q3_K) { /* less 4 sum_h sc_h sum xq */
-        const __m256i scales = _mm256_srai_epi16(_mm256_shuffle_epi8(scale_bytes, KX8_SCALE_SHUFFLE(KX8_HIGH, 0, 8)), 8);
-        for (int r = 0; r < rows; r++)
-            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(scales, kx8_half_sums(x + r * blocks + b)), 2));
+        const __m256i scales =
+            _mm256_srai_epi16(_mm256_shuffle_epi8(scale_bytes, KX8_SCALE_SHUFFLE(KX8_HIGH, 0, 8)), 8);
+        for (int r = 0; r < rows; r++) {
+            const __m256i weighted = _mm256_madd_epi16(scales, kx8_half_sums(x + r * blocks + b));
+            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(weighted, 2));
+        }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)block));
-    for (int r = 0; r < rows; r++)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x[r * blocks + b].d)), acc[r]);
+    for (int r = 0; r < rows; r++) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x[r * blocks + b].d));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+    }
 }
 
 /* Q2_K's offset chain, its own loop as Q4_K's: off = fma(float(msum_j), dmin * dx_j, off). */
@@ -378,8 +389,8 @@ static inline __attribute__((always_inline)) void kx8_q2_k_offsets(const int row
                                                                    const xblock *x, int64_t blocks, __m256 *off) {
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + (b / 8) * kx8_bytes(KX8_Q2_K);
-        const __m256i mins = _mm256_srli_epi16(
-            _mm256_shuffle_epi8(kx8_half_scales(block, Q2_K_SCALES, (int)(b % 8)), KX8_SCALE_SHUFFLE(KX8_LOW, 0, 8)), 4);
+        const __m256i scale_bytes = kx8_half_scales(block, Q2_K_SCALES, (int)(b % 8));
+        const __m256i mins = _mm256_srli_epi16(_mm256_shuffle_epi8(scale_bytes, KX8_SCALE_SHUFFLE(KX8_LOW, 0, 8)), 4);
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + Q2_K_DMIN)));
         for (int r = 0; r < rows; r++) {
             const xblock *xb = x + r * blocks + b;
@@ -521,8 +532,8 @@ void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y,
 }
 
 /* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 13: Q5_K, 14: Q6_K,
- * 10: Q2_K, 11: Q3_K), on the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole super-blocks of 256,
- * -2 when out of memory. */
+ * 10: Q2_K, 11: Q3_K), on the widest path compiled in. Returns 0, -1 for an unknown layout or k
+ * not whole super-blocks of 256, -2 when out of memory. */
 NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
     return matmul_kx8(kx8_best_tile(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
