@@ -39,6 +39,33 @@ def test_layout_reads_back_as_the_reference_dequantizer_gives_the_file(format_na
 
 
 @pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_row_lookups_give_the_reference_dequantizers_bits(format_name, out_features, in_features):
+    weight = random_weight(format_name, out_features, in_features, seed=out_features)
+    packed = _repack().repack_k(weight)
+    ids = torch.arange(out_features).flip(0).reshape(1, -1)
+    assert torch.equal(packed.lookup(ids), weight.dequantize()[ids])
+    with pytest.raises(IndexError):
+        packed.lookup(torch.tensor([out_features]))
+
+
+@pytest.mark.parametrize("format_name", ["q2_k", "q6_k"])
+def test_a_tied_table_in_a_k_layout_is_held_once(format_name):
+    from nanoserve.model.linear import embedding
+    from nanoserve.model.weights import LayerWeights, LlamaWeights
+    from nanoserve.quant import serves_lookups
+
+    table = random_weight(format_name, 24, 256)
+    layer = LayerWeights(torch.ones(256), random_weight("q4_k", 16, 256), random_weight("q4_k", 256, 256),
+                         torch.ones(256), random_weight("q4_k", 512, 256), random_weight("q4_k", 256, 256))
+    weights = LlamaWeights(table, [layer], torch.ones(256), table)
+    packed = weights.packed_for(QUANTIZED_KERNELS["native-quant-x8"])
+    assert packed.embed is packed.lm_head and serves_lookups(packed.embed)
+    ids = torch.tensor([[5, 23], [0, 5]])
+    assert torch.equal(embedding(ids, packed.embed), table.dequantize()[ids])
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
 def test_layout_is_the_files_bytes_up_to_padding_and_q4_k_unpacked_scales(format_name):
     weight = random_weight(format_name, 37, 512)
     # Q4_K's and Q5_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, Q3_K's

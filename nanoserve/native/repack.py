@@ -10,7 +10,7 @@ reaches C.
 Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
 Q4_K, Q5_K, Q6_K, Q2_K and Q3_K in groups of 8 columns (csrc/matmul_kx8.c documents those
-layouts).
+layouts; a tied table in them serves lookups too).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
 Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q5_K, Q6_K, Q2_K, Q3_K); the kernel choice leaves those matrices
 in their file layout for matmul_quant.c / matmul_more.c.
@@ -112,6 +112,7 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 PRODUCTS = ("ns_matmul_x8", "ns_gemm_x8", "ns_matmul_kx8")  # each with a `_portable` twin
+LOOKUPS = ("ns_dequantize_rows_x8", "ns_dequantize_rows_kx8")  # rows of matmul_x8.c's, matmul_kx8.c's layouts
 
 
 @functools.cache
@@ -124,8 +125,9 @@ def _lib() -> ctypes.CDLL | None:
         for entry in (getattr(lib, name), getattr(lib, f"{name}_portable")):
             entry.argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
             entry.restype = ctypes.c_int
-    lib.ns_dequantize_rows_x8.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
-    lib.ns_dequantize_rows_x8.restype = ctypes.c_int
+    for name in LOOKUPS:
+        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -156,21 +158,21 @@ def _product(name: str, portable: bool, ggml_type: int, x: torch.Tensor, blocks:
     return y
 
 
-def lookup(weight: RepackedWeight, ids: torch.Tensor) -> torch.Tensor:
+def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of either layout, dequantized: float32 [*ids.shape, in]."""
     lib = _require()
+    if isinstance(weight, KRepackedWeight):
+        entry, ggml_type, source = lib.ns_dequantize_rows_kx8, weight.format.ggml_type, weight.format
+    else:
+        entry, ggml_type, source = lib.ns_dequantize_rows_x8, weight.layout.ggml_type, weight.source
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.numel(), weight.shape[1], dtype=torch.float32)
     if flat.numel():
-        status = lib.ns_dequantize_rows_x8(weight.layout.ggml_type, weight.blocks.data_ptr(), flat.data_ptr(),
-                                           flat.numel(), weight.shape[0], weight.shape[1], out.data_ptr(),
-                                           torch.get_num_threads())
-        _raise_for(status, weight)
+        status = entry(ggml_type, weight.blocks.data_ptr(), flat.data_ptr(), flat.numel(), weight.shape[0],
+                       weight.shape[1], out.data_ptr(), torch.get_num_threads())
+        what = f"{source.name} {weight.shape} repacked"
+        native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
     return out.reshape(*ids.shape, weight.shape[1])
-
-
-def _raise_for(status: int, weight: RepackedWeight) -> None:
-    what = f"{weight.source.name} {weight.shape} repacked"
-    native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
 
 
 # ---- the prefill GEMM (csrc/matmul_gemm.c) over the same layouts ----------------------------
@@ -223,6 +225,10 @@ class KRepackedWeight(PackedBlocks):
         """float32 [out, in], read back from the layout alone (what the tests hold against the
         file's reference dequantizer)."""
         return _k_dequantize_layout(self)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups)."""
+        return lookup(self, ids)
 
 
 def k_repackable(weight: object) -> bool:

@@ -539,6 +539,73 @@ NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y,
     return matmul_kx8(kx8_best_tile(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
 }
 
+/* ---- row lookups: a tied head's table serving the embedding -------------------------------- */
+
+/* Value l of 32-value sub-block j of column c, rounded as nanoserve/quant.py's dequantizer rounds
+ * it (scale = d * sc first, then scale * q less the offset: no fused multiply-add). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static float kx8_value(int fmt, const uint8_t *block, int j, int c, int l) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    const float d = f16_to_f32(block + 2 * c);
+    switch (fmt) {
+    case KX8_Q4_K:
+    case KX8_Q5_K: {
+        const float scale = d * (float)block[32 + 8 * j + c], offset = f16_to_f32(block + 16 + 2 * c) * (float)block[96 + 8 * j + c];
+        return scale * (float)kx8_code(fmt, block, j, c, l) - offset;
+    }
+    case KX8_Q6_K:
+        return d * (float)((const int8_t *)block)[Q6_K_SCALES + 8 * (2 * j + l / 16) + c] *
+               (float)(kx8_code(fmt, block, j, c, l) - 32);
+    case KX8_Q2_K: {
+        const uint8_t sc = block[Q2_K_SCALES + 8 * (2 * j + l / 16) + c];
+        const float scale = d * (float)(sc & 15), offset = f16_to_f32(block + Q2_K_DMIN + 2 * c) * (float)(sc >> 4);
+        return scale * (float)kx8_low_bits_code(fmt, block, j, c, l) - offset;
+    }
+    default: /* Q3_K */
+        return d * (float)((const int8_t *)block)[Q3_K_SCALES + 8 * (2 * j + l / 16) + c] *
+               (float)(kx8_low_bits_code(fmt, block, j, c, l) - 4);
+    }
+}
+
+typedef struct {
+    int fmt;
+    const uint8_t *w;
+    const int64_t *ids;
+    int64_t count, k;
+    float *out;
+} Kx8LookupJob;
+
+static void kx8_lookup_task(void *context, int thread, int threads) {
+    const Kx8LookupJob *job = context;
+    const int64_t blocks = job->k / 32, group_bytes = job->k / 256 * kx8_bytes(job->fmt);
+    int64_t begin, end;
+    ns_share(job->count, thread, threads, &begin, &end);
+    for (int64_t i = begin; i < end; i++) {
+        const uint8_t *group = job->w + job->ids[i] / KX8_COLUMNS * group_bytes;
+        const int c = (int)(job->ids[i] % KX8_COLUMNS);
+        for (int64_t b = 0; b < blocks; b++)
+            for (int l = 0; l < 32; l++)
+                job->out[i * job->k + 32 * b + l] = kx8_value(job->fmt, group + b / 8 * kx8_bytes(job->fmt), (int)(b % 8), c, l);
+    }
+}
+
+/* out [count, k] = rows ids[i] of the repacked W [n, k], dequantized (a tied head's table
+ * serving the embedding lookups, so the table is resident once). Returns 0, -1 as
+ * ns_matmul_kx8, or -3 for an id outside [0, n). */
+NS_EXPORT int ns_dequantize_rows_kx8(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
+                                     int64_t k, float *out, int num_threads) {
+    if (kx8_bytes(fmt) == 0 || k % 256 != 0) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -3;
+    Kx8LookupJob job = {fmt, w, ids, count, k, out};
+    ns_parallel(count > 1 ? num_threads : 1, kx8_lookup_task, &job);
+    return 0;
+}
+
 /* The scalar reference, for the tests to hold the vector path against (bit for bit). */
 NS_EXPORT int ns_matmul_kx8_portable(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
                                      int64_t k, int num_threads) {
