@@ -98,7 +98,8 @@ static int kx8_bytes(int fmt) {
     }
 }
 
-static int kx8_low_bits(int fmt) { return fmt == KX8_Q2_K || fmt == KX8_Q3_K; }
+/* Q2_K and Q3_K: codes of 2 or 3 bits, their own tiles (the kx8_low_bits_* functions). */
+static int kx8_low_bit_format(int fmt) { return fmt == KX8_Q2_K || fmt == KX8_Q3_K; }
 
 /* ---- the scalar reference ---------------------------------------------------------------- */
 
@@ -178,7 +179,7 @@ static float kx8_low_bits_output_portable(int fmt, const uint8_t *group, int c, 
 static void kx8_tile_portable(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y,
                               int64_t n, int valid) {
     float (*output)(int, const uint8_t *, int, const xblock *, int64_t) =
-        kx8_low_bits(fmt) ? kx8_low_bits_output_portable : kx8_output_portable;
+        kx8_low_bit_format(fmt) ? kx8_low_bits_output_portable : kx8_output_portable;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < valid; c++) y[r * n + c] = output(fmt, group, c, x + r * blocks, blocks);
 }
