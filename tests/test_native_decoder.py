@@ -15,6 +15,7 @@ from nanoserve import native
 from nanoserve.model.decoder import Llama
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
 from nanoserve.model.lora import Adapter, LoRARequest, load_adapter
+from nanoserve.quant import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
@@ -146,14 +147,35 @@ def _iq4_xs_type(name: str):
     return T.Q6_K if name == "token_embd.weight" else T.IQ4_XS
 
 
-def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64) -> Llama:
+def _low_bit_type(name: str):
+    """llama-quantize's Q2_K and Q3_K_M mixes on a model whose widths are whole super-blocks:
+    Q2_K or Q3_K q, k, gate and up by layer (q and k stacked beside a Q5_K or Q4_K v), Q3_K o,
+    Q3_K and Q6_K downs by layer."""
+    from gguf import GGMLQuantizationType as T
+
+    kind = name.split(".")[-2]
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if kind == "attn_v":
+        return T.Q5_K if layer == 0 else T.Q4_K
+    if kind == "ffn_down":
+        return T.Q6_K if layer % 2 else T.Q3_K
+    if kind == "attn_output":
+        return T.Q3_K
+    if name == "token_embd.weight":
+        return T.Q8_0
+    return T.Q3_K if layer % 2 else T.Q2_K
+
+
+def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64,
+                 intermediate_size: int = 256, tensor_hook=None) -> Llama:
     from tiny_model import write_tiny_gguf, write_tiny_llama
 
     from nanoserve.loading.weights import load_weights
 
-    model_dir = write_tiny_llama(tmp_path / "mixed", hidden_size=hidden_size, intermediate_size=256,
-                                 num_heads=4, num_kv_heads=2, num_layers=3)
-    path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type)
+    widths = {"hidden_size": hidden_size, "intermediate_size": intermediate_size}
+    model_dir = write_tiny_llama(tmp_path / "mixed", **widths, num_heads=4, num_kv_heads=2, num_layers=3)
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type,
+                           tensor_hook=tensor_hook)
     config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
     return Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
 
@@ -207,13 +229,46 @@ def test_an_iq4_xs_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate
     assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
 
 
+def test_q2_k_and_q3_k_m_mixes_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
+    from families import crowd_logits
+
+    from nanoserve.native.repack import KRepackedWeight
+    from nanoserve.quant import QuantizedStack
+
+    model = _mixed_model(tmp_path, _low_bit_type, hidden_size=256, intermediate_size=512)
+    assert model.decoder is not None
+    layers = model.weights.layers
+    assert isinstance(layers[0].qkv, QuantizedStack)
+    assert [(type(p), p.format.name) for p in layers[0].qkv.parts] == [(KRepackedWeight, "q2_k")] * 2 + [
+        (KRepackedWeight, "q5_k")]
+    assert [w.down.format.name for w in layers] == ["q3_k", "q6_k", "q3_k"]
+    assert [w.o.format.name for w in layers] == ["q3_k"] * 3
+    fused = _run(model)
+    separate_model = _mixed_model(tmp_path, _low_bit_type, hidden_size=256, intermediate_size=512)
+    separate_model.decoder = None
+    assert_same_steps(fused, _run(separate_model))
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+
+
 def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    def one_q2_k(name: str):
-        return T.Q2_K if name == "blk.1.ffn_down.weight" else _q4_k_m_type(name)
+    down = "blk.1.ffn_down.weight"
 
-    model = _mixed_model(tmp_path, one_q2_k)
+    def one_q4_0(name: str):
+        return T.Q4_0 if name == down else _q4_k_m_type(name)
+
+    def beyond_f16_offset(name: str, values):  # d = 70000 / 8: the Q4_1 layout's m = -8 d overflows f16
+        if name == down:
+            values = values.copy()
+            values[0, 0] = 70000.0
+        return values
+
+    model = _mixed_model(tmp_path, one_q4_0, tensor_hook=beyond_f16_offset)
+    assert isinstance(model.weights.layers[1].down, QuantizedWeight)  # no layout: the file's rows
     assert model.decoder is None
     cache, before = FamilyCache(model.config), native.calls()
     logits = step(model, cache, [("a", PROMPTS["a"], 0)])["a"]

@@ -1,8 +1,8 @@
-"""Q4_K, Q5_K, Q6_K and IQ4_XS repacked at load (nanoserve.native.repack.repack_k, csrc/matmul_kx8.c): the
-layout holds the file's values bit for bit, the kernel agrees with a float64 product within the
-activation rounding bound (tests/test_quant.py's module doc) on ragged shapes, its scalar
-reference gives the vector path's bits, and a row's bits never depend on its neighbours, the
-tile it lands in or the thread count."""
+"""Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS repacked at load (nanoserve.native.repack.repack_k,
+csrc/matmul_kx8.c): the layout holds the file's values bit for bit, the kernel agrees with a
+float64 product within the activation rounding bound (tests/test_quant.py's module doc) on
+ragged shapes, its scalar reference gives the vector path's bits, and a row's bits never depend
+on its neighbours, the tile it lands in or the thread count."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from nanoserve.quant import QuantizedStack, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.status()}")
 
-FORMATS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
+FORMATS = ("q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")
 # N odd, N below one group of 8, N a multiple of 8; K one, two, three and six super-blocks.
 SHAPES = [(1, 256), (37, 512), (19, 768), (64, 1536)]
 ROW_COUNTS = (*range(1, 18), 33, 130)  # past one 32-row panel, and ragged tiles of 3
@@ -39,11 +39,39 @@ def test_layout_reads_back_as_the_reference_dequantizer_gives_the_file(format_na
 
 
 @pytest.mark.parametrize("format_name", FORMATS)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_row_lookups_give_the_reference_dequantizers_bits(format_name, out_features, in_features):
+    weight = random_weight(format_name, out_features, in_features, seed=out_features)
+    packed = _repack().repack_k(weight)
+    ids = torch.arange(out_features).flip(0).reshape(1, -1)
+    assert torch.equal(packed.lookup(ids), weight.dequantize()[ids])
+    with pytest.raises(IndexError):
+        packed.lookup(torch.tensor([out_features]))
+
+
+@pytest.mark.parametrize("format_name", ["q2_k", "q6_k"])
+def test_a_tied_table_in_a_k_layout_is_held_once(format_name):
+    from nanoserve.model.linear import embedding
+    from nanoserve.model.weights import LayerWeights, LlamaWeights
+    from nanoserve.quant import serves_lookups
+
+    table = random_weight(format_name, 24, 256)
+    layer = LayerWeights(torch.ones(256), random_weight("q4_k", 16, 256), random_weight("q4_k", 256, 256),
+                         torch.ones(256), random_weight("q4_k", 512, 256), random_weight("q4_k", 256, 256))
+    weights = LlamaWeights(table, [layer], torch.ones(256), table)
+    packed = weights.packed_for(QUANTIZED_KERNELS["native-quant-x8"])
+    assert packed.embed is packed.lm_head and serves_lookups(packed.embed)
+    ids = torch.tensor([[5, 23], [0, 5]])
+    assert torch.equal(embedding(ids, packed.embed), table.dequantize()[ids])
+
+
+@pytest.mark.parametrize("format_name", FORMATS)
 def test_layout_is_the_files_bytes_up_to_padding_and_q4_k_unpacked_scales(format_name):
     weight = random_weight(format_name, 37, 512)
-    # Q4_K's and Q5_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, IQ4_XS's
-    # 6 bytes of 6-bit scales 8
-    per_super_block = {"q4_k": 148, "q5_k": 180, "q6_k": 210, "iq4_xs": 138}[format_name]
+    # Q4_K's and Q5_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, Q3_K's
+    # 12 bytes of 6-bit scales 16 (resident 114 / 110 of the file's bytes), IQ4_XS's 6 bytes 8
+    per_super_block = {"q4_k": 148, "q5_k": 180, "q6_k": 210, "q2_k": 84, "q3_k": 114,
+                       "iq4_xs": 138}[format_name]
     assert _repack().repack_k(weight).nbytes == 40 * 2 * per_super_block
 
 
@@ -65,29 +93,36 @@ def test_kernel_agrees_with_float64_and_a_row_alone_has_its_bits_in_any_chunk(fo
         assert torch.equal(y, repack.matmul_k(x[:rows], packed, portable=True)), f"{rows} rows, portable"
 
 
-def test_extreme_codes_and_scales_stay_exact():
-    """Every Q6_K code at -32 against activations at +-127 fills the int16 sums to their bound;
-    Q4_K's codes at 15 (Q5_K's at 31) with 6-bit scales at 63 likewise; IQ4_XS's codes at the grid's -127 fill
-    each maddubs pair (32258) and its scales at -32 the int32 sums: the vector path must still
-    give the scalar reference's bits."""
+# (format, the byte ranges and values that put every code and scale at an extreme)
+EXTREMES = [
+    ("q6_k", [(slice(0, 192), 0x00), (slice(192, 208), 0x80)]),  # codes at -32, scales at -128
+    ("q4_k", [(slice(16, 144), 0xFF), (slice(4, 16), 0xFF)]),  # codes at 15, 6-bit scales and mins at 63
+    ("q5_k", [(slice(16, 176), 0xFF), (slice(4, 16), 0xFF)]),  # codes at 31, 6-bit scales and mins at 63
+    ("q2_k", [(slice(16, 80), 0xFF), (slice(0, 16), 0xFF)]),  # codes at 3, 4-bit scales and mins at 15
+    ("q3_k", [(slice(0, 96), 0x00), (slice(96, 108), 0x00)]),  # codes at -4, 6-bit scales at 0 - 32
+    ("q3_k", [(slice(0, 96), 0xFF), (slice(96, 108), 0xFF)]),  # codes at 3 (q + 4 at 7), scales at 31
+    # codes at the grid's -127 (each maddubs pair at 32258), 6-bit scales at 0 - 32
+    ("iq4_xs", [(slice(2, 136), 0x00)]),
+]
+
+
+@pytest.mark.parametrize(("format_name", "extremes"), EXTREMES)
+def test_extreme_codes_and_scales_stay_exact(format_name, extremes):
+    """Every code and scale at an extreme against activations at +-127 fills the int16 sums
+    (or the integers the floats are made from) to their bound: the vector path must still give
+    the scalar reference's bits."""
     repack = _repack()
     x = torch.full((5, 512), 1.0)  # every activation code at +127, then at -127
     x[3:] = -1.0
-    extremes = (("q6_k", slice(0, 192)), ("q4_k", slice(16, 144)), ("q5_k", slice(16, 176)),
-                ("iq4_xs", slice(2, 136)))
-    for format_name, code_bytes in extremes:
-        weight = random_weight(format_name, 9, 512)
-        blocks = weight.blocks.reshape(-1, weight.format.bytes).clone()
-        blocks[:, code_bytes] = 0xFF if format_name in ("q4_k", "q5_k") else 0x00  # IQ4_XS: scales at -32
-        if format_name in ("q4_k", "q5_k"):
-            blocks[:, 4:16] = 0xFF  # every 6-bit scale and min at 63
-        elif format_name == "q6_k":
-            blocks[:, 192:208] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
-        extreme = QuantizedWeight(weight.format, weight.shape, blocks.reshape(9, -1))
-        packed = repack.repack_k(extreme)
-        y = repack.matmul_k(x, packed)
-        assert torch.equal(y, repack.matmul_k(x, packed, portable=True)), format_name
-        assert_within_bound(y, x, extreme)
+    weight = random_weight(format_name, 9, 512)
+    blocks = weight.blocks.reshape(-1, weight.format.bytes).clone()
+    for byte_range, value in extremes:
+        blocks[:, byte_range] = value
+    extreme = QuantizedWeight(weight.format, weight.shape, blocks.reshape(9, -1))
+    packed = repack.repack_k(extreme)
+    y = repack.matmul_k(x, packed)
+    assert torch.equal(y, repack.matmul_k(x, packed, portable=True))
+    assert_within_bound(y, x, extreme)
 
 
 def test_kernel_bits_do_not_depend_on_the_thread_count():
@@ -115,21 +150,23 @@ def test_formats_without_a_k_layout_stay_in_the_files_layout():
 def test_repacking_kernels_run_k_quants_in_their_layout_and_pass_the_self_test(kernel_name):
     kernel = QUANTIZED_KERNELS[kernel_name]
     stack = QuantizedStack((random_weight("q4_k", 12, 512, seed=1), random_weight("q6_k", 9, 512, seed=2),
-                            random_weight("q4_1", 8, 512, seed=3)))
+                            random_weight("q4_1", 8, 512, seed=3), random_weight("q2_k", 11, 512, seed=8),
+                            random_weight("q3_k", 5, 512, seed=9), random_weight("q5_k", 3, 512, seed=10)))
     packed = kernel.pack(stack)
     repack = _repack()
-    layouts = [repack.KRepackedWeight, repack.KRepackedWeight, repack.RepackedWeight]
+    layouts = [repack.KRepackedWeight] * 2 + [repack.RepackedWeight] + [repack.KRepackedWeight] * 3
     assert [type(p) for p in packed.parts] == layouts
     x = torch.randn(20, 512, generator=torch.Generator().manual_seed(4))
     y = kernel.apply(x, packed)
-    for part, columns in zip(stack.parts, (slice(0, 12), slice(12, 21), slice(21, 29)), strict=True):
-        assert_within_bound(y[:, columns], x, part)
-    layer = [random_weight("q4_k", 40, 512, seed=5), random_weight("q6_k", 33, 512, seed=6), stack]
+    columns = (slice(0, 12), slice(12, 21), slice(21, 29), slice(29, 40), slice(40, 45), slice(45, 48))
+    for part, part_columns in zip(stack.parts, columns, strict=True):
+        assert_within_bound(y[:, part_columns], x, part)
+    layer = [random_weight("q2_k", 40, 512, seed=5), random_weight("q3_k", 33, 512, seed=6), stack]
     shape = ProbeShape([layer], random_weight("q6_k", 17, 512, seed=7))
     assert self_test(kernel, shape, max_rows=18, prefill_rows=70) == ""
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"])
 def test_a_k_quant_gguf_runs_in_the_layout_and_a_request_alone_equals_it_in_a_crowd(type_name, tmp_path):
     from families import crowd_logits, load_model, prefill_logits
     from gguf import GGMLQuantizationType

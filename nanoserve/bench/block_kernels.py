@@ -1,7 +1,7 @@
 """The block-format kernels side by side on the default model's matrix shapes: the file's row-major
-layout (csrc/matmul_quant.c, matmul_more.c for Q5_0 / Q5_1 / IQ4_NL / IQ4_XS), the 8-column repacked
-layouts (matmul_x8.c, matmul_kx8.c) and the prefill GEMM (matmul_gemm.c: Q4_0, Q4_1, Q8_0), per format
-and row count.
+layout (csrc/matmul_quant.c, matmul_more.c for Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / Q2_K / Q3_K), the
+8-column repacked layouts (matmul_x8.c, matmul_kx8.c) and the prefill GEMM (matmul_gemm.c: Q4_0,
+Q4_1, Q8_0), per format and row count.
 
 Owns: timing one call of each kernel on random blocks of each shape (qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536; the K-quants only down), the kernels taken in turns and each
@@ -32,7 +32,7 @@ from nanoserve.bench.hardware import describe_machine
 
 # (out, in) of one layer's matrices in SmolLM2-135M: q, k and v stacked, o, gate and up stacked, down.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "iq4_xs")
+FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")
 
 
 def random_blocks(format_name: str, out_features: int, in_features: int, seed: int) -> quant.QuantizedWeight:

@@ -147,9 +147,10 @@ def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
 
 
 def _repack(weight: quant.Weight) -> quant.Weight:
-    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS matrices (and such parts of a
-    stack) in the 8-column interleaved layouts, F16 and BF16 ones in the float kernel's 16-column
-    panels; other formats stay in the file's layout, for the row-major kernel."""
+    """Every GGUF block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the K-quants; IQ4_XS) in the
+    8-column interleaved layouts, F16 and BF16 in the float kernel's 16-column panels (and such
+    parts of a stack); a matrix with no layout (a Q4_0 / Q5_0 scale whose offset overflows f16)
+    stays in the file's layout, for the row-major kernel."""
     from nanoserve.native import repack
 
     if isinstance(weight, quant.QuantizedStack):
@@ -176,9 +177,9 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     LinearKernel("native-quant", "native integer dot products on GGUF blocks, activations in 8-bit "
                  "blocks of 32", _identity, _native_quant, ("cpu",)),
     LinearKernel("native-quant-x8", "native integer dot products on blocks repacked at load, 8 output "
-                 "columns interleaved (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS; "
-                 "F16 and BF16 in the float kernel's panels; other formats as native-quant)", _repack,
-                 _native_quant, ("cpu",), one_call_decoder=True),
+                 "columns interleaved (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "
+                 "IQ4_XS; F16 and BF16 in the float kernel's panels; a matrix with no layout as "
+                 "native-quant)", _repack, _native_quant, ("cpu",), one_call_decoder=True),
     LinearKernel("native-quant-gemm", "native-quant-x8, prompt chunks through a register-blocked GEMM "
                  "(Q4_0, Q4_1, Q8_0)", _repack, _native_quant_gemm, ("cpu",), one_call_decoder=True),
 )}

@@ -9,10 +9,11 @@ the embedding's row lookups, so the table is resident once), each checked before
 reaches C.
 Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
-Q4_K, Q5_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents that layout).
+Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents
+those layouts; a tied table in them serves lookups too).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q5_K, Q6_K, IQ4_XS); the kernel choice leaves those matrices
-in their file layout for matmul_quant.c / matmul_more.c.
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS); the kernel choice leaves
+those matrices in their file layout for matmul_quant.c / matmul_more.c.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 PRODUCTS = ("ns_matmul_x8", "ns_gemm_x8", "ns_matmul_kx8")  # each with a `_portable` twin
+LOOKUPS = ("ns_dequantize_rows_x8", "ns_dequantize_rows_kx8")  # rows of matmul_x8.c's, matmul_kx8.c's layouts
 
 
 @functools.cache
@@ -123,8 +125,9 @@ def _lib() -> ctypes.CDLL | None:
         for entry in (getattr(lib, name), getattr(lib, f"{name}_portable")):
             entry.argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
             entry.restype = ctypes.c_int
-    lib.ns_dequantize_rows_x8.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
-    lib.ns_dequantize_rows_x8.restype = ctypes.c_int
+    for name in LOOKUPS:
+        getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -155,21 +158,21 @@ def _product(name: str, portable: bool, ggml_type: int, x: torch.Tensor, blocks:
     return y
 
 
-def lookup(weight: RepackedWeight, ids: torch.Tensor) -> torch.Tensor:
+def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of either layout, dequantized: float32 [*ids.shape, in]."""
     lib = _require()
+    if isinstance(weight, KRepackedWeight):
+        entry, ggml_type, source = lib.ns_dequantize_rows_kx8, weight.format.ggml_type, weight.format
+    else:
+        entry, ggml_type, source = lib.ns_dequantize_rows_x8, weight.layout.ggml_type, weight.source
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(flat.numel(), weight.shape[1], dtype=torch.float32)
     if flat.numel():
-        status = lib.ns_dequantize_rows_x8(weight.layout.ggml_type, weight.blocks.data_ptr(), flat.data_ptr(),
-                                           flat.numel(), weight.shape[0], weight.shape[1], out.data_ptr(),
-                                           torch.get_num_threads())
-        _raise_for(status, weight)
+        status = entry(ggml_type, weight.blocks.data_ptr(), flat.data_ptr(), flat.numel(), weight.shape[0],
+                       weight.shape[1], out.data_ptr(), torch.get_num_threads())
+        what = f"{source.name} {weight.shape} repacked"
+        native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
     return out.reshape(*ids.shape, weight.shape[1])
-
-
-def _raise_for(status: int, weight: RepackedWeight) -> None:
-    what = f"{weight.source.name} {weight.shape} repacked"
-    native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
 
 
 # ---- the prefill GEMM (csrc/matmul_gemm.c) over the same layouts ----------------------------
@@ -190,17 +193,17 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-# ---- Q4_K, Q5_K, Q6_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c) -------------------
+# ---- the K-quants and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c) --------------------------
 
-# Bytes per group of 8 columns and super-block of 256.
-K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 1680, "iq4_xs": 1104}
+# Per group of 8 columns and super-block of 256.
+K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 1680, "q2_k": 672, "q3_k": 912, "iq4_xs": 1104}
 
 
 @dataclass(frozen=True, slots=True)
 class KRepackedWeight(PackedBlocks):
-    """A Q4_K, Q5_K, Q6_K or IQ4_XS matrix [out, in] in matmul_kx8.c's layout: `blocks` is uint8 [groups,
-    in / 256 * K_LAYOUT_BYTES[format]], group g holding output features 8g..8g+7 (zero columns
-    past `out`). Its values are the file's (`dequantize` gives them back)."""
+    """A Q4_K, Q5_K, Q6_K, Q2_K, Q3_K or IQ4_XS matrix [out, in] in matmul_kx8.c's layout: `blocks`
+    is uint8 [groups, in / 256 * K_LAYOUT_BYTES[format]], group g holding output features
+    8g..8g+7 (zero columns past `out`). Its values are the file's (`dequantize` gives them back)."""
 
     format: BlockFormat
     shape: tuple[int, int]
@@ -223,13 +226,17 @@ class KRepackedWeight(PackedBlocks):
         file's reference dequantizer)."""
         return _k_dequantize_layout(self)
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups)."""
+        return lookup(self, ids)
+
 
 def k_repackable(weight: object) -> bool:
     return isinstance(weight, QuantizedWeight) and weight.format.name in K_LAYOUT_BYTES
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where it is not Q4_K, Q5_K, Q6_K or IQ4_XS."""
+    """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -276,9 +283,9 @@ def _q4_k_fields(groups: torch.Tensor, codes_at: int = 16) -> list[torch.Tensor]
 
 
 def _q5_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    """Q4_K's fields from the low 4 bits (qs at 48), then the file's qh chunked."""
     g, _, s, _ = groups.shape
-    fifth_bits = groups[..., 16:48].reshape(g, COLUMNS, s, 1, 32)  # qh: byte l's bit j, sub-block j's value l
-    return [*_q4_k_fields(groups, codes_at=48), _chunked(fifth_bits)]
+    return [*_q4_k_fields(groups, codes_at=48), _chunked(groups[..., 16:48].reshape(g, COLUMNS, s, 1, 32))]
 
 
 def _q6_k_codes(flat: torch.Tensor) -> torch.Tensor:
@@ -310,9 +317,33 @@ def _iq4_xs_fields(groups: torch.Tensor) -> list[torch.Tensor]:
             _chunked(groups[..., 8:136].reshape(g, COLUMNS, s, 8, 16))]
 
 
+def _q2_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    g, _, s, _ = groups.shape
+    return [_per_column(groups[..., 80:82].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(groups[..., 82:84].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(groups[..., 0:16]), _chunked(groups[..., 16:80].reshape(g, COLUMNS, s, 2, 32))]
+
+
+def _q3_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
+    from nanoserve.quant import _q3_k_scales, _two_bit_groups
+
+    g, _, s, _ = groups.shape
+    flat = groups.reshape(-1, 110)
+    scales = (_q3_k_scales(flat[:, 96:108]) - 32).to(torch.int8).view(torch.uint8)
+    bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    high = ((flat[:, 0:32].unsqueeze(1) >> bits) & 1).reshape(-1, 16, 16)  # as quant.py's dequantizer reads
+    w = (_two_bit_groups(flat[:, 32:96]) | (high << 2)).reshape(g, COLUMNS, s, 8, 32)  # q + 4 in 0..7
+    planes = [w[..., 0, :] | (w[..., 1, :] << 3) | ((w[..., 6, :] & 3) << 6),
+              w[..., 2, :] | (w[..., 3, :] << 3) | ((w[..., 7, :] & 3) << 6),
+              w[..., 4, :] | (w[..., 5, :] << 3) | ((w[..., 6, :] >> 2) << 6) | ((w[..., 7, :] >> 2) << 7)]
+    return [_per_column(groups[..., 108:110].reshape(g, COLUMNS, s, 1, 2)),
+            _per_column(scales.reshape(g, COLUMNS, s, 16)), _chunked(torch.stack(planes, dim=3))]
+
+
 # Each format's fields of a group-super-block in layout order, from the file's blocks
 # [group, column, super-block, bytes].
-_K_FIELDS = {"q4_k": _q4_k_fields, "q5_k": _q5_k_fields, "q6_k": _q6_k_fields, "iq4_xs": _iq4_xs_fields}
+_K_FIELDS = {"q4_k": _q4_k_fields, "q5_k": _q5_k_fields, "q6_k": _q6_k_fields, "q2_k": _q2_k_fields,
+             "q3_k": _q3_k_fields, "iq4_xs": _iq4_xs_fields}
 
 
 def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
@@ -347,10 +378,23 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
     elif weight.format.name in ("q4_k", "q5_k"):
         codes = low_nibbles(160)
         if weight.format.name == "q5_k":
-            shifts = torch.arange(8, dtype=torch.uint8).view(8, 1)
-            codes = codes | (((unchunked(1184, 1) >> shifts) & 1) << 4)  # [g, column, s, 8, 32]
+            bits = torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 8, 1)
+            codes = codes | (((unchunked(1184, 1) >> bits) & 1) << 4)
         sc, mn = columns(32, 8).squeeze(-1).float(), columns(96, 8).squeeze(-1).float()
         values = (f16(0) * sc).unsqueeze(-1) * codes.float() - (f16(16) * mn).unsqueeze(-1)
+    elif weight.format.name == "q2_k":
+        scales = columns(32, 16).squeeze(-1)  # [g, column, s, 16]
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
+        codes = ((unchunked(160, 2).unsqueeze(4) >> shifts) & 3).reshape(g, COLUMNS, s, 16, 16)
+        values = ((f16(0) * (scales & 0xF).float()).unsqueeze(-1) * codes.float()
+                  - (f16(16) * (scales >> 4).float()).unsqueeze(-1))
+    elif weight.format.name == "q3_k":
+        p0, p1, p2 = unchunked(144, 3).unbind(3)  # [g, column, s, 32] each
+        w = torch.stack([p0 & 7, (p0 >> 3) & 7, p1 & 7, (p1 >> 3) & 7, p2 & 7, (p2 >> 3) & 7,
+                         (p0 >> 6) | (((p2 >> 6) & 1) << 2), (p1 >> 6) | ((p2 >> 7) << 2)], dim=3)
+        codes = w.reshape(g, COLUMNS, s, 16, 16).to(torch.int8) - 4
+        scales = columns(16, 16).squeeze(-1).contiguous().view(torch.int8).float()
+        values = (f16(0) * scales).unsqueeze(-1) * codes.float()
     else:
         top = unchunked(1168, 2).unsqueeze(3)  # [g, column, s, 1, 2, 32]
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)

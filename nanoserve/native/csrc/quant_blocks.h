@@ -2,7 +2,8 @@
  *
  * An activation row of k values becomes k/32 blocks of 32 int8 codes with a scale d =
  * max|x| / 127 and s = d * sum(codes) (ggml's Q8_1 idea: s carries a weight block's offset
- * term). Codes round to nearest even (nearbyintf, as the vector unit rounds), so the AVX2
+ * term), and the integer sums of each half of 16 codes (ggml's Q8_K bsums: the per-16 mins of
+ * Q2_K, and Q3_K's -4, meet them; every other layout ignores them). Codes round to nearest even (nearbyintf, as the vector unit rounds), so the AVX2
  * quantizer below writes exactly the bytes the portable one writes.
  */
 #ifndef NANOSERVE_QUANT_BLOCKS_H
@@ -16,11 +17,13 @@
 #include <immintrin.h>
 #endif
 
-/* One quantized activation block: 32 codes, their scale, and scale * sum(codes). */
+/* One quantized activation block: 32 codes, their scale, scale * sum(codes), and the sums of
+ * codes 0..15 and 16..31 (|sum| <= 16 x 127). */
 typedef struct {
     int8_t qs[32];
     float d;
     float s;
+    int16_t half_sums[2];
 } xblock;
 
 static inline float f16_to_f32(const uint8_t *p) {
@@ -51,14 +54,15 @@ static inline void quantize_block_portable(const float *v, xblock *out) {
     float amax = 0.0f;
     for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(v[l]));
     float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
+    int half[2] = {0, 0};
     for (int l = 0; l < 32; l++) {
         int code = (int)nearbyintf(v[l] * id);
         out->qs[l] = (int8_t)code;
-        sum += code;
+        half[l / 16] += code;
     }
     out->d = d;
-    out->s = d * (float)sum;
+    out->s = d * (float)(half[0] + half[1]);
+    out->half_sums[0] = (int16_t)half[0], out->half_sums[1] = (int16_t)half[1];
 }
 
 #if defined(__AVX2__)
@@ -79,17 +83,19 @@ static inline void quantize_block_avx2(const float *v, xblock *out) {
     for (int i = 0; i < 4; i++)
         codes[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(x[i], _mm256_set1_ps(id)),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    __m256i total = _mm256_add_epi32(_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3]));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    __m256i halves[2] = {_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3])};
+    __m128i t = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(halves[0]), _mm256_extracti128_si256(halves[0], 1)),
+                               _mm_add_epi32(_mm256_castsi256_si128(halves[1]), _mm256_extracti128_si256(halves[1], 1)));
+    t = _mm_hadd_epi32(t, t); /* the two halves' sums, twice */
     /* int32 -> int16 -> int8 packs interleave 128-bit lanes; the permute puts them back in order */
     __m256i packed16 = _mm256_packs_epi32(codes[0], codes[1]), packed16b = _mm256_packs_epi32(codes[2], codes[3]);
     __m256i packed8 = _mm256_packs_epi16(packed16, packed16b);
     packed8 = _mm256_permutevar8x32_epi32(packed8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i *)out->qs, packed8);
+    const int first = _mm_cvtsi128_si32(t), second = _mm_extract_epi32(t, 1);
     out->d = d;
-    out->s = d * (float)_mm_cvtsi128_si32(t);
+    out->s = d * (float)(first + second);
+    out->half_sums[0] = (int16_t)first, out->half_sums[1] = (int16_t)second;
 }
 #endif
 

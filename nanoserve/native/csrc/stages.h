@@ -36,9 +36,9 @@ void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin
 void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                  int thread, int threads);
 
-/* The same over one of the layouts of matmul_x8.c or of matmul_kx8.c (Q4_K, Q5_K, Q6_K, IQ4_XS: `ns_kx8_layout`
- * says which), writing y's rows `y_stride` apart (a part of a stacked matrix writes its columns
- * of the stack's rows). */
+/* The same over one of the layouts of matmul_x8.c or of matmul_kx8.c (the K-quants and IQ4_XS:
+ * `ns_kx8_layout` says which), writing y's rows `y_stride` apart (a part of a stacked matrix
+ * writes its columns of the stack's rows). */
 int ns_kx8_layout(int fmt);
 void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                          int64_t n, int64_t k, int thread, int threads);
