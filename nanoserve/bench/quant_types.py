@@ -5,10 +5,12 @@ sane scales, `nanoserve.quant.random_weight`, and the default GGUF's tokenizer),
 width rounded down to whole 256-value blocks (SmolLM2-135M: 576 -> 512, 9 -> 8 heads of 64,
 3 -> 2 KV heads; 30 layers, 1536 intermediate, the 49152-token table tied to the head) so that
 Q4_K and the other K formats hold every matrix; the same decode workload through each type's
-engine at each slot count, the types timed in turns (q4_k, a, b, ..., then again) so that a
-neighbour's burst of load falls on every side of a ratio; and the CSV: each type's median decode
-step, its ratio to Q4_K's (the median over turns of the paired ratios) beside the goal (1.3),
-resident and file bytes, and the machine.
+engine at each slot count, each type timed right beside its own Q4_K run (q4_k then a, b then
+q4_k, ..., the order of a pair swapped each turn), so that a ratio's two sides share the
+machine's state of those seconds, not of a turn that lasts a minute; and the CSV: each type's
+median decode step, its ratio to Q4_K's (the median over turns of the paired ratios) beside the
+goal (1.3), the bytes its packed weights hold (the layouts the kernel repacked them into) beside
+the file's tensor bytes, and the machine.
 Refuses: choosing anything or asserting a time (no test times anything).
 
     python -m nanoserve.bench.quant_types --slots 1,16 --repeat 3 --out results/quant_types.csv
@@ -153,21 +155,27 @@ def measure(types: tuple[str, ...], slots: tuple[int, ...], repeat: int, threads
             decode_step_ms(engine, count, seed=0, output_len=4)
         load_avg = os.getloadavg()[0]
         runs: dict[str, list[float]] = {t: [] for t in types}
+        ratios: dict[str, list[float]] = {t: [] for t in types}
         for turn in range(repeat):
-            for t, engine in engines.items():
-                runs[t].append(decode_step_ms(engine, count, seed=1 + turn))
+            for t in types:
+                pair = [REFERENCE_TYPE, t] if turn % 2 == 0 else [t, REFERENCE_TYPE]
+                ms = {u: decode_step_ms(engines[u], count, seed=1 + turn) for u in pair}
+                runs[t].append(ms[t])
+                ratios[t].append(ms[t] / ms[REFERENCE_TYPE])
         for t, engine in engines.items():
-            ratios = [ms / ref for ms, ref in zip(runs[t], runs[REFERENCE_TYPE], strict=True)]
+            resident = engine.model.weights.nbytes()  # as packed for the chosen kernel
             file_bytes = sum(int(tensor.n_bytes) for tensor in GGUFReader(paths[t]).tensors)
             rows.append({
                 "type": t, "slots": count, "decode_step_ms": statistics.median(runs[t]),
                 "decode_step_ms_runs": " ".join(f"{ms:.3f}" for ms in runs[t]),
-                f"ratio_to_{REFERENCE_TYPE}": statistics.median(ratios), "goal_ratio": GOAL_RATIO,
+                f"ratio_to_{REFERENCE_TYPE}": statistics.median(ratios[t]),
+                f"ratio_to_{REFERENCE_TYPE}_runs": " ".join(f"{r:.3f}" for r in ratios[t]),
+                "goal_ratio": GOAL_RATIO,
                 "linear_kernel": engine.kernel_choice.kernel.name, "weight_format": engine.weight_format,
-                "resident_mb": engine.weights_nbytes / 1e6, "file_tensor_mb": file_bytes / 1e6,
+                "resident_mb": resident / 1e6, "file_tensor_mb": file_bytes / 1e6,
                 # every weight byte is read once a step: how near the memory bus each type runs
-                "weights_read_gbs": engine.weights_nbytes / statistics.median(runs[t]) / 1e6,
-                "resident_to_file": engine.weights_nbytes / file_bytes, "hidden": shape.hidden,
+                "weights_read_gbs": resident / statistics.median(runs[t]) / 1e6,
+                "resident_to_file": resident / file_bytes, "hidden": shape.hidden,
                 "layers": shape.layers, "intermediate": shape.intermediate, "vocab": shape.vocab,
                 "load_avg_1m": load_avg, **machine.columns()})
     return pd.DataFrame(rows)
