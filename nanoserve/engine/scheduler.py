@@ -35,7 +35,9 @@ With the fair share on, a step is *contended* when more than one parent is runni
 and then no one waits behind another client's prefill:
 - the fair share holds even if nothing decodes yet, with a waiting parent's next prompt among
   the demands and each parent's prefill demand its slice of the prefill budget (split between
-  the parents with prompt work); with nothing decoding that budget is
+  the parents with prompt work), except that a prompt the step admits whole (an arrival's
+  one-off) demands what its first decode row will, so the running parents are held to that
+  share already in the step that computes the arrival's prompt; with nothing decoding that budget is
   `max_prefill_tokens_while_decoding` for each such parent. So an arrival beside a long prompt
   that was prefilling alone is admitted at once, in a short step, and two long prompts take
   turns rather than one waiting for the other;
@@ -325,12 +327,26 @@ class Scheduler:
         if budget.contended:
             slice_tokens = max(1, slice_tokens // max(1, len(self._prefilling_parents())))
         demands: dict[str, float] = {}
-        for request in (*self.running, *heads):
+        for request in self.running:
             wanted = request.num_uncomputed_tokens
             tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, slice_tokens)
             units = self.share.units(tokens, request.num_computed_tokens + tokens, self._row_extra(request))
             demands[request.parent] = demands.get(request.parent, 0.0) + units
+        for request in heads:
+            demands[request.parent] = self._arrival_demand(request, budget, slice_tokens)
         return demands
+
+    def _arrival_demand(self, request: Request, budget: StepBudget, slice_tokens: int) -> float:
+        """A waiting parent's demand: a prompt the step admits whole is an arrival's one-off, paid
+        by no share, so the parent demands what its first decode row will, and the running
+        parents are held to that share already in the step that admits it (not only from the
+        next one: a heavy neighbour running whole beside an arrival's prompt would double its
+        first token's time). A longer prompt demands its slice of the prefill budget."""
+        wanted = request.num_uncomputed_tokens
+        if request.pooling is None and wanted <= self._grant(budget, request):
+            return self.share.units(1, request.num_tokens, self.share.cost.sampling_units(request.params))
+        tokens = min(wanted, slice_tokens)
+        return self.share.units(tokens, request.num_computed_tokens + tokens)
 
     def _waiting_heads(self) -> list[Request]:
         """The first waiting request of each parent with nothing running."""
