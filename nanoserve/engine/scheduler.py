@@ -27,9 +27,9 @@ choices, or a tenant's requests) run and one decodes, each parent takes at most 
 of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
 requests least advanced first, so one request with many choices, a long context or a long
 prompt slows the others by a bounded factor; an arriving prompt that fits whole in the prefill
-budget is exempt (a one-off cost), unless its parent already runs and someone decodes (a
-client's further prompts are its steady work). A request its parent's share holds back lets the ones behind
-it in the queue pass.
+budget, and in `max_prefill_tokens_while_decoding`, is exempt (a one-off cost), unless its
+parent already runs and someone decodes (a client's further prompts are its steady work). A
+request its parent's share holds back lets the ones behind it in the queue pass.
 
 With the fair share on, a step is *contended* when more than one parent is running or waiting,
 and then no one waits behind another client's prefill:
@@ -342,11 +342,19 @@ class Scheduler:
         parents are held to that share already in the step that admits it (not only from the
         next one: a heavy neighbour running whole beside an arrival's prompt would double its
         first token's time). A longer prompt demands its slice of the prefill budget."""
-        wanted = request.num_uncomputed_tokens
-        if request.pooling is None and wanted <= self._grant(budget, request):
+        if request.pooling is None and self._one_off(request, self._grant(budget, request)):
             return self.share.units(1, request.num_tokens, self.share.cost.sampling_units(request.params))
-        tokens = min(wanted, slice_tokens)
+        tokens = min(request.num_uncomputed_tokens, slice_tokens)
         return self.share.units(tokens, request.num_computed_tokens + tokens)
+
+    def _one_off(self, request: Request, granted: int) -> bool:
+        """Whether a step granting `granted` tokens computes the request's prompt whole, as an
+        arrival's one-off no share pays for: all of it, and no longer than
+        `max_prefill_tokens_while_decoding` (a contended step's budget holds that much for each
+        client with prompt work; one arrival's long prompt must not take the others')."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        wanted = request.num_uncomputed_tokens
+        return granted == wanted and (cap is None or wanted <= cap)
 
     def _waiting_heads(self) -> list[Request]:
         """The first waiting request of each parent with nothing running."""
@@ -473,7 +481,7 @@ class Scheduler:
                              others_running=bool(running_parents.keys() - {request.parent}))
             # An arrival whose prompt fits whole is a one-off, exempt from its share; a client's
             # further prompts (one request's many, a tenant's) are steady work while anyone decodes.
-            whole = num_tokens == request.num_uncomputed_tokens and (
+            whole = self._one_off(request, num_tokens) and (
                 request.parent not in running_parents or not budget.decoding)
             if not whole:
                 num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
