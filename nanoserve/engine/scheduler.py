@@ -45,11 +45,12 @@ and then no one waits behind another client's prefill:
   requests first, rather than first come first served behind one client's many prompts;
 - when every slot (`max_num_seqs`) is taken and a parent with nothing running waits, the
   newest request of the parent holding the most slots is preempted to give it one.
-A long prompt alone (one parent) is paced: since a step cannot be interrupted, an arrival
-waits for the one in flight, so a step no one shares computes the prompt tokens its measured
-cost fits in about `prefill_step_s` (`prefill_pace.py`; the engine reports each prefill step's
-time), never fewer than `prefill_pace_min_tokens`, where the lone prompt's own speed would
-suffer. vLLM's `long_prefill_token_threshold` caps one request's chunk in every step.
+A step no one shares is paced: since a step cannot be interrupted, an arrival waits for the
+one in flight, so a step of one parent (a long prompt alone, or one request's n=16 prompts
+admitted beside its own first decodes) computes the prompt tokens its measured cost fits in
+about `prefill_step_s` beside its decode rows (`prefill_pace.py`; the engine reports each
+prefill-only step's time), never fewer than `prefill_pace_min_tokens`. vLLM's
+`long_prefill_token_threshold` caps one request's chunk in every step.
 
 With speculation, a decoding request also carries the drafts the engine proposed for it
 (`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
@@ -272,10 +273,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        contended = self.share.enabled and len({r.parent for r in (*self.running, *self.waiting)}) > 1
+        num_parents = len({r.parent for r in (*self.running, *self.waiting)})
+        contended = self.share.enabled and num_parents > 1
         if contended:
             self._give_newcomers_slots(out)
-        budget = self._step_budget(contended)
+        budget = self._step_budget(contended, lone=num_parents <= 1)
         self.share.begin_step(self._demands(budget) if self.share.enabled else {}, budget.shared)
         num_preempted = len(out.preempted)
         self._schedule_running(out, budget)
@@ -284,10 +286,14 @@ class Scheduler:
         self.share.end_step()
         return out
 
-    def _step_budget(self, contended: bool) -> StepBudget:
+    def _step_budget(self, contended: bool, *, lone: bool) -> StepBudget:
         """While a request decodes, prompts share the prefill cap; in a contended step where
         none decodes yet, each parent with prompt work may have the cap's worth (so an arrival
-        beside a long prompt waits one short step, and a burst of arrivals is not slowed)."""
+        beside a long prompt waits one short step, and a burst of arrivals is not slowed).
+        A step no other parent shares (`lone`: one parent, or none decoding with the fair share
+        off) is paced: its prompt tokens and its own decode rows fit in about `prefill_step_s`,
+        since whoever arrives next waits for it (a client's n=16 prompts admitted beside its
+        first decodes, as much as a long prompt alone)."""
         tokens = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         decoding = any(request.num_uncomputed_tokens == 1 for request in self.running)
@@ -296,9 +302,15 @@ class Scheduler:
             budget.prefill_tokens = min(tokens, cap)
         elif cap is not None and contended:
             budget.prefill_tokens = min(tokens, cap * len(self._prefilling_parents()))
-        elif self.pace is not None and not budget.shared:
-            budget.prefill_tokens = min(tokens, self.pace.tokens(self._pace_context()))
+        if self.pace is not None and not contended and (lone or not decoding):
+            paced = self.pace.tokens(self._pace_context(), reserved_units=self._decode_units())
+            budget.prefill_tokens = min(budget.prefill_tokens, paced)
         return budget
+
+    def _decode_units(self) -> float:
+        """The row units of the running decodes (their drafts and sampling included)."""
+        return sum(self.share.units(1 + len(r.draft_ids), r.num_computed_tokens + 1, self._row_extra(r))
+                   for r in self.running if r.num_uncomputed_tokens == 1)
 
     def _pace_context(self) -> int:
         """Where the step's first prompt chunk starts: the oldest running prefill's computed
