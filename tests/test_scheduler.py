@@ -540,13 +540,15 @@ def test_a_long_prompt_beside_an_arrival_gets_the_share_of_the_arrivals_first_de
     assert admitting["ordinary"] == 40 and 1 <= admitting["long"] <= 3, admitting
 
 
-def test_one_arrivals_prompt_never_takes_the_prefill_budget_of_another_arriving_with_it():
-    # Two clients arrive together: the contended step's budget is the cap for each, and the
-    # 128-token prompt, longer than the cap, is chunked to its share rather than computed whole
-    # in both clients' budget, which left the 2-token prompt waiting a step.
-    scheduler = make_scheduler(num_blocks=400, max_num_seqs=2, max_tokens_per_step=256, prefill_cap=64,
-                               fair_share=2.0)
-    scheduler.add(make_request("long", 128, parent="long"))
+@pytest.mark.parametrize(("prefill_cap", "long_len"), [(64, 128), (None, 256)])
+def test_one_arrivals_prompt_never_takes_the_prefill_budget_of_another_arriving_with_it(prefill_cap,
+                                                                                        long_len):
+    # Two clients arrive together: the contended step's budget holds a part for each, and the
+    # long prompt, longer than the cap (or, with none, its part), is chunked to its share rather
+    # than computed whole in both clients' budget, which left the 2-token prompt waiting a step.
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=2, max_tokens_per_step=256,
+                               prefill_cap=prefill_cap, fair_share=2.0)
+    scheduler.add(make_request("long", long_len, parent="long"))
     scheduler.add(make_request("short", 2, parent="short"))
     sizes = chunk_sizes(run_step(scheduler))
     assert sizes["short"] == 2 and 1 <= sizes["long"] < 64, sizes

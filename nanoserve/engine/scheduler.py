@@ -179,6 +179,9 @@ class StepBudget:
     prefill_tokens: int
     decoding: bool = False  # some running request decodes this step
     contended: bool = False  # the fair share is on and more than one parent runs or waits
+    # A parent's slice of the prefill budget, fixed at the step's start: all of it, or in a
+    # contended step its part among the parents with prompt work.
+    slice_tokens: int = 0
 
     @property
     def shared(self) -> bool:
@@ -305,6 +308,9 @@ class Scheduler:
         if self.pace is not None and not contended and (lone or not decoding):
             paced = self.pace.tokens(self._pace_context(), reserved_units=self._decode_units())
             budget.prefill_tokens = min(budget.prefill_tokens, paced)
+        budget.slice_tokens = budget.prefill_tokens
+        if contended:
+            budget.slice_tokens = max(1, budget.prefill_tokens // max(1, len(self._prefilling_parents())))
         return budget
 
     def _decode_units(self) -> float:
@@ -335,38 +341,36 @@ class Scheduler:
         and in a contended step each waiting parent's next prompt; a prompt chunk counts at
         most the parent's slice of the prefill budget."""
         heads = self._waiting_heads() if budget.contended else []
-        slice_tokens = budget.prefill_tokens
-        if budget.contended:
-            slice_tokens = max(1, slice_tokens // max(1, len(self._prefilling_parents())))
         demands: dict[str, float] = {}
         for request in self.running:
             wanted = request.num_uncomputed_tokens
-            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, slice_tokens)
+            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, budget.slice_tokens)
             units = self.share.units(tokens, request.num_computed_tokens + tokens, self._row_extra(request))
             demands[request.parent] = demands.get(request.parent, 0.0) + units
         for request in heads:
-            demands[request.parent] = self._arrival_demand(request, budget, slice_tokens)
+            demands[request.parent] = self._arrival_demand(request, budget)
         return demands
 
-    def _arrival_demand(self, request: Request, budget: StepBudget, slice_tokens: int) -> float:
+    def _arrival_demand(self, request: Request, budget: StepBudget) -> float:
         """A waiting parent's demand: a prompt the step admits whole is an arrival's one-off, paid
         by no share, so the parent demands what its first decode row will, and the running
         parents are held to that share already in the step that admits it (not only from the
         next one: a heavy neighbour running whole beside an arrival's prompt would double its
         first token's time). A longer prompt demands its slice of the prefill budget."""
-        if request.pooling is None and self._one_off(request, self._grant(budget, request)):
+        if request.pooling is None and self._one_off(request, budget, self._grant(budget, request)):
             return self.share.units(1, request.num_tokens, self.share.cost.sampling_units(request.params))
-        tokens = min(request.num_uncomputed_tokens, slice_tokens)
+        tokens = min(request.num_uncomputed_tokens, budget.slice_tokens)
         return self.share.units(tokens, request.num_computed_tokens + tokens)
 
-    def _one_off(self, request: Request, granted: int) -> bool:
+    def _one_off(self, request: Request, budget: StepBudget, granted: int) -> bool:
         """Whether a step granting `granted` tokens computes the request's prompt whole, as an
         arrival's one-off no share pays for: all of it, and no longer than
-        `max_prefill_tokens_while_decoding` (a contended step's budget holds that much for each
-        client with prompt work; one arrival's long prompt must not take the others')."""
+        `max_prefill_tokens_while_decoding`, else than its parent's slice of the budget (a
+        contended step's budget holds a part for each client with prompt work; one arrival's
+        long prompt must not take the others')."""
         cap = self.config.max_prefill_tokens_while_decoding
         wanted = request.num_uncomputed_tokens
-        return granted == wanted and (cap is None or wanted <= cap)
+        return granted == wanted and wanted <= (cap if cap is not None else budget.slice_tokens)
 
     def _waiting_heads(self) -> list[Request]:
         """The first waiting request of each parent with nothing running."""
@@ -493,7 +497,7 @@ class Scheduler:
                              others_running=bool(running_parents.keys() - {request.parent}))
             # An arrival whose prompt fits whole is a one-off, exempt from its share; a client's
             # further prompts (one request's many, a tenant's) are steady work while anyone decodes.
-            whole = self._one_off(request, num_tokens) and (
+            whole = self._one_off(request, budget, num_tokens) and (
                 request.parent not in running_parents or not budget.decoding)
             if not whole:
                 num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
