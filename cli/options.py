@@ -19,7 +19,14 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from nanoserve.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, TASKS, EngineConfig
+from nanoserve.config import (
+    KV_CACHE_DTYPES,
+    PREFILL_PACE_MIN_TOKENS,
+    PREFILL_STEP_MS_DEFAULT,
+    SCHEDULING_POLICIES,
+    TASKS,
+    EngineConfig,
+)
 from nanoserve.errors import InvalidRequestError, NanoserveError
 from nanoserve.pooling_params import POOLING_METHODS
 
@@ -75,9 +82,10 @@ def parse_prefill_step_ms(value: str) -> float:
 PrefillStepMs = Annotated[float | None, typer.Option(
     parser=parse_prefill_step_ms, metavar="MS|off",
     help="A step no one shares computes the prompt tokens its measured cost fits in about MS "
-         "milliseconds (at least 64 tokens), since a request that arrives waits for the step in "
-         "flight; tokens unchanged. off: the whole --max-num-batched-tokens. Default per device: "
-         "100 on CPU, off on CUDA.")]
+         f"milliseconds beside its own decode rows (at least {PREFILL_PACE_MIN_TOKENS} tokens), since "
+         "a request that arrives waits for the step in flight; tokens unchanged. off: the whole "
+         f"--max-num-batched-tokens. Default per device: {PREFILL_STEP_MS_DEFAULT['cpu']:g} on CPU, "
+         "off on CUDA.")]
 SchedulingPolicy = Annotated[str, typer.Option(
     help="Which waiting request runs first, and which running one is preempted first when the KV "
          "cache is full: fcfs (arrival order) or priority (a request's priority field, lower "

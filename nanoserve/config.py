@@ -634,12 +634,14 @@ ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
 # batch is large, and no GPU has measured it: off.
 FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
 # The prefill pace (EngineConfig.prefill_step_ms=None) per device type: on CPU a step no one
-# shares computes the prompt tokens its measured cost fits in this many ms (an arrival waits
-# for the step in flight), at least PREFILL_PACE_MIN_TOKENS a step, below which a lone prompt
-# would lose speed to per-step overhead (results/README.md, "No request behind another
-# client's prefill": the command measuring both); on CUDA a 512-token step is short: no pace.
-PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 100.0, "cuda": None}
-PREFILL_PACE_MIN_TOKENS = 64
+# shares computes the prompt tokens its measured cost fits in this many ms beside its own
+# decode rows (an arrival waits for the step in flight, and an ordinary request's whole life
+# is a few of them), at least PREFILL_PACE_MIN_TOKENS a step: a floor in tokens, so deep in a
+# long prompt, where a token costs several units, a step stays short too (results/README.md,
+# "No request behind another client's prefill": what both cost a lone prompt, and the
+# command); on CUDA a 512-token step is short: no pace.
+PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 50.0, "cuda": None}
+PREFILL_PACE_MIN_TOKENS = 16
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
 TASKS = ("generate", "embed")  # EngineConfig.task
 # EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 import nanoserve.model.decoder
+from nanoserve.config import PREFILL_PACE_MIN_TOKENS
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
@@ -122,8 +123,8 @@ def test_prompts_prefilled_beside_decodes_in_budgeted_chunks_equal_one_prefill(t
 
 
 def test_a_paced_prefill_and_a_per_request_chunk_cap_equal_one_prefill(tiny_model_dir):
-    """A lone long prompt paced to its measured cost (the pace's smallest steps, 64 tokens), and
-    prompts capped at 7 tokens a step (long_prefill_token_threshold): the same bits as unpaced."""
+    """A lone long prompt paced to its measured cost (the pace's smallest steps), and prompts
+    capped at 7 tokens a step (long_prefill_token_threshold): the same bits as unpaced."""
     prompts = [" ".join(["word"] * 80) + " story:", *crowd_prompts(3)]  # the first over 64 tokens
     params = [params_for(i) for i in range(4)]
     whole = LLM(str(tiny_model_dir), device="cpu", prefill_step_ms=float("inf"))
@@ -133,8 +134,8 @@ def test_a_paced_prefill_and_a_per_request_chunk_cap_equal_one_prefill(tiny_mode
     expected = [fingerprint(c) for c in whole.generate(prompts, params)]
     alone = [paced.generate([p], [q])[0] for p, q in zip(prompts, params, strict=True)]  # each paced alone
     assert [fingerprint(c) for c in alone] == expected
-    prefill_steps = -(-len(paced.tokenizer.encode(prompts[0])) // 64)
-    assert paced.engine.stats.steps >= prefill_steps + 4 * 9 + 3  # the long prompt in 64-token steps
+    prefill_steps = -(-len(paced.tokenizer.encode(prompts[0])) // PREFILL_PACE_MIN_TOKENS)
+    assert paced.engine.stats.steps >= prefill_steps + 4 * 9 + 3  # the long prompt in the smallest steps
     assert paced.engine.scheduler.pace.s_per_unit is not None  # it measured its own prefill steps
     assert [fingerprint(c) for c in capped.generate(prompts, params)] == expected
 

@@ -22,7 +22,7 @@ import nanoserve_cli.profile
 from nanoserve.bench import ci_check, hardware, offline, serve
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
-from nanoserve.config import EngineConfig
+from nanoserve.config import PREFILL_PACE_MIN_TOKENS, EngineConfig
 from nanoserve.engine.core import Engine
 from nanoserve.sampling_params import SamplingParams
 from nanoserve_cli.app import app
@@ -456,6 +456,6 @@ def test_the_prefill_pace_bench_times_each_side_in_turns_and_the_paced_side_take
     frame = pd.read_csv(out)
     assert list(frame["prefill_step_ms"].astype(str)) == ["off", "0.001", "off", "0.001"]
     unpaced, paced = frame[frame["turn"] == 0].itertuples()
-    assert paced.largest_chunk == 64 < unpaced.largest_chunk  # the pace's smallest step
+    assert paced.largest_chunk == PREFILL_PACE_MIN_TOKENS < unpaced.largest_chunk  # the pace's smallest step
     assert paced.steps > unpaced.steps
     assert {"median_vs_unpaced", "cpu_model", "git_commit"} <= set(frame.columns)

@@ -4,7 +4,7 @@ import pytest
 
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.prefill_pace import PrefillPace
-from nanoserve.engine.request import Request
+from nanoserve.engine.request import NewToken, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.step_cost import PROFILED
 from nanoserve.sampling_params import SamplingParams
@@ -36,6 +36,13 @@ def test_deeper_into_a_long_prompt_a_step_gets_fewer_tokens_for_the_same_time():
     assert grants == sorted(grants, reverse=True) and grants[0] > 2 * grants[-1], grants
     starts = (0, 1000, 2000, 3000)
     assert all(pace.chunk_units(start, n) <= 150 for start, n in zip(starts, grants, strict=True))
+
+
+def test_rows_beside_the_prompt_take_their_units_out_of_the_step_and_the_floor_still_holds():
+    pace = measured(0.001)  # 150 units a step
+    beside = pace.tokens(0, reserved_units=60)
+    assert pace.chunk_units(0, beside) <= 90 < pace.chunk_units(0, beside + 1)
+    assert pace.tokens(0, reserved_units=1000) == 16
 
 
 def test_a_slower_machine_gets_smaller_steps_and_the_grant_never_falls_below_its_floor():
@@ -71,6 +78,12 @@ def request(rid, prompt_len, parent, max_tokens=4):
     return Request(rid, list(range(1, prompt_len + 1)), params, seed=0, parent_id=parent)
 
 
+def step(scheduler, plan=None):
+    """Run a planned step whose every sampled row gets token 7 (no request ends)."""
+    plan = plan or scheduler.schedule()
+    scheduler.update_after_step(plan, [NewToken(c.request.request_id, 7) for c in plan.chunks if c.samples])
+
+
 def paced_scheduler(**config):
     config = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 8192,
               "max_prefill_tokens_while_decoding": 64, "fair_share_rows": 2.0, "prefill_step_s": 0.15,
@@ -97,6 +110,25 @@ def test_a_lone_long_prompt_steps_at_its_pace_and_an_arrival_is_not_paced():
     scheduler.add(request("ordinary", 40, "ordinary"))
     plan = scheduler.schedule()
     assert {c.request.request_id: c.num_tokens for c in plan.chunks}["ordinary"] == 40  # whole: not paced
+
+
+def test_a_lone_clients_prompts_beside_its_own_decodes_are_paced_with_the_decodes_counted():
+    # One request of n=8 choices: its first prompts decode while the rest are admitted. No one
+    # else runs, so the fair share is off, but whoever arrives waits for this step: its prompt
+    # tokens and its decode rows fit the pace's step together, not the prefill cap's 64 tokens.
+    scheduler = paced_scheduler(prefill_step_s=0.05)
+    scheduler.pace.observe([(0, 100)], 0.001 * scheduler.pace.chunk_units(0, 100))  # 1 ms a unit
+    choices = [request(f"choice{i}", 30, "one", max_tokens=50) for i in range(8)]
+    for choice in choices:
+        scheduler.add(choice)
+    step(scheduler)
+    for _ in range(3):
+        plan = scheduler.schedule()
+        decodes = [c for c in plan.chunks if c.is_decode]
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks if not c.is_decode)
+        reserved = sum(scheduler.share.units(1, c.start + 1) for c in decodes)
+        assert decodes and 0 < prompt_tokens <= scheduler.pace.tokens(0, reserved_units=reserved) < 64
+        step(scheduler, plan)
 
 
 def test_the_per_request_threshold_caps_every_prompt_chunk_even_alone():

@@ -518,6 +518,42 @@ def test_a_long_prompt_alone_takes_the_whole_budget_and_an_arrival_beside_it_run
     assert chunk_sizes(run_step(scheduler)) == {"long": 512}  # alone again: full speed again
 
 
+def test_the_step_admitting_an_arrival_whole_already_holds_a_heavy_client_to_its_share():
+    # The arrival's prompt is a one-off no share pays for; beside it the heavy client takes the
+    # share of the arrival's first decode row (1 + 2 units), not all 16 of its rows.
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=32, max_tokens_per_step=512, prefill_cap=64,
+                               fair_share=2.0)
+    decoding_crowd(scheduler, {"heavy": 16})
+    scheduler.add(make_request("ordinary", 40, max_tokens=16, parent="ordinary"))
+    admitting = rows_by_parent(run_step(scheduler))
+    assert admitting["ordinary"] == 40 and 1 <= admitting["heavy"] <= 3, admitting
+    assert rows_by_parent(run_step(scheduler)) == {"ordinary": 1, "heavy": admitting["heavy"]}
+
+
+def test_a_long_prompt_beside_an_arrival_gets_the_share_of_the_arrivals_first_decode_row():
+    scheduler = make_scheduler(num_blocks=1200, max_tokens_per_step=512, max_len=8192, prefill_cap=64,
+                               fair_share=2.0)
+    scheduler.add(make_request("long", 3000, max_tokens=4, parent="long"))
+    run_step(scheduler)
+    scheduler.add(make_request("ordinary", 40, max_tokens=16, parent="ordinary"))
+    admitting = chunk_sizes(run_step(scheduler))
+    assert admitting["ordinary"] == 40 and 1 <= admitting["long"] <= 3, admitting
+
+
+@pytest.mark.parametrize(("prefill_cap", "long_len"), [(64, 128), (None, 256)])
+def test_one_arrivals_prompt_never_takes_the_prefill_budget_of_another_arriving_with_it(prefill_cap,
+                                                                                        long_len):
+    # Two clients arrive together: the contended step's budget holds a part for each, and the
+    # long prompt, longer than the cap (or, with none, its part), is chunked to its share rather
+    # than computed whole in both clients' budget, which left the 2-token prompt waiting a step.
+    scheduler = make_scheduler(num_blocks=400, max_num_seqs=2, max_tokens_per_step=256,
+                               prefill_cap=prefill_cap, fair_share=2.0)
+    scheduler.add(make_request("long", long_len, parent="long"))
+    scheduler.add(make_request("short", 2, parent="short"))
+    sizes = chunk_sizes(run_step(scheduler))
+    assert sizes["short"] == 2 and 1 <= sizes["long"] < 64, sizes
+
+
 def test_two_long_prompts_of_two_clients_take_turns_rather_than_one_waiting_for_the_other():
     scheduler = make_scheduler(num_blocks=600, max_tokens_per_step=512, max_len=4096, prefill_cap=64,
                                fair_share=2.0)

@@ -30,7 +30,10 @@ below 2 for any u.
   the one-off cost of an arrival, not the steady cost this bounds; a longer prompt is chunked
   to its share. Only a parent's first is an arrival: while anyone decodes, the further prompts
   of a parent already running (one request's 64 prompts x n=4) are its steady work, paid from
-  its share like its decode rows.
+  its share like its decode rows. In the step that computes an arrival's prompt, the arrival
+  demands what its first decode row will (the scheduler's `_arrival_demand`), so a heavy
+  parent beside it is held to its share from that step on, not one step later: its whole n=16
+  step beside the arrival's prompt was most of the arrival's extra time to its first token.
 - A parent alone is never held back. A step where nothing decodes is shared only when another
   parent runs or waits (the scheduler's contended step: a waiting parent's next prompt is one
   of the demands, and each prompt's demand is its parent's slice of the prefill budget), so an

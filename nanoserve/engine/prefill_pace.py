@@ -8,10 +8,12 @@ the whole step budget (`max_num_batched_tokens`, 512 tokens) only if that step i
 2-core CPU it is over a second. So every prefill step is paced to about `step_s` seconds: the
 pace measures the seconds a prompt *unit* costs (`step_cost`'s row unit: a token attending over
 C earlier tokens is 1 + C / context_tokens_per_row units, so a chunk deep into a long prompt gets
-fewer tokens for the same time) and grants the tokens whose units fit in `step_s`. The grant
-never falls below `min_tokens`, where a chunk's per-step overhead would start to cost a lone
-prompt its speed (results/README.md, "No request behind another client's prefill", has the
-command that measures what the pace costs a lone prompt).
+fewer tokens for the same time) and grants the tokens whose units fit in `step_s`, less the
+units of the rows beside them (a lone client's own decode rows, at the same rate: in one step
+they are rows of the same matrix multiplies). The grant never falls below `min_tokens`, a
+floor in tokens, so it stays small: deep in a long prompt a token costs several units, and a
+floor of many tokens there would be a long step again (results/README.md, "No request behind
+another client's prefill", has the command that measures what the pace costs a lone prompt).
 
 Measured, not assumed: only steps that compute prompt tokens and nothing else (a lone prefill)
 are observed, so a decode row's cost never counts as a prompt's; the estimate is a moving
@@ -57,12 +59,13 @@ class PrefillPace:
         self.s_per_unit = measured if self.s_per_unit is None else (
             (1 - self.weight) * self.s_per_unit + self.weight * measured)
 
-    def tokens(self, start: int) -> int:
-        """The prompt tokens from position `start` that one step computes in about `step_s`."""
+    def tokens(self, start: int, reserved_units: float = 0.0) -> int:
+        """The prompt tokens from position `start` that one step computes in about `step_s`,
+        beside `reserved_units` of rows that are not this prompt's (the step's decode rows)."""
         if self.s_per_unit is None:
             return self.min_tokens
         # n (1 + (start + n / 2) / C) = U, solved for n: n^2 / 2C + n (1 + start / C) - U = 0.
-        units = self.step_s / self.s_per_unit
+        units = max(0.0, self.step_s / self.s_per_unit - reserved_units)
         context = self.cost.context_tokens_per_row
         linear = 1 + start / context
         tokens = context * (math.sqrt(linear * linear + 2 * units / context) - linear)

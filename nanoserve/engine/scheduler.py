@@ -27,15 +27,17 @@ choices, or a tenant's requests) run and one decodes, each parent takes at most 
 of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
 requests least advanced first, so one request with many choices, a long context or a long
 prompt slows the others by a bounded factor; an arriving prompt that fits whole in the prefill
-budget is exempt (a one-off cost), unless its parent already runs and someone decodes (a
-client's further prompts are its steady work). A request its parent's share holds back lets the ones behind
-it in the queue pass.
+budget, and in `max_prefill_tokens_while_decoding`, is exempt (a one-off cost), unless its
+parent already runs and someone decodes (a client's further prompts are its steady work). A
+request its parent's share holds back lets the ones behind it in the queue pass.
 
 With the fair share on, a step is *contended* when more than one parent is running or waiting,
 and then no one waits behind another client's prefill:
 - the fair share holds even if nothing decodes yet, with a waiting parent's next prompt among
   the demands and each parent's prefill demand its slice of the prefill budget (split between
-  the parents with prompt work); with nothing decoding that budget is
+  the parents with prompt work), except that a prompt the step admits whole (an arrival's
+  one-off) demands what its first decode row will, so the running parents are held to that
+  share already in the step that computes the arrival's prompt; with nothing decoding that budget is
   `max_prefill_tokens_while_decoding` for each such parent. So an arrival beside a long prompt
   that was prefilling alone is admitted at once, in a short step, and two long prompts take
   turns rather than one waiting for the other;
@@ -43,11 +45,12 @@ and then no one waits behind another client's prefill:
   requests first, rather than first come first served behind one client's many prompts;
 - when every slot (`max_num_seqs`) is taken and a parent with nothing running waits, the
   newest request of the parent holding the most slots is preempted to give it one.
-A long prompt alone (one parent) is paced: since a step cannot be interrupted, an arrival
-waits for the one in flight, so a step no one shares computes the prompt tokens its measured
-cost fits in about `prefill_step_s` (`prefill_pace.py`; the engine reports each prefill step's
-time), never fewer than `prefill_pace_min_tokens`, where the lone prompt's own speed would
-suffer. vLLM's `long_prefill_token_threshold` caps one request's chunk in every step.
+A step no one shares is paced: since a step cannot be interrupted, an arrival waits for the
+one in flight, so a step of one parent (a long prompt alone, or one request's n=16 prompts
+admitted beside its own first decodes) computes the prompt tokens its measured cost fits in
+about `prefill_step_s` beside its decode rows (`prefill_pace.py`; the engine reports each
+prefill-only step's time), never fewer than `prefill_pace_min_tokens`. vLLM's
+`long_prefill_token_threshold` caps one request's chunk in every step.
 
 With speculation, a decoding request also carries the drafts the engine proposed for it
 (`Request.draft_ids`), as many as the spare budget and its max_tokens allow, as extra rows of
@@ -176,6 +179,9 @@ class StepBudget:
     prefill_tokens: int
     decoding: bool = False  # some running request decodes this step
     contended: bool = False  # the fair share is on and more than one parent runs or waits
+    # A parent's slice of the prefill budget, fixed at the step's start: all of it, or in a
+    # contended step its part among the parents with prompt work.
+    slice_tokens: int = 0
 
     @property
     def shared(self) -> bool:
@@ -270,10 +276,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        contended = self.share.enabled and len({r.parent for r in (*self.running, *self.waiting)}) > 1
+        num_parents = len({r.parent for r in (*self.running, *self.waiting)})
+        contended = self.share.enabled and num_parents > 1
         if contended:
             self._give_newcomers_slots(out)
-        budget = self._step_budget(contended)
+        budget = self._step_budget(contended, lone=num_parents <= 1)
         self.share.begin_step(self._demands(budget) if self.share.enabled else {}, budget.shared)
         num_preempted = len(out.preempted)
         self._schedule_running(out, budget)
@@ -282,10 +289,14 @@ class Scheduler:
         self.share.end_step()
         return out
 
-    def _step_budget(self, contended: bool) -> StepBudget:
+    def _step_budget(self, contended: bool, *, lone: bool) -> StepBudget:
         """While a request decodes, prompts share the prefill cap; in a contended step where
         none decodes yet, each parent with prompt work may have the cap's worth (so an arrival
-        beside a long prompt waits one short step, and a burst of arrivals is not slowed)."""
+        beside a long prompt waits one short step, and a burst of arrivals is not slowed).
+        A step no other parent shares (`lone`: one parent, or none decoding with the fair share
+        off) is paced: its prompt tokens and its own decode rows fit in about `prefill_step_s`,
+        since whoever arrives next waits for it (a client's n=16 prompts admitted beside its
+        first decodes, as much as a long prompt alone)."""
         tokens = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_tokens_while_decoding
         decoding = any(request.num_uncomputed_tokens == 1 for request in self.running)
@@ -294,9 +305,18 @@ class Scheduler:
             budget.prefill_tokens = min(tokens, cap)
         elif cap is not None and contended:
             budget.prefill_tokens = min(tokens, cap * len(self._prefilling_parents()))
-        elif self.pace is not None and not budget.shared:
-            budget.prefill_tokens = min(tokens, self.pace.tokens(self._pace_context()))
+        if self.pace is not None and not contended and (lone or not decoding):
+            paced = self.pace.tokens(self._pace_context(), reserved_units=self._decode_units())
+            budget.prefill_tokens = min(budget.prefill_tokens, paced)
+        budget.slice_tokens = budget.prefill_tokens
+        if contended:
+            budget.slice_tokens = max(1, budget.prefill_tokens // max(1, len(self._prefilling_parents())))
         return budget
+
+    def _decode_units(self) -> float:
+        """The row units of the running decodes (their drafts and sampling included)."""
+        return sum(self.share.units(1 + len(r.draft_ids), r.num_computed_tokens + 1, self._row_extra(r))
+                   for r in self.running if r.num_uncomputed_tokens == 1)
 
     def _pace_context(self) -> int:
         """Where the step's first prompt chunk starts: the oldest running prefill's computed
@@ -321,16 +341,36 @@ class Scheduler:
         and in a contended step each waiting parent's next prompt; a prompt chunk counts at
         most the parent's slice of the prefill budget."""
         heads = self._waiting_heads() if budget.contended else []
-        slice_tokens = budget.prefill_tokens
-        if budget.contended:
-            slice_tokens = max(1, slice_tokens // max(1, len(self._prefilling_parents())))
         demands: dict[str, float] = {}
-        for request in (*self.running, *heads):
+        for request in self.running:
             wanted = request.num_uncomputed_tokens
-            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, slice_tokens)
+            tokens = 1 + len(request.draft_ids) if wanted == 1 else min(wanted, budget.slice_tokens)
             units = self.share.units(tokens, request.num_computed_tokens + tokens, self._row_extra(request))
             demands[request.parent] = demands.get(request.parent, 0.0) + units
+        for request in heads:
+            demands[request.parent] = self._arrival_demand(request, budget)
         return demands
+
+    def _arrival_demand(self, request: Request, budget: StepBudget) -> float:
+        """A waiting parent's demand: a prompt the step admits whole is an arrival's one-off, paid
+        by no share, so the parent demands what its first decode row will, and the running
+        parents are held to that share already in the step that admits it (not only from the
+        next one: a heavy neighbour running whole beside an arrival's prompt would double its
+        first token's time). A longer prompt demands its slice of the prefill budget."""
+        if request.pooling is None and self._one_off(request, budget, self._grant(budget, request)):
+            return self.share.units(1, request.num_tokens, self.share.cost.sampling_units(request.params))
+        tokens = min(request.num_uncomputed_tokens, budget.slice_tokens)
+        return self.share.units(tokens, request.num_computed_tokens + tokens)
+
+    def _one_off(self, request: Request, budget: StepBudget, granted: int) -> bool:
+        """Whether a step granting `granted` tokens computes the request's prompt whole, as an
+        arrival's one-off no share pays for: all of it, and no longer than
+        `max_prefill_tokens_while_decoding`, else than its parent's slice of the budget (a
+        contended step's budget holds a part for each client with prompt work; one arrival's
+        long prompt must not take the others')."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        wanted = request.num_uncomputed_tokens
+        return granted == wanted and wanted <= (cap if cap is not None else budget.slice_tokens)
 
     def _waiting_heads(self) -> list[Request]:
         """The first waiting request of each parent with nothing running."""
@@ -457,7 +497,7 @@ class Scheduler:
                              others_running=bool(running_parents.keys() - {request.parent}))
             # An arrival whose prompt fits whole is a one-off, exempt from its share; a client's
             # further prompts (one request's many, a tenant's) are steady work while anyone decodes.
-            whole = num_tokens == request.num_uncomputed_tokens and (
+            whole = self._one_off(request, budget, num_tokens) and (
                 request.parent not in running_parents or not budget.decoding)
             if not whole:
                 num_tokens = self.share.affordable(request.parent, request.num_computed_tokens, num_tokens)
