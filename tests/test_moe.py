@@ -345,38 +345,76 @@ def test_the_engine_serves_a_mixture_of_experts_end_to_end(tmp_path, tiny_model_
 
 # The native experts (csrc/moe.c): one call a sparse layer where the experts are native matrices.
 NEEDS_NATIVE = pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
-# (kernel, block format of the experts or None for float32 panels, hidden, width): float panels
-# on widths that leave partial 16-column panels; blocks on whole 32-value blocks.
+X8 = QUANTIZED_KERNELS["native-quant-x8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFormats:
+    """The GGUF types of a layer's experts: gate and up (stacked into one matrix of one format,
+    or a stack of two), and expert e's down in downs[e % len(downs)]."""
+
+    gate: str
+    up: str
+    downs: tuple[str, ...]
+
+
+def same(format_name: str) -> ExpertFormats:
+    return ExpertFormats(format_name, format_name, (format_name,))
+
+
+# (kernel, the experts' formats or None for float32 panels, hidden, width): float and half panels
+# on widths that leave partial 16-column panels; blocks on whole blocks (K types: 256 values).
 NATIVE_FORMS = [pytest.param(KERNELS["native"], None, 40, 24, id="float32-panels"),
-                pytest.param(QUANTIZED_KERNELS["native-quant-x8"], "q8_0", 64, 32, id="q8_0-repacked"),
-                pytest.param(QUANTIZED_KERNELS["native-quant-x8"], "q4_0", 64, 96, id="q4_0-repacked")]
+                pytest.param(X8, same("q8_0"), 64, 32, id="q8_0-repacked"),
+                pytest.param(X8, same("q4_0"), 64, 96, id="q4_0-repacked"),
+                *(pytest.param(X8, same(f), 256, 256, id=f"{f}-repacked")
+                  for f in ("q4_k", "q5_k", "q6_k", "iq4_xs")),
+                pytest.param(X8, same("f16"), 40, 24, id="f16-panels"),
+                pytest.param(X8, ExpertFormats("q4_k", "q4_k", ("q6_k",)), 256, 256, id="q4_k-q6_k-downs"),
+                # a stack (gate and up in two formats); downs of two kinds, so the sums wait at a barrier
+                pytest.param(X8, ExpertFormats("iq4_xs", "q5_k", ("q6_k", "bf16")), 256, 256,
+                             id="stacked-gate-up-mixed-downs")]
 
 
-def native_layer(kernel, block_format, hidden, width, count=60, top_k=4):
-    """(block, packed weights, native experts): a sparse layer as the model packs it for `kernel`."""
+def expert_matrices(formats: ExpertFormats, count: int, hidden: int, width: int):
+    """(gate_up, down) per expert: random blocks in `formats`, gate and up stacked as the loader
+    stacks them."""
     from nanoserve import quant
 
+    g = torch.Generator().manual_seed(0)
+
+    def blocks(format_name: str, rows: int, columns: int):
+        return quant.random_weight(format_name, rows, columns, generator=g)
+
+    gate_up = [quant.stack_rows([blocks(formats.gate, width, hidden), blocks(formats.up, width, hidden)])
+               for _ in range(count)]
+    down = [blocks(formats.downs[e % len(formats.downs)], hidden, width) for e in range(count)]
+    return gate_up, down
+
+
+def native_layer(kernel, formats, hidden, width, count=60, top_k=4):
+    """(block, packed weights, native experts): a sparse layer as the model packs it for `kernel`."""
     weights = random_moe_weights(count, hidden, width, top_k)
-    if block_format is not None:  # the router stays float, as --quantize keeps it
-        weights = weights.with_matrices(lambda m: quant.quantize(m, block_format), lambda m: m)
-    packed = weights.with_matrices(kernel.pack)
+    if formats is not None:  # the router stays float, as --quantize keeps it
+        gate_up, down = expert_matrices(formats, count, hidden, width)
+        weights = dataclasses.replace(weights, gate_up=gate_up, down=down)
+    packed = weights.with_matrices(kernel.pack, lambda m: m)
     spec = mixtral_experts(count, top_k, hidden, width)
     block = MixtureOfExperts(spec, kernel.apply, native_ops.load().silu_mul)
     experts = NativeExperts.for_layer(packed.router, packed.gate_up, packed.down, top_k, renormalize=True,
-                                      float_panels=block_format is None)
+                                      float_panels=formats is None)
     assert experts is not None
     return block, packed, experts
 
 
 @NEEDS_NATIVE
-@pytest.mark.parametrize(("kernel", "block_format", "hidden", "width"), NATIVE_FORMS)
-def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel, block_format, hidden,
-                                                                          width):
+@pytest.mark.parametrize(("kernel", "formats", "hidden", "width"), NATIVE_FORMS)
+def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel, formats, hidden, width):
     """60 experts, top-4: most experts see no row, the others from 1 to many; given route()'s
     routing the one call equals the loop through the same kernels bit for bit, and routing
     itself, every row has the bits of its own call alone (70 rows: the router and the gather
     split across the threads; a row alone: both on one thread)."""
-    block, packed, experts = native_layer(kernel, block_format, hidden, width)
+    block, packed, experts = native_layer(kernel, formats, hidden, width)
     x = torch.randn(70, hidden, generator=torch.Generator().manual_seed(5))
     routing = route(block.linear(x, packed.router), block.spec)
     assert torch.equal(experts(x, routing.experts, routing.weights), block(x, packed))
@@ -564,13 +602,21 @@ def fused_checkpoint(tmp_path_factory):
     return path
 
 
-def fused_model(path, format_name, kernel, *, fused: bool):
+def fused_model(path, format_name, kernel, *, fused: bool, experts: ExpertFormats | None = None):
+    """The checkpoint in `format_name`, its experts in `experts` (random blocks) where given."""
     from nanoserve.loading.weights import load_weights
     from nanoserve.model.decoder import Llama
 
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
     if format_name != "float32":
         weights = weights.quantized(format_name)
+    if experts is not None:
+        def in_formats(moe):
+            hidden, width = moe.down[0].shape
+            gate_up, down = expert_matrices(experts, len(moe.down), hidden, width)
+            return dataclasses.replace(moe, gate_up=gate_up, down=down)
+
+        weights.layers = [dataclasses.replace(w, moe=in_formats(w.moe)) for w in weights.layers]
     model = Llama(config, weights, batch_invariant=True, linear_kernel=kernel)
     assert model.decoder is not None and model.decoder.sparse_layers == config.num_layers
     if not fused:
@@ -601,6 +647,34 @@ def test_the_one_call_decoder_runs_sparse_layers_to_the_bits_of_the_per_layer_ca
     fused = fused_model(fused_checkpoint, format_name, kernel, fused=True)
     separate = fused_model(fused_checkpoint, format_name, kernel, fused=False)
     assert_same_steps(fused_steps(fused), fused_steps(separate))
+    for alone, crowded in zip(*(crowd_logits(fused, PROMPTS, crowd) for crowd in (False, True)), strict=True):
+        assert torch.equal(alone, crowded)
+
+
+# A Mixtral whose experts are in the K layouts, as published GGUFs keep them: widths of whole
+# 256-value super-blocks; the attention in Q8_0.
+K_FUSED_CASE = Case("mixtral-8-experts-top2-super-blocks", "MixtralConfig",
+                    {"num_local_experts": 8, "num_experts_per_tok": 2, "hidden_size": 256,
+                     "intermediate_size": 256})
+GGUF_EXPERT_MIXES = [
+    pytest.param(ExpertFormats("q4_k", "q4_k", ("q6_k",)), id="q4_k_m-q4_k-q6_k-downs"),
+    pytest.param(ExpertFormats("iq4_xs", "iq4_xs", ("iq4_xs", "q6_k")), id="iq4_xs-some-q6_k-downs"),
+    pytest.param(ExpertFormats("q5_k", "f16", ("bf16",)), id="stacked-q5_k-f16-bf16-downs")]
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize("experts", GGUF_EXPERT_MIXES)
+def test_experts_in_gguf_layouts_run_in_the_one_call_decoder_to_the_bits_of_the_per_layer_calls(tmp_path,
+                                                                                               experts):
+    """The decoder is built with every sparse layer's experts in it (fused_model asserts it,
+    rather than leave them to the per-layer calls): logits and K/V == one native call per
+    sparse layer, bit for bit; a request's logits alone == in a crowd."""
+    families.write_checkpoint(K_FUSED_CASE, tmp_path)
+    fused = fused_model(tmp_path, "q8_0", X8, fused=True, experts=experts)
+    separate = fused_model(tmp_path, "q8_0", X8, fused=False, experts=experts)
+    outputs, cache = fused_steps(fused)
+    assert all(torch.isfinite(logits).all() for step_out in outputs for logits in step_out.values())
+    assert_same_steps((outputs, cache), fused_steps(separate))
     for alone, crowded in zip(*(crowd_logits(fused, PROMPTS, crowd) for crowd in (False, True)), strict=True):
         assert torch.equal(alone, crowded)
 
