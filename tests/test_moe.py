@@ -706,3 +706,23 @@ def test_bench_moe_refuses_an_unknown_linear_kernel_naming_the_option():
     result = CliRunner().invoke(app, ["bench", "moe", "--linear-kernel", "blas9000"])
     assert result.exit_code == 2, result.output
     assert "--linear-kernel" in result.output and "Traceback" not in result.output
+
+
+@NEEDS_NATIVE
+def test_bench_moe_layouts_times_the_loop_and_the_one_call_and_refuses_a_width_a_layout_cannot_hold(
+        tmp_path, capsys):
+    import csv
+
+    from nanoserve.bench import moe_layouts
+
+    out = tmp_path / "moe_layouts.csv"
+    moe_layouts.main(["--mixes", "q4_k_m,f16", "--rows", "1,3", "--experts", "4", "--hidden", "256",
+                      "--width", "256", "--repeat", "1", "--out", str(out)])
+    records = list(csv.DictReader(out.open()))
+    assert [(r["mix"], r["down"], r["rows"]) for r in records] == [
+        ("q4_k_m", "q6_k", "1"), ("q4_k_m", "q6_k", "3"), ("f16", "f16", "1"), ("f16", "f16", "3")]
+    assert all(float(r["loop_ms"]) > 0 and float(r["one_call_ms"]) > 0 for r in records)
+    with pytest.raises(SystemExit):
+        moe_layouts.main(["--mixes", "q4_k_m", "--hidden", "288", "--out", str(out)])
+    error = capsys.readouterr().err
+    assert "--mixes q4_k_m: q4_k needs --hidden and --width in whole 256-value blocks" in error
