@@ -602,21 +602,14 @@ def fused_checkpoint(tmp_path_factory):
     return path
 
 
-def fused_model(path, format_name, kernel, *, fused: bool, experts: ExpertFormats | None = None):
-    """The checkpoint in `format_name`, its experts in `experts` (random blocks) where given."""
+def fused_model(path, format_name, kernel, *, fused: bool, gguf=None):
+    """The checkpoint (its matrices from the `gguf` file where given) in `format_name`."""
     from nanoserve.loading.weights import load_weights
     from nanoserve.model.decoder import Llama
 
-    config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
+    config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"), gguf=gguf)
     if format_name != "float32":
         weights = weights.quantized(format_name)
-    if experts is not None:
-        def in_formats(moe):
-            hidden, width = moe.down[0].shape
-            gate_up, down = expert_matrices(experts, len(moe.down), hidden, width)
-            return dataclasses.replace(moe, gate_up=gate_up, down=down)
-
-        weights.layers = [dataclasses.replace(w, moe=in_formats(w.moe)) for w in weights.layers]
     model = Llama(config, weights, batch_invariant=True, linear_kernel=kernel)
     assert model.decoder is not None and model.decoder.sparse_layers == config.num_layers
     if not fused:
@@ -652,26 +645,62 @@ def test_the_one_call_decoder_runs_sparse_layers_to_the_bits_of_the_per_layer_ca
 
 
 # A Mixtral whose experts are in the K layouts, as published GGUFs keep them: widths of whole
-# 256-value super-blocks; the attention in Q8_0.
+# 256-value super-blocks.
 K_FUSED_CASE = Case("mixtral-8-experts-top2-super-blocks", "MixtralConfig",
                     {"num_local_experts": 8, "num_experts_per_tok": 2, "hidden_size": 256,
                      "intermediate_size": 256})
+
+
+def _gguf_mix(experts: dict[str, str], attention: dict[str, str] | None = None, downs_by_layer=None):
+    """A GGUF name -> its type: the experts' stacks by kind, the attention's by kind (else Q8_0),
+    a layer's down in downs_by_layer[layer] where given; the router float32 (llama-quantize
+    keeps ffn_gate_inp so)."""
+    def matrix_type(name: str):
+        kind = name.split(".")[-2]
+        if kind == "ffn_gate_inp":
+            return None
+        picked = {**(attention or {}), **experts}.get(kind, "q8_0")
+        if kind == "ffn_down_exps" and downs_by_layer is not None:
+            picked = downs_by_layer[int(name.split(".")[1])]
+        return gguf.GGMLQuantizationType[picked.upper()]
+
+    return matrix_type
+
+
+# (the file's types, each sparse layer's (gate_up, down) formats as loaded)
 GGUF_EXPERT_MIXES = [
-    pytest.param(ExpertFormats("q4_k", "q4_k", ("q6_k",)), id="q4_k_m-q4_k-q6_k-downs"),
-    pytest.param(ExpertFormats("iq4_xs", "iq4_xs", ("iq4_xs", "q6_k")), id="iq4_xs-some-q6_k-downs"),
-    pytest.param(ExpertFormats("q5_k", "f16", ("bf16",)), id="stacked-q5_k-f16-bf16-downs")]
+    pytest.param(_gguf_mix({"ffn_gate_exps": "q4_k", "ffn_up_exps": "q4_k", "ffn_down_exps": "q6_k"}),
+                 [("q4_k", "q6_k")] * 2, id="q4_k_m-q4_k-q6_k-downs"),
+    pytest.param(_gguf_mix({"ffn_gate_exps": "iq4_xs", "ffn_up_exps": "iq4_xs"},
+                           {"attn_q": "iq4_xs", "attn_k": "iq4_xs", "attn_v": "q5_k",
+                            "attn_output": "iq4_xs"},
+                           downs_by_layer=("iq4_xs", "q6_k")),
+                 [("iq4_xs", "iq4_xs"), ("iq4_xs", "q6_k")], id="iq4_xs-a-q6_k-down"),
+    pytest.param(_gguf_mix({"ffn_gate_exps": "q5_k", "ffn_up_exps": "f16", "ffn_down_exps": "bf16"}),
+                 [("q5_k+f16", "bf16")] * 2, id="stacked-q5_k-f16-bf16-downs")]
 
 
 @NEEDS_NATIVE
-@pytest.mark.parametrize("experts", GGUF_EXPERT_MIXES)
-def test_experts_in_gguf_layouts_run_in_the_one_call_decoder_to_the_bits_of_the_per_layer_calls(tmp_path,
-                                                                                               experts):
-    """The decoder is built with every sparse layer's experts in it (fused_model asserts it,
-    rather than leave them to the per-layer calls): logits and K/V == one native call per
-    sparse layer, bit for bit; a request's logits alone == in a crowd."""
-    families.write_checkpoint(K_FUSED_CASE, tmp_path)
-    fused = fused_model(tmp_path, "q8_0", X8, fused=True, experts=experts)
-    separate = fused_model(tmp_path, "q8_0", X8, fused=False, experts=experts)
+@pytest.mark.parametrize(("matrix_type", "loaded"), GGUF_EXPERT_MIXES)
+def test_a_gguf_of_experts_in_its_layouts_runs_them_in_the_one_call_decoder_to_the_per_layer_calls_bits(
+        tmp_path, matrix_type, loaded):
+    """A GGUF's stacked experts in the types a published file mixes, through the loader: the
+    decoder is built with every sparse layer's experts in it (fused_model asserts it, rather than
+    leave them to the per-layer calls); logits and K/V == one native call per sparse layer, bit
+    for bit; a request's logits alone == in a crowd."""
+    from nanoserve.loading.gguf import import_metadata
+    from nanoserve.quant import QuantizedStack
+
+    def formats(packed) -> str:  # a kernel's packed matrix keeps its GGUF format
+        parts = packed.parts if isinstance(packed, QuantizedStack) else (packed,)
+        return "+".join(p.format.name for p in parts)
+
+    families.write_checkpoint(K_FUSED_CASE, tmp_path / "hf")
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "llama", matrix_type=matrix_type)
+    import_metadata(path, tmp_path / "imported")
+    fused = fused_model(tmp_path / "imported", "float32", X8, fused=True, gguf=path)
+    separate = fused_model(tmp_path / "imported", "float32", X8, fused=False, gguf=path)
+    assert [(formats(w.moe.gate_up[0]), formats(w.moe.down[0])) for w in fused.weights.layers] == loaded
     outputs, cache = fused_steps(fused)
     assert all(torch.isfinite(logits).all() for step_out in outputs for logits in step_out.values())
     assert_same_steps((outputs, cache), fused_steps(separate))
