@@ -222,7 +222,20 @@ def _add_experts_metadata(writer, config: dict) -> None:
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
-def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None, expert_type=None) -> Path:
+def _add_matrix(writer, gguf_name: str, values: np.ndarray, matrix_type) -> None:
+    """A tensor as float32, or a matrix (a stack of experts' too) in `matrix_type(gguf_name)`."""
+    tensor_type = matrix_type(gguf_name) if matrix_type is not None and values.ndim >= 2 else None
+    if tensor_type is None:
+        writer.add_tensor(gguf_name, values)
+        return
+    from tiny_model import gguf_blocks
+
+    rows = gguf_blocks(values.reshape(-1, values.shape[-1]), tensor_type)
+    writer.add_tensor(gguf_name, rows.reshape(*values.shape[:-1], -1), raw_dtype=tensor_type)
+
+
+def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None, expert_type=None,
+               matrix_type=None) -> Path:
     """The checkpoint as llama.cpp's converter (convert_hf_to_gguf.py) writes a GGUF of
     `architecture`, float32, with a stand-in byte-level vocabulary: Q/K rows in HF's layout
     (only llama permutes them), Gemma's norms as 1 + w and its softcaps and window in the
@@ -231,7 +244,9 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None,
     a mixture of experts' router as ffn_gate_inp, its experts stacked [experts, rows, cols] as
     ffn_{gate,up,down}_exps, Qwen2-MoE's shared expert as ffn_*_shexp (Mixtral is llama with
     experts: its Q/K rows permuted as llama.cpp's converter does), in `expert_type` blocks
-    (quantized by the `gguf` package) where it is given."""
+    (quantized by the `gguf` package) where it is given. `matrix_type`: a GGUF name -> the type
+    that matrix is written in (None: float32), as llama-quantize mixes them (tiny_model's
+    gguf_blocks: random blocks where the `gguf` package cannot quantize)."""
     import json
 
     import gguf
@@ -312,11 +327,11 @@ def write_gguf(hf_dir: Path, path: Path, architecture: str, extra_metadata=None,
         if architecture == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config["num_attention_heads" if part == "self_attn.q_proj" else "num_key_value_heads"]
             values = _permute_qk(values, heads)
-        writer.add_tensor(gguf_name, values)
+        _add_matrix(writer, gguf_name, values, matrix_type)
     for gguf_name, stack in experts.items():
         values = np.stack([stack[e] for e in sorted(stack)])
         if expert_type is None:
-            writer.add_tensor(gguf_name, values)
+            _add_matrix(writer, gguf_name, values, matrix_type)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(values, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()

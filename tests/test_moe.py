@@ -345,38 +345,76 @@ def test_the_engine_serves_a_mixture_of_experts_end_to_end(tmp_path, tiny_model_
 
 # The native experts (csrc/moe.c): one call a sparse layer where the experts are native matrices.
 NEEDS_NATIVE = pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
-# (kernel, block format of the experts or None for float32 panels, hidden, width): float panels
-# on widths that leave partial 16-column panels; blocks on whole 32-value blocks.
+X8 = QUANTIZED_KERNELS["native-quant-x8"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFormats:
+    """The GGUF types of a layer's experts: gate and up (stacked into one matrix of one format,
+    or a stack of two), and expert e's down in downs[e % len(downs)]."""
+
+    gate: str
+    up: str
+    downs: tuple[str, ...]
+
+
+def same(format_name: str) -> ExpertFormats:
+    return ExpertFormats(format_name, format_name, (format_name,))
+
+
+# (kernel, the experts' formats or None for float32 panels, hidden, width): float and half panels
+# on widths that leave partial 16-column panels; blocks on whole blocks (K types: 256 values).
 NATIVE_FORMS = [pytest.param(KERNELS["native"], None, 40, 24, id="float32-panels"),
-                pytest.param(QUANTIZED_KERNELS["native-quant-x8"], "q8_0", 64, 32, id="q8_0-repacked"),
-                pytest.param(QUANTIZED_KERNELS["native-quant-x8"], "q4_0", 64, 96, id="q4_0-repacked")]
+                pytest.param(X8, same("q8_0"), 64, 32, id="q8_0-repacked"),
+                pytest.param(X8, same("q4_0"), 64, 96, id="q4_0-repacked"),
+                *(pytest.param(X8, same(f), 256, 256, id=f"{f}-repacked")
+                  for f in ("q4_k", "q5_k", "q6_k", "iq4_xs")),
+                pytest.param(X8, same("f16"), 40, 24, id="f16-panels"),
+                pytest.param(X8, ExpertFormats("q4_k", "q4_k", ("q6_k",)), 256, 256, id="q4_k-q6_k-downs"),
+                # a stack (gate and up in two formats); downs of two kinds, so the sums wait at a barrier
+                pytest.param(X8, ExpertFormats("iq4_xs", "q5_k", ("q6_k", "bf16")), 256, 256,
+                             id="stacked-gate-up-mixed-downs")]
 
 
-def native_layer(kernel, block_format, hidden, width, count=60, top_k=4):
-    """(block, packed weights, native experts): a sparse layer as the model packs it for `kernel`."""
+def expert_matrices(formats: ExpertFormats, count: int, hidden: int, width: int):
+    """(gate_up, down) per expert: random blocks in `formats`, gate and up stacked as the loader
+    stacks them."""
     from nanoserve import quant
 
+    g = torch.Generator().manual_seed(0)
+
+    def blocks(format_name: str, rows: int, columns: int):
+        return quant.random_weight(format_name, rows, columns, generator=g)
+
+    gate_up = [quant.stack_rows([blocks(formats.gate, width, hidden), blocks(formats.up, width, hidden)])
+               for _ in range(count)]
+    down = [blocks(formats.downs[e % len(formats.downs)], hidden, width) for e in range(count)]
+    return gate_up, down
+
+
+def native_layer(kernel, formats, hidden, width, count=60, top_k=4):
+    """(block, packed weights, native experts): a sparse layer as the model packs it for `kernel`."""
     weights = random_moe_weights(count, hidden, width, top_k)
-    if block_format is not None:  # the router stays float, as --quantize keeps it
-        weights = weights.with_matrices(lambda m: quant.quantize(m, block_format), lambda m: m)
-    packed = weights.with_matrices(kernel.pack)
+    if formats is not None:  # the router stays float, as --quantize keeps it
+        gate_up, down = expert_matrices(formats, count, hidden, width)
+        weights = dataclasses.replace(weights, gate_up=gate_up, down=down)
+    packed = weights.with_matrices(kernel.pack, lambda m: m)
     spec = mixtral_experts(count, top_k, hidden, width)
     block = MixtureOfExperts(spec, kernel.apply, native_ops.load().silu_mul)
     experts = NativeExperts.for_layer(packed.router, packed.gate_up, packed.down, top_k, renormalize=True,
-                                      float_panels=block_format is None)
+                                      float_panels=formats is None)
     assert experts is not None
     return block, packed, experts
 
 
 @NEEDS_NATIVE
-@pytest.mark.parametrize(("kernel", "block_format", "hidden", "width"), NATIVE_FORMS)
-def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel, block_format, hidden,
-                                                                          width):
+@pytest.mark.parametrize(("kernel", "formats", "hidden", "width"), NATIVE_FORMS)
+def test_one_native_call_gives_the_loops_bits_and_each_row_its_bits_alone(kernel, formats, hidden, width):
     """60 experts, top-4: most experts see no row, the others from 1 to many; given route()'s
     routing the one call equals the loop through the same kernels bit for bit, and routing
     itself, every row has the bits of its own call alone (70 rows: the router and the gather
     split across the threads; a row alone: both on one thread)."""
-    block, packed, experts = native_layer(kernel, block_format, hidden, width)
+    block, packed, experts = native_layer(kernel, formats, hidden, width)
     x = torch.randn(70, hidden, generator=torch.Generator().manual_seed(5))
     routing = route(block.linear(x, packed.router), block.spec)
     assert torch.equal(experts(x, routing.experts, routing.weights), block(x, packed))
@@ -564,11 +602,12 @@ def fused_checkpoint(tmp_path_factory):
     return path
 
 
-def fused_model(path, format_name, kernel, *, fused: bool):
+def fused_model(path, format_name, kernel, *, fused: bool, gguf=None):
+    """The checkpoint (its matrices from the `gguf` file where given) in `format_name`."""
     from nanoserve.loading.weights import load_weights
     from nanoserve.model.decoder import Llama
 
-    config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
+    config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"), gguf=gguf)
     if format_name != "float32":
         weights = weights.quantized(format_name)
     model = Llama(config, weights, batch_invariant=True, linear_kernel=kernel)
@@ -605,6 +644,70 @@ def test_the_one_call_decoder_runs_sparse_layers_to_the_bits_of_the_per_layer_ca
         assert torch.equal(alone, crowded)
 
 
+# A Mixtral whose experts are in the K layouts, as published GGUFs keep them: widths of whole
+# 256-value super-blocks.
+K_FUSED_CASE = Case("mixtral-8-experts-top2-super-blocks", "MixtralConfig",
+                    {"num_local_experts": 8, "num_experts_per_tok": 2, "hidden_size": 256,
+                     "intermediate_size": 256})
+
+
+def _gguf_mix(experts: dict[str, str], attention: dict[str, str] | None = None, downs_by_layer=None):
+    """A GGUF name -> its type: the experts' stacks by kind, the attention's by kind (else Q8_0),
+    a layer's down in downs_by_layer[layer] where given; the router float32 (llama-quantize
+    keeps ffn_gate_inp so)."""
+    def matrix_type(name: str):
+        kind = name.split(".")[-2]
+        if kind == "ffn_gate_inp":
+            return None
+        picked = {**(attention or {}), **experts}.get(kind, "q8_0")
+        if kind == "ffn_down_exps" and downs_by_layer is not None:
+            picked = downs_by_layer[int(name.split(".")[1])]
+        return gguf.GGMLQuantizationType[picked.upper()]
+
+    return matrix_type
+
+
+# (the file's types, each sparse layer's (gate_up, down) formats as loaded)
+GGUF_EXPERT_MIXES = [
+    pytest.param(_gguf_mix({"ffn_gate_exps": "q4_k", "ffn_up_exps": "q4_k", "ffn_down_exps": "q6_k"}),
+                 [("q4_k", "q6_k")] * 2, id="q4_k_m-q4_k-q6_k-downs"),
+    pytest.param(_gguf_mix({"ffn_gate_exps": "iq4_xs", "ffn_up_exps": "iq4_xs"},
+                           {"attn_q": "iq4_xs", "attn_k": "iq4_xs", "attn_v": "q5_k",
+                            "attn_output": "iq4_xs"},
+                           downs_by_layer=("iq4_xs", "q6_k")),
+                 [("iq4_xs", "iq4_xs"), ("iq4_xs", "q6_k")], id="iq4_xs-a-q6_k-down"),
+    pytest.param(_gguf_mix({"ffn_gate_exps": "q5_k", "ffn_up_exps": "f16", "ffn_down_exps": "bf16"}),
+                 [("q5_k+f16", "bf16")] * 2, id="stacked-q5_k-f16-bf16-downs")]
+
+
+@NEEDS_NATIVE
+@pytest.mark.parametrize(("matrix_type", "loaded"), GGUF_EXPERT_MIXES)
+def test_a_gguf_of_experts_in_its_layouts_runs_them_in_the_one_call_decoder_to_the_per_layer_calls_bits(
+        tmp_path, matrix_type, loaded):
+    """A GGUF's stacked experts in the types a published file mixes, through the loader: the
+    decoder is built with every sparse layer's experts in it (fused_model asserts it, rather than
+    leave them to the per-layer calls); logits and K/V == one native call per sparse layer, bit
+    for bit; a request's logits alone == in a crowd."""
+    from nanoserve.loading.gguf import import_metadata
+    from nanoserve.quant import QuantizedStack
+
+    def formats(packed) -> str:  # a kernel's packed matrix keeps its GGUF format
+        parts = packed.parts if isinstance(packed, QuantizedStack) else (packed,)
+        return "+".join(p.format.name for p in parts)
+
+    families.write_checkpoint(K_FUSED_CASE, tmp_path / "hf")
+    path = families.write_gguf(tmp_path / "hf", tmp_path / "model.gguf", "llama", matrix_type=matrix_type)
+    import_metadata(path, tmp_path / "imported")
+    fused = fused_model(tmp_path / "imported", "float32", X8, fused=True, gguf=path)
+    separate = fused_model(tmp_path / "imported", "float32", X8, fused=False, gguf=path)
+    assert [(formats(w.moe.gate_up[0]), formats(w.moe.down[0])) for w in fused.weights.layers] == loaded
+    outputs, cache = fused_steps(fused)
+    assert all(torch.isfinite(logits).all() for step_out in outputs for logits in step_out.values())
+    assert_same_steps((outputs, cache), fused_steps(separate))
+    for alone, crowded in zip(*(crowd_logits(fused, PROMPTS, crowd) for crowd in (False, True)), strict=True):
+        assert torch.equal(alone, crowded)
+
+
 @NEEDS_NATIVE
 def test_a_fused_sparse_step_is_a_few_native_calls_and_tallies_every_routed_row(fused_checkpoint):
     """The whole stack one call (the per-layer experts' calls made to raise); the profile's
@@ -632,3 +735,23 @@ def test_bench_moe_refuses_an_unknown_linear_kernel_naming_the_option():
     result = CliRunner().invoke(app, ["bench", "moe", "--linear-kernel", "blas9000"])
     assert result.exit_code == 2, result.output
     assert "--linear-kernel" in result.output and "Traceback" not in result.output
+
+
+@NEEDS_NATIVE
+def test_bench_moe_layouts_times_the_loop_and_the_one_call_and_refuses_a_width_a_layout_cannot_hold(
+        tmp_path, capsys):
+    import csv
+
+    from nanoserve.bench import moe_layouts
+
+    out = tmp_path / "moe_layouts.csv"
+    moe_layouts.main(["--mixes", "q4_k_m,f16", "--rows", "1,3", "--experts", "4", "--hidden", "256",
+                      "--width", "256", "--repeat", "1", "--out", str(out)])
+    records = list(csv.DictReader(out.open()))
+    assert [(r["mix"], r["down"], r["rows"]) for r in records] == [
+        ("q4_k_m", "q6_k", "1"), ("q4_k_m", "q6_k", "3"), ("f16", "f16", "1"), ("f16", "f16", "3")]
+    assert all(float(r["loop_ms"]) > 0 and float(r["one_call_ms"]) > 0 for r in records)
+    with pytest.raises(SystemExit):
+        moe_layouts.main(["--mixes", "q4_k_m", "--hidden", "288", "--out", str(out)])
+    error = capsys.readouterr().err
+    assert "--mixes q4_k_m: q4_k needs --hidden and --width in whole 256-value blocks" in error

@@ -310,7 +310,7 @@ def write_tiny_gguf(
             values = tensor_hook(name, values)
         tensor_type = matrix_type(name) if callable(matrix_type) else matrix_type
         if values.ndim == 2 and tensor_type != GGMLQuantizationType.F32:
-            writer.add_tensor(name, _blocks(values, tensor_type), raw_dtype=tensor_type)
+            writer.add_tensor(name, gguf_blocks(values, tensor_type), raw_dtype=tensor_type)
         else:
             writer.add_tensor(name, np.ascontiguousarray(values))
     if config["rope_scaling"]:
@@ -322,7 +322,9 @@ def write_tiny_gguf(
     return path
 
 
-def _blocks(values: np.ndarray, matrix_type: GGMLQuantizationType) -> np.ndarray:
+def gguf_blocks(values: np.ndarray, matrix_type: GGMLQuantizationType) -> np.ndarray:
+    """A float32 matrix [rows, cols] in `matrix_type`: quantized by the `gguf` package where it
+    can, else random blocks (the values are not the matrix's)."""
     try:
         return gguf_quantize(np.ascontiguousarray(values), matrix_type)
     except NotImplementedError:

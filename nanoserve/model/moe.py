@@ -16,10 +16,11 @@ is per row (softmax and top-k over one row's logits, elementwise products). So a
 not depend on which rows share its step, nor on which experts they chose. Transformers sums in
 the same order (its loop over the experts hit), so the float32 forwards agree closely too.
 
-Native: where the layer's experts are native matrices (the float32 `native` kernel's panels or
-repacked blocks), the router, the top-k, the grouping, the experts and the sum run as one
-native call (`nanoserve.native.moe`: given the same routing, the bits of this loop through
-those kernels; its own routing agrees with `route` to the last bits of the weights); the
+Native: where the layer's experts are native matrices (any layout the native stages take,
+nanoserve.native.stage_matrix: float32 or F16 / BF16 panels, the repacked x8 and K layouts of a
+Q4_K_M or IQ4_XS file, stacks of those), the router, the top-k, the grouping, the experts and
+the sum run as one native call (`nanoserve.native.moe`: given the same routing, the bits of this
+loop through those kernels; its own routing agrees with `route` to the last bits of the weights); the
 shared expert stays here. In a Llama stack (Mixtral) the one-call decoder runs that call's
 code as a stage of its step (`nanoserve.native.decoder`), and this block is not called.
 

@@ -8,11 +8,10 @@ cannot make, and `NativeDecoder.run`, which takes the same step data the per-op 
 leaves the same bits: the stages are the exported kernels' own code. A sparse layer runs its
 experts' one call (nanoserve.native.moe) as a stage, to that call's bits.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
-None): a matrix neither in a repacked layout (nanoserve.native.repack: the x8 layouts, the K
-layouts), nor a GGUF F16 / BF16 one in nanoserve.native.matmul's panels (HalfPanels), nor a
-stack of parts in those (as a Q4_K_M file mixes them), nor float32 in nanoserve.native.matmul's
-panels; a width not whole blocks of 32, a sparse layer without its experts' native call, or
-the library off. The model then keeps its loop of separate calls.
+None): a matrix in no layout the stages take (nanoserve.native.stage_matrix says which: the
+repacked x8 and K layouts, F16 / BF16 and float32 panels, stacks of those), a width not whole
+blocks of 32, a sparse layer without its experts' native call, or the library off. The model
+then keeps its loop of separate calls.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import torch
 
 from nanoserve import native
 from nanoserve.native.lora import NativeLoRAStep
-from nanoserve.native.matmul import FLOAT_PANELS, HalfPanels
 from nanoserve.native.ops import PagedContext
+from nanoserve.native.stage_matrix import StageMatrix
 
 if TYPE_CHECKING:
     from nanoserve.native.moe import NativeExperts
@@ -40,10 +39,6 @@ class _Model(ctypes.Structure):
                 ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
                 ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P),
                 ("moe", _P)]
-
-
-class _Stack(ctypes.Structure):  # stages.h's ns_stacked_blocks
-    _fields_ = [("parts", _I64), ("formats", _P), ("columns", _P), ("blocks", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -64,69 +59,8 @@ class DecoderShape:
     scale: float
 
 
-STACKED = -1  # csrc/stages.h's NS_STACKED: parts in different block layouts, side by side
-
-
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
     return (_P * len(tensors))(*(t.data_ptr() for t in tensors))
-
-
-def _layout(matrix: object) -> int | None:
-    """The layout's number (a GGML type) of a repacked matrix or of a GGUF F16 / BF16 one in
-    panels (csrc/stages.h's ns_stage_blocks formats), else None."""
-    from nanoserve.native.repack import KRepackedWeight, RepackedWeight
-
-    if isinstance(matrix, RepackedWeight):
-        return matrix.layout.ggml_type
-    if isinstance(matrix, KRepackedWeight | HalfPanels):
-        return matrix.format.ggml_type
-    return None
-
-
-class _Matrix:
-    """One projection as csrc/decoder.c reads it: its format number and the address it passes
-    (a stack's: its ns_stacked_blocks, kept here with the arrays it points at)."""
-
-    def __init__(self, matrix: object, fmt: int) -> None:
-        self.format, self._kept = fmt, matrix
-        if matrix is None:  # a sparse layer's gate_up or down: its experts' stage runs instead
-            self.address = None
-            return
-        if fmt != STACKED:
-            self.address = (matrix if isinstance(matrix, torch.Tensor) else matrix.blocks).data_ptr()
-            return
-        parts = matrix.parts
-        self._arrays = ((ctypes.c_int32 * len(parts))(*(_layout(p) for p in parts)),
-                        (_I64 * len(parts))(*(p.shape[0] for p in parts)),
-                        _pointers([p.blocks for p in parts]))
-        self._stack = _Stack(len(parts), *(ctypes.addressof(a) for a in self._arrays))
-        self.address = ctypes.addressof(self._stack)
-
-    @classmethod
-    def of(cls, matrix: object, float_panels: bool) -> _Matrix | None:
-        """The matrix as the C decoder runs it, or None where it cannot."""
-        from nanoserve.quant import QuantizedStack
-
-        if (layout := _layout(matrix)) is not None:
-            return cls(matrix, layout)
-        if isinstance(matrix, QuantizedStack) and all(_layout(p) is not None for p in matrix.parts):
-            return cls(matrix, STACKED)
-        if float_panels and isinstance(matrix, torch.Tensor) and matrix.dtype == torch.float32:
-            return cls(matrix, FLOAT_PANELS)
-        return None
-
-    @classmethod
-    def absent(cls) -> _Matrix:
-        """A sparse layer's gate_up or down, which the decoder never reads."""
-        return cls(None, FLOAT_PANELS)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors whose addresses it passes."""
-        if self._kept is None:
-            return []
-        if isinstance(self._kept, torch.Tensor):
-            return [self._kept]
-        return [p.blocks for p in self._kept.parts] if self.format == STACKED else [self._kept.blocks]
 
 
 class NativeDecoder:
@@ -134,7 +68,7 @@ class NativeDecoder:
     whose address it passes, so none is freed under it."""
 
     def __init__(self, lib: ctypes.CDLL, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
-                 matrices: list[_Matrix], cos: torch.Tensor, signed_sin: torch.Tensor,
+                 matrices: list[StageMatrix], cos: torch.Tensor, signed_sin: torch.Tensor,
                  experts: list[NativeExperts | None]) -> None:
         self._run = lib.ns_decoder_layers
         self._run.argtypes, self._run.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
@@ -175,8 +109,8 @@ class NativeDecoder:
         if any(s != (e is not None and e.holds_experts) for s, e in zip(sparse, experts, strict=True)):
             return None
         widths = (shape.hidden, shape.heads * shape.head_dim, shape.intermediate)
-        packed = [_Matrix.absent() if m is None else _Matrix.of(m, float_panels)  # a sparse layer's MLP
-                  for layer in matrices for m in layer]
+        packed = [StageMatrix.absent() if m is None  # a sparse layer's MLP: its experts' stage runs
+                  else StageMatrix.of(m, float_panels) for layer in matrices for m in layer]
         if any(w % 32 for w in widths) or None in packed:
             return None
         tensors = [t for pair in norms for t in pair] + [cos, signed_sin]

@@ -9,9 +9,12 @@ and `routed`, which routes the rows in the same call (the router's matmul in the
 the softmax and top-k in C), so a sparse layer's routed experts are one call with no torch op
 between its parts (on a busy 2-core machine each torch op beside the pool's threads could
 wait a time slice).
-Refuses: a layer it cannot run exactly as that loop does (`for_layer` is None): a matrix
-neither in the repacked layout (nanoserve.native.repack) nor float32 in nanoserve.native.matmul's
-panels, or the library off. The model then keeps the loop.
+Each expert matrix runs in the one stage every native projection runs (csrc/stage_blocks.c),
+described as the one-call decoder describes its matrices (nanoserve.native.stage_matrix): the
+repacked x8 and K layouts (a Q4_K_M file's Q4_K experts with Q6_K downs, an IQ4_XS file's),
+F16 / BF16 and float32 panels, and stacks of those (an expert's gate and up in two formats).
+Refuses: a layer it cannot run exactly as that loop does (`for_layer` is None): a matrix in no
+layout the stages take, or the library off. The model then keeps the loop.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from nanoserve import native
 from nanoserve.native import matmul as native_matmul
 from nanoserve.native.matmul import FLOAT_PANELS
+from nanoserve.native.stage_matrix import StageMatrix
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -37,38 +41,23 @@ class _Step(ctypes.Structure):
                 ("expert_rows", _P), ("expert_seconds", _P)]
 
 
-def _format(matrix: object, float_panels: bool) -> int | None:
-    """csrc/moe.c's format number of a packed matrix, or None where it cannot run it."""
-    from nanoserve.native.repack import RepackedWeight
-
-    if isinstance(matrix, RepackedWeight):
-        return matrix.layout.ggml_type
-    if float_panels and isinstance(matrix, torch.Tensor) and matrix.dtype == torch.float32 and matrix.is_cpu:
-        return FLOAT_PANELS
-    return None
-
-
-def _storage(matrix: object) -> torch.Tensor:
-    return matrix if isinstance(matrix, torch.Tensor) else matrix.blocks
-
-
 class NativeExperts:
     """One sparse layer's experts, ready to run a step's rows in one call. Holds references to
     every tensor whose address it passes, so none is freed under it."""
 
-    def __init__(self, lib: ctypes.CDLL, router: torch.Tensor, gate_up: list[object], down: list[object],
-                 formats: list[int], top_k: int, renormalize: bool) -> None:
+    def __init__(self, lib: ctypes.CDLL, router: torch.Tensor, gate_up: list[StageMatrix],
+                 down: list[StageMatrix], width: int, top_k: int, renormalize: bool) -> None:
         """`gate_up` and `down` empty: the router alone (`route` runs, nothing else)."""
         self._run = lib.ns_moe_experts
         self._run.argtypes, self._run.restype = [_P, _P, ctypes.c_int], ctypes.c_int
         self._kept = [router, gate_up, down]
         self.count, self.top_k = router.shape[0], top_k
         self.holds_experts = bool(gate_up)
-        self.hidden = router.shape[1]
-        self.width = down[0].shape[1] if down else 0
-        self._gate_up = (_P * self.count)(*(_storage(m).data_ptr() for m in gate_up))
-        self._down = (_P * self.count)(*(_storage(m).data_ptr() for m in down))
-        self._formats = (ctypes.c_int32 * (2 * self.count))(*formats)
+        self.hidden, self.width = router.shape[1], width
+        self._gate_up = (_P * self.count)(*(m.address for m in gate_up))
+        self._down = (_P * self.count)(*(m.address for m in down))
+        formats = [m.format for pair in zip(gate_up, down, strict=True) for m in pair]
+        self._formats = (ctypes.c_int32 * (2 * self.count))(*(formats or [FLOAT_PANELS] * 2 * self.count))
         self._model = _Model(self.count, top_k, self.hidden, self.width, router.data_ptr(), int(renormalize),
                              ctypes.addressof(self._gate_up), ctypes.addressof(self._down),
                              ctypes.addressof(self._formats))
@@ -90,7 +79,7 @@ class NativeExperts:
         if not router.is_cpu:
             return None
         router = router if float_panels else native_matmul.pack(router.contiguous())
-        return cls(library.lib, router, [], [], [FLOAT_PANELS] * 2 * router.shape[0], top_k, renormalize)
+        return cls(library.lib, router, [], [], 0, top_k, renormalize)
 
     @classmethod
     def for_layer(cls, router: object, gate_up: list[object], down: list[object], top_k: int, *,
@@ -105,17 +94,20 @@ class NativeExperts:
         if router.dtype != torch.float32 or not router.is_cpu:
             return None
         router = router if float_panels else native_matmul.pack(router.contiguous())
-        formats = [f for up, dn in zip(gate_up, down, strict=True)
-                   for f in (_format(up, float_panels), _format(dn, float_panels))]
-        if None in formats or any(not _storage(m).is_contiguous() for m in (*gate_up, *down)):
-            return None
         hidden, width = gate_up[0].shape[1], down[0].shape[1]
         if any(tuple(m.shape) != (2 * width, hidden) for m in gate_up) or any(
                 tuple(m.shape) != (hidden, width) for m in down):
             return None
-        if (any(formats[0::2]) and hidden % 32) or (any(formats[1::2]) and width % 32):
+        gate_up = [StageMatrix.of(m, float_panels) for m in gate_up]
+        down = [StageMatrix.of(m, float_panels) for m in down]
+        if None in gate_up or None in down:
             return None
-        return cls(library.lib, router, gate_up, down, formats, top_k, renormalize)
+        if any(not t.is_contiguous() or not t.is_cpu for m in (*gate_up, *down) for t in m.tensors()):
+            return None
+        if (any(m.reads_quantized for m in gate_up) and hidden % 32) or (
+                any(m.reads_quantized for m in down) and width % 32):
+            return None
+        return cls(library.lib, router, gate_up, down, width, top_k, renormalize)
 
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
                  expert_rows: torch.Tensor | None = None,

@@ -14,11 +14,13 @@
  * one panel of 16 experts, the routing, the grouping, a gather of few rows), and each thread sums
  * the output columns it computed in every expert's down, with no barrier between the two.
  * A matmul stage runs the experts one after another, each split by output columns across the
- * threads (stages.h: the exported kernels' own code), so an expert's rows get the bits the
- * separate call over the same rows gets, which is a row's bits alone (the kernels are batch-
- * invariant). A row's sum starts from zero and adds weight * output for its experts in
- * ascending expert index, the product rounded before the add, as the loop's `routed * scale`
- * then `index_add_` does; so this call and the loop through the same kernels agree bit for bit.
+ * threads by the stage every projection runs (stage_blocks.c: so an expert may be in any layout
+ * a dense matrix may, float or half panels, the x8 and K layouts, a stack of those; the exported
+ * kernels' own code), so an expert's rows get the bits the separate call over the same rows
+ * gets, which is a row's bits alone (the kernels are batch-invariant). A row's sum starts from
+ * zero and adds weight * output for its experts in ascending expert index, the product rounded
+ * before the add, as the loop's `routed * scale` then `index_add_` does; so this call and the
+ * loop through the same kernels agree bit for bit.
  * The parts run as one stage (ns_stage_moe, stages.h): ns_moe_experts runs it alone, and the
  * one-call decoder (decoder.c) runs it as a sparse layer's MLP, in its own parallel region.
  */
@@ -32,8 +34,6 @@
 
 /* Elements of work below which a row-wise stage runs on thread 0 (decoder.c's threshold). */
 #define MOE_STAGE_MIN_WORK 16384
-
-enum { FLOAT_PANELS = 0 }; /* a matrix's format: 0, or matmul_x8.c's layout (3: Q4_1, 8: Q8_0) */
 
 typedef struct {
     const ns_moe_layer *m;
@@ -81,11 +81,8 @@ static void experts_project(const MoEJob *job, int which, const float *input, fl
         if (count == 0) continue;
         const double begun = seconds != NULL && thread == 0 ? now_s() : 0.0;
         const void *w = which == 0 ? m->gate_up[e] : m->down[e];
-        const int fmt = m->formats[2 * e + which];
-        if (fmt == FLOAT_PANELS)
-            ns_stage_float(input + start * k, w, y + start * n, count, n, k, thread, threads);
-        else
-            ns_stage_x8(fmt, job->xq + start * (k / 32), w, y + start * n, count, n, k, thread, threads);
+        ns_stage_blocks(m->formats[2 * e + which], input + start * k, job->xq + start * (k / 32), w, y + start * n,
+                        count, n, k, thread, threads);
         if (seconds != NULL) {
             ns_barrier(threads);
             if (thread == 0) seconds[e] += now_s() - begun;
@@ -148,15 +145,16 @@ static void combine_block(const MoEJob *job, int64_t first, int64_t last, int64_
     }
 }
 
-/* The output columns thread `thread` wrote in every expert's down (stages.h: the x8 stage's
- * share of groups of 8, the float stage's of panels of 16), or 0 when the experts' downs are
- * of both kinds, so no one thread owns a column in all of them. */
+/* The output columns thread `thread` wrote in every expert's down (each stage shares its groups
+ * of ns_stage_column_unit columns in order), or 0 when the downs' groups differ (float panels
+ * beside a block layout, or a stack), so no one thread owns a column in all of them. The same
+ * answer on every thread, which decides whether they meet at a barrier. */
 static int down_columns(const MoEJob *job, int thread, int threads, int64_t *begin, int64_t *end) {
     const ns_moe_layer *m = job->m;
-    int floats = 0;
-    for (int64_t e = 0; e < m->experts; e++) floats += m->formats[2 * e + 1] == FLOAT_PANELS;
-    if (floats != 0 && floats != m->experts) return 0;
-    const int64_t unit = floats ? 16 : 8;
+    const int64_t unit = ns_stage_column_unit(m->formats[1]);
+    for (int64_t e = 1; e < m->experts; e++)
+        if (ns_stage_column_unit(m->formats[2 * e + 1]) != unit) return 0;
+    if (unit == 0) return 0;
     ns_share((m->hidden + unit - 1) / unit, thread, threads, begin, end);
     *begin *= unit;
     *end = *end * unit < m->hidden ? *end * unit : m->hidden;
@@ -285,8 +283,8 @@ static MoEJob job_in(const ns_moe_layer *m, const ns_moe_step *s, const ns_moe_s
     const int64_t pairs = s->rows * m->top_k;
     int quantized_gate_up = 0, quantized_down = 0;
     for (int64_t e = 0; e < m->experts; e++) {
-        quantized_gate_up |= m->formats[2 * e] != FLOAT_PANELS;
-        quantized_down |= m->formats[2 * e + 1] != FLOAT_PANELS;
+        quantized_gate_up |= ns_stage_reads_quantized(m->formats[2 * e], m->gate_up[e]);
+        quantized_down |= ns_stage_reads_quantized(m->formats[2 * e + 1], m->down[e]);
     }
     int64_t *indices = scratch->indices;
     float *gathered = scratch->buffers + s->rows * m->experts;
@@ -330,8 +328,8 @@ static void moe_task(void *context, int thread, int threads) {
  * [0, experts). */
 NS_EXPORT int ns_moe_experts(const ns_moe_layer *m, const ns_moe_step *s, int num_threads) {
     for (int64_t e = 0; e < m->experts; e++)
-        if ((m->formats[2 * e] != FLOAT_PANELS && m->hidden % 32) ||
-            (m->formats[2 * e + 1] != FLOAT_PANELS && m->width % 32))
+        if ((ns_stage_reads_quantized(m->formats[2 * e], m->gate_up[e]) && m->hidden % 32) ||
+            (ns_stage_reads_quantized(m->formats[2 * e + 1], m->down[e]) && m->width % 32))
             return -1;
     if (!s->route)
         for (int64_t i = 0; i < s->rows * m->top_k; i++)

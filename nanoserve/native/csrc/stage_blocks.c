@@ -44,3 +44,10 @@ int ns_stage_reads_quantized(int fmt, const void *w) {
         if (!ns_float_panels(stack->formats[p])) return 1;
     return 0;
 }
+
+/* matmul_float.c's panels of 16 columns, matmul_x8.c's and matmul_kx8.c's groups of 8; a stack's
+ * parts are each shared on their own. */
+int64_t ns_stage_column_unit(int fmt) {
+    if (fmt == NS_STACKED) return 0;
+    return ns_float_panels(fmt) ? 16 : 8;
+}

@@ -61,6 +61,10 @@ typedef struct {
 void ns_stage_blocks(int fmt, const float *x, const xblock *xq, const void *w, float *y, int64_t rows, int64_t n,
                      int64_t k, int thread, int threads);
 int ns_stage_reads_quantized(int fmt, const void *w);
+/* The width of the groups of output columns ns_stage_blocks shares among the threads, in order
+ * (thread t writes the t-th ns_share of them), or 0 where there is no one such split (a stack):
+ * what a caller needs that reads back, with no barrier, the columns its thread wrote. */
+int64_t ns_stage_column_unit(int fmt);
 
 /* matmul_float.c, on the vector path: thread `thread`'s panels of 16 columns of y [m, n] =
  * x @ W^T, x and y float32, W in matmul.py's packed panels of GGML type `fmt` (the format the
@@ -113,9 +117,10 @@ typedef struct {
     int64_t experts, top_k, hidden, width;
     const float *router;        /* [experts, hidden] in matmul_float.c's panels */
     int64_t renormalize;        /* the top-k weights divided by their sum */
-    const void *const *gate_up; /* [experts]: [2 * width, hidden] each */
+    const void *const *gate_up; /* [experts]: [2 * width, hidden] each (a stack: its ns_stacked_blocks) */
     const void *const *down;    /* [experts]: [hidden, width] each */
-    const int32_t *formats;     /* [experts * 2]: expert e's gate_up at 2e, its down at 2e + 1 */
+    const int32_t *formats;     /* [experts * 2]: ns_stage_blocks formats; expert e's gate_up at 2e,
+                                 * its down at 2e + 1 */
 } ns_moe_layer;
 
 /* One call over rows: each row's top_k experts and weights, where the sum goes. */
