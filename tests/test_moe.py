@@ -368,7 +368,7 @@ NATIVE_FORMS = [pytest.param(KERNELS["native"], None, 40, 24, id="float32-panels
                 pytest.param(X8, same("q8_0"), 64, 32, id="q8_0-repacked"),
                 pytest.param(X8, same("q4_0"), 64, 96, id="q4_0-repacked"),
                 *(pytest.param(X8, same(f), 256, 256, id=f"{f}-repacked")
-                  for f in ("q4_k", "q5_k", "q6_k", "iq4_xs")),
+                  for f in ("q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")),
                 pytest.param(X8, same("f16"), 40, 24, id="f16-panels"),
                 pytest.param(X8, ExpertFormats("q4_k", "q4_k", ("q6_k",)), 256, 256, id="q4_k-q6_k-downs"),
                 # a stack (gate and up in two formats); downs of two kinds, so the sums wait at a barrier
