@@ -315,11 +315,6 @@ void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin
     for (int64_t r = begin; r < end; r++) quantize_row(x + r * k, k, xq + r * (k / 32));
 }
 
-void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
-                 int thread, int threads) {
-    x8_groups(BEST_TILE(fmt), fmt, xq, w, y, n, rows, n, k, thread, threads);
-}
-
 void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                          int64_t n, int64_t k, int thread, int threads) {
     x8_groups(BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);

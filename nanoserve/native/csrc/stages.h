@@ -30,15 +30,12 @@ int ns_stage_attention(const float *q, int64_t q_row_stride, ns_kv_rows k_cache,
                        const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
                        int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads);
 
-/* matmul_x8.c, on the vector path: rows [begin, end) of x [., k] quantized into xq; then thread
- * `thread`'s groups of 8 columns of y [rows, n] = xq @ W^T. */
+/* matmul_x8.c, on the vector path: rows [begin, end) of x [., k] quantized into xq. */
 void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin, int64_t end);
-void ns_stage_x8(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
-                 int thread, int threads);
 
-/* The same over one of the layouts of matmul_x8.c or of matmul_kx8.c (the K-quants and IQ4_XS:
- * `ns_kx8_layout` says which), writing y's rows `y_stride` apart (a part of a stacked matrix
- * writes its columns of the stack's rows). */
+/* Thread `thread`'s groups of 8 columns of y [rows, n] = xq @ W^T over one of the layouts of
+ * matmul_x8.c or of matmul_kx8.c (the K-quants and IQ4_XS: `ns_kx8_layout` says which), writing
+ * y's rows `y_stride` apart (a part of a stacked matrix writes its columns of the stack's rows). */
 int ns_kx8_layout(int fmt);
 void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                          int64_t n, int64_t k, int thread, int threads);
