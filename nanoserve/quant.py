@@ -68,8 +68,28 @@ class BlockFormat:
     scale_offsets: tuple[int, ...]  # where a block keeps its f16 scales (byte offsets)
 
 
+class HeldBlocks:
+    """What the rest of the engine asks of a block matrix, whichever layout holds its `blocks`:
+    float32 activations and outputs, the device and the bytes of its blocks."""
+
+    __slots__ = ()
+    blocks: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
 @dataclass(frozen=True, slots=True)
-class QuantizedWeight:
+class QuantizedWeight(HeldBlocks):
     """A matrix [out, in] as GGUF blocks: `blocks` is uint8 [out, in / values * bytes], row n
     holding output feature n's blocks in order, byte for byte as the file stores them."""
 
@@ -86,19 +106,6 @@ class QuantizedWeight:
         if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != (out_features, row_bytes):
             raise ValueError(f"{self.format.name} {self.shape}: blocks must be uint8 [{out_features}, "
                              f"{row_bytes}], got {self.blocks.dtype} {list(self.blocks.shape)}")
-
-    # What the rest of the engine asks of a weight (the dtype its activations and outputs have).
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], computed as gguf.quants.dequantize does, bit for bit."""
@@ -147,7 +154,7 @@ def serves_lookups(weight: object) -> bool:
     return callable(getattr(weight, "lookup", None))
 
 
-class PackedBlocks:
+class PackedBlocks(HeldBlocks):
     """A kernel's own layout of a block matrix (`nanoserve.native.repack`): the file's blocks,
     reordered for the kernel, still quantized."""
 

@@ -170,18 +170,6 @@ class HalfPanels(PackedBlocks):
     shape: tuple[int, int]  # (out_features, in_features)
     blocks: torch.Tensor
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes
-
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups): the
         file's values, widened exactly."""

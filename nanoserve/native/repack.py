@@ -47,18 +47,6 @@ class RepackedWeight(PackedBlocks):
     shape: tuple[int, int]  # (out_features, in_features)
     blocks: torch.Tensor
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes
-
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups)."""
         return lookup(self, ids)
@@ -208,18 +196,6 @@ class KRepackedWeight(PackedBlocks):
     format: BlockFormat
     shape: tuple[int, int]
     blocks: torch.Tensor
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
-    def device(self) -> torch.device:
-        return self.blocks.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in], read back from the layout alone (what the tests hold against the
