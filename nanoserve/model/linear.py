@@ -53,10 +53,11 @@ PROBE_MIN_BYTES = 128 << 20
 # kernel's turn (which the best discards) or every kernel of the turns it spans alike. Timed
 # back to back, one kernel's repeats all fell inside a stall of a second and it lost.
 PROBE_TURNS = 3
-# How far apart a quiet machine's turns of one kernel may be, as a fraction of its forward: a
-# margin inside so small a spread is a true tie (below GEMM_MIN_ROWS `native-quant-gemm` runs
-# `native-quant-x8`'s code), which either kernel serves alike, so the verdict is cached.
-QUIET_SPREAD = 0.05
+# The spread of turns, as a fraction of the chosen kernel's forward, under which a margin inside
+# it is cached as a tie (below GEMM_MIN_ROWS `native-quant-gemm` runs `native-quant-x8`'s code):
+# a neighbour that slowed every turn of the truly faster kernel slowed turns of the others too,
+# widening their spread, so a wrong verdict under this spread costs about this fraction at most.
+QUIET_SPREAD = 0.10
 # Bump when a kernel's code or the way they are timed changes, so verdicts cached by older code
 # are measured again (the native kernels' own changes are keyed by their build's source hash).
 # 7: kernels timed in alternating turns; earlier verdicts may hold a stall's flipped choice.
