@@ -25,7 +25,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,9 +48,20 @@ ONEDNN_BATCH_HINT = 16
 PROBE_ROWS = (1, 4, 16, 32)
 # Enough layers that the probe streams its weights from memory rather than from the L3 cache.
 PROBE_MIN_BYTES = 128 << 20
-# Bump when a kernel's code changes, so verdicts cached by older code are measured again
-# (the native kernels' own changes are keyed by their build's source hash).
-CACHE_VERSION = 6
+# Turns of the speed probe. A turn times every candidate once at a row count, in an order
+# rotated every turn, and a kernel's figure is its best turn: a neighbour's stall then slows one
+# kernel's turn (which the best discards) or every kernel of the turns it spans alike. Timed
+# back to back, one kernel's repeats all fell inside a stall of a second and it lost.
+PROBE_TURNS = 3
+# The spread of turns, as a fraction of the chosen kernel's forward, under which a margin inside
+# it is cached as a tie (below GEMM_MIN_ROWS `native-quant-gemm` runs `native-quant-x8`'s code):
+# a neighbour that slowed every turn of the truly faster kernel slowed turns of the others too,
+# widening their spread, so a wrong verdict under this spread costs about this fraction at most.
+QUIET_SPREAD = 0.10
+# Bump when a kernel's code or the way they are timed changes, so verdicts cached by older code
+# are measured again (the native kernels' own changes are keyed by their build's source hash).
+# 7: kernels timed in alternating turns; earlier verdicts may hold a stall's flipped choice.
+CACHE_VERSION = 7
 # Rows from which `native-quant-gemm` runs the prefill GEMM: the probe's 16- and 32-row calls
 # measure it against the x8 tiles, and the self-test crosses the threshold.
 GEMM_MIN_ROWS = 16
@@ -233,15 +244,32 @@ class ProbeShape:
 class KernelVerdict:
     """What this machine measured of one kernel: time per forward's linears, and invariance."""
 
-    ms_by_rows: dict[int, float] = field(default_factory=dict)
+    ms_by_rows: dict[int, float] = field(default_factory=dict)  # its best turn at each row count
     invariant: bool | None = None  # None: not tested (only a batch-invariant engine needs it)
     failure: str = ""  # where the self-test first saw a row's bits move
+    # This start's turns, ms by rows, one dict a turn; none when the figures came from the cache.
+    turns_ms: list[dict[int, float]] = field(default_factory=list)
+
+    def record(self, turns_ms: list[dict[int, float]]) -> None:
+        self.turns_ms = turns_ms
+        self.ms_by_rows = {rows: min(turn[rows] for turn in turns_ms) for rows in turns_ms[0]}
 
     @property
     def score_ms(self) -> float:
         """Geometric mean over the probed batch sizes: each size counts alike."""
-        values = list(self.ms_by_rows.values())
-        return math.exp(sum(math.log(v) for v in values) / len(values))
+        return _geometric_mean(self.ms_by_rows.values())
+
+    @property
+    def spread_ms(self) -> float:
+        """How far apart this start's turns were: its slowest turn's score less its fastest's
+        (0 for figures from the cache)."""
+        scores = [_geometric_mean(turn.values()) for turn in self.turns_ms]
+        return max(scores) - min(scores) if scores else 0.0
+
+
+def _geometric_mean(values: Iterable[float]) -> float:
+    logs = [math.log(v) for v in values]
+    return math.exp(sum(logs) / len(logs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +301,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     `loop_overhead_ms`: what a forward through the per-layer loop costs beyond its linears,
     measured by the caller where the model could run the one-call decoder (else 0); it is
     added to the kernels that cannot, so a few percent of linears' noise never trades the
-    one-call step away."""
+    one-call step away. A verdict this start's turns cannot call (`_too_close_to_call`) is
+    used but its timings are not cached, so the next start measures again."""
     candidates = quantized_kernels_for(device) if shape.quantized else kernels_for(device)
     if forced is not None:
         names = [k.name for k in candidates]
@@ -288,10 +317,11 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     cached = _read_cache(cache_path, key)
     verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
     from_cache = all(v.ms_by_rows for v in verdicts.values())
-    rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
-    for kernel in candidates:
-        if not verdicts[kernel.name].ms_by_rows:
-            verdicts[kernel.name].ms_by_rows = time_kernel(kernel, shape.layers, rows, device)
+    if not from_cache:  # all of them, in the same turns, so that their figures compare
+        rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
+        for name, turns_ms in time_kernels(candidates, shape.layers, rows, device).items():
+            verdicts[name].record(turns_ms)
+
     def step_ms(kernel: LinearKernel) -> float:
         return verdicts[kernel.name].score_ms + (0.0 if kernel.one_call_decoder else loop_overhead_ms)
 
@@ -316,11 +346,14 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
         reason = "forced"
     elif batch_invariant and not invariant:
         reason = "fastest; no candidate passed the batch-invariance self-test on this machine"
+    doubt = _too_close_to_call(chosen, ranked, verdicts, step_ms)
     if cache_path is not None:
-        _write_cache(cache_path, key, verdicts)
+        _write_cache(cache_path, key, verdicts, with_timings=not doubt)
     reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
     if loop_overhead_ms and len(candidates) > 1:
         reason += f"; {loop_overhead_ms:.1f} ms a forward added to kernels that run the per-layer loop"
+    if doubt:
+        reason += f"; not cached: {doubt}"
     if forced is None and (unusable := left_out(device)):
         reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
@@ -345,29 +378,51 @@ def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str 
     return [k for k in candidates if k.name not in refused]
 
 
-def time_kernel(kernel: LinearKernel, layers: list[list[torch.Tensor]], rows: Iterable[int],
-                device: torch.device, *, repeats: int = 3) -> dict[int, float]:
-    """Milliseconds for one forward's linears at each row count, scaled from enough layers
-    that the weights stream from memory, as they do in a real step."""
+def time_kernels(kernels: list[LinearKernel], layers: list[list[torch.Tensor]], rows: Iterable[int],
+                 device: torch.device, *, turns: int = PROBE_TURNS) -> dict[str, list[dict[int, float]]]:
+    """Milliseconds for one forward's linears through each kernel at each row count, one figure
+    a turn: a turn times every kernel once, in an order rotated every turn (see PROBE_TURNS).
+    Scaled from enough layers that the weights stream from memory, as they do in a real step."""
+    sample = _probe_sample(layers)
+    scale = len(layers) / len(sample)
+    packed_by_pack: dict[Callable, list[list[torch.Tensor]]] = {}
+    for kernel in kernels:  # kernels that pack alike (the x8 pair, the oneDNN pair) share one copy
+        if kernel.pack not in packed_by_pack:
+            packed_by_pack[kernel.pack] = [[kernel.pack(w) for w in layer] for layer in sample]
+    dtype = layers[0][0].dtype
+    turns_ms: dict[str, list[dict[int, float]]] = {k.name: [{} for _ in range(turns)] for k in kernels}
+    for count in rows:
+        inputs = {w.shape[1]: torch.randn(count, w.shape[1], device=device).to(dtype) for w in layers[0]}
+        passes = {k.name: _one_pass(k, packed_by_pack[k.pack], sample, inputs) for k in kernels}
+        for run in passes.values():
+            run()  # the first call pays for allocation and oneDNN's primitive creation
+        for turn in range(turns):
+            first = turn % len(kernels)
+            for kernel in kernels[first:] + kernels[:first]:
+                seconds = _seconds(passes[kernel.name], device)
+                turns_ms[kernel.name][turn][count] = round(1e3 * scale * seconds, 3)
+    return turns_ms
+
+
+def _probe_sample(layers: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """The first layers that hold PROBE_MIN_BYTES of weights (all of them, if they hold less)."""
     sample, nbytes = [], 0
     for layer in layers:
-        sample.append([kernel.pack(w) for w in layer])
+        sample.append(layer)
         nbytes += sum(w.nbytes for w in layer)
         if nbytes >= PROBE_MIN_BYTES:
             break
-    scale = len(layers) / len(sample)
-    dtype = layers[0][0].dtype
-    timings = {}
-    for count in rows:
-        inputs = {w.shape[1]: torch.randn(count, w.shape[1], device=device).to(dtype) for w in layers[0]}
+    return sample
 
-        def one_pass(inputs=inputs) -> None:
-            for packed_layer, dense_layer in zip(sample, layers, strict=False):
-                for packed, dense in zip(packed_layer, dense_layer, strict=True):
-                    kernel.apply(inputs[dense.shape[1]], packed)
 
-        timings[count] = round(1e3 * scale * _best_seconds(one_pass, device, repeats), 3)
-    return timings
+def _one_pass(kernel: LinearKernel, packed_sample: list[list[torch.Tensor]], sample: list[list[torch.Tensor]],
+              inputs: dict[int, torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        for packed_layer, layer in zip(packed_sample, sample, strict=True):
+            for packed, weight in zip(packed_layer, layer, strict=True):
+                kernel.apply(inputs[weight.shape[1]], packed)
+
+    return run
 
 
 def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill_rows: int,
@@ -401,18 +456,40 @@ def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill
     return ""
 
 
-def _best_seconds(run: Callable[[], None], device: torch.device, repeats: int) -> float:
-    run()  # the first call pays for allocation and oneDNN's primitive creation
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+_clock = time.perf_counter  # the probe's clock (a test's fake one stalls on cue)
+
+
+def _seconds(run: Callable[[], None], device: torch.device) -> float:
+    """One timed call of `run`, its queued CUDA work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = _clock()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _clock() - start
+
+
+def _too_close_to_call(chosen: LinearKernel, ranked: list[LinearKernel], verdicts: dict[str, KernelVerdict],
+                       step_ms: Callable[[LinearKernel], float]) -> str:
+    """Why this start's turns cannot tell the chosen kernel from the runner-up, or '' when they
+    can (or the figures came from the cache). The runner-up is the next kernel in the ranking
+    that the same rules could have chosen. They cannot when the runner-up's margin is smaller
+    than the spread of either kernel's turns (`KernelVerdict.spread_ms`), and that spread is
+    more than a quiet machine's (QUIET_SPREAD): the noise of this measurement could have
+    ordered them either way."""
+    invariant_only = bool(verdicts[chosen.name].invariant)
+    rivals = [k for k in ranked[ranked.index(chosen) + 1:]
+              if not invariant_only or verdicts[k.name].invariant is not False]
+    if not rivals:
+        return ""
+    runner_up = rivals[0]
+    margin_ms = step_ms(runner_up) - step_ms(chosen)
+    spread_ms = max(verdicts[chosen.name].spread_ms, verdicts[runner_up.name].spread_ms)
+    if margin_ms >= spread_ms or spread_ms <= QUIET_SPREAD * step_ms(chosen):
+        return ""
+    return (f"{chosen.name}'s margin over {runner_up.name}, {margin_ms:.1f} ms, is inside the spread "
+            f"of their turns, {spread_ms:.1f} ms; measured again next start")
 
 
 def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
@@ -464,13 +541,16 @@ def _read_cache(path: Path | None, key: str) -> dict[str, KernelVerdict]:
         return {}
 
 
-def _write_cache(path: Path, key: str, verdicts: dict[str, KernelVerdict]) -> None:
+def _write_cache(path: Path, key: str, verdicts: dict[str, KernelVerdict], *, with_timings: bool) -> None:
+    """The verdicts under `key`; without their timings when this start's could not call the
+    choice, so the next start times them again but keeps the self-tests' verdicts."""
     try:
         everything = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         everything = {}
     entry = everything.setdefault(key, {})
-    entry.update({name: asdict(v) for name, v in verdicts.items()})
+    entry.update({name: {"ms_by_rows": v.ms_by_rows if with_timings else {}, "invariant": v.invariant,
+                         "failure": v.failure} for name, v in verdicts.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(everything, indent=1), encoding="utf-8")
