@@ -180,8 +180,21 @@ def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64,
     return Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
 
 
-def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
+def _assert_one_call_gives_the_separate_calls_bits(model: Llama, separate_model: Llama) -> None:
+    """`model` (its one-call decoder) steps to the bits of the same weights' per-layer calls, and
+    a request alone to its bits in a crowd."""
     from families import crowd_logits
+
+    fused = _run(model)
+    separate_model.decoder = None
+    assert_same_steps(fused, _run(separate_model))
+    vocab = model.config.vocab_size
+    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
+    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
+    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+
+
+def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
 
     from nanoserve.native.repack import KRepackedWeight, RepackedWeight
     from nanoserve.quant import QuantizedStack
@@ -194,18 +207,10 @@ def test_a_q4_k_m_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_
     assert isinstance(layers[1].qkv, RepackedWeight) and layers[1].qkv.layout.name == "q5_1"
     assert [type(w.down) for w in layers] == [KRepackedWeight] * 3
     assert [w.down.format.name for w in layers] == ["q4_k", "q6_k", "q4_k"]
-    fused = _run(model)
-    separate_model = _mixed_model(tmp_path)
-    separate_model.decoder = None
-    assert_same_steps(fused, _run(separate_model))
-    vocab = model.config.vocab_size
-    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
-    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
-    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+    _assert_one_call_gives_the_separate_calls_bits(model, _mixed_model(tmp_path))
 
 
 def test_an_iq4_xs_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
-    from families import crowd_logits
 
     from nanoserve.native.repack import KRepackedWeight, RepackedWeight
     from nanoserve.quant import QuantizedStack
@@ -219,18 +224,11 @@ def test_an_iq4_xs_mix_of_layouts_runs_in_one_call_with_the_bits_of_the_separate
     assert [w.qkv.parts[2].layout.name for w in layers[1:]] == ["iq4_nl", "q8_0"]
     assert all(isinstance(w.o, RepackedWeight) and w.o.layout.name == "iq4_nl" for w in layers)
     assert [w.down.format.name for w in layers] == ["iq4_xs", "q6_k", "iq4_xs"]
-    fused = _run(model)
     separate_model = _mixed_model(tmp_path, _iq4_xs_type, hidden_size=256)
-    separate_model.decoder = None
-    assert_same_steps(fused, _run(separate_model))
-    vocab = model.config.vocab_size
-    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
-    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
-    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+    _assert_one_call_gives_the_separate_calls_bits(model, separate_model)
 
 
 def test_q2_k_and_q3_k_m_mixes_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path):
-    from families import crowd_logits
 
     from nanoserve.native.repack import KRepackedWeight
     from nanoserve.quant import QuantizedStack
@@ -243,14 +241,8 @@ def test_q2_k_and_q3_k_m_mixes_run_in_one_call_with_the_bits_of_the_separate_cal
         (KRepackedWeight, "q5_k")]
     assert [w.down.format.name for w in layers] == ["q3_k", "q6_k", "q3_k"]
     assert [w.o.format.name for w in layers] == ["q3_k"] * 3
-    fused = _run(model)
     separate_model = _mixed_model(tmp_path, _low_bit_type, hidden_size=256, intermediate_size=512)
-    separate_model.decoder = None
-    assert_same_steps(fused, _run(separate_model))
-    vocab = model.config.vocab_size
-    prompts = [[(7 * i + 3 * seq) % vocab for i in range(n)] for seq, n in enumerate((13, 21, 20))]
-    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
-    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+    _assert_one_call_gives_the_separate_calls_bits(model, separate_model)
 
 
 def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
@@ -277,7 +269,6 @@ def test_a_matrix_with_no_repacked_layout_keeps_the_separate_calls(tmp_path):
 
 @pytest.mark.parametrize("file_type", ["F16", "BF16"])
 def test_f16_and_bf16_files_run_in_one_call_with_the_bits_of_the_separate_calls(tmp_path, file_type):
-    from families import crowd_logits
     from gguf import GGMLQuantizationType as T
 
     from nanoserve.native.matmul import HalfPanels
@@ -289,13 +280,7 @@ def test_f16_and_bf16_files_run_in_one_call_with_the_bits_of_the_separate_calls(
     assert model.decoder is not None
     matrices = [m for w in model.weights.layers for m in (w.qkv, w.o, w.gate_up, w.down)]
     assert all(isinstance(m, HalfPanels) for m in matrices)
-    separate_model = _mixed_model(tmp_path, every_matrix)
-    separate_model.decoder = None
-    assert_same_steps(_run(model), _run(separate_model))
-    vocab = model.config.vocab_size
-    prompts = [[(5 * i + 2 * seq) % vocab for i in range(n)] for seq, n in enumerate((9, 17, 12))]
-    alone, crowd = crowd_logits(model, prompts, crowd=False), crowd_logits(model, prompts, crowd=True)
-    assert all(torch.equal(a, c) for a, c in zip(alone, crowd, strict=True))
+    _assert_one_call_gives_the_separate_calls_bits(model, _mixed_model(tmp_path, every_matrix))
 
 
 def test_a_stack_mixing_f16_panels_with_block_layouts_runs_in_one_call_with_the_separate_calls_bits(tmp_path):
