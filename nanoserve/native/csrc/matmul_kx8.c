@@ -93,7 +93,8 @@
 #endif
 
 enum { KX8_Q4_K = 12, KX8_Q5_K = 13, KX8_Q6_K = 14 }; /* the GGML type numbers */
-enum { KX8_COLUMNS = 8, KX8_MAX_TILE = 8, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 }; /* MAX_TILE: kx8_tile_rows' */
+/* KX8_MAX_TILE: the tallest case of the tile functions (DEFINE_KX8_TILE) */
+enum { KX8_COLUMNS = 8, KX8_MAX_TILE = 8, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
 enum { Q4_K_CODES = 160, Q5_K_HIGH = 1184, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
 enum { KX8_Q2_K = 10, KX8_Q3_K = 11 }; /* the GGML type numbers of the 2- and 3-bit layouts */
 enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_CODES = 144 };
@@ -111,11 +112,10 @@ static int kx8_bytes(int fmt) {
     }
 }
 
-/* Rows per tile of each layout: the tallest tile whose rows' sums still run faster than a shorter
- * one's, measured per layout at 16 rows (results/README.md). A tile shares each chunk's unpacking
- * among its rows, so the formats whose rows cost little beside that unpacking gain from a tall
- * one; Q6_K, Q2_K and Q3_K hold more per row (two sums each, or eight unrolled sub-blocks) and
- * spill past 3. */
+/* Rows per tile of each layout (at most KX8_MAX_TILE), measured per layout at 16 rows
+ * (results/README.md): a tile shares each chunk's unpacking among its rows, so a taller one pays
+ * until its rows' sums no longer fit the 16 registers. Q6_K, Q2_K and Q3_K hold more a row (two
+ * sums each, or eight unrolled sub-blocks) and slow down past 3 rows, Q5_K past 4. */
 static int kx8_tile_rows(int fmt) {
     switch (fmt) {
     case KX8_Q4_K: return 8;
@@ -522,7 +522,7 @@ static inline __attribute__((always_inline)) void kx8_low_bits_tile_avx2(const i
         KX8_TILE_CASE(BODY, FMT, 4)                                                                     \
         KX8_TILE_CASE(BODY, FMT, 3)                                                                     \
         KX8_TILE_CASE(BODY, FMT, 2)                                                                     \
-        BODY(FMT, 1, group, x, blocks, y, n, valid);                                                    \
+        for (int r = 0; r < rows; r++) BODY(FMT, 1, group, x + r * blocks, blocks, y + r * n, n, valid); \
     }
 DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, kx8_tile_avx2, KX8_Q4_K)
 DEFINE_KX8_TILE(kx8_tile_avx2_q5_k, kx8_tile_avx2, KX8_Q5_K)

@@ -249,7 +249,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
     for (int r = 0; r < rows; r++) store_columns(y + r * n, _mm256_add_ps(acc[r], off[r]), valid);
 }
 
-/* One function per (format, tile height), both constants. */
+/* One function per (format, tile height up to ROW_TILE), both constants. */
 #define TILE_CASE(FMT, ROWS)                                                               \
     if (rows == ROWS) {                                                                    \
         dot_tile_avx2(FMT, ROWS, group, x, x_stride, blocks, y, n, valid);                 \
@@ -259,7 +259,6 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
     static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,         \
                      int64_t blocks, float *y, int64_t n, int valid) {                                   \
         (void)fmt;                                                                                       \
-        _Static_assert(ROW_TILE == 8, "a case per tile height");                                        \
         TILE_CASE(FMT, 8)                                                                                \
         TILE_CASE(FMT, 7)                                                                                \
         TILE_CASE(FMT, 6)                                                                                \
@@ -267,7 +266,8 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
         TILE_CASE(FMT, 4)                                                                                \
         TILE_CASE(FMT, 3)                                                                                \
         TILE_CASE(FMT, 2)                                                                                \
-        dot_tile_avx2(FMT, 1, group, x, x_stride, blocks, y, n, valid);                                  \
+        for (int r = 0; r < rows; r++)                                                                   \
+            dot_tile_avx2(FMT, 1, group, x + r * x_stride, x_stride, blocks, y + r * n, n, valid);       \
     }
 DEFINE_TILE_AVX2(dot_tile_avx2_q4_1, X8_Q4_1)
 DEFINE_TILE_AVX2(dot_tile_avx2_q5_1, X8_Q5_1)
