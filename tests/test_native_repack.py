@@ -47,16 +47,18 @@ def test_repacking_keeps_the_files_bytes_up_to_the_padding_to_eight_columns(form
 
 @pytest.mark.parametrize("format_name", REPACKED_FORMATS)
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
-def test_kernel_agrees_with_float64_and_the_vector_path_gives_the_portable_bits(format_name, out_features,
-                                                                                in_features):
+def test_kernel_agrees_with_float64_the_vector_path_gives_the_portable_bits_and_a_row_alone_its_own(
+        format_name, out_features, in_features):
     weight = random_weight(format_name, out_features, in_features, seed=out_features)
     repacked = _repack().repack(weight)
-    generator = torch.Generator().manual_seed(in_features)
-    for rows in (*range(1, 18), 33, 130):  # 33 and 130: past one 32-row panel
-        x = torch.randn(rows, in_features, generator=generator)
-        y = _repack().matmul(x, repacked)
-        assert_within_bound(y, x, weight)
-        assert torch.equal(y, _repack().matmul(x, repacked, portable=True)), f"{rows} rows"
+    row_counts = (*range(1, 18), 33, 130)  # every tile of 1..8 rows alone and split, past a 32-row panel
+    x = torch.randn(max(row_counts), in_features, generator=torch.Generator().manual_seed(in_features))
+    alone = torch.cat([_repack().matmul(x[r : r + 1], repacked) for r in range(x.shape[0])])
+    for rows in row_counts:
+        y = _repack().matmul(x[:rows], repacked)
+        assert_within_bound(y, x[:rows], weight)
+        assert torch.equal(y, alone[:rows]), f"{rows} rows"
+        assert torch.equal(y, _repack().matmul(x[:rows], repacked, portable=True)), f"{rows} rows, portable"
 
 
 @pytest.mark.parametrize("format_name", ["q4_1", "q5_0"])

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.statu
 FORMATS = ("q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")
 # N odd, N below one group of 8, N a multiple of 8; K one, two, three and six super-blocks.
 SHAPES = [(1, 256), (37, 512), (19, 768), (64, 1536)]
-ROW_COUNTS = (*range(1, 18), 33, 130)  # past one 32-row panel, and ragged tiles of 3
+ROW_COUNTS = (*range(1, 18), 33, 130)  # every tile of 1..8 rows alone and split, past a 32-row panel
 
 
 def _repack():

@@ -74,8 +74,9 @@
  * multiplies them by ls_j (|isum_j| <= 32 x 32 x 127 x 127 < 2^24).
  *
  * Tiles: for each sub-block, each 32-byte chunk of codes is unpacked once and met by every row
- * of a tile of KX8_TILE rows (a decode step's row alone is a tile of one); a row keeps only its
- * integer sums and accumulator in registers, and Q4_K's offset chain runs as a second loop
+ * of a tile of up to kx8_tile_rows(fmt) rows, each layout's own height (a decode step's row alone
+ * is a tile of one); a row keeps only its integer sums and accumulator (which the compiler may
+ * keep on the stack in a tall tile), and Q4_K's offset chain runs as a second loop
  * (the two chains never mix before the final subtraction, so this changes no bit). Q2_K and
  * Q3_K unroll the 8 sub-blocks of a super-block so that every shift that picks a sub-block's
  * bits is a constant: these layouts read fewer bytes than Q4_K, so their unpacking, not the
@@ -92,7 +93,8 @@
 #endif
 
 enum { KX8_Q4_K = 12, KX8_Q5_K = 13, KX8_Q6_K = 14 }; /* the GGML type numbers */
-enum { KX8_COLUMNS = 8, KX8_TILE = 3, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
+/* KX8_MAX_TILE: the tallest case of the tile functions (DEFINE_KX8_TILE) */
+enum { KX8_COLUMNS = 8, KX8_MAX_TILE = 8, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
 enum { Q4_K_CODES = 160, Q5_K_HIGH = 1184, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
 enum { KX8_Q2_K = 10, KX8_Q3_K = 11 }; /* the GGML type numbers of the 2- and 3-bit layouts */
 enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_CODES = 144 };
@@ -107,6 +109,19 @@ static int kx8_bytes(int fmt) {
     case KX8_Q3_K: return 912;
     case KX8_IQ4_XS: return 1104;
     default: return 0;
+    }
+}
+
+/* Rows per tile of each layout (at most KX8_MAX_TILE), measured per layout at 16 rows
+ * (results/README.md): a tile shares each chunk's unpacking among its rows, so a taller one pays
+ * until its rows' sums no longer fit the 16 registers. Q6_K, Q2_K and Q3_K hold more a row (two
+ * sums each, or eight unrolled sub-blocks) and slow down past 3 rows, Q5_K past 4. */
+static int kx8_tile_rows(int fmt) {
+    switch (fmt) {
+    case KX8_Q4_K: return 8;
+    case KX8_Q5_K: return 4;
+    case KX8_IQ4_XS: return 8;
+    default: return 3; /* Q6_K, Q2_K, Q3_K */
     }
 }
 
@@ -262,9 +277,9 @@ static inline __attribute__((always_inline)) void kx8_products(const int fmt, co
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + (b / 8) * bytes;
         const int j = (int)(b % 8);
-        __m256i isum[KX8_TILE];
+        __m256i isum[KX8_MAX_TILE];
         if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) {
-            __m256i sums[KX8_TILE][2]; /* Q5_K: one per half of 4 chunks (the header's headroom) */
+            __m256i sums[KX8_MAX_TILE][2]; /* Q5_K: one per half of 4 chunks (the header's headroom) */
             for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
                 const __m256i q = kx8_chunk(fmt, block, j, t);
@@ -280,7 +295,7 @@ static inline __attribute__((always_inline)) void kx8_products(const int fmt, co
                 if (fmt == KX8_Q5_K) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sums[r][1], sc));
             }
         } else {
-            __m256i sums[KX8_TILE][2];
+            __m256i sums[KX8_MAX_TILE][2];
             for (int r = 0; r < rows; r++) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
             for (int t = 0; t < 8; t++) {
                 /* maddubs multiplies unsigned by signed bytes: the sign of q - 32 moves onto x */
@@ -312,7 +327,7 @@ static inline __attribute__((always_inline)) void iq4_xs_products(const int rows
         const uint8_t *block = group + (b / 8) * kx8_bytes(KX8_IQ4_XS);
         const int j = (int)(b % 8);
         const __m256i ls = kx8_pairs(block + IQ4_XS_SCALES + 8 * j, 1);
-        __m256i isum[KX8_TILE];
+        __m256i isum[KX8_MAX_TILE];
         for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)(block + IQ4_XS_CODES + 128 * j + 32 * t));
@@ -347,14 +362,14 @@ static inline void kx8_store(float *y, __m256 v, int valid) {
 static inline __attribute__((always_inline)) void kx8_tile_avx2(const int fmt, const int rows, const uint8_t *group,
                                                                 const xblock *x, int64_t blocks, float *y, int64_t n,
                                                                 int valid) {
-    __m256 acc[KX8_TILE];
+    __m256 acc[KX8_MAX_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     if (fmt == KX8_IQ4_XS)
         iq4_xs_products(rows, group, x, blocks, acc);
     else
         kx8_products(fmt, rows, group, x, blocks, acc);
     if (fmt == KX8_Q4_K || fmt == KX8_Q5_K) {
-        __m256 off[KX8_TILE];
+        __m256 off[KX8_MAX_TILE];
         for (int r = 0; r < rows; r++) off[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *block = group + (b / 8) * kx8_bytes(fmt);
@@ -417,10 +432,10 @@ static inline __attribute__((always_inline)) void kx8_low_bits_sub_block(const i
                                                                           const xblock *x, int64_t blocks,
                                                                           int64_t b, __m256 *acc) {
     const __m256i scale_bytes = kx8_half_scales(block, fmt == KX8_Q2_K ? Q2_K_SCALES : Q3_K_SCALES, j);
-    __m256i isum[KX8_TILE];
+    __m256i isum[KX8_MAX_TILE];
     for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
     for (int half = 0; half < 2; half++) {
-        __m256i sums[KX8_TILE];
+        __m256i sums[KX8_MAX_TILE];
         for (int r = 0; r < rows; r++) sums[r] = _mm256_setzero_si256();
         for (int t = 4 * half; t < 4 * half + 4; t++) {
             const __m256i q = kx8_low_bits_chunk(fmt, block, j, t);
@@ -473,7 +488,7 @@ static inline __attribute__((always_inline)) void kx8_low_bits_tile_avx2(const i
                                                                          const uint8_t *group, const xblock *x,
                                                                          int64_t blocks, float *y, int64_t n,
                                                                          int valid) {
-    __m256 acc[KX8_TILE];
+    __m256 acc[KX8_MAX_TILE];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b += 8) {
         const uint8_t *block = group + (b / 8) * kx8_bytes(fmt);
@@ -481,7 +496,7 @@ static inline __attribute__((always_inline)) void kx8_low_bits_tile_avx2(const i
         for (int j = 0; j < 8; j++) kx8_low_bits_sub_block(fmt, rows, block, j, x, blocks, b + j, acc);
     }
     if (fmt == KX8_Q2_K) {
-        __m256 off[KX8_TILE];
+        __m256 off[KX8_MAX_TILE];
         for (int r = 0; r < rows; r++) off[r] = _mm256_setzero_ps();
         kx8_q2_k_offsets(rows, group, x, blocks, off);
         for (int r = 0; r < rows; r++) acc[r] = _mm256_sub_ps(acc[r], off[r]);
@@ -489,16 +504,25 @@ static inline __attribute__((always_inline)) void kx8_low_bits_tile_avx2(const i
     for (int r = 0; r < rows; r++) kx8_store(y + r * n, acc[r], valid);
 }
 
-/* One function per (format, tile height), both constants, so the tile's registers are named. */
+/* One function per (format, tile height), both constants, so the tile's registers are named; the
+ * heights past the layout's own are never called and fold away. */
+#define KX8_TILE_CASE(BODY, FMT, ROWS)                                  \
+    if (ROWS <= kx8_tile_rows(FMT) && rows == ROWS) {                   \
+        BODY(FMT, ROWS, group, x, blocks, y, n, valid);                 \
+        return;                                                         \
+    }
 #define DEFINE_KX8_TILE(NAME, BODY, FMT)                                                                \
     static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y, \
                      int64_t n, int valid) {                                                            \
         (void)fmt;                                                                                      \
-        switch (rows) {                                                                                 \
-        case 3: BODY(FMT, 3, group, x, blocks, y, n, valid); return;                                    \
-        case 2: BODY(FMT, 2, group, x, blocks, y, n, valid); return;                                    \
-        default: BODY(FMT, 1, group, x, blocks, y, n, valid); return;                                   \
-        }                                                                                               \
+        KX8_TILE_CASE(BODY, FMT, 8)                                                                     \
+        KX8_TILE_CASE(BODY, FMT, 7)                                                                     \
+        KX8_TILE_CASE(BODY, FMT, 6)                                                                     \
+        KX8_TILE_CASE(BODY, FMT, 5)                                                                     \
+        KX8_TILE_CASE(BODY, FMT, 4)                                                                     \
+        KX8_TILE_CASE(BODY, FMT, 3)                                                                     \
+        KX8_TILE_CASE(BODY, FMT, 2)                                                                     \
+        for (int r = 0; r < rows; r++) BODY(FMT, 1, group, x + r * blocks, blocks, y + r * n, n, valid); \
     }
 DEFINE_KX8_TILE(kx8_tile_avx2_q4_k, kx8_tile_avx2, KX8_Q4_K)
 DEFINE_KX8_TILE(kx8_tile_avx2_q5_k, kx8_tile_avx2, KX8_Q5_K)
@@ -525,21 +549,26 @@ typedef struct {
 } Kx8Job;
 
 /* Thread `thread`'s groups of columns of y = xq @ W^T (rows of y `y_stride` apart), panel by
- * panel of rows, tile by tile. */
+ * panel of rows, tile by tile: a panel's rows split into the fewest tiles of at most the layout's
+ * height, as even as they go (17 rows of height 8 are tiles of 6, 6 and 5, not 8, 8 and 1: a
+ * short tile pays a whole tile's unpacking for few rows). A row's bits do not depend on its tile. */
 static void kx8_groups(kx8_tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
                        int64_t rows, int64_t n, int64_t k, int thread, int threads) {
     const int64_t blocks = k / 32, groups = (n + KX8_COLUMNS - 1) / KX8_COLUMNS;
     const int64_t group_bytes = k / 256 * kx8_bytes(fmt);
+    const int height = kx8_tile_rows(fmt);
     int64_t begin, end;
     ns_share(groups, thread, threads, &begin, &end);
     for (int64_t panel = 0; panel < rows; panel += KX8_PANEL) {
-        int64_t panel_end = panel + KX8_PANEL < rows ? panel + KX8_PANEL : rows;
+        const int panel_rows = rows - panel < KX8_PANEL ? (int)(rows - panel) : KX8_PANEL;
+        const int tiles = (panel_rows + height - 1) / height;
         for (int64_t g = begin; g < end; g++) {
             int valid = n - g * KX8_COLUMNS < KX8_COLUMNS ? (int)(n - g * KX8_COLUMNS) : KX8_COLUMNS;
-            for (int64_t r = panel; r < panel_end; r += KX8_TILE) {
-                int tile_rows = panel_end - r < KX8_TILE ? (int)(panel_end - r) : KX8_TILE;
-                tile(fmt, tile_rows, w + g * group_bytes, xq + r * blocks, blocks, y + r * y_stride + g * KX8_COLUMNS,
-                     y_stride, valid);
+            for (int i = 0, r = 0; i < tiles; i++) {
+                const int tile_rows = panel_rows / tiles + (i < panel_rows % tiles);
+                tile(fmt, tile_rows, w + g * group_bytes, xq + (panel + r) * blocks, blocks,
+                     y + (panel + r) * y_stride + g * KX8_COLUMNS, y_stride, valid);
+                r += tile_rows;
             }
         }
     }

@@ -42,7 +42,7 @@
  * 127 = 32258, so each chunk's pairs widen to int32 before the next chunk adds.
  *
  * Blocking: a thread takes its groups one at a time for each panel of ROW_PANEL rows, and
- * runs the panel's rows in tiles of ROW_TILE against the group, whose blocks stay in L1
+ * runs the panel's rows in even tiles of at most ROW_TILE against the group, whose blocks stay in L1
  * (a few KB per group). The panel's quantized rows are read again for every group, so the
  * panel is small enough to stay in L1 at K = 576 (32 rows x 18 blocks x 40 bytes) and in L2
  * at any K of the default model; the weights are read once per panel, so a one-row call (and
@@ -59,7 +59,7 @@
 #endif
 
 enum { X8_Q4_1 = 3, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_IQ4_NL = 20 }; /* the GGML type numbers of the layouts' formats */
-enum { COLUMNS = 8, ROW_TILE = 4, ROW_PANEL = 32 };
+enum { COLUMNS = 8, ROW_TILE = 8, ROW_PANEL = 32 };
 
 static int group_block_bytes(int fmt) {
     return fmt == X8_Q4_1 ? 160 : fmt == X8_Q5_1 ? 192 : fmt == X8_Q8_0 ? 272 : fmt == X8_IQ4_NL ? 144 : 0;
@@ -249,16 +249,25 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
     for (int r = 0; r < rows; r++) store_columns(y + r * n, _mm256_add_ps(acc[r], off[r]), valid);
 }
 
+/* One function per (format, tile height up to ROW_TILE), both constants. */
+#define TILE_CASE(FMT, ROWS)                                                               \
+    if (rows == ROWS) {                                                                    \
+        dot_tile_avx2(FMT, ROWS, group, x, x_stride, blocks, y, n, valid);                 \
+        return;                                                                            \
+    }
 #define DEFINE_TILE_AVX2(NAME, FMT)                                                                      \
     static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,         \
                      int64_t blocks, float *y, int64_t n, int valid) {                                   \
         (void)fmt;                                                                                       \
-        if (rows == ROW_TILE) {                                                                          \
-            dot_tile_avx2(FMT, ROW_TILE, group, x, x_stride, blocks, y, n, valid);                       \
-            return;                                                                                      \
-        }                                                                                                \
-        for (int r = 0; r < rows; r++) dot_tile_avx2(FMT, 1, group, x + r * x_stride, x_stride, blocks, \
-                                                     y + r * n, n, valid);                               \
+        TILE_CASE(FMT, 8)                                                                                \
+        TILE_CASE(FMT, 7)                                                                                \
+        TILE_CASE(FMT, 6)                                                                                \
+        TILE_CASE(FMT, 5)                                                                                \
+        TILE_CASE(FMT, 4)                                                                                \
+        TILE_CASE(FMT, 3)                                                                                \
+        TILE_CASE(FMT, 2)                                                                                \
+        for (int r = 0; r < rows; r++)                                                                   \
+            dot_tile_avx2(FMT, 1, group, x + r * x_stride, x_stride, blocks, y + r * n, n, valid);       \
     }
 DEFINE_TILE_AVX2(dot_tile_avx2_q4_1, X8_Q4_1)
 DEFINE_TILE_AVX2(dot_tile_avx2_q5_1, X8_Q5_1)
@@ -283,7 +292,8 @@ typedef struct {
 } X8Job;
 
 /* Thread `thread`'s groups of columns of y = xq @ W^T (rows of y `y_stride` apart), every panel
- * of rows. */
+ * of rows, its rows split into the fewest tiles of at most ROW_TILE, as even as they go (17 rows:
+ * 6, 6 and 5, not 8, 8 and 1: a short tile pays a whole tile's unpacking for few rows). */
 static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
                       int64_t rows, int64_t n, int64_t k, int thread, int threads) {
     const int64_t blocks = k / 32, groups = (n + COLUMNS - 1) / COLUMNS;
@@ -291,13 +301,15 @@ static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w,
     int64_t begin, end;
     ns_share(groups, thread, threads, &begin, &end);
     for (int64_t panel = 0; panel < rows; panel += ROW_PANEL) {
-        int64_t panel_end = panel + ROW_PANEL < rows ? panel + ROW_PANEL : rows;
+        const int panel_rows = rows - panel < ROW_PANEL ? (int)(rows - panel) : ROW_PANEL;
+        const int tiles = (panel_rows + ROW_TILE - 1) / ROW_TILE;
         for (int64_t g = begin; g < end; g++) {
             int valid = n - g * COLUMNS < COLUMNS ? (int)(n - g * COLUMNS) : COLUMNS;
-            for (int64_t r = panel; r < panel_end; r += ROW_TILE) {
-                int tile_rows = panel_end - r < ROW_TILE ? (int)(panel_end - r) : ROW_TILE;
-                tile(fmt, tile_rows, w + g * group_bytes, xq + r * blocks, blocks, blocks,
-                     y + r * y_stride + g * COLUMNS, y_stride, valid);
+            for (int i = 0, r = 0; i < tiles; i++) {
+                const int tile_rows = panel_rows / tiles + (i < panel_rows % tiles);
+                tile(fmt, tile_rows, w + g * group_bytes, xq + (panel + r) * blocks, blocks, blocks,
+                     y + (panel + r) * y_stride + g * COLUMNS, y_stride, valid);
+                r += tile_rows;
             }
         }
     }
