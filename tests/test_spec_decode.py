@@ -359,7 +359,10 @@ def test_the_random_workloads_do_draft_accept_and_preempt(engines):
 
 
 def test_no_drafts_are_proposed_while_the_batch_is_at_the_cut_off(tiny_model_dir):
-    common = {"device": "cpu", "block_size": BLOCK_SIZE, "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 6}
+    # No prefill pace: its first grant (nothing measured yet) is one prompt, and the other
+    # request would then decode alone for a step, below the cut-off.
+    common = {"device": "cpu", "block_size": BLOCK_SIZE, "num_kv_blocks": NUM_BLOCKS, "max_num_seqs": 6,
+              "prefill_step_ms": float("inf")}
     plain = LLM(str(tiny_model_dir), **common)
     spec = LLM(str(tiny_model_dir), speculative_tokens=4, speculative_ngram_min=1,
                speculative_policy="always", speculative_disable_by_batch_size=2, **common)
