@@ -673,26 +673,13 @@ static float kx8_value(int fmt, const uint8_t *block, int j, int c, int l) {
     }
 }
 
-typedef struct {
-    int fmt;
-    const uint8_t *w;
-    const int64_t *ids;
-    int64_t count, k;
-    float *out;
-} Kx8LookupJob;
-
-static void kx8_lookup_task(void *context, int thread, int threads) {
-    const Kx8LookupJob *job = context;
-    const int64_t blocks = job->k / 32, group_bytes = job->k / 256 * kx8_bytes(job->fmt);
-    int64_t begin, end;
-    ns_share(job->count, thread, threads, &begin, &end);
-    for (int64_t i = begin; i < end; i++) {
-        const uint8_t *group = job->w + job->ids[i] / KX8_COLUMNS * group_bytes;
-        const int c = (int)(job->ids[i] % KX8_COLUMNS);
-        for (int64_t b = 0; b < blocks; b++)
-            for (int l = 0; l < 32; l++)
-                job->out[i * job->k + 32 * b + l] = kx8_value(job->fmt, group + b / 8 * kx8_bytes(job->fmt), (int)(b % 8), c, l);
-    }
+/* Row `id` of the repacked W, dequantized into row [k]. */
+static void kx8_lookup_row(int fmt, const uint8_t *w, int64_t id, int64_t k, float *row) {
+    const int64_t blocks = k / 32;
+    const uint8_t *group = w + id / KX8_COLUMNS * (k / 256 * kx8_bytes(fmt));
+    const int c = (int)(id % KX8_COLUMNS);
+    for (int64_t b = 0; b < blocks; b++)
+        for (int l = 0; l < 32; l++) row[32 * b + l] = kx8_value(fmt, group + b / 8 * kx8_bytes(fmt), (int)(b % 8), c, l);
 }
 
 /* out [count, k] = rows ids[i] of the repacked W [n, k], dequantized (a tied head's table
@@ -701,11 +688,7 @@ static void kx8_lookup_task(void *context, int thread, int threads) {
 NS_EXPORT int ns_dequantize_rows_kx8(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
                                      int64_t k, float *out, int num_threads) {
     if (kx8_bytes(fmt) == 0 || k % 256 != 0) return -1;
-    for (int64_t i = 0; i < count; i++)
-        if (ids[i] < 0 || ids[i] >= n) return -3;
-    Kx8LookupJob job = {fmt, w, ids, count, k, out};
-    ns_parallel(count > 1 ? num_threads : 1, kx8_lookup_task, &job);
-    return 0;
+    return ns_lookup_rows(kx8_lookup_row, fmt, w, ids, count, n, k, out, num_threads);
 }
 
 /* The scalar reference, for the tests to hold the vector path against (bit for bit). */

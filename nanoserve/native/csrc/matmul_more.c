@@ -511,17 +511,9 @@ NS_EXPORT int ns_matmul_more_portable(int fmt, const float *x, const uint8_t *w,
     return matmul(portable_kernel(fmt), fmt, x, w, y, rows, n, k, num_threads);
 }
 
-/* out [count, k] = rows ids[i] of W [n, k] as float32 (a token table's lookups).
- * Returns 0, -1 as ns_matmul_more, or -3 when an id is outside [0, n). */
-typedef struct {
-    int fmt;
-    const uint8_t *w;
-    const int64_t *ids;
-    int64_t count, k;
-    float *out;
-} LookupJob;
-
-static void lookup_row(int fmt, const uint8_t *row, int64_t k, float *out) {
+/* Row `id` of W as float32 into out [k]. */
+static void lookup_row(int fmt, const uint8_t *w, int64_t id, int64_t k, float *out) {
+    const uint8_t *row = w + id * (k / block_values(fmt) * block_bytes(fmt));
     if (is_float(fmt)) {
         for (int64_t i = 0; i < k; i++) out[i] = weight_value(fmt, row, i);
         return;
@@ -535,20 +527,11 @@ static void lookup_row(int fmt, const uint8_t *row, int64_t k, float *out) {
     }
 }
 
-static void lookup_task(void *context, int thread, int threads) {
-    const LookupJob *job = context;
-    const int64_t k = job->k, row_bytes = k / block_values(job->fmt) * block_bytes(job->fmt);
-    int64_t begin, end;
-    ns_share(job->count, thread, threads, &begin, &end);
-    for (int64_t i = begin; i < end; i++) lookup_row(job->fmt, job->w + job->ids[i] * row_bytes, k, job->out + i * k);
-}
 
+/* out [count, k] = rows ids[i] of W [n, k] as float32 (a token table's lookups).
+ * Returns 0, -1 as ns_matmul_more, or -3 when an id is outside [0, n). */
 NS_EXPORT int ns_dequantize_rows_more(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
                                       int64_t k, float *out, int num_threads) {
     if (!runs_width(fmt, k)) return -1;
-    for (int64_t i = 0; i < count; i++)
-        if (ids[i] < 0 || ids[i] >= n) return -3;
-    LookupJob job = {fmt, w, ids, count, k, out};
-    ns_parallel(count > 1 ? num_threads : 1, lookup_task, &job);
-    return 0;
+    return ns_lookup_rows(lookup_row, fmt, w, ids, count, n, k, out, num_threads);
 }

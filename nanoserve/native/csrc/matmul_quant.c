@@ -499,40 +499,23 @@ NS_EXPORT int ns_matmul_quant_portable(int fmt, const float *x, const uint8_t *w
     return matmul(&PORTABLE, fmt, x, w, y, rows, n, k, num_threads);
 }
 
-/* out [count, k] = rows ids[i] of W [n, k] dequantized (a quantized token table's lookups).
- * Returns 0, -1 as ns_matmul_quant, or -3 when an id is outside [0, n). */
-typedef struct {
-    int fmt;
-    const uint8_t *w;
-    const int64_t *ids;
-    int64_t count, k;
-    float *out;
-} LookupJob;
-
-static void lookup_task(void *context, int thread, int threads) {
-    const LookupJob *job = context;
-    const int fmt = job->fmt, per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
-    const int64_t k = job->k, row_bytes = k / block_values(fmt) * bytes;
-    int64_t begin, end;
-    ns_share(job->count, thread, threads, &begin, &end);
-    for (int64_t i = begin; i < end; i++) {
-        const uint8_t *row = job->w + job->ids[i] * row_bytes;
-        for (int64_t sub = 0; sub < k / 32; sub++) {
-            int8_t q[32];
-            int half_scale[2];
-            float A, B;
-            unpack_sub_block(fmt, row + (sub / per_block) * bytes, (int)(sub % per_block), q, half_scale, &A, &B);
-            for (int l = 0; l < 32; l++) job->out[i * k + 32 * sub + l] = A * (float)(q[l] * half_scale[l / 16]) + B;
-        }
+/* Row `id` of W, dequantized into out [k]. */
+static void lookup_row(int fmt, const uint8_t *w, int64_t id, int64_t k, float *out) {
+    const int per_block = block_values(fmt) / 32, bytes = block_bytes(fmt);
+    const uint8_t *row = w + id * (k / block_values(fmt) * bytes);
+    for (int64_t sub = 0; sub < k / 32; sub++) {
+        int8_t q[32];
+        int half_scale[2];
+        float A, B;
+        unpack_sub_block(fmt, row + (sub / per_block) * bytes, (int)(sub % per_block), q, half_scale, &A, &B);
+        for (int l = 0; l < 32; l++) out[32 * sub + l] = A * (float)(q[l] * half_scale[l / 16]) + B;
     }
 }
 
+/* out [count, k] = rows ids[i] of W [n, k] dequantized (a quantized token table's lookups).
+ * Returns 0, -1 as ns_matmul_quant, or -3 when an id is outside [0, n). */
 NS_EXPORT int ns_dequantize_rows(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
                                  int64_t k, float *out, int num_threads) {
     if (block_bytes(fmt) == 0 || k % block_values(fmt) != 0) return -1;
-    for (int64_t i = 0; i < count; i++)
-        if (ids[i] < 0 || ids[i] >= n) return -3;
-    LookupJob job = {fmt, w, ids, count, k, out};
-    ns_parallel(count > 1 ? num_threads : 1, lookup_task, &job);
-    return 0;
+    return ns_lookup_rows(lookup_row, fmt, w, ids, count, n, k, out, num_threads);
 }

@@ -382,53 +382,39 @@ NS_EXPORT int ns_matmul_x8_portable(int fmt, const float *x, const uint8_t *w, f
     return matmul_x8(dot_tile_portable, quantize_row_portable, fmt, x, w, y, rows, n, k, num_threads);
 }
 
-typedef struct {
-    int fmt;
-    const uint8_t *w;
-    const int64_t *ids;
-    int64_t count, k;
-    float *out;
-} LookupJob;
-
-static void lookup_task(void *context, int thread, int threads) {
-    const LookupJob *job = context;
-    const int fmt = job->fmt, bytes = group_block_bytes(fmt);
-    const int64_t blocks = job->k / 32;
-    int64_t begin, end;
-    ns_share(job->count, thread, threads, &begin, &end);
-    for (int64_t i = begin; i < end; i++) {
-        const int64_t g = job->ids[i] / COLUMNS;
-        const int c = (int)(job->ids[i] % COLUMNS);
-        float *row = job->out + i * job->k;
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *block = job->w + (g * blocks + b) * bytes;
-            const float d = f16_to_f32(block + 2 * c);
-            if (fmt == X8_Q4_1) {
-                const float m = f16_to_f32(block + 16 + 2 * c);
-                for (int t = 0; t < 4; t++)
-                    for (int j = 0; j < 4; j++) {
-                        int code = block[32 + 32 * t + 4 * c + j];
-                        row[32 * b + 4 * t + j] = d * (float)(code & 0x0F) + m;
-                        row[32 * b + 16 + 4 * t + j] = d * (float)(code >> 4) + m;
-                    }
-            } else if (fmt == X8_Q5_1) {
-                const float m = f16_to_f32(block + 16 + 2 * c);
-                for (int t = 0; t < 4; t++)
-                    for (int j = 0; j < 4; j++) {
-                        row[32 * b + 4 * t + j] = d * (float)q5_code(block, c, t, j, 0) + m;
-                        row[32 * b + 16 + 4 * t + j] = d * (float)q5_code(block, c, t, j, 1) + m;
-                    }
-            } else if (fmt == X8_IQ4_NL) {
-                for (int t = 0; t < 4; t++)
-                    for (int j = 0; j < 4; j++) {
-                        int code = block[16 + 32 * t + 4 * c + j];
-                        row[32 * b + 4 * t + j] = d * (float)IQ4_GRID[code & 0x0F];
-                        row[32 * b + 16 + 4 * t + j] = d * (float)IQ4_GRID[code >> 4];
-                    }
-            } else {
-                for (int t = 0; t < 8; t++)
-                    for (int j = 0; j < 4; j++) row[32 * b + 4 * t + j] = d * (float)(int8_t)block[16 + 32 * t + 4 * c + j];
-            }
+/* Row `id` of the repacked W, dequantized into row [k]. */
+static void lookup_row(int fmt, const uint8_t *w, int64_t id, int64_t k, float *row) {
+    const int bytes = group_block_bytes(fmt);
+    const int64_t blocks = k / 32, g = id / COLUMNS;
+    const int c = (int)(id % COLUMNS);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + (g * blocks + b) * bytes;
+        const float d = f16_to_f32(block + 2 * c);
+        if (fmt == X8_Q4_1) {
+            const float m = f16_to_f32(block + 16 + 2 * c);
+            for (int t = 0; t < 4; t++)
+                for (int j = 0; j < 4; j++) {
+                    int code = block[32 + 32 * t + 4 * c + j];
+                    row[32 * b + 4 * t + j] = d * (float)(code & 0x0F) + m;
+                    row[32 * b + 16 + 4 * t + j] = d * (float)(code >> 4) + m;
+                }
+        } else if (fmt == X8_Q5_1) {
+            const float m = f16_to_f32(block + 16 + 2 * c);
+            for (int t = 0; t < 4; t++)
+                for (int j = 0; j < 4; j++) {
+                    row[32 * b + 4 * t + j] = d * (float)q5_code(block, c, t, j, 0) + m;
+                    row[32 * b + 16 + 4 * t + j] = d * (float)q5_code(block, c, t, j, 1) + m;
+                }
+        } else if (fmt == X8_IQ4_NL) {
+            for (int t = 0; t < 4; t++)
+                for (int j = 0; j < 4; j++) {
+                    int code = block[16 + 32 * t + 4 * c + j];
+                    row[32 * b + 4 * t + j] = d * (float)IQ4_GRID[code & 0x0F];
+                    row[32 * b + 16 + 4 * t + j] = d * (float)IQ4_GRID[code >> 4];
+                }
+        } else {
+            for (int t = 0; t < 8; t++)
+                for (int j = 0; j < 4; j++) row[32 * b + 4 * t + j] = d * (float)(int8_t)block[16 + 32 * t + 4 * c + j];
         }
     }
 }
@@ -438,9 +424,5 @@ static void lookup_task(void *context, int thread, int threads) {
 NS_EXPORT int ns_dequantize_rows_x8(int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
                                     int64_t k, float *out, int num_threads) {
     if (group_block_bytes(fmt) == 0 || k % 32 != 0) return -1;
-    for (int64_t i = 0; i < count; i++)
-        if (ids[i] < 0 || ids[i] >= n) return -3;
-    LookupJob job = {fmt, w, ids, count, k, out};
-    ns_parallel(count > 1 ? num_threads : 1, lookup_task, &job);
-    return 0;
+    return ns_lookup_rows(lookup_row, fmt, w, ids, count, n, k, out, num_threads);
 }

@@ -35,6 +35,12 @@ typedef void (*ns_task)(void *context, int thread, int threads);
 void ns_parallel(int threads, ns_task task, void *context);
 void ns_barrier(int threads);
 
+/* lookup.c: out [count, k] = rows ids[i] of a matrix W [n, k], `row(fmt, w, id, k, out_row)`
+ * writing each, the rows split among the threads. Returns 0, or -3 for an id outside [0, n). */
+typedef void (*ns_lookup_row)(int fmt, const uint8_t *w, int64_t id, int64_t k, float *out);
+int ns_lookup_rows(ns_lookup_row row, int fmt, const uint8_t *w, const int64_t *ids, int64_t count, int64_t n,
+                   int64_t k, float *out, int num_threads);
+
 /* [begin, end) of `count` items for thread t of `threads`: contiguous, in order. */
 static inline void ns_share(int64_t count, int thread, int threads, int64_t *begin, int64_t *end) {
     *begin = count * thread / threads;
