@@ -90,13 +90,19 @@ def test_extreme_five_bit_codes_stay_exact(format_name):
     for fill in (0x00, 0xFF):
         blocks = weight.blocks.clone().reshape(-1, weight.format.bytes)
         blocks[:, base:] = fill
-        extreme = quant.QuantizedWeight(weight.format, weight.shape, blocks.reshape(8, -1))
-        repacked = _repack().repack(extreme)
-        x = torch.tensor([[1.0, -1.0] * 128, [1.0] * 256, [-1.0] * 256])
-        y = _repack().matmul(x, repacked)
-        assert torch.equal(y, _repack().matmul(x, repacked, portable=True))
-        exact = x.double() @ extreme.dequantize().double().T
-        assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
+        assert_exact_against_extreme_activations(quant.QuantizedWeight(weight.format, weight.shape,
+                                                                       blocks.reshape(8, -1)))
+
+
+def assert_exact_against_extreme_activations(extreme: quant.QuantizedWeight) -> None:
+    """Activation codes at +-127 against `extreme`'s codes: the vector path gives the scalar
+    reference's bits, and both the float64 product."""
+    repacked = _repack().repack(extreme)
+    x = torch.tensor([[1.0, -1.0] * 128, [1.0] * 256, [-1.0] * 256])
+    y = _repack().matmul(x, repacked)
+    assert torch.equal(y, _repack().matmul(x, repacked, portable=True))
+    exact = x.double() @ extreme.dequantize().double().T
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_extreme_iq4_nl_codes_stay_exact():
@@ -105,13 +111,8 @@ def test_extreme_iq4_nl_codes_stay_exact():
     weight = random_weight("iq4_nl", 8, 256)
     blocks = weight.blocks.clone().reshape(-1, weight.format.bytes)
     blocks[:, 2:] = 0x00
-    extreme = quant.QuantizedWeight(weight.format, weight.shape, blocks.reshape(8, -1))
-    repacked = _repack().repack(extreme)
-    x = torch.tensor([[1.0, -1.0] * 128, [1.0] * 256, [-1.0] * 256])
-    y = _repack().matmul(x, repacked)
-    assert torch.equal(y, _repack().matmul(x, repacked, portable=True))
-    exact = x.double() @ extreme.dequantize().double().T
-    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5)
+    assert_exact_against_extreme_activations(quant.QuantizedWeight(weight.format, weight.shape,
+                                                                   blocks.reshape(8, -1)))
 
 
 def test_formats_without_a_layout_stay_in_the_files_layout():
