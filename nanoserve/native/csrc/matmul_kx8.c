@@ -80,10 +80,9 @@
  * (the two chains never mix before the final subtraction, so this changes no bit). Q2_K and
  * Q3_K unroll the 8 sub-blocks of a super-block so that every shift that picks a sub-block's
  * bits is a constant: these layouts read fewer bytes than Q4_K, so their unpacking, not the
- * memory, sets their speed.
+ * memory, sets their speed. Blocking and threads: column_groups.h's driver.
  */
-#include <stdlib.h>
-
+#include "column_groups.h"
 #include "nanoserve.h"
 #include "quant_blocks.h"
 #include "stages.h"
@@ -94,7 +93,7 @@
 
 enum { KX8_Q4_K = 12, KX8_Q5_K = 13, KX8_Q6_K = 14 }; /* the GGML type numbers */
 /* KX8_MAX_TILE: the tallest case of the tile functions (DEFINE_KX8_TILE) */
-enum { KX8_COLUMNS = 8, KX8_MAX_TILE = 8, KX8_PANEL = 32, KX8_PRIVATE_ROWS = 8 };
+enum { KX8_COLUMNS = NS_GROUP_COLUMNS, KX8_MAX_TILE = 8 };
 enum { Q4_K_CODES = 160, Q5_K_HIGH = 1184, Q6_K_SCALES = 16, Q6_K_LOW = 144, Q6_K_HIGH = 1168 }; /* byte offsets */
 enum { KX8_Q2_K = 10, KX8_Q3_K = 11 }; /* the GGML type numbers of the 2- and 3-bit layouts */
 enum { Q2_K_DMIN = 16, Q2_K_SCALES = 32, Q2_K_CODES = 160, Q3_K_SCALES = 16, Q3_K_CODES = 144 };
@@ -534,82 +533,8 @@ DEFINE_KX8_TILE(kx8_tile_avx2_iq4_xs, kx8_tile_avx2, KX8_IQ4_XS)
 
 /* ---- the entry points -------------------------------------------------------------------- */
 
-typedef void (*kx8_tile_fn)(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y,
-                            int64_t n, int valid);
-
-typedef struct {
-    kx8_tile_fn tile;
-    void (*quantize)(const float *x, int64_t k, xblock *out);
-    int fmt;
-    const float *x;
-    const uint8_t *w;
-    xblock *xq;
-    float *y;
-    int64_t rows, n, k;
-} Kx8Job;
-
-/* Thread `thread`'s groups of columns of y = xq @ W^T (rows of y `y_stride` apart), panel by
- * panel of rows, tile by tile: a panel's rows split into the fewest tiles of at most the layout's
- * height, as even as they go (17 rows of height 8 are tiles of 6, 6 and 5, not 8, 8 and 1: a
- * short tile pays a whole tile's unpacking for few rows). A row's bits do not depend on its tile. */
-static void kx8_groups(kx8_tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
-                       int64_t rows, int64_t n, int64_t k, int thread, int threads) {
-    const int64_t blocks = k / 32, groups = (n + KX8_COLUMNS - 1) / KX8_COLUMNS;
-    const int64_t group_bytes = k / 256 * kx8_bytes(fmt);
-    const int height = kx8_tile_rows(fmt);
-    int64_t begin, end;
-    ns_share(groups, thread, threads, &begin, &end);
-    for (int64_t panel = 0; panel < rows; panel += KX8_PANEL) {
-        const int panel_rows = rows - panel < KX8_PANEL ? (int)(rows - panel) : KX8_PANEL;
-        const int tiles = (panel_rows + height - 1) / height;
-        for (int64_t g = begin; g < end; g++) {
-            int valid = n - g * KX8_COLUMNS < KX8_COLUMNS ? (int)(n - g * KX8_COLUMNS) : KX8_COLUMNS;
-            for (int i = 0, r = 0; i < tiles; i++) {
-                const int tile_rows = panel_rows / tiles + (i < panel_rows % tiles);
-                tile(fmt, tile_rows, w + g * group_bytes, xq + (panel + r) * blocks, blocks,
-                     y + (panel + r) * y_stride + g * KX8_COLUMNS, y_stride, valid);
-                r += tile_rows;
-            }
-        }
-    }
-}
-
-/* A call of at most KX8_PRIVATE_ROWS rows has every thread quantize all of them into its own
- * copy rather than split them and wait at a barrier (matmul_x8.c's PRIVATE_ROWS, for the same
- * reason); the codes are the same either way. Then the thread's groups of columns. */
-static void kx8_task(void *context, int thread, int threads) {
-    const Kx8Job *job = context;
-    const int64_t blocks = job->k / 32;
-    xblock *xq = job->xq;
-    int64_t begin, end;
-    if (job->rows <= KX8_PRIVATE_ROWS) {
-        xq += thread * job->rows * blocks;
-        begin = 0, end = job->rows;
-    } else {
-        ns_share(job->rows, thread, threads, &begin, &end);
-    }
-    for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
-    if (job->rows > KX8_PRIVATE_ROWS) ns_barrier(threads);
-    kx8_groups(job->tile, job->fmt, xq, job->w, job->y, job->n, job->rows, job->n, job->k, thread, threads);
-}
-
-static int matmul_kx8(kx8_tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
-                      const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
-    if (kx8_bytes(fmt) == 0 || k % 256 != 0) return -1;
-    int64_t groups = (n + KX8_COLUMNS - 1) / KX8_COLUMNS;
-    if (num_threads > groups) num_threads = (int)groups;
-    if (num_threads < 1) num_threads = 1;
-    int64_t copies = rows <= KX8_PRIVATE_ROWS ? num_threads : 1;
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(copies * rows * (k / 32)));
-    if (xq == NULL) return -2;
-    Kx8Job job = {tile, quantize, fmt, x, w, xq, y, rows, n, k};
-    ns_parallel(num_threads, kx8_task, &job);
-    free(xq);
-    return 0;
-}
-
 /* The widest tile compiled in for a layout. */
-static kx8_tile_fn kx8_best_tile(int fmt) {
+static ns_group_tile kx8_best_tile(int fmt) {
 #ifdef NS_KX8_AVX2
     switch (fmt) {
     case KX8_Q4_K: return kx8_tile_avx2_q4_k;
@@ -626,9 +551,22 @@ static kx8_tile_fn kx8_best_tile(int fmt) {
 
 int ns_kx8_layout(int fmt) { return kx8_bytes(fmt) != 0; }
 
+/* The driver's description of this layout with `tile`, for a K of k values. */
+static ns_group_layout kx8_layout(ns_group_tile tile, int fmt, int64_t k) {
+    return (ns_group_layout){tile, fmt, kx8_tile_rows(fmt), k / 256 * kx8_bytes(fmt)};
+}
+
+static int matmul_kx8(ns_group_tile tile, void (*quantize)(const float *, int64_t, xblock *), int fmt,
+                      const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
+    if (kx8_bytes(fmt) == 0 || k % 256 != 0) return -1;
+    const ns_group_layout layout = kx8_layout(tile, fmt, k);
+    return ns_matmul_column_groups(&layout, quantize, x, w, y, rows, n, k, num_threads);
+}
+
 void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                           int64_t n, int64_t k, int thread, int threads) {
-    kx8_groups(kx8_best_tile(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
+    const ns_group_layout layout = kx8_layout(kx8_best_tile(fmt), fmt, k);
+    ns_column_groups(&layout, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
 /* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 13: Q5_K, 14: Q6_K,

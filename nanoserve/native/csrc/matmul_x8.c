@@ -25,9 +25,7 @@
  * repacked into the Q4_1 layout with m = -8 d (exact in f16), 20 bytes a block instead of 18;
  * Q5_0 into the Q5_1 layout with m = -16 d, 24 bytes instead of 22.
  *
- * Activations: each row quantized once per call to 8-bit blocks (quant_blocks.h), rows split
- * among the threads, then one barrier; a call of a few rows has each thread quantize them all
- * instead (PRIVATE_ROWS). The codes are the same either way.
+ * Activations: each row quantized once per call to 8-bit blocks (quant_blocks.h).
  *
  * The arithmetic of output (row, column), the same on every path and in every tile:
  *     acc = fma(float(isum_b), d_b * dx_b, acc), off = fma(m_b, sx_b, off) for b in K order,
@@ -41,15 +39,9 @@
  * maddubs takes their magnitude and their sign moves onto x, a lane's pair reaching 2 x 127 x
  * 127 = 32258, so each chunk's pairs widen to int32 before the next chunk adds.
  *
- * Blocking: a thread takes its groups one at a time for each panel of ROW_PANEL rows, and
- * runs the panel's rows in even tiles of at most ROW_TILE against the group, whose blocks stay in L1
- * (a few KB per group). The panel's quantized rows are read again for every group, so the
- * panel is small enough to stay in L1 at K = 576 (32 rows x 18 blocks x 40 bytes) and in L2
- * at any K of the default model; the weights are read once per panel, so a one-row call (and
- * any decode step of up to 32 rows) streams them once.
+ * Blocking and threads: column_groups.h's driver, in tiles of up to ROW_TILE rows.
  */
-#include <stdlib.h>
-
+#include "column_groups.h"
 #include "nanoserve.h"
 #include "quant_blocks.h"
 #include "stages.h"
@@ -59,7 +51,7 @@
 #endif
 
 enum { X8_Q4_1 = 3, X8_Q5_1 = 7, X8_Q8_0 = 8, X8_IQ4_NL = 20 }; /* the GGML type numbers of the layouts' formats */
-enum { COLUMNS = 8, ROW_TILE = 8, ROW_PANEL = 32 };
+enum { COLUMNS = NS_GROUP_COLUMNS, ROW_TILE = 8 };
 
 static int group_block_bytes(int fmt) {
     return fmt == X8_Q4_1 ? 160 : fmt == X8_Q5_1 ? 192 : fmt == X8_Q8_0 ? 272 : fmt == X8_IQ4_NL ? 144 : 0;
@@ -111,10 +103,10 @@ static void dot_group_portable(const int fmt, const uint8_t *group, const xblock
     for (int c = 0; c < valid; c++) out[c] = acc[c] + off[c];
 }
 
-/* A tile of `rows` activation rows (x_stride blocks apart) against one group. */
-static void dot_tile_portable(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,
-                              int64_t blocks, float *y, int64_t n, int valid) {
-    for (int r = 0; r < rows; r++) dot_group_portable(fmt, group, x + r * x_stride, blocks, y + r * n, valid);
+/* A tile of `rows` activation rows (`blocks` blocks apart) against one group. */
+static void dot_tile_portable(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y,
+                              int64_t n, int valid) {
+    for (int r = 0; r < rows; r++) dot_group_portable(fmt, group, x + r * blocks, blocks, y + r * n, valid);
 }
 
 /* ---- AVX2 -------------------------------------------------------------------------------- */
@@ -148,8 +140,7 @@ static inline void store_columns(float *y, __m256 v, int valid) {
  * group-block's loads and nibble unpacking among its rows. */
 static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, const int rows,
                                                                 const uint8_t *group, const xblock *x,
-                                                                int64_t x_stride, int64_t blocks, float *y,
-                                                                int64_t n, int valid) {
+                                                                int64_t blocks, float *y, int64_t n, int valid) {
     const int bytes = group_block_bytes(fmt);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[ROW_TILE], off[ROW_TILE];
@@ -168,7 +159,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                 hi[t] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
             }
             for (int r = 0; r < rows; r++) {
-                const xblock *xb = x + r * x_stride + b;
+                const xblock *xb = x + r * blocks + b;
                 __m256i sums = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {
                     sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(lo[t], broadcast4(xb->qs + 4 * t)));
@@ -190,7 +181,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                                         _mm256_and_si256(_mm256_srli_epi16(fifth, t), bit4));
             }
             for (int r = 0; r < rows; r++) {
-                const xblock *xb = x + r * x_stride + b;
+                const xblock *xb = x + r * blocks + b;
                 __m256i low_sums = _mm256_setzero_si256(), high_sums = _mm256_setzero_si256();
                 for (int t = 0; t < 4; t++) {
                     low_sums = _mm256_add_epi16(low_sums, _mm256_maddubs_epi16(lo[t], broadcast4(xb->qs + 4 * t)));
@@ -214,14 +205,14 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                     const __m256i q = iq4_grid_values(_mm256_and_si256(half ? _mm256_srli_epi16(w, 4) : w, low4));
                     const __m256i magnitude = _mm256_sign_epi8(q, q);
                     for (int r = 0; r < rows; r++) {
-                        const int8_t *xq = x[r * x_stride + b].qs + 16 * half + 4 * t;
+                        const int8_t *xq = x[r * blocks + b].qs + 16 * half + 4 * t;
                         __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(xq), q));
                         sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(products, ones));
                     }
                 }
             }
             for (int r = 0; r < rows; r++) {
-                const xblock *xb = x + r * x_stride + b;
+                const xblock *xb = x + r * blocks + b;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
             }
         } else {
@@ -235,13 +226,13 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 16 + 32 * t));
                 const __m256i magnitude = _mm256_sign_epi8(w, w);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *xq = x[r * x_stride + b].qs;
+                    const int8_t *xq = x[r * blocks + b].qs;
                     __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(xq + 4 * t), w));
                     sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(products, ones));
                 }
             }
             for (int r = 0; r < rows; r++) {
-                const xblock *xb = x + r * x_stride + b;
+                const xblock *xb = x + r * blocks + b;
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), acc[r]);
             }
         }
@@ -252,12 +243,12 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
 /* One function per (format, tile height up to ROW_TILE), both constants. */
 #define TILE_CASE(FMT, ROWS)                                                               \
     if (rows == ROWS) {                                                                    \
-        dot_tile_avx2(FMT, ROWS, group, x, x_stride, blocks, y, n, valid);                 \
+        dot_tile_avx2(FMT, ROWS, group, x, blocks, y, n, valid);                           \
         return;                                                                            \
     }
 #define DEFINE_TILE_AVX2(NAME, FMT)                                                                      \
-    static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,         \
-                     int64_t blocks, float *y, int64_t n, int valid) {                                   \
+    static void NAME(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t blocks, float *y, \
+                     int64_t n, int valid) {                                                             \
         (void)fmt;                                                                                       \
         TILE_CASE(FMT, 8)                                                                                \
         TILE_CASE(FMT, 7)                                                                                \
@@ -267,7 +258,7 @@ static inline __attribute__((always_inline)) void dot_tile_avx2(const int fmt, c
         TILE_CASE(FMT, 3)                                                                                \
         TILE_CASE(FMT, 2)                                                                                \
         for (int r = 0; r < rows; r++)                                                                   \
-            dot_tile_avx2(FMT, 1, group, x + r * x_stride, x_stride, blocks, y + r * n, n, valid);       \
+            dot_tile_avx2(FMT, 1, group, x + r * blocks, blocks, y + r * n, n, valid);                   \
     }
 DEFINE_TILE_AVX2(dot_tile_avx2_q4_1, X8_Q4_1)
 DEFINE_TILE_AVX2(dot_tile_avx2_q5_1, X8_Q5_1)
@@ -276,44 +267,6 @@ DEFINE_TILE_AVX2(dot_tile_avx2_iq4_nl, X8_IQ4_NL)
 #endif
 
 /* ---- the entry points -------------------------------------------------------------------- */
-
-typedef void (*tile_fn)(int fmt, int rows, const uint8_t *group, const xblock *x, int64_t x_stride,
-                        int64_t blocks, float *y, int64_t n, int valid);
-
-typedef struct {
-    tile_fn tile;
-    void (*quantize)(const float *x, int64_t k, xblock *out);
-    int fmt;
-    const float *x;
-    const uint8_t *w;
-    xblock *xq;
-    float *y;
-    int64_t rows, n, k;
-} X8Job;
-
-/* Thread `thread`'s groups of columns of y = xq @ W^T (rows of y `y_stride` apart), every panel
- * of rows, its rows split into the fewest tiles of at most ROW_TILE, as even as they go (17 rows:
- * 6, 6 and 5, not 8, 8 and 1: a short tile pays a whole tile's unpacking for few rows). */
-static void x8_groups(tile_fn tile, int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
-                      int64_t rows, int64_t n, int64_t k, int thread, int threads) {
-    const int64_t blocks = k / 32, groups = (n + COLUMNS - 1) / COLUMNS;
-    const int64_t group_bytes = blocks * group_block_bytes(fmt);
-    int64_t begin, end;
-    ns_share(groups, thread, threads, &begin, &end);
-    for (int64_t panel = 0; panel < rows; panel += ROW_PANEL) {
-        const int panel_rows = rows - panel < ROW_PANEL ? (int)(rows - panel) : ROW_PANEL;
-        const int tiles = (panel_rows + ROW_TILE - 1) / ROW_TILE;
-        for (int64_t g = begin; g < end; g++) {
-            int valid = n - g * COLUMNS < COLUMNS ? (int)(n - g * COLUMNS) : COLUMNS;
-            for (int i = 0, r = 0; i < tiles; i++) {
-                const int tile_rows = panel_rows / tiles + (i < panel_rows % tiles);
-                tile(fmt, tile_rows, w + g * group_bytes, xq + (panel + r) * blocks, blocks, blocks,
-                     y + (panel + r) * y_stride + g * COLUMNS, y_stride, valid);
-                r += tile_rows;
-            }
-        }
-    }
-}
 
 #ifdef NS_X8_AVX2
 #define BEST_TILE(fmt)                                                                                     \
@@ -327,45 +280,22 @@ void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin
     for (int64_t r = begin; r < end; r++) quantize_row(x + r * k, k, xq + r * (k / 32));
 }
 
+/* The driver's description of this layout with `tile`, for a K of k values. */
+static ns_group_layout x8_layout(ns_group_tile tile, int fmt, int64_t k) {
+    return (ns_group_layout){tile, fmt, ROW_TILE, k / 32 * group_block_bytes(fmt)};
+}
+
 void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                          int64_t n, int64_t k, int thread, int threads) {
-    x8_groups(BEST_TILE(fmt), fmt, xq, w, y, y_stride, rows, n, k, thread, threads);
+    const ns_group_layout layout = x8_layout(BEST_TILE(fmt), fmt, k);
+    ns_column_groups(&layout, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
-/* A call of at most this many rows has every thread quantize all of them into its own copy
- * (a few hundred nanoseconds a row) rather than split them and wait at a barrier: on a busy
- * machine a barrier can wait a whole time slice for a descheduled thread. */
-#define PRIVATE_ROWS 8
-
-static void x8_task(void *context, int thread, int threads) {
-    const X8Job *job = context;
-    const int64_t blocks = job->k / 32;
-    xblock *xq = job->xq;
-    int64_t begin, end;
-    if (job->rows <= PRIVATE_ROWS) {
-        xq += thread * job->rows * blocks;
-        begin = 0, end = job->rows;
-    } else {
-        ns_share(job->rows, thread, threads, &begin, &end);
-    }
-    for (int64_t r = begin; r < end; r++) job->quantize(job->x + r * job->k, job->k, xq + r * blocks);
-    if (job->rows > PRIVATE_ROWS) ns_barrier(threads);
-    x8_groups(job->tile, job->fmt, xq, job->w, job->y, job->n, job->rows, job->n, job->k, thread, threads);
-}
-
-static int matmul_x8(tile_fn tile, void (*quantize)(const float *, int64_t, xblock *), int fmt, const float *x,
-                     const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
+static int matmul_x8(ns_group_tile tile, void (*quantize)(const float *, int64_t, xblock *), int fmt,
+                     const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
     if (group_block_bytes(fmt) == 0 || k % 32 != 0) return -1;
-    int64_t groups = (n + COLUMNS - 1) / COLUMNS;
-    if (num_threads > groups) num_threads = (int)groups;
-    if (num_threads < 1) num_threads = 1;
-    int64_t copies = rows <= PRIVATE_ROWS ? num_threads : 1;
-    xblock *xq = malloc(sizeof(xblock) * (size_t)(copies * rows * (k / 32)));
-    if (xq == NULL) return -2;
-    X8Job job = {tile, quantize, fmt, x, w, xq, y, rows, n, k};
-    ns_parallel(num_threads, x8_task, &job);
-    free(xq);
-    return 0;
+    const ns_group_layout layout = x8_layout(tile, fmt, k);
+    return ns_matmul_column_groups(&layout, quantize, x, w, y, rows, n, k, num_threads);
 }
 
 /* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 7: Q5_1, 8: Q8_0,
