@@ -76,13 +76,22 @@ def test_a_rows_bits_do_not_depend_on_its_call_its_position_or_the_threads(dtype
     n, k = 200, 700  # big enough that a call of 2 or more rows runs on several threads
     x, w = operands(40, n, k, dtype)
     packed = matmul.pack(w)
-    alone = torch.cat([matmul.matmul(x[r : r + 1], packed, portable=portable) for r in range(40)])
+    def product(rows, **options):
+        return matmul.matmul(rows, packed, portable=portable, **options)
+
+    assert_each_rows_bits_are_its_own(product, x)
+
+
+def assert_each_rows_bits_are_its_own(product, x: torch.Tensor) -> None:
+    """`product(rows, threads=...)` gives each row of x the bits it gets alone, in any call of 1
+    to 33 rows at two offsets and on 1 to 3 threads."""
+    alone = torch.cat([product(x[r : r + 1]) for r in range(x.shape[0])])
     for m in range(1, 34):
         for start in (0, 7):
-            call = matmul.matmul(x[start : start + m], packed, portable=portable)
+            call = product(x[start : start + m])
             assert torch.equal(call, alone[start : start + m]), f"{m} rows at offset {start}"
     for threads in (1, 2, 3):
-        assert torch.equal(matmul.matmul(x, packed, threads=threads, portable=portable), alone)
+        assert torch.equal(product(x, threads=threads), alone)
 
 
 @needs_library
@@ -191,13 +200,10 @@ def test_a_half_panel_rows_bits_do_not_depend_on_its_call_its_position_or_the_th
     n, k = 200, 700
     x, _ = operands(40, n, k, torch.float32)
     packed = matmul.pack_half(half_weight(format_name, n, k))
-    alone = torch.cat([matmul.matmul_half(x[r : r + 1], packed, portable=portable) for r in range(40)])
-    for m in range(1, 34):
-        for start in (0, 7):
-            call = matmul.matmul_half(x[start : start + m], packed, portable=portable)
-            assert torch.equal(call, alone[start : start + m]), f"{m} rows at offset {start}"
-    for threads in (1, 2, 3):
-        assert torch.equal(matmul.matmul_half(x, packed, threads=threads, portable=portable), alone)
+    def product(rows, **options):
+        return matmul.matmul_half(rows, packed, portable=portable, **options)
+
+    assert_each_rows_bits_are_its_own(product, x)
 
 
 @needs_library
