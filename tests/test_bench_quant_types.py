@@ -9,7 +9,8 @@ from nanoserve.bench.quant_types import DEFAULT_TYPES, ModelShape, main
 from nanoserve.quant import FORMATS
 
 
-@pytest.mark.parametrize("argv", [["--types", "q5_0,q9_9"], ["--types", "q5_0,q2_k"], ["--repeat", "0"]])
+@pytest.mark.parametrize("argv", [["--types", "q5_0,q9_9"], ["--types", "q5_0,q2_k"], ["--repeat", "0"],
+                                  ["--slots", "1,x"], ["--slots", "0"]])
 def test_bad_options_exit_2_naming_the_option(argv, capsys):
     with pytest.raises(SystemExit) as exited:
         main(argv)

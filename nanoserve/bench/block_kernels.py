@@ -29,6 +29,7 @@ import torch
 
 from nanoserve import native, quant
 from nanoserve.bench.hardware import describe_machine
+from nanoserve.bench.offline import positive_int_list
 
 # (out, in) of one layer's matrices in SmolLM2-135M: q, k and v stacked, o, gate and up stacked, down.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -95,19 +96,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.block_kernels",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="q4_1,q8_0,q4_k,q6_k", help=",".join(FORMATS))
-    parser.add_argument("--rows", default="1,16,64,512", help="rows per call, comma-separated")
+    parser.add_argument("--rows", type=positive_int_list, default="1,16,64,512",
+                        help="rows per call, comma-separated")
     parser.add_argument("--repeat", type=int, default=50, help="turns per shape; each call's best is kept")
     parser.add_argument("--out", type=Path, default=Path("results/block_kernels.csv"))
     args = parser.parse_args(argv)
     formats = args.formats.split(",")
     if unknown := [f for f in formats if f not in FORMATS]:
         parser.error(f"--formats: unknown {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows: expected N,N,... got {args.rows!r}")
-    if args.repeat < 1 or any(r < 1 for r in rows):
-        parser.error("--repeat and every --rows value must be >= 1")
+    rows = args.rows
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1; got {args.repeat}")
     if native.library() is None:
         sys.exit(native.status())
     machine = describe_machine("cpu").columns()

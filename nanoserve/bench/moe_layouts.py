@@ -32,6 +32,7 @@ import torch
 
 from nanoserve import native, quant
 from nanoserve.bench.hardware import describe_machine
+from nanoserve.bench.offline import positive_int_list
 from nanoserve.config import Experts
 
 # A mix's GGUF types: (gate and up, down), as the files' experts hold them.
@@ -85,21 +86,12 @@ def measure(mix: str, rows: int, repeat: int, shape: tuple[int, int, int, int]) 
     return {name: 1000 * value for name, value in best.items()}
 
 
-def _ints(parser: argparse.ArgumentParser, option: str, raw: str) -> list[int]:
-    try:
-        values = [int(v) for v in raw.split(",")]
-    except ValueError:
-        parser.error(f"{option}: expected N,N,... got {raw!r}")
-    if any(v < 1 for v in values):
-        parser.error(f"{option}: every value must be >= 1")
-    return values
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.moe_layouts",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--mixes", default="q4_k_m,iq4_xs,q4_0", help=",".join(MIXES))
-    parser.add_argument("--rows", default="1,16", help="rows per call, comma-separated")
+    parser.add_argument("--rows", type=positive_int_list, default="1,16",
+                        help="rows per call, comma-separated")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -110,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     mixes = args.mixes.split(",")
     if unknown := [m for m in mixes if m not in MIXES]:
         parser.error(f"--mixes: unknown {', '.join(unknown)}; choose from {', '.join(MIXES)}")
-    rows = _ints(parser, "--rows", args.rows)
+    rows = args.rows
     experts, top_k, hidden, width, repeat = args.experts, args.top_k, args.hidden, args.width, args.repeat
     sizes = {"--experts": experts, "--top-k": top_k, "--hidden": hidden, "--width": width, "--repeat": repeat}
     if small := [option for option, value in sizes.items() if value < 1]:

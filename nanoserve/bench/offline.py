@@ -14,6 +14,7 @@ the engine itself (`driver` does).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import os
@@ -639,6 +640,14 @@ def parse_int_list(text: str, *, minimum: int = 1) -> tuple[int, ...]:
             raise ValueError(f"{value} is below {minimum}")
         values.append(value)
     return tuple(values)
+
+
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """`parse_int_list` as an argparse `type=`: a bad item is an error naming the option (exit 2)."""
+    try:
+        return parse_int_list(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_choice_list(text: str, choices: Iterable[str]) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from nanoserve import native
 from nanoserve.bench.driver import run_closed_loop
 from nanoserve.bench.hardware import describe_machine
-from nanoserve.bench.offline import kv_blocks_for, parse_int_list, synthetic_prompts
+from nanoserve.bench.offline import kv_blocks_for, positive_int_list, synthetic_prompts
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
 from nanoserve.loading.default_model import default_gguf_path
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(DEFAULT_TYPES),
                         help=f"GGUF types to run, {REFERENCE_TYPE} among them (default: every new one)")
-    parser.add_argument("--slots", default="1,16", help="requests in flight (default 1,16)")
+    parser.add_argument("--slots", type=positive_int_list, default="1,16",
+                        help="requests in flight (default 1,16)")
     parser.add_argument("--repeat", type=int, default=3, help="timed turns per slot count (default 3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch / kernel threads (default: all cores)")
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{REFERENCE_TYPE} among them")
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1; got {args.repeat}")
-    slots = parse_int_list(args.slots)
+    slots = args.slots
     if native.library() is None:  # every type would be dequantized to float32: no ratio to read
         parser.error(f"{native.status()}; this benchmark times the native kernels")
     frame = measure(types, slots, args.repeat, args.threads, cache_root() / "bench-quant-types")
