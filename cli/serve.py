@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from nanoserve.engine.core import Engine
     from nanoserve.server.adapters import LoRAModule
-    from nanoserve.server.replicas import ReplicaPlan
+    from nanoserve.server.bridges.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
@@ -123,7 +123,7 @@ def serve(
     from nanoserve.loading.default_model import resolve_model
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
-    from nanoserve.server.reasoning import ReasoningConfig
+    from nanoserve.server.parsers.reasoning import ReasoningConfig
 
     tenancy = _tenancy(api_key, api_keys_file, prefix_cache_scope, max_concurrent_requests_per_tenant)
     try:
@@ -197,7 +197,7 @@ def _replica_plan(config: EngineConfig, size: int) -> ReplicaPlan | None:
     --data-parallel-size."""
     if size == 1:
         return None
-    from nanoserve.server.replicas import ReplicaPlan
+    from nanoserve.server.bridges.replicas import ReplicaPlan
 
     plan = ReplicaPlan(config, size)
     try:

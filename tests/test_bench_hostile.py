@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 
-from nanoserve.bench.hostile import (
+from nanoserve.bench.experiments.hostile import (
     BODY_LIMIT_BYTES,
     _merge,
     _server_error_event,

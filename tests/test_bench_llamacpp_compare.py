@@ -1,4 +1,4 @@
-"""nanoserve.bench.llamacpp_compare without llama.cpp: bad options refused by name (exit 2), the
+"""nanoserve.bench.experiments.llamacpp_compare without llama.cpp: bad options refused by name (exit 2), the
 batched-bench table read by column, and the median taken per (weights, slots) over turns."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.bench import llamacpp_compare
+from nanoserve.bench.experiments import llamacpp_compare
 
 # llama-batched-bench's table as it prints it (columns: PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S).
 TABLE = """

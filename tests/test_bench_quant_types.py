@@ -1,11 +1,11 @@
-"""The per-type decode benchmark's edges (nanoserve.bench.quant_types): its model shape and its
+"""The per-type decode benchmark's edges (nanoserve.bench.experiments.quant_types): its model shape and its
 refusals. No timing is asserted anywhere."""
 
 from __future__ import annotations
 
 import pytest
 
-from nanoserve.bench.quant_types import DEFAULT_TYPES, ModelShape, main
+from nanoserve.bench.experiments.quant_types import DEFAULT_TYPES, ModelShape, main
 from nanoserve.quant import FORMATS
 
 

@@ -742,7 +742,7 @@ def test_bench_moe_layouts_times_the_loop_and_the_one_call_and_refuses_a_width_a
         tmp_path, capsys):
     import csv
 
-    from nanoserve.bench import moe_layouts
+    from nanoserve.bench.experiments import moe_layouts
 
     out = tmp_path / "moe_layouts.csv"
     moe_layouts.main(["--mixes", "q4_k_m,f16", "--rows", "1,3", "--experts", "4", "--hidden", "256",

@@ -14,10 +14,10 @@ import typing
 
 import pytest
 
-from nanoserve.server import anthropic as messages
-from nanoserve.server import protocol
-from nanoserve.server.anthropic import MESSAGES_REFUSED, MessagesRequest
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, refused_field
+from nanoserve.server.anthropic import messages
+from nanoserve.server.anthropic.messages import MESSAGES_REFUSED, MessagesRequest
+from nanoserve.server.openai import protocol
+from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, refused_field
 
 OPENAI_COMPLETIONS = {
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
@@ -291,7 +291,7 @@ def _openai_responses_fields(*names: str) -> set[str]:
 ])
 def test_every_field_of_the_openai_responses_client_is_honoured_or_refused(model, prefix, names,
                                                                           extra) -> None:
-    from nanoserve.server import responses
+    from nanoserve.server.openai import responses
 
     model_type = getattr(responses, model)
     declared = {field.alias or name for name, field in model_type.model_fields.items()}
@@ -318,7 +318,7 @@ def _responses_body_with(key: str, value: object) -> dict:
 
 
 def test_each_refused_responses_field_asking_for_something_is_refused_by_name() -> None:
-    from nanoserve.server.responses import RESPONSES_REFUSED, ResponsesRequest
+    from nanoserve.server.openai.responses import RESPONSES_REFUSED, ResponsesRequest
 
     for key, refusal in RESPONSES_REFUSED.items():
         assert key in RESPONSES_PROBES, f"add a probe value for the refused field {key!r}"
@@ -342,7 +342,7 @@ EMBEDDINGS_PROBES: dict[str, object] = {
 
 def test_every_embeddings_field_of_the_openai_client_and_vllm_is_honoured_or_refused() -> None:
     openai = pytest.importorskip("openai", reason="the openai client is not installed")
-    from nanoserve.server.embeddings import EMBEDDINGS_REFUSED, EmbeddingRequest
+    from nanoserve.server.openai.embeddings import EMBEDDINGS_REFUSED, EmbeddingRequest
 
     client_fields = set(typing.get_type_hints(openai.types.embedding_create_params.EmbeddingCreateParams))
     missing = [f for f in client_fields | VLLM_EMBEDDINGS
@@ -351,7 +351,7 @@ def test_every_embeddings_field_of_the_openai_client_and_vllm_is_honoured_or_ref
 
 
 def test_each_refused_embeddings_field_asking_for_something_is_refused_by_name() -> None:
-    from nanoserve.server.embeddings import EMBEDDINGS_REFUSED, EmbeddingRequest
+    from nanoserve.server.openai.embeddings import EMBEDDINGS_REFUSED, EmbeddingRequest
 
     for key, refusal in EMBEDDINGS_REFUSED.items():
         assert key in EMBEDDINGS_PROBES, f"add a probe value for the refused field {key!r}"

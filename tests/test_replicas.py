@@ -1,4 +1,4 @@
-"""Data-parallel replicas (`nanoserve/server/replicas.py`): two engine processes behind one server.
+"""Data-parallel replicas (`nanoserve/server/bridges/replicas.py`): two engine processes behind one server.
 
 A crowd spread over both replicas gives every request its solo tokens and logprobs; a replica
 killed with SIGKILL is reported by /health and /metrics, its in-flight stream ends with an error
@@ -28,7 +28,7 @@ from nanoserve.errors import NanoserveError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import build_app
-from nanoserve.server.replicas import Replica, ReplicaPlan, ReplicaPool, ReplicaReady
+from nanoserve.server.bridges.replicas import Replica, ReplicaPlan, ReplicaPool, ReplicaReady
 from nanoserve_cli.main import app as cli_app
 
 MODEL = "tiny"

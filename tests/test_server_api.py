@@ -28,8 +28,8 @@ from nanoserve.engine.output import TokenLogprob
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from nanoserve.server.app import ServerLimits, build_app, start_drain
+from nanoserve.server.openai.protocol import CompletionRequest, TextOffset, TokenText, completion_logprobs
 from nanoserve.server.planning import _base_params
-from nanoserve.server.protocol import CompletionRequest, TextOffset, TokenText, completion_logprobs
 from nanoserve.server.tenants import Tenancy, tenants_from_options
 
 MODEL = "tiny"

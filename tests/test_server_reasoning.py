@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from nanoserve.errors import InvalidRequestError
 from nanoserve.server.app import ServerLimits
-from nanoserve.server.reasoning import ReasoningConfig, ReasoningPlan, detect_parser
+from nanoserve.server.parsers.reasoning import ReasoningConfig, ReasoningPlan, detect_parser
 from nanoserve.tokenizer import Tokenizer
 
 QWEN3_STYLE = (

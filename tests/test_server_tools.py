@@ -24,8 +24,8 @@ from test_server_api import (
     wait_idle,
 )
 
-from nanoserve.server.protocol import ChatCompletionRequest
-from nanoserve.server.tool_calls import ToolPlan
+from nanoserve.server.openai.protocol import ChatCompletionRequest
+from nanoserve.server.parsers.tool_calls import ToolPlan
 from nanoserve.tokenizer import Tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},

@@ -1,4 +1,4 @@
-"""The step-parts benchmark (nanoserve.bench.step_parts) on the tiny model: it replays a real
+"""The step-parts benchmark (nanoserve.bench.experiments.step_parts) on the tiny model: it replays a real
 decode step without disturbing what the step reads, names every part once, and refuses bad
 options by name before building an engine."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.bench import step_parts
+from nanoserve.bench.experiments import step_parts
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
 

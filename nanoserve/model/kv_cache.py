@@ -23,7 +23,7 @@ The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activatio
   row's codes depend on that row alone, so a token's K/V (and its tokens) never depend on its
   neighbours in a batch, nor on whether a prefill chunk or a decode step wrote it. The cost:
   at head_dim 64 ggml's layout (two float16 scales) takes the same 68 bytes a row and rounds
-  somewhat closer; `python -m nanoserve.bench.kv_cache` measures both round trips on the
+  somewhat closer; `python -m nanoserve.bench.experiments.kv_cache` measures both round trips on the
   default model (results/kv_cache_rounding.csv) and the agreement with float32 K/V the row
   scale gives (README, "Quantized KV cache").
   The native write (csrc/ops.c quantize_row_q8) and `quantize_q8` here are the same float32

@@ -1,9 +1,18 @@
-"""The OpenAI-compatible HTTP server: `build_app` (FastAPI) over the engine loop thread.
+"""The OpenAI-compatible HTTP server: `build_app` (FastAPI) over an engine bridge.
 
-Modules, in the order a request meets them: `app` (builds the app and wires it), `routes`
-(the endpoints), `planning` (a body to the engine's sequences, or a 4xx), `generation` (the
-sequences in flight, unary answers), `streaming` (SSE). Beside them: `state` (limits and what
-the app holds), `protocol` (request models, response bodies), `errors` (OpenAI's error object),
-`async_engine` (the engine thread), `metrics` (Prometheus text), `tenants` (API keys, each a
-tenant, and what is kept apart between them).
+Grouped by what each part speaks to:
+- `openai/`: OpenAI's protocol (request models, response bodies), its routes (completions,
+  chat, models, vLLM's tokenize/detokenize/version, health, metrics), server-sent events,
+  embeddings, the Responses API and vLLM's runtime LoRA routes.
+- `anthropic/`: Anthropic's Messages API.
+- `parsers/`: what is read out of a model's text or a body's fields: tool calls, reasoning,
+  structured-output fields.
+- `bridges/`: between the event loop and the engine: one engine on its own thread
+  (`async_engine`), or data-parallel replicas in processes of their own (`replicas`).
+- Here, shared by every protocol, in the order a request meets them: `app` (builds the app and
+  wires it), `planning` (a body to the engine's sequences, or a 4xx), `generation` (the
+  sequences in flight, unary answers); beside them `state` (limits and what the app holds),
+  `errors` (OpenAI's error object), `metrics` (Prometheus), `tenants` (API keys, each a tenant),
+  `adapters` (the LoRA adapters a request may name), `connections` (uvicorn's protocol with a
+  header deadline).
 """

@@ -20,19 +20,20 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import adapter_routes, anthropic, embeddings, responses, routes
 from nanoserve.server.adapters import AdapterRegistry, LoRAModule
-from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
+from nanoserve.server.anthropic import messages
+from nanoserve.server.bridges.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
+from nanoserve.server.bridges.replicas import ReplicaPlan, ReplicaPool
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
-from nanoserve.server.protocol import (
+from nanoserve.server.openai import adapter_routes, embeddings, responses, routes
+from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from nanoserve.server.reasoning import ReasoningConfig
-from nanoserve.server.replicas import ReplicaPlan, ReplicaPool
+from nanoserve.server.parsers.reasoning import ReasoningConfig
 from nanoserve.server.state import ServerLimits, ServerState
 from nanoserve.server.tenants import Tenancy
 
@@ -111,8 +112,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     install_handlers(app)
     app.include_router(_v1_router())
     # Behind its own key check: Anthropic's clients send x-api-key, and errors in Anthropic's shape.
-    app.add_api_route("/v1/messages", anthropic.create_message, methods=["POST"],
-                      openapi_extra=_body_schema(anthropic.MessagesRequest))
+    app.add_api_route("/v1/messages", messages.create_message, methods=["POST"],
+                      openapi_extra=_body_schema(messages.MessagesRequest))
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
@@ -227,7 +228,7 @@ def _document_bodies(app: FastAPI) -> None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          anthropic.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest):
+                          messages.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

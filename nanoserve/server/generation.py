@@ -21,19 +21,19 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server import protocol
-from nanoserve.server.async_engine import EngineUnavailableError
+from nanoserve.server.bridges.async_engine import EngineUnavailableError
 from nanoserve.server.errors import bad_request
-from nanoserve.server.protocol import Kind, TextOffset, TokenText
+from nanoserve.server.openai import protocol
+from nanoserve.server.openai.protocol import Kind, TextOffset, TokenText
 from nanoserve.server.state import ServerState, unavailable
 
 if TYPE_CHECKING:
     from nanoserve.engine.output import RequestOutput, TokenLogprob
     from nanoserve.model.lora import LoRARequest
+    from nanoserve.server.parsers.reasoning import ReasoningReader
+    from nanoserve.server.parsers.tool_calls import ToolCallReader
     from nanoserve.server.planning import PlannedSequence
-    from nanoserve.server.reasoning import ReasoningReader
     from nanoserve.server.tenants import Tenant
-    from nanoserve.server.tool_calls import ToolCallReader
 
 
 def check_capacity(state: ServerState, num_sequences: int) -> None:

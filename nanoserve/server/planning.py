@@ -27,13 +27,13 @@ from nanoserve.sampling_params import (
     StructuredOutputs,
     keep_last_tokens,
 )
-from nanoserve.server import protocol
 from nanoserve.server.errors import bad_request
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
-from nanoserve.server.reasoning import ReasoningPlan
+from nanoserve.server.openai import protocol
+from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
+from nanoserve.server.parsers.reasoning import ReasoningPlan
+from nanoserve.server.parsers.structured_fields import structured_outputs
+from nanoserve.server.parsers.tool_calls import ToolPlan
 from nanoserve.server.state import ServerLimits, ServerState
-from nanoserve.server.structured_fields import structured_outputs
-from nanoserve.server.tool_calls import ToolPlan
 
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine

@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from nanoserve.sampling_params import MAX_LOGPROBS
-from nanoserve.server import protocol
 from nanoserve.server.adapters import AdapterRegistry
-from nanoserve.server.async_engine import AsyncEngine
+from nanoserve.server.bridges.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
-from nanoserve.server.protocol import TokenText
-from nanoserve.server.reasoning import ReasoningConfig
+from nanoserve.server.openai import protocol
+from nanoserve.server.openai.protocol import TokenText
+from nanoserve.server.parsers.reasoning import ReasoningConfig
 from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
-    from nanoserve.server.replicas import ReplicaFront, ReplicaPool
+    from nanoserve.server.bridges.replicas import ReplicaFront, ReplicaPool
 
 
 @dataclass(frozen=True, slots=True)

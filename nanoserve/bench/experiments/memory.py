@@ -3,7 +3,7 @@
 Owns: loading the default model's weights (or another GGUF's) the way the engine does, in its
 own quantization and in float32, and recording the growth of the process's resident set
 (VmRSS) across the load, beside the GGUF's tensor bytes and the bytes the weights hold.
-`python -m nanoserve.bench.memory --out results/weight_memory.csv`.
+`python -m nanoserve.bench.experiments.memory --out results/weight_memory.csv`.
 Refuses: judging; the issue's bound (at most 1.15x the tensor bytes) is read off the CSV.
 """
 

@@ -26,7 +26,7 @@ from pydantic import Field
 from nanoserve.errors import InvalidRequestError
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams, keep_last_tokens
-from nanoserve.server import planning, routes
+from nanoserve.server import planning
 from nanoserve.server.errors import bad_request
 from nanoserve.server.generation import (
     ClientDisconnectedError,
@@ -34,8 +34,9 @@ from nanoserve.server.generation import (
     check_capacity,
     until_done_or_disconnect,
 )
+from nanoserve.server.openai import routes
+from nanoserve.server.openai.protocol import Int64, OpenAIModel, Refusal, TokenId, absent_or, empty_or_absent
 from nanoserve.server.planning import PlannedSequence
-from nanoserve.server.protocol import Int64, OpenAIModel, Refusal, TokenId, absent_or, empty_or_absent
 from nanoserve.server.state import ServerState, state_of
 
 EMBEDDINGS_REFUSED: dict[str, Refusal] = {

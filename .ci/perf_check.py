@@ -1,8 +1,9 @@
 """The CI performance check: ratios measured side by side in one run, against recorded floors.
 
-`python -m nanoserve.bench.ci_check` runs a small offline bench on the default model (slots 1
-and 8, greedy, 32-token prompts, 32 new tokens, the median of a few repeats) with Hugging Face
-transformers' `generate` beside it, and compares two ratios against `results/ci_thresholds.json`:
+`python .ci/perf_check.py` (the last line of `.ci/run`) runs a small offline bench on the
+default model (slots 1 and 8, greedy, 32-token prompts, 32 new tokens, the median of a few
+repeats) with Hugging Face transformers' `generate` beside it, and compares two ratios against
+`perf_thresholds.json` beside it:
 - batched_over_single: the engine's output tokens/s at 8 slots over its own at 1 slot;
 - over_transformers: the engine's output tokens/s over transformers' at 8 slots;
 - quantized_over_float32 (when the workload names a `quantized_dtype`): the default model in
@@ -23,10 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from nanoserve.bench.hardware import REPO_ROOT
 from nanoserve.bench.offline import Sweep, SweepSpec, Workload, paired_ratio
 
-THRESHOLDS_PATH = REPO_ROOT / "results" / "ci_thresholds.json"
+THRESHOLDS_PATH = Path(__file__).with_name("perf_thresholds.json")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ Default shape: Mixtral-8x7B's sparse layer at a quarter of its width (8 experts,
 1024, each expert 3584 wide). Qwen3-30B-A3B's own: `--experts 128 --top-k 8 --hidden 2048
 --width 768`.
 
-    python -m nanoserve.bench.moe_layouts --mixes q4_k_m,iq4_xs,q4_0 --rows 1,16 \\
+    python -m nanoserve.bench.experiments.moe_layouts --mixes q4_k_m,iq4_xs,q4_0 --rows 1,16 \\
         --out results/moe_layouts.csv
 """
 
@@ -87,7 +87,7 @@ def measure(mix: str, rows: int, repeat: int, shape: tuple[int, int, int, int]) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.moe_layouts",
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.moe_layouts",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--mixes", default="q4_k_m,iq4_xs,q4_0", help=",".join(MIXES))
     parser.add_argument("--rows", type=positive_int_list, default="1,16",

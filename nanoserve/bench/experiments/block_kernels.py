@@ -11,7 +11,7 @@ it with the machine, the load average and the ratios to the row-major kernel.
 Refuses: choosing anything (model/linear.py measures and chooses at start-up) and running without
 the native library.
 
-    python -m nanoserve.bench.block_kernels --formats q4_1,q8_0,q4_k,q6_k --rows 1,16,64,512 \\
+    python -m nanoserve.bench.experiments.block_kernels --formats q4_1,q8_0,q4_k,q6_k --rows 1,16,64,512 \\
         --out results/block_kernels.csv
 """
 
@@ -93,7 +93,7 @@ def measure(format_name: str, rows: int, repeat: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.block_kernels",
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.block_kernels",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="q4_1,q8_0,q4_k,q6_k", help=",".join(FORMATS))
     parser.add_argument("--rows", type=positive_int_list, default="1,16,64,512",

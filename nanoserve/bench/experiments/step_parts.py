@@ -10,7 +10,7 @@ The shortest turn is the least disturbed one on a shared machine, so these are l
 a quiet step, not the step `profile` measures through the engine (that one adds the host).
 Refuses: printing beyond one table (the CSV is the record).
 
-    python -m nanoserve.bench.step_parts --slots 1,16 --out results/step_parts_q4_1.csv
+    python -m nanoserve.bench.experiments.step_parts --slots 1,16 --out results/step_parts_q4_1.csv
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def measure(slots: int, *, dtype: str, threads: int | None, turns: int, model: s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.step_parts",
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.step_parts",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--slots", default="1,16", help="decode rows per step, comma separated")
     parser.add_argument("--dtype", default="auto",

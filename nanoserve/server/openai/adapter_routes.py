@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.server.async_engine import EngineUnavailableError
+from nanoserve.server.bridges.async_engine import EngineUnavailableError
 from nanoserve.server.errors import APIError, bad_request
-from nanoserve.server.protocol import OpenAIModel, Refusal, absent_or
-from nanoserve.server.routes import parse_body
+from nanoserve.server.openai.protocol import OpenAIModel, Refusal, absent_or
+from nanoserve.server.openai.routes import parse_body
 from nanoserve.server.state import ServerState, state_of, unavailable
 
 if TYPE_CHECKING:

@@ -23,18 +23,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
-from nanoserve.server import routes
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.generation import Generation, unary_response
-from nanoserve.server.protocol import (
+from nanoserve.server.openai import routes
+from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
     OpenAIModel,
     Refusal,
     absent_or,
     empty_or_absent,
 )
+from nanoserve.server.openai.streaming import EventStreamResponse, chunk_batches
 from nanoserve.server.state import state_of, unavailable
-from nanoserve.server.streaming import EventStreamResponse, chunk_batches
 
 log = logging.getLogger("nanoserve.server")
 

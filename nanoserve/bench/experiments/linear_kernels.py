@@ -8,7 +8,7 @@ the same minutes, the load average and the machine.
 Refuses: choosing anything (the engine's `linear.choose_kernel` does that) and quoting one run:
 every row is the median and the best of `--repeat` turns.
 
-    python -m nanoserve.bench.linear_kernels --dtype float32,bfloat16 --rows 1,4,16,64 \
+    python -m nanoserve.bench.experiments.linear_kernels --dtype float32,bfloat16 --rows 1,4,16,64 \
         --threads 1,2 --out results/linear_kernels.csv
 """
 

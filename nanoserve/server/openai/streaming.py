@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import StreamingResponse
 
-from nanoserve.server import protocol
 from nanoserve.server.errors import APIError
 from nanoserve.server.generation import Choice, Generation, logprobs_body, token_text
-from nanoserve.server.protocol import Kind, RequestBody, TokenText
+from nanoserve.server.openai import protocol
+from nanoserve.server.openai.protocol import Kind, RequestBody, TokenText
 from nanoserve.server.state import unavailable
 
 if TYPE_CHECKING:

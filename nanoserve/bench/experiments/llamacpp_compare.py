@@ -12,8 +12,8 @@ time to first token, which is the prompt's prefill plus one sampled token) and t
 Refuses: running without the anchor's llama.cpp build (run the anchor script first: it builds
 llama.cpp and writes the float32 copy), and options it does not know (exit 2 naming them).
 
-    python -m nanoserve.bench.llamacpp_compare --weights q8_0,q4_k_m --slots 1,16 --turns 3
-    python -m nanoserve.bench.llamacpp_compare --weights q4_1 --slots 1 --input-len 512 \\
+    python -m nanoserve.bench.experiments.llamacpp_compare --weights q8_0,q4_k_m --slots 1,16 --turns 3
+    python -m nanoserve.bench.experiments.llamacpp_compare --weights q4_1 --slots 1 --input-len 512 \\
         --output-len 16 --out results/prefill_vs_llamacpp.csv
 """
 
@@ -178,7 +178,7 @@ def _weights(text: str) -> list[str]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.llamacpp_compare",
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.llamacpp_compare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", type=_weights, default=list(WEIGHTS), help="q4_1,f32,q8_0,q4_k_m")
     parser.add_argument("--slots", type=_int_list, default=[1, 16], help="N,N,... concurrent requests")

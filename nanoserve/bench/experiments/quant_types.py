@@ -13,7 +13,7 @@ goal (1.3), the bytes its packed weights hold (the layouts the kernel repacked t
 the file's tensor bytes, and the machine.
 Refuses: choosing anything or asserting a time (no test times anything).
 
-    python -m nanoserve.bench.quant_types --slots 1,16 --repeat 3 --out results/quant_types.csv
+    python -m nanoserve.bench.experiments.quant_types --slots 1,16 --repeat 3 --out results/quant_types.csv
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Owns: running the default model (or another) in each dtype on the reference case
 shared/reference (prompt ids, greedy ids, last-position logits of an independent float32
 implementation) and recording, per dtype and case, how many greedy tokens match before the
 first divergence, whether all match, and the largest absolute error of the last-position
-logits. `python -m nanoserve.bench.agreement --reference DIR --out results/dtype_agreement.csv`; the
-dtype `quantized` is the default model in its own GGUF quantization (Q4_1, Q8_0 head).
+logits. `python -m nanoserve.bench.experiments.agreement --reference DIR --out
+results/dtype_agreement.csv`; the dtype `quantized` is the default model in its own GGUF
+quantization (Q4_1, Q8_0 head).
 Refuses: judging; it measures, and README.md states what the figures mean for choosing a dtype.
 """
 

@@ -24,7 +24,7 @@ count of what went wrong, never a timing:
    at once: the streams get their error event, the exit code is 143).
 Writes one CSV (counts per probe and route, then a row per failure with the body that caused
 it) with the machine's columns, and returns the summary the command prints.
-`python -m nanoserve.bench.hostile --out results/hostile.csv`
+`python -m nanoserve.bench.experiments.hostile --out results/hostile.csv`
 Refuses: driving the engine in process (it is a client of a real server), and judging speed.
 """
 
@@ -672,7 +672,7 @@ def _logged_errors(logs: list[str]) -> Counter[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.hostile",
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.hostile",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--per-route", type=int, default=60, help="seeded mutations per POST route")

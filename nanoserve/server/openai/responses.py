@@ -28,10 +28,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from nanoserve.server import routes
 from nanoserve.server.errors import bad_request
 from nanoserve.server.generation import Generation, unary_response
-from nanoserve.server.protocol import (
+from nanoserve.server.openai import routes
+from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
     OpenAIModel,
     Refusal,
@@ -39,8 +39,8 @@ from nanoserve.server.protocol import (
     empty_or_absent,
     now_s,
 )
+from nanoserve.server.openai.streaming import EventStreamResponse, chunk_batches
 from nanoserve.server.state import unavailable
-from nanoserve.server.streaming import EventStreamResponse, chunk_batches
 
 log = logging.getLogger("nanoserve.server")
 

@@ -1,6 +1,6 @@
 """What the prefill pace costs a long prompt alone (--prefill-step-ms; engine/prefill_pace.py).
 
-`python -m nanoserve.bench.prefill_pace --input-len 3000 --turns 3 --out results/prefill_pace.csv`
+`python -m nanoserve.bench.experiments.prefill_pace --input-len 3000 --turns 3 --out results/prefill_pace.csv`
 times one prompt's prefill (max_tokens 1, prefix caching off) alone on each side, in one
 process, the sides in alternating turns (A B C A B C ...) so a burst of load from elsewhere
 falls on all: the whole `--max-num-batched-tokens` a step (`--prefill-step-ms off`) against

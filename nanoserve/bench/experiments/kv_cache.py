@@ -1,7 +1,7 @@
 """What a quantized KV cache buys and costs: bytes per token, decode speed at a long context,
 and agreement with float32 K/V (--kv-cache-dtype; model/kv_cache.py).
 
-`python -m nanoserve.bench.kv_cache --reference ../shared/reference/smollm2` writes three CSVs,
+`python -m nanoserve.bench.experiments.kv_cache --reference ../shared/reference/smollm2` writes three CSVs,
 each row with the machine it ran on:
 - results/kv_cache_bytes.csv: K/V bytes per token of the model for float32, bfloat16 and q8_0,
   and each one's ratio to float32's and bfloat16's (the goal: q8_0 about a quarter of float32,
@@ -39,7 +39,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from nanoserve.bench.agreement import matched_prefix
+from nanoserve.bench.experiments.agreement import matched_prefix
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.llm import LLM
 from nanoserve.model.kv_cache import KVCache, bytes_per_token, dequantize_q8, quantize_q8

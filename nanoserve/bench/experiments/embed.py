@@ -12,7 +12,7 @@ taken in alternating turns so a neighbour's noise falls on both sides of each ra
   steps under the prefill budget); the ratio with / alone per turn (DESIGN invariant 5: no
   request slows another by more than 2x).
 Every turn is a row of the CSV with the machine's columns; the summary prints each ratio's
-median over the turns. `python -m nanoserve.bench.embed --turns 3 --out results/embeddings.csv`.
+median over the turns. `python -m nanoserve.bench.experiments.embed --turns 3 --out results/embeddings.csv`.
 Refuses: judging; it measures, and README.md states what the figures mean.
 """
 

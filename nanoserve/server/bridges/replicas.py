@@ -52,7 +52,7 @@ from nanoserve.engine.core import Engine
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
-from nanoserve.server.async_engine import (
+from nanoserve.server.bridges.async_engine import (
     EngineUnavailableError,
     _Abort,
     _Add,

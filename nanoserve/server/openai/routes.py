@@ -23,14 +23,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from nanoserve.server import planning, protocol
-from nanoserve.server.async_engine import EngineUnavailableError
+from nanoserve.server import planning
+from nanoserve.server.bridges.async_engine import EngineUnavailableError
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.generation import Generation, check_capacity, new_request_id, unary_response
 from nanoserve.server.metrics import CONTENT_TYPE
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
+from nanoserve.server.openai import protocol
+from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
+from nanoserve.server.openai.streaming import stream_response
 from nanoserve.server.state import ServerLimits, ServerState, state_of, too_many_requests, unavailable
-from nanoserve.server.streaming import stream_response
 from nanoserve.server.tenants import Tenant
 
 log = logging.getLogger("nanoserve.server")
