@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.server.async_engine import EngineUnavailableError
+from nanoserve.server.engine_bridge import EngineUnavailableError
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.protocol import OpenAIModel, Refusal, absent_or
 from nanoserve.server.routes import parse_body
