@@ -41,9 +41,9 @@ def test_a_request_holds_at_most_the_context_or_the_whole_kv_pool_whichever_is_l
     assert facts_only(max_model_len=20, num_blocks=8, block_size=4).max_request_tokens == 20
     admission = facts_only(max_model_len=64, num_blocks=8, block_size=4)
     admission.check_request(list(range(31)), SamplingParams(max_tokens=1))
-    assert refusal(lambda: admission.check_request(list(range(32)), SamplingParams(max_tokens=1)))[1] == "prompt"
-    assert refusal(lambda: admission.check_request(list(range(30)), SamplingParams(max_tokens=3)))[1] == \
-        "max_tokens"
+    too_long, too_many = list(range(32)), list(range(30))
+    assert refusal(lambda: admission.check_request(too_long, SamplingParams(max_tokens=1)))[1] == "prompt"
+    assert refusal(lambda: admission.check_request(too_many, SamplingParams(max_tokens=3)))[1] == "max_tokens"
 
 
 def test_admission_refuses_token_ids_outside_the_vocabulary_and_an_empty_prompt() -> None:
@@ -79,7 +79,7 @@ def solo(tiny_model_dir) -> LLM:
     return LLM(str(tiny_model_dir), **ENGINE_OPTIONS)
 
 
-def test_the_replicas_admission_is_the_engines_own_and_refuses_with_its_messages(tiny_model_dir, solo) -> None:
+def test_the_replicas_admission_is_the_engines_own_and_refuses_as_it_does(tiny_model_dir, solo) -> None:
     engine = solo.engine
     config = EngineConfig(model=str(tiny_model_dir), **ENGINE_OPTIONS)
     ready = ReplicaReady(str(engine.model_dir), engine.model_config, engine.vocab_size, engine.max_model_len,

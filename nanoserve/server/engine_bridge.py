@@ -8,7 +8,9 @@ abort / drain / stop, and the figures for /health and /metrics; `EngineUnavailab
 commands a bridge hands the engine it drives (`AddSequence`, `AbortSequence`, and `EngineCall`,
 the in-process engine's only), `apply_commands`, which runs them on the thread that steps the
 engine (AsyncEngine's, or a replica's process), and `snapshot_of`, the engine's figures read there.
-Refuses: HTTP, and threads or processes: each bridge owns how it reaches its engines.
+Refuses: HTTP; threads and processes (each bridge owns how it reaches its engines); and running
+a function on an engine, which only `AsyncEngine.call` does, for the adapter routes (`build_app`
+serves no adapters beside replicas).
 """
 
 from __future__ import annotations
