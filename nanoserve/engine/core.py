@@ -44,15 +44,15 @@ every device (`ASYNC_SCHEDULING_DEFAULT`) until a side-by-side measurement shows
 Every phase's time and readbacks are counted in `EngineStats` (with deferred output, the
 discarded overshoot rows and the readbacks made with no later step launched), so `profile`
 reads them without touching the engine. `LLM` (llm.py) is the offline and streaming front
-over this class.
+over this class. `add_request` admits through the engine's `admission` (`admission.InputProcessor`,
+the checks and input preparation the server's front runs too), then queues the request.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import itertools
 import logging
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,6 +71,7 @@ from nanoserve.config import (
 )
 from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
 from nanoserve.distributed.shards import local_config
+from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
@@ -345,26 +346,14 @@ class Engine:
         """Every live request by id: the scheduler's registry, the only one."""
         return self.scheduler.requests
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
-                    param="prompt")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
-        return ids
-
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Every check a request must pass, before it costs the engine anything (admission)."""
-        params.validate_for_vocab(self.vocab_size)
-        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
-        if params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)  # compiled here once, then cached
+    @functools.cached_property
+    def admission(self) -> InputProcessor:
+        """The checks and preparation of a request's inputs (`admission`), over this engine's facts."""
+        return InputProcessor(self.tokenizer, self.grammars, vocab_size=self.vocab_size,
+                              max_model_len=self.max_model_len, num_blocks=self.pool.num_blocks,
+                              block_size=self.pool.block_size, task=self.config.task,
+                              pooling_method=self.pooling_method, hidden_size=self.model_config.hidden_size,
+                              tensor_parallel=self.tp is not None)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, parent_id: str | None = None,
@@ -374,47 +363,23 @@ class Engine:
         `lora_request` the adapter it runs with (loaded now if it is not resident); `pooling`
         makes it an embedding request: its prompt is computed, pooled into one vector (its one
         output) and it ends, sampling nothing (`params` then give only its priority and cache salt)."""
-        if pooling is not None:
-            self.check_pooling(pooling)
-            pooling = dataclasses.replace(pooling, method=pooling.method or self.pooling_method)
-        elif self.config.task == "embed":
-            raise InvalidRequestError("this engine runs the embed task: it pools embeddings and generates no "
-                                      "text (start it with task 'generate' to generate)", param="task")
-        params = (params or SamplingParams()).with_bad_words_token_ids(
-            lambda text: self.tokenizer.encode(text, add_bos=False))
-        prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
-        if pooling is not None:  # nothing sampled: one "token" of room, as a prompt must leave
-            params = dataclasses.replace(SamplingParams(max_tokens=1, temperature=0.0),
-                                         priority=params.priority, cache_salt=params.cache_salt)
-        self.check_request(prompt_ids, params)
+        admitted = self.admission.process(prompt, params, pooling)
         adapter = self.add_lora(lora_request) if lora_request is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        output_state = self.outputs.new_state(params, prompt_ids) if pooling is None else None  # no text
+        prompt_ids, params = admitted.prompt_ids, admitted.params
+        text = admitted.pooling is None  # an embedding request has no text
+        output_state = self.outputs.new_state(params, prompt_ids) if text else None
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
-        request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
-                          output_state=output_state, grammar=grammar, adapter=adapter, pooling=pooling)
+        request = Request(request_id, prompt_ids, params, admitted.seed, parent_id=parent_id,
+                          output_state=output_state, grammar=grammar, adapter=adapter,
+                          pooling=admitted.pooling)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)
         return request_id
-
-    def check_pooling(self, pooling: PoolingParams) -> None:
-        """Refuse an embedding request this engine cannot pool: with tensor parallelism, or a
-        vector length other than the model's."""
-        if not isinstance(pooling, PoolingParams):
-            raise InvalidRequestError(f"pooling must be a PoolingParams; got {pooling!r}", param="pooling")
-        if self.tp is not None:
-            raise InvalidRequestError("embeddings are not supported with tensor parallelism yet",
-                                      param="pooling")
-        hidden = self.model_config.hidden_size
-        if pooling.dimensions is not None and pooling.dimensions != hidden:
-            raise InvalidRequestError(f"dimensions must be this model's hidden size, {hidden}; got "
-                                      f"{pooling.dimensions} (vectors are not truncated)", param="dimensions")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)

@@ -81,11 +81,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nanoserve.config import SCHEDULING_POLICIES
+from nanoserve.engine.admission import check_fits, request_token_limit
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.fair_share import FairShare
 from nanoserve.engine.prefill_pace import PrefillPace
 from nanoserve.engine.request import NewToken, Request, RequestStatus
-from nanoserve.errors import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,24 +232,11 @@ class Scheduler:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt plus output) one request may ever hold."""
-        return min(self.config.max_model_len, self.pool.num_blocks * self.pool.block_size)
+        return request_token_limit(self.config.max_model_len, self.pool.num_blocks, self.pool.block_size)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse, at admission, a request that could never finish: waiting would be forever."""
-        limit = self.max_request_tokens
-        if num_prompt_tokens >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt_tokens} tokens; this engine holds at most "
-                f"{limit} tokens per request (prompt plus output)",
-                param="prompt",
-            )
-        if num_prompt_tokens + max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
-                f"{num_prompt_tokens + max_tokens}, over this engine's limit of {limit} tokens "
-                f"per request; lower max_tokens to at most {limit - num_prompt_tokens}",
-                param="max_tokens",
-            )
+        """Admission's length check (`admission.check_fits`) against this scheduler's limits."""
+        check_fits(num_prompt_tokens, max_tokens, self.max_request_tokens)
 
     def add(self, request: Request) -> None:
         """Queue a request that passed `check_fits` (the caller's admission check) under a new id."""

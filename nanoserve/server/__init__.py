@@ -7,7 +7,8 @@ Grouped by what each part speaks to:
 - `anthropic/`: Anthropic's Messages API.
 - `parsers/`: what is read out of a model's text or a body's fields: tool calls, reasoning,
   structured-output fields.
-- `bridges/`: between the event loop and the engine: one engine on its own thread
+- `bridges/`: between the event loop and the engine: `engine_bridge` (the one interface the
+  routes drive an engine through, and the commands a bridge sends), one engine on its own thread
   (`async_engine`), or data-parallel replicas in processes of their own (`replicas`).
 - Here, shared by every protocol, in the order a request meets them: `app` (builds the app and
   wires it), `planning` (a body to the engine's sequences, or a 4xx), `generation` (the

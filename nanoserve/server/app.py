@@ -22,7 +22,8 @@ from fastapi.responses import Response
 
 from nanoserve.server.adapters import AdapterRegistry, LoRAModule
 from nanoserve.server.anthropic import messages
-from nanoserve.server.bridges.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
+from nanoserve.server.bridges.async_engine import PREFILL_LOG_S, AsyncEngine
+from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
 from nanoserve.server.bridges.replicas import ReplicaPlan, ReplicaPool
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
@@ -89,7 +90,7 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         async_engine = (ReplicaPool(replicas, loop, on_death=on_engine_death,
-                                    check_engine=lambda front: reasoning.tags(front.tokenizer))
+                                    check_engine=lambda admission: reasoning.tags(admission.tokenizer))
                         if replicas is not None else
                         AsyncEngine(build_checked_engine, loop, prefill_log_s=prefill_log_s,
                                     on_death=on_engine_death))

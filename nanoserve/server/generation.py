@@ -6,7 +6,7 @@ share parent, reads their outputs from one queue, records their latencies and th
 counts, aborts whatever is still running on `close` and leaves the tenant's in-flight count),
 and the unary response: collect every output, or stop early and abort if the client hangs up.
 Refuses: deciding what a request may ask for (planning did), SSE (`streaming`), and touching
-the engine other than through `AsyncEngine`.
+the engine other than through the `EngineBridge` (bridges/engine_bridge.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server.bridges.async_engine import EngineUnavailableError
+from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
 from nanoserve.server.errors import bad_request
 from nanoserve.server.openai import protocol
 from nanoserve.server.openai.protocol import Kind, TextOffset, TokenText
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 def check_capacity(state: ServerState, num_sequences: int) -> None:
     engine = state.async_engine
-    capacity = state.engine.config.max_num_seqs + state.limits.max_waiting
+    capacity = engine.max_running + state.limits.max_waiting
     if num_sequences > capacity:
         raise bad_request(f"this request asks for {num_sequences} sequences (prompts x n); this server "
                           f"holds at most {capacity} at a time", "n")
@@ -330,5 +330,5 @@ def logprobs_body(kind: Kind, entries: list[TokenLogprob], names: TokenText,
 def token_text(state: ServerState) -> TokenText:
     """The tokens' text and bytes, built on first use: the tokenizer exists only once loaded."""
     if state.token_text is None:
-        state.token_text = TokenText(state.engine.tokenizer)
+        state.token_text = TokenText(state.admission.tokenizer)
     return state.token_text

@@ -3,10 +3,11 @@
 Owns: `check_body` (what can be refused without the engine: the model name and the server's
 limits; fields the server does not honour were refused as the body was parsed) and `plan`
 (tokenize each prompt, fill in max_tokens and per-choice seeds, build the `SamplingParams`
-and run every engine check), so a request that gets past planning
-costs the engine nothing it could refuse later. `refusals_as_400` is the one place an
-`InvalidRequestError` from the tokenizer, `SamplingParams` or the engine becomes a 400, naming
-the field the client sent rather than the engine's name for it.
+and run every engine check, with the engines' own `InputProcessor`, `state.admission`), so a
+request that gets past planning costs the engine nothing it could refuse later.
+`refusals_as_400` is the one place an `InvalidRequestError` from the tokenizer,
+`SamplingParams` or the engine becomes a 400, naming the field the client sent rather than the
+engine's name for it.
 Refuses: touching the engine's state (`plan` runs off the event loop and only reads
 configuration), range checks of sampling values (`SamplingParams` owns those), and HTTP.
 """
@@ -36,7 +37,7 @@ from nanoserve.server.parsers.tool_calls import ToolPlan
 from nanoserve.server.state import ServerLimits, ServerState
 
 if TYPE_CHECKING:
-    from nanoserve.engine.core import Engine
+    from nanoserve.engine.admission import InputProcessor
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages",
                           "prompt" if body.prompt is None else "messages")
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.admission.tokenizer
     if body.prompt is not None:
         return tokenizer.encode(body.prompt, add_bos=False if body.add_special_tokens is False else None)
     check_chat_template(body, state.limits)
@@ -163,12 +164,12 @@ def tokenize(state: ServerState, body: protocol.TokenizeRequest) -> list[int]:
 
 def detokenize(state: ServerState, body: protocol.DetokenizeRequest) -> str:
     check_model(state, body.model)
-    vocab_size = state.engine.vocab_size
+    vocab_size = state.admission.vocab_size
     bad = [i for i, token in enumerate(body.tokens) if token >= vocab_size]
     if bad:
         raise bad_request(f"token ids must be in [0, {vocab_size}); got {body.tokens[bad[0]]}",
                           f"tokens[{bad[0]}]")
-    return state.engine.tokenizer.decode(body.tokens)
+    return state.admission.tokenizer.decode(body.tokens)
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -176,18 +177,18 @@ def detokenize(state: ServerState, body: protocol.DetokenizeRequest) -> str:
 def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSequence]:
     """Tokenize, fill in max_tokens and seeds, and run every engine check: 400s happen here.
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
-    engine = state.engine
+    admission = state.admission
     tools = ToolPlan.from_body(body) if kind == "chat" else None
-    prompts = _prompts(engine, kind, body, state.limits)
+    prompts = _prompts(admission, kind, body, state.limits)
     reasoning = _reasoning(state, body, prompts[0].ids) if kind == "chat" else None
     base = _base_params(body, state.default_seed() if body.seed is None else body.seed, reasoning)
     sequences = []
     for prompt_index, prompt in enumerate(prompts):
-        max_tokens = _max_tokens(engine, body, len(prompt.ids), state.limits)
+        max_tokens = _max_tokens(admission, body, len(prompt.ids), state.limits)
         for j in range(body.n):
             params = _params_for(body, base, max_tokens, j)
             with refusals_as_400(body):
-                engine.check_request(prompt.ids, params)
+                admission.check_request(prompt.ids, params)
             sequences.append(PlannedSequence(
                 prompt_index * body.n + j, prompt_index, prompt.ids, params, tools, prompt.echo,
                 body.prompt_logprobs, body.logprobs if isinstance(body, CompletionRequest) and body.echo
@@ -198,7 +199,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
 def _reasoning(state: ServerState, body: ChatCompletionRequest,
                prompt_ids: list[int]) -> ReasoningPlan | None:
     """The chat's think block, when the server runs a reasoning parser for this model."""
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.admission.tokenizer
     with refusals_as_400(body):
         tags = state.reasoning.tags(tokenizer)
     if tags is None:
@@ -211,9 +212,10 @@ def _reasoning(state: ServerState, body: ChatCompletionRequest,
                                     budget_tokens=state.reasoning.budget_tokens if budget is None else budget)
 
 
-def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[PlannedPrompt]:
+def _prompts(admission: InputProcessor, kind: Kind, body: RequestBody,
+             limits: ServerLimits) -> list[PlannedPrompt]:
     if kind == "chat":
-        return [PlannedPrompt(_chat_prompt_ids(engine, body))]
+        return [PlannedPrompt(_chat_prompt_ids(admission, body))]
     prompt = body.prompt
     single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
     prompts = [prompt] if single else list(prompt)
@@ -222,42 +224,42 @@ def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits
                           "prompt")
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"at most {limits.max_prompts} prompts per request; got {len(prompts)}", "prompt")
-    return [_completion_prompt(engine, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+    return [_completion_prompt(admission, body, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
             for i, p in enumerate(prompts)]
 
 
-def _completion_prompt(engine: Engine, body: CompletionRequest, prompt: str | list[int],
+def _completion_prompt(admission: InputProcessor, body: CompletionRequest, prompt: str | list[int],
                        param: str) -> PlannedPrompt:
     if isinstance(prompt, str) and body.add_special_tokens is False:
-        prompt = engine.tokenizer.encode(prompt, add_bos=False) or prompt  # "": refused as empty below
-    ids = _encode(engine, body, prompt, param)
+        prompt = admission.tokenizer.encode(prompt, add_bos=False) or prompt  # "": refused as empty below
+    ids = _encode(admission, body, prompt, param)
     if not body.echo:
         return PlannedPrompt(ids)
     # vLLM echoes a text prompt as sent; token ids (or a truncated prompt) as they decode.
     whole = isinstance(prompt, str) and body.truncate_prompt_tokens is None
-    text = prompt if whole else engine.tokenizer.decode(
+    text = prompt if whole else admission.tokenizer.decode(
         ids, skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens)
     return PlannedPrompt(ids, text)
 
 
-def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt_ids(admission: InputProcessor, body: ChatCompletionRequest) -> list[int]:
     try:
         messages = body.chat_messages()
     except protocol.UnsupportedContentError as error:
         raise bad_request(str(error), error.param) from None
     tools = ToolPlan.from_body(body)
     with refusals_as_400(body):
-        prompt_ids = engine.tokenizer.encode_chat(messages, tools=tools and tools.template_tools(),
+        prompt_ids = admission.tokenizer.encode_chat(messages, tools=tools and tools.template_tools(),
                                                   **body.template_flags(),
                                                   add_special_tokens=bool(body.add_special_tokens))
-    return _encode(engine, body, prompt_ids, "messages")
+    return _encode(admission, body, prompt_ids, "messages")
 
 
-def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:
+def _encode(admission: InputProcessor, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:
     """The prompt's token ids, checked, and truncated as truncate_prompt_tokens asks."""
     with refusals_as_400(body, param=param):
-        ids = engine.encode_prompt(prompt)
+        ids = admission.encode_prompt(prompt)
     return keep_last_tokens(ids, body.truncate_prompt_tokens)
 
 
@@ -328,7 +330,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: ServerLimits) -> int:
+def _max_tokens(admission: InputProcessor, body: RequestBody, num_prompt: int, limits: ServerLimits) -> int:
     """What the body asks for, within the server's limit. Absent, as OpenAI and vLLM have it:
     16 for a completion, and for a chat all the room the context leaves (within the limit)."""
     asked = body.max_tokens
@@ -343,10 +345,10 @@ def _max_tokens(engine: Engine, body: RequestBody, num_prompt: int, limits: Serv
         if limits.max_tokens is not None and asked > limits.max_tokens:
             raise bad_request(f"{name} must be at most {limits.max_tokens} on this server; got {asked}", name)
         return asked
-    room = engine.scheduler.max_request_tokens - num_prompt
+    room = admission.max_request_tokens - num_prompt
     if room < 1:
         raise bad_request(f"the prompt has {num_prompt} tokens, which leaves no room to generate in this "
-                          f"server's context of {engine.scheduler.max_request_tokens} tokens",
+                          f"server's context of {admission.max_request_tokens} tokens",
                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     return room if limits.max_tokens is None else min(room, limits.max_tokens)
 

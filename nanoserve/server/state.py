@@ -17,7 +17,7 @@ from fastapi import Request
 
 from nanoserve.sampling_params import MAX_LOGPROBS
 from nanoserve.server.adapters import AdapterRegistry
-from nanoserve.server.bridges.async_engine import AsyncEngine
+from nanoserve.server.bridges.engine_bridge import EngineBridge
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import protocol
@@ -26,8 +26,8 @@ from nanoserve.server.parsers.reasoning import ReasoningConfig
 from nanoserve.server.tenants import Tenancy
 
 if TYPE_CHECKING:
+    from nanoserve.engine.admission import InputProcessor
     from nanoserve.engine.core import Engine
-    from nanoserve.server.bridges.replicas import ReplicaFront, ReplicaPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,7 @@ class ServerLimits:
 
 @dataclass(slots=True)
 class ServerState:
-    async_engine: AsyncEngine | ReplicaPool  # one engine on a thread, or data-parallel replicas
+    async_engine: EngineBridge  # `AsyncEngine` (one engine on a thread) or `ReplicaPool` (replicas)
     model_names: list[str]
     accepted_names: frozenset[str]
     tenancy: Tenancy  # the API keys, each a tenant, and what the server keeps apart between them
@@ -68,7 +68,13 @@ class ServerState:
         return None if self.default_seeds is None else self.default_seeds.getrandbits(62)
 
     @property
-    def engine(self) -> Engine | ReplicaFront:
+    def admission(self) -> InputProcessor | None:
+        """The request checks and the tokenizer of the engines serving; None while they load."""
+        return self.async_engine.admission
+
+    @property
+    def engine(self) -> Engine | None:
+        """The in-process engine (None with replicas): the engine thread's alone, but for tests."""
         return self.async_engine.engine
 
 

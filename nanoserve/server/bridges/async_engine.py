@@ -6,27 +6,37 @@ prefill has got every `prefill_log_s` it keeps running, so a long prompt is visi
 (add, abort, call, stop) that is the only way the event loop touches the engine; per-request
 `asyncio.Queue`s fed by one `loop.call_soon_threadsafe` per step; the health flag, cleared
 if the loop dies, which fails every open stream; and the engine snapshot for /metrics.
+It is one of the two `EngineBridge`s (engine_bridge.py), the one of a server without replicas.
 Refuses: HTTP, and any engine call from the event loop thread (the engine is not thread-safe).
-The only engine reads allowed elsewhere are `encode_prompt` / `check_request` / the tokenizer,
-which read configuration only.
+The only engine read allowed elsewhere is its `admission` (the request checks and the
+tokenizer), which reads configuration only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanoserve.errors import NanoserveError
+from nanoserve.server.bridges.engine_bridge import (
+    AbortSequence,
+    AddSequence,
+    Command,
+    EngineBridge,
+    EngineCall,
+    EngineUnavailableError,
+    apply_commands,
+    snapshot_of,
+)
 from nanoserve.server.metrics import EngineSnapshot
 
 if TYPE_CHECKING:
+    from nanoserve.engine.admission import InputProcessor
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
     from nanoserve.model.lora import LoRARequest
@@ -37,60 +47,29 @@ log = logging.getLogger("nanoserve.server")
 PREFILL_LOG_S = 10.0  # a prefill still running after this long gets a progress line, then again
 
 
-class EngineUnavailableError(RuntimeError):
-    """The engine is still loading, has died, or is shutting down."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    parent_id: str | None = None
-    pooling: PoolingParams | None = None  # an embedding request
-    lora_request: LoRARequest | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """Run `run(engine)` between steps; `settle(result, error)` then hands the outcome to the
-    event loop (AsyncEngine only: a replica's commands cross a process boundary)."""
-
-    run: Callable[[Engine], object]
-    settle: Callable[[object, BaseException | None], None]
-
-
-class AsyncEngine:
+class AsyncEngine(EngineBridge):
     """Bridges the event loop and the engine thread. Public methods run on the event loop."""
+
+    died = "the engine loop has died"
 
     def __init__(self, build_engine: Callable[[], Engine], loop: asyncio.AbstractEventLoop, *,
                  prefill_log_s: float = PREFILL_LOG_S,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
         """`on_death` runs on the event loop once the engine thread has died (a model that
         fails to load included), after every stream has been failed."""
+        super().__init__(loop)
         self._build_engine = build_engine
         self._on_death = on_death
         self._prefill_log_s = prefill_log_s
         self._prefill_logged_s: dict[str, float] = {}  # engine thread: when each prefill last logged
         self._arrivals: dict[str, float] = {}  # engine thread: arrival of each prefill logged
-        self._loop = loop
-        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._commands: deque[Command] = deque()
         self._calls: set[asyncio.Future] = set()  # event loop only: `call`s not yet settled
         self._wake = threading.Condition()
-        self._stopping = False
-        self._draining = False
         self._forced = False  # `stop_now`: the lifespan's stop waits for no step
         self._queues: dict[str, asyncio.Queue] = {}  # event loop only
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-        self.engine: Engine | None = None
-        self.ready = False
-        self.dead: BaseException | None = None
-        self.snapshot = EngineSnapshot()
+        self._snapshot = EngineSnapshot()
 
     # -- event loop side ----------------------------------------------------------------------
 
@@ -98,8 +77,12 @@ class AsyncEngine:
         self._thread.start()
 
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
+    def admission(self) -> InputProcessor | None:
+        return self.engine.admission if self.engine is not None else None
+
+    @property
+    def max_running(self) -> int:
+        return self.engine.config.max_num_seqs
 
     @property
     def healthy(self) -> bool:
@@ -115,8 +98,12 @@ class AsyncEngine:
         return "loading" if not self.ready else "draining"
 
     def health_report(self) -> dict[str, object]:
-        """/health's body; 200 when its status is "ok", else 503."""
         return {"status": self.status}
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's figures as of its last step."""
+        return self._snapshot
 
     @property
     def replica_figures(self) -> tuple[tuple[EngineSnapshot, bool], ...]:
@@ -125,16 +112,7 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Sequences handed to the engine and not yet finished or aborted."""
         return len(self._queues)
-
-    def check_available(self) -> None:
-        if self.dead is not None:
-            raise EngineUnavailableError(f"the engine loop has died: {self.dead!r}")
-        if self._stopping or self._draining:
-            raise EngineUnavailableError("the server is shutting down")
-        if not self.ready:
-            raise EngineUnavailableError("the model is still loading")
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
@@ -144,7 +122,7 @@ class AsyncEngine:
         outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling, lora_request))
+        self._send(AddSequence(request_id, prompt_ids, params, parent_id, pooling, lora_request))
 
     async def call(self, run: Callable[[Engine], object], *,
                    then: Callable[[object], None] | None = None) -> object:
@@ -157,26 +135,19 @@ class AsyncEngine:
             future.add_done_callback(lambda done: then(done.result())
                                      if not done.cancelled() and done.exception() is None else None)
         self._calls.add(future)
-        self._send(_Call(run, lambda result, error: self._call_soon(self._settle, future, result, error)))
+        self._send(EngineCall(run, lambda result, error: self._call_soon(
+            self._settle, future, result, error)))
         return await asyncio.shield(future)
 
     def abort(self, request_id: str) -> None:
-        """Stop a sequence (its reader is gone): no more outputs, its blocks freed at once."""
         if self._queues.pop(request_id, None) is not None:
-            self._send(_Abort(request_id))
-
-    def drain(self, deadline_s: float) -> None:
-        """Refuse new work; what is still running after `deadline_s` fails with an error."""
-        self._draining = True
-        self._loop.call_later(deadline_s, self.cancel_all, EngineUnavailableError(
-            f"the server is shutting down and the request did not finish within {deadline_s:g} s"))
+            self._send(AbortSequence(request_id))
 
     def cancel_all(self, error: BaseException) -> None:
-        """Fail every open sequence with `error` and abort it in the engine."""
         request_ids = list(self._queues)
         self._fail_all(error)
         for request_id in request_ids:
-            self._send(_Abort(request_id))
+            self._send(AbortSequence(request_id))
 
     def stop_now(self, error: BaseException) -> None:
         """A forced shutdown: fail every open sequence with `error` at once and tell the thread
@@ -197,7 +168,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
 
-    def _send(self, command: _Add | _Abort | _Call) -> None:
+    def _send(self, command: Command) -> None:
         with self._wake:
             self._commands.append(command)
             self._wake.notify()
@@ -304,52 +275,5 @@ class AsyncEngine:
         self._publish_snapshot()
 
     def _publish_snapshot(self) -> None:
-        self.snapshot = snapshot_of(self.engine)
+        self._snapshot = snapshot_of(self.engine)
 
-    def _call_soon(self, callback: Callable, *args: object) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read
-            self._loop.call_soon_threadsafe(callback, *args)
-
-
-def apply_commands(engine: Engine, commands: list[_Add | _Abort | _Call]) -> list[tuple[str, BaseException]]:
-    """Apply a batch of commands in order; the requests the engine refuses, with its error.
-    (The server's checks ran before: a late refusal only fails that request.) Also a replica's."""
-    rejected = []
-    for command in commands:
-        if isinstance(command, _Abort):
-            engine.abort(command.request_id)
-            continue
-        if isinstance(command, _Call):
-            try:
-                result, error = command.run(engine), None
-            except Exception as refused:  # the caller's to answer; the loop goes on
-                result, error = None, refused
-            command.settle(result, error)
-            continue
-        try:
-            engine.add_request(command.prompt_ids, command.params, command.request_id,
-                               parent_id=command.parent_id, pooling=command.pooling,
-                               lora_request=command.lora_request)
-        except Exception as error:
-            rejected.append((command.request_id, error))
-    return rejected
-
-
-def snapshot_of(engine: Engine) -> EngineSnapshot:
-    """The engine's figures for /metrics, read on the thread that steps it."""
-    pool, scheduler, stats = engine.pool, engine.scheduler, engine.stats
-    return EngineSnapshot(
-        running=len(scheduler.running),
-        waiting=len(scheduler.waiting),
-        kv_cache_usage=pool.usage,
-        kv_free_blocks=pool.num_free_blocks,
-        kv_total_blocks=pool.num_blocks,
-        preemptions=scheduler.num_preemptions,
-        prefix_cache_queries=scheduler.prefix_cache_queries,
-        prefix_cache_hits=scheduler.prefix_cache_hits,
-        prompt_tokens=stats.prompt_tokens,
-        generation_tokens=stats.generation_tokens,
-        steps=stats.steps,
-        spec_draft_tokens=stats.spec_draft_tokens,
-        spec_accepted_tokens=stats.spec_accepted_tokens,
-    )

@@ -3,11 +3,13 @@
 Owns: `ReplicaPlan` (N, the engine configuration every replica runs, the checks that can fail
 before a process starts, each replica's share of the cores); the replica process
 (`run_replica`: builds its engine, then applies commands and steps while there is work); the
-protocol between it and the server, one duplex pipe a replica (server to replica: `_Add`,
-`_Abort`, or None to stop; replica to server: ("ready", `ReplicaReady`), ("failed", error), or
-("step", outputs and refusals, its `EngineSnapshot`) after every step); routing; and
-`ReplicaPool`, which the server drives exactly as it drives `AsyncEngine` (add, abort, drain,
-stop, health, figures).
+protocol between it and the server, one duplex pipe a replica (server to replica: `AddSequence`,
+`AbortSequence`, or None to stop; replica to server: ("ready", `ReplicaReady`), ("failed", error),
+or ("step", outputs and refusals, its `EngineSnapshot`) after every step); routing; and
+`ReplicaPool`, the `EngineBridge` (engine_bridge.py) of a server with replicas, which the routes
+drive exactly as they drive `AsyncEngine` (add, abort, drain, stop, health, figures). Its
+`admission` is the engines' own `InputProcessor`, built from the facts replica 0 reports, so a
+request is refused with the very message a single engine gives, before any replica sees it.
 Routing: the sequences of one client request (its `parent_id`) go where its first went, so the
 fair share still sees them together; otherwise the replica whose prefix cache most likely holds
 the longest run of the prompt's leading blocks, keyed as the block pool keys them (the request's
@@ -47,15 +49,16 @@ from typing import TYPE_CHECKING
 
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.distributed.group import cores, local_ranks
-from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
+from nanoserve.engine.admission import InputProcessor
+from nanoserve.engine.block_pool import block_keys, chain_root
 from nanoserve.engine.core import Engine
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
-from nanoserve.server.bridges.async_engine import (
+from nanoserve.server.bridges.engine_bridge import (
+    AbortSequence,
+    AddSequence,
+    EngineBridge,
     EngineUnavailableError,
-    _Abort,
-    _Add,
     apply_commands,
     snapshot_of,
 )
@@ -123,6 +126,7 @@ class ReplicaReady:
     num_blocks: int
     linear_kernel: str
     kernel_summary: str
+    pooling_method: str = "last"  # an embedding request's method when it names none (the engine's)
 
 
 # ---- the replica process ----------------------------------------------------------------------
@@ -142,7 +146,7 @@ def run_replica(config: EngineConfig, cpus: tuple[int, ...] | None, conn: Connec
     conn.send(("ready", ReplicaReady(str(engine.model_dir), engine.model_config, engine.vocab_size,
                                      engine.max_model_len,
                                      engine.pool.num_blocks, engine.kernel_choice.kernel.name,
-                                     engine.kernel_summary)))
+                                     engine.kernel_summary, engine.pooling_method)))
     try:
         _serve(engine, conn)
     except (EOFError, BrokenPipeError):
@@ -177,30 +181,16 @@ def _picklable(error: BaseException) -> BaseException:
 # ---- the server's side -----------------------------------------------------------------------
 
 
-class ReplicaFront:
-    """What the server reads from "the engine" when replicas hold the engines: the tokenizer,
-    the limits, and the admission checks, which are the engine's own methods run over the
-    configuration every replica shares (so a request is refused with the very message a
-    single engine gives, before any replica sees it)."""
-
-    encode_prompt = Engine.encode_prompt
-    check_request = Engine.check_request
-    check_pooling = Engine.check_pooling
-
-    def __init__(self, config: EngineConfig, ready: ReplicaReady, size: int) -> None:
-        # The server's queue bound counts the running batches of every replica.
-        self.config = dataclasses.replace(config, max_num_seqs=config.max_num_seqs * size)
-        self.tokenizer = Tokenizer.from_dir(Path(ready.model_dir))
-        self.model_config = ready.model_config
-        # `check_pooling` asks only whether the replicas run tensor-parallel groups.
-        self.tp = "tensor-parallel replicas" if config.tensor_parallel_size > 1 else None
-        self.vocab_size = ready.vocab_size
-        self.max_model_len = ready.max_model_len
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   ready.max_model_len),
-                                   BlockPool(ready.num_blocks, config.block_size))
-        self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
-                                        eos_token_ids=self.tokenizer.eos_token_ids)
+def replica_admission(config: EngineConfig, ready: ReplicaReady) -> InputProcessor:
+    """The admission every replica runs (each replica's engine of `config` reported `ready`),
+    built in the server to check requests before any replica sees them."""
+    tokenizer = Tokenizer.from_dir(Path(ready.model_dir))
+    grammars = GrammarCompiler(tokenizer.backend.to_str(), vocab_size=ready.vocab_size,
+                               eos_token_ids=tokenizer.eos_token_ids)
+    return InputProcessor(tokenizer, grammars, vocab_size=ready.vocab_size, max_model_len=ready.max_model_len,
+                          num_blocks=ready.num_blocks, block_size=config.block_size, task=config.task,
+                          pooling_method=ready.pooling_method, hidden_size=ready.model_config.hidden_size,
+                          tensor_parallel=config.tensor_parallel_size > 1)
 
 
 @dataclass(eq=False)
@@ -234,19 +224,21 @@ class _Route:
     parent_id: str | None
 
 
-class ReplicaPool:
+class ReplicaPool(EngineBridge):
     """N replicas behind the server, driven as `AsyncEngine` is. Public methods run on the event
     loop; one thread starts the replicas, and each replica has a thread that writes its pipe and
     one that reads it."""
 
+    died = "every data-parallel replica has stopped"
+
     def __init__(self, plan: ReplicaPlan, loop: asyncio.AbstractEventLoop, *,
-                 check_engine: Callable[[ReplicaFront], None] = lambda front: None,
+                 check_engine: Callable[[InputProcessor], None] = lambda admission: None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
-        """`check_engine` runs once on the front, after every replica is ready (a failure stops the
-        server as a model that cannot load does); `on_death` runs on the event loop if the pool
-        dies (a replica fails to start, or every replica has exited)."""
+        """`check_engine` runs once on the replicas' `admission`, after every replica is ready (a
+        failure stops the server as a model that cannot load does); `on_death` runs on the event
+        loop if the pool dies (a replica fails to start, or every replica has exited)."""
+        super().__init__(loop)
         self.plan = plan
-        self._loop = loop
         self._check_engine = check_engine
         self._on_death = on_death
         self._context = multiprocessing.get_context("spawn")  # a fork would copy the server's threads
@@ -254,17 +246,18 @@ class ReplicaPool:
         self._routes: dict[str, _Route] = {}  # event loop only
         self._parents: dict[str, tuple[Replica, int]] = {}  # parent id -> its replica, sequences there
         self._starter = threading.Thread(target=self._start_replicas, name="nanoserve-replicas", daemon=True)
-        self._stopping = False
-        self._draining = False
-        self.engine: ReplicaFront | None = None
-        self.ready = False
-        self.dead: BaseException | None = None
+        self._admission: InputProcessor | None = None
 
     # -- what the server reads ------------------------------------------------------------------
 
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
+    def admission(self) -> InputProcessor | None:
+        return self._admission
+
+    @property
+    def max_running(self) -> int:
+        """The running batches of every replica."""
+        return self.plan.config.max_num_seqs * self.plan.size
 
     @property
     def healthy(self) -> bool:
@@ -284,7 +277,7 @@ class ReplicaPool:
         return "degraded"  # a replica has exited; the others serve
 
     def health_report(self) -> dict[str, object]:
-        """The pool's status and each replica's; an exited one with its exit."""
+        """The pool's status and each replica's (an exited one with its exit)."""
         replicas = []
         for replica in self.replicas:
             entry: dict[str, object] = {"replica": replica.index, "status": (
@@ -311,14 +304,6 @@ class ReplicaPool:
     def num_in_flight(self) -> int:
         return len(self._routes)
 
-    def check_available(self) -> None:
-        if self.dead is not None:
-            raise EngineUnavailableError(f"every data-parallel replica has stopped: {self.dead!r}")
-        if self._stopping or self._draining:
-            raise EngineUnavailableError("the server is shutting down")
-        if not self.ready:
-            raise EngineUnavailableError("the model is still loading")
-
     # -- requests -------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -336,23 +321,18 @@ class ReplicaPool:
         if parent_id is not None:
             _, count = self._parents.get(parent_id, (replica, 0))
             self._parents[parent_id] = (replica, count + 1)
-        replica.outbox.put(_Add(request_id, prompt_ids, params, parent_id, pooling))
+        replica.outbox.put(AddSequence(request_id, prompt_ids, params, parent_id, pooling))
 
     def abort(self, request_id: str) -> None:
         route = self._forget(request_id)
         if route is not None:
-            route.replica.outbox.put(_Abort(request_id))
-
-    def drain(self, deadline_s: float) -> None:
-        self._draining = True
-        self._loop.call_later(deadline_s, self.cancel_all, EngineUnavailableError(
-            f"the server is shutting down and the request did not finish within {deadline_s:g} s"))
+            route.replica.outbox.put(AbortSequence(request_id))
 
     def cancel_all(self, error: BaseException) -> None:
         for request_id, route in list(self._routes.items()):
             self._forget(request_id)
             route.queue.put_nowait(error)
-            route.replica.outbox.put(_Abort(request_id))
+            route.replica.outbox.put(AbortSequence(request_id))
 
     def stop_now(self, error: BaseException) -> None:
         self._draining = True
@@ -455,7 +435,7 @@ class ReplicaPool:
     # -- threads --------------------------------------------------------------------------------
 
     def _start_replicas(self) -> None:
-        """Replica 0 first; the others then with its kernel, all at once. Then the front."""
+        """Replica 0 first; the others then with its kernel, all at once. Then the admission."""
         try:
             first = self.replicas[0]
             self._launch(first, self.plan.config)
@@ -470,9 +450,9 @@ class ReplicaPool:
                 replica.started.wait()
             if any(r.ready is None for r in self.replicas):
                 return
-            front = ReplicaFront(self.plan.config, first.ready, self.plan.size)
-            self._check_engine(front)
-            self.engine = front
+            admission = replica_admission(self.plan.config, first.ready)
+            self._check_engine(admission)
+            self._admission = admission
             self.ready = True
             log.info("%d data-parallel replicas ready", self.plan.size)
         except BaseException as error:
@@ -518,10 +498,6 @@ class ReplicaPool:
         replica.exit_reason = _exit_reason(replica.process)
         replica.started.set()
         self._call_soon(self._replica_exited, replica)
-
-    def _call_soon(self, callback: Callable, *args: object) -> None:
-        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is left to read
-            self._loop.call_soon_threadsafe(callback, *args)
 
 
 def _cached_run(cached: OrderedDict[bytes, None], keys: list[bytes]) -> int:

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.server.bridges.async_engine import EngineUnavailableError
+from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.openai.protocol import OpenAIModel, Refusal, absent_or
 from nanoserve.server.openai.routes import parse_body

@@ -98,10 +98,10 @@ def _plan(state: ServerState, body: EmbeddingRequest) -> list[PlannedSequence]:
     if len(inputs) > state.limits.max_prompts:
         raise bad_request(f"at most {state.limits.max_prompts} inputs per request; got {len(inputs)}",
                           "input")
-    engine = state.engine
+    admission = state.admission
     try:
         pooling = PoolingParams(normalize=body.normalize is not False, dimensions=body.dimensions)
-        engine.check_pooling(pooling)
+        admission.check_pooling(pooling)
         params = SamplingParams(max_tokens=1, priority=body.priority, cache_salt=body.cache_salt)
     except InvalidRequestError as error:
         raise bad_request(error.message, error.param) from None
@@ -109,10 +109,10 @@ def _plan(state: ServerState, body: EmbeddingRequest) -> list[PlannedSequence]:
     for i, item in enumerate(inputs):
         param = "input" if isinstance(body.input, str) or _is_token_ids(body.input) else f"input[{i}]"
         if isinstance(item, str) and not body.add_special_tokens:
-            item = engine.tokenizer.encode(item, add_bos=False) or item  # "": refused as empty below
+            item = admission.tokenizer.encode(item, add_bos=False) or item  # "": refused as empty below
         try:
-            ids = keep_last_tokens(engine.encode_prompt(item), body.truncate_prompt_tokens)
-            engine.scheduler.check_fits(len(ids), params.max_tokens)
+            ids = keep_last_tokens(admission.encode_prompt(item), body.truncate_prompt_tokens)
+            admission.check_fits(len(ids), params.max_tokens)
         except InvalidRequestError as error:
             raise bad_request(error.message, param) from None
         plan.append(PlannedSequence(i, i, ids, params, pooling=pooling))

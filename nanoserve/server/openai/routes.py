@@ -7,7 +7,8 @@ body checks, the engine's availability, planning (off the event loop), admission
 stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages,
 OpenAI's Responses).
 Refuses: the work of each step (planning, generation and streaming own it), and touching the
-engine from the event loop; only `AsyncEngine` does, from its thread.
+engine from the event loop: the routes drive the engines through the `EngineBridge`
+(bridges/engine_bridge.py) and check requests with its `admission`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from nanoserve.server import planning
-from nanoserve.server.bridges.async_engine import EngineUnavailableError
+from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
 from nanoserve.server.errors import APIError, from_validation_error
 from nanoserve.server.generation import Generation, check_capacity, new_request_id, unary_response
 from nanoserve.server.metrics import CONTENT_TYPE
@@ -76,8 +77,8 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 def list_models_body(state: ServerState) -> dict:
-    engine = state.engine
-    max_model_len = engine.max_model_len if engine is not None else None
+    admission = state.admission
+    max_model_len = admission.max_model_len if admission is not None else None
     listed = protocol.model_list(state.model_names, max_model_len, state.created)
     listed["data"] += state.adapters.cards(state.created, max_model_len)
     return listed
@@ -104,7 +105,8 @@ async def tokenize(request: Request) -> JSONResponse:
     body = await parse_body(request, protocol.TokenizeRequest)
     check_available(state)
     tokens = await asyncio.to_thread(planning.tokenize, state, body)
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len})
+    max_model_len = state.admission.max_model_len
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len})
 
 
 async def detokenize(request: Request) -> JSONResponse:
@@ -202,7 +204,7 @@ async def serve_generation(request: Request, kind: Kind, body: RequestBody, answ
     tenant = tenant_of(request)
     planning.check_body(state, body)
     check_available(state)
-    if state.engine.config.task == "embed":
+    if state.admission.task == "embed":
         raise APIError(400, "this server runs an embedding model (--task embed): it serves /v1/embeddings "
                             "and generates no text", param="model", code="unsupported")
     check_tenant_room(state, tenant)  # before tokenizing: a refusal costs nothing
