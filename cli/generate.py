@@ -71,6 +71,7 @@ def generate(
     except NanoserveError as error:
         options.fail_for(error)
     config = engine.config(max_num_seqs=1)
+    options.serve_as_torchrun_rank(config)
     try:
         from nanoserve.llm import LLM
 

@@ -209,7 +209,7 @@ class EngineOptions:
         """Exit 2 naming the option on a value no engine could take, before anything loads."""
         from nanoserve.engine.spec_decode import SpecConfig
         from nanoserve.quant import QUANTIZERS
-        from nanoserve.worker.rank import DTYPES, QUANTIZED
+        from nanoserve.worker.startup import DTYPES, QUANTIZED
 
         if self.dtype not in (*DTYPES, "auto", QUANTIZED):
             fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {self.dtype!r}")
@@ -305,6 +305,22 @@ def fail(message: str) -> NoReturn:
     """Exit with status 2 and a one-line message: the usage-error convention, no traceback."""
     typer.secho(f"Error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(code=2)
+
+
+def serve_as_torchrun_rank(config: EngineConfig) -> None:
+    """In a rank above 0 of a torchrun launch, run the worker's loop (it serves rank 0's steps,
+    neither HTTP nor a prompt) and exit with its status; elsewhere return at once."""
+    from nanoserve.distributed.group import is_torchrun_worker
+
+    if not is_torchrun_worker():
+        return
+    from nanoserve.worker.loop import serve_torchrun_rank
+
+    try:
+        status = serve_torchrun_rank(config)
+    except NanoserveError as error:
+        fail_for(error)
+    raise typer.Exit(code=status)
 
 
 def fail_for(error: NanoserveError) -> NoReturn:

@@ -141,13 +141,7 @@ def serve(
     replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from nanoserve.distributed.group import is_torchrun_worker
-
-    if is_torchrun_worker():  # a rank > 0 of a torchrun launch serves rank 0's steps, not HTTP
-        try:
-            _build_engine(config)  # runs the worker's loop, then exits
-        except NanoserveError as error:
-            options.fail_for(error)
+    options.serve_as_torchrun_rank(config)
     try:
         source = resolve_model(engine.model, float_weights=False)  # for its name: no weights converted
     except NanoserveError as error:

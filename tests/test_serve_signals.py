@@ -3,7 +3,8 @@
 A second SIGTERM or SIGINT ends the drain at once: the first signal starts a drain long enough
 that the test would time out waiting for it; the second must end the server now, give the
 stream in flight its error event and `[DONE]`, and exit 128 + the signal's number (a forced
-stop, not the clean 0 of a drain that finished). SIGHUP re-reads the API keys file.
+stop, not the clean 0 of a drain that finished). SIGHUP re-reads the API keys file. A signal
+while the model loads (the engine thread inside torch) exits cleanly, never by an abort.
 """
 
 from __future__ import annotations
@@ -112,3 +113,34 @@ def test_sighup_re_reads_the_keys_file(tiny_model_dir, tmp_path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+# From right after the start to well into the load: with no kernel verdict cached, the engine
+# thread measures the linear kernels (torch work) after the weights load.
+LOADING_MOMENTS_S = (0.0, 0.5, 1.5, 3.0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_model_loads_exits_cleanly_never_by_an_abort(tiny_model_dir, tmp_path, sig):
+    """Exit 0 (the load called off, the thread joined), or 128 + the signal / killed by it when
+    it comes before the server installs its handlers; never 134 with "terminate called"."""
+    outcomes = []
+    for moment_s in LOADING_MOMENTS_S:
+        cache = tmp_path / f"cache-{moment_s}"
+        command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
+                   "--model", str(tiny_model_dir), "--port", str(free_port()), "--log-level", "warning"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOSERVE_CACHE": str(cache)}
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+        try:
+            time.sleep(moment_s)
+            process.send_signal(sig)
+            _, stderr = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+        outcomes.append((moment_s, process.returncode, stderr))
+    for moment_s, code, stderr in outcomes:
+        assert code in (0, 128 + sig, -sig), f"at {moment_s} s: exit {code}\n{stderr[-3000:]}"
+        assert "terminate called" not in stderr and "Fatal Python error" not in stderr, stderr[-3000:]

@@ -39,7 +39,7 @@ from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.engine.core import Engine
 from nanoserve.quant import is_quantized
 from nanoserve.sampling_params import SamplingParams, StructuredOutputs
-from nanoserve.worker.rank import DTYPES
+from nanoserve.worker.startup import DTYPES
 
 # Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
 SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {

@@ -1,9 +1,10 @@
 """Tensor parallelism's processes: the group, a step's messages, launching, faults.
 
 Owns:
-- starting the N-1 local workers (`python -m nanoserve.worker`, one process a rank) or joining
-  a torchrun launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), after every check that can
-  fail without them (heads that do not divide, N above the cores or GPUs, a port in use).
+- starting the N-1 local workers (one process a rank, running the program its caller names:
+  the executor, `nanoserve.engine.executor`, names the worker's loop) or joining a torchrun
+  launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), after every check that can fail without
+  them (heads that do not divide, N above the cores or GPUs, a port in use).
 - the start-up plan (`RankPlan`: the kernel, the KV blocks, the context) rank 0 decides and
   every worker takes as it is, so every rank runs one kernel and holds as many KV blocks.
 - the step message: rank 0 alone schedules and samples; each step it broadcasts the
@@ -14,7 +15,7 @@ Owns:
   heartbeat (a store key each worker refreshes every second) went stale; a worker whose rank 0
   is gone exits. Connecting to MASTER_ADDR gives up after CONNECT_TIMEOUT_S.
 What each rank holds is `shards`; the collectives of its forward are `collectives`; a worker's
-life is `nanoserve.worker.__main__`.
+life is `nanoserve.worker.loop`; when ranks start and stop is the executor's.
 Refuses: pipeline parallelism, and a draft model beside tensor parallelism.
 """
 
@@ -284,33 +285,25 @@ class ShardedModel:
             raise self.group.failure(error) from error
 
 
-def _launched_by_torchrun() -> bool:
+def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
                                                     and "MASTER_ADDR" in os.environ)
 
 
 def is_torchrun_worker() -> bool:
     """Whether this process is a rank > 0 of a torchrun launch (it runs no front end)."""
-    return _launched_by_torchrun() and int(os.environ["RANK"]) > 0
+    return launched_by_torchrun() and int(os.environ["RANK"]) > 0
 
 
 def local_ranks(config: EngineConfig) -> int:
     """How many ranks share this machine's cores."""
-    if _launched_by_torchrun():
+    if launched_by_torchrun():
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return config.tensor_parallel_size
 
 
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def rank_threads(config: EngineConfig) -> int | None:
-    """CPU threads of each rank: --threads, else the cores divided among the local ranks."""
-    ranks = local_ranks(config)
-    if config.threads is not None or ranks == 1:
-        return config.threads
-    return max(1, cores() // ranks)
 
 
 def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.device,
@@ -322,7 +315,7 @@ def check_launch(config: EngineConfig, model_config: ModelConfig, device: torch.
     if config.draft_model is not None and world > 1:
         raise InvalidRequestError("a draft model does not run beside tensor parallelism; use "
                                   "--speculative-method ngram or tensor_parallel_size 1", param=OPTION)
-    if _launched_by_torchrun():
+    if launched_by_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if launched != world:
             raise InvalidRequestError(f"torchrun started {launched} processes and tensor_parallel_size is "
@@ -387,25 +380,22 @@ def join_torchrun(device: torch.device, by_output: bool) -> TensorParallelGroup:
     return _groups(store, Shard(rank, world, by_output), device)
 
 
-def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, gguf: Path | None,
-          device: torch.device) -> TensorParallelGroup | None:
-    """Rank 0's group, its local workers started (None with one rank). Under torchrun every
-    process joins here, and one of rank > 0 gets its own group, to serve as a worker
-    (`group.spec` says what to build)."""
-    if config.tensor_parallel_size == 1 and not _launched_by_torchrun():
-        return None
-    spec = WorkerSpec(dataclasses.asdict(config), str(model_dir), str(gguf) if gguf else None,
-                      rank_threads(config), str(device))
+def worker_spec(config: EngineConfig, *, model_dir: Path, gguf: Path | None, threads: int | None,
+                device: torch.device) -> WorkerSpec:
+    """What every worker builds: rank 0's config, the checkpoint it resolved, the threads of a rank."""
+    return WorkerSpec(dataclasses.asdict(config), str(model_dir), str(gguf) if gguf else None, threads,
+                      str(device))
+
+
+def start_local(config: EngineConfig, model_config: ModelConfig, spec: WorkerSpec, device: torch.device,
+                command: list[str]) -> TensorParallelGroup:
+    """Rank 0's group, its N-1 local workers started, each `command + [payload]` (the caller
+    names the program; the payload is `spec`, the rank, the world, the store's address and
+    rank 0's pid)."""
     check_launch(config, model_config, device, spec.by_output)
-    if _launched_by_torchrun():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        spec.device = f"cuda:{local}" if device.type == "cuda" else spec.device
-        group = join_torchrun(rank_device(spec.device), spec.by_output)
-        group.spec = spec
-        return group if group.shard.rank != 0 else _on_rank_zero(group)
     address, port = _master()
     world = config.tensor_parallel_size
-    workers = [Worker(rank, _spawn(spec, rank, world, address, port)) for rank in range(1, world)]
+    workers = [Worker(rank, _spawn(command, spec, rank, world, address, port)) for rank in range(1, world)]
     try:
         group = join(0, world, address, port, device, spec.by_output)
     except TensorParallelError:
@@ -416,6 +406,18 @@ def start(config: EngineConfig, model_config: ModelConfig, *, model_dir: Path, g
     log.info("tensor parallel: " + ", ".join(f"rank {w.rank} pid {w.process.pid}" for w in workers))
     threading.Thread(target=_watch_workers, args=(group,), daemon=True, name="nanoserve-tp-watchdog").start()
     return _on_rank_zero(group)
+
+
+def start_torchrun(config: EngineConfig, model_config: ModelConfig, spec: WorkerSpec,
+                   device: torch.device) -> TensorParallelGroup:
+    """This process's group in a torchrun launch, any rank; one of rank > 0 carries the spec it
+    builds (`group.spec`, its device its local GPU)."""
+    check_launch(config, model_config, device, spec.by_output)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    spec.device = f"cuda:{local}" if device.type == "cuda" else spec.device
+    group = join_torchrun(rank_device(spec.device), spec.by_output)
+    group.spec = spec
+    return group if group.shard.rank != 0 else _on_rank_zero(group)
 
 
 def _on_rank_zero(group: TensorParallelGroup) -> TensorParallelGroup:
@@ -445,11 +447,12 @@ class WorkerSpec:
         return splits_by_output(self.gguf, self.engine["quantize"])
 
 
-def _spawn(spec: WorkerSpec, rank: int, world: int, address: str, port: int) -> subprocess.Popen:
+def _spawn(command: list[str], spec: WorkerSpec, rank: int, world: int, address: str,
+           port: int) -> subprocess.Popen:
     device = f"cuda:{rank}" if spec.device.startswith("cuda") else spec.device
     payload = json.dumps({**dataclasses.asdict(spec), "device": device, "rank": rank, "world": world,
                           "address": address, "port": port, "parent": os.getpid()})
-    return subprocess.Popen([sys.executable, "-m", "nanoserve.worker", payload])
+    return subprocess.Popen([*command, payload])
 
 
 def _watch_workers(group: TensorParallelGroup) -> None:

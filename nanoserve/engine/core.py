@@ -1,4 +1,6 @@
-"""The step loop: start-up (weights, kernel choice, KV cache), add_request / step / abort.
+"""The step loop: add_request / step / abort over the ranks the executor starts
+(`engine.executor`: weights, kernel choice, KV cache, the workers; `Engine` holds it, the
+scheduler and the output processor).
 
 Each step, one readback (a draft model's drafts too come back in it):
 
@@ -50,7 +52,6 @@ the checks and input preparation the server's front runs too), then queues the r
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -61,7 +62,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from nanoserve import native
 from nanoserve.config import (
     ASYNC_SCHEDULING_DEFAULT,
     FAIR_SHARE_ROWS_DEFAULT,
@@ -69,11 +69,10 @@ from nanoserve.config import (
     PREFILL_STEP_MS_DEFAULT,
     EngineConfig,
 )
-from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
-from nanoserve.distributed.shards import local_config
 from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
+from nanoserve.engine.executor import Executor, check_start
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
@@ -91,25 +90,13 @@ from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.pooling import checkpoint_pooling
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.model.decoder import Llama
-from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
+from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.worker.rank import (
-    Rank,
-    blocks_file,
-    choose_rank_kernel,
-    load_rank_weights,
-    num_kv_blocks,
-    pick_device,
-    pick_dtype,
-    resolve_source,
-    set_threads,
-    start_tensor_parallel,
-    weight_format,
-)
+from nanoserve.worker.startup import Startup
 
 log = logging.getLogger("nanoserve")
 
@@ -142,19 +129,18 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        """Check the options, build this process's rank (and start the other ranks' workers with
-        tensor parallelism), then the scheduler, the runner and the output processor."""
+        """Check the options (`Startup.decide`: device, dtype, threads, the checkpoint; then the
+        tokenizer, the task and a draft model), start every rank (the executor: rank 0 here,
+        the others' workers with tensor parallelism), then the scheduler, the runner and the
+        output processor."""
         self.config = config
         self.spec = SpecConfig.from_engine(config)
         self.spec.check(draft_model=config.draft_model)
-        self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
-        resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)  # refused before any load
-        self.threads = set_threads(rank_threads(config))
-        # Built (or found in the cache) before the weights load: the kernel choice may use it.
-        self.native_summary = native.status()
-        self.weight_notes: list[str] = []  # start-up lines on how the weights were loaded
-        self.source = resolve_source(config, self.device, self.weight_notes)
+        startup = Startup.decide(config)
+        self.device, self.dtype, self.threads = startup.device, startup.dtype, startup.threads
+        self.native_summary = startup.native_summary
+        self.weight_notes = startup.notes  # start-up lines on how the weights were loaded
+        self.source = startup.source
         self.model_dir = self.source.dir
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.pooling_method = config.pooling or checkpoint_pooling(self.model_dir) or "last"
@@ -163,35 +149,28 @@ class Engine:
                 f"{self.model_dir} is a base-model checkpoint with no output head (an embedding model): it "
                 "can only pool; start it with task 'embed' (--task embed)", param="task")
         self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
-        # Tensor parallelism: the workers start here, after every check that needs none of them.
-        self.tp = start_tensor_parallel(config, self.source, self.device)
-        self.model_config, weights = load_rank_weights(
-            config, self.model_dir, blocks_file(config, self.source, self.device), self.dtype, self.device,
-            self.tp.shard if self.tp is not None else None, self.weight_notes)
-        self.weights_nbytes = weights.nbytes()  # this rank's, with tensor parallelism
-        if self.tp is not None:
-            self.weight_notes.append(f"tensor parallel: {config.tensor_parallel_size} ranks; rank 0 holds "
-                                     f"{self.weights_nbytes / 1e6:.1f} MB of weights")
-        self.weight_format = weight_format(weights)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
-        self.kernel_choice = choose_rank_kernel(config, self.model_config, weights, self.device)
-        local = local_config(self.model_config, config.tensor_parallel_size)
-        plan = RankPlan(self.kernel_choice.kernel.name,
-                        num_kv_blocks(config, local, self.dtype, self.device, self.max_model_len),
-                        self.max_model_len)
-        if self.tp is not None:
-            self.tp.send_plan(plan)
-        collectives = (self.tp.make_collectives(self.model_config, config.batch_invariant)
-                       if self.tp is not None else None)
-        rank = Rank.build(config, self.model_config, weights, plan, dtype=self.dtype, device=self.device,
-                          collectives=collectives)
+        self.executor = Executor(config, startup)
+        try:
+            self._build_above_the_ranks()
+        except BaseException:
+            self.executor.close()
+            raise
+
+    def _build_above_the_ranks(self) -> None:
+        """What rank 0 holds over the ranks the executor started: the draft model, the block pool,
+        the scheduler, the runner, the adapters, the output processor, the step's state."""
+        config, executor = self.config, self.executor
+        self.tp = executor.group
+        self.model_config, self.weights_nbytes = executor.model_config, executor.weights_nbytes
+        self.weight_format, self.kernel_choice = executor.weight_format, executor.kernel_choice
+        self.max_model_len = executor.plan.max_positions
         # With tensor parallelism, `model` is rank 0's shard (its config the shard's) and the
         # runner's model is every rank's (`ShardedModel`).
-        self.model, self.kv_cache = rank.model, rank.kv_cache
-        self.draft = self._load_draft_model(self.draft_source, plan.num_blocks) if self.draft_source else None
+        self.model, self.kv_cache = executor.model, executor.kv_cache
+        num_blocks = executor.plan.num_blocks
+        self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
         self.drafter = self._drafter()
-        self.pool = BlockPool(plan.num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             enable_prefix_caching=config.enable_prefix_caching,
@@ -203,13 +182,19 @@ class Engine:
                             scheduling_policy=config.scheduling_policy),
             self.pool,
         )
-        runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
-        self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
-                                  device=self.device)
+        self.runner = ModelRunner(executor.runner_model, self.kv_cache,
+                                  eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)
         self.loras = self._adapter_set()
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
                                         eos_token_ids=self.tokenizer.eos_token_ids)
+        # The checks and preparation of a request's inputs, over this engine's facts.
+        self.admission = InputProcessor(self.tokenizer, self.grammars, vocab_size=self.vocab_size,
+                                        max_model_len=self.max_model_len, num_blocks=self.pool.num_blocks,
+                                        block_size=self.pool.block_size, task=config.task,
+                                        pooling_method=self.pooling_method,
+                                        hidden_size=self.model_config.hidden_size,
+                                        tensor_parallel=self.tp is not None)
         self.readbacks = ReadbackCounter()
         self.stats = EngineStats()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -231,8 +216,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
-        if self.tp is not None:
-            self.tp.close()
+        self.executor.close()
 
     def _adapter_set(self) -> AdapterSet | None:
         config = self.config
@@ -312,6 +296,7 @@ class Engine:
         KV cache of as many blocks as the model's (smaller, as the model is) plus room for each
         sequence's drafts."""
         cfg = self.config
+        check_start("the draft model loads")
         draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
         max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
         model = Llama(draft_config, weights, batch_invariant=cfg.batch_invariant,
@@ -345,15 +330,6 @@ class Engine:
     def requests(self) -> Mapping[str, Request]:
         """Every live request by id: the scheduler's registry, the only one."""
         return self.scheduler.requests
-
-    @functools.cached_property
-    def admission(self) -> InputProcessor:
-        """The checks and preparation of a request's inputs (`admission`), over this engine's facts."""
-        return InputProcessor(self.tokenizer, self.grammars, vocab_size=self.vocab_size,
-                              max_model_len=self.max_model_len, num_blocks=self.pool.num_blocks,
-                              block_size=self.pool.block_size, task=self.config.task,
-                              pooling_method=self.pooling_method, hidden_size=self.model_config.hidden_size,
-                              tensor_parallel=self.tp is not None)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, parent_id: str | None = None,

@@ -66,6 +66,7 @@ class AsyncEngine(EngineBridge):
         self._commands: deque[Command] = deque()
         self._calls: set[asyncio.Future] = set()  # event loop only: `call`s not yet settled
         self._wake = threading.Condition()
+        self._stop_start = threading.Event()  # set by `stop`: an engine still starting stops starting
         self._forced = False  # `stop_now`: the lifespan's stop waits for no step
         self._queues: dict[str, asyncio.Queue] = {}  # event loop only
         self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
@@ -160,12 +161,18 @@ class AsyncEngine(EngineBridge):
             self._wake.notify()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort what is left, stop the thread and wait for it (bounded; not at all once forced)."""
+        """Abort what is left, stop the thread and wait for it (not at all once forced): within
+        `timeout_s` once the engine runs; while it still starts, until the thread has left (its
+        start is called off at its next phase, `engine.executor.stoppable_start`), as a thread
+        still inside torch when the interpreter finalizes aborts the process."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        if not self._forced:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+        self._stop_start.set()
+        deadline = time.monotonic() + timeout_s
+        while (self._thread.is_alive() and not self._forced
+               and (not self.ready or time.monotonic() < deadline)):
+            await asyncio.to_thread(self._thread.join, 0.1)
         self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
 
     def _send(self, command: Command) -> None:
@@ -206,14 +213,19 @@ class AsyncEngine(EngineBridge):
     # -- engine thread side -------------------------------------------------------------------
 
     def _run(self) -> None:
+        from nanoserve.engine.executor import StartCancelled, stoppable_start
+
         try:
-            self.engine = self._build_engine()
+            with stoppable_start(self._stop_start):
+                self.engine = self._build_engine()
             self._publish_snapshot()
             self.ready = True
             log.info("engine ready")
             while self._loop_once():
                 pass
             self._abort_all()
+        except StartCancelled as error:  # told to stop while it loaded: no death, nothing to report
+            log.info("the engine stopped before it was ready: %s", error)
         except BaseException as error:  # the loop is dead: say so, fail every stream
             if isinstance(error, NanoserveError):  # a model that cannot load: its message is the news
                 log.error("the engine stopped: %s", error)
