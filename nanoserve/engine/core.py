@@ -381,7 +381,8 @@ class Engine:
             raise InvalidRequestError("this engine runs the embed task: it pools embeddings and generates no "
                                       "text (start it with task 'generate' to generate)", param="task")
         params = (params or SamplingParams()).with_bad_words_token_ids(
-            lambda text: self.tokenizer.encode(text, add_bos=False))
+            lambda text: self.tokenizer.encode(text, add_bos=False)).with_dry_breakers(
+            lambda text: self.tokenizer.breaker_sequences(text))
         prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
         if pooling is not None:  # nothing sampled: one "token" of room, as a prompt must leave
             params = dataclasses.replace(SamplingParams(max_tokens=1, temperature=0.0),
