@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import Response
 
-from nanoserve.server import adapter_routes, anthropic, embeddings, responses, routes
+from nanoserve.server import adapter_routes, anthropic, embeddings, ollama, responses, routes
 from nanoserve.server.adapters import AdapterRegistry, LoRAModule
 from nanoserve.server.async_engine import PREFILL_LOG_S, AsyncEngine, EngineUnavailableError
 from nanoserve.server.errors import install_handlers
@@ -113,6 +113,9 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     # Behind its own key check: Anthropic's clients send x-api-key, and errors in Anthropic's shape.
     app.add_api_route("/v1/messages", anthropic.create_message, methods=["POST"],
                       openapi_extra=_body_schema(anthropic.MessagesRequest))
+    app.add_api_route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"],
+                      openapi_extra=_body_schema(anthropic.CountTokensRequest))
+    _add_ollama_routes(app)
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
@@ -138,6 +141,17 @@ def _v1_router() -> APIRouter:
     router.add_api_route("/unload_lora_adapter", adapter_routes.unload_lora_adapter, methods=["POST"],
                          openapi_extra=_body_schema(adapter_routes.UnloadLoRAAdapterRequest))
     return router
+
+
+def _add_ollama_routes(app: FastAPI) -> None:
+    """Ollama's API at /api, each route checking the key itself: errors in Ollama's shape."""
+    for path, route, body in (("/api/chat", ollama.chat, ollama.OllamaChatRequest),
+                              ("/api/generate", ollama.generate, ollama.OllamaGenerateRequest),
+                              ("/api/embed", ollama.embed, ollama.OllamaEmbedRequest),
+                              ("/api/show", ollama.show, ollama.OllamaShowRequest)):
+        app.add_api_route(path, route, methods=["POST"], openapi_extra=_body_schema(body))
+    for path, route in (("/api/tags", ollama.tags), ("/api/ps", ollama.ps), ("/api/version", ollama.version)):
+        app.add_api_route(path, route, methods=["GET"])
 
 
 def _tokenizer_router() -> APIRouter:
@@ -227,7 +241,8 @@ def _document_bodies(app: FastAPI) -> None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          anthropic.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest):
+                          anthropic.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest,
+                          ollama.OllamaChatRequest, ollama.OllamaGenerateRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document
