@@ -38,7 +38,12 @@ class DryHistory:
         self.params = params
         self.tokens = np.zeros(max(64, 2 * len(prompt_ids)), dtype=np.int64)
         self.repeats = np.zeros_like(self.tokens)  # repeats[j], j < size - 1: see the module
-        self.size = 0
+        self.size = len(prompt_ids)
+        self.tokens[:self.size] = prompt_ids
+        # The prompt's repeat lengths at once: the Z-function of the reversed prompt, whose
+        # entry k is the common suffix of the prompt and its first size - k tokens.
+        z = _z_function(list(prompt_ids)[::-1])
+        self.repeats[:max(self.size - 1, 0)] = z[:0:-1]
         heads: dict[int, list[tuple[int, ...]]] = {}
         for head, tail in params.dry_breaker_token_ids:
             heads.setdefault(head, []).append(tail)
@@ -46,7 +51,6 @@ class DryHistory:
         self.breaker_heads = np.array(sorted(heads), dtype=np.int64)
         self.single_token_breakers = np.array(sorted(h for h, tails in heads.items() if () in tails),
                                               dtype=np.int64)
-        self.extend(prompt_ids)
 
     def copy(self) -> DryHistory:
         twin = object.__new__(DryHistory)
@@ -115,6 +119,21 @@ class DryHistory:
             exponents = np.minimum(exponents, int(np.float32(FLOAT_MAX_LOG) / np.float32(math.log(base))))
         return (np.float64(np.float32(params.dry_multiplier))
                 * np.float64(base) ** exponents.astype(np.float64)).astype(np.float32)
+
+
+def _z_function(values: list[int]) -> list[int]:
+    """z[k]: the length of the longest common prefix of `values` and `values[k:]` (z[0] = 0)."""
+    n = len(values)
+    z = [0] * n
+    left = right = 0
+    for k in range(1, n):
+        if k < right:
+            z[k] = min(right - k, z[k - left])
+        while k + z[k] < n and values[z[k]] == values[k + z[k]]:
+            z[k] += 1
+        if k + z[k] > right:
+            left, right = k, k + z[k]
+    return z
 
 
 def _longest_per_token(tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
