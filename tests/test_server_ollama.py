@@ -5,21 +5,32 @@ onto the sampler's; and 400s that name the field. Also Anthropic's /v1/messages/
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import anthropic
 import httpx
 import jsonschema
 import ollama
 import pytest
-from test_server_api import Served, idle_client, keyed_serving, wait_idle
+from test_server_api import Served, idle_client, keyed_serving, serving, tiny_engine, wait_idle
+from test_server_reasoning import OPENS_THE_BLOCK, thinking_model_dir  # noqa: F401 (a fixture)
 
-from nanoserve.server.ollama import OLLAMA_DEFAULTS, OllamaChatRequest, chat_request
+from nanoserve.server.generation import Choice
+from nanoserve.server.ollama import OLLAMA_DEFAULTS, OllamaChatRequest, Shape, chat_request
+from nanoserve.server.reasoning import ReasoningConfig
 
 KEY = "sk-ollama-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 HI = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0, "num_predict": 10}
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +249,101 @@ def test_count_tokens_counts_what_a_message_request_takes_as_input(served: Serve
         bad = http.post("/v1/messages/count_tokens", json={**body, "temperature": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
     wait_idle(served)
+
+
+# -- thinking, tool calls ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def thinking_served(thinking_model_dir) -> Iterator[Served]:  # noqa: F811 (the imported fixture)
+    """The tiny model with think tags and a template that opens the block: it thinks first."""
+    config = Path(thinking_model_dir) / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": OPENS_THE_BLOCK}))
+    with serving(lambda: tiny_engine(thinking_model_dir), reasoning=ReasoningConfig("qwen3")) as server:
+        yield server
+
+
+def test_think_puts_the_thinking_apart_whole_and_streamed(thinking_served: Served) -> None:
+    client = ollama.Client(host=thinking_served.base_url)
+    reply = client.chat(model="tiny", messages=HI, think=True, options=GREEDY)
+    with idle_client(thinking_served) as http:
+        chat = openai_chat(http, HI, temperature=0, max_tokens=10)["choices"][0]["message"]
+    assert reply.message.thinking == chat["reasoning_content"] and reply.message.thinking
+    assert reply.message.content == chat["content"]
+    parts = list(client.chat(model="tiny", messages=HI, think=True, options=GREEDY, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == reply.message.thinking
+    assert "".join(p.message.content for p in parts) == reply.message.content
+    generated = client.generate(model="tiny", prompt=HI[0]["content"], think=True, options=GREEDY)
+    assert generated.thinking == reply.message.thinking
+    assert "thinking" in client.show("tiny").capabilities
+    wait_idle(thinking_served)
+
+
+def fake_generation() -> SimpleNamespace:
+    choice = Choice(0, 0, "r-0", 5, first_s=time.perf_counter(), last_s=time.perf_counter())
+    return SimpleNamespace(choices={"r-0": choice}, arrival_s=time.perf_counter() - 0.5,
+                           usage=lambda: {"prompt_tokens": 5, "completion_tokens": 3})
+
+
+def test_tool_calls_come_back_as_ollamas_with_their_arguments_as_objects() -> None:
+    shape = Shape("chat", "chat", "tiny")
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": '{"y": '}}]
+    whole = shape.whole({"choices": [{"finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "", "tool_calls": calls}}]}, fake_generation())
+    assert whole["message"]["tool_calls"] == [  # the second was cut before its arguments closed
+        {"id": "call_1", "function": {"index": 0, "name": "f", "arguments": {"x": 1}}}]
+    assert whole["done_reason"] == "stop" and whole["eval_count"] == 3
+    streamed: dict = {}
+    for delta in ({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"x": '}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}):
+        assert shape._delta_line({"delta": delta, "finish_reason": None}, streamed) is None
+    assert streamed[0] == {"id": "call_1", "function": {"name": "f", "arguments": '{"x": 1}'}}
+
+
+# -- a real `nanoserve serve` process ---------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_ollama_client_chats_generates_streams_lists_and_embeds_against_nanoserve_serve(
+        tiny_model_dir, tmp_path) -> None:
+    port = free_port()
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve", "--model",
+               str(tiny_model_dir), "--port", str(port), "--served-model-name", "tiny", "--log-level",
+               "warning"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never became healthy"
+            time.sleep(0.1)
+        client = ollama.Client(host=base_url)
+        assert [m.model for m in client.list().models] == ["tiny:latest"]
+        reply = client.chat(model="tiny", messages=HI, options=GREEDY)
+        streamed = list(client.chat(model="tiny", messages=HI, options=GREEDY, stream=True))
+        assert "".join(p.message.content for p in streamed) == reply.message.content
+        assert streamed[-1].done and streamed[-1].eval_count == reply.eval_count
+        generated = client.generate(model="tiny", prompt="Hello there", options=GREEDY)
+        assert generated.response == reply.message.content  # the same chat through the template
+        assert len(client.embed(model="tiny", input="Hello there").embeddings[0]) > 0
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 0, log.read_text()[-3000:]
