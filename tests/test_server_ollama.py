@@ -23,7 +23,18 @@ from test_server_api import Served, idle_client, keyed_serving, serving, tiny_en
 from test_server_reasoning import OPENS_THE_BLOCK, thinking_model_dir  # noqa: F401 (a fixture)
 
 from nanoserve.server.generation import Choice
-from nanoserve.server.ollama import OLLAMA_DEFAULTS, OllamaChatRequest, Shape, chat_request
+from nanoserve.server.ollama import (
+    OLLAMA_DEFAULTS,
+    OLLAMA_REFUSED,
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaOptions,
+    OllamaShowRequest,
+    Shape,
+    chat_request,
+)
 from nanoserve.server.reasoning import ReasoningConfig
 
 KEY = "sk-ollama-1"
@@ -54,6 +65,19 @@ def http(served: Served) -> Iterator[httpx.Client]:
 
 def openai_chat(http: httpx.Client, messages: list[dict], **fields) -> dict:
     return http.post("/v1/chat/completions", json={"messages": messages, **fields}).json()
+
+
+@pytest.mark.parametrize(("theirs", "ours", "prefix"), [
+    (ollama._types.GenerateRequest, OllamaGenerateRequest, ""),
+    (ollama._types.ChatRequest, OllamaChatRequest, ""),
+    (ollama._types.EmbedRequest, OllamaEmbedRequest, ""),
+    (ollama._types.ShowRequest, OllamaShowRequest, ""),
+    (ollama._types.Options, OllamaOptions, "options."),
+    (ollama._types.Message, OllamaMessage, "messages[]."),
+])
+def test_every_field_the_ollama_client_can_send_is_honoured_or_refused_by_name(theirs, ours, prefix) -> None:
+    for name in theirs.model_fields:
+        assert name in ours.model_fields or prefix + name in OLLAMA_REFUSED, prefix + name
 
 
 def test_a_chat_is_the_chat_completion_of_the_same_conversation(client, http) -> None:

@@ -75,6 +75,8 @@ OLLAMA_REFUSED: dict[str, Refusal] = {
     **{f"options.{name}": Refusal(f"{name} {_LOAD_OPTION}") for name in (
         "num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread", "numa", "low_vram",
         "f16_kv", "logits_all", "vocab_only", "embedding_only", "draft_num_predict")},
+    "verbose": Refusal("verbose model information (the tokenizer's arrays, tensors) is not served",
+                       absent_or(False)),
     "options.num_keep": Refusal("num_keep is not supported: the context is never shifted"),
     "options.tfs_z": Refusal("tail-free sampling (tfs_z) is not supported", absent_or(1, 1.0)),
     "options.penalize_newline": Refusal("penalize_newline false is not supported: the repeat penalty "
@@ -175,7 +177,6 @@ class OllamaShowRequest(OpenAIModel):
 
     model: str | None = None
     name: str | None = None  # Ollama's older spelling of model
-    verbose: bool = False
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def _think(state: ServerState, think: bool | str | None) -> dict[str, Any]:
 
 def _common(state: ServerState, body: GenerationFields, model: str) -> dict[str, Any]:
     _check_keep_alive(body.keep_alive)
-    common = {"model": model, "stream": body.stream, **_sampling(body.options), **_format(body.format)}
+    common = {"model": model, **_sampling(body.options), **_format(body.format)}
     if body.logprobs:
         common.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     elif body.top_logprobs:
@@ -326,7 +327,8 @@ async def _fit_window(state: ServerState, options: OllamaOptions | None, transla
     if window is None and not (isinstance(translated, CompletionRequest) and translated.max_tokens is None):
         return  # a chat without max_tokens gets the room left in the context from planning
     kind: Kind = "completion" if isinstance(translated, CompletionRequest) else "chat"
-    probe = translated.model_copy(update={"max_tokens": 1})
+    # Seeded: an unseeded probe would take one of `serve --seed`'s seeds from the next request.
+    probe = translated.model_copy(update={"max_tokens": 1, "seed": 0})
     prompt = len((await asyncio.to_thread(planning.plan, state, kind, probe))[0].prompt_ids)
     room = (window or state.engine.scheduler.max_request_tokens) - prompt
     if room < 1:
@@ -498,7 +500,6 @@ async def _generation(request: Request, route: Literal["chat", "generate"]) -> R
                       else generate_request(state, body, model))
         await _fit_window(state, body.options, translated)
         kind: Kind = "completion" if isinstance(translated, CompletionRequest) else "chat"
-        translated.stream = False  # the answer streams (or not) as Ollama's, never as OpenAI's
         return await routes.serve_generation(request, kind, translated,
                                              _answer(Shape(route, kind, body.model), body.stream))
     except APIError as error:
