@@ -129,6 +129,23 @@ def test_generate_renders_the_template_unless_raw(client, http) -> None:
     assert streamed == raw.response
 
 
+def test_generate_on_a_model_without_a_chat_template_sends_the_prompt_as_it_is(tmp_path) -> None:
+    from tiny_model import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "plain")
+    config = path / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps({k: v for k, v in settings.items() if k != "chat_template"}))
+    with serving(lambda: tiny_engine(path)) as plain, idle_client(plain) as http:
+        reply = http.post("/api/generate", json={"model": "tiny", "prompt": "Once", "stream": False,
+                                                 "options": GREEDY}).json()
+        completion = http.post("/v1/completions", json={"prompt": "Once", "temperature": 0,
+                                                        "max_tokens": 10}).json()
+        assert reply["response"] == completion["choices"][0]["text"]
+        refused = http.post("/api/generate", json={"model": "tiny", "prompt": "Once", "system": "Be brief."})
+        assert refused.status_code == 400 and "system" in refused.json()["error"]
+
+
 def test_a_raw_generate_without_num_predict_runs_until_the_context_is_full(client, served: Served) -> None:
     reply = client.generate(model="tiny", prompt="Once", raw=True, options={"temperature": 0, "num_ctx": 40})
     assert reply.prompt_eval_count + reply.eval_count <= 40

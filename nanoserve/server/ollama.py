@@ -299,12 +299,14 @@ def chat_request(state: ServerState, body: OllamaChatRequest, model: str) -> Cha
 
 
 def generate_request(state: ServerState, body: OllamaGenerateRequest, model: str) -> RequestBody:
-    """A chat of the system and the prompt through the model's template, or with raw the
-    prompt as it is (a completion)."""
+    """A chat of the system and the prompt through the model's template, or with raw (or for a
+    model without a chat template, as Ollama's default template "{{ .Prompt }}") the prompt as
+    it is (a completion)."""
     common = _common(state, body, model)
-    if body.raw:
+    if body.raw or state.engine.tokenizer.chat_template is None:
         if body.system or body.think:
-            raise bad_request("raw prompts take no system message and no think: they skip the template",
+            raise bad_request("a raw prompt (or a model without a chat template) takes no system message "
+                              "and no think: there is no template to place them",
                               "system" if body.system else "think")
         if common.pop("logprobs", False):
             common["logprobs"] = common.pop("top_logprobs")
