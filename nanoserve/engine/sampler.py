@@ -10,9 +10,8 @@ its draw, with `uniform_from_counter`, the one source of randomness, are `engine
 Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
 frequency and presence penalties (counts of generated tokens), then DRY (llama.cpp's, on prompt
 and generated tokens, after the penalties as in llama.cpp's chain; `engine.dry`), then
-logit_bias, then the
-min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`)
-and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
+logit_bias, then the min_tokens mask (the ids that would stop the request are -inf until
+`position >= min_tokens`) and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
 with the rest of it; `allowed_token_ids`: every other id is -inf), then temperature,
 top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after temperature sees the
 distribution the ones before it left, renormalized over their survivors: top_n_sigma keeps
