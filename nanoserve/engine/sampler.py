@@ -11,22 +11,22 @@ Order of the filters, for every row: repetition penalty (prompt and generated to
 frequency and presence penalties (counts of generated tokens), then DRY (llama.cpp's, on prompt
 and generated tokens, after the penalties as in llama.cpp's chain; `engine.dry`), then
 logit_bias, then the min_tokens mask (the ids that would stop the request are -inf until
-`position >= min_tokens`) and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
-with the rest of it; `allowed_token_ids`: every other id is -inf), then temperature,
-top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after temperature sees the
-distribution the ones before it left, renormalized over their survivors: top_n_sigma keeps
-the tokens whose scaled logit is at least max - n x std (std over the row's
+`position >= min_tokens`) and the row's own bans (`bad_words`: a word's last token is -inf where
+the output so far ends with the rest of it; `allowed_token_ids`: every other id is -inf), then
+temperature, top_n_sigma, top_k, typical_p, top_p, min_p, p_less and XTC. Each filter after
+temperature sees the distribution the ones before it left, renormalized over their survivors:
+top_n_sigma keeps the tokens whose scaled logit is at least max - n x std (std over the row's
 finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likely survivors;
-typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)|
-smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass;
-top_p then holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and
-p_less keeps q >= sum(q**2) of what all of them left (never above the largest q), and XTC
-last (after min_p, as in llama.cpp's default chain; llama.cpp applies temperature after all
-of them, here it comes first, so XTC reads the tempered shares). Mirostat rows skip top_k
-through XTC: their kept set is mirostat's (`engine.draw`). So
-every filter keeps at least one token, and no combination of values empties a row. Greedy rows
-(`SamplingParams.is_greedy`: temperature 0 or below `MIN_TEMPERATURE`, or top_k 1) take the
-first argmax, ignore every filter, and never call `uniform_from_counter`.
+typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)| smallest
+first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass; top_p then
+holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and p_less keeps q >=
+sum(q**2) of what all of them left (never above the largest q), and XTC last (after min_p, as in
+llama.cpp's default chain; llama.cpp applies temperature after all of them, here it comes first,
+so XTC reads the tempered shares). Mirostat rows skip top_k through XTC: their kept set is
+mirostat's (`engine.draw`). So every filter keeps at least one token, and no combination of
+values empties a row. Greedy rows (`SamplingParams.is_greedy`: temperature 0 or below
+`MIN_TEMPERATURE`, or top_k 1) take the first argmax, ignore every filter, and never call
+`uniform_from_counter`.
 
 Constrained rows (structured outputs): before anything else, each such row's logits are
 -inf wherever its grammar's bitmask (`GrammarMask`, filled on the host from the request's
