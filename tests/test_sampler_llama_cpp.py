@@ -155,6 +155,19 @@ def test_dry_penalised_logits_equal_llama_cpps_dry_apply(case, history_seed):
         assert torch.equal(got[0], torch.from_numpy(want)), (cut, got[0] - torch.from_numpy(want))
 
 
+def test_dry_comes_after_the_repetition_penalty_as_in_llama_cpps_chain():
+    """llama.cpp's chain runs penalties, then dry (common/sampling.cpp, the default order)."""
+    history = [1, 2, 3, 1, 2, 3, 1, 2]
+    params = SamplingParams(repetition_penalty=1.5, dry_multiplier=0.5, dry_allowed_length=1)
+    logits = logits_of(3, vocab=8)
+    raw = logits[0].numpy()
+    penalised = np.where(np.isin(np.arange(8), history),
+                         np.where(raw <= 0, raw * F32(1.5), raw / F32(1.5)), raw).astype(F32)
+    want = llama_cpp_dry_apply(history, penalised, multiplier=0.5, base=1.75, allowed_length=1,
+                               penalty_last_n=-1, breakers={})
+    assert torch.equal(dry_logits(params, history[:4], history[4:], logits)[0], torch.from_numpy(want))
+
+
 def test_dry_kept_across_steps_edits_as_built_afresh_and_penalises_a_loop():
     params = SamplingParams(dry_multiplier=0.8, dry_penalty_last_n=-1, dry_breaker_token_ids=((9, ()),))
     prompt, loop = [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3]
@@ -294,6 +307,19 @@ def test_mirostat_kept_sets_and_mu_follow_llama_cpp_step_by_step(version, tau, e
         masked[list(want)] = logits[0].numpy()[list(want)]
         mu = llama_cpp_mu_update(mu, softmax32(masked), token, tau, eta)
         assert float(edits.mirostat.at(position + 1)) == pytest.approx(mu, abs=2e-5)
+
+
+def test_mirostat_cuts_the_distribution_the_logit_edits_and_temperature_left():
+    """llama.cpp's mirostat chain: logit_bias, temp, then mirostat (common/sampling.cpp)."""
+    bias = {3: 4.0, 7: -3.0}
+    params = SamplingParams(temperature=0.7, mirostat=2, mirostat_tau=2.5, logit_bias=bias)
+    logits = logits_of(21)
+    edited = logits[0].numpy().copy()
+    for token, amount in bias.items():
+        edited[token] = F32(edited[token] + F32(amount))
+    row = SamplingRow(params, 1, 0, (), (), RowEdits(params, (), VOCAB, "cpu"))
+    assert kept_ids(sampler_module._apply_edits(logits, batch_of([row])), [row])[0] == \
+        llama_cpp_mirostat_v2_apply((edited / F32(0.7)).astype(F32), float(F32(2 * 2.5)))
 
 
 def test_mirostat_mu_is_read_per_position_so_a_redrawn_position_draws_the_same():
