@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from nanoserve.errors import NanoserveError
-from nanoserve.sampling_params import SamplingParams, StructuredOutputs
+from nanoserve.sampling_params import DRY_SEQUENCE_BREAKERS, SamplingParams, StructuredOutputs
 from nanoserve_cli import options
 from nanoserve_cli.app import app
 
@@ -45,6 +45,26 @@ def generate(
     p_less: Annotated[bool, typer.Option(
         "--p-less", help="p-less sampling: keep tokens at least as likely as two draws agreeing "
                          "(the sum of squared probabilities).")] = False,
+    dry_multiplier: Annotated[float, typer.Option(
+        help="DRY (llama.cpp's): penalize tokens that extend a repeat of earlier text; 0 is off.")] = 0.0,
+    dry_base: Annotated[float, typer.Option(
+        help="DRY's penalty grows by this factor per repeated token.")] = 1.75,
+    dry_allowed_length: Annotated[int, typer.Option(help="DRY: repeats this long go unpenalized.")] = 2,
+    dry_penalty_last_n: Annotated[int, typer.Option(
+        help="DRY looks at this many last tokens; -1: all, 0: off.")] = -1,
+    dry_sequence_breaker: Annotated[list[str] | None, typer.Option(
+        help="DRY: a repeat never reaches back past this string (repeatable; default: newline, "
+             "':', '\"', '*').")] = None,
+    xtc_probability: Annotated[float, typer.Option(
+        help="XTC (llama.cpp's): chance per token of dropping the top choices; 0 is off.")] = 0.0,
+    xtc_threshold: Annotated[float, typer.Option(
+        help="XTC drops the tokens above this probability but the least likely of them.")] = 0.1,
+    mirostat: Annotated[int, typer.Option(
+        help="Mirostat sampling: 1 or 2 (2.0); 0 is off. It replaces top-k, top-p and the like.")] = 0,
+    mirostat_tau: Annotated[float, typer.Option(
+        "--mirostat-tau", "--mirostat-ent", help="Mirostat's target surprise (entropy).")] = 5.0,
+    mirostat_eta: Annotated[float, typer.Option(
+        "--mirostat-eta", "--mirostat-lr", help="Mirostat's learning rate.")] = 0.1,
     json_schema: Annotated[Path | None, typer.Option(
         help="Constrain the output to this JSON schema (a file).", dir_okay=False)] = None,
     regex: Annotated[str | None, typer.Option(
@@ -67,7 +87,13 @@ def generate(
                                 top_p=top_p, min_p=min_p, typical_p=typical_p,
                                 top_n_sigma=top_n_sigma, seed=seed, stop=tuple(stop or ()),
                                 stop_token_ids=tuple(stop_token_id or ()), p_less=p_less,
-                                structured_outputs=_structured(json_schema, regex))
+                                structured_outputs=_structured(json_schema, regex),
+                                dry_multiplier=dry_multiplier, dry_base=dry_base,
+                                dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+                                dry_sequence_breakers=(tuple(dry_sequence_breaker) if dry_sequence_breaker
+                                                       else DRY_SEQUENCE_BREAKERS),
+                                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
     except NanoserveError as error:
         options.fail_for(error)
     config = engine.config(max_num_seqs=1)

@@ -164,6 +164,11 @@ FIELD_TO_OPTION = {
     "threads": "--threads", "linear_kernel": "--linear-kernel", "quantize": "--quantize",
     "p_less": "--p-less", "json_schema": "--json-schema", "regex": "--regex",
     "lora_path": "--lora-modules", "lora_name": "--lora-modules",
+    "dry_multiplier": "--dry-multiplier", "dry_base": "--dry-base",
+    "dry_allowed_length": "--dry-allowed-length", "dry_penalty_last_n": "--dry-penalty-last-n",
+    "dry_sequence_breakers": "--dry-sequence-breaker", "xtc_probability": "--xtc-probability",
+    "xtc_threshold": "--xtc-threshold", "mirostat": "--mirostat", "mirostat_tau": "--mirostat-tau",
+    "mirostat_eta": "--mirostat-eta",
 }
 
 _DEFAULT = EngineConfig()  # the options' defaults are the engine's own

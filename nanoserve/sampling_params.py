@@ -30,6 +30,15 @@ MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 # Logits are divided by the repetition penalty in float32: much below this, a logit of a few
 # hundred overflows to inf and the row degenerates (1e-40 is even 0 in float32).
 MIN_REPETITION_PENALTY = 0.01
+# llama-server's defaults for its own samplers (common/common.h, common_params_sampling).
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+DRY_MAX_BREAKER_CHARS = 40  # llama.cpp truncates longer breakers; here they are refused
+MAX_DRY_BREAKERS = 64
+MIROSTAT_VERSIONS = (0, 1, 2)
+# The samplers mirostat replaces (llama.cpp's chain with mirostat is temperature, then mirostat),
+# with the value that leaves each off.
+MIROSTAT_REPLACES = (("top_k", (-1, 0)), ("top_p", (1.0,)), ("min_p", (0.0,)), ("typical_p", (1.0,)),
+                     ("top_n_sigma", (-1.0,)), ("p_less", (False,)), ("xtc_probability", (0.0,)))
 
 
 def _refuse(param: str, value: object, allowed: str) -> InvalidRequestError:
@@ -124,6 +133,19 @@ def _bias_pair(pair: object, whole: object, allowed: str) -> tuple[int, float]:
     return token, float(amount)
 
 
+def _breakers(value: object) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    allowed = (f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most "
+               f"{DRY_MAX_BREAKER_CHARS} characters")
+    if not isinstance(items, Iterable) or isinstance(items, Mapping):
+        raise _refuse("dry_sequence_breakers", value, allowed)
+    items = tuple(items)
+    if len(items) > MAX_DRY_BREAKERS or not all(
+            isinstance(item, str) and 0 < len(item) <= DRY_MAX_BREAKER_CHARS for item in items):
+        raise _refuse("dry_sequence_breakers", value, allowed)
+    return items
+
+
 def keep_last_tokens(prompt_ids: list[int], keep: int | None) -> list[int]:
     """vLLM's truncate_prompt_tokens: the last `keep` ids (all of them when None)."""
     return prompt_ids if keep is None or len(prompt_ids) <= keep else prompt_ids[-keep:]
@@ -213,9 +235,10 @@ def _choices(value: object, param: str) -> tuple[str, ...]:
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
-    Filters apply in a fixed order: repetition, frequency and presence penalties, logit_bias,
-    the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p and min_p, each
-    on what the ones before it kept, renormalized (see `nanoserve.engine.sampler`). `is_greedy`
+    Filters apply in a fixed order: repetition, frequency and presence penalties, DRY,
+    logit_bias, the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p,
+    min_p, p_less and XTC (or mirostat in their place), each on what the ones before it kept,
+    renormalized (see `nanoserve.engine.sampler`). `is_greedy`
     requests take the argmax, ignore the filters and consume no randomness.
 
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the
@@ -223,6 +246,18 @@ class SamplingParams:
     switches it off. `typical_p`: locally typical sampling (transformers' typical_p); 1 keeps
     every token. `p_less`: keep the tokens whose probability is at least the sum of the
     squared probabilities (p-less sampling, Tan et al. 2025): no parameter to tune.
+
+    llama.cpp's samplers, with llama-server's names and defaults: DRY ("don't repeat yourself",
+    `dry_multiplier` > 0 turns it on) subtracts `dry_multiplier * dry_base ** (n -
+    dry_allowed_length)` from the logit of each token that would extend a repeat of n >=
+    `dry_allowed_length` tokens of the last `dry_penalty_last_n` (-1: all, 0: off) prompt and
+    output tokens, a repeat never reaching back past a `dry_sequence_breakers` string; the
+    engine tokenizes the breakers (`with_dry_breakers`). XTC ("exclude top choices"): with
+    probability `xtc_probability` (a keyed draw of its own, per (seed, position)), every token
+    at or above `xtc_threshold` except the least likely of them is dropped (> 0.5: off).
+    `mirostat` 1 or 2 (v1, v2): the kept set is cut each step to steer the chosen tokens'
+    surprise (-log2 p) toward `mirostat_tau`, by `mirostat_eta` per step; it replaces top_k,
+    top_p, min_p, typical_p, top_n_sigma, p_less and XTC (giving one of them too is refused).
 
     `structured_outputs`: the output must match a JSON schema, regex, choice or grammar
     (`StructuredOutputs`); each request's matcher masks its own row, and the request stops
@@ -285,6 +320,19 @@ class SamplingParams:
     # vLLM's: under --scheduling-policy priority, lower values are admitted first and preempted
     # last; ignored under fcfs. Never changes a token.
     priority: int = 0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
+    # Each breaker as (head token, tail token ids), as llama.cpp's get_overlapping_token_sequences
+    # makes them; the engine fills it in from its tokenizer (`with_dry_breakers`).
+    dry_breaker_token_ids: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -299,6 +347,7 @@ class SamplingParams:
         self._check_lengths()
         self._check_filters()
         self._check_penalties()
+        self._check_llama_cpp_samplers()
         self._check_rest()
 
     def _check_lengths(self) -> None:
@@ -332,6 +381,32 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty,
                      _in_range(self.repetition_penalty, MIN_REPETITION_PENALTY, PENALTY_LIMIT),
                      f"a number in [{MIN_REPETITION_PENALTY:g}, {PENALTY_LIMIT:g}]")
+
+    def _check_llama_cpp_samplers(self) -> None:
+        _check_float("dry_multiplier", self.dry_multiplier, _in_range(self.dry_multiplier, 0.0, math.inf),
+                     "a finite number >= 0 (0 is off)")
+        _check_float("dry_base", self.dry_base, _in_range(self.dry_base, 1.0, math.inf),
+                     "a finite number >= 1")
+        _check_int("dry_allowed_length", self.dry_allowed_length, 1, None, "an integer >= 1")
+        _check_int("dry_penalty_last_n", self.dry_penalty_last_n, -1, None,
+                   "-1 (every token), 0 (off) or an integer >= 1")
+        object.__setattr__(self, "dry_sequence_breakers", _breakers(self.dry_sequence_breakers))
+        _check_float("xtc_probability", self.xtc_probability, _in_range(self.xtc_probability, 0.0, 1.0),
+                     "a number in [0, 1] (0 is off)")
+        _check_float("xtc_threshold", self.xtc_threshold, _in_range(self.xtc_threshold, 0.0, 1.0),
+                     "a number in [0, 1] (above 0.5 is off, as in llama.cpp)")
+        if not _is_int(self.mirostat) or self.mirostat not in MIROSTAT_VERSIONS:
+            raise _refuse("mirostat", self.mirostat, "0 (off), 1 (mirostat) or 2 (mirostat 2.0)")
+        _check_float("mirostat_tau", self.mirostat_tau, _in_range(self.mirostat_tau, 0.0, math.inf),
+                     "a finite number >= 0")
+        _check_float("mirostat_eta", self.mirostat_eta, _in_range(self.mirostat_eta, 0.0, math.inf),
+                     "a finite number >= 0")
+        if self.mirostat:
+            for name, off in MIROSTAT_REPLACES:
+                if getattr(self, name) not in off:
+                    raise _refuse(name, getattr(self, name),
+                                  f"{off[0]!r} (off) with mirostat {self.mirostat}: mirostat replaces it, "
+                                  "as in llama.cpp's sampler chain")
 
     def _check_rest(self) -> None:
         _check_int("priority", self.priority, -MAX_SEED, MAX_SEED - 1, "an integer")
@@ -394,7 +469,24 @@ class SamplingParams:
         """Whether a draw depends on the values of the tokens generated so far (a penalty counts
         them, a bad word matches them), not only on how many there are."""
         return self.repetition_penalty != 1 or bool(self.frequency_penalty or self.presence_penalty
-                                                    or self.bad_words_token_ids)
+                                                    or self.bad_words_token_ids or self.dry_active
+                                                    or self.carries_draw_state)
+
+    @property
+    def dry_active(self) -> bool:
+        """Whether DRY edits any logit (llama.cpp's test in llama_sampler_dry_apply)."""
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    @property
+    def xtc_active(self) -> bool:
+        """Whether XTC can drop a token (llama.cpp's test in llama_sample_xtc_apply)."""
+        return self.xtc_probability > 0 and self.xtc_threshold <= 0.5
+
+    @property
+    def carries_draw_state(self) -> bool:
+        """Whether each draw moves the next one's cut (mirostat's mu): such a request's rows
+        are never drafted ahead, since a draft row would need the mu of the draws before it."""
+        return self.mirostat != 0
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Refuse token ids the model cannot produce (called once the model is known)."""
@@ -408,6 +500,16 @@ class SamplingParams:
         bad_allowed = [token for token in self.allowed_token_ids or () if token >= vocab_size]
         if bad_allowed:
             raise _refuse("allowed_token_ids", self.allowed_token_ids, f"{allowed}; {bad_allowed} are not")
+
+    def with_dry_breakers(self, overlaps: Callable[[str], Iterable[tuple[int, tuple[int, ...]]]]
+                          ) -> SamplingParams:
+        """These params with `dry_sequence_breakers` as token sequences: `overlaps(text)` gives
+        each (head token, tail ids) whose head's text holds `text` or ends with a prefix of it
+        (the tokenizer's `breaker_sequences`). Nothing is done unless DRY is on."""
+        if not self.dry_active or self.dry_breaker_token_ids:
+            return self
+        sequences = {pair for breaker in self.dry_sequence_breakers for pair in overlaps(breaker)}
+        return replace(self, dry_breaker_token_ids=tuple(sorted(sequences)))
 
     def with_bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> SamplingParams:
         """These params with `bad_words` tokenized: each word alone and after a space."""

@@ -29,6 +29,7 @@ from nanoserve.errors import InvalidRequestError, ModelNotFoundError
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens that seed a detokenizer's context (vLLM seeds with 5 as well).
 PROMPT_CONTEXT_TOKENS = 5
+DRY_MAX_TAIL_TOKENS = 20  # llama.cpp's MAX_SEQ_LEN for a DRY breaker's tail
 
 
 class Tokenizer:
@@ -146,6 +147,30 @@ class Tokenizer:
         if SENTENCEPIECE_BYTE.fullmatch(piece):
             return bytes([int(piece[3:5], 16)])
         return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+
+    @functools.cached_property
+    def _token_texts(self) -> list[str]:
+        """Every token's own text, special tokens shown (llama.cpp's detokenize(.., true))."""
+        return self.backend.decode_batch([[i] for i in range(self.backend.get_vocab_size())],
+                                         skip_special_tokens=False)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (a tokenizer lives as long as its engine)
+    def breaker_sequences(self, text: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """DRY's sequence breaker `text` as (head token, tail ids) pairs, as llama.cpp's
+        get_overlapping_token_sequences makes them: every token whose text holds `text` (no
+        tail), and every token whose text ends with a prefix of it (the tail: the rest of
+        `text`, tokenized, at most `DRY_MAX_TAIL_TOKENS` ids)."""
+        pairs: dict[tuple[int, tuple[int, ...]], None] = {}
+        for token, word in enumerate(self._token_texts):
+            if text in word:
+                pairs[(token, ())] = None
+                continue
+            for start in (i for i, char in enumerate(word) if char == text[0]):
+                overlap = len(word) - start  # < len(text): text is not in word
+                if word[start:] == text[:overlap]:
+                    tail = self.encode(text[overlap:], add_bos=False)[:DRY_MAX_TAIL_TOKENS]
+                    pairs[(token, tuple(tail))] = None
+        return tuple(pairs)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

@@ -24,6 +24,10 @@ def generate(*args):
         (["--min-p", "2"], "--min-p"),
         (["--typical-p", "0"], "--typical-p"),
         (["--top-n-sigma", "-2"], "--top-n-sigma"),
+        (["--dry-multiplier", "-1"], "--dry-multiplier"),
+        (["--xtc-threshold", "2"], "--xtc-threshold"),
+        (["--mirostat", "3"], "--mirostat"),
+        (["--mirostat", "2", "--top-k", "40"], "--top-k"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--dtype", "float8"], "--dtype"),
         (["--device", "tpu"], "--device"),
@@ -112,6 +116,27 @@ def test_generate_samples_with_typical_p_and_top_n_sigma_as_the_library_does(tin
                       "--seed", "3", "--typical-p", "0.7", "--top-n-sigma", "1.5")
     assert result.exit_code == 0, result.output
     assert expected in result.stdout
+
+
+def test_generate_samples_with_dry_xtc_and_mirostat_as_the_library_does(tiny_model_dir):
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_model_dir))
+    for modes, args in [
+        ({"dry_multiplier": 2.0, "dry_allowed_length": 1, "dry_sequence_breakers": (".",),
+          "xtc_probability": 0.9, "xtc_threshold": 0.02},
+         ["--dry-multiplier", "2", "--dry-allowed-length", "1", "--dry-sequence-breaker", ".",
+          "--xtc-probability", "0.9", "--xtc-threshold", "0.02"]),
+        ({"mirostat": 2, "mirostat_tau": 2.0, "mirostat_eta": 0.3},
+         ["--mirostat", "2", "--mirostat-ent", "2", "--mirostat-lr", "0.3"]),
+    ]:
+        params = SamplingParams(max_tokens=5, temperature=1.5, seed=3, **modes)
+        expected = llm.generate(["hi"], params)[0].text
+        result = generate("hi", "--model", str(tiny_model_dir), "--max-tokens", "5", "--temperature", "1.5",
+                          "--seed", "3", *args)
+        assert result.exit_code == 0, result.output
+        assert expected in result.stdout
 
 
 def test_generate_constrains_to_a_json_schema_file_or_a_regex_and_samples_p_less(tiny_model_dir, tmp_path):

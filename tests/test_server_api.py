@@ -341,6 +341,26 @@ def test_typical_p_and_top_n_sigma_reach_the_sampler_from_both_endpoints(client:
     assert (parsed.typical_p, parsed.top_n_sigma) == (0.6, 1.0)
 
 
+@pytest.mark.parametrize("modes", [
+    {"dry_multiplier": 1.5, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": 16,
+     "dry_sequence_breakers": ["\n", "."]},
+    {"xtc_probability": 0.9, "xtc_threshold": 0.02},
+    {"mirostat": 1, "mirostat_tau": 3.0, "mirostat_eta": 0.2},
+    {"mirostat": 2, "mirostat_tau": 2.0},
+])
+def test_llama_cpps_samplers_reach_the_sampler_from_both_endpoints(client: httpx.Client, offline: LLM,
+                                                                    modes: dict) -> None:
+    sampled = {"temperature": 1.2, "seed": 5, **modes}
+    expected = offline.generate("Water boils at", SamplingParams(max_tokens=8, **sampled))[0].text
+    body = {"prompt": "Water boils at", "max_tokens": 8, **sampled}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **sampled}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    parsed = _base_params(CompletionRequest.model_validate(body), seed=5)
+    assert all(getattr(parsed, name) == (tuple(value) if isinstance(value, list) else value)
+               for name, value in modes.items())
+
+
 def test_stop_string_ends_the_choice_before_it(client: httpx.Client) -> None:
     base = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
     full = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
@@ -923,6 +943,11 @@ def test_a_hang_up_while_sending_the_body_logs_one_line_and_no_traceback(
     ({"prompt": "x", "typical_p": 1.5}, "typical_p"),
     ({"prompt": "x", "top_n_sigma": 0}, "top_n_sigma"),
     ({"prompt": "x", "top_n_sigma": -2}, "top_n_sigma"),
+    ({"prompt": "x", "dry_multiplier": -1}, "dry_multiplier"),
+    ({"prompt": "x", "dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+    ({"prompt": "x", "xtc_probability": 2}, "xtc_probability"),
+    ({"prompt": "x", "mirostat": 3}, "mirostat"),
+    ({"prompt": "x", "mirostat": 2, "top_k": 40}, "top_k"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "echo": True, "logprobs": 2, "stream": True}, "echo"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),

@@ -260,6 +260,9 @@ MODES = [
     {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3},
     {"temperature": 0.8, "top_k": 8, "repetition_penalty": 1.2, "logit_bias": ((5, 3.0), (9, -2.0))},
     {"temperature": 0.0, "logit_bias": ((274, 1.5),)},
+    {"temperature": 0.7, "dry_multiplier": 1.5, "dry_allowed_length": 1},
+    {"temperature": 0.9, "xtc_probability": 0.7, "xtc_threshold": 0.05},
+    {"temperature": 0.9, "mirostat": 2, "mirostat_tau": 2.0},
 ]
 
 
@@ -382,6 +385,8 @@ def oracle(futures: dict[tuple[int, ...], list[int]], wrong: bool):
     def propose(engine: Engine) -> None:
         engine._propose_drafts = lambda: None
         for request in engine.scheduler.running:
+            if request.params.carries_draw_state:  # mirostat: never drafted, as the proposers rule
+                continue
             future = futures[tuple(request.prompt_ids)][len(request.output_ids):]
             request.draft_ids = [(t + 1) % 300 if wrong else t for t in future[:4]]
 

@@ -126,7 +126,8 @@ class InputProcessor:
         `pooling`, an embedding request, whose `params` give only its priority and cache salt."""
         pooling = self._resolved_pooling(pooling)
         params = (params or SamplingParams()).with_bad_words_token_ids(
-            lambda text: self.tokenizer.encode(text, add_bos=False))
+            lambda text: self.tokenizer.encode(text, add_bos=False)).with_dry_breakers(
+            lambda text: self.tokenizer.breaker_sequences(text))
         prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
         if pooling is not None:  # nothing sampled: one "token" of room, as a prompt must leave
             params = dataclasses.replace(SamplingParams(max_tokens=1, temperature=0.0),

@@ -26,6 +26,19 @@ integer mass per bucket (`scatter_add`): O(vocab) per pass, exact, no sort. A ch
 reading the answer back to the host, so such rows always pay for the radix select. typical_p
 finds its cut with the same radix select, over keys that rise as |-log q - H| falls.
 
+llama.cpp's XTC and mirostat, on the same integer mass. XTC comes last among the filters (as in
+llama.cpp's default chain, after min_p): where its own keyed coin (`uniform_from_counter` on a
+key mixed from the seed, at the row's position) falls at or under xtc_probability, every kept
+token whose share of the kept mass is at least xtc_threshold, except the least likely of them
+(ties with it all stay), is dropped, provided at least two are. Mirostat replaces the other
+filters (SamplingParams refuses them together): v2 keeps the tokens whose surprise -log2 p is
+at most mu (at least the most likely token); v1 estimates the Zipf exponent s from the 100 most
+likely tokens and keeps the k most likely, k = (e * 2**mu / (1 - V**-e)) ** (1 / s), e = s - 1.
+After the draw, mu moves by eta x (tau - the drawn token's surprise over the kept set). Each
+request keeps its mu by position (`MirostatMu`, on the device): the draw at position p reads
+mu[p] and writes mu[p + 1], so a position drawn again (after preemption) reads what it read
+the first time, and mu is a function of the request's own logits and tokens alone.
+
 Refuses: reading anything back to the host, keeping random-generator state per request, and
 Python loops over rows (the sampler, `engine.sampler`, builds the per-row parameters once a
 step and calls `kept_mass` on the drawing rows).
@@ -33,6 +46,7 @@ step and calls `kept_mass` on the drawing rows).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +66,10 @@ RADIX_PASSES = ((21, 10), (11, 10), (0, 11))
 # 2**40 sum exactly in int64 over up to 2**22 tokens, to about 2**-40 per term.
 FIXED_BITS = 40
 _INF_BITS = 0x7F800000  # the int32 bits of float32 +inf: the largest non-NaN non-negative key
+MIROSTAT_M = 100  # llama.cpp's m: mirostat v1 estimates s from this many most likely tokens
+# Mirostat v1's fixed-point sum of t_i x log(p_i / p_i+1): each term is below 128 (float32's
+# smallest positive p is 2**-149), so dividing by this keeps the terms in [-1, 1].
+_ZIPF_TERM_SCALE = 256.0
 
 
 def _signed64(value: int) -> int:
@@ -62,6 +80,7 @@ def _signed64(value: int) -> int:
 _GOLDEN_GAMMA = _signed64(0x9E3779B97F4A7C15)  # SplitMix64's increment
 _MIX_1 = _signed64(0xBF58476D1CE4E5B9)
 _MIX_2 = _signed64(0x94D049BB133111EB)
+_XTC_KEY = _signed64(0xD1B54A32D192ED03)  # mixed into the seed: XTC's coin is a stream of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +123,47 @@ class ShapeParams:
         )
 
 
+class MirostatMu:
+    """One request's mirostat mu by position, as 0-d float32 tensors on the device."""
+
+    def __init__(self, tau: float, device: torch.device | str) -> None:
+        # llama.cpp starts mu at 2 tau, in float32.
+        self.by_position = {0: torch.tensor(2.0 * tau, dtype=torch.float32, device=device)}
+
+    def at(self, position: int) -> Tensor:
+        if position not in self.by_position:
+            raise ValueError(f"no mirostat mu for position {position}: the draw before it never ran")
+        return self.by_position[position]
+
+    def record(self, position: int, mu: Tensor) -> None:
+        """The mu the draw at `position - 1` left; older ones are never read again."""
+        self.by_position[position] = mu
+        for old in [p for p in self.by_position if p < position - 1]:
+            del self.by_position[old]
+
+
+@dataclass(frozen=True, slots=True)
+class MirostatParams:
+    """The mirostat rows of a step (into the drawing rows) and their requests' mu."""
+
+    rows: Tensor | None  # [m] int64 into the drawing rows; None when all of them
+    version_one: Tensor | None  # [m] bool, true for v1; None when every row is v2
+    mu: Tensor  # [m] float32, each row's mu at its position
+    tau: Tensor  # [m] float32
+    eta: Tensor  # [m] float32
+    states: tuple[MirostatMu, ...]
+    positions: tuple[int, ...]
+
+    def advance(self, kept: Tensor, tokens: Tensor) -> None:
+        """Each row's next mu from its drawn token's surprise over the kept mass (no readback)."""
+        part = rows_of(kept, self.rows)
+        chosen = part.gather(1, rows_of(tokens, self.rows)[:, None]).squeeze(1)
+        surprise = (chosen.double() / part.sum(-1).double()).log2().neg().float()
+        mu = self.mu - self.eta * (surprise - self.tau)
+        for state, position, value in zip(self.states, self.positions, mu.unbind(), strict=True):
+            state.record(position + 1, value)
+
+
 @dataclass(frozen=True, slots=True)
 class DrawParams:
     """The parameters of the rows that draw (not greedy), one entry per such row.
@@ -129,10 +189,15 @@ class DrawParams:
     shape: ShapeParams | None  # the rows with top_n_sigma or typical_p; None when none has
     p_less_rows: Tensor | None  # [l] int64 into the n: rows with p_less; None when all n are
     any_p_less: bool
+    xtc_rows: Tensor | None  # [x] int64 into the n: rows with XTC on; None when all n are
+    xtc_probability: Tensor | None  # [x] float64; None when no row has XTC
+    xtc_threshold: Tensor | None  # [x] float64
+    mirostat: MirostatParams | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int], *,
-              drawing: list[int], num_rows: int, vocab_size: int, device: torch.device | str) -> DrawParams:
+              drawing: list[int], num_rows: int, vocab_size: int, device: torch.device | str,
+              mirostat: MirostatParams | None = None) -> DrawParams:
         """The drawing rows' parameters (`params`, `seeds`, `positions` of rows `drawing` of a
         step of `num_rows` rows)."""
         temps = [p.temperature for p in params]
@@ -140,6 +205,7 @@ class DrawParams:
         windowed = [i for i, k in enumerate(top_k) if k]
         nucleus = [i for i, (k, p) in enumerate(zip(top_k, params, strict=True)) if not k and p.top_p < 1]
         p_less = [i for i, p in enumerate(params) if p.p_less]
+        xtc = [i for i, p in enumerate(params) if p.xtc_active]
 
         def upload(values: list, dtype: torch.dtype) -> Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -164,6 +230,10 @@ class DrawParams:
             shape=ShapeParams.build(params, top_k, upload, subset),
             p_less_rows=subset(p_less, len(params)) if p_less else None,
             any_p_less=bool(p_less),
+            xtc_rows=subset(xtc, len(params)) if xtc else None,
+            xtc_probability=upload([params[i].xtc_probability for i in xtc], torch.float64) if xtc else None,
+            xtc_threshold=upload([params[i].xtc_threshold for i in xtc], torch.float64) if xtc else None,
+            mirostat=mirostat,
         )
 
 def rows_of(tensor: Tensor, rows: Tensor | None) -> Tensor:
@@ -187,9 +257,15 @@ def kept_mass(logits: Tensor, draw: DrawParams) -> Tensor:
         probs = torch.softmax(scaled, dim=-1).nan_to_num_(0.0)
         if draw.shape is not None:
             probs = _shaped_probs(scaled, probs, draw.shape)
-    keep = probs >= _thresholds(probs, draw)[:, None]
+    threshold = _thresholds(probs, draw)
+    if (mirostat := draw.mirostat) is not None:
+        threshold = raise_rows(threshold, mirostat.rows,
+                               _mirostat_cut(rows_of(probs, mirostat.rows), mirostat))
+    keep = probs >= threshold[:, None]
     if draw.any_p_less:
         keep = _p_less_keep(probs, keep, draw.p_less_rows)
+    if draw.xtc_probability is not None:
+        keep = _xtc_keep(probs, keep, draw)
     # In place from here: probs is this function's own tensor, and fresh [rows, vocab] buffers
     # cost page faults on CPU.
     return probs.mul_(keep).mul_(2.0**MASS_BITS).long()  # as _mass: exact, a power of two
@@ -306,6 +382,48 @@ def _p_less_keep(probs: Tensor, keep: Tensor, rows: Tensor | None) -> Tensor:
     total = _mass(kept).sum(-1).double() * 2.0**-MASS_BITS
     cut = torch.minimum(_fixed_sum_(kept.double().square()) / total, part.amax(-1).double())
     return put_rows(keep, rows, part_keep & (part.double() >= cut[:, None]))
+
+
+def _xtc_keep(probs: Tensor, keep: Tensor, draw: DrawParams) -> Tensor:
+    """XTC last: where the row's coin falls at or under xtc_probability and at least two kept
+    tokens hold xtc_threshold of the kept mass each, all of those but the least likely go."""
+    rows = draw.xtc_rows
+    part_keep = rows_of(keep, rows)
+    mass = _mass(rows_of(probs, rows) * part_keep)
+    total = mass.sum(-1).double()
+    above = part_keep & (mass.double() >= draw.xtc_threshold[:, None] * total[:, None])
+    least = torch.where(above, mass, torch.iinfo(torch.int64).max).amin(-1)
+    seed, position = rows_of(draw.seed, rows), rows_of(draw.position, rows)
+    coin = uniform_from_counter(_mix64(seed ^ _XTC_KEY), position)
+    applies = (coin <= draw.xtc_probability) & (above.sum(-1) >= 2)
+    return put_rows(keep, rows, part_keep & ~(above & (mass > least[:, None]) & applies[:, None]))
+
+
+def _mirostat_cut(probs: Tensor, mirostat: MirostatParams) -> Tensor:
+    """Each mirostat row's smallest kept p: 2**-mu (v2, never above the largest p) or the k-th
+    largest p (v1)."""
+    cut = torch.minimum(torch.exp2(-mirostat.mu.double()).float(), probs.amax(-1))
+    if mirostat.version_one is None:
+        return cut
+    ordered = probs.sort(dim=-1, descending=True).values
+    return torch.where(mirostat.version_one, _mirostat_v1_cut(ordered, mirostat.mu), cut)
+
+
+def _mirostat_v1_cut(ordered: Tensor, mu: Tensor) -> Tensor:
+    """The k-th largest p, k from the Zipf exponent s estimated on the top MIROSTAT_M p
+    (llama_sampler_mirostat_apply), the sums exact in any order (fixed point)."""
+    vocab = ordered.shape[-1]
+    top = ordered[:, :MIROSTAT_M].double()
+    i = torch.arange(top.shape[-1] - 1, dtype=torch.float64, device=top.device)
+    t = torch.log((i + 2) / (i + 1))
+    # A zero p (a masked token) has no ratio: its term is left out.
+    terms = (t * torch.log(top[:, :-1] / top[:, 1:])).nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+    t_squared = sum(math.log((j + 2) / (j + 1)) ** 2 for j in range(top.shape[-1] - 1))  # on the host
+    s_hat = _fixed_sum_(terms.div_(_ZIPF_TERM_SCALE)) * _ZIPF_TERM_SCALE / t_squared
+    epsilon = s_hat - 1
+    k = (epsilon * torch.exp2(mu.double()) / (1 - float(vocab) ** -epsilon)) ** (1 / s_hat)
+    k = k.nan_to_num(1.0, posinf=float(vocab)).clamp(1, vocab).long()
+    return ordered.gather(1, (k - 1)[:, None]).squeeze(1)
 
 
 def _top_k_cut(probs: Tensor, draw: DrawParams) -> Tensor:

@@ -315,6 +315,9 @@ class ModelRunner:
         position = len(output) + request.num_pending_tokens
         rows = [SamplingRow(request.params, request.seed, position, request.prompt_ids, output, edits,
                             request.grammar)]
+        if chunk.draft_ids and request.params.carries_draw_state:
+            raise ValueError(f"{request.request_id} carries mirostat's mu from draw to draw: its rows "
+                             "cannot be drafted ahead (the proposers never offer it drafts)")
         if chunk.draft_ids and chunk.draft_ids[0] == ON_DEVICE and request.params.reads_output_values:
             raise ValueError(f"{request.request_id}'s rows read its output's values (a penalty or a "
                              "bad word), and its drafts are on the device only")

@@ -53,7 +53,7 @@ class NgramProposer:
     lookups: dict[str, list[int]] = field(default_factory=dict)  # this step's, by request id
 
     def eligible(self, request: Request) -> bool:
-        return request.grammar is None
+        return request.grammar is None and not request.params.carries_draw_state
 
     def limit(self, request: Request, state: DraftState, k: int) -> int:
         lookup = state.propose(request.token_ids(state.num_indexed, request.num_tokens), k)

@@ -8,21 +8,25 @@ tokens' logprobs, by the same computation as sampled ones); the kept set of a sa
 its draw, with `uniform_from_counter`, the one source of randomness, are `engine.draw`'s.
 
 Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
-frequency and presence penalties (counts of generated tokens), then logit_bias, then the
-min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`)
-and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
-with the rest of it; `allowed_token_ids`: every other id is -inf), then temperature,
-top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after temperature sees the
-distribution the ones before it left, renormalized over their survivors: top_n_sigma keeps
-the tokens whose scaled logit is at least max - n x std (std over the row's
+frequency and presence penalties (counts of generated tokens), then DRY (llama.cpp's, on prompt
+and generated tokens, after the penalties as in llama.cpp's chain; `engine.dry`), then
+logit_bias, then the min_tokens mask (the ids that would stop the request are -inf until
+`position >= min_tokens`) and the row's own bans (`bad_words`: a word's last token is -inf where
+the output so far ends with the rest of it; `allowed_token_ids`: every other id is -inf), then
+temperature, top_n_sigma, top_k, typical_p, top_p, min_p, p_less and XTC. Each filter after
+temperature sees the distribution the ones before it left, renormalized over their survivors:
+top_n_sigma keeps the tokens whose scaled logit is at least max - n x std (std over the row's
 finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likely survivors;
-typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)|
-smallest first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass;
-top_p then holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and
-p_less keeps q >= sum(q**2) of what all of them left (never above the largest q). So
-every filter keeps at least one token, and no combination of values empties a row. Greedy rows
-(`SamplingParams.is_greedy`: temperature 0 or below `MIN_TEMPERATURE`, or top_k 1) take the
-first argmax, ignore every filter, and never call `uniform_from_counter`.
+typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)| smallest
+first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass; top_p then
+holds top_p of the mass left, min_p keeps q >= min_p x the largest q left, and p_less keeps q >=
+sum(q**2) of what all of them left (never above the largest q), and XTC last (after min_p, as in
+llama.cpp's default chain; llama.cpp applies temperature after all of them, here it comes first,
+so XTC reads the tempered shares). Mirostat rows skip top_k through XTC: their kept set is
+mirostat's (`engine.draw`). So every filter keeps at least one token, and no combination of
+values empties a row. Greedy rows (`SamplingParams.is_greedy`: temperature 0 or below
+`MIN_TEMPERATURE`, or top_k 1) take the first argmax, ignore every filter, and never call
+`uniform_from_counter`.
 
 Constrained rows (structured outputs): before anything else, each such row's logits are
 -inf wherever its grammar's bitmask (`GrammarMask`, filled on the host from the request's
@@ -52,12 +56,15 @@ from torch import Tensor
 from nanoserve.engine.draw import (
     GROUP,
     DrawParams,
+    MirostatMu,
+    MirostatParams,
     draw_tokens,
     kept_mass,
     put_rows,
     rows_of,
     uniform_from_counter,
 )
+from nanoserve.engine.dry import DryHistory
 from nanoserve.engine.structured import BITS_PER_WORD, RowGrammar, fill_bitmasks
 from nanoserve.sampling_params import SamplingParams
 
@@ -102,14 +109,17 @@ class LogitEdits:
     frequency: Cells | None  # frequency_penalty * count, on tokens in the output
     presence: Tensor | None  # [E] presence_penalty on the cells of `frequency`
     bias: Cells | None
+    dry: Cells | None = None  # DRY's penalty, subtracted
 
 
 class RowEdits:
-    """One request's penalty and logit_bias cells on the device, kept for the request's life.
+    """One request's sampling state, kept for the request's life: its penalty and logit_bias
+    cells on the device, DRY's history (`dry`) and mirostat's mu (`mirostat`).
 
     Built once (the bias and the prompt's tokens are read here and never again); each step
     `catch_up` reads only the tokens generated since the last one, so a step's host work
-    does not grow with the size of logit_bias, the prompt or the output.
+    does not grow with the size of logit_bias, the prompt or the output (DRY's work per token
+    grows with its window, `dry_penalty_last_n`, as llama.cpp's does).
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
@@ -127,6 +137,8 @@ class RowEdits:
         self.count_cols = self._longs([])
         self.counts = self._longs([])
         self.allowed = allowed_mask(params.allowed_token_ids, vocab_size, device)
+        self.dry = DryHistory(params, prompt_ids) if params.dry_active else None
+        self.mirostat = MirostatMu(params.mirostat_tau, device) if params.mirostat else None
 
     def _longs(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -154,10 +166,11 @@ class RowEdits:
         speculative row's drafts) are generated, leaving this one as it is. Its own object
         only when a penalty counts tokens; the bias alone never changes."""
         if self.params.repetition_penalty == 1 and not (self.params.frequency_penalty
-                                                        or self.params.presence_penalty):
+                                                        or self.params.presence_penalty or self.dry):
             return self
         forked = copy.copy(self)  # the tensors are never changed in place, only replaced
         forked.seen, forked.count_slots = set(self.seen), dict(self.count_slots)
+        forked.dry = self.dry.copy() if self.dry is not None else None
         forked.catch_up(output_ids)
         return forked
 
@@ -169,6 +182,8 @@ class RowEdits:
             self._see(fresh)
         if self.params.frequency_penalty or self.params.presence_penalty:
             self._count(fresh)
+        if self.dry is not None:
+            self.dry.extend(fresh)
 
 
 def allowed_mask(allowed: Sequence[int] | None, vocab_size: int, device: torch.device | str) -> Tensor | None:
@@ -217,7 +232,9 @@ class SamplingBatch:
             any_greedy=len(drawing) < len(rows),
             draw=(DrawParams.build([rows[i].params for i in drawing], [rows[i].seed for i in drawing],
                                    [rows[i].position for i in drawing], drawing=drawing, num_rows=len(rows),
-                                   vocab_size=vocab_size, device=device) if drawing else None),
+                                   vocab_size=vocab_size, device=device,
+                                   mirostat=_mirostat([rows[i] for i in drawing], vocab_size, device))
+                  if drawing else None),
             edits=_edits(rows, vocab_size, device),
             masked=_banned_cells(rows, vocab_size, eos_token_ids, device),
             allowed=_allowed_rows(rows, vocab_size, device),
@@ -247,8 +264,34 @@ class GrammarMask:
         )
 
 
+def _mirostat(rows: Sequence[SamplingRow], vocab_size: int,
+              device: torch.device | str) -> MirostatParams | None:
+    """The drawing rows' mirostat parameters and mu; a row without its request's kept edits
+    (`SamplingRow.edits` None) starts from mu's first value, so only position 0 has one."""
+    chosen = [i for i, row in enumerate(rows) if row.params.mirostat]
+    if not chosen:
+        return None
+    states = [(rows[i].edits or RowEdits(rows[i].params, (), vocab_size, device)).mirostat for i in chosen]
+    params = [rows[i].params for i in chosen]
+
+    def floats(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    positions = tuple(rows[i].position for i in chosen)
+    return MirostatParams(
+        rows=None if len(chosen) == len(rows) else torch.tensor(chosen, dtype=torch.int64, device=device),
+        version_one=(torch.tensor([p.mirostat == 1 for p in params], device=device)
+                     if any(p.mirostat == 1 for p in params) else None),
+        mu=torch.stack([state.at(position) for state, position in zip(states, positions, strict=True)]),
+        tau=floats([p.mirostat_tau for p in params]),
+        eta=floats([p.mirostat_eta for p in params]),
+        states=tuple(states),
+        positions=positions,
+    )
+
+
 def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> LogitEdits | None:
-    if not any(row.params.logit_bias or row.params.repetition_penalty != 1
+    if not any(row.params.logit_bias or row.params.repetition_penalty != 1 or row.params.dry_active
                or row.params.frequency_penalty or row.params.presence_penalty for row in rows):
         return None
     kept = []
@@ -271,8 +314,14 @@ def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | 
         frequency=frequency,
         presence=None if presence is None else presence.values,
         bias=_gather([(i, e.bias_cols, e.bias) for i, e in enumerate(kept)]),
+        dry=_gather([(i, *_dry_cells(e.dry, device)) for i, e in enumerate(kept) if e.dry is not None]),
     )
     return None if edits == LogitEdits(None, None, None, None) else edits
+
+
+def _dry_cells(dry: DryHistory, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    tokens, penalties = dry.penalties()
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(penalties).to(device)
 
 
 def _banned_cells(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],
@@ -359,7 +408,7 @@ def _apply_edits(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def _apply_penalties_and_bias(edited: Tensor, edits: LogitEdits) -> None:
-    """In the order repetition, frequency, presence, bias: each cell rounds as one formula would."""
+    """In the order repetition, frequency, presence, DRY, bias: each cell rounds as one formula would."""
     if (cells := edits.repetition) is not None:
         old = edited[cells.rows, cells.cols]
         edited.index_put_((cells.rows, cells.cols),
@@ -367,6 +416,8 @@ def _apply_penalties_and_bias(edited: Tensor, edits: LogitEdits) -> None:
     if (cells := edits.frequency) is not None:
         edited.index_put_((cells.rows, cells.cols),
                           edited[cells.rows, cells.cols] - cells.values - edits.presence)
+    if (cells := edits.dry) is not None:
+        edited.index_put_((cells.rows, cells.cols), edited[cells.rows, cells.cols] - cells.values)
     if (cells := edits.bias) is not None:
         edited.index_put_((cells.rows, cells.cols), edited[cells.rows, cells.cols] + cells.values)
 
@@ -383,7 +434,11 @@ def _argmax(logits: Tensor) -> Tensor:
 
 
 def _sample(logits: Tensor, draw: DrawParams) -> Tensor:
-    return draw_tokens(kept_mass(logits, draw), uniform_from_counter(draw.seed, draw.position))
+    kept = kept_mass(logits, draw)
+    tokens = draw_tokens(kept, uniform_from_counter(draw.seed, draw.position))
+    if draw.mirostat is not None:
+        draw.mirostat.advance(kept, tokens)
+    return tokens
 
 
 def _with_logprobs(raw: Tensor, token_ids: Tensor, batch: SamplingBatch) -> SampledTokens:

@@ -4,7 +4,8 @@ Grouped by what each part speaks to:
 - `openai/`: OpenAI's protocol (request models, response bodies), its routes (completions,
   chat, models, vLLM's tokenize/detokenize/version, health, metrics), server-sent events,
   embeddings, the Responses API and vLLM's runtime LoRA routes.
-- `anthropic/`: Anthropic's Messages API.
+- `anthropic/`: Anthropic's Messages API (and its token count).
+- `ollama/`: Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, the model listings).
 - `parsers/`: what is read out of a model's text or a body's fields: tool calls, reasoning,
   structured-output fields.
 - `bridges/`: between the event loop and the engine: `engine_bridge` (the one interface the

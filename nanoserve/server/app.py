@@ -27,6 +27,7 @@ from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
 from nanoserve.server.bridges.replicas import ReplicaPlan, ReplicaPool
 from nanoserve.server.errors import install_handlers
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.ollama import api as ollama_api
 from nanoserve.server.openai import adapter_routes, embeddings, responses, routes
 from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -115,6 +116,9 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     # Behind its own key check: Anthropic's clients send x-api-key, and errors in Anthropic's shape.
     app.add_api_route("/v1/messages", messages.create_message, methods=["POST"],
                       openapi_extra=_body_schema(messages.MessagesRequest))
+    app.add_api_route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"],
+                      openapi_extra=_body_schema(messages.CountTokensRequest))
+    _add_ollama_routes(app)
     app.include_router(_tokenizer_router())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/version", routes.version, methods=["GET"])
@@ -140,6 +144,18 @@ def _v1_router() -> APIRouter:
     router.add_api_route("/unload_lora_adapter", adapter_routes.unload_lora_adapter, methods=["POST"],
                          openapi_extra=_body_schema(adapter_routes.UnloadLoRAAdapterRequest))
     return router
+
+
+def _add_ollama_routes(app: FastAPI) -> None:
+    """Ollama's API at /api, each route checking the key itself: errors in Ollama's shape."""
+    for path, route, body in (("/api/chat", ollama_api.chat, ollama_api.OllamaChatRequest),
+                              ("/api/generate", ollama_api.generate, ollama_api.OllamaGenerateRequest),
+                              ("/api/embed", ollama_api.embed, ollama_api.OllamaEmbedRequest),
+                              ("/api/show", ollama_api.show, ollama_api.OllamaShowRequest)):
+        app.add_api_route(path, route, methods=["POST"], openapi_extra=_body_schema(body))
+    for path, route in (("/api/tags", ollama_api.tags), ("/api/ps", ollama_api.ps),
+                        ("/api/version", ollama_api.version)):
+        app.add_api_route(path, route, methods=["GET"])
 
 
 def _tokenizer_router() -> APIRouter:
@@ -229,7 +245,8 @@ def _document_bodies(app: FastAPI) -> None:
             document = build()
             schemas = document.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          messages.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest):
+                          messages.MessagesRequest, responses.ResponsesRequest, embeddings.EmbeddingRequest,
+                          ollama_api.OllamaChatRequest, ollama_api.OllamaGenerateRequest):
                 defs = model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
                 schemas.update(defs)
             app.openapi_schema = document

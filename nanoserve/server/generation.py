@@ -67,6 +67,7 @@ class Choice:
     stop_reason: str | int | None = None
     stop_token_ids: tuple[int, ...] = ()
     echo: str = ""  # text before the generated text (completions' echo)
+    first_s: float = 0.0  # when its first output came (0: none yet)
     last_s: float = 0.0
     text_offset: TextOffset = field(default_factory=TextOffset)  # streamed completion logprobs
     aborted: bool = False  # ended with no finish: by the server, or by `close` (hang-up, failure)
@@ -159,6 +160,7 @@ class Generation:
         metrics = self.state.metrics
         if choice.num_tokens == 0:
             metrics.ttft.observe(now - self.arrival_s)
+            choice.first_s = choice.first_s or now
         else:
             metrics.itl.observe(now - choice.last_s)
         choice.last_s = now

@@ -263,6 +263,11 @@ def _encode(admission: InputProcessor, body: RequestBody, prompt: str | list[int
     return keep_last_tokens(ids, body.truncate_prompt_tokens)
 
 
+LLAMA_CPP_SAMPLER_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                            "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "mirostat",
+                            "mirostat_tau", "mirostat_eta")
+
+
 def _base_params(body: RequestBody, seed: int | None,
                  reasoning: ReasoningPlan | None = None) -> SamplingParams:
     """The sampling fields every choice shares; `_params_for` sets the rest per choice."""
@@ -281,6 +286,7 @@ def _base_params(body: RequestBody, seed: int | None,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
         "p_less": body.p_less, "structured_outputs": _constraint(body, reasoning), "priority": body.priority,
+        **{name: getattr(body, name) for name in LLAMA_CPP_SAMPLER_FIELDS},
     }
     given = {name: value for name, value in fields.items() if value is not None}
     # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.

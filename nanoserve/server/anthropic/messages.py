@@ -9,11 +9,15 @@ endpoint's own; the chat completion's answer in Anthropic's shapes: the message 
 stream's events (message_start, content_block_start / _delta / _stop, message_delta,
 message_stop, ping, error), and errors as `{"type": "error", "error": {...}}`; the key in
 `x-api-key` (Anthropic's clients) or `Authorization: Bearer`.
+Also /v1/messages/count_tokens: the prompt tokens a Messages request's system, messages and
+tools come to (`CountTokensRequest`, the request less what only generation reads), counted by
+the planning a generation runs.
 Refuses: images and documents, server tools, containers and MCP (named 400s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -23,6 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from nanoserve.server import planning
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.generation import Generation, unary_response
 from nanoserve.server.openai import routes
@@ -148,6 +153,21 @@ class MessagesRequest(OpenAIModel):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     metadata: Metadata | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class CountTokensRequest(OpenAIModel):
+    """/v1/messages/count_tokens: what shapes the prompt (no max_tokens, sampling or stream)."""
+
+    refused_fields: ClassVar[dict[str, Refusal]] = MESSAGES_REFUSED
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None
 
 
@@ -325,7 +345,22 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
-# -- the route ------------------------------------------------------------------------------------
+# -- the routes -----------------------------------------------------------------------------------
+
+async def count_tokens(request: Request) -> Response:
+    try:
+        await _check_key(request)
+        body = await routes.parse_body(request, CountTokensRequest)
+        state = state_of(request)
+        planning.check_model(state, body.model)
+        routes.check_available(state)
+        chat = as_chat_request(MessagesRequest.model_validate({
+            **body.model_dump(exclude_none=True, by_alias=True), "max_tokens": 1}))
+        plan = await asyncio.to_thread(planning.plan, state, "chat", chat)
+        return JSONResponse({"input_tokens": len(plan[0].prompt_ids)})
+    except APIError as error:
+        return error_response(error)
+
 
 async def create_message(request: Request) -> Response:
     try:

@@ -73,6 +73,15 @@ class EmbeddingRequest(OpenAIModel):
 async def create_embeddings(request: Request) -> Response:
     arrival_s = time.perf_counter()
     body = await routes.parse_body(request, EmbeddingRequest)
+    generation = await run(request, body, arrival_s)
+    if generation is None:
+        return Response(status_code=499)  # nobody is listening; the sequences were aborted
+    return JSONResponse(_response_body(generation, body))
+
+
+async def run(request: Request, body: EmbeddingRequest, arrival_s: float) -> Generation | None:
+    """Every input of `body` embedded, in the order of a generation request; None when the
+    client hung up first (Ollama's /api/embed runs through here too)."""
     state = state_of(request)
     tenant = routes.tenant_of(request)
     planning.check_model(state, body.model)
@@ -86,10 +95,10 @@ async def create_embeddings(request: Request) -> Response:
     try:
         await until_done_or_disconnect(request, generation)
     except ClientDisconnectedError:
-        return Response(status_code=499)  # nobody is listening; the sequences are aborted below
+        return None
     finally:
         generation.close()
-    return JSONResponse(_response_body(generation, body))
+    return generation
 
 
 def _plan(state: ServerState, body: EmbeddingRequest) -> list[PlannedSequence]:

@@ -245,6 +245,17 @@ class SamplingFields(OpenAIModel):
         "Add the tokenizer's BOS to the prompt: default true for completions, false for chat "
         "(whose template writes BOS itself)."))
     p_less: bool | None = None
+    # llama-server's samplers, with its names (defaults and ranges: SamplingParams).
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
     priority: Int64 = Field(default=0, description=(
         "vLLM's: with --scheduling-policy priority, lower values run first and are preempted "
         "last; ignored under fcfs."))

@@ -1,0 +1,1 @@
+"""Ollama's HTTP API (`/api/*`): chat, generate and embed (`api`), the model listings (`models`)."""
