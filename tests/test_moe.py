@@ -265,7 +265,7 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
     from nanoserve.distributed.collectives import Collectives
     from nanoserve.distributed.shards import Shard, local_config
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     hf_model = families.write_checkpoint(case, tmp_path)
     world, prompt = 2, PROMPTS[1]
@@ -275,7 +275,7 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
         config, weights = load_weights(tmp_path, dtype=torch.float32, device=torch.device("cpu"), shard=shard)
         start, count, _ = shard.vocab_rows(config.vocab_size)
         collectives = Collectives(group, shard, start, count, ordered=True)
-        model = Llama(local_config(config, world), weights, batch_invariant=True, tensor_parallel=collectives)
+        model = DecoderLM(local_config(config, world), weights, batch_invariant=True, tensor_parallel=collectives)
         assert all(len(w.moe.gate_up) == config.experts.count for w in model.weights.layers if w.moe)
         return prefill_logits(model, prompt)[:count]
 
@@ -466,11 +466,11 @@ def test_a_model_on_native_matrices_runs_its_experts_natively_as_transformers_do
     made to raise), logits within 1e-4 of transformers, a request's logits alone == in a crowd."""
     from nanoserve.loading.weights import load_weights
     from nanoserve.model import moe
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     _, path, _, expected = checkpoint
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
-    model = Llama(config, weights, batch_invariant=True, linear_kernel=KERNELS["native"])
+    model = DecoderLM(config, weights, batch_invariant=True, linear_kernel=KERNELS["native"])
     assert [e is not None for e in model.native_experts] == [w.moe is not None for w in model.weights.layers]
 
     def no_grouping(*_):
@@ -523,7 +523,7 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
     from nanoserve.distributed.collectives import Collectives
     from nanoserve.distributed.shards import Shard
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     families.write_checkpoint(QUANTIZED_TP_CASE, tmp_path)
     kernel, world = QUANTIZED_KERNELS["native-quant-x8"], 2
@@ -536,7 +536,7 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
             start, count, _ = shard.vocab_rows(config.vocab_size)
             collectives = Collectives(group, shard, start, count, ordered=True)
         local = shards.local_config(config, world if shard else 1)
-        model = Llama(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
+        model = DecoderLM(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
                       tensor_parallel=collectives)
         assert any(e is not None for e in model.native_experts)
         cache, seen = Cache(local), []
@@ -605,12 +605,12 @@ def fused_checkpoint(tmp_path_factory):
 def fused_model(path, format_name, kernel, *, fused: bool, gguf=None):
     """The checkpoint (its matrices from the `gguf` file where given) in `format_name`."""
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"), gguf=gguf)
     if format_name != "float32":
         weights = weights.quantized(format_name)
-    model = Llama(config, weights, batch_invariant=True, linear_kernel=kernel)
+    model = DecoderLM(config, weights, batch_invariant=True, linear_kernel=kernel)
     assert model.decoder is not None and model.decoder.sparse_layers == config.num_layers
     if not fused:
         model.decoder = None

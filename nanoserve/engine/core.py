@@ -89,7 +89,7 @@ from nanoserve.loading.adapters import read_adapter
 from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.pooling import checkpoint_pooling
 from nanoserve.loading.weights import load_weights, read_config
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
@@ -313,7 +313,7 @@ class Engine:
         cfg = self.config
         draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
         max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
-        model = Llama(draft_config, weights, batch_invariant=cfg.batch_invariant,
+        model = DecoderLM(draft_config, weights, batch_invariant=cfg.batch_invariant,
                       linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
         blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
         kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)

@@ -7,9 +7,10 @@ and logit_bias cells on the device, built once per request and grown by each new
 tokens' logprobs, by the same computation as sampled ones); the kept set of a sampled row and
 its draw, with `uniform_from_counter`, the one source of randomness, are `engine.draw`'s.
 
-Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
-frequency and presence penalties (counts of generated tokens), then logit_bias, then the
-min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`)
+Order of the filters, for every row (stated here only: `SamplingParams` and `engine.draw` point
+here): a constrained row's grammar mask (below), then repetition penalty (prompt and generated
+tokens), then frequency and presence penalties (counts of generated tokens), then logit_bias,
+then the min_tokens mask (the ids that would stop the request are -inf until `position >= min_tokens`)
 and the row's own bans (`bad_words`: a word's last token is -inf where the output so far ends
 with the rest of it; `allowed_token_ids`: every other id is -inf), then temperature,
 top_n_sigma, top_k, typical_p, top_p, min_p and p_less. Each filter after temperature sees the

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face style checkpoint directory into a `Llama`.
+"""Loading a Hugging Face style checkpoint directory into a `DecoderLM`.
 
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
 first converted into such a directory (`loading.gguf`, `loading.default_model`), so this is the one
@@ -32,7 +32,7 @@ from nanoserve.distributed.shards import (
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf import gguf_weights
 from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import LinearKernel
 from nanoserve.model.weights import LlamaWeights
 
@@ -158,7 +158,7 @@ def release_freed_memory() -> None:
 
 def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                batch_invariant: bool = False, linear_kernel: LinearKernel | None = None,
-               max_positions: int | None = None) -> Llama:
+               max_positions: int | None = None) -> DecoderLM:
     config, weights = load_weights(model_dir, dtype=dtype, device=device)
-    return Llama(config, weights, batch_invariant=batch_invariant, linear_kernel=linear_kernel,
+    return DecoderLM(config, weights, batch_invariant=batch_invariant, linear_kernel=linear_kernel,
                  max_positions=max_positions)

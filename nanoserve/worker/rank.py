@@ -34,7 +34,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.weights import load_weights, read_config
 from nanoserve.machine import cache_root
-from nanoserve.model.decoder import LOOP_NATIVE_OPS_PER_LAYER, Llama
+from nanoserve.model.decoder import LOOP_NATIVE_OPS_PER_LAYER, DecoderLM
 from nanoserve.model.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from nanoserve.model.linear import KernelChoice, KernelUnavailableError, choose_kernel, kernel_named
 from nanoserve.model.weights import LlamaWeights
@@ -162,7 +162,7 @@ def weight_format(weights: LlamaWeights) -> str:
 
 def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> float:
     """What a forward through the per-layer loop costs beyond its linears, where this model
-    could run the one-call decoder instead (the stack `Llama._native_decoder` takes) and a
+    could run the one-call decoder instead (the stack `DecoderLM._native_decoder` takes) and a
     kernel is to be chosen (else 0): the loop's native small-op calls a forward, each timed here
     as a one-row RMSNorm call (Python, the checks, ctypes, the pool). The best of several short
     batches, as the kernels' figures are their best turns, so a neighbour's stall is discarded."""
@@ -223,7 +223,7 @@ def num_kv_blocks(config: EngineConfig, local: ModelConfig, dtype: torch.dtype, 
 class Rank:
     """One rank's model (its shard, with its collectives) and its KV cache."""
 
-    model: Llama
+    model: DecoderLM
     kv_cache: KVCache
 
     @classmethod
@@ -231,7 +231,7 @@ class Rank:
               dtype: torch.dtype, device: torch.device, collectives: Collectives | None = None) -> Rank:
         local = local_config(model_config, config.tensor_parallel_size)
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
-        model = Llama(local, weights, batch_invariant=config.batch_invariant,
+        model = DecoderLM(local, weights, batch_invariant=config.batch_invariant,
                       linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
                       tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
         return cls(model, KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype))
