@@ -223,7 +223,7 @@ def test_the_one_call_decoder_leaves_the_separate_calls_bits_on_a_q8_0_cache():
     results = []
     for fused in (True, False):
         model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["native"],
-                      kv_cache_dtype="q8_0")
+                          kv_cache_dtype="q8_0")
         assert model.decoder is not None
         if not fused:
             model.decoder = None

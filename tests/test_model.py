@@ -148,7 +148,8 @@ def test_every_matrix_multiply_goes_through_the_kernel_the_model_was_given(nativ
         return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 1))
 
     model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True,
-                  linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)), native=native)
+                      linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)),
+                      native=native)
     alone = step(model, Cache(), [("a", PROMPT_A[-1:], 0)])["a"]
     crowd = [("n", PROMPT_B[:1], 0), ("a", PROMPT_A[-1:], 0)]
     assert not torch.equal(step(model, Cache(), crowd)["a"], alone)

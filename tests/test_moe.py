@@ -275,7 +275,8 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
         config, weights = load_weights(tmp_path, dtype=torch.float32, device=torch.device("cpu"), shard=shard)
         start, count, _ = shard.vocab_rows(config.vocab_size)
         collectives = Collectives(group, shard, start, count, ordered=True)
-        model = DecoderLM(local_config(config, world), weights, batch_invariant=True, tensor_parallel=collectives)
+        model = DecoderLM(local_config(config, world), weights, batch_invariant=True,
+                          tensor_parallel=collectives)
         assert all(len(w.moe.gate_up) == config.experts.count for w in model.weights.layers if w.moe)
         return prefill_logits(model, prompt)[:count]
 
@@ -537,7 +538,7 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
             collectives = Collectives(group, shard, start, count, ordered=True)
         local = shards.local_config(config, world if shard else 1)
         model = DecoderLM(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
-                      tensor_parallel=collectives)
+                          tensor_parallel=collectives)
         assert any(e is not None for e in model.native_experts)
         cache, seen = Cache(local), []
         positions = {"a": len(PROMPTS[0]), "b": len(PROMPTS[2])}

@@ -27,7 +27,7 @@ def _model(format_name: str, fused: bool) -> DecoderLM:
         model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["native"])
     else:
         model = DecoderLM(CONFIG, WEIGHTS.quantized(format_name), batch_invariant=True,
-                      linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+                          linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
     assert model.decoder is not None
     if not fused:
         model.decoder = None
@@ -98,10 +98,11 @@ def test_a_fused_step_makes_a_few_native_calls_whatever_the_layer_count(fused):
 
 def test_matrices_not_in_the_repacked_layout_keep_the_separate_calls():
     assert DecoderLM(CONFIG, WEIGHTS.quantized("q8_0"), batch_invariant=True,
-                 linear_kernel=QUANTIZED_KERNELS["native-quant"]).decoder is None
-    assert DecoderLM(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["aten-tile16"]).decoder is None
+                     linear_kernel=QUANTIZED_KERNELS["native-quant"]).decoder is None
+    assert DecoderLM(CONFIG, WEIGHTS, batch_invariant=True,
+                     linear_kernel=KERNELS["aten-tile16"]).decoder is None
     assert DecoderLM(CONFIG, WEIGHTS.quantized("q8_0"), batch_invariant=True, native=False,
-                 linear_kernel=QUANTIZED_KERNELS["native-quant-x8"]).decoder is None
+                     linear_kernel=QUANTIZED_KERNELS["native-quant-x8"]).decoder is None
 
 
 def test_the_decoder_times_its_projections_only_when_asked():
@@ -177,7 +178,8 @@ def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64,
     path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type,
                            tensor_hook=tensor_hook)
     config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
-    return DecoderLM(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+    return DecoderLM(config, weights, batch_invariant=True,
+                     linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
 
 
 def _assert_one_call_gives_the_separate_calls_bits(model: DecoderLM, separate_model: DecoderLM) -> None:

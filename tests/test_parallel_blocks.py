@@ -64,7 +64,7 @@ def greedy_logits(model_dir: Path, gguf: Path, shard: Shard | None, group=None) 
         collectives = Collectives(group, shard, start, count, ordered=True)
     local = shards.local_config(config, shard.world if shard else 1)
     model = DecoderLM(local, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant"],
-                  tensor_parallel=collectives)
+                      tensor_parallel=collectives)
     cache, rows = Cache(local), []
     for seq, prompt in enumerate(PROMPTS):
         ids = [(ord(c) * 7 + seq) % config.vocab_size for c in prompt]

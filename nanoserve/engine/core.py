@@ -62,13 +62,7 @@ import torch
 from torch.profiler import record_function
 
 from nanoserve import native
-from nanoserve.config import (
-    ASYNC_SCHEDULING_DEFAULT,
-    FAIR_SHARE_ROWS_DEFAULT,
-    PREFILL_PACE_MIN_TOKENS,
-    PREFILL_STEP_MS_DEFAULT,
-    EngineConfig,
-)
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig
 from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
 from nanoserve.distributed.shards import local_config
 from nanoserve.engine.block_pool import BlockPool
@@ -77,7 +71,7 @@ from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedSte
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.spec_decode import (
     MAX_SPECULATIVE_TOKENS,
     SpecConfig,
@@ -192,14 +186,8 @@ class Engine:
         self.drafter = self._drafter()
         self.pool = BlockPool(plan.num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            enable_prefix_caching=config.enable_prefix_caching,
-                            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
-                            fair_share_rows=self._fair_share_rows(), kv_window=self.model_config.kv_window,
-                            long_prefill_token_threshold=config.long_prefill_token_threshold,
-                            prefill_step_s=self._prefill_step_s(),
-                            prefill_pace_min_tokens=PREFILL_PACE_MIN_TOKENS,
-                            scheduling_policy=config.scheduling_policy),
+            config.scheduler_config(max_model_len=self.max_model_len, kv_window=self.model_config.kv_window,
+                                    device_type=self.device.type),
             self.pool,
         )
         runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
@@ -276,19 +264,6 @@ class Engine:
     def list_loras(self) -> list[Adapter]:
         return [] if self.loras is None else list(self.loras.adapters.values())
 
-    def _fair_share_rows(self) -> float:
-        """The configured fair share, or the device's default (off where none is measured)."""
-        if self.config.fair_share_rows is not None:
-            return self.config.fair_share_rows
-        return FAIR_SHARE_ROWS_DEFAULT.get(self.device.type, float("inf"))
-
-    def _prefill_step_s(self) -> float | None:
-        """The prefill pace's step time (None: no pace): the config's, else the device's default."""
-        step_ms = self.config.prefill_step_ms
-        if step_ms is None:
-            step_ms = PREFILL_STEP_MS_DEFAULT.get(self.device.type)
-        return None if step_ms is None or step_ms == float("inf") else step_ms / 1e3
-
     def _drafter(self) -> Drafter | None:
         if not self.spec.enabled:
             return None
@@ -314,7 +289,7 @@ class Engine:
         draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
         max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
         model = DecoderLM(draft_config, weights, batch_invariant=cfg.batch_invariant,
-                      linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
+                          linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
         blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
         kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)
         runner = ModelRunner(model, kv_cache, eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)

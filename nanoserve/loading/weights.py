@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from nanoserve.config import ModelConfig, family_of
+from nanoserve.config import ModelConfig
 from nanoserve.distributed.shards import (
     SPLIT_BY_OUTPUT,
     Shard,
@@ -31,6 +31,7 @@ from nanoserve.distributed.shards import (
 )
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf import gguf_weights
+from nanoserve.loading.hf_config import family_of, read_model_config
 from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
 from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import LinearKernel
@@ -44,7 +45,7 @@ def read_config(model_dir: Path) -> ModelConfig:
     raw = json.loads(path.read_text())
     try:
         family_of(raw)
-        return ModelConfig.from_hf_dict(raw)
+        return read_model_config(raw)
     except UnsupportedModelError as error:
         raise UnsupportedModelError(f"{model_dir}: {error}") from None
 
@@ -161,4 +162,4 @@ def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None) -> DecoderLM:
     config, weights = load_weights(model_dir, dtype=dtype, device=device)
     return DecoderLM(config, weights, batch_invariant=batch_invariant, linear_kernel=linear_kernel,
-                 max_positions=max_positions)
+                     max_positions=max_positions)

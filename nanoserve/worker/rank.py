@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from nanoserve import native
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import DTYPES, QUANTIZED, EngineConfig, ModelConfig
 from nanoserve.distributed import group as tp_group
 from nanoserve.distributed.collectives import Collectives
 from nanoserve.distributed.group import RankPlan, TensorParallelGroup, WorkerSpec
@@ -43,10 +43,6 @@ from nanoserve.quant import QUANTIZERS, format_names
 
 log = logging.getLogger("nanoserve")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# --dtype quantized: a GGUF's matrices run as the file's own blocks (float32 activations);
-# "auto" picks it for a GGUF on a CPU with the native kernels, as llama.cpp runs GGUF files.
-QUANTIZED = "quantized"
 # Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
 # everything else, so a fraction of free memory alone would make start-up slow and greedy.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
@@ -70,7 +66,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise InvalidRequestError(f"dtype {name!r} is not one of {sorted(DTYPES)}, {QUANTIZED!r} or 'auto'",
                                   param="dtype")
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 def check_quantize(config: EngineConfig, device: torch.device) -> None:
@@ -232,8 +228,8 @@ class Rank:
         local = local_config(model_config, config.tensor_parallel_size)
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         model = DecoderLM(local, weights, batch_invariant=config.batch_invariant,
-                      linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
-                      tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
+                          linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
+                          tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
         return cls(model, KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype))
 
 
