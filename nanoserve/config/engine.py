@@ -1,7 +1,7 @@
-"""How the engine runs (`EngineConfig`): where, in what precision, and how much it may batch and
-cache; the flat settings a caller passes (as vLLM's EngineArgs), composed from each concern's
-module, which owns its settings' defaults and checks: `scheduler` (`SchedulerConfig`), `cache`,
-`load`; speculative decoding's are `engine.spec_decode.SpecConfig`'s.
+"""How the engine runs (`EngineConfig`): the flat settings a caller passes (as vLLM's EngineArgs
+builds its VllmConfig), each declared, with its one default and its one check, by its concern's
+config: `load` (`LoadConfig`), `cache` (`CacheConfig`), `scheduler` (`SchedulerConfig`),
+`parallel` (`ParallelConfig`); speculative decoding's are checked by `engine.spec_decode.SpecConfig`.
 
 Refuses: resolving what depends on the device or the model (the engine does, at start-up,
 through `scheduler_config`).
@@ -12,43 +12,38 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from nanoserve.config.cache import KV_CACHE_DTYPES
-from nanoserve.config.load import TASKS
+from nanoserve.config.cache import CacheConfig
+from nanoserve.config.load import LoadConfig
+from nanoserve.config.parallel import ParallelConfig
 from nanoserve.config.scheduler import FAIR_SHARE_ROWS_DEFAULT, SchedulerConfig, prefill_step_s
 from nanoserve.errors import InvalidRequestError
-from nanoserve.pooling_params import POOLING_METHODS
 
-# The scheduler's defaults, which EngineConfig's scheduling fields take as theirs.
-_SCHEDULER = SchedulerConfig()
+# Each concern's defaults, which EngineConfig's fields take as theirs.
+_LOAD, _CACHE, _SCHEDULER, _PARALLEL = LoadConfig(), CacheConfig(), SchedulerConfig(), ParallelConfig()
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """How the engine runs: where, in what precision, and how much it may batch and cache."""
+    """How the engine runs: where, in what precision, and how much it may batch and cache. A
+    field's meaning is documented in the concern config that declares it."""
 
-    model: str | None = None
-    # auto: a GGUF in its own quantization on a CPU with native kernels, else float32 on CPU
-    # and bfloat16 on CUDA; float32 / bfloat16 / float16; quantized (a GGUF's blocks).
-    dtype: str = "auto"
-    quantize: str | None = None  # q8_0 or q4_0: quantize a float checkpoint's matrices at load
-    device: str | None = None  # None: cuda when available, else cpu
-    block_size: int = 16
-    # The scheduler's settings (config/scheduler.py says what each does).
+    model: str | None = _LOAD.model
+    dtype: str = _LOAD.dtype
+    quantize: str | None = _LOAD.quantize
+    device: str | None = _LOAD.device
+    block_size: int = _CACHE.block_size
     max_num_seqs: int = _SCHEDULER.max_num_seqs
     max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
     max_prefill_tokens_while_decoding: int | None = _SCHEDULER.max_prefill_tokens_while_decoding
-    max_model_len: int | None = None  # None: the model's own context length
-    kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.25
-    num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
-    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
-    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
-    kv_cache_dtype: str = "auto"
-    # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
-    batch_invariant: bool = True
+    max_model_len: int | None = _LOAD.max_model_len
+    kv_cache_gb: float | None = _CACHE.kv_cache_gb
+    kv_cache_fraction: float = _CACHE.kv_cache_fraction
+    num_kv_blocks: int | None = _CACHE.num_kv_blocks
+    kv_cache_dtype: str = _CACHE.kv_cache_dtype
+    batch_invariant: bool = _LOAD.batch_invariant
     enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching
-    linear_kernel: str | None = None  # None: the fastest that qualifies, measured at start-up
-    threads: int | None = None  # CPU threads; None: every core this process may run on
+    linear_kernel: str | None = _LOAD.linear_kernel
+    threads: int | None = _LOAD.threads
     # Speculative decoding (exact: tokens and logprobs as without it, under batch invariance):
     # up to this many drafts per request per step, 0 off; proposed by prompt lookup over
     # n-grams of speculative_ngram_max down to speculative_ngram_min tokens.
@@ -67,51 +62,30 @@ class EngineConfig:
     # Deferred output (vLLM's --async-scheduling): step N+1 is launched before step N's tokens
     # are resolved on the host. None: ASYNC_SCHEDULING_DEFAULT for the device.
     async_scheduling: bool | None = None
-    # While more than one client request runs, each takes at most the lightest one's row units
-    # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
+    # SchedulerConfig.fair_share_rows; None: FAIR_SHARE_ROWS_DEFAULT for the device.
     fair_share_rows: float | None = None
-    # Most prompt tokens of one request in a step (vLLM's --long-prefill-token-threshold); None:
-    # no bound but the step's budgets.
     long_prefill_token_threshold: int | None = _SCHEDULER.long_prefill_token_threshold
     # A step no one shares computes the prompt tokens its measured cost fits in about this many
-    # ms (engine/prefill_pace.py); inf: no pace; None: PREFILL_STEP_MS_DEFAULT for the device.
+    # ms (SchedulerConfig.prefill_step_s); inf: no pace; None: PREFILL_STEP_MS_DEFAULT for the device.
     prefill_step_ms: float | None = None
-    # Which waiting request runs first and which running one is preempted first (vLLM's
-    # --scheduling-policy): "fcfs" by arrival, "priority" by SamplingParams.priority, then arrival.
     scheduling_policy: str = _SCHEDULER.scheduling_policy
     # LoRA adapters (vLLM's --enable-lora): requests may run with a PEFT adapter each; at most
     # max_loras resident at once, each of rank at most max_lora_rank.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
-    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
-    # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
-    tensor_parallel_size: int = 1
-    # "generate": the model generates and also pools embeddings (/v1/embeddings, LLM.embed);
-    # "embed" (vLLM's --task embed): an embedding model, which pools only (generation refused).
-    task: str = "generate"
-    # How an embedding request pools the prompt's final hidden states ("last" or "mean");
-    # None: the checkpoint's own choice (sentence-transformers' pooling config), else "last".
-    pooling: str | None = None
+    tensor_parallel_size: int = _PARALLEL.tensor_parallel_size
+    task: str = _LOAD.task
+    pooling: str | None = _LOAD.pooling
 
     def __post_init__(self) -> None:
         if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:
             raise InvalidRequestError(f"prefill_step_ms must be > 0 (or inf: no pace); got "
                                       f"{self.prefill_step_ms}", param="prefill_step_ms")
-        # The scheduling settings are checked where they are declared, as a CPU would run them.
+        # Each concern checks its own settings, the scheduler's as a CPU would run them.
+        for concern in (LoadConfig, CacheConfig, ParallelConfig):
+            concern(**{f.name: getattr(self, f.name) for f in dataclasses.fields(concern)})
         self.scheduler_config(max_model_len=_SCHEDULER.max_model_len, kv_window=0, device_type="cpu")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                                      f"got {self.kv_cache_dtype!r}", param="kv_cache_dtype")
-        if self.task not in TASKS:
-            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
-                                      param="task")
-        if self.pooling is not None and self.pooling not in POOLING_METHODS:
-            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}; "
-                                      f"got {self.pooling!r}", param="pooling")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise InvalidRequestError(f"tensor_parallel_size must be an integer of at least 1; got "
-                                      f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")
 
     def scheduler_config(self, *, max_model_len: int, kv_window: int, device_type: str) -> SchedulerConfig:
         """The scheduler's settings for a model of `max_model_len` and `kv_window` on a device
@@ -126,3 +100,4 @@ class EngineConfig:
             fair_share_rows=fair_share_rows, long_prefill_token_threshold=self.long_prefill_token_threshold,
             prefill_step_s=prefill_step_s(self.prefill_step_ms, device_type),
             scheduling_policy=self.scheduling_policy, kv_window=kv_window)
+

@@ -78,14 +78,6 @@ class ModelConfig:
     # no output head of its own and can only pool (EngineConfig.task "embed").
     has_lm_head: bool = True
 
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """The config, or an UnsupportedModelError naming the first field not implemented here
-        (`nanoserve.loading.hf_config.read_model_config`)."""
-        from nanoserve.loading.hf_config import read_model_config
-
-        return read_model_config(raw)
-
     @property
     def is_plain_llama(self) -> bool:
         """Every switch off: the layers are the Llama stack and nothing else (Phi-3 without a
