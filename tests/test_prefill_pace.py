@@ -2,10 +2,11 @@
 
 import pytest
 
+from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.prefill_pace import PrefillPace
 from nanoserve.engine.request import NewToken, Request
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.step_cost import PROFILED
 from nanoserve.sampling_params import SamplingParams
 

@@ -45,11 +45,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from nanoserve.distributed.group import cores, local_ranks
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.core import Engine
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.structured import GrammarCompiler
 from nanoserve.errors import InvalidRequestError
 from nanoserve.server.async_engine import (
