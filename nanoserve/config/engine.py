@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from nanoserve.config.cache import CacheConfig
 from nanoserve.config.load import LoadConfig
 from nanoserve.config.parallel import ParallelConfig
-from nanoserve.config.scheduler import FAIR_SHARE_ROWS_DEFAULT, SchedulerConfig, prefill_step_s
+from nanoserve.config.scheduler import SchedulerConfig, resolve_fair_share_rows, resolve_prefill_step_s
 from nanoserve.errors import InvalidRequestError
 
 # Each concern's defaults, which EngineConfig's fields take as theirs.
@@ -90,14 +90,12 @@ class EngineConfig:
     def scheduler_config(self, *, max_model_len: int, kv_window: int, device_type: str) -> SchedulerConfig:
         """The scheduler's settings for a model of `max_model_len` and `kv_window` on a device
         of `device_type`, whose defaults fill what this config leaves open (None)."""
-        fair_share_rows = self.fair_share_rows
-        if fair_share_rows is None:
-            fair_share_rows = FAIR_SHARE_ROWS_DEFAULT.get(device_type, float("inf"))
         return dataclasses.replace(
             _SCHEDULER, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len, enable_prefix_caching=self.enable_prefix_caching,
             max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-            fair_share_rows=fair_share_rows, long_prefill_token_threshold=self.long_prefill_token_threshold,
-            prefill_step_s=prefill_step_s(self.prefill_step_ms, device_type),
+            fair_share_rows=resolve_fair_share_rows(self.fair_share_rows, device_type),
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            prefill_step_s=resolve_prefill_step_s(self.prefill_step_ms, device_type),
             scheduling_policy=self.scheduling_policy, kv_window=kv_window)
 

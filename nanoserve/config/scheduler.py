@@ -90,8 +90,13 @@ def _at_least_one(name: str, value: int) -> None:
         raise InvalidRequestError(f"{name} must be >= 1; got {value}", param=name)
 
 
-def prefill_step_s(step_ms: float | None, device_type: str) -> float | None:
+def resolve_prefill_step_s(step_ms: float | None, device_type: str) -> float | None:
     """The prefill pace's step time in seconds (None: no pace): `step_ms`, else the device's default."""
     if step_ms is None:
         step_ms = PREFILL_STEP_MS_DEFAULT.get(device_type)
     return None if step_ms is None or step_ms == float("inf") else step_ms / 1e3
+
+
+def resolve_fair_share_rows(rows: float | None, device_type: str) -> float:
+    """The fair share's row units (inf: off): `rows`, else the device's default."""
+    return rows if rows is not None else FAIR_SHARE_ROWS_DEFAULT.get(device_type, float("inf"))
