@@ -52,7 +52,7 @@ def _params(text: str) -> tuple[str, ...]:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     from nanoserve.bench.offline import parse_choice_list
-    from nanoserve.worker.startup import DTYPES, QUANTIZED
+    from nanoserve.config import DTYPES, QUANTIZED
 
     return parse_choice_list(text, (*DTYPES, QUANTIZED, "auto"))
 

@@ -20,15 +20,13 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from nanoserve.config import (
-    KV_CACHE_DTYPES,
+    DTYPES,
     PREFILL_PACE_MIN_TOKENS,
     PREFILL_STEP_MS_DEFAULT,
-    SCHEDULING_POLICIES,
-    TASKS,
+    QUANTIZED,
     EngineConfig,
 )
 from nanoserve.errors import InvalidRequestError, NanoserveError
-from nanoserve.pooling_params import POOLING_METHODS
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="Hugging Face model directory, .gguf file, or hub id ORG/NAME[@REVISION] "
@@ -214,7 +212,6 @@ class EngineOptions:
         """Exit 2 naming the option on a value no engine could take, before anything loads."""
         from nanoserve.engine.spec_decode import SpecConfig
         from nanoserve.quant import QUANTIZERS
-        from nanoserve.worker.startup import DTYPES, QUANTIZED
 
         if self.dtype not in (*DTYPES, "auto", QUANTIZED):
             fail(f"--dtype must be one of {', '.join(DTYPES)}, auto, {QUANTIZED}; got {self.dtype!r}")
@@ -222,17 +219,12 @@ class EngineOptions:
             fail(f"--quantize must be one of {', '.join(QUANTIZERS)}; got {self.quantize!r}")
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             fail(f"--device must be cpu or cuda; got {self.device!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            fail(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        try:  # the engine's own checks, each option's in one place (nanoserve.config)
+            EngineConfig(**asdict(self))
+        except InvalidRequestError as error:
+            fail_for(error)
         if self.device is not None and self.device.split(":")[0] == "cpu" and self.kv_cache_dtype == "fp8":
             fail("--kv-cache-dtype fp8 runs on CUDA only; on the CPU use q8_0 or bfloat16")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            fail(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
-                 f"got {self.scheduling_policy!r}")
-        if self.task not in TASKS:
-            fail(f"--task must be one of {', '.join(TASKS)}; got {self.task!r}")
-        if self.pooling is not None and self.pooling not in POOLING_METHODS:
-            fail(f"--pooling must be one of {', '.join(POOLING_METHODS)}; got {self.pooling!r}")
         check_linear_kernel(self.linear_kernel)
         try:
             SpecConfig(self.speculative_tokens, self.speculative_method, self.speculative_ngram_min,

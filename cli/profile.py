@@ -30,7 +30,7 @@ def _mix(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    from nanoserve.worker.startup import DTYPES, QUANTIZED
+    from nanoserve.config import DTYPES, QUANTIZED
 
     choices = (*DTYPES, QUANTIZED, "auto")
     if text not in choices:

@@ -235,10 +235,9 @@ def _choices(value: object, param: str) -> tuple[str, ...]:
 class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
-    Filters apply in a fixed order: repetition, frequency and presence penalties, DRY,
-    logit_bias, the min_tokens mask, temperature, then top_n_sigma, top_k, typical_p, top_p,
-    min_p, p_less and XTC (or mirostat in their place), each on what the ones before it kept,
-    renormalized (see `nanoserve.engine.sampler`). `is_greedy`
+    Filters apply in one fixed order, which `nanoserve.engine.sampler`'s docstring states (the
+    penalties and masks, temperature, then the truncation filters through p_less), each on what
+    the ones before it kept, renormalized. `is_greedy`
     requests take the argmax, ignore the filters and consume no randomness.
 
     `top_n_sigma`: keep the tokens whose temperature-scaled logit is at least max - n x the

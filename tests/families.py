@@ -18,7 +18,7 @@ import torch
 
 from nanoserve.loading.weights import load_weights
 from nanoserve.model.batch import AttentionGroup, ForwardBatch
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.lora import Adapter, AdapterRows
 
@@ -109,7 +109,7 @@ class Cache:
         return table
 
 
-def step(model: Llama, cache: Cache, chunks: list[tuple[str, list[int], int]],
+def step(model: DecoderLM, cache: Cache, chunks: list[tuple[str, list[int], int]],
          adapters: dict[str, Adapter] | None = None) -> dict[str, torch.Tensor]:
     """chunks: (seq, token_ids, start). Decodes (1 token) first as one group, then each prefill
     chunk as its own; returns each sequence's last-row logits. `adapters`: the LoRA adapter a
@@ -156,7 +156,7 @@ def assert_same_steps(run, other) -> None:
         assert torch.equal(one, two)
 
 
-def crowd_logits(model: Llama, prompts: list[list[int]], crowd: bool) -> list[torch.Tensor]:
+def crowd_logits(model: DecoderLM, prompts: list[list[int]], crowd: bool) -> list[torch.Tensor]:
     """Six steps of request a (the first prompt): its logits each step, alone or in a crowd
     where b prefills beside it then decodes, and c arrives in chunks later."""
     a, b, c = prompts
@@ -174,14 +174,14 @@ def crowd_logits(model: Llama, prompts: list[list[int]], crowd: bool) -> list[to
 
 
 def load_model(path: Path, *, batch_invariant: bool = True, native: bool = True, gguf: Path | None = None,
-               ) -> Llama:
+               ) -> DecoderLM:
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"), gguf=gguf)
     if weights.is_quantized():
         weights = weights.dequantized()
-    return Llama(config, weights, batch_invariant=batch_invariant, native=native)
+    return DecoderLM(config, weights, batch_invariant=batch_invariant, native=native)
 
 
-def prefill_logits(model: Llama, prompt: list[int], chunk: int | None = None) -> torch.Tensor:
+def prefill_logits(model: DecoderLM, prompt: list[int], chunk: int | None = None) -> torch.Tensor:
     cache = Cache(model.config)
     chunk = chunk or len(prompt)
     for start in range(0, len(prompt), chunk):
@@ -189,7 +189,7 @@ def prefill_logits(model: Llama, prompt: list[int], chunk: int | None = None) ->
     return out["a"]
 
 
-def greedy(model: Llama, prompt: list[int], steps: int) -> list[int]:
+def greedy(model: DecoderLM, prompt: list[int], steps: int) -> list[int]:
     cache = Cache(model.config)
     token = int(step(model, cache, [("a", prompt, 0)])["a"].argmax())
     tokens = [token]

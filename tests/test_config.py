@@ -6,8 +6,8 @@ The configs below are the dicts transformers 5.24 writes (`LlamaConfig(...).to_d
 
 import pytest
 
-from nanoserve.config import ModelConfig
 from nanoserve.errors import UnsupportedModelError
+from nanoserve.loading.hf_config import read_model_config
 
 # What transformers 5.24 saves for a tiny Llama (rope_parameters, no top-level rope_theta).
 TRANSFORMERS_5_LLAMA = {
@@ -29,12 +29,12 @@ def config(**changes):
 
 
 def test_transformers_5_rope_parameters_theta_is_read():
-    assert ModelConfig.from_hf_dict(config()).rope_theta == 100000.0
+    assert read_model_config(config()).rope_theta == 100000.0
 
 
 def test_transformers_4_top_level_rope_theta_is_read():
     legacy = config(rope_parameters=..., rope_theta=500000.0, rope_scaling=None)
-    parsed = ModelConfig.from_hf_dict(legacy)
+    parsed = read_model_config(legacy)
     assert (parsed.rope_theta, parsed.rope_scaling) == (500000.0, None)
 
 
@@ -44,7 +44,7 @@ def test_llama3_scaling_is_read_from_either_config_style(style):
         raw = config(rope_parameters={**LLAMA3_PARAMETERS, "rope_theta": 500000.0})
     else:
         raw = config(rope_parameters=..., rope_theta=500000.0, rope_scaling=LLAMA3_PARAMETERS)
-    parsed = ModelConfig.from_hf_dict(raw)
+    parsed = read_model_config(raw)
     assert parsed.rope_theta == 500000.0
     assert parsed.rope_scaling == LLAMA3_PARAMETERS
 
@@ -78,24 +78,24 @@ def test_llama3_scaling_is_read_from_either_config_style(style):
 ])
 def test_a_field_not_implemented_is_refused_by_name(changes, field):
     with pytest.raises(UnsupportedModelError, match=f"'{field}'"):
-        ModelConfig.from_hf_dict(config(**changes))
+        read_model_config(config(**changes))
 
 
 def test_a_sliding_window_no_shorter_than_the_context_is_no_window():
     mistral = config(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=2048)
-    assert ModelConfig.from_hf_dict(mistral).sliding_window == 0
-    assert ModelConfig.from_hf_dict(config(sliding_window=None)).sliding_window == 0
+    assert read_model_config(mistral).sliding_window == 0
+    assert read_model_config(config(sliding_window=None)).sliding_window == 0
 
 
 def test_a_mistral_window_shorter_than_the_context_slides_every_layer():
-    mistral = ModelConfig.from_hf_dict(config(model_type="mistral", architectures=["MistralForCausalLM"],
+    mistral = read_model_config(config(model_type="mistral", architectures=["MistralForCausalLM"],
                                               sliding_window=4))
     assert [mistral.window(i) for i in range(2)] == [4, 4]
 
 
 def test_an_unknown_model_type_is_refused_naming_it():
     with pytest.raises(UnsupportedModelError, match="'deepseek_v3'"):
-        ModelConfig.from_hf_dict(config(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]))
+        read_model_config(config(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]))
 
 
 def test_longrope_runs_the_original_context_where_transformers_uses_the_short_factors():
@@ -105,14 +105,14 @@ def test_longrope_runs_the_original_context_where_transformers_uses_the_short_fa
                  rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * half,
                                   "long_factor": [2.0] * half})
     raw = {k: v for k, v in raw.items() if k not in ("attention_bias", "mlp_bias")}
-    parsed = ModelConfig.from_hf_dict(raw)
+    parsed = read_model_config(raw)
     assert parsed.max_position_embeddings == 2048
     assert parsed.rope_scaling["factor"] == 4.0
 
 
 def test_rope_theta_that_contradicts_rope_parameters_is_refused():
     with pytest.raises(UnsupportedModelError, match="'rope_theta'"):
-        ModelConfig.from_hf_dict(config(rope_theta=10000.0))
+        read_model_config(config(rope_theta=10000.0))
 
 
 @pytest.mark.parametrize(("changes", "named"), [
@@ -121,7 +121,7 @@ def test_rope_theta_that_contradicts_rope_parameters_is_refused():
 ])
 def test_contradictory_head_counts_are_refused_naming_both(changes, named):
     with pytest.raises(UnsupportedModelError, match=named):
-        ModelConfig.from_hf_dict(config(**changes))
+        read_model_config(config(**changes))
 
 
 # The config.json fields of published checkpoints (values abridged where they do not matter).
@@ -181,10 +181,10 @@ PHI4_MINI = {
 
 
 def test_phi4_mini_rotates_three_quarters_of_each_head_with_longrope():
-    phi4 = ModelConfig.from_hf_dict(PHI4_MINI)
+    phi4 = read_model_config(PHI4_MINI)
     assert (phi4.head_dim, phi4.rotary_dim, phi4.rotated_dims) == (128, 96, 96)
     assert phi4.rope_scaling["rope_type"] == "longrope" and phi4.max_position_embeddings == 4096
-    assert ModelConfig.from_hf_dict(PHI3_MINI_4K).rotated_dims == 96  # all of 3072 / 32
+    assert read_model_config(PHI3_MINI_4K).rotated_dims == 96  # all of 3072 / 32
 
 
 @pytest.mark.parametrize(("changes", "field"), [
@@ -196,31 +196,31 @@ def test_phi4_mini_rotates_three_quarters_of_each_head_with_longrope():
 ])
 def test_phi4_mini_values_it_does_not_implement_are_refused_by_name(changes, field):
     with pytest.raises(UnsupportedModelError, match=f"'{field}'"):
-        ModelConfig.from_hf_dict({**PHI4_MINI, **changes})
+        read_model_config({**PHI4_MINI, **changes})
 
 
 def test_partial_rotary_in_rope_parameters_outside_phi3_is_refused():
     raw = config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
     with pytest.raises(UnsupportedModelError, match="'rope_parameters'"):
-        ModelConfig.from_hf_dict(raw)
+        read_model_config(raw)
 
 
 def test_published_configs_load_with_their_switches():
-    qwen = ModelConfig.from_hf_dict(QWEN25_05B)
+    qwen = read_model_config(QWEN25_05B)
     assert (qwen.family, qwen.qkv_bias, qwen.o_bias, qwen.sliding_window) == ("qwen2", True, False, 0)
-    phi = ModelConfig.from_hf_dict(PHI3_MINI_4K)
+    phi = read_model_config(PHI3_MINI_4K)
     assert (phi.family, phi.sliding_window, phi.window(0)) == ("phi3", 2047, 2047)
-    gemma2 = ModelConfig.from_hf_dict(GEMMA2_2B)
+    gemma2 = read_model_config(GEMMA2_2B)
     assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.tie_word_embeddings) == (50.0, 30.0, True)
     assert [gemma2.window(i) for i in range(3)] == [4096, 0, 4096]
     assert gemma2.attention_scale == 256 ** -0.5
-    gemma3 = ModelConfig.from_hf_dict(GEMMA3_1B)
+    gemma3 = read_model_config(GEMMA3_1B)
     assert [gemma3.window(i) for i in range(6)] == [512] * 5 + [0]
     assert (gemma3.rope_of(0).theta, gemma3.rope_of(5).theta, gemma3.qk_norm) == (10000.0, 1000000.0, True)
 
 
 def test_gemma3_with_its_vision_tower_is_refused_naming_the_field():
     with pytest.raises(UnsupportedModelError, match="'vision_config'"):
-        ModelConfig.from_hf_dict({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        read_model_config({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
                                   "text_config": {"hidden_size": 2560},
                                   "vision_config": {"hidden_size": 1152}})

@@ -17,10 +17,10 @@ from tiny_model import CORPUS, llama_cpp_permute, read_weights, write_tiny_gguf,
 from tokenizers import Tokenizer
 
 from nanoserve import native
-from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.llm import LLM
 from nanoserve.loading.gguf import convert_gguf, gguf_weights, unpermute_qk
+from nanoserve.loading.hf_config import read_model_config
 from nanoserve.loading.hf_names import hf_tensor_shapes
 from nanoserve.model.linear import QUANTIZED_KERNELS
 from nanoserve.quant import QuantizedWeight, dense
@@ -64,7 +64,7 @@ def test_import_recovers_config(fixture, request, tmp_path):
 
 def test_imported_weights_match_the_shapes_config_implies(tiny_model_dir_untied, tmp_path):
     imported = _round_trip(tiny_model_dir_untied, tmp_path)
-    shapes = hf_tensor_shapes(ModelConfig.from_hf_dict(_read_json(imported / "config.json")))
+    shapes = hf_tensor_shapes(read_model_config(_read_json(imported / "config.json")))
     assert {name: tuple(t.shape) for name, t in read_weights(imported).items()} == shapes
 
 

@@ -21,7 +21,7 @@ from test_native_ops import paged_setup
 import nanoserve.model.decoder
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache, bytes_per_token, dequantize_q8, quantize_q8
 from nanoserve.model.linear import KERNELS
 from nanoserve.native import ops as native_ops
@@ -222,8 +222,8 @@ def test_the_one_call_decoder_leaves_the_separate_calls_bits_on_a_q8_0_cache():
     prompts = {"a": [(7 * i + 3) % 300 for i in range(13)], "b": [(11 * i + 5) % 300 for i in range(70)]}
     results = []
     for fused in (True, False):
-        model = Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["native"],
-                      kv_cache_dtype="q8_0")
+        model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["native"],
+                          kv_cache_dtype="q8_0")
         assert model.decoder is not None
         if not fused:
             model.decoder = None

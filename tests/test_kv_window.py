@@ -16,11 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.config import ModelConfig
+from nanoserve.config import ModelConfig, SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import NewToken, Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import NewToken, Scheduler
 from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.hf_config import read_model_config
 from nanoserve.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -135,13 +136,13 @@ def test_a_long_decode_holds_only_the_blocks_its_window_reaches():
 def test_mixed_models_keep_every_block_and_all_sliding_ones_release():
     mistral = families.BASE | {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
                                "sliding_window": 5}
-    assert ModelConfig.from_hf_dict(mistral).kv_window == 5
+    assert read_model_config(mistral).kv_window == 5
     gemma2 = families.BASE | {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
                               "sliding_window": 5, "head_dim": 16}
-    assert ModelConfig.from_hf_dict(gemma2).kv_window == 0  # every other layer sees everything
+    assert read_model_config(gemma2).kv_window == 0  # every other layer sees everything
     qwen2 = families.BASE | {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
                              "sliding_window": 5, "use_sliding_window": True, "max_window_layers": 0}
-    assert ModelConfig.from_hf_dict(qwen2).kv_window == 5
+    assert read_model_config(qwen2).kv_window == 5
 
 
 families.require_transformers()

@@ -1,6 +1,6 @@
 """The forward pass: equal to a plain dense causal forward, and batch-invariant when asked.
 
-These build a small random Llama in memory (no tokenizer needed) and drive `Llama.forward`
+These build a small random Llama in memory (no tokenizer needed) and drive `DecoderLM.forward`
 directly with hand-made batches, so each property is pinned at the model's own boundary.
 """
 
@@ -14,7 +14,7 @@ from families import step
 
 from nanoserve.config import ModelConfig
 from nanoserve.loading.hf_names import weights_from_hf
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import KERNELS, LinearKernel, kernels_for, self_test
 from nanoserve.model.rope import rope_inv_freq
 from nanoserve.native import ops as native_ops
@@ -97,7 +97,7 @@ if native_ops.load() is None:
 
 
 def invariant_model(kernel_name, native):
-    return Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS[kernel_name], native=native)
+    return DecoderLM(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS[kernel_name], native=native)
 
 
 PROMPT_A = [(7 * i + 3) % 300 for i in range(13)]
@@ -107,7 +107,7 @@ PROMPT_B = [(11 * i + 5) % 300 for i in range(37)]
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_prefill_and_decode_match_a_dense_causal_forward(batch_invariant, native):
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=native)
+    model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=native)
     cache = Cache()
     prefill = step(model, cache, [("a", PROMPT_A[:-1], 0)])
     torch.testing.assert_close(prefill["a"], dense_forward(PROMPT_A[:-1])[-1], atol=1e-4, rtol=1e-4)
@@ -147,8 +147,9 @@ def test_every_matrix_multiply_goes_through_the_kernel_the_model_was_given(nativ
     def skewed(x, weight):
         return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 1))
 
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=True,
-                  linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)), native=native)
+    model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True,
+                      linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)),
+                      native=native)
     alone = step(model, Cache(), [("a", PROMPT_A[-1:], 0)])["a"]
     crowd = [("n", PROMPT_B[:1], 0), ("a", PROMPT_A[-1:], 0)]
     assert not torch.equal(step(model, Cache(), crowd)["a"], alone)
@@ -232,7 +233,7 @@ def test_decode_rows_over_one_two_and_three_chunks_in_one_step_equal_their_prefi
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_prefill_and_decode_over_three_attention_chunks_match_a_dense_causal_forward(batch_invariant, native):
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=native)
+    model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=native)
     prompt = [(13 * i + 7) % 300 for i in range(150)]  # 150 positions: three 64-slot chunks
     dense = dense_forward(prompt)
     cache = Cache()

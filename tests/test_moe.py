@@ -27,8 +27,8 @@ from families import (
 )
 
 from nanoserve import native as native_library
-from nanoserve.config import ModelConfig
 from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.loading.hf_config import read_model_config
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
 from nanoserve.model.moe import ExpertTally, MixtureOfExperts, route
 from nanoserve.native import ops as native_ops
@@ -131,7 +131,7 @@ def test_the_router_matches_transformers_top_k_and_renormalisation():
         x = torch.randn(9, 16)
         _, hf_weights, hf_experts = router(x)
         raw = {**hf_config.to_dict(), "num_hidden_layers": 1}
-        ours = route(x @ router.weight.detach().T, ModelConfig.from_hf_dict(raw).experts)
+        ours = route(x @ router.weight.detach().T, read_model_config(raw).experts)
         assert torch.equal(ours.experts, hf_experts)
         torch.testing.assert_close(ours.weights, hf_weights, atol=1e-6, rtol=0)
 
@@ -160,7 +160,7 @@ def test_the_step_groups_rows_by_expert_once_each():
 
 
 def mixtral_experts(count: int, top_k: int, hidden: int = 8, width: int = 4):
-    return ModelConfig.from_hf_dict({**families.transformers.MixtralConfig(
+    return read_model_config({**families.transformers.MixtralConfig(
         hidden_size=hidden, intermediate_size=width, num_local_experts=count, num_experts_per_tok=top_k,
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1).to_dict()}).experts
 
@@ -187,7 +187,7 @@ def test_a_router_or_expert_option_not_implemented_is_refused_by_name(changes, f
     raw = {**families.transformers.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2,
                                                   num_hidden_layers=2).to_dict(), **changes}
     with pytest.raises(UnsupportedModelError, match=f"'{field}'"):
-        ModelConfig.from_hf_dict(raw)
+        read_model_config(raw)
 
 
 def test_olmoe_clip_qkv_is_refused_before_weights_load(tmp_path):
@@ -265,7 +265,7 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
     from nanoserve.distributed.collectives import Collectives
     from nanoserve.distributed.shards import Shard, local_config
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     hf_model = families.write_checkpoint(case, tmp_path)
     world, prompt = 2, PROMPTS[1]
@@ -275,7 +275,8 @@ def test_two_ranks_split_the_experts_and_give_the_logits_of_one(case, tmp_path):
         config, weights = load_weights(tmp_path, dtype=torch.float32, device=torch.device("cpu"), shard=shard)
         start, count, _ = shard.vocab_rows(config.vocab_size)
         collectives = Collectives(group, shard, start, count, ordered=True)
-        model = Llama(local_config(config, world), weights, batch_invariant=True, tensor_parallel=collectives)
+        model = DecoderLM(local_config(config, world), weights, batch_invariant=True,
+                          tensor_parallel=collectives)
         assert all(len(w.moe.gate_up) == config.experts.count for w in model.weights.layers if w.moe)
         return prefill_logits(model, prompt)[:count]
 
@@ -288,7 +289,7 @@ def test_a_size_that_does_not_divide_the_experts_width_is_refused_naming_the_opt
     from nanoserve.distributed.shards import check_shardable
     from nanoserve.errors import InvalidRequestError
 
-    config = ModelConfig.from_hf_dict(families.transformers.Qwen3MoeConfig(
+    config = read_model_config(families.transformers.Qwen3MoeConfig(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=30, num_hidden_layers=1,
         intermediate_size=64).to_dict())
     with pytest.raises(InvalidRequestError, match="experts' width 30") as error:
@@ -302,7 +303,7 @@ def test_a_lora_on_the_mlp_of_a_sparse_layer_is_refused_naming_the_tensor():
     same modules on a dense layer and attention on a sparse one are taken."""
     from nanoserve.model.lora import AdapterTensor, check_weights
 
-    config = ModelConfig.from_hf_dict(CASES[0].config().to_dict())  # layer 0 sparse, layer 1 dense
+    config = read_model_config(CASES[0].config().to_dict())  # layer 0 sparse, layer 1 dense
     assert config.is_sparse(0) and not config.is_sparse(1)
     rank, hidden, width = 2, config.hidden_size, config.intermediate_size
 
@@ -466,11 +467,11 @@ def test_a_model_on_native_matrices_runs_its_experts_natively_as_transformers_do
     made to raise), logits within 1e-4 of transformers, a request's logits alone == in a crowd."""
     from nanoserve.loading.weights import load_weights
     from nanoserve.model import moe
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     _, path, _, expected = checkpoint
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"))
-    model = Llama(config, weights, batch_invariant=True, linear_kernel=KERNELS["native"])
+    model = DecoderLM(config, weights, batch_invariant=True, linear_kernel=KERNELS["native"])
     assert [e is not None for e in model.native_experts] == [w.moe is not None for w in model.weights.layers]
 
     def no_grouping(*_):
@@ -523,7 +524,7 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
     from nanoserve.distributed.collectives import Collectives
     from nanoserve.distributed.shards import Shard
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     families.write_checkpoint(QUANTIZED_TP_CASE, tmp_path)
     kernel, world = QUANTIZED_KERNELS["native-quant-x8"], 2
@@ -536,8 +537,8 @@ def test_two_ranks_on_q8_0_experts_give_the_logits_of_one_bit_for_bit(tmp_path):
             start, count, _ = shard.vocab_rows(config.vocab_size)
             collectives = Collectives(group, shard, start, count, ordered=True)
         local = shards.local_config(config, world if shard else 1)
-        model = Llama(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
-                      tensor_parallel=collectives)
+        model = DecoderLM(local, weights.quantized("q8_0"), batch_invariant=True, linear_kernel=kernel,
+                          tensor_parallel=collectives)
         assert any(e is not None for e in model.native_experts)
         cache, seen = Cache(local), []
         positions = {"a": len(PROMPTS[0]), "b": len(PROMPTS[2])}
@@ -574,7 +575,7 @@ def test_the_profile_histogram_routes_every_decode_row_to_top_k_experts_in_every
         shutil.copy(tiny_model_dir / file, tmp_path / file)
     spec = ProfileSpec(batch_sizes=(1, 3), input_len=5, output_len=6, model=str(tmp_path), device="cpu")
     frame = expert_profile(build_engine(spec), spec)
-    experts = ModelConfig.from_hf_dict(case.config().to_dict()).experts
+    experts = read_model_config(case.config().to_dict()).experts
     sparse = sum(experts.sparse_layers)
     assert sorted(frame["batch_size"].unique()) == [1, 3]
     for batch_size, rows in frame.groupby("batch_size"):
@@ -605,12 +606,12 @@ def fused_checkpoint(tmp_path_factory):
 def fused_model(path, format_name, kernel, *, fused: bool, gguf=None):
     """The checkpoint (its matrices from the `gguf` file where given) in `format_name`."""
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     config, weights = load_weights(path, dtype=torch.float32, device=torch.device("cpu"), gguf=gguf)
     if format_name != "float32":
         weights = weights.quantized(format_name)
-    model = Llama(config, weights, batch_invariant=True, linear_kernel=kernel)
+    model = DecoderLM(config, weights, batch_invariant=True, linear_kernel=kernel)
     assert model.decoder is not None and model.decoder.sparse_layers == config.num_layers
     if not fused:
         model.decoder = None

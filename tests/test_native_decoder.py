@@ -12,7 +12,7 @@ from test_model import CONFIG, WEIGHTS, Cache
 from test_native_lora import random_weights
 
 from nanoserve import native
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS
 from nanoserve.model.lora import Adapter, LoRARequest, load_adapter
 from nanoserve.quant import QuantizedWeight
@@ -22,19 +22,19 @@ pytestmark = pytest.mark.skipif(native.library() is None, reason=f"{native.statu
 PROMPTS = {"a": [(7 * i + 3) % 300 for i in range(13)], "b": [(11 * i + 5) % 300 for i in range(70)]}
 
 
-def _model(format_name: str, fused: bool) -> Llama:
+def _model(format_name: str, fused: bool) -> DecoderLM:
     if format_name == "float32":
-        model = Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["native"])
+        model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["native"])
     else:
-        model = Llama(CONFIG, WEIGHTS.quantized(format_name), batch_invariant=True,
-                      linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+        model = DecoderLM(CONFIG, WEIGHTS.quantized(format_name), batch_invariant=True,
+                          linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
     assert model.decoder is not None
     if not fused:
         model.decoder = None
     return model
 
 
-def _run(model: Llama,
+def _run(model: DecoderLM,
          adapters: dict[str, Adapter] | None = None) -> tuple[list[dict[str, torch.Tensor]], Cache]:
     cache, outputs = (Cache() if model.config is CONFIG else FamilyCache(model.config)), []
     a, b = PROMPTS["a"], PROMPTS["b"]
@@ -48,7 +48,7 @@ def _run(model: Llama,
     return outputs, cache
 
 
-def _adapters(model: Llama) -> list[Adapter]:
+def _adapters(model: DecoderLM) -> list[Adapter]:
     """Rank 16 on every module; rank 1 on q and v only; rank 8 on o and down only."""
     specs = [(16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
              (1, ["q_proj", "v_proj"]), (8, ["o_proj", "down_proj"])]
@@ -97,11 +97,12 @@ def test_a_fused_step_makes_a_few_native_calls_whatever_the_layer_count(fused):
 
 
 def test_matrices_not_in_the_repacked_layout_keep_the_separate_calls():
-    assert Llama(CONFIG, WEIGHTS.quantized("q8_0"), batch_invariant=True,
-                 linear_kernel=QUANTIZED_KERNELS["native-quant"]).decoder is None
-    assert Llama(CONFIG, WEIGHTS, batch_invariant=True, linear_kernel=KERNELS["aten-tile16"]).decoder is None
-    assert Llama(CONFIG, WEIGHTS.quantized("q8_0"), batch_invariant=True, native=False,
-                 linear_kernel=QUANTIZED_KERNELS["native-quant-x8"]).decoder is None
+    assert DecoderLM(CONFIG, WEIGHTS.quantized("q8_0"), batch_invariant=True,
+                     linear_kernel=QUANTIZED_KERNELS["native-quant"]).decoder is None
+    assert DecoderLM(CONFIG, WEIGHTS, batch_invariant=True,
+                     linear_kernel=KERNELS["aten-tile16"]).decoder is None
+    assert DecoderLM(CONFIG, WEIGHTS.quantized("q8_0"), batch_invariant=True, native=False,
+                     linear_kernel=QUANTIZED_KERNELS["native-quant-x8"]).decoder is None
 
 
 def test_the_decoder_times_its_projections_only_when_asked():
@@ -167,7 +168,7 @@ def _low_bit_type(name: str):
 
 
 def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64,
-                 intermediate_size: int = 256, tensor_hook=None) -> Llama:
+                 intermediate_size: int = 256, tensor_hook=None) -> DecoderLM:
     from tiny_model import write_tiny_gguf, write_tiny_llama
 
     from nanoserve.loading.weights import load_weights
@@ -177,10 +178,11 @@ def _mixed_model(tmp_path, matrix_type=_q4_k_m_type, hidden_size: int = 64,
     path = write_tiny_gguf(tmp_path / "mixed.gguf", model_dir, matrix_type=matrix_type,
                            tensor_hook=tensor_hook)
     config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
-    return Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+    return DecoderLM(config, weights, batch_invariant=True,
+                     linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
 
 
-def _assert_one_call_gives_the_separate_calls_bits(model: Llama, separate_model: Llama) -> None:
+def _assert_one_call_gives_the_separate_calls_bits(model: DecoderLM, separate_model: DecoderLM) -> None:
     """`model` (its one-call decoder) steps to the bits of the same weights' per-layer calls, and
     a request alone to its bits in a crowd."""
     from families import crowd_logits

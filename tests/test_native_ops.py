@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_model import CONFIG, PROMPT_A, PROMPT_B, WEIGHTS, Cache, step
 
 from nanoserve.model.batch import AttentionGroup, ForwardBatch
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.native import ops as native_ops
 from nanoserve.native.ops import NativeOpsError, PagedContext
@@ -270,8 +270,8 @@ def test_without_the_library_there_are_no_native_ops(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_the_native_forward_agrees_with_the_torch_forward(batch_invariant):
-    native = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
-    plain = Llama(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=False)
+    native = DecoderLM(CONFIG, WEIGHTS, batch_invariant=batch_invariant)
+    plain = DecoderLM(CONFIG, WEIGHTS, batch_invariant=batch_invariant, native=False)
     assert native.ops is not None and plain.ops is None
     prefill = [("a", PROMPT_A[:-1], 0), ("b", PROMPT_B, 0)]
     decode = [("a", PROMPT_A[-1:], len(PROMPT_A) - 1), ("b", [3], len(PROMPT_B))]
@@ -291,20 +291,20 @@ def test_the_native_forward_reads_the_cache_in_place_without_gathering_it(monkey
         raise AssertionError("the native forward gathered the KV cache")
 
     monkeypatch.setattr(KVCache, "gather", no_gather)
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=True)
+    model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True)
     cache = Cache()
     step(model, cache, [("a", PROMPT_A[:-1], 0)])
     step(model, cache, [("a", PROMPT_A[-1:], len(PROMPT_A) - 1)])
 
 
 def test_half_precision_and_native_false_keep_the_torch_ops():
-    assert Llama(CONFIG, WEIGHTS.to(torch.bfloat16, torch.device("cpu"))).ops is None
-    assert Llama(CONFIG, WEIGHTS, native=False).ops is None
+    assert DecoderLM(CONFIG, WEIGHTS.to(torch.bfloat16, torch.device("cpu"))).ops is None
+    assert DecoderLM(CONFIG, WEIGHTS, native=False).ops is None
 
 
 @needs_native
 def test_a_batch_whose_slots_lie_outside_the_cache_is_refused_before_any_kernel_runs():
-    model = Llama(CONFIG, WEIGHTS, batch_invariant=True)
+    model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True)
     cache = Cache()
     table = torch.tensor([cache.blocks("a", 4)])
     bad = ForwardBatch(torch.tensor([1]), torch.tensor([3]), torch.tensor([10**6]),

@@ -173,13 +173,14 @@ def test_a_k_quant_gguf_runs_in_the_layout_and_a_request_alone_equals_it_in_a_cr
     from tiny_model import write_tiny_gguf, write_tiny_llama
 
     from nanoserve.loading.weights import load_weights
-    from nanoserve.model.decoder import Llama
+    from nanoserve.model.decoder import DecoderLM
 
     model_dir = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, num_heads=4,
                                  num_kv_heads=2)
     path = write_tiny_gguf(tmp_path / "wide.gguf", model_dir, matrix_type=GGMLQuantizationType[type_name])
     config, weights = load_weights(model_dir, dtype=torch.float32, device=torch.device("cpu"), gguf=path)
-    model = Llama(config, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
+    model = DecoderLM(config, weights, batch_invariant=True,
+                      linear_kernel=QUANTIZED_KERNELS["native-quant-x8"])
     assert isinstance(model.weights.layers[0].down, _repack().KRepackedWeight)
     lengths = (13, 21, 20)  # c arrives in chunks of 10 (families.crowd_logits)
     prompts = [[(7 * i + 3 * seq) % config.vocab_size for i in range(n)] for seq, n in enumerate(lengths)]

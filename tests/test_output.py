@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from tiny_model import sentencepiece_tokenizer
 
+from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.output import OutputProcessor
 from nanoserve.engine.request import Request
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 

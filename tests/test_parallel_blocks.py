@@ -29,7 +29,7 @@ from nanoserve.distributed.shards import Shard
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.loading.weights import load_weights, read_config
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import QUANTIZED_KERNELS
 from nanoserve.sampling_params import SamplingParams
 
@@ -63,8 +63,8 @@ def greedy_logits(model_dir: Path, gguf: Path, shard: Shard | None, group=None) 
         start, count, _ = shard.vocab_rows(config.vocab_size)
         collectives = Collectives(group, shard, start, count, ordered=True)
     local = shards.local_config(config, shard.world if shard else 1)
-    model = Llama(local, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant"],
-                  tensor_parallel=collectives)
+    model = DecoderLM(local, weights, batch_invariant=True, linear_kernel=QUANTIZED_KERNELS["native-quant"],
+                      tensor_parallel=collectives)
     cache, rows = Cache(local), []
     for seq, prompt in enumerate(PROMPTS):
         ids = [(ord(c) * 7 + seq) % config.vocab_size for c in prompt]

@@ -2,10 +2,11 @@
 
 import pytest
 
+from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.prefill_pace import PrefillPace
 from nanoserve.engine.request import NewToken, Request
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.step_cost import PROFILED
 from nanoserve.sampling_params import SamplingParams
 
@@ -87,7 +88,7 @@ def step(scheduler, plan=None):
 def paced_scheduler(**config):
     config = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 8192,
               "max_prefill_tokens_while_decoding": 64, "fair_share_rows": 2.0, "prefill_step_s": 0.15,
-              "prefill_pace_min_tokens": 16} | config
+              "prefill_pace_min_tokens": 16, "enable_prefix_caching": False} | config
     return Scheduler(SchedulerConfig(**config), BlockPool(1200, 16))
 
 

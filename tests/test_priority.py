@@ -11,10 +11,10 @@ from test_scheduler import make_request, run_step
 from test_server_api import assert_error, idle_client, serving, tiny_engine
 from typer.testing import CliRunner
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.request import RequestStatus
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, priority_key
+from nanoserve.engine.scheduler import Scheduler, priority_key
 from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams

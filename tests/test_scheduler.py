@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import NewToken, Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import NewToken, Scheduler
 from nanoserve.errors import InvalidRequestError
 from nanoserve.sampling_params import SamplingParams
 

@@ -13,10 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.core import Engine
 from nanoserve.engine.request import NewToken, Request
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.spec_decode import (
     MAX_SPECULATIVE_TOKENS,
     DraftState,

@@ -35,11 +35,10 @@ from nanoserve.bench.driver import (
     run_closed_loop,
 )
 from nanoserve.bench.hardware import HardwareLimits, Machine, PeakMemory, describe_machine, probe_limits
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import DTYPES, EngineConfig, ModelConfig
 from nanoserve.engine.core import Engine
 from nanoserve.quant import is_quantized
 from nanoserve.sampling_params import SamplingParams, StructuredOutputs
-from nanoserve.worker.startup import DTYPES
 
 # Sampling settings of each mix, as keyword arguments (SamplingParams and HF generate share them).
 SAMPLING_SETTINGS: dict[str, dict[str, float | int]] = {
@@ -66,6 +65,10 @@ BASELINES = ("transformers",)
 SEED_BASE = 1234
 REPEAT_PROMPT_MAX_LEN = 448  # the repeat workload's chat prompts stay below this many tokens
 
+
+def _torch_dtype(name: str, default: torch.dtype) -> torch.dtype:
+    """torch's dtype of a --dtype float precision; `default` for auto and quantized."""
+    return getattr(torch, name) if name in DTYPES else default
 
 def row_settings(mix: str, row: int) -> dict[str, float | int]:
     """The sampling settings of request `row` in mix `mix`."""
@@ -312,7 +315,7 @@ class TransformersRunner:
         hf_logging.disable_progress_bar()
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=DTYPES.get(dtype, torch.float32), attn_implementation="sdpa").to(device).eval()
+            model_dir, dtype=_torch_dtype(dtype, torch.float32), attn_implementation="sdpa").to(device).eval()
         self.pad_token_id = self.model.config.eos_token_id
         if isinstance(self.pad_token_id, list):
             self.pad_token_id = self.pad_token_id[0]
@@ -444,7 +447,7 @@ class Sweep:
                 self.baseline(config.dtype)
         first = next(iter(self._engines.values())).engine
         machine = describe_machine(first.device)
-        limits = probe_limits(first.device, dtype=DTYPES.get(self.spec.dtypes[0], first.dtype),
+        limits = probe_limits(first.device, dtype=_torch_dtype(self.spec.dtypes[0], first.dtype),
                               rows=self.spec.slots,
                               kernel=first.kernel_choice.kernel)
         rows = []

@@ -62,13 +62,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from nanoserve.config import (
-    ASYNC_SCHEDULING_DEFAULT,
-    FAIR_SHARE_ROWS_DEFAULT,
-    PREFILL_PACE_MIN_TOKENS,
-    PREFILL_STEP_MS_DEFAULT,
-    EngineConfig,
-)
+from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig
 from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
@@ -77,7 +71,7 @@ from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedSte
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
 from nanoserve.engine.request import Request, RequestStatus
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.spec_decode import (
     MAX_SPECULATIVE_TOKENS,
     SpecConfig,
@@ -89,7 +83,7 @@ from nanoserve.loading.adapters import read_adapter
 from nanoserve.loading.default_model import ModelSource, resolve_model
 from nanoserve.loading.pooling import checkpoint_pooling
 from nanoserve.loading.weights import load_weights, read_config
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
@@ -172,14 +166,8 @@ class Engine:
         self.drafter = self._drafter()
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            enable_prefix_caching=config.enable_prefix_caching,
-                            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding,
-                            fair_share_rows=self._fair_share_rows(), kv_window=self.model_config.kv_window,
-                            long_prefill_token_threshold=config.long_prefill_token_threshold,
-                            prefill_step_s=self._prefill_step_s(),
-                            prefill_pace_min_tokens=PREFILL_PACE_MIN_TOKENS,
-                            scheduling_policy=config.scheduling_policy),
+            config.scheduler_config(max_model_len=self.max_model_len, kv_window=self.model_config.kv_window,
+                                    device_type=self.device.type),
             self.pool,
         )
         self.runner = ModelRunner(executor.runner_model, self.kv_cache,
@@ -261,19 +249,6 @@ class Engine:
     def list_loras(self) -> list[Adapter]:
         return [] if self.loras is None else list(self.loras.adapters.values())
 
-    def _fair_share_rows(self) -> float:
-        """The configured fair share, or the device's default (off where none is measured)."""
-        if self.config.fair_share_rows is not None:
-            return self.config.fair_share_rows
-        return FAIR_SHARE_ROWS_DEFAULT.get(self.device.type, float("inf"))
-
-    def _prefill_step_s(self) -> float | None:
-        """The prefill pace's step time (None: no pace): the config's, else the device's default."""
-        step_ms = self.config.prefill_step_ms
-        if step_ms is None:
-            step_ms = PREFILL_STEP_MS_DEFAULT.get(self.device.type)
-        return None if step_ms is None or step_ms == float("inf") else step_ms / 1e3
-
     def _drafter(self) -> Drafter | None:
         if not self.spec.enabled:
             return None
@@ -299,8 +274,8 @@ class Engine:
         check_start("the draft model loads")
         draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
         max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
-        model = Llama(draft_config, weights, batch_invariant=cfg.batch_invariant,
-                      linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
+        model = DecoderLM(draft_config, weights, batch_invariant=cfg.batch_invariant,
+                          linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
         blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
         kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)
         runner = ModelRunner(model, kv_cache, eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)

@@ -1,5 +1,5 @@
-"""How a sampled row keeps its tokens and draws one: the filters after temperature, as
-integer mass, and the one source of randomness.
+"""How a sampled row keeps its tokens and draws one: the filters after temperature (in the
+order `engine.sampler` states), as integer mass, and the one source of randomness.
 
 How a sampled row draws: top_k, top_p and min_p are thresholds on the row's softmax
 probabilities p, so without top_n_sigma or typical_p the kept set is {p >= threshold} (ties at

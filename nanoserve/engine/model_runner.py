@@ -31,7 +31,7 @@ from nanoserve.engine.sampler import BatchedSampler, RowEdits, SamplingBatch, Sa
 from nanoserve.engine.scheduler import ScheduledChunk
 from nanoserve.engine.spec_decode import ON_DEVICE
 from nanoserve.model.batch import AttentionGroup, ForwardBatch
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.lora import Adapter, AdapterRows
 
@@ -94,7 +94,7 @@ class Forwarded:
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, kv_cache: KVCache, *, eos_token_ids: frozenset[int],
+    def __init__(self, model: DecoderLM, kv_cache: KVCache, *, eos_token_ids: frozenset[int],
                  device: torch.device) -> None:
         self.model = model
         self.kv_cache = kv_cache

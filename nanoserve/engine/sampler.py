@@ -7,15 +7,17 @@ and logit_bias cells on the device, built once per request and grown by each new
 tokens' logprobs, by the same computation as sampled ones); the kept set of a sampled row and
 its draw, with `uniform_from_counter`, the one source of randomness, are `engine.draw`'s.
 
-Order of the filters, for every row: repetition penalty (prompt and generated tokens), then
-frequency and presence penalties (counts of generated tokens), then DRY (llama.cpp's, on prompt
-and generated tokens, after the penalties as in llama.cpp's chain; `engine.dry`), then
-logit_bias, then the min_tokens mask (the ids that would stop the request are -inf until
-`position >= min_tokens`) and the row's own bans (`bad_words`: a word's last token is -inf where
-the output so far ends with the rest of it; `allowed_token_ids`: every other id is -inf), then
-temperature, top_n_sigma, top_k, typical_p, top_p, min_p, p_less and XTC. Each filter after
-temperature sees the distribution the ones before it left, renormalized over their survivors:
-top_n_sigma keeps the tokens whose scaled logit is at least max - n x std (std over the row's
+Order of the filters, for every row (stated here only: `SamplingParams` and `engine.draw` point
+here): a constrained row's grammar mask (below), then repetition penalty (prompt and generated
+tokens), then frequency and presence penalties (counts of generated tokens), then DRY
+(llama.cpp's, on prompt and generated tokens, after the penalties as in llama.cpp's chain;
+`engine.dry`), then logit_bias, then the min_tokens mask (the ids that would stop the request
+are -inf until `position >= min_tokens`) and the row's own bans (`bad_words`: a word's last
+token is -inf where the output so far ends with the rest of it; `allowed_token_ids`: every
+other id is -inf), then temperature, top_n_sigma, top_k, typical_p, top_p, min_p, p_less and
+XTC (mirostat in place of the truncation filters). Each filter after temperature sees the
+distribution the ones before it left, renormalized over their survivors: top_n_sigma keeps
+the tokens whose scaled logit is at least max - n x std (std over the row's
 finite scaled logits, as llama.cpp's --top-nsigma); top_k keeps the k most likely survivors;
 typical_p keeps the survivors most typical of their own distribution (|-log q - H(q)| smallest
 first, as transformers' TypicalLogitsWarper) until they hold typical_p of its mass; top_p then

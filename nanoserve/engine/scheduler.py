@@ -80,60 +80,12 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from nanoserve.config import SCHEDULING_POLICIES
+from nanoserve.config.scheduler import SchedulerConfig
 from nanoserve.engine.admission import check_fits, request_token_limit
 from nanoserve.engine.block_pool import BlockPool, block_keys, chain_root
 from nanoserve.engine.fair_share import FairShare
 from nanoserve.engine.prefill_pace import PrefillPace
 from nanoserve.engine.request import NewToken, Request, RequestStatus
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = False
-    # Prompt tokens one step may compute while another request decodes; None: no bound but the
-    # step's. The engine's default is measured (EngineConfig).
-    max_prefill_tokens_while_decoding: int | None = None
-    # Row units a parent may take in a step beyond the lightest running parent's (fair_share.py);
-    # inf: no fair share.
-    fair_share_rows: float = float("inf")
-    # Most prompt tokens of one request in a step (vLLM's --long-prefill-token-threshold): a
-    # longer prompt is computed in chunks of at most this; None: no bound but the budgets'.
-    long_prefill_token_threshold: int | None = None
-    # A step no one shares computes the prompt tokens that its measured pace fits in about this
-    # many seconds (prefill_pace.py), at least prefill_pace_min_tokens; None: no pace.
-    prefill_step_s: float | None = None
-    prefill_pace_min_tokens: int = 64
-    # "fcfs": arrival order; "priority": lowest `SamplingParams.priority` first, then arrival
-    # (vLLM's --scheduling-policy), in the waiting queue, the running order and preemption.
-    scheduling_policy: str = "fcfs"
-    # Every layer of the model attends to only its last kv_window positions (Mistral-style
-    # sliding windows): blocks wholly before them go back to the pool as a request advances.
-    # 0: a request keeps every block (some layer sees the whole context).
-    kv_window: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and cap < 1:
-            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and threshold < 1:
-            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {threshold}")
-        if self.prefill_step_s is not None and not self.prefill_step_s > 0:
-            raise ValueError(f"prefill_step_s must be > 0 (or None: no pace), got {self.prefill_step_s}")
-        if self.prefill_pace_min_tokens < 1:
-            raise ValueError(f"prefill_pace_min_tokens must be >= 1, got {self.prefill_pace_min_tokens}")
-        if not self.fair_share_rows >= 0:
-            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
 
 
 def priority_key(request: Request) -> tuple[int, float]:

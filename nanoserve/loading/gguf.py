@@ -43,9 +43,9 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from nanoserve.config import ModelConfig
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf_tokenizer import GGUFTokenizer, end_token_ids, tokenizer_from_gguf
+from nanoserve.loading.hf_config import read_model_config
 from nanoserve.loading.hf_names import expert_name, hf_tensor_shapes
 from nanoserve.quant import FORMATS_BY_GGML_TYPE, QuantizedWeight
 
@@ -179,7 +179,7 @@ def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
     """Each tensor's name, type and shape against what the metadata implies, from the file's
     tensor list alone: a file that disagrees is refused naming the tensor (or the key it
     disagrees with) before any weight is read."""
-    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
+    expected = hf_tensor_shapes(read_model_config(config))
     present = set()
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
@@ -600,7 +600,7 @@ def hf_tensor_name(gguf_name: str, model_type: str | None = "llama") -> str:
 
 def check_shapes(weights: dict[str, torch.Tensor] | dict[str, torch.Tensor | QuantizedWeight],
                  config: dict[str, Any]) -> None:
-    expected = hf_tensor_shapes(ModelConfig.from_hf_dict(config))
+    expected = hf_tensor_shapes(read_model_config(config))
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors a llama model needs: {missing[:5]}")

@@ -1,4 +1,4 @@
-"""Loading a Hugging Face style checkpoint directory into a `Llama`.
+"""Loading a Hugging Face style checkpoint directory into a `DecoderLM`.
 
 Reads config.json and one or sharded safetensors files. GGUF files and the default model are
 first converted into such a directory (`loading.gguf`, `loading.default_model`), so this is the one
@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from nanoserve.config import ModelConfig, family_of
+from nanoserve.config import ModelConfig
 from nanoserve.distributed.shards import (
     SPLIT_BY_OUTPUT,
     Shard,
@@ -31,8 +31,9 @@ from nanoserve.distributed.shards import (
 )
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.loading.gguf import gguf_weights
+from nanoserve.loading.hf_config import family_of, read_model_config
 from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import LinearKernel
 from nanoserve.model.weights import LlamaWeights
 
@@ -44,7 +45,7 @@ def read_config(model_dir: Path) -> ModelConfig:
     raw = json.loads(path.read_text())
     try:
         family_of(raw)
-        return ModelConfig.from_hf_dict(raw)
+        return read_model_config(raw)
     except UnsupportedModelError as error:
         raise UnsupportedModelError(f"{model_dir}: {error}") from None
 
@@ -158,7 +159,7 @@ def release_freed_memory() -> None:
 
 def load_llama(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
                batch_invariant: bool = False, linear_kernel: LinearKernel | None = None,
-               max_positions: int | None = None) -> Llama:
+               max_positions: int | None = None) -> DecoderLM:
     config, weights = load_weights(model_dir, dtype=dtype, device=device)
-    return Llama(config, weights, batch_invariant=batch_invariant, linear_kernel=linear_kernel,
-                 max_positions=max_positions)
+    return DecoderLM(config, weights, batch_invariant=batch_invariant, linear_kernel=linear_kernel,
+                     max_positions=max_positions)

@@ -61,7 +61,7 @@ from nanoserve.native.moe import NativeExperts
 from nanoserve.native.ops import NativeOps
 from nanoserve.quant import Weight
 
-# The native small-op calls one layer of the per-layer loop makes beside its linears (`Llama._layers`:
+# The native small-op calls one layer of the per-layer loop makes beside its linears (`DecoderLM._layers`:
 # norm, RoPE + K/V write, attention, residual add + norm, SiLU*up): what the one-call decoder
 # saves, as the kernel choice (worker/rank.py) counts it.
 LOOP_NATIVE_OPS_PER_LAYER = 5
@@ -90,7 +90,10 @@ def native_ops_for(like: torch.Tensor) -> NativeOps | None:
     return native_ops.load()
 
 
-class Llama:
+class DecoderLM:
+    """The decoder-only language model of every family in `FAMILIES`: the Llama stack and
+    the switches its `ModelConfig` turns on (the module docstring)."""
+
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
                  linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
                  native: bool = True, tensor_parallel: TensorParallel | None = None,

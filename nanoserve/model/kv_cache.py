@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.config import KV_CACHE_DTYPES, ModelConfig
+from nanoserve.config import ModelConfig
 from nanoserve.errors import InvalidRequestError
 
 Q8_0 = "q8_0"
@@ -53,9 +53,6 @@ _SCALE_BYTES = 4  # a q8_0 row's float32 scale
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> str:
     """The cache dtype --kv-cache-dtype `name` means beside activations of `dtype` on `device`
     (auto: `dtype`'s own), refused by name where it cannot run."""
-    if name not in KV_CACHE_DTYPES:
-        raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}",
-                                  param="kv_cache_dtype")
     if name == FP8 and device.type != "cuda":
         raise InvalidRequestError("an fp8 KV cache runs on CUDA only; on the CPU, q8_0 holds 3.8x float32's "
                                   "tokens (bfloat16: 2x)", param="kv_cache_dtype")

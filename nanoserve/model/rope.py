@@ -40,7 +40,7 @@ def rope_frequencies(rope: Rope, dim: int, context: int) -> tuple[torch.Tensor, 
         return _yarn(rope.theta, dim, scaling, context)
     if kind == "longrope":
         return _longrope(inv_freq, scaling, context)
-    raise ValueError(f"RoPE type {kind!r} is not implemented")  # config.py refuses it first
+    raise ValueError(f"RoPE type {kind!r} is not implemented")  # loading/hf_config.py refuses it first
 
 
 def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -85,10 +85,11 @@ def _yarn(theta: float, dim: int, scaling: dict, context: int) -> tuple[torch.Te
 
 
 def _longrope(inv_freq: torch.Tensor, scaling: dict, context: int) -> tuple[torch.Tensor, float]:
-    """LongRoPE's short factors (config.py caps the context at the original one, where
+    """LongRoPE's short factors (loading/hf_config.py caps the context at the original one, where
     transformers uses them) and its attention factor from the extension ratio."""
     original = scaling["original_max_position_embeddings"]
-    factor = scaling["factor"]  # config.py puts max_position_embeddings / original where none is given
+    # loading/hf_config.py puts max_position_embeddings / original where none is given
+    factor = scaling["factor"]
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -15,7 +15,7 @@ from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.distributed.collectives import Collectives
 from nanoserve.distributed.group import RankPlan
 from nanoserve.distributed.shards import local_config
-from nanoserve.model.decoder import Llama
+from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from nanoserve.model.linear import kernel_named
 from nanoserve.model.weights import LlamaWeights
@@ -25,7 +25,7 @@ from nanoserve.model.weights import LlamaWeights
 class Rank:
     """One rank's model (its shard, with its collectives) and its KV cache."""
 
-    model: Llama
+    model: DecoderLM
     kv_cache: KVCache
 
     @classmethod
@@ -33,7 +33,7 @@ class Rank:
               dtype: torch.dtype, device: torch.device, collectives: Collectives | None = None) -> Rank:
         local = local_config(model_config, config.tensor_parallel_size)
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
-        model = Llama(local, weights, batch_invariant=config.batch_invariant,
-                      linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
-                      tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
+        model = DecoderLM(local, weights, batch_invariant=config.batch_invariant,
+                          linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
+                          tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
         return cls(model, KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nanoserve import native
-from nanoserve.config import EngineConfig, ModelConfig
+from nanoserve.config import DTYPES, QUANTIZED, EngineConfig, ModelConfig
 from nanoserve.distributed.group import RankPlan, cores, local_ranks
 from nanoserve.distributed.shards import Shard, local_config
 from nanoserve.errors import InvalidRequestError
@@ -40,10 +40,6 @@ from nanoserve.quant import QUANTIZERS, format_names
 
 log = logging.getLogger("nanoserve")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# --dtype quantized: a GGUF's matrices run as the file's own blocks (float32 activations);
-# "auto" picks it for a GGUF on a CPU with the native kernels, as llama.cpp runs GGUF files.
-QUANTIZED = "quantized"
 # Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
 # everything else, so a fraction of free memory alone would make start-up slow and greedy.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
@@ -67,7 +63,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise InvalidRequestError(f"dtype {name!r} is not one of {sorted(DTYPES)}, {QUANTIZED!r} or 'auto'",
                                   param="dtype")
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 def check_quantize(config: EngineConfig, device: torch.device) -> None:
@@ -167,7 +163,7 @@ def weight_format(weights: LlamaWeights) -> str:
 
 def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> float:
     """What a forward through the per-layer loop costs beyond its linears, where this model
-    could run the one-call decoder instead (the stack `Llama._native_decoder` takes) and a
+    could run the one-call decoder instead (the stack `DecoderLM._native_decoder` takes) and a
     kernel is to be chosen (else 0): the loop's native small-op calls a forward, each timed here
     as a one-row RMSNorm call (Python, the checks, ctypes, the pool). The best of several short
     batches, as the kernels' figures are their best turns, so a neighbour's stall is discarded."""

@@ -1,6 +1,7 @@
-"""Configuration: what the model is (from config.json, read by `weights`) and how the engine runs it.
+"""Reading a Hugging Face `config.json` (or a GGUF's metadata, which `gguf` turns into one) into
+the `ModelConfig` the engine runs: the one reader of a checkpoint's hyperparameters.
 
-`ModelConfig.from_hf_dict` is the one reader of a Hugging Face config. It accepts a field only
+It accepts a field only
 where this engine computes what the field says: a value it does not implement (another
 activation, a RoPE scaling type, experts, a quantization scheme, partial rotary embeddings
 outside Phi-3's family) is refused with an `UnsupportedModelError` naming the field and its
@@ -19,6 +20,8 @@ row by softmax over its router, top-k, renormalised where the family does it
 (`norm_topk_prob`; always for Mixtral); Qwen2-MoE adds a shared expert behind a sigmoid gate;
 `decoder_sparse_step` and `mlp_only_layers` say which layers are sparse. Router kinds other
 than softmax (`scoring_func`) and expert-parallel fields are refused by name.
+
+Refuses: holding engine settings (`nanoserve.config`) or reading tensors (`weights`, `gguf`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanoserve.errors import InvalidRequestError, UnsupportedModelError
-from nanoserve.pooling_params import POOLING_METHODS
+from nanoserve.config.model import Experts, ModelConfig, Rope
+from nanoserve.errors import UnsupportedModelError
 
 # Fields that do not change the forward pass: token ids, training-only settings, and what
 # transformers writes into every config. `pretraining_tp` only split Llama's training matmuls.
@@ -215,14 +218,6 @@ _ROPE_KEYS = {
 IMPLEMENTED_ROPE_TYPES = tuple(_ROPE_KEYS)
 
 
-@dataclass(frozen=True, slots=True)
-class Rope:
-    """One rotary embedding: base theta and a scaling dict (rope_type first) or None."""
-
-    theta: float
-    scaling: dict[str, Any] | None = None
-
-
 def _rope_parameters(raw: dict[str, Any], layer_types: set[str]) -> dict[str, dict[str, Any] | None]:
     """Layer type -> that type's RoPE dict as the config states it (None: top-level fields)."""
     parameters = raw.get("rope_parameters")
@@ -399,22 +394,6 @@ def _family_switches(raw: dict[str, Any], family: Family, head_dim: int) -> dict
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Experts:
-    """A mixture-of-experts MLP: `count` gated MLPs of `intermediate_size`, `top_k` of them run
-    per row, weighted by the softmax of the router's logits over all experts (those top-k
-    weights divided by their sum when `renormalize`), plus a shared expert on every row behind
-    a sigmoid gate where `shared_intermediate_size` is set. Layers not in `sparse_layers` run
-    the dense MLP of the config's intermediate_size."""
-
-    count: int
-    top_k: int
-    intermediate_size: int
-    renormalize: bool
-    sparse_layers: tuple[bool, ...]
-    shared_intermediate_size: int = 0  # 0: none
-
-
 def _positive_int(raw: dict[str, Any], name: str, default: Any = None) -> int:
     value = raw.get(name, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -458,292 +437,41 @@ def _context(raw: dict[str, Any], ropes: list[Rope]) -> int:
     return context
 
 
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The hyperparameters, in Hugging Face `config.json` terms, and each family's switches."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    # The switches (all off: Llama). Weight layouts follow `family` (Phi-3's fused matrices).
-    family: str = "llama"
-    qkv_bias: bool = False  # q, k and v projections have biases (Qwen2; attention_bias)
-    o_bias: bool = False  # the output projection too (Llama / Qwen3 attention_bias)
-    mlp_bias: bool = False  # gate, up and down have biases
-    hidden_act: str = "silu"  # the gate's activation
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
-    qk_norm_per_head: bool = True  # False: one RMSNorm over all of q and all of k (OLMoE)
-    # Gemma: RMSNorm scaled by (1 + weight), norms after attention and MLP too, embedding
-    # multiplied by sqrt(hidden_size).
-    gemma_norms: bool = False
-    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap); 0: none
-    final_softcap: float = 0.0  # the same on the logits
-    attention_scale: float | None = None  # None: head_dim ** -0.5
-    # Layers of the sliding type attend to their last `sliding_window` positions (0: no window
-    # shorter than the context) and rotate by `local_rope` where it is set (Gemma 3).
-    sliding_layers: tuple[bool, ...] = ()  # (): none
-    sliding_window: int = 0
-    local_rope: Rope | None = None
-    experts: Experts | None = None  # a mixture of experts in place of the MLP on its sparse layers
-    # RoPE rotates each head's first `rotary_dim` dims and passes the rest (Phi-4-mini's
-    # partial_rotary_factor); 0: the whole head.
-    rotary_dim: int = 0
-    # False for a checkpoint of a base-model class (`Qwen3Model`: an embedding model): it has
-    # no output head of its own and can only pool (EngineConfig.task "embed").
-    has_lm_head: bool = True
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """The config, or an UnsupportedModelError naming the first field not implemented here."""
-        family = family_of(raw)
-        _check_fields(raw, family)
-        num_heads = raw["num_attention_heads"]
-        num_kv_heads = raw.get("num_key_value_heads") or num_heads
-        _check_shapes(raw, num_heads, num_kv_heads)
-        head_dim = _head_dim(raw)
-        rotary_dim = _rotary_dim(raw)
-        types = _layer_types(raw, family)
-        parameters = _rope_parameters(raw, set(types))
-        full = _rope(raw, parameters.get("full_attention", parameters.get("sliding_attention")))
-        local = full
-        if "sliding_attention" in parameters:
-            local = _rope(raw, parameters["sliding_attention"], local=True)
-        context = _context(raw, [full, local])
-        window = _window(raw, family, types, context)
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=context,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=full.theta,
-            rope_scaling=full.scaling,
-            tie_word_embeddings=raw.get("tie_word_embeddings", family.name in ("gemma2", "gemma3")),
-            sliding_layers=tuple(t == "sliding_attention" for t in types) if local != full or window else (),
-            sliding_window=window,
-            local_rope=local if local != full else None,
-            experts=_experts(raw, family),
-            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
-            has_lm_head=_has_lm_head(raw, family),
-            **_family_switches(raw, family, head_dim),
-        )
-
-    @property
-    def is_plain_llama(self) -> bool:
-        """Every switch off: the layers are the Llama stack and nothing else (Phi-3 without a
-        window too: its fused matrices are a load-time layout, its RoPE lives in the tables)."""
-        return self.is_llama_stack and not self.experts
-
-    @property
-    def is_llama_stack(self) -> bool:
-        """Every switch off but the MLP's kind: the Llama stack, its MLPs dense or routed
-        experts (Mixtral; a shared expert is a family's switch too, Qwen2-MoE's)."""
-        return (not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.gemma_norms
-                     or self.attn_softcap or self.final_softcap or self.sliding_window or self.local_rope
-                     or (self.experts and self.experts.shared_intermediate_size))
-                and self.hidden_act == "silu" and self.attention_scale in (None, self.head_dim ** -0.5))
-
-    def window(self, layer: int) -> int:
-        """How many last positions `layer` attends to; 0: all of them."""
-        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether `layer` routes its rows to experts (else it runs the dense MLP)."""
-        return self.experts is not None and self.experts.sparse_layers[layer]
-
-    @property
-    def kv_window(self) -> int:
-        """The window every layer attends within, so K/V before it is never read again; 0 when
-        some layer sees the whole context (Gemma 2/3 mix full layers in: they keep it all)."""
-        if self.sliding_layers and all(self.sliding_layers):
-            return self.sliding_window
-        return 0
-
-    @property
-    def rotated_dims(self) -> int:
-        """How many of each head's dims RoPE rotates (the first ones, in the HF layout)."""
-        return self.rotary_dim or self.head_dim
-
-    def rope_of(self, layer: int) -> Rope:
-        if self.local_rope is not None and self.sliding_layers[layer]:
-            return self.local_rope
-        return Rope(self.rope_theta, self.rope_scaling)
-
-    def _params(self, *, active: bool) -> int:
-        """Every weight (active: only the experts a row runs, `top_k` of them)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h + 2 * h
-        layers = 0
-        for layer in range(self.num_layers):
-            layers += attention + (self._moe_params(active) if self.is_sparse(layer) else 3 * h * i)
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + layers + h + head
-
-    def _moe_params(self, active: bool) -> int:
-        e, h = self.experts, self.hidden_size
-        routed = (e.top_k if active else e.count) * 3 * h * e.intermediate_size
-        shared = 3 * h * e.shared_intermediate_size + h if e.shared_intermediate_size else 0
-        return e.count * h + routed + shared
-
-    @property
-    def num_params(self) -> int:
-        return self._params(active=False)
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights multiplied per token: every linear layer and the output head (of a mixture
-        of experts, the router and the top_k experts a row runs).
-
-        The input embedding is a row lookup, so an untied one is not multiplied; a tied one is
-        the head. These are also the bytes a decode step must stream from memory.
-        """
-        norms = (2 * self.num_layers + 1) * self.hidden_size
-        embedding_lookup = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-        return self._params(active=True) - norms - embedding_lookup
-
-    def flops_per_token(self, context_len: int = 0) -> float:
-        """Forward FLOPs for one token: 2 per weight, plus QK^T and PV over the context."""
-        attention = 4 * self.num_layers * self.num_heads * self.head_dim * context_len
-        return 2.0 * self.matmul_params + attention
-
-
-# The default of EngineConfig.max_prefill_tokens_while_decoding (the CLI reads it here): an
-# arriving prompt up to this long prefills in one step (a one-off cost; the fair share leaves it
-# alone), a longer one in chunks of its fair share while others decode.
-MAX_PREFILL_TOKENS_WHILE_DECODING = 64
-# Deferred output (EngineConfig.async_scheduling=None) per device type: off everywhere until a
-# side-by-side measurement shows it pays there; the one place to flip it.
-ASYNC_SCHEDULING_DEFAULT: dict[str, bool] = {"cpu": False, "cuda": False}
-# The fair share (EngineConfig.fair_share_rows=None) per device type: on CPU a step's cost grows
-# with every row (fair_share.py), and 2 extra row units bound one heavy request's slowdown of a
-# one-row decode to ~1.8x (results/neighbours.csv); on CUDA rows are nearly free until the
-# batch is large, and no GPU has measured it: off.
-FAIR_SHARE_ROWS_DEFAULT: dict[str, float] = {"cpu": 2.0, "cuda": float("inf")}
-# The prefill pace (EngineConfig.prefill_step_ms=None) per device type: on CPU a step no one
-# shares computes the prompt tokens its measured cost fits in this many ms beside its own
-# decode rows (an arrival waits for the step in flight, and an ordinary request's whole life
-# is a few of them), at least PREFILL_PACE_MIN_TOKENS a step: a floor in tokens, so deep in a
-# long prompt, where a token costs several units, a step stays short too (results/README.md,
-# "No request behind another client's prefill": what both cost a lone prompt, and the
-# command); on CUDA a 512-token step is short: no pace.
-PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 50.0, "cuda": None}
-PREFILL_PACE_MIN_TOKENS = 16
-SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
-TASKS = ("generate", "embed")  # EngineConfig.task
-# EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "fp8")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How the engine runs: where, in what precision, and how much it may batch and cache."""
-
-    model: str | None = None
-    # auto: a GGUF in its own quantization on a CPU with native kernels, else float32 on CPU
-    # and bfloat16 on CUDA; float32 / bfloat16 / float16; quantized (a GGUF's blocks).
-    dtype: str = "auto"
-    quantize: str | None = None  # q8_0 or q4_0: quantize a float checkpoint's matrices at load
-    device: str | None = None  # None: cuda when available, else cpu
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    # While any request decodes, a step computes at most this many prompt tokens; a prompt
-    # longer than that prefills in chunks of its fair share (fair_share.py; results/README.md).
-    max_prefill_tokens_while_decoding: int = MAX_PREFILL_TOKENS_WHILE_DECODING
-    max_model_len: int | None = None  # None: the model's own context length
-    kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.25
-    num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
-    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
-    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
-    kv_cache_dtype: str = "auto"
-    # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
-    batch_invariant: bool = True
-    # Reuse the K/V of prompt prefixes already computed (automatic prefix caching).
-    enable_prefix_caching: bool = True
-    linear_kernel: str | None = None  # None: the fastest that qualifies, measured at start-up
-    threads: int | None = None  # CPU threads; None: every core this process may run on
-    # Speculative decoding (exact: tokens and logprobs as without it, under batch invariance):
-    # up to this many drafts per request per step, 0 off; proposed by prompt lookup over
-    # n-grams of speculative_ngram_max down to speculative_ngram_min tokens.
-    speculative_tokens: int = 0
-    speculative_method: str = "ngram"
-    speculative_ngram_min: int = 2
-    speculative_ngram_max: int = 4
-    # How many drafts a request carries: "cost" (as many as pay for their rows, by its measured
-    # acceptance and the step's cost by rows: spec_decode's docstring) or "always" (all it can);
-    # and vLLM's cut-off: no drafts while at least this many requests decode (None: no cut-off).
-    speculative_policy: str = "cost"
-    speculative_disable_by_batch_size: int | None = None
-    # speculative_method "draft": the small model (same tokenizer and vocabulary) that proposes
-    # the drafts, greedily, from its own KV cache.
-    draft_model: str | None = None
-    # Deferred output (vLLM's --async-scheduling): step N+1 is launched before step N's tokens
-    # are resolved on the host. None: ASYNC_SCHEDULING_DEFAULT for the device.
-    async_scheduling: bool | None = None
-    # While more than one client request runs, each takes at most the lightest one's row units
-    # plus this many a step (fair_share.py); inf: off; None: FAIR_SHARE_ROWS_DEFAULT for the device.
-    fair_share_rows: float | None = None
-    # Most prompt tokens of one request in a step (vLLM's --long-prefill-token-threshold); None:
-    # no bound but the step's budgets.
-    long_prefill_token_threshold: int | None = None
-    # A step no one shares computes the prompt tokens its measured cost fits in about this many
-    # ms (engine/prefill_pace.py); inf: no pace; None: PREFILL_STEP_MS_DEFAULT for the device.
-    prefill_step_ms: float | None = None
-    # Which waiting request runs first and which running one is preempted first (vLLM's
-    # --scheduling-policy): "fcfs" by arrival, "priority" by SamplingParams.priority, then arrival.
-    scheduling_policy: str = "fcfs"
-    # LoRA adapters (vLLM's --enable-lora): requests may run with a PEFT adapter each; at most
-    # max_loras resident at once, each of rank at most max_lora_rank.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
-    # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
-    tensor_parallel_size: int = 1
-    # "generate": the model generates and also pools embeddings (/v1/embeddings, LLM.embed);
-    # "embed" (vLLM's --task embed): an embedding model, which pools only (generation refused).
-    task: str = "generate"
-    # How an embedding request pools the prompt's final hidden states ("last" or "mean");
-    # None: the checkpoint's own choice (sentence-transformers' pooling config), else "last".
-    pooling: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.fair_share_rows is not None and not self.fair_share_rows >= 0:
-            raise ValueError(f"fair_share_rows must be >= 0 (or inf: off), got {self.fair_share_rows}")
-        threshold = self.long_prefill_token_threshold
-        if threshold is not None and threshold < 1:
-            raise InvalidRequestError(f"long_prefill_token_threshold must be >= 1; got {threshold}",
-                                      param="long_prefill_token_threshold")
-        if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:
-            raise InvalidRequestError(f"prefill_step_ms must be > 0 (or inf: no pace); got "
-                                      f"{self.prefill_step_ms}", param="prefill_step_ms")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
-                                      f"got {self.kv_cache_dtype!r}", param="kv_cache_dtype")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
-                                      f"got {self.scheduling_policy!r}", param="scheduling_policy")
-        if self.task not in TASKS:
-            raise InvalidRequestError(f"task must be one of {', '.join(TASKS)}; got {self.task!r}",
-                                      param="task")
-        if self.pooling is not None and self.pooling not in POOLING_METHODS:
-            raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING_METHODS)}; "
-                                      f"got {self.pooling!r}", param="pooling")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise InvalidRequestError(f"tensor_parallel_size must be an integer of at least 1; got "
-                                      f"{self.tensor_parallel_size!r}", param="tensor_parallel_size")
+def read_model_config(raw: dict[str, Any]) -> ModelConfig:
+    """The config, or an UnsupportedModelError naming the first field not implemented here."""
+    family = family_of(raw)
+    _check_fields(raw, family)
+    num_heads = raw["num_attention_heads"]
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    _check_shapes(raw, num_heads, num_kv_heads)
+    head_dim = _head_dim(raw)
+    rotary_dim = _rotary_dim(raw)
+    types = _layer_types(raw, family)
+    parameters = _rope_parameters(raw, set(types))
+    full = _rope(raw, parameters.get("full_attention", parameters.get("sliding_attention")))
+    local = full
+    if "sliding_attention" in parameters:
+        local = _rope(raw, parameters["sliding_attention"], local=True)
+    context = _context(raw, [full, local])
+    window = _window(raw, family, types, context)
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=context,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=full.theta,
+        rope_scaling=full.scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", family.name in ("gemma2", "gemma3")),
+        sliding_layers=tuple(t == "sliding_attention" for t in types) if local != full or window else (),
+        sliding_window=window,
+        local_rope=local if local != full else None,
+        experts=_experts(raw, family),
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        has_lm_head=_has_lm_head(raw, family),
+        **_family_switches(raw, family, head_dim),
+    )

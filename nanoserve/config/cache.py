@@ -1,0 +1,30 @@
+"""The KV cache's settings (`CacheConfig`): the pool's size and block size, and what each slot
+stores.
+
+Refuses: sizing or laying out the cache from memory (`worker.rank`, `nanoserve.model.kv_cache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.errors import InvalidRequestError
+
+# CacheConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "fp8")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.25
+    num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
+    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
+    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                                      f"got {self.kv_cache_dtype!r}", param="kv_cache_dtype")
