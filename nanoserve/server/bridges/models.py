@@ -254,6 +254,8 @@ class ModelRegistry:
             log.info("model %r loaded", model.name)
             if loading is not None:
                 loading.set_result(None)
+            if model.leases == 0:  # every request that wanted it has gone meanwhile
+                self._schedule_idle_unload(model)
             return
         if model.pinned:
             if self._on_pinned_death is not None:
