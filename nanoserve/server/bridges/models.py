@@ -26,7 +26,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nanoserve.server.bridges.engine_bridge import EngineBridge, EngineUnavailableError
@@ -112,27 +112,25 @@ class ServedModel:
 BridgeFactory = Callable[[ModelSpec, Callable[[], None], Callable[[BaseException], None]], EngineBridge]
 
 
-@dataclass(eq=False)
 class ModelRegistry:
     """The served models by name, their loading, leases and unloading. Event loop only."""
 
-    specs: tuple[ModelSpec, ...]
-    policy: ModelPolicy = field(default_factory=ModelPolicy)
-    pinned: bool = False  # one model, loaded at start and never unloaded
-    models: dict[str, ServedModel] = field(init=False)
-
-    def __post_init__(self) -> None:
-        if not self.specs:
-            raise ValueError("a server serves at least one model")
-        if self.pinned and len(self.specs) != 1:
-            raise ValueError("only a server of one model pins it")
-        self.models = {spec.name: ServedModel(spec, self.pinned) for spec in self.specs}
+    def __init__(self, specs: tuple[ModelSpec, ...], policy: ModelPolicy | None = None, *,
+                 pinned: bool = False) -> None:
+        """`pinned`: one model, loaded at start and never unloaded. Two models of one name
+        (or alias) are a ValueError."""
+        if not specs or (pinned and len(specs) != 1):
+            raise ValueError("a server serves at least one model, and pins only its one model")
+        self.specs = specs
+        self.policy = policy or ModelPolicy()
+        self.pinned = pinned
+        served = [ServedModel(spec, pinned) for spec in specs]
         self._by_name: dict[str, ServedModel] = {}
-        for model in self.models.values():
+        for model in served:
             for name in model.spec.accepted:
-                other = self._by_name.setdefault(name, model)
-                if other is not model:
+                if self._by_name.setdefault(name, model) is not model:
                     raise ValueError(f"two models are served as {name!r}")
+        self.models = {model.name: model for model in served}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._make_bridge: BridgeFactory | None = None
         self._on_pinned_death: Callable[[BaseException], None] | None = None
@@ -265,8 +263,9 @@ class ModelRegistry:
         if loading is not None:
             loading.set_exception(EngineUnavailableError(f"the model {model.name!r} failed to load: {error}"))
             loading.exception()  # read here: with no request waiting, nobody else would
-        if model.bridge is not None:  # dead: the next request of this model loads it again
-            self._spawn(self._unload(model, "its engine stopped"))
+        bridge = self._detach(model, "its engine stopped")  # the next request loads it again
+        if bridge is not None:
+            self._spawn(self._stop(bridge))
 
     def _least_recently_used_idle(self) -> ServedModel | None:
         idle = [m for m in self.models.values()
@@ -316,13 +315,21 @@ class ModelRegistry:
             self._spawn(self._unload(model, "idle"))
 
     async def _unload(self, model: ServedModel, reason: str) -> None:
-        """Stop the model's engine and free its memory; its slot stays taken until then."""
+        bridge = self._detach(model, reason)
+        if bridge is not None:
+            await self._stop(bridge)
+
+    def _detach(self, model: ServedModel, reason: str) -> EngineBridge | None:
+        """Take the model's bridge from it (its next request loads it again); its slot stays
+        taken until `_stop` has freed its memory."""
         bridge, model.bridge, model.view = model.bridge, None, None
-        if bridge is None:
-            return
-        self._cancel_idle_timer(model)
-        log.info("unloading model %r (%s)", model.name, reason)
-        self._unloading += 1
+        if bridge is not None:
+            self._cancel_idle_timer(model)
+            log.info("unloading model %r (%s)", model.name, reason)
+            self._unloading += 1
+        return bridge
+
+    async def _stop(self, bridge: EngineBridge) -> None:
         try:
             await bridge.stop()
             await asyncio.to_thread(_free, bridge)
