@@ -9,6 +9,7 @@ on a real loopback socket in this process (`BackgroundServer`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import shutil
@@ -28,6 +29,8 @@ from typer.testing import CliRunner
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
 from nanoserve.server.app import ModelPolicy, build_app
+from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
+from nanoserve.server.bridges.models import ModelNotServedError, ModelRegistry, ModelSpec
 from nanoserve_cli.main import app as cli_app
 from nanoserve_cli.options import EngineOptions
 from nanoserve_cli.serve import _model_specs
@@ -246,3 +249,95 @@ def test_a_bad_several_models_option_exits_2_naming_it_before_loading_any(args, 
     assert result.exit_code == 2, result.output
     assert says in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+# -- the registry alone, over bridges that load at once -----------------------------------------
+
+class InstantBridge:
+    """Ready one loop turn after `start`; counts how often it was stopped."""
+
+    def __init__(self, on_ready) -> None:
+        self.on_ready, self.ready, self.engine, self.stops = on_ready, False, None, 0
+
+    def start(self) -> None:
+        self.ready = True
+        asyncio.get_running_loop().call_soon(self.on_ready)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self.stops += 1
+
+
+def registry_of(names: str, **policy) -> ModelRegistry:
+    specs = tuple(ModelSpec((name,), lambda: None) for name in names)
+    return ModelRegistry(specs, ModelPolicy(**policy))
+
+
+async def started(registry: ModelRegistry) -> ModelRegistry:
+    registry.start(asyncio.get_running_loop(), lambda spec, on_ready, on_death: InstantBridge(on_ready))
+    return registry
+
+
+def loaded(registry: ModelRegistry) -> str:
+    return "".join(sorted(name for name, model in registry.models.items() if model.bridge is not None))
+
+
+def test_the_least_recently_used_idle_model_makes_room_never_one_in_flight():
+    async def run() -> None:
+        registry = await started(registry_of("abc", max_loaded=2, wait_timeout_s=0.05))
+        for name in "aba":
+            registry.release(await registry.acquire(name))
+        assert loaded(registry) == "ab"
+        registry.release(await registry.acquire("c"))  # b was used before a: b goes
+        assert loaded(registry) == "ac"
+        held = await registry.acquire("a")
+        registry.release(await registry.acquire("b"))  # a is in flight: c goes
+        assert loaded(registry) == "ab"
+        other = await registry.acquire("b")
+        with pytest.raises(EngineUnavailableError, match="--max-loaded-models"):
+            await registry.acquire("c")  # both in flight: no room within the timeout
+        assert loaded(registry) == "ab"
+        registry.release(other)
+        registry.release(await registry.acquire("c"))
+        assert loaded(registry) == "ac" and held.bridge is not None
+        registry.release(held)
+        await registry.stop()
+
+    asyncio.run(run())
+
+
+def test_a_waiting_request_takes_the_slot_a_finished_request_frees():
+    async def run() -> None:
+        registry = await started(registry_of("ab", max_loaded=1, wait_timeout_s=30))
+        held = await registry.acquire("a")
+        waiting = asyncio.ensure_future(registry.acquire("b"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and loaded(registry) == "a"
+        registry.release(held)
+        registry.release(await waiting)
+        assert loaded(registry) == "b"
+        await registry.stop()
+
+    asyncio.run(run())
+
+
+def test_keep_alive_overrides_the_idle_unload_for_its_model():
+    async def run() -> None:
+        registry = await started(registry_of("ab", idle_unload_s=0.0))
+        registry.keep_alive("a", -1)  # Ollama's "keep it loaded"
+        for name in "ab":
+            registry.release(await registry.acquire(name))
+        await asyncio.sleep(0.05)
+        assert loaded(registry) == "a"
+        registry.keep_alive("a", None)  # back to the server's: idle now, so it goes
+        await asyncio.sleep(0.05)
+        assert loaded(registry) == ""
+        with pytest.raises(ModelNotServedError):
+            registry.keep_alive("c", 0)
+        await registry.stop()
+
+    asyncio.run(run())
+
+
+def test_two_models_of_one_name_are_refused():
+    with pytest.raises(ValueError, match="two models are served as 'a'"):
+        registry_of("aa")
