@@ -37,24 +37,17 @@ if TYPE_CHECKING:
 
     from nanoserve.engine.core import Engine
     from nanoserve.server.adapters import LoRAModule
-    from nanoserve.server.bridges.models import ModelSpec
+    from nanoserve.server.bridges.models import ModelPolicy, ModelSpec
     from nanoserve.server.bridges.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
 
 API_KEY_ENV = "NANOSERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**63  # as nanoserve.sampling_params.MAX_SEED; the cli imports no engine code up front
-# As nanoserve.server.bridges.models' DEFAULT_MAX_LOADED (llama-server's --models-max), and its
-# DEFAULT_IDLE_UNLOAD_S (Ollama's keep_alive) and DEFAULT_WAIT_TIMEOUT_S.
-DEFAULT_MAX_LOADED = 4
-DEFAULT_IDLE_UNLOAD_S = 300.0
-DEFAULT_WAIT_TIMEOUT_S = 60.0
 
 
-def parse_seconds_or_off(value: str | float) -> float:
-    """`off` (infinity), or seconds >= 0 (click hands the default over as it is)."""
-    if isinstance(value, float):
-        return value
+def parse_seconds_or_off(value: str) -> float:
+    """`off` (infinity), or seconds >= 0."""
     if value.strip().lower() == "off":
         return float("inf")
     try:
@@ -77,18 +70,18 @@ def serve(
     models_dir: Annotated[Path | None, typer.Option(
         help="Serve every model in DIR (each .gguf file and each folder with a config.json), beside "
              "any --model, each under its name and loaded on its first request.")] = None,
-    max_loaded_models: Annotated[int, typer.Option(
-        min=1, help="With several models: most loaded at once; one more unloads the least recently used "
-                    "idle one. The KV cache budget is split evenly among this many (or the models, if "
-                    "fewer).")] = DEFAULT_MAX_LOADED,
-    idle_unload_s: Annotated[float, typer.Option(
+    max_loaded_models: Annotated[int | None, typer.Option(
+        min=1, help="Several models only: most loaded at once (default 4, llama-server's); one more "
+                    "unloads the least recently used idle one. The KV cache budget is split evenly "
+                    "among this many (or the models, if fewer).")] = None,
+    idle_unload_s: Annotated[float | None, typer.Option(
         parser=parse_seconds_or_off, metavar="SECONDS|off",
-        help="With several models: a model idle this long is unloaded (a request's keep_alive on "
-             "Ollama's API overrides it for that model); off: never.")] = DEFAULT_IDLE_UNLOAD_S,
-    model_wait_timeout_s: Annotated[float, typer.Option(
-        min=0.0, help="With several models: a request for a model that is not loaded, while "
+        help="Several models only: a model idle this long is unloaded (default 300, Ollama's keep-alive; "
+             "a request's keep_alive on Ollama's API overrides it for that model); off: never.")] = None,
+    model_wait_timeout_s: Annotated[float | None, typer.Option(
+        min=0.0, help="Several models only: a request for a model that is not loaded, while "
                       "--max-loaded-models are and each has requests in flight, waits this long for "
-                      "one to finish, then gets 503 saying so.")] = DEFAULT_WAIT_TIMEOUT_S,
+                      "one to finish (default 60), then gets 503 saying so.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
@@ -184,6 +177,7 @@ def serve(
     if enable_lora and data_parallel_size > 1:
         options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
                      "with --data-parallel-size above 1 yet")
+    policy = _model_policy(several, max_loaded_models, idle_unload_s, model_wait_timeout_s)
     if several:
         _check_one_model_options(served_model_name, enable_lora, data_parallel_size)
     config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
@@ -198,7 +192,7 @@ def serve(
         except NanoserveError as error:
             options.fail_for(error)
     if several:
-        specs = _model_specs(model or [], models_dir, engine, max_loaded_models)
+        specs = _model_specs(model or [], models_dir, engine, policy.max_loaded)
     else:
         try:
             source = resolve_model(engine.model, float_weights=False)  # for its name: no weights converted
@@ -218,9 +212,6 @@ def serve(
 
     common = {"tenancy": tenancy, "limits": limits, "seed": seed, "reasoning": reasoning}
     if several:
-        from nanoserve.server.bridges.models import ModelPolicy
-
-        policy = ModelPolicy(max_loaded_models, idle_unload_s, model_wait_timeout_s)
         server_app = build_app(models=specs, model_policy=policy, **common)
     else:
         server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
@@ -248,6 +239,22 @@ def serve(
         typer.secho(f"Error: the engine stopped: {error!r} (the log above has the traceback)", err=True,
                     fg=typer.colors.RED)
         raise typer.Exit(code=1)
+
+
+def _model_policy(several: bool, max_loaded: int | None, idle_unload_s: float | None,
+                  wait_timeout_s: float | None) -> ModelPolicy | None:
+    """When several models load and unload (the defaults where not given); None with one model,
+    where giving any of these exits 2: one model is loaded for good."""
+    given = {"max_loaded": max_loaded, "idle_unload_s": idle_unload_s, "wait_timeout_s": wait_timeout_s}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not several:
+        if given:
+            options.fail("--max-loaded-models, --idle-unload-s and --model-wait-timeout-s apply to several "
+                         "models (--model repeated, or --models-dir); one model is loaded for good")
+        return None
+    from nanoserve.server.bridges.models import ModelPolicy
+
+    return ModelPolicy(**given)
 
 
 def _check_one_model_options(served_model_name: list[str] | None, enable_lora: bool,

@@ -12,7 +12,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 from server_harness import BackgroundServer
+from test_serve_signals import free_port, health, wait_until
 from test_server_api import hold_engine_steps
 from tiny_model import write_tiny_gguf, write_tiny_llama
 from typer.testing import CliRunner
@@ -223,6 +228,32 @@ def test_the_official_openai_client_picks_models_by_name(models_dir, alone):
             client.completions.create(model="gamma", **REQUEST)
 
 
+def test_serve_models_dir_as_a_process_serves_both_to_the_openai_client(models_dir, alone, tmp_path):
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-c", "from nanoserve_cli.main import app; app()", "serve",
+               "--models-dir", str(models_dir), "--max-loaded-models", "1", "--kv-cache-gb", "0.01",
+               "--max-num-seqs", "4", "--port", str(port), "--log-level", "warning"]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_until(lambda: health(base_url) == 200, "the server never became healthy", log_path)
+        with openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0) as client:
+            assert {model.id: model.model_extra["status"] for model in client.models.list()} == {
+                "alpha": "available", "beta": "available"}
+            for name in (*NAMES, "alpha"):
+                answer = client.completions.create(model=name, **REQUEST)
+                assert answer.choices[0].text == alone[name]["choices"][0]["text"], name
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
 runner = CliRunner()
 
 
@@ -239,6 +270,8 @@ runner = CliRunner()
     (["--models-dir", "{models}", "--model", "{models}/alpha"], "two models are served as 'alpha'"),
     (["--model", "{models}/alpha", "--model", "{copy}/alpha"], "--model: two models are served as 'alpha'"),
     (["--model", "{models}/alpha", "--model", "{missing}"], "--model"),
+    (["--model", "{models}/alpha", "--max-loaded-models", "2"], "--max-loaded-models"),
+    (["--idle-unload-s", "off"], "--idle-unload-s"),  # one model (the default) is loaded for good
 ])
 def test_a_bad_several_models_option_exits_2_naming_it_before_loading_any(args, says, models_dir, tmp_path):
     (tmp_path / "empty").mkdir()
