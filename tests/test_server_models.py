@@ -131,6 +131,10 @@ def test_with_one_slot_a_request_for_the_other_model_loads_it_and_unloads_the_id
         assert statuses(http) == {"alpha": "loaded", "beta": "available"}
         assert same_answer(completion(http, "beta"), alone["beta"])
         assert statuses(http) == {"alpha": "available", "beta": "loaded"}
+        figures = http.get("/metrics").text
+        assert 'nanoserve_engine_healthy{model_name="alpha"} 0.0' in figures
+        assert 'nanoserve_engine_healthy{model_name="beta"} 1.0' in figures
+        assert 'nanoserve_generation_tokens_total{model_name="beta"} 6.0' in figures
         assert same_answer(completion(http, "alpha"), alone["alpha"])
         assert statuses(http) == {"alpha": "loaded", "beta": "available"}
 

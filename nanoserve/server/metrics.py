@@ -8,8 +8,9 @@ own figures (running and waiting requests, KV cache usage, preemptions, token co
 from the snapshot the engine thread publishes after every step. The names are vLLM's, with
 `nanoserve_` for `vllm:`. With data-parallel replicas each engine figure is one series per
 replica, labelled `replica` (its index), and no unlabelled one: Prometheus's `sum` adds them.
-With several models, each loaded model's engine figures are one series labelled with its name
-(a model loaded again starts its counters at zero, which Prometheus reads as a counter reset).
+With several models, each model's engine figures are one series labelled with its name (zeros
+and unhealthy while it is not loaded; a model loaded again starts its counters at zero, which
+Prometheus reads as a counter reset).
 Refuses: reading the engine directly; the engine is not thread-safe, the snapshot is.
 """
 
@@ -120,7 +121,7 @@ class ServerMetrics:
         """The exposition text: the engine's figures as of `snapshot`, each tenant's requests
         in flight as of `in_flight`, and everything observed so far. `replicas`: each
         data-parallel replica's (snapshot, healthy), shown instead of `snapshot`; `models`: each
-        loaded model's (name, snapshot, healthy) of a server of several, shown instead of it."""
+        model's (name, snapshot, healthy) of a server of several, shown instead of it."""
         self._engine.snapshot, self._engine.healthy = snapshot, healthy
         self._engine.replicas = tuple(replicas)
         self._engine.models = tuple(models)

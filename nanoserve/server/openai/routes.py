@@ -71,11 +71,11 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     state = state_of(request)
     engine, in_flight = state.async_engine, state.tenancy.in_flight
-    if engine is None:  # several models: a series per loaded one
-        loaded = [(model.name, model.bridge.snapshot, model.bridge.healthy)
-                  for model in state.models.models.values() if model.bridge is not None]
+    if engine is None:  # several models: a series per model, zeros and unhealthy while not loaded
+        figures = [(model.name, model.bridge.snapshot, model.bridge.healthy) if model.bridge is not None
+                   else (model.name, EngineSnapshot(), False) for model in state.models.models.values()]
         text = state.metrics.render(EngineSnapshot(), healthy=state.models.healthy, in_flight=in_flight,
-                                    models=loaded)
+                                    models=figures)
     else:
         text = state.metrics.render(engine.snapshot, healthy=engine.healthy, in_flight=in_flight,
                                     replicas=engine.replica_figures)
