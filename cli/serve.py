@@ -147,8 +147,8 @@ def serve(
              "replica holding the longest cached prefix of its prompt, else the least loaded. Composes "
              "with -tp (-dp 2 -tp 2: four ranks).")] = 1,
 ) -> None:
-    """Serve the model over OpenAI's completions, chat completions and Responses APIs and
-    Anthropic's Messages API.
+    """Serve one model, or several (each under its name, loaded on demand), over OpenAI's
+    completions, chat completions and Responses APIs and Anthropic's Messages API.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
     POST /v1/messages, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize
