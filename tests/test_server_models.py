@@ -221,13 +221,13 @@ def test_the_official_openai_client_picks_models_by_name(models_dir, alone):
     with several(models_dir) as http, openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none",
                                                     max_retries=0) as client:
         assert sorted(model.id for model in client.models.list()) == list(NAMES)
-        for name in NAMES:
-            answer = client.completions.create(model=name, **REQUEST)
-            assert answer.model == name
-            assert answer.choices[0].text == alone[name]["choices"][0]["text"]
+        for name in NAMES:  # a stream first: its first byte comes once the model has loaded
             streamed = client.completions.create(model=name, stream=True, **REQUEST)
             assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == (
                 alone[name]["choices"][0]["text"])
+            answer = client.completions.create(model=name, **REQUEST)
+            assert answer.model == name
+            assert answer.choices[0].text == alone[name]["choices"][0]["text"]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gamma", **REQUEST)
 
