@@ -1,16 +1,20 @@
 """`nanoserve serve`: the OpenAI-compatible HTTP server on uvicorn.
 
-Binds 127.0.0.1 unless told otherwise. The model loads on the engine thread after the socket
-is up, so /health answers 503 until it is ready. SIGTERM (or Ctrl-C) stops accepting
-connections, lets in-flight requests finish for at most --drain-s seconds, then exits 0. A
-second SIGTERM or SIGINT during that drain ends it at once (uvicorn's and vLLM's convention):
-in-flight streams get their error event, unary requests a 503, and the process exits
-128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a process the
-signal killed, so a supervisor can tell a forced stop from a clean one.
+Binds 127.0.0.1 unless told otherwise. One model loads on the engine thread after the socket
+is up, so /health answers 503 until it is ready. Several models (--model repeated, or
+--models-dir) are each served under its own name and load on their first request (router mode,
+as llama-server's and Ollama's): see `_model_specs` for their names and how their KV budget is
+split. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for at
+most --drain-s seconds, then exits 0. A second SIGTERM or SIGINT during that drain ends it at
+once (uvicorn's and vLLM's convention): in-flight streams get their error event, unary requests
+a 503, and the process exits 128 + the signal's number (143 for SIGTERM, 130 for SIGINT), as a
+shell reports a process the signal killed, so a supervisor can tell a forced stop from a clean one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
 
     from nanoserve.engine.core import Engine
     from nanoserve.server.adapters import LoRAModule
+    from nanoserve.server.bridges.models import ModelPolicy, ModelSpec
     from nanoserve.server.bridges.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
 
@@ -41,15 +46,48 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**63  # as nanoserve.sampling_params.MAX_SEED; the cli imports no engine code up front
 
 
+def parse_seconds_or_off(value: str) -> float:
+    """`off` (infinity), or seconds >= 0."""
+    if value.strip().lower() == "off":
+        return float("inf")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"seconds >= 0, or off; got {value!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise typer.BadParameter(f"must be seconds >= 0, or off; got {value!r}")
+    return seconds
+
+
 @app.command()
-@options.engine_options()
+@options.engine_options(omit=("model",))
 def serve(
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", help="Hugging Face model directory, .gguf file, or hub id ORG/NAME[@REVISION] "
+        "(a GGUF repository: ORG/NAME:FILE.gguf or ORG/NAME:Q4_K_M); default: SmolLM2-135M-Instruct. "
+        "Repeatable: several models, each served under its name (a GGUF's file stem, a folder's name, "
+        "a hub id) and loaded on its first request.")] = None,
+    models_dir: Annotated[Path | None, typer.Option(
+        help="Serve every model in DIR (each .gguf file and each folder with a config.json), beside "
+             "any --model, each under its name and loaded on its first request.")] = None,
+    max_loaded_models: Annotated[int | None, typer.Option(
+        min=1, help="Several models only: most loaded at once (default 4, llama-server's); one more "
+                    "unloads the least recently used idle one. The KV cache budget is split evenly "
+                    "among this many (or the models, if fewer).")] = None,
+    idle_unload_s: Annotated[float | None, typer.Option(
+        parser=parse_seconds_or_off, metavar="SECONDS|off",
+        help="Several models only: a model idle this long is unloaded (default 300, Ollama's keep-alive; "
+             "a request's keep_alive on Ollama's API overrides it for that model); off: never.")] = None,
+    model_wait_timeout_s: Annotated[float | None, typer.Option(
+        min=0.0, help="Several models only: a request for a model that is not loaded, while "
+                      "--max-loaded-models are and each has requests in flight, waits this long for "
+                      "one to finish (default 60), then gets 503 saying so.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind; 0.0.0.0 exposes the server to the network.")]
     = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="Name clients send as `model` (repeatable; the first is listed). Default: the model "
-             "directory's name.")] = None,
+             "directory's name. One model only: several are each served under their own name.")] = None,
     api_key: Annotated[list[str] | None, typer.Option(
         help=f"Require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (or set ${API_KEY_ENV}). "
              "Repeatable: each key is a tenant, named api-key-1, api-key-2, ... in /metrics.")] = None,
@@ -109,8 +147,8 @@ def serve(
              "replica holding the longest cached prefix of its prompt, else the least loaded. Composes "
              "with -tp (-dp 2 -tp 2: four ranks).")] = 1,
 ) -> None:
-    """Serve the model over OpenAI's completions, chat completions and Responses APIs and
-    Anthropic's Messages API.
+    """Serve one model, or several (each under its name, loaded on demand), over OpenAI's
+    completions, chat completions and Responses APIs and Anthropic's Messages API.
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
     POST /v1/messages, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize
@@ -125,6 +163,8 @@ def serve(
     from nanoserve.server.connections import with_header_timeout
     from nanoserve.server.parsers.reasoning import ReasoningConfig
 
+    several = models_dir is not None or len(model or []) > 1
+    engine = dataclasses.replace(engine, model=None if several else (model or [None])[0])
     tenancy = _tenancy(api_key, api_keys_file, prefix_cache_scope, max_concurrent_requests_per_tenant)
     try:
         reasoning = ReasoningConfig(reasoning_parser, reasoning_budget)
@@ -137,18 +177,24 @@ def serve(
     if enable_lora and data_parallel_size > 1:
         options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
                      "with --data-parallel-size above 1 yet")
+    policy = _model_policy(several, max_loaded_models, idle_unload_s, model_wait_timeout_s)
+    if several:
+        _check_one_model_options(served_model_name, enable_lora, data_parallel_size)
     config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
     replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options.serve_as_torchrun_rank(config)
-    try:
-        source = resolve_model(engine.model, float_weights=False)  # for its name: no weights converted
-    except NanoserveError as error:
-        options.fail_for(error)
-    names = list(served_model_name or [_served_name(engine.model, source.dir, source.gguf)])
-    aliases = (engine.model,) if engine.model else ()
-    _check_lora_modules(modules, source.dir, names, aliases, max_lora_rank)
+    if several:
+        specs = _model_specs(model or [], models_dir, engine, policy.max_loaded)
+    else:
+        try:
+            source = resolve_model(engine.model, float_weights=False)  # for its name: no weights converted
+        except NanoserveError as error:
+            options.fail_for(error)
+        names = list(served_model_name or [_served_name(engine.model, source.dir, source.gguf)])
+        aliases = (engine.model,) if engine.model else ()
+        _check_lora_modules(modules, source.dir, names, aliases, max_lora_rank)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
                           max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
@@ -158,10 +204,13 @@ def serve(
         engine_deaths.append(error)
         server.should_exit = True  # uvicorn's own exit path: stop accepting, close, return
 
-    server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
-                           tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death,
-                           reasoning=reasoning, replicas=replicas, lora_modules=modules,
-                           lora_runtime_updates=enable_lora_runtime_updates)
+    common = {"tenancy": tenancy, "limits": limits, "seed": seed, "reasoning": reasoning}
+    if several:
+        server_app = build_app(models=specs, model_policy=policy, **common)
+    else:
+        server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
+                               on_engine_death=stop_on_engine_death, replicas=replicas, lora_modules=modules,
+                               lora_runtime_updates=enable_lora_runtime_updates, **common)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))
@@ -184,6 +233,84 @@ def serve(
         typer.secho(f"Error: the engine stopped: {error!r} (the log above has the traceback)", err=True,
                     fg=typer.colors.RED)
         raise typer.Exit(code=1)
+
+
+def _model_policy(several: bool, max_loaded: int | None, idle_unload_s: float | None,
+                  wait_timeout_s: float | None) -> ModelPolicy | None:
+    """When several models load and unload (the defaults where not given); None with one model,
+    where giving any of these exits 2: one model is loaded for good."""
+    given = {"max_loaded": max_loaded, "idle_unload_s": idle_unload_s, "wait_timeout_s": wait_timeout_s}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not several:
+        if given:
+            options.fail("--max-loaded-models, --idle-unload-s and --model-wait-timeout-s apply to several "
+                         "models (--model repeated, or --models-dir); one model is loaded for good")
+        return None
+    from nanoserve.server.bridges.models import ModelPolicy
+
+    return ModelPolicy(**given)
+
+
+def _check_one_model_options(served_model_name: list[str] | None, enable_lora: bool,
+                             data_parallel_size: int) -> None:
+    """Exit 2 naming an option that serves one model only, given beside several."""
+    if served_model_name:
+        options.fail("--served-model-name names one model; with several (--model repeated, or "
+                     "--models-dir) each is served under its own name")
+    if enable_lora:
+        options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
+                     "beside several models yet")
+    if data_parallel_size > 1:
+        options.fail("--data-parallel-size above 1 is not served beside several models yet")
+
+
+def _model_specs(values: list[str], models_dir: Path | None, engine: options.EngineOptions,
+                 max_loaded: int) -> tuple[ModelSpec, ...]:
+    """The several models to serve: each --model, then each model in --models-dir, under its
+    name (`_served_name`: a GGUF's file stem, a folder's name, a hub id); a --model's own
+    spelling is accepted too. Exit 2 naming the option on a model that cannot be found or on
+    two models of one name. Nothing loads here.
+
+    The KV budget rule: the budget one engine would get (--kv-cache-gb, or a share of the free
+    memory read as it loads, capped on the CPU) is split evenly among the engines that may be
+    loaded at once, min(--max-loaded-models, number of models), so they fit side by side."""
+    from nanoserve.loading.default_model import resolve_model
+    from nanoserve.server.bridges.models import ModelSpec
+
+    given = [(value, "--model") for value in values]
+    given += [(str(path), "--models-dir") for path in _models_in(models_dir)] if models_dir else []
+    share = min(max_loaded, len(given))
+    kv_budget = ({"kv_cache_gb": engine.kv_cache_gb / share} if engine.kv_cache_gb is not None
+                 else {"kv_cache_fraction": EngineConfig().kv_cache_fraction / share})
+    specs, taken = [], {}
+    for value, option in given:
+        try:
+            source = resolve_model(value, float_weights=False)  # for its name: no weights converted
+        except NanoserveError as error:
+            options.fail(f"{option}: {error}")
+        name = _served_name(value, source.dir, source.gguf)
+        aliases = (value,) if value != name else ()
+        for spelling in (name, *aliases):
+            if spelling in taken:
+                options.fail(f"{option}: two models are served as {spelling!r} ({taken[spelling]} and "
+                             f"{value}); serve one of them from elsewhere or under another file name")
+            taken[spelling] = value
+        config = engine.config(model=value, **kv_budget)
+        specs.append(ModelSpec((name,), functools.partial(_build_engine, config), aliases))
+    return tuple(specs)
+
+
+def _models_in(models_dir: Path) -> list[Path]:
+    """Every model in `models_dir`: each .gguf file and each folder with a config.json (hidden
+    entries skipped), in name order; exit 2 naming --models-dir when there is none."""
+    if not models_dir.is_dir():
+        options.fail(f"--models-dir {models_dir} is not a directory")
+    found = sorted(path for path in models_dir.iterdir() if not path.name.startswith(".") and (
+        (path.is_file() and path.suffix == ".gguf") or (path / "config.json").is_file()))
+    if not found:
+        options.fail(f"--models-dir {models_dir} holds no model: no .gguf file and no folder with a "
+                     "config.json")
+    return found
 
 
 def _replica_plan(config: EngineConfig, size: int) -> ReplicaPlan | None:

@@ -8,6 +8,9 @@ own figures (running and waiting requests, KV cache usage, preemptions, token co
 from the snapshot the engine thread publishes after every step. The names are vLLM's, with
 `nanoserve_` for `vllm:`. With data-parallel replicas each engine figure is one series per
 replica, labelled `replica` (its index), and no unlabelled one: Prometheus's `sum` adds them.
+With several models, each model's engine figures are one series labelled with its name (zeros
+and unhealthy while it is not loaded; a model loaded again starts its counters at zero, which
+Prometheus reads as a counter reset).
 Refuses: reading the engine directly; the engine is not thread-safe, the snapshot is.
 """
 
@@ -113,12 +116,15 @@ class ServerMetrics:
 
     def render(self, snapshot: EngineSnapshot, *, healthy: bool,
                in_flight: Mapping[str, int] | None = None,
-               replicas: Sequence[tuple[EngineSnapshot, bool]] = ()) -> bytes:
+               replicas: Sequence[tuple[EngineSnapshot, bool]] = (),
+               models: Sequence[tuple[str, EngineSnapshot, bool]] = ()) -> bytes:
         """The exposition text: the engine's figures as of `snapshot`, each tenant's requests
         in flight as of `in_flight`, and everything observed so far. `replicas`: each
-        data-parallel replica's (snapshot, healthy), shown instead of `snapshot`."""
+        data-parallel replica's (snapshot, healthy), shown instead of `snapshot`; `models`: each
+        model's (name, snapshot, healthy) of a server of several, shown instead of it."""
         self._engine.snapshot, self._engine.healthy = snapshot, healthy
         self._engine.replicas = tuple(replicas)
+        self._engine.models = tuple(models)
         self._engine.in_flight.update(in_flight or {})
         return generate_latest(self.registry)
 
@@ -132,10 +138,14 @@ class _EngineFigures:
         self.snapshot = EngineSnapshot()
         self.healthy = False
         self.replicas: tuple[tuple[EngineSnapshot, bool], ...] = ()
+        self.models: tuple[tuple[str, EngineSnapshot, bool], ...] = ()
         self.in_flight: dict[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
-        if self.replicas:
+        if self.models:
+            labels = ["model_name"]
+            series = [([name], _engine_rows(snapshot, healthy)) for name, snapshot, healthy in self.models]
+        elif self.replicas:
             labels = ["model_name", "replica"]
             series = [([self.model_name, str(i)], _engine_rows(snapshot, healthy))
                       for i, (snapshot, healthy) in enumerate(self.replicas)]

@@ -1,7 +1,9 @@
-"""What the app holds between requests: its limits, its engine and metrics, and the 503.
+"""What the app holds between requests: its limits, its models and metrics, and the 503.
 
-Owns: `ServerLimits` (what one request may ask for), `ServerState` (built once at startup,
-reached from any request through `state_of`), `unavailable`, the one shape of "retry later"
+Owns: `ServerLimits` (what one request may ask for), `ServerState` (the server's, built once at
+startup; and, per loaded model, the same state bound to that model's engine, `for_model`, which
+is what a request reads through `state_of` once the routes have bound it to its model; a
+server of one model is its own bound state), `unavailable`, the one shape of "retry later"
 (a 503 carrying Retry-After) that every module answers with, and `too_many_requests`, its 429
 for a tenant over its own limit.
 Refuses: behaviour; the modules that use the state decide what to do with it.
@@ -9,6 +11,7 @@ Refuses: behaviour; the modules that use the state decide what to do with it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +21,7 @@ from fastapi import Request
 from nanoserve.sampling_params import MAX_LOGPROBS
 from nanoserve.server.adapters import AdapterRegistry
 from nanoserve.server.bridges.engine_bridge import EngineBridge
+from nanoserve.server.bridges.models import ModelRegistry, ServedModel
 from nanoserve.server.errors import APIError
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import protocol
@@ -47,8 +51,10 @@ class ServerLimits:
 
 @dataclass(slots=True)
 class ServerState:
-    async_engine: EngineBridge  # `AsyncEngine` (one engine on a thread) or `ReplicaPool` (replicas)
-    model_names: list[str]
+    # The bridge of the model this state is bound to: `AsyncEngine` (one engine on a thread) or
+    # `ReplicaPool` (replicas); None on the server's own state when it serves several models.
+    async_engine: EngineBridge | None
+    model_names: list[str]  # the bound model's listed names (several models: every served name)
     accepted_names: frozenset[str]
     tenancy: Tenancy  # the API keys, each a tenant, and what the server keeps apart between them
     limits: ServerLimits
@@ -60,6 +66,19 @@ class ServerState:
     reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)  # --reasoning-parser, -budget
     # The LoRA adapters a request's `model` may name (`build_app` gives the server's).
     adapters: AdapterRegistry = field(default_factory=lambda: AdapterRegistry(frozenset(), ""))
+    models: ModelRegistry | None = None  # every served model (`build_app` gives the server's)
+
+    def for_model(self, model: ServedModel) -> ServerState:
+        """This server as a request of `model` sees it: bound to the model's engine (built once
+        per load of the model; the server's own state when it is that model's already)."""
+        if model.bridge is self.async_engine:
+            return self
+        if model.view is None or model.view.async_engine is not model.bridge:
+            spec = model.spec
+            model.view = dataclasses.replace(
+                self, async_engine=model.bridge, model_names=list(spec.names), accepted_names=spec.accepted,
+                token_text=None, adapters=AdapterRegistry(spec.accepted, spec.name))
+        return model.view
 
     def default_seed(self) -> int | None:
         """The next seed for a request that gives none; None: the engine picks a random one.
@@ -70,16 +89,17 @@ class ServerState:
     @property
     def admission(self) -> InputProcessor | None:
         """The request checks and the tokenizer of the engines serving; None while they load."""
-        return self.async_engine.admission
+        return self.async_engine.admission if self.async_engine is not None else None
 
     @property
     def engine(self) -> Engine | None:
         """The in-process engine (None with replicas): the engine thread's alone, but for tests."""
-        return self.async_engine.engine
+        return self.async_engine.engine if self.async_engine is not None else None
 
 
 def state_of(request: Request) -> ServerState:
-    return request.app.state.server
+    """What `request` reads: its model's state once the routes have bound it, else the server's."""
+    return getattr(request.state, "model_state", None) or request.app.state.server
 
 
 def unavailable(message: str, limits: ServerLimits) -> APIError:

@@ -54,11 +54,14 @@ class AsyncEngine(EngineBridge):
 
     def __init__(self, build_engine: Callable[[], Engine], loop: asyncio.AbstractEventLoop, *,
                  prefill_log_s: float = PREFILL_LOG_S,
+                 on_ready: Callable[[], None] | None = None,
                  on_death: Callable[[BaseException], None] | None = None) -> None:
-        """`on_death` runs on the event loop once the engine thread has died (a model that
-        fails to load included), after every stream has been failed."""
+        """`on_ready` runs on the event loop once the engine is built; `on_death` once the
+        engine thread has died (a model that fails to load included), after every stream has
+        been failed."""
         super().__init__(loop)
         self._build_engine = build_engine
+        self._on_ready = on_ready
         self._on_death = on_death
         self._prefill_log_s = prefill_log_s
         self._prefill_logged_s: dict[str, float] = {}  # engine thread: when each prefill last logged
@@ -221,6 +224,8 @@ class AsyncEngine(EngineBridge):
             self._publish_snapshot()
             self.ready = True
             log.info("engine ready")
+            if self._on_ready is not None:
+                self._call_soon(self._on_ready)
             while self._loop_once():
                 pass
             self._abort_all()

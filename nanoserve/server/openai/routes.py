@@ -2,7 +2,9 @@
 vLLM's /tokenize, /detokenize and /version, /health and /metrics (/v1/embeddings is `embeddings`').
 
 Owns: the API key check, reading a body no larger than the server's limit and validating it
-(`parse_body`), and the order one generation request goes through (`serve_generation`): the
+(`parse_body`), binding a request to the model its body names (`bind_model`: a 404 naming
+`model` for one not served; the request waits while it loads), the model listing, and the
+order one generation request goes through (`serve_generation`): the
 body checks, the engine's availability, planning (off the event loop), admission, then a
 stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages,
 OpenAI's Responses).
@@ -14,6 +16,7 @@ engine from the event loop: the routes drive the engines through the `EngineBrid
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,9 +29,10 @@ from starlette.requests import ClientDisconnect
 
 from nanoserve.server import planning
 from nanoserve.server.bridges.engine_bridge import EngineUnavailableError
-from nanoserve.server.errors import APIError, from_validation_error
+from nanoserve.server.bridges.models import ModelNotServedError, ServedModel
+from nanoserve.server.errors import APIError, bad_request, from_validation_error
 from nanoserve.server.generation import Generation, check_capacity, new_request_id, unary_response
-from nanoserve.server.metrics import CONTENT_TYPE
+from nanoserve.server.metrics import CONTENT_TYPE, EngineSnapshot
 from nanoserve.server.openai import protocol
 from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.openai.streaming import stream_response
@@ -60,15 +64,21 @@ def tenant_of(request: Request) -> Tenant | None:
 
 
 async def health(request: Request) -> JSONResponse:
-    report = state_of(request).async_engine.health_report()
+    report = state_of(request).models.health_report()
     return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
 
 async def metrics(request: Request) -> Response:
     state = state_of(request)
-    engine = state.async_engine
-    text = state.metrics.render(engine.snapshot, healthy=engine.healthy, in_flight=state.tenancy.in_flight,
-                                replicas=engine.replica_figures)
+    engine, in_flight = state.async_engine, state.tenancy.in_flight
+    if engine is None:  # several models: a series per model, zeros and unhealthy while not loaded
+        figures = [(model.name, model.bridge.snapshot, model.bridge.healthy) if model.bridge is not None
+                   else (model.name, EngineSnapshot(), False) for model in state.models.models.values()]
+        text = state.metrics.render(EngineSnapshot(), healthy=state.models.healthy, in_flight=in_flight,
+                                    models=figures)
+    else:
+        text = state.metrics.render(engine.snapshot, healthy=engine.healthy, in_flight=in_flight,
+                                    replicas=engine.replica_figures)
     return Response(text, media_type=CONTENT_TYPE)
 
 
@@ -77,21 +87,57 @@ async def list_models(request: Request) -> JSONResponse:
 
 
 def list_models_body(state: ServerState) -> dict:
+    """Every served model's cards (each of its listed names), with its status (loaded, loading,
+    or available: loaded on its first request), then the LoRA adapters of a server of one model."""
+    data = []
+    for model in state.models.models.values():
+        data += _model_cards(state, model)
     admission = state.admission
+    data += state.adapters.cards(state.created, admission.max_model_len if admission is not None else None)
+    return {"object": "list", "data": data}
+
+
+def _model_cards(state: ServerState, model: ServedModel) -> list[dict]:
+    admission = model.bridge.admission if model.bridge is not None else None
     max_model_len = admission.max_model_len if admission is not None else None
-    listed = protocol.model_list(state.model_names, max_model_len, state.created)
-    listed["data"] += state.adapters.cards(state.created, max_model_len)
-    return listed
+    cards = protocol.model_list(list(model.spec.names), max_model_len, state.created)["data"]
+    return [{**card, "status": model.status} for card in cards]
 
 
 async def retrieve_model(request: Request) -> JSONResponse:
     state = state_of(request)
     model_id = request.path_params["model_id"]
-    if model_id not in state.accepted_names and model_id not in state.adapters.served:
-        raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
-                            f"{state.model_names[0]!r}", param="model", code="model_not_found")
-    listed = list_models_body(state)["data"]
-    return JSONResponse(next((m for m in listed if m["id"] == model_id), {**listed[0], "id": model_id}))
+    model = state.models.named(model_id)
+    if model is not None:
+        cards = _model_cards(state, model)
+        return JSONResponse(next((c for c in cards if c["id"] == model_id), {**cards[0], "id": model_id}))
+    if model_id in state.adapters.served:
+        return JSONResponse(next(c for c in list_models_body(state)["data"] if c["id"] == model_id))
+    raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                        f"{sorted(state.models.models)}", param="model", code="model_not_found")
+
+
+async def bind_model(request: Request, name: str | None) -> ServerState:
+    """Bind `request` to the model `name` picks and return the state it then reads (as
+    `state_of` does from here on). A model not loaded loads now and the request waits (a
+    stream's first byte comes once it is ready); the request holds the model until its response
+    has ended (`app.ModelLeases` lets it go). 404 naming `model` for a name not served, 400
+    for none when the server has several, 503 when the model cannot be loaded."""
+    bound = getattr(request.state, "model_state", None)
+    if bound is not None:
+        return bound
+    server: ServerState = request.app.state.server
+    try:
+        model = await server.models.acquire(name)
+    except ModelNotServedError as error:
+        if name is None:
+            raise bad_request(str(error), "model") from None
+        raise APIError(404, str(error), param="model", code="model_not_found") from None
+    except EngineUnavailableError as error:
+        raise unavailable(str(error), server.limits) from None
+    request.state.release_model = functools.partial(server.models.release, model)
+    request.state.model_state = server.for_model(model)
+    return request.state.model_state
 
 
 async def version(_: Request) -> JSONResponse:
@@ -101,8 +147,8 @@ async def version(_: Request) -> JSONResponse:
 
 
 async def tokenize(request: Request) -> JSONResponse:
-    state = state_of(request)
     body = await parse_body(request, protocol.TokenizeRequest)
+    state = state_of(request)
     check_available(state)
     tokens = await asyncio.to_thread(planning.tokenize, state, body)
     max_model_len = state.admission.max_model_len
@@ -110,8 +156,8 @@ async def tokenize(request: Request) -> JSONResponse:
 
 
 async def detokenize(request: Request) -> JSONResponse:
-    state = state_of(request)
     body = await parse_body(request, protocol.DetokenizeRequest)
+    state = state_of(request)
     check_available(state)
     return JSONResponse({"prompt": await asyncio.to_thread(planning.detokenize, state, body)})
 
@@ -144,6 +190,8 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def parse_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
+    """The body, read and validated, and the request bound to the model it names (`bind_model`:
+    every route that reads a body serves one model's request)."""
     # Parsed by hand, not by FastAPI: the body's size is bounded before it is read whole, and
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
     raw = await _read_body(request, state_of(request).limits)
@@ -154,6 +202,7 @@ async def parse_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
     refused = protocol.refused_field(body)
     if refused is not None:
         raise APIError(400, refused.message, param=refused.param, code=refused.code)
+    await bind_model(request, getattr(body, "model", None))
     return body
 
 
