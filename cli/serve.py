@@ -85,6 +85,11 @@ def serve(
     reasoning_budget: Annotated[int | None, typer.Option(
         min=0, help="Thinking tokens a request gets unless it sets thinking_token_budget: then the "
                     "end tag is forced and the answer follows. Default: no limit.")] = None,
+    tool_call_parser: Annotated[str, typer.Option(
+        help="How the model writes tool calls (vLLM's names): hermes, llama3_json, mistral, qwen3_coder, "
+             "deepseek_v3; auto: from the chat template's markers (hermes when it has none). In "
+             'tool_choice "auto" a call is grammar-constrained from the format\'s opening marker on.')]
+    = "auto",
     lora_modules: Annotated[list[str] | None, typer.Option(
         help="A LoRA adapter to serve, name=path (a PEFT adapter folder or a GGUF LoRA file) or vLLM's "
              'JSON {"name": ..., "path": ..., "base_model_name": ...}; repeatable. A request picks it '
@@ -124,12 +129,17 @@ def serve(
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
     from nanoserve.server.parsers.reasoning import ReasoningConfig
+    from nanoserve.server.parsers.tool_formats import check_parser
 
     tenancy = _tenancy(api_key, api_keys_file, prefix_cache_scope, max_concurrent_requests_per_tenant)
     try:
         reasoning = ReasoningConfig(reasoning_parser, reasoning_budget)
     except NanoserveError as error:
         options.fail_for(error)
+    try:
+        check_parser(tool_call_parser)
+    except ValueError as error:
+        options.fail(str(error))
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     modules = _lora_modules(lora_modules or [], max_loras)
@@ -167,7 +177,8 @@ def serve(
     server_app = build_app(lambda: _build_engine(config), model_names=names, aliases=aliases,
                            tenancy=tenancy, limits=limits, seed=seed, on_engine_death=stop_on_engine_death,
                            reasoning=reasoning, replicas=replicas, lora_modules=modules,
-                           lora_runtime_updates=enable_lora_runtime_updates)
+                           lora_runtime_updates=enable_lora_runtime_updates,
+                           tool_call_parser=tool_call_parser)
     uvicorn_config = uvicorn.Config(server_app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=drain_s + DRAIN_GRACE_S, access_log=False,
                                     http=with_header_timeout(header_timeout_s))

@@ -55,7 +55,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
               on_engine_death: Callable[[BaseException], None] | None = None,
               reasoning: ReasoningConfig | None = None, replicas: ReplicaPlan | None = None,
-              lora_modules: tuple[LoRAModule, ...] = (), lora_runtime_updates: bool = False) -> FastAPI:
+              lora_modules: tuple[LoRAModule, ...] = (), lora_runtime_updates: bool = False,
+              tool_call_parser: str = "auto") -> FastAPI:
     """The server app. `build_engine` runs on the engine thread at startup; until it returns,
     /health and every /v1 request answer 503. `tenancy`: the API keys (each a tenant) and what
     the server keeps apart between tenants; None: no key. `seed`: unseeded requests draw their seeds, in
@@ -70,7 +71,8 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
     `build_engine` on a thread of this one. `lora_modules`: LoRA adapters loaded at startup
     (an adapter the engine refuses stops it), which requests pick by `model`;
     `lora_runtime_updates`: serve vLLM's load/unload routes (else they answer 404). Neither
-    beside `replicas` yet (a ValueError)."""
+    beside `replicas` yet (a ValueError). `tool_call_parser`: the format a chat's tool calls are
+    read in and constrained to (vLLM's names; auto: from the chat template)."""
     limits = limits or ServerLimits()
     tenancy = tenancy or Tenancy()
     reasoning = reasoning or ReasoningConfig()
@@ -98,7 +100,7 @@ def build_app(build_engine: Callable[[], Engine], *, model_names: list[str],
             ServerMetrics(model_names[0], tuple(t.name for t in tenancy.tenants)),
             sse_keep_alive_s=sse_keep_alive_s,
             default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning,
-            adapters=adapters)
+            adapters=adapters, tool_call_parser=tool_call_parser)
         async_engine.start()
         try:
             yield
