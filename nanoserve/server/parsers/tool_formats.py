@@ -49,20 +49,22 @@ class RawCall:
 
 @dataclass(frozen=True, slots=True)
 class Vocabulary:
-    """The served model's special tokens by their text: a marker that is one of them is written
-    in a grammar as that token (llguidance keeps special tokens apart from text) and only shows
-    in the detokenized reply when special tokens are not skipped."""
+    """The served model's added tokens by their text. llguidance keeps every added token apart
+    from text, so a marker that is one is written in a grammar as that token; one that is also
+    special only shows in the detokenized reply when special tokens are not skipped."""
 
-    special_ids: Mapping[str, int] = field(default_factory=dict)
+    token_ids: Mapping[str, int] = field(default_factory=dict)
+    special: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> Vocabulary:
         added = tokenizer.backend.get_added_tokens_decoder()
-        return cls({token.content: token_id for token_id, token in added.items() if token.special})
+        return cls({token.content: token_id for token_id, token in added.items()},
+                   frozenset(token.content for token in added.values() if token.special))
 
     def lark(self, marker: str) -> str:
-        """The marker as a Lark item: its special token, or its text."""
-        token_id = self.special_ids.get(marker)
+        """The marker as a Lark item: its token, or its text."""
+        token_id = self.token_ids.get(marker)
         return f"<[{token_id}]>" if token_id is not None else _lark_string(marker)
 
 
@@ -79,7 +81,7 @@ class ToolFormat:
     @property
     def shows_special_tokens(self) -> bool:
         """Whether the reply must be detokenized with special tokens: some marker is one."""
-        return any(marker in self.vocabulary.special_ids for marker in self.markers)
+        return any(marker in self.vocabulary.special for marker in self.markers)
 
     def find_opening(self, text: str) -> int:
         """Where the calls begin in `text`, or -1."""
@@ -101,13 +103,13 @@ class ToolFormat:
     def auto_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
         """The Lark grammar of a reply in tool_choice "auto": free text, or free text and then
         the opening marker and calls (one unless `parallel`), nothing after them."""
-        marker = self.vocabulary.special_ids.get(self.opening)
-        if marker is not None:  # a special token: no free text can write it
-            head = f"start: FREE | FREE <[{marker}]> calls\nFREE: /(?s:.*)/"
-        else:
-            escaped = _regex(self.opening)
-            head = (f"start: FREE | head calls\nFREE: /(?s:.*)/ & ~/(?s:.*){escaped}(?s:.*)/\n"
-                    f"head[lazy]: /(?s:.*){escaped}/")
+        # Free text may not spell the marker out, or a call could go on unconstrained.
+        free = f"FREE: /(?s:.*)/ & ~/(?s:.*){_regex(self.opening)}(?s:.*)/"
+        token_id = self.vocabulary.token_ids.get(self.opening)
+        if token_id is not None:  # a token: the free text ends where the model takes it
+            head = f"start: FREE | FREE <[{token_id}]> calls\n{free}"
+        else:  # text: the free text ends at the marker's first occurrence (a lazy lexeme)
+            head = f"start: FREE | head calls\n{free}\nhead[lazy]: /(?s:.*){_regex(self.opening)}/"
         return f"%llguidance {{}}\n{head}\n{self.calls_grammar(schemas, parallel=parallel)}"
 
     def calls_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
@@ -170,7 +172,7 @@ class Llama3Json(ToolFormat):
         return calls
 
     def auto_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
-        tag = self.vocabulary.special_ids.get(self.opening)
+        tag = self.vocabulary.token_ids.get(self.opening)
         calls = f'call ("{self.separator}" call)*' if parallel else "call"
         return "\n".join([
             "%llguidance {}",
