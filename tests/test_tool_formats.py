@@ -23,6 +23,7 @@ from nanoserve.server.parsers.tool_formats import (
     FORMATS,
     Mistral,
     ToolFormat,
+    Vocabulary,
     check_parser,
     detect_format,
 )
@@ -241,3 +242,16 @@ def test_free_text_may_not_spell_the_opening_marker_and_go_on_freely(tiny_model_
     for token in tokenizer.encode("Hi <tools> <tool_call>\n", add_bos=False):
         assert matcher.consume_token(token), matcher.get_error()
     assert not all(matcher.consume_token(t) for t in tokenizer.encode("I changed my mind", add_bos=False))
+
+
+def test_free_text_may_hold_added_tokens_but_not_the_markers(tiny_model_dir) -> None:
+    tokenizer, lltokenizer = tokenizers(tiny_model_dir)
+    vocabulary = Vocabulary.of(tokenizer)
+    start = vocabulary.token_ids["<|im_start|>"]
+    tool_format = FORMATS["hermes"](vocabulary)
+    grammar = llguidance.LLMatcher.grammar_from_lark(tool_format.auto_grammar(SCHEMAS, parallel=False))
+    matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+    for token in [*tokenizer.encode("Hi", add_bos=False), start, *tokenizer.encode(text, add_bos=False)]:
+        assert matcher.consume_token(token), matcher.get_error()
+    assert matcher.is_stopped()

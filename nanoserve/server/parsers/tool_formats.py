@@ -55,12 +55,20 @@ class Vocabulary:
 
     token_ids: Mapping[str, int] = field(default_factory=dict)
     special: frozenset[str] = frozenset()
+    eos_ids: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> Vocabulary:
         added = tokenizer.backend.get_added_tokens_decoder()
         return cls({token.content: token_id for token_id, token in added.items()},
-                   frozenset(token.content for token in added.values() if token.special))
+                   frozenset(token.content for token in added.values() if token.special),
+                   frozenset(tokenizer.eos_token_ids))
+
+    def free_tokens(self, markers: tuple[str, ...]) -> str:
+        """The Lark item of the added tokens free text may hold (a think tag, a turn marker):
+        all but the format's markers and EOS (which ends the reply); "" when there are none."""
+        ids = sorted(i for text, i in self.token_ids.items() if text not in markers and i not in self.eos_ids)
+        return f"<[{','.join(map(str, ids))}]>" if ids else ""
 
     def lark(self, marker: str) -> str:
         """The marker as a Lark item: its token, or its text."""
@@ -103,14 +111,17 @@ class ToolFormat:
     def auto_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
         """The Lark grammar of a reply in tool_choice "auto": free text, or free text and then
         the opening marker and calls (one unless `parallel`), nothing after them."""
-        # Free text may not spell the marker out, or a call could go on unconstrained.
-        free = f"FREE: /(?s:.*)/ & ~/(?s:.*){_regex(self.opening)}(?s:.*)/"
+        # Free text may not spell the marker out, or a call could go on unconstrained; added
+        # tokens (the grammar library keeps them apart from text) come between its stretches.
+        others = self.vocabulary.free_tokens(self.markers)
+        rules = [f"FREE: /(?s:.*)/ & ~/(?s:.*){_regex(self.opening)}(?s:.*)/",
+                 f"pre: (FREE {others})*" if others else "pre: \"\"", "free: pre FREE"]
         token_id = self.vocabulary.token_ids.get(self.opening)
         if token_id is not None:  # a token: the free text ends where the model takes it
-            head = f"start: FREE | FREE <[{token_id}]> calls\n{free}"
+            rules.insert(0, f"start: free | free <[{token_id}]> calls")
         else:  # text: the free text ends at the marker's first occurrence (a lazy lexeme)
-            head = f"start: FREE | head calls\n{free}\nhead[lazy]: /(?s:.*){_regex(self.opening)}/"
-        return f"%llguidance {{}}\n{head}\n{self.calls_grammar(schemas, parallel=parallel)}"
+            rules[:0] = ["start: free | pre head calls", f"head[lazy]: /(?s:.*){_regex(self.opening)}/"]
+        return "\n".join(["%llguidance {}", *rules, self.calls_grammar(schemas, parallel=parallel)])
 
     def calls_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
         """Lark rules from `calls`: what follows the opening marker."""
