@@ -143,6 +143,13 @@ def test_a_call_streams_as_soon_as_it_is_finished(parser) -> None:
     assert len(arrivals) == 2 and arrivals[0] < len(text)  # the first came before the reply ended
 
 
+def test_llama_json_opens_only_at_the_start_of_a_stream() -> None:
+    stream = reader("llama3_json")
+    assert stream.feed("It is ", finished=False) == [{"content": "It is "}]
+    assert stream.feed('{"name": "get_time", "parameters": {"zone": 3}}', finished=True) == [
+        {"content": '{"name": "get_time", "parameters": {"zone": 3}}'}]
+
+
 def test_content_streams_up_to_a_possible_opening_marker() -> None:
     stream = reader("hermes")
     assert stream.feed("Sure", finished=False) == [{"content": "Sure"}]

@@ -200,7 +200,8 @@ def _tools(state: ServerState, body: ChatCompletionRequest) -> ToolPlan | None:
     """The chat's tools, read back in the served model's format (`serve --tool-call-parser`)."""
     if not body.tools:
         return ToolPlan.from_body(body)
-    return ToolPlan.from_body(body, resolve_format(state.tool_call_parser, state.engine.tokenizer))
+    tool_format = resolve_format(state.tool_call_parser, state.engine.tokenizer, body.chat_template)
+    return ToolPlan.from_body(body, tool_format)
 
 
 def _reasoning(state: ServerState, body: ChatCompletionRequest,

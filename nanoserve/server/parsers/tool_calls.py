@@ -54,7 +54,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     choice: str
     parallel: bool = True  # OpenAI's parallel_tool_calls: false makes "required" and "auto" one call
-    format: ToolFormat = field(default_factory=Hermes)  # how the model writes calls in "auto"
+    tool_format: ToolFormat = field(default_factory=Hermes)  # how the model writes calls in "auto"
 
     @classmethod
     def from_body(cls, body: Any, tool_format: ToolFormat | None = None) -> ToolPlan | None:
@@ -80,7 +80,7 @@ class ToolPlan:
     @property
     def shows_special_tokens(self) -> bool:
         """Whether the reply must keep special tokens: "auto" reads markers that are special."""
-        return self.choice == "auto" and self.format.shows_special_tokens
+        return self.choice == "auto" and self.tool_format.shows_special_tokens
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.for_template() for tool in self.tools]
@@ -92,9 +92,9 @@ class ToolPlan:
             return StructuredOutputs(json=self.named.parameters, param="tool_choice")
         if self.choice == "auto":
             try:
-                grammar = self.format.auto_grammar(self.schemas, parallel=self.parallel)
+                grammar = self.tool_format.auto_grammar(self.schemas, parallel=self.parallel)
             except ValueError as error:
-                raise bad_request(f"{self.format.name}: {error}", "tools") from None
+                raise bad_request(f"{self.tool_format.name}: {error}", "tools") from None
             return StructuredOutputs(grammar=grammar, param="tools")
         if self.choice != "required":
             return None
@@ -163,6 +163,7 @@ class ToolCallReader:
     plan: ToolPlan
     held: str = ""  # streamed text not yet sent: it may be (part of) a call
     opened: bool = False  # "auto": the stream has passed the opening marker
+    sent_content: bool = False  # "auto": text went out as content (the reply's start is past)
     num_scanned: int = 0  # "auto": calls read from the held text so far, sent or not
     streamed_calls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -177,7 +178,7 @@ class ToolCallReader:
                 return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                               for c in calls]
             return text, []
-        start = self.plan.format.find_opening(text)
+        start = self.plan.tool_format.find_opening(text)
         calls = self._calls(text[start:], final=not cut) if start >= 0 else []
         if not calls:
             return text, []
@@ -185,7 +186,7 @@ class ToolCallReader:
 
     def _calls(self, text: str, *, final: bool) -> list[dict[str, Any]]:
         """The finished calls in `text` that name a listed tool, in the OpenAI shape."""
-        scanned = self.plan.format.scan(text, self.plan.schemas, final=final)
+        scanned = self.plan.tool_format.scan(text, self.plan.schemas, final=final)
         return [_openai_call(call) for call in scanned if self._listed(call)]
 
     def _listed(self, call: RawCall | None) -> bool:
@@ -208,16 +209,17 @@ class ToolCallReader:
 
     def _content_until_opening(self, finished: bool) -> list[dict[str, Any]]:
         """Send the held text up to the opening marker (or up to a tail that may begin it)."""
-        tool_format = self.plan.format
-        start = tool_format.find_opening(self.held)
+        tool_format, at_start = self.plan.tool_format, not self.sent_content
+        start = tool_format.find_opening(self.held, at_start=at_start)
         self.opened = start >= 0
         if not self.opened:
-            start = len(self.held) if finished else tool_format.hold_from(self.held)
+            start = len(self.held) if finished else tool_format.hold_from(self.held, at_start=at_start)
         content, self.held = self.held[:start], self.held[start:]
+        self.sent_content = self.sent_content or bool(content)
         return [{"content": content}] if content else []
 
     def _new_calls(self, *, final: bool) -> list[dict[str, Any]]:
-        scanned = self.plan.format.scan(self.held, self.plan.schemas, final=final)
+        scanned = self.plan.tool_format.scan(self.held, self.plan.schemas, final=final)
         fresh = [_openai_call(call) for call in scanned[self.num_scanned:] if self._listed(call)]
         self.num_scanned = len(scanned)
         first = len(self.streamed_calls)

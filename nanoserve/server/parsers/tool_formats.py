@@ -15,8 +15,8 @@ much of a streamed tail to hold back because the opening may be starting there),
 the text from there (`scan`: the finished ones, a None for each that does not parse), and the
 lazy grammar of `tool_choice: "auto"`: free text until the opening marker, then only calls to
 the listed tools whose arguments follow their schemas (`auto_grammar`, llguidance's Lark: a
-lazy lexeme ends the free text at the marker's first occurrence, or the marker is one special
-token no free text can hold).
+lazy lexeme ends the free text at the marker's first occurrence, or the marker is one added
+token, which no free text can hold).
 Refuses: the request's fields (`tool_calls` reads them) and compiling grammars
 (`nanoserve.engine.structured`); a schema a format cannot enforce is a ValueError naming it.
 """
@@ -91,11 +91,11 @@ class ToolFormat:
         """Whether the reply must be detokenized with special tokens: some marker is one."""
         return any(marker in self.vocabulary.special for marker in self.markers)
 
-    def find_opening(self, text: str) -> int:
-        """Where the calls begin in `text`, or -1."""
+    def find_opening(self, text: str, *, at_start: bool = True) -> int:
+        """Where the calls begin in `text`, or -1; `at_start`: the text begins the reply."""
         return text.find(self.opening)
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, *, at_start: bool = True) -> int:
         """From where a streamed text must be held back: its tail may begin the opening marker."""
         for size in range(min(len(text), len(self.opening) - 1), 0, -1):
             if self.opening.startswith(text[-size:]):
@@ -160,11 +160,11 @@ class Llama3Json(ToolFormat):
     markers = (opening,)
     separator = "; "
 
-    def find_opening(self, text: str) -> int:
-        return 0 if text.startswith((self.opening, "{")) else -1
+    def find_opening(self, text: str, *, at_start: bool = True) -> int:
+        return 0 if at_start and text.startswith((self.opening, "{")) else -1
 
-    def hold_from(self, text: str) -> int:
-        return 0 if self.opening.startswith(text) else len(text)
+    def hold_from(self, text: str, *, at_start: bool = True) -> int:
+        return 0 if at_start and self.opening.startswith(text) else len(text)
 
     def scan(self, text: str, schemas: Schemas, *, final: bool) -> list[RawCall | None]:
         text = text.removeprefix(self.opening)
@@ -336,12 +336,14 @@ def detect_format(chat_template: str | None) -> str:
     return "hermes"
 
 
-def resolve_format(parser: str, tokenizer: Tokenizer) -> ToolFormat:
-    """The format `parser` names (auto: the chat template's), bound to the model's vocabulary."""
-    name = detect_format(tokenizer.chat_template) if parser == AUTO else parser
+def resolve_format(parser: str, tokenizer: Tokenizer, chat_template: str | None = None) -> ToolFormat:
+    """The format `parser` names (auto: the chat template's, the request's own if it sent one),
+    bound to the model's vocabulary."""
+    template = chat_template or tokenizer.chat_template
+    name = detect_format(template) if parser == AUTO else parser
     vocabulary = Vocabulary.of(tokenizer)
     if name == "mistral":
-        return Mistral(vocabulary, args_form=Mistral.args in (tokenizer.chat_template or ""))
+        return Mistral(vocabulary, args_form=Mistral.args in (template or ""))
     return FORMATS[name](vocabulary)
 
 
