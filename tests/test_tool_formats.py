@@ -17,6 +17,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from nanoserve.server.parsers.tool_calls import ToolPlan
 from nanoserve.server.parsers.tool_formats import (
@@ -28,6 +29,7 @@ from nanoserve.server.parsers.tool_formats import (
     detect_format,
 )
 from nanoserve.tokenizer import Tokenizer
+from nanoserve_cli.main import app
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "unit": {"enum": ["c", "f"]}},
@@ -184,10 +186,17 @@ def test_the_format_is_read_from_the_chat_templates_markers(parser, template) ->
     assert detect_format(template) == (parser or "hermes")
 
 
-def test_an_unknown_parser_is_refused_naming_the_option_and_the_choices() -> None:
+def test_an_unknown_parser_exits_2_naming_the_option_and_the_choices(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--tool-call-parser must be one of auto, hermes, llama3_json, "
                                          r"mistral, qwen3_coder, deepseek_v3; got 'nope'"):
         check_parser("nope")
+    # The model path does not exist: reaching it would fail naming --model instead.
+    missing = str(tmp_path / "missing")
+    result = CliRunner().invoke(app, ["serve", "--model", missing, "--tool-call-parser", "nope"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert ("--tool-call-parser must be one of auto, hermes, llama3_json, mistral, qwen3_coder, "
+            "deepseek_v3; got 'nope'") in said
 
 
 def test_a_raw_string_keyword_qwen3_coder_cannot_enforce_is_refused_naming_it() -> None:
