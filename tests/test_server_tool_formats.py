@@ -213,3 +213,13 @@ def test_a_schema_the_format_cannot_enforce_is_a_400_naming_tools(family_server)
         "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}}}
     assert_error(client.post("/v1/chat/completions", json={"messages": HI, "tools": [tool], "max_tokens": 4}),
                  400, "tools")
+
+
+@pytest.mark.parametrize("family_server", ["hermes"], indirect=True)
+@pytest.mark.parametrize("extra", [{"min_tokens": 2}, {"bad_words": ["xyz"]}, {"allowed_token_ids": [5, 6]},
+                                   {"response_format": {"type": "json_object"}}])
+def test_auto_leaves_its_grammar_to_fields_a_grammar_cannot_share(family_server, extra) -> None:
+    _, _, client = family_server
+    body = {"messages": HI, "tools": TOOLS, "max_tokens": 4, **extra}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text

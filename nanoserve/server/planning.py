@@ -310,12 +310,14 @@ def prompt_logprobs_asked(body: RequestBody) -> int | None:
 def _constraint(body: RequestBody, reasoning: ReasoningPlan | None,
                 tools: ToolPlan | None) -> StructuredOutputs | None:
     """The one grammar the output follows: the tools' (tool_choice required or named; "auto"'s
-    lazy grammar unless the body asks for a structured output, which then wins), or the
+    lazy grammar unless the body asks for what a grammar cannot share a request with: a
+    structured output, which then wins, min_tokens, allowed_token_ids or bad_words), or the
     structured-output fields', after the think block of a reasoning model (which alone is a
     grammar when the thinking has a budget)."""
     asked = structured_outputs(body)
     from_tools = None
-    if tools is not None and not (tools.choice == "auto" and asked is not None):
+    yields = asked is not None or body.min_tokens or body.allowed_token_ids is not None or body.bad_words
+    if tools is not None and not (tools.choice == "auto" and yields):
         from_tools = tools.constraint()
     if from_tools is not None and asked is not None:
         raise bad_request(f"tool_choice {tools.choice!r} constrains the output already; drop "
