@@ -271,3 +271,17 @@ def test_free_text_may_hold_added_tokens_but_not_the_markers(tiny_model_dir) -> 
     for token in [*tokenizer.encode("Hi", add_bos=False), start, *tokenizer.encode(text, add_bos=False)]:
         assert matcher.consume_token(token), matcher.get_error()
     assert matcher.is_stopped()
+
+
+def test_llama_json_free_text_may_not_open_like_a_call(tiny_model_dir) -> None:
+    tokenizer, lltokenizer = tokenizers(tiny_model_dir)
+    lark = FORMATS["llama3_json"]().auto_grammar(SCHEMAS, parallel=False)
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    for opening in ("<|python_tag|>{", "{"):
+        matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+        for token in tokenizer.encode(opening, add_bos=False):
+            assert matcher.consume_token(token), matcher.get_error()
+        assert not all(matcher.consume_token(t) for t in tokenizer.encode('"answer": 42}', add_bos=False))
+    matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+    for token in tokenizer.encode('It is {"answer": 42}.', add_bos=False):
+        assert matcher.consume_token(token), matcher.get_error()

@@ -183,13 +183,18 @@ class Llama3Json(ToolFormat):
         return calls
 
     def auto_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
-        tag = self.vocabulary.token_ids.get(self.opening)
+        token_id = self.vocabulary.token_ids.get(self.opening)
+        tag = f"<[{token_id}]>" if token_id is not None else _lark_string(self.opening)
         calls = f'call ("{self.separator}" call)*' if parallel else "call"
+        others = self.vocabulary.free_tokens(self.markers)
         return "\n".join([
             "%llguidance {}",
-            "start: FREE | calls",
-            "FREE: /(?s:)/ | /[^{](?s:.*)/",  # a reply that opens with "{" is a call
-            f"calls: {f'<[{tag}]>? ' if tag is not None else ''}{calls}",
+            "start: free | calls",
+            # A reply that opens with "{" or the tag is a call; added tokens may come later.
+            f"free: FIRST{f' ({others} FREE)*' if others else ''}",
+            f"FIRST: (/(?s:)/ | /[^{{](?s:.*)/) & ~/{_regex(self.opening)}(?s:.*)/",
+            "FREE: /(?s:.*)/",
+            f"calls: {tag}? {calls}",
             f"call: {_json_lark(_named_calls(schemas, 'parameters'))}"])
 
 
