@@ -199,10 +199,18 @@ def test_an_unknown_parser_exits_2_naming_the_option_and_the_choices(tmp_path) -
             "deepseek_v3; got 'nope'") in said
 
 
-def test_a_raw_string_keyword_qwen3_coder_cannot_enforce_is_refused_naming_it() -> None:
-    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$"}}}
-    with pytest.raises(ValueError, match=r"f\.code.*pattern"):
-        FORMATS["qwen3_coder"]().auto_grammar({"f": schema}, parallel=True)
+@pytest.mark.parametrize(("properties", "says"), [
+    ({"code": {"type": "string", "pattern": "^[A-Z]+$"}}, r"f\.code.*pattern"),
+    ({"a>b": {"type": "integer"}}, r"parameter named 'a>b'")])
+def test_what_qwen3_coder_cannot_write_or_enforce_is_refused_naming_it(properties, says) -> None:
+    with pytest.raises(ValueError, match=says):
+        FORMATS["qwen3_coder"]().auto_grammar({"f": {"properties": properties}}, parallel=True)
+
+
+def test_arguments_with_no_schema_type_are_an_object_in_auto() -> None:
+    body = SimpleNamespace(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                           tool_choice="auto")
+    assert ToolPlan.from_body(body).schemas == {"f": {"type": "object"}}
 
 
 def tokenizers(model_dir) -> tuple[Tokenizer, llguidance.LLTokenizer]:

@@ -75,7 +75,9 @@ class ToolPlan:
 
     @property
     def schemas(self) -> dict[str, dict[str, Any]]:
-        return {tool.name: tool.parameters for tool in self.tools}
+        """Each tool's arguments schema; one that names no type is an object's (the arguments
+        are a JSON object, so "auto"'s grammar writes no other value)."""
+        return {tool.name: {"type": "object", **tool.parameters} for tool in self.tools}
 
     @property
     def shows_special_tokens(self) -> bool:

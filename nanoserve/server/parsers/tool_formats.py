@@ -448,7 +448,12 @@ def _parameters(name: str, schema: Mapping[str, Any]) -> list[tuple[str, Mapping
         raise ValueError(f"qwen3_coder writes a tool's arguments as named parameters; the parameters "
                          f"of {name!r} are not an object with properties")
     required = set(schema.get("required", ()))
-    return [(key, value, key in required) for key, value in schema.get("properties", {}).items()]
+    properties = schema.get("properties", {})
+    unreadable = [key for key in properties if not key or re.search(r"[>\n]", key)]
+    if unreadable:
+        raise ValueError(f"qwen3_coder cannot write a parameter named {unreadable[0]!r} (of {name!r}): "
+                         "a name ends at '>' or a line's end")
+    return [(key, value, key in required) for key, value in properties.items()]
 
 
 STRING_KEYWORDS = {"type", "description", "title", "enum", "const", "minLength", "maxLength", "default",
