@@ -223,3 +223,15 @@ def test_auto_leaves_its_grammar_to_fields_a_grammar_cannot_share(family_server,
     body = {"messages": HI, "tools": TOOLS, "max_tokens": 4, **extra}
     reply = client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
+
+
+def test_a_named_parser_overrides_the_templates_format(tiny_model_dir) -> None:
+    # The tiny model's ChatML template names no format (hermes); the server is told mistral.
+    text = 'Checking.[TOOL_CALLS]get_time[ARGS]{"zone": -4}'
+    request = {"messages": HI, "tools": TOOLS, "max_tokens": 100,
+               "structured_outputs": {"choice": [text]}}
+    with serving(lambda: tiny_engine(tiny_model_dir), tool_call_parser="mistral") as served, \
+            httpx.Client(base_url=served.base_url, timeout=300) as client:
+        choice = client.post("/v1/chat/completions", json=request).json()["choices"][0]
+    assert choice["message"]["content"] == "Checking."
+    assert named(choice["message"]["tool_calls"]) == [("get_time", {"zone": -4})]
