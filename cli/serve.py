@@ -87,8 +87,8 @@ def serve(
                     "end tag is forced and the answer follows. Default: no limit.")] = None,
     tool_call_parser: Annotated[str, typer.Option(
         help="How the model writes tool calls (vLLM's names): hermes, llama3_json, mistral, qwen3_coder, "
-             "deepseek_v3; auto: from the chat template's markers (hermes when it has none). In "
-             'tool_choice "auto" a call is grammar-constrained from the format\'s opening marker on.')]
+             "deepseek_v3, deepseek_v31; auto: from the chat template's markers (hermes when it has "
+             'none). In tool_choice "auto" a call is grammar-constrained from its opening marker on.')]
     = "auto",
     lora_modules: Annotated[list[str] | None, typer.Option(
         help="A LoRA adapter to serve, name=path (a PEFT adapter folder or a GGUF LoRA file) or vLLM's "

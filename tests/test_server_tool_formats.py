@@ -85,10 +85,20 @@ FAMILIES = {
         "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
         tuple((marker, False) for marker in DeepSeekV3.markers),
         "<｜tool▁calls▁begin｜>"),
+    "deepseek_v31": Family(
+        NAMES + "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% else %}"
+        "<｜Assistant｜>{{ m.content or '' }}{% if m.tool_calls %}<｜tool▁calls▁begin｜>"
+        + CALLS.replace("{}", "<｜tool▁call▁begin｜>{{ c.function.name }}<｜tool▁sep｜>"
+                              "{{ c.function.arguments | tojson }}<｜tool▁call▁end｜>")
+        + "<｜tool▁calls▁end｜>{% endif %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
+        tuple((marker, False) for marker in DeepSeekV3.markers),
+        "<｜tool▁calls▁begin｜>"),
 }
 # A reply in each family's own words, forced; and what reading it gives. Llama's tag is a
 # special token here, so its text is the tagged one.
-FORCED = {**{family: TWO_CALLS[family] for family in ("hermes", "mistral", "deepseek_v3", "qwen3_coder")},
+FORCED = {**{family: TWO_CALLS[family] for family in ("hermes", "mistral", "deepseek_v3", "deepseek_v31",
+                                                      "qwen3_coder")},
           "llama3_json": (
               '<|python_tag|>{"name": "get_time", "parameters": {"zone": 3}}; '
               '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}',

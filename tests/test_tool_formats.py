@@ -87,6 +87,14 @@ CASES = [
                     '<｜tool▁sep｜>get_weather\n```json\n{"city": "Rome", "unit": "c"}\n```'
                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None,
      [("get_time", {"zone": 3}), ("get_weather", ROME)]),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": 3}"
+                     "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                     '{"city": "Rome", "unit": "c"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None,
+     [("get_time", {"zone": 3}), ("get_weather", ROME)]),
+    ("deepseek_v31", "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": x}"
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": x}"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", []),
     ("deepseek_v3", "Sure. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n"
                     '```json\n{"zone": 0}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Sure.",
      [("get_time", {"zone": 0})]),
@@ -138,7 +146,7 @@ def test_a_streamed_reply_carries_the_same_content_and_calls_as_the_whole(
 TWO_CALLS = {parser: (text, calls) for parser, text, _, calls in CASES if len(calls) == 2}
 
 
-@pytest.mark.parametrize("parser", ["hermes", "mistral", "qwen3_coder", "deepseek_v3"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "qwen3_coder", "deepseek_v3", "deepseek_v31"])
 def test_a_call_streams_as_soon_as_it_is_finished(parser) -> None:
     text = TWO_CALLS[parser][0]
     *_, arrivals = streamed(parser, text, 1)
@@ -174,7 +182,10 @@ TEMPLATES = {
     "qwen3_coder": "{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>\n<function=example>\n"
                    "<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call>",
     "deepseek_v3": "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + "
-                   "'<｜tool▁sep｜>'}}",
+                   "'<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n'}}",
+    "deepseek_v31": "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + "
+                    "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + "
+                    "'<｜tool▁call▁end｜>'}}",
     "hermes": "<|im_start|>system\n<tools></tools> Return <tool_call>{...}</tool_call><|im_end|>",
     "llama3_json": "<|start_header_id|>ipython<|end_header_id|>\n\n{{ message.content }}<|eot_id|>",
     "mistral": "[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{{ '[TOOL_CALLS]' + calls|tojson }}",
@@ -188,7 +199,7 @@ def test_the_format_is_read_from_the_chat_templates_markers(parser, template) ->
 
 def test_an_unknown_parser_exits_2_naming_the_option_and_the_choices(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--tool-call-parser must be one of auto, hermes, llama3_json, "
-                                         r"mistral, qwen3_coder, deepseek_v3; got 'nope'"):
+                                         r"mistral, qwen3_coder, deepseek_v3, deepseek_v31; got 'nope'"):
         check_parser("nope")
     # The model path does not exist: reaching it would fail naming --model instead.
     missing = str(tmp_path / "missing")
@@ -196,7 +207,7 @@ def test_an_unknown_parser_exits_2_naming_the_option_and_the_choices(tmp_path) -
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert ("--tool-call-parser must be one of auto, hermes, llama3_json, mistral, qwen3_coder, "
-            "deepseek_v3; got 'nope'") in said
+            "deepseek_v3, deepseek_v31; got 'nope'") in said
 
 
 @pytest.mark.parametrize(("properties", "says"), [

@@ -5,11 +5,12 @@ Owns: one `ToolFormat` per family, by vLLM's `--tool-call-parser` names: `hermes
 `{"name", "parameters"}`, optionally after `<|python_tag|>`, calls joined by "; "), `mistral`
 (`[TOOL_CALLS]` then a JSON array of {"name", "arguments"}, or the newer
 `[TOOL_CALLS]name[ARGS]{...}`), `qwen3_coder` (`<tool_call><function=NAME><parameter=P>value
-</parameter></function></tool_call>`, each value typed by the tool's schema) and `deepseek_v3`
+</parameter></function></tool_call>`, each value typed by the tool's schema), `deepseek_v3`
 (`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the arguments in a
-```json block); `detect_format`, the family a chat template writes (as llama.cpp's
-common/chat.cpp tells it: by the markers in the template's text); and `resolve_format`, the
-served model's format with its markers spelled in its vocabulary.
+```json block) and `deepseek_v31` (`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`);
+`detect_format`, the family a chat template writes (as llama.cpp's common/chat.cpp tells it:
+by the markers in the template's text); and `resolve_format`, the served model's format with
+its markers spelled in its vocabulary.
 Each format answers one interface: where the calls open in a reply (`find_opening`, and how
 much of a streamed tail to hold back because the opening may be starting there), the calls in
 the text from there (`scan`: the finished ones, a None for each that does not parse), and the
@@ -291,6 +292,8 @@ class Qwen3Coder(ToolFormat):
 
 
 class DeepSeekV3(ToolFormat):
+    """DeepSeek V3 and R1: each call's type, its name, and its arguments in a ```json block."""
+
     name = "deepseek_v3"
     opening = "<｜tool▁calls▁begin｜>"
     closing = "<｜tool▁calls▁end｜>"
@@ -317,9 +320,25 @@ class DeepSeekV3(ToolFormat):
         return "\n".join(rules)
 
 
+class DeepSeekV31(DeepSeekV3):
+    """DeepSeek V3.1: the V3 markers around each call's name and its bare JSON arguments."""
+
+    name = "deepseek_v31"
+    _BODY = re.compile(r"\s*([^\n<]+?)\s*<｜tool▁sep｜>(.*)$", re.DOTALL)
+
+    def calls_grammar(self, schemas: Schemas, *, parallel: bool) -> str:
+        m = self.vocabulary.lark
+        rules = [f"calls: {'call+' if parallel else 'call'} {m(self.closing)}",
+                 "call: " + " | ".join(f"call_{i}" for i in range(len(schemas)))]
+        rules += [f"call_{i}: {m(self.call_begin)} {_lark_string(name)} {m(self.separator)} "
+                  f"{_json_lark(schema)} {m(self.call_end)}"
+                  for i, (name, schema) in enumerate(schemas.items())]
+        return "\n".join(rules)
+
+
 FORMATS: dict[str, Callable[..., ToolFormat]] = {
     "hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral, "qwen3_coder": Qwen3Coder,
-    "deepseek_v3": DeepSeekV3}
+    "deepseek_v3": DeepSeekV3, "deepseek_v31": DeepSeekV31}
 AUTO = "auto"
 PARSER_CHOICES = (AUTO, *FORMATS)
 
@@ -330,8 +349,8 @@ def detect_format(chat_template: str | None) -> str:
     source = chat_template or ""
     if "<function=" in source and "<parameter=" in source:
         return "qwen3_coder"
-    if DeepSeekV3.opening in source:
-        return "deepseek_v3"
+    if DeepSeekV3.opening in source:  # V3 and R1 write the arguments in a ```json block, V3.1 bare
+        return "deepseek_v3" if "```json" in source else "deepseek_v31"
     if Hermes.opening in source:
         return "hermes"
     if "<|start_header_id|>ipython<|end_header_id|>" in source or Llama3Json.opening in source:
