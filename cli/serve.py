@@ -123,6 +123,11 @@ def serve(
     reasoning_budget: Annotated[int | None, typer.Option(
         min=0, help="Thinking tokens a request gets unless it sets thinking_token_budget: then the "
                     "end tag is forced and the answer follows. Default: no limit.")] = None,
+    tool_call_parser: Annotated[str, typer.Option(
+        help="How the model writes tool calls (vLLM's names): hermes, llama3_json, mistral, qwen3_coder, "
+             "deepseek_v3, deepseek_v31; auto: from the chat template's markers (hermes when it has "
+             'none). In tool_choice "auto" a call is grammar-constrained from its opening marker on.')]
+    = "auto",
     lora_modules: Annotated[list[str] | None, typer.Option(
         help="A LoRA adapter to serve, name=path (a PEFT adapter folder or a GGUF LoRA file) or vLLM's "
              'JSON {"name": ..., "path": ..., "base_model_name": ...}; repeatable. A request picks it '
@@ -162,6 +167,7 @@ def serve(
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
     from nanoserve.server.parsers.reasoning import ReasoningConfig
+    from nanoserve.server.parsers.tool_formats import check_parser
 
     several = models_dir is not None or len(model or []) > 1
     engine = dataclasses.replace(engine, model=None if several else (model or [None])[0])
@@ -170,6 +176,10 @@ def serve(
         reasoning = ReasoningConfig(reasoning_parser, reasoning_budget)
     except NanoserveError as error:
         options.fail_for(error)
+    try:
+        check_parser(tool_call_parser)
+    except ValueError as error:
+        options.fail(str(error))
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
     modules = _lora_modules(lora_modules or [], max_loras)
@@ -204,7 +214,8 @@ def serve(
         engine_deaths.append(error)
         server.should_exit = True  # uvicorn's own exit path: stop accepting, close, return
 
-    common = {"tenancy": tenancy, "limits": limits, "seed": seed, "reasoning": reasoning}
+    common = {"tenancy": tenancy, "limits": limits, "seed": seed, "reasoning": reasoning,
+              "tool_call_parser": tool_call_parser}
     if several:
         server_app = build_app(models=specs, model_policy=policy, **common)
     else:

@@ -194,33 +194,6 @@ def reader(choice: str = "auto"):
     return ToolPlan.from_body(body).reader()
 
 
-@pytest.mark.parametrize(("text", "content", "names"), [
-    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>', None, ["get_time"]),
-    ('Let me look. <tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>\n'
-     '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}</tool_call>',
-     "Let me look.", ["get_time", "get_weather"]),
-    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": 3}}', None, ["get_time"]),
-    ('{"name": "get_time", "parameters": {"zone": 3}}', None, ["get_time"]),
-    ("It is sunny.", "It is sunny.", []),
-    ('<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
-     '<tool_call>{"name": "launch", "arguments": {}}</tool_call>', []),
-    ('{"answer": 42}', '{"answer": 42}', []),
-])
-def test_auto_reads_hermes_and_llama_calls_and_leaves_other_text_as_content(text, content, names) -> None:
-    got_content, calls = reader().read(text)
-    assert got_content == content
-    assert [call["function"]["name"] for call in calls] == names
-
-
-def test_auto_streams_content_at_once_and_holds_a_call_until_the_end() -> None:
-    stream = reader()
-    assert stream.feed("Sure", finished=False) == [{"content": "Sure"}]
-    assert stream.feed(". <tool", finished=False) == [{"content": ". <tool"}]
-    assert stream.feed("<tool_call>", finished=False) == []
-    parts = stream.feed('{"name": "get_time", "arguments": {"zone": 0}}</tool_call>', finished=True)
-    assert [p["tool_calls"][0]["function"]["name"] for p in parts] == ["get_time"]
-
-
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),

@@ -61,7 +61,8 @@ def build_app(build_engine: Callable[[], Engine] | None = None, *, model_names: 
               sse_keep_alive_s: float = 15.0, prefill_log_s: float = PREFILL_LOG_S,
               on_engine_death: Callable[[BaseException], None] | None = None,
               reasoning: ReasoningConfig | None = None, replicas: ReplicaPlan | None = None,
-              lora_modules: tuple[LoRAModule, ...] = (), lora_runtime_updates: bool = False) -> FastAPI:
+              lora_modules: tuple[LoRAModule, ...] = (), lora_runtime_updates: bool = False,
+              tool_call_parser: str = "auto") -> FastAPI:
     """The server app, of one model or of several.
 
     One model: `build_engine`, served as `model_names` (the first is its name, all are listed)
@@ -81,7 +82,9 @@ def build_app(build_engine: Callable[[], Engine] | None = None, *, model_names: 
     `build_engine` on a thread of this one. `lora_modules`: LoRA adapters loaded at startup
     (an adapter the engine refuses stops it), which requests pick by `model`;
     `lora_runtime_updates`: serve vLLM's load/unload routes (else they answer 404). Neither
-    beside `replicas` or several models yet, nor `replicas` beside several models (a ValueError)."""
+    beside `replicas` or several models yet, nor `replicas` beside several models (a ValueError).
+    `tool_call_parser`: the format a chat's tool calls are read in and constrained to (vLLM's
+    names; auto: from each model's chat template)."""
     limits = limits or ServerLimits()
     tenancy = tenancy or Tenancy()
     reasoning = reasoning or ReasoningConfig()
@@ -119,7 +122,7 @@ def build_app(build_engine: Callable[[], Engine] | None = None, *, model_names: 
             ServerMetrics(listed[0], tuple(t.name for t in tenancy.tenants)),
             sse_keep_alive_s=sse_keep_alive_s,
             default_seeds=None if seed is None else random.Random(seed), reasoning=reasoning,
-            adapters=adapters, models=registry)
+            adapters=adapters, models=registry, tool_call_parser=tool_call_parser)
         try:
             yield
         finally:

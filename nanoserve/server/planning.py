@@ -34,6 +34,7 @@ from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRe
 from nanoserve.server.parsers.reasoning import ReasoningPlan
 from nanoserve.server.parsers.structured_fields import structured_outputs
 from nanoserve.server.parsers.tool_calls import ToolPlan
+from nanoserve.server.parsers.tool_formats import resolve_format
 from nanoserve.server.state import ServerLimits, ServerState
 
 if TYPE_CHECKING:
@@ -178,10 +179,10 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     """Tokenize, fill in max_tokens and seeds, and run every engine check: 400s happen here.
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
     admission = state.admission
-    tools = ToolPlan.from_body(body) if kind == "chat" else None
+    tools = _tools(state, body) if kind == "chat" else None
     prompts = _prompts(admission, kind, body, state.limits)
     reasoning = _reasoning(state, body, prompts[0].ids) if kind == "chat" else None
-    base = _base_params(body, state.default_seed() if body.seed is None else body.seed, reasoning)
+    base = _base_params(body, state.default_seed() if body.seed is None else body.seed, reasoning, tools)
     sequences = []
     for prompt_index, prompt in enumerate(prompts):
         max_tokens = _max_tokens(admission, body, len(prompt.ids), state.limits)
@@ -194,6 +195,14 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
                 body.prompt_logprobs, body.logprobs if isinstance(body, CompletionRequest) and body.echo
                 else None, reasoning))
     return sequences
+
+
+def _tools(state: ServerState, body: ChatCompletionRequest) -> ToolPlan | None:
+    """The chat's tools, read back in the served model's format (`serve --tool-call-parser`)."""
+    if not body.tools:
+        return ToolPlan.from_body(body)
+    tool_format = resolve_format(state.tool_call_parser, state.admission.tokenizer, body.chat_template)
+    return ToolPlan.from_body(body, tool_format)
 
 
 def _reasoning(state: ServerState, body: ChatCompletionRequest,
@@ -268,8 +277,8 @@ LLAMA_CPP_SAMPLER_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", 
                             "mirostat_tau", "mirostat_eta")
 
 
-def _base_params(body: RequestBody, seed: int | None,
-                 reasoning: ReasoningPlan | None = None) -> SamplingParams:
+def _base_params(body: RequestBody, seed: int | None, reasoning: ReasoningPlan | None = None,
+                 tools: ToolPlan | None = None) -> SamplingParams:
     """The sampling fields every choice shares; `_params_for` sets the rest per choice."""
     fields: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
@@ -285,9 +294,12 @@ def _base_params(body: RequestBody, seed: int | None,
         "stop": body.stop, "stop_token_ids": body.stop_token_ids,
         "logprobs": _top_logprobs(body)[0],
         "logit_bias": _logit_bias(body.logit_bias),
-        "p_less": body.p_less, "structured_outputs": _constraint(body, reasoning), "priority": body.priority,
+        "p_less": body.p_less, "structured_outputs": _constraint(body, reasoning, tools),
+        "priority": body.priority,
         **{name: getattr(body, name) for name in LLAMA_CPP_SAMPLER_FIELDS},
     }
+    if tools is not None and tools.shows_special_tokens:  # the format's markers are special tokens
+        fields["skip_special_tokens"], fields["spaces_between_special_tokens"] = False, False
     given = {name: value for name, value in fields.items() if value is not None}
     # max_tokens is set per prompt (`_params_for`); this placeholder only has to admit min_tokens.
     given["max_tokens"] = max(1, body.min_tokens or 0)
@@ -303,13 +315,18 @@ def prompt_logprobs_asked(body: RequestBody) -> int | None:
     return max(asked) if asked else None
 
 
-def _constraint(body: RequestBody, reasoning: ReasoningPlan | None) -> StructuredOutputs | None:
-    """The one grammar the output follows: the tools' (tool_choice required or named), or the
+def _constraint(body: RequestBody, reasoning: ReasoningPlan | None,
+                tools: ToolPlan | None) -> StructuredOutputs | None:
+    """The one grammar the output follows: the tools' (tool_choice required or named; "auto"'s
+    lazy grammar unless the body asks for what a grammar cannot share a request with: a
+    structured output, which then wins, min_tokens, allowed_token_ids or bad_words), or the
     structured-output fields', after the think block of a reasoning model (which alone is a
     grammar when the thinking has a budget)."""
-    tools = ToolPlan.from_body(body) if isinstance(body, ChatCompletionRequest) else None
-    from_tools = tools.constraint() if tools is not None else None
     asked = structured_outputs(body)
+    from_tools = None
+    yields = asked is not None or body.min_tokens or body.allowed_token_ids is not None or body.bad_words
+    if tools is not None and not (tools.choice == "auto" and yields):
+        from_tools = tools.constraint()
     if from_tools is not None and asked is not None:
         raise bad_request(f"tool_choice {tools.choice!r} constrains the output already; drop "
                           f"{asked.param.split('.')[0]}", asked.param.split(".")[0])

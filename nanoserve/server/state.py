@@ -64,6 +64,7 @@ class ServerState:
     sse_keep_alive_s: float = 15.0  # a stream quiet this long gets a keep-alive comment
     default_seeds: random.Random | None = None  # `serve --seed`: seeds for requests that give none
     reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)  # --reasoning-parser, -budget
+    tool_call_parser: str = "auto"  # --tool-call-parser: a format of parsers.tool_formats, or auto
     # The LoRA adapters a request's `model` may name (`build_app` gives the server's).
     adapters: AdapterRegistry = field(default_factory=lambda: AdapterRegistry(frozenset(), ""))
     models: ModelRegistry | None = None  # every served model (`build_app` gives the server's)

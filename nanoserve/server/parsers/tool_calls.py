@@ -2,17 +2,19 @@
 the reply's tool calls, whole or streamed.
 
 Owns: `ToolPlan.from_body` (checks `tools` and `tool_choice`, 400s naming the field; the
-tools as the chat template wants them), the schema a `"required"` or named choice constrains
-the output to (vLLM's shapes: a JSON array of {"name", "parameters"}, of one item with
-`parallel_tool_calls: false`, or the named function's arguments alone), and
-`ToolCallReader`, which turns the generated text into content and `tool_calls`. For "auto"
-it reads Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks and Llama-3.1
-JSON (`{"name", "parameters"}`, optionally after `<|python_tag|>`); text that is not a call
-stays content, and a call to a function that is not in `tools` is content.
-Streaming: a named function streams its arguments as they come; otherwise content streams
-until the text could be a call, which is then held and sent whole when the choice ends.
+tools as the chat template wants them), the constraint each choice puts on the output: for
+`"required"` or a named choice the schema of vLLM's shapes (a JSON array of {"name",
+"parameters"}, of one item with `parallel_tool_calls: false`, or the named function's
+arguments alone), for "auto" the model's format's lazy grammar (free text until the format's
+opening marker, then only well-formed calls to the listed tools; `tool_formats` has them);
+and `ToolCallReader`, which turns the generated text into content and `tool_calls`. In
+"auto" the text before the opening marker is content and each call after it that parses and
+names a listed tool is a call; a reply with no such call is all content.
+Streaming: a named function streams its arguments as they come; "required" holds the array
+and sends it whole when the choice ends; "auto" streams content until the opening marker
+(holding a tail that may be its beginning), then sends each call once it is finished.
 A reply cut by max_tokens (finish_reason "length") keeps the calls it completed: the whole
-items of a "required" array, the closed `<tool_call>` blocks of "auto"; the cut one is dropped.
+items of a "required" array, the finished calls of "auto"; the cut one is dropped.
 Refuses: deprecated `functions` / `function_call` (protocol refuses them by name).
 """
 
@@ -26,10 +28,8 @@ from typing import Any
 
 from nanoserve.sampling_params import StructuredOutputs
 from nanoserve.server.errors import bad_request
+from nanoserve.server.parsers.tool_formats import Hermes, RawCall, ToolFormat
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-HERMES_OPEN = "<tool_call>"
-PYTHON_TAG = "<|python_tag|>"
 CHOICES = ("none", "auto", "required")
 _SPACE = re.compile(r"\s*")
 
@@ -53,10 +53,11 @@ class ToolPlan:
 
     tools: tuple[Tool, ...]
     choice: str
-    parallel: bool = True  # OpenAI's parallel_tool_calls: false makes "required" one call
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false makes "required" and "auto" one call
+    tool_format: ToolFormat = field(default_factory=Hermes)  # how the model writes calls in "auto"
 
     @classmethod
-    def from_body(cls, body: Any) -> ToolPlan | None:
+    def from_body(cls, body: Any, tool_format: ToolFormat | None = None) -> ToolPlan | None:
         if not body.tools:
             if body.tool_choice not in (None, "none", "auto"):
                 raise bad_request("tool_choice needs tools to choose from", "tool_choice")
@@ -66,20 +67,37 @@ class ToolPlan:
         if len(set(names)) != len(names):
             raise bad_request("each tool needs its own function name", "tools")
         parallel = getattr(body, "parallel_tool_calls", None) is not False
-        return cls(tools, _choice(body.tool_choice, names), parallel)
+        return cls(tools, _choice(body.tool_choice, names), parallel, tool_format or Hermes())
 
     @property
     def named(self) -> Tool | None:
         return next((tool for tool in self.tools if tool.name == self.choice), None)
 
+    @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each tool's arguments schema; one that names no type is an object's (the arguments
+        are a JSON object, so "auto"'s grammar writes no other value)."""
+        return {tool.name: {"type": "object", **tool.parameters} for tool in self.tools}
+
+    @property
+    def shows_special_tokens(self) -> bool:
+        """Whether the reply must keep special tokens: "auto" reads markers that are special."""
+        return self.choice == "auto" and self.tool_format.shows_special_tokens
+
     def template_tools(self) -> list[dict[str, Any]]:
         return [tool.for_template() for tool in self.tools]
 
     def constraint(self) -> StructuredOutputs | None:
-        """The schema the output must follow: a named function's arguments, or for "required"
-        a non-empty array of calls; None for "auto" and "none"."""
+        """What the output must follow: a named function's arguments, for "required" a
+        non-empty array of calls, for "auto" the format's lazy grammar; None for "none"."""
         if self.named is not None:
             return StructuredOutputs(json=self.named.parameters, param="tool_choice")
+        if self.choice == "auto":
+            try:
+                grammar = self.tool_format.auto_grammar(self.schemas, parallel=self.parallel)
+            except ValueError as error:
+                raise bad_request(f"{self.tool_format.name}: {error}", "tools") from None
+            return StructuredOutputs(grammar=grammar, param="tools")
         if self.choice != "required":
             return None
         calls = [{"type": "object",
@@ -146,6 +164,9 @@ class ToolCallReader:
 
     plan: ToolPlan
     held: str = ""  # streamed text not yet sent: it may be (part of) a call
+    opened: bool = False  # "auto": the stream has passed the opening marker
+    sent_content: bool = False  # "auto": text went out as content (the reply's start is past)
+    num_scanned: int = 0  # "auto": calls read from the held text so far, sent or not
     streamed_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def read(self, text: str, *, cut: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
@@ -159,33 +180,59 @@ class ToolCallReader:
                 return None, [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                               for c in calls]
             return text, []
-        return self._read_auto(text)
-
-    def _read_auto(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        names = {tool.name for tool in self.plan.tools}
-        if HERMES_OPEN in text:
-            content = text[:text.index(HERMES_OPEN)].strip()
-            calls = [_call(_json(body), names) for body in HERMES_CALL.findall(text)]
-        else:
-            content = ""
-            calls = [_call(_json(part), names) for part in text.removeprefix(PYTHON_TAG).strip().split(";")]
-        if not calls or None in calls:
+        start = self.plan.tool_format.find_opening(text)
+        calls = self._calls(text[start:], final=not cut) if start >= 0 else []
+        if not calls:
             return text, []
-        return content or None, calls
+        return text[:start].strip() or None, calls
+
+    def _calls(self, text: str, *, final: bool) -> list[dict[str, Any]]:
+        """The finished calls in `text` that name a listed tool, in the OpenAI shape."""
+        scanned = self.plan.tool_format.scan(text, self.plan.schemas, final=final)
+        return [_openai_call(call) for call in scanned if self._listed(call)]
+
+    def _listed(self, call: RawCall | None) -> bool:
+        return call is not None and any(tool.name == call.name for tool in self.plan.tools)
 
     def feed(self, delta: str, finished: bool, *, cut: bool = False) -> list[dict[str, Any]]:
         """The stream deltas for `delta`: content now, or tool-call parts (held when unsure);
         `cut` as for `read`."""
         if self.plan.named is not None:
             return self._feed_named(delta)
-        text = self.held + delta
-        self.held = ""
-        if not self._could_be_call(text):
-            return [{"content": text}] if text else []
+        if self.plan.choice == "required":
+            return self._feed_required(delta, finished, cut)
+        self.held += delta
+        deltas = [] if self.opened else self._content_until_opening(finished)
+        if self.opened:
+            deltas += self._new_calls(final=finished and not cut)
+        if finished and self.opened and not self.streamed_calls and self.held:
+            deltas.append({"content": self.held})  # no call in it: the text was content
+        return deltas
+
+    def _content_until_opening(self, finished: bool) -> list[dict[str, Any]]:
+        """Send the held text up to the opening marker (or up to a tail that may begin it)."""
+        tool_format, at_start = self.plan.tool_format, not self.sent_content
+        start = tool_format.find_opening(self.held, at_start=at_start)
+        self.opened = start >= 0
+        if not self.opened:
+            start = len(self.held) if finished else tool_format.hold_from(self.held, at_start=at_start)
+        content, self.held = self.held[:start], self.held[start:]
+        self.sent_content = self.sent_content or bool(content)
+        return [{"content": content}] if content else []
+
+    def _new_calls(self, *, final: bool) -> list[dict[str, Any]]:
+        scanned = self.plan.tool_format.scan(self.held, self.plan.schemas, final=final)
+        fresh = [_openai_call(call) for call in scanned[self.num_scanned:] if self._listed(call)]
+        self.num_scanned = len(scanned)
+        first = len(self.streamed_calls)
+        self.streamed_calls += fresh
+        return [{"tool_calls": [{"index": first + i, **call}]} for i, call in enumerate(fresh)]
+
+    def _feed_required(self, delta: str, finished: bool, cut: bool) -> list[dict[str, Any]]:
+        self.held += delta
         if not finished:
-            self.held = text
             return []
-        content, calls = self.read(text, cut=cut)
+        content, calls = self.read(self.held, cut=cut)
         self.streamed_calls = calls
         deltas = [{"content": content}] if content else []
         return deltas + [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
@@ -196,13 +243,9 @@ class ToolCallReader:
             return [{"tool_calls": [{"index": 0, **self.streamed_calls[0]}]}]
         return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}] if delta else []
 
-    def _could_be_call(self, text: str) -> bool:
-        """Whether `text` is, or may grow into, a call: held back rather than sent as content."""
-        if self.plan.choice == "required":
-            return True
-        start = text.lstrip()
-        markers = (HERMES_OPEN, PYTHON_TAG, "{")
-        return not start or any(start.startswith(m) or m.startswith(start) for m in markers)
+
+def _openai_call(call: RawCall) -> dict[str, Any]:
+    return tool_call(call.name, json.dumps(call.arguments, ensure_ascii=False))
 
 
 def _json(text: str) -> Any:
@@ -229,15 +272,3 @@ def _complete_items(text: str) -> list[dict[str, Any]]:
             break
         position += 1
     return items
-
-
-def _call(value: Any, names: set[str]) -> dict[str, Any] | None:
-    """A call from {"name", "arguments"} (Hermes) or {"name", "parameters"} (Llama 3.1)."""
-    if not isinstance(value, dict) or value.get("name") not in names:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):
-        arguments = _json(arguments)
-    if not isinstance(arguments, dict):
-        return None
-    return tool_call(value["name"], json.dumps(arguments, ensure_ascii=False))
