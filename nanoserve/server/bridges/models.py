@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.server.bridges.engine_bridge import EngineBridge, EngineUnavailableError
 
 if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
     from nanoserve.engine.core import Engine
 
 log = logging.getLogger("nanoserve.server")
@@ -50,11 +51,14 @@ class ModelNotServedError(LookupError):
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model the server serves. `names`: the first is its served name, all are listed;
-    `aliases`: names it also answers to, unlisted (the path or hub id it was given as)."""
+    `aliases`: names it also answers to, unlisted (the path or hub id it was given as);
+    `config`: what `build_engine` builds from, where known (serve's models), so the server can
+    describe the model without loading it (Ollama's /api/tags and /api/show)."""
 
     names: tuple[str, ...]
     build_engine: Callable[[], Engine]
     aliases: tuple[str, ...] = ()
+    config: EngineConfig | None = None
 
     @property
     def name(self) -> str:
@@ -211,6 +215,19 @@ class ModelRegistry:
         if model.leases == 0:
             self._schedule_idle_unload(model)
 
+    def unloads_in_s(self, model: ServedModel) -> float:
+        """How long `model` stays loaded if no request comes: what is left of its idle time, or
+        with requests in flight its whole keep-alive (it starts when the last ends); inf: until
+        it must make room (or, pinned, for good)."""
+        if model.pinned:
+            return math.inf
+        if model.idle_timer is not None:
+            return max(0.0, model.idle_timer.when() - self.loop.time())
+        return self._keep_alive_s(model)
+
+    def _keep_alive_s(self, model: ServedModel) -> float:
+        return self.policy.idle_unload_s if model.keep_alive_s is None else model.keep_alive_s
+
     # -- loading ------------------------------------------------------------------------------
 
     @property
@@ -299,7 +316,7 @@ class ModelRegistry:
 
     def _schedule_idle_unload(self, model: ServedModel) -> None:
         self._cancel_idle_timer(model)
-        keep_s = self.policy.idle_unload_s if model.keep_alive_s is None else model.keep_alive_s
+        keep_s = self._keep_alive_s(model)
         if model.pinned or model.bridge is None or math.isinf(keep_s) or self._closed:
             return
         model.idle_timer = self.loop.call_later(keep_s, self._unload_if_idle, model)
