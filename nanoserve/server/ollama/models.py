@@ -92,10 +92,11 @@ def loaded_engine(model: ServedModel) -> Engine | None:
 
 def reading(state: ServerState, model: ServedModel) -> tuple[Engine | None, EngineConfig | None]:
     """On the event loop: where `describe` reads `model` from (its engine, else its configuration);
-    a 503 while a model the server knows only by its engine (a one-model server's) loads."""
+    a 503 for a model the server knows only by its engine (a one-model server's) until it has loaded."""
     engine = loaded_engine(model)
     if engine is None and model.spec.config is None:
-        raise unavailable(f"the model {model.name!r} is loading; retry shortly", state.limits)
+        raise unavailable(f"the model '{model.name}' is described once it has loaded"
+                          + ("; it is loading" if model.status == "loading" else ""), state.limits)
     return engine, model.spec.config
 
 
