@@ -94,6 +94,9 @@ def test_ollamas_load_and_unload_idioms_load_and_unload_without_generating(model
         until(lambda: running(client) == [], "beta was never unloaded")
         assert client.generate(model="alpha", keep_alive="0s").done_reason == "unload"
         assert set(statuses(http).values()) == {"available"}  # unloading loads nothing
+        http.post("/v1/completions", json={"model": "beta", "prompt": "Hi", "max_tokens": 2})
+        (reloaded,) = client.ps().models  # a keep-alive holds for one load: this one has the server's
+        assert reloaded.expires_at > dt.datetime.now(dt.UTC) + dt.timedelta(seconds=200)
 
 
 def test_keep_alive_sets_when_ps_says_the_model_unloads(models_dir) -> None:  # noqa: F811

@@ -94,7 +94,7 @@ class ServedModel:
     loading: asyncio.Future | None = None  # set while the bridge builds its engine
     leases: int = 0  # requests bound to it whose responses have not ended
     last_used_s: float = 0.0  # the event loop's clock when its last request ended
-    keep_alive_s: float | None = None  # the last request's keep_alive; None: the policy's
+    keep_alive_s: float | None = None  # the last request's keep_alive, for this load; None: the policy's
     idle_timer: asyncio.TimerHandle | None = None
     # What state.py builds over this load for the requests of this model; dropped with the bridge.
     view: Any = None
@@ -209,7 +209,9 @@ class ModelRegistry:
     def keep_alive(self, name: str, seconds: float | None) -> None:
         """Ollama's `keep_alive` for the model `name`: after its last request it stays loaded
         `seconds` (negative: until it must make room; 0: unloaded as soon as it is idle; None:
-        the server's --idle-unload-s), until another request says otherwise."""
+        the server's --idle-unload-s), until another request says otherwise or it unloads (as
+        Ollama's, a keep-alive holds for one load: the next starts from the server's; one set
+        while the model is not loaded holds for its next load)."""
         model = self.find(name)
         model.keep_alive_s = None if seconds is None else math.inf if seconds < 0 else float(seconds)
         if model.leases == 0:
@@ -342,6 +344,7 @@ class ModelRegistry:
         bridge, model.bridge, model.view = model.bridge, None, None
         if bridge is not None:
             self._cancel_idle_timer(model)
+            model.keep_alive_s = None
             log.info("unloading model %r (%s)", model.name, reason)
             self._unloading += 1
         return bridge

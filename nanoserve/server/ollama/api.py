@@ -541,12 +541,13 @@ async def _bind(request: Request, model: ServedModel) -> tuple[ServerState, floa
 
 def _unload(state: ServerState, model: ServedModel, shape: Shape) -> Response:
     """Ollama's way to unload a model: nothing to generate and keep_alive 0. It goes as soon as
-    no request runs on it; nothing loads for the asking."""
+    no request runs on it; one not loaded is left as it is (nothing loads for the asking)."""
     if model.pinned:
         raise bad_request("this server's one model is loaded for good (nanoserve serve --model M): "
                           "keep_alive 0 cannot unload it; a server of several models (--models-dir, or "
                           "--model more than once) unloads them", "keep_alive")
-    state.models.keep_alive(model.name, 0)
+    if model.bridge is not None:
+        state.models.keep_alive(model.name, 0)
     return JSONResponse(shape.ended("unload"))
 
 
