@@ -25,7 +25,7 @@ OpenAI routes bind theirs (`routes.bind_model`): a model not loaded loads now an
 waits (a stream's first line comes once it is ready), its load_duration the time it waited
 when it started that load. keep_alive (a Go duration "5m", "1h30m", or seconds; negative: keep
 loaded; 0: unload once idle; absent: the server's --idle-unload-s) is the model's keep-alive
-from then on (`ModelRegistry.keep_alive`). Nothing to generate (no prompt, no messages) is
+for the rest of its load (`ModelRegistry.keep_alive`). Nothing to generate (no prompt, no messages) is
 Ollama's "load the model" (done_reason "load"), and with keep_alive 0 its "unload the model"
 (done_reason "unload"; nothing loads for it). A one-model server's model is loaded for good:
 keep_alive does not unload it, and the unload idiom is a 400 naming keep_alive.
