@@ -307,7 +307,7 @@ def _model_specs(values: list[str], models_dir: Path | None, engine: options.Eng
                              f"{value}); serve one of them from elsewhere or under another file name")
             taken[spelling] = value
         config = engine.config(model=value, **kv_budget)
-        specs.append(ModelSpec((name,), functools.partial(_build_engine, config), aliases))
+        specs.append(ModelSpec((name,), functools.partial(_build_engine, config), aliases, config))
     return tuple(specs)
 
 

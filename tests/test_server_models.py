@@ -375,6 +375,21 @@ def test_keep_alive_overrides_the_idle_unload_for_its_model():
     asyncio.run(run())
 
 
+def test_a_keep_alive_holds_for_one_load_the_next_starts_from_the_servers():
+    async def run() -> None:
+        registry = await started(registry_of("a", idle_unload_s=30))
+        registry.release(await registry.acquire("a"))
+        registry.keep_alive("a", 0)
+        await asyncio.sleep(0.05)
+        assert loaded(registry) == ""
+        registry.release(await registry.acquire("a"))
+        await asyncio.sleep(0.05)
+        assert loaded(registry) == "a" and registry.unloads_in_s(registry.models["a"]) > 29
+        await registry.stop()
+
+    asyncio.run(run())
+
+
 def test_two_models_of_one_name_are_refused():
     with pytest.raises(ValueError, match="two models are served as 'a'"):
         registry_of("aa")

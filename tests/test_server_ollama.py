@@ -4,6 +4,7 @@ onto the sampler's; and 400s that name the field. Also Anthropic's /v1/messages/
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import signal
 import socket
@@ -222,6 +223,14 @@ def test_an_empty_prompt_or_chat_loads_the_model_and_generates_nothing(http) -> 
     assert (loaded["done"], loaded["done_reason"], loaded["response"]) == (True, "load", "")
     loaded = http.post("/api/chat", json={"model": "tiny", "messages": []}).json()
     assert (loaded["done_reason"], loaded["message"]["content"]) == ("load", "")
+
+
+def test_a_one_model_servers_model_is_loaded_for_good_and_unloading_it_is_a_400(client, http) -> None:
+    refused = http.post("/api/generate", json={"model": "tiny", "keep_alive": 0})
+    assert refused.status_code == 400 and "keep_alive" in refused.json()["error"]
+    assert client.chat(model="tiny", messages=HI, options=GREEDY, keep_alive=0).done is True
+    (running,) = client.ps().models
+    assert running.expires_at.year > dt.datetime.now(dt.UTC).year + 100  # Ollama's "never"
 
 
 def test_a_conversation_with_earlier_tool_calls_is_accepted(client) -> None:

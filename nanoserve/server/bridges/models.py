@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.server.bridges.engine_bridge import EngineBridge, EngineUnavailableError
 
 if TYPE_CHECKING:
+    from nanoserve.config import EngineConfig
     from nanoserve.engine.core import Engine
 
 log = logging.getLogger("nanoserve.server")
@@ -50,11 +51,14 @@ class ModelNotServedError(LookupError):
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model the server serves. `names`: the first is its served name, all are listed;
-    `aliases`: names it also answers to, unlisted (the path or hub id it was given as)."""
+    `aliases`: names it also answers to, unlisted (the path or hub id it was given as);
+    `config`: what `build_engine` builds from, where known (serve's models), so the server can
+    describe the model without loading it (Ollama's /api/tags and /api/show)."""
 
     names: tuple[str, ...]
     build_engine: Callable[[], Engine]
     aliases: tuple[str, ...] = ()
+    config: EngineConfig | None = None
 
     @property
     def name(self) -> str:
@@ -90,7 +94,7 @@ class ServedModel:
     loading: asyncio.Future | None = None  # set while the bridge builds its engine
     leases: int = 0  # requests bound to it whose responses have not ended
     last_used_s: float = 0.0  # the event loop's clock when its last request ended
-    keep_alive_s: float | None = None  # the last request's keep_alive; None: the policy's
+    keep_alive_s: float | None = None  # the last request's keep_alive, for this load; None: the policy's
     idle_timer: asyncio.TimerHandle | None = None
     # What state.py builds over this load for the requests of this model; dropped with the bridge.
     view: Any = None
@@ -205,11 +209,26 @@ class ModelRegistry:
     def keep_alive(self, name: str, seconds: float | None) -> None:
         """Ollama's `keep_alive` for the model `name`: after its last request it stays loaded
         `seconds` (negative: until it must make room; 0: unloaded as soon as it is idle; None:
-        the server's --idle-unload-s), until another request says otherwise."""
+        the server's --idle-unload-s), until another request says otherwise or it unloads (as
+        Ollama's, a keep-alive holds for one load: the next starts from the server's; one set
+        while the model is not loaded holds for its next load)."""
         model = self.find(name)
         model.keep_alive_s = None if seconds is None else math.inf if seconds < 0 else float(seconds)
         if model.leases == 0:
             self._schedule_idle_unload(model)
+
+    def unloads_in_s(self, model: ServedModel) -> float:
+        """How long `model` stays loaded if no request comes: what is left of its idle time, or
+        with requests in flight its whole keep-alive (it starts when the last ends); inf: until
+        it must make room (or, pinned, for good)."""
+        if model.pinned:
+            return math.inf
+        if model.idle_timer is not None:
+            return max(0.0, model.idle_timer.when() - self.loop.time())
+        return self._keep_alive_s(model)
+
+    def _keep_alive_s(self, model: ServedModel) -> float:
+        return self.policy.idle_unload_s if model.keep_alive_s is None else model.keep_alive_s
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -299,7 +318,7 @@ class ModelRegistry:
 
     def _schedule_idle_unload(self, model: ServedModel) -> None:
         self._cancel_idle_timer(model)
-        keep_s = self.policy.idle_unload_s if model.keep_alive_s is None else model.keep_alive_s
+        keep_s = self._keep_alive_s(model)
         if model.pinned or model.bridge is None or math.isinf(keep_s) or self._closed:
             return
         model.idle_timer = self.loop.call_later(keep_s, self._unload_if_idle, model)
@@ -325,6 +344,7 @@ class ModelRegistry:
         bridge, model.bridge, model.view = model.bridge, None, None
         if bridge is not None:
             self._cancel_idle_timer(model)
+            model.keep_alive_s = None
             log.info("unloading model %r (%s)", model.name, reason)
             self._unloading += 1
         return bridge

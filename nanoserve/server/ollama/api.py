@@ -17,7 +17,18 @@ frequency_penalty, seed, stop and mirostat, mirostat_tau, mirostat_eta as they a
 options, Ollama's defaults: temperature 0.8, top_k 40, top_p 0.9 (top_k and top_p left off
 under mirostat, which replaces them). format "json" or a JSON schema: structured output.
 think: true needs a reasoning parser (its thinking comes back as `thinking`); false asks the
-template not to think. keep_alive is accepted: the model stays loaded while the server runs.
+template not to think.
+
+How a request reaches its model: the name it sends (with or without ":latest", `models.find`;
+another is Ollama's 404 `model 'x' not found`) is bound through the server's registry as the
+OpenAI routes bind theirs (`routes.bind_model`): a model not loaded loads now and the request
+waits (a stream's first line comes once it is ready), its load_duration the time it waited
+when it started that load. keep_alive (a Go duration "5m", "1h30m", or seconds; negative: keep
+loaded; 0: unload once idle; absent: the server's --idle-unload-s) is the model's keep-alive
+for the rest of its load (`ModelRegistry.keep_alive`). Nothing to generate (no prompt, no messages) is
+Ollama's "load the model" (done_reason "load"), and with keep_alive 0 its "unload the model"
+(done_reason "unload"; nothing loads for it). A one-model server's model is loaded for good:
+keep_alive does not unload it, and the unload idiom is a 400 naming keep_alive.
 Refuses (named 400s): images (the served models read text), suffix, template, context,
 truncate and shift (Ollama's context cutting), load options (num_gpu, num_thread, ...).
 """
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,10 +48,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from nanoserve.server import planning
+from nanoserve.server.bridges.models import ServedModel
 from nanoserve.server.errors import APIError, bad_request, from_validation_error
 from nanoserve.server.generation import Generation, unary_response
 from nanoserve.server.ollama import models as ollama_models
-from nanoserve.server.ollama.models import served_name, timestamp
+from nanoserve.server.ollama.models import timestamp
 from nanoserve.server.openai import embeddings, routes
 from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -92,8 +105,12 @@ OLLAMA_PARAMS = {
     **{name: f"options.{name}" for name in SAME_NAMED_OPTIONS},
     "response_format": "format", "chat_template_kwargs": "think", "thinking_token_budget": "think",
 }
-# Go's time.ParseDuration spelling ("5m", "1h30m", "-1s"), or a number of seconds.
-_DURATION = re.compile(r"-?(\d+(\.\d*)?(ns|us|µs|ms|s|m|h))+|-?\d+(\.\d*)?")
+# keep_alive: Go's time.ParseDuration spelling ("5m", "1h30m", "-1s"), or a number of seconds.
+_NUMBER = r"(?:\d+\.?\d*|\.\d+)"
+_DURATION = re.compile(rf"([-+]?)((?:{_NUMBER}(?:ns|us|µs|μs|ms|s|m|h))+)")
+_DURATION_PART = re.compile(rf"({_NUMBER})(ns|us|µs|μs|ms|s|m|h)")
+_SECONDS = re.compile(rf"[-+]?{_NUMBER}")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 NS_PER_S = 1_000_000_000
 ParsedBody = TypeVar("ParsedBody", bound=BaseModel)
 
@@ -211,10 +228,25 @@ def ollama_route(handler: Route) -> Route:
     return route
 
 
-def _check_keep_alive(value: str | float | None) -> None:
-    if isinstance(value, str) and not _DURATION.fullmatch(value):
-        raise bad_request(f"keep_alive must be a duration (5m, 1h, -1) or seconds; got {value!r}",
-                          "keep_alive")
+def keep_alive_s(value: str | float | None) -> float | None:
+    """A request's keep_alive in seconds (-1: keep loaded; None: not given, the server's); a
+    400 naming keep_alive for what is neither a duration nor a number of seconds."""
+    if value is None:
+        return None
+    seconds = value
+    if isinstance(value, str):
+        duration = _DURATION.fullmatch(value)
+        if _SECONDS.fullmatch(value):
+            seconds = float(value)
+        elif duration is not None:
+            seconds = sum(float(n) * _UNIT_S[unit] for n, unit in _DURATION_PART.findall(duration[2]))
+            seconds = -seconds if duration[1] == "-" else seconds
+        else:
+            seconds = math.nan
+    if not math.isfinite(seconds):
+        raise bad_request(f"keep_alive must be a duration (5m, 1h30m, -1) or a number of seconds; got "
+                          f"{value!r}", "keep_alive")
+    return -1.0 if seconds < 0 else float(seconds)
 
 
 # -- the body as a chat or completion request -----------------------------------------------------
@@ -259,8 +291,8 @@ def _think(state: ServerState, think: bool | str | None) -> dict[str, Any]:
     return {"include_reasoning": True}
 
 
-def _common(state: ServerState, body: GenerationFields, model: str) -> dict[str, Any]:
-    _check_keep_alive(body.keep_alive)
+def _common(body: GenerationFields, model: str) -> dict[str, Any]:
+    """The fields every translation shares; its checks read the body alone."""
     common = {"model": model, **_sampling(body.options), **_format(body.format)}
     if body.logprobs:
         common.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
@@ -293,7 +325,7 @@ def _validated(model: type[ParsedBody], fields: dict[str, Any]) -> ParsedBody:
 
 
 def chat_request(state: ServerState, body: OllamaChatRequest, model: str) -> ChatCompletionRequest:
-    chat = {**_common(state, body, model), **_think(state, body.think),
+    chat = {**_common(body, model), **_think(state, body.think),
             "messages": [_message(m, i) for i, m in enumerate(body.messages)]}
     if body.tools:
         chat["tools"] = body.tools
@@ -304,7 +336,7 @@ def generate_request(state: ServerState, body: OllamaGenerateRequest, model: str
     """A chat of the system and the prompt through the model's template, or with raw (or for a
     model without a chat template, as Ollama's default template "{{ .Prompt }}") the prompt as
     it is (a completion)."""
-    common = _common(state, body, model)
+    common = _common(body, model)
     if body.raw or state.engine.tokenizer.chat_template is None:
         if body.system or body.think:
             raise bad_request("a raw prompt (or a model without a chat template) takes no system message "
@@ -356,21 +388,8 @@ def _line(payload: dict[str, Any]) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
-def _metrics(generation: Generation) -> dict[str, int]:
-    """Ollama's timings (nanoseconds) and counts: the prompt's evaluation runs from arrival to
-    the first token, the generation's from the first token to the last."""
-    choice = next(iter(generation.choices.values()))
-    now = time.perf_counter()
-    first = choice.first_s or now
-    usage = generation.usage()
-
-    def ns(seconds: float) -> int:
-        return max(0, round(seconds * NS_PER_S))
-
-    return {"total_duration": ns(now - generation.arrival_s), "load_duration": 0,
-            "prompt_eval_count": usage["prompt_tokens"],
-            "prompt_eval_duration": ns(first - generation.arrival_s),
-            "eval_count": usage["completion_tokens"], "eval_duration": ns((choice.last_s or now) - first)}
+def ns(seconds: float) -> int:
+    return max(0, round(seconds * NS_PER_S))
 
 
 def _done_reason(finish_reason: str | None) -> str:
@@ -403,10 +422,13 @@ def _legacy_logprobs(logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | 
 
 class Shape:
     """How one route's pieces look: /api/chat puts text in message.content, /api/generate in
-    response; `kind` is the translated request's."""
+    response; `kind` is the translated request's; `arrival_s` when the request came (None: when
+    its generation started) and `load_s` how long it waited for the load it started."""
 
-    def __init__(self, route: Literal["chat", "generate"], kind: Kind, model: str) -> None:
+    def __init__(self, route: Literal["chat", "generate"], kind: Kind, model: str, *,
+                 arrival_s: float | None = None, load_s: float = 0.0) -> None:
         self.route, self.kind, self.model = route, kind, model
+        self.arrival_s, self.load_s = arrival_s, load_s
 
     def piece(self, text: str, thinking: str = "", calls: list[dict[str, Any]] | None = None,
               logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -426,7 +448,26 @@ class Shape:
 
     def done(self, generation: Generation, finish_reason: str | None, **content: Any) -> dict[str, Any]:
         return {**self.piece(content.pop("text", ""), **content), "done": True,
-                "done_reason": _done_reason(finish_reason), **_metrics(generation)}
+                "done_reason": _done_reason(finish_reason), **self._metrics(generation)}
+
+    def ended(self, done_reason: Literal["load", "unload"]) -> dict[str, Any]:
+        """The one reply of a request with nothing to generate (Ollama's load and unload)."""
+        return {**self.piece(""), "done": True, "done_reason": done_reason,
+                "total_duration": ns(time.perf_counter() - self.arrival_s), "load_duration": ns(self.load_s)}
+
+    def _metrics(self, generation: Generation) -> dict[str, int]:
+        """Ollama's timings (nanoseconds) and counts: the whole from the request's arrival (its
+        load included), the prompt's evaluation from the generation's start to the first token,
+        the generation's from the first token to the last."""
+        choice = next(iter(generation.choices.values()))
+        now = time.perf_counter()
+        first = choice.first_s or now
+        usage = generation.usage()
+        arrival_s = generation.arrival_s if self.arrival_s is None else self.arrival_s
+        return {"total_duration": ns(now - arrival_s), "load_duration": ns(self.load_s),
+                "prompt_eval_count": usage["prompt_tokens"],
+                "prompt_eval_duration": ns(first - generation.arrival_s),
+                "eval_count": usage["completion_tokens"], "eval_duration": ns((choice.last_s or now) - first)}
 
     def whole(self, body: dict[str, Any], generation: Generation) -> dict[str, Any]:
         """The unary chat or completion body as one Ollama reply."""
@@ -489,23 +530,51 @@ def _answer(shape: Shape, stream: bool) -> routes.Answer:
 
 # -- the routes -----------------------------------------------------------------------------------
 
+async def _bind(request: Request, model: ServedModel) -> tuple[ServerState, float]:
+    """Bind the request to `model` as the OpenAI routes do (one not loaded loads now, and the
+    request waits); and the seconds it waited for that load when it started it (else 0)."""
+    starts_load = model.status == "available"
+    started_s = time.perf_counter()
+    state = await routes.bind_model(request, model.name)
+    return state, time.perf_counter() - started_s if starts_load else 0.0
+
+
+def _unload(state: ServerState, model: ServedModel, shape: Shape) -> Response:
+    """Ollama's way to unload a model: nothing to generate and keep_alive 0. It goes as soon as
+    no request runs on it; one not loaded is left as it is (nothing loads for the asking)."""
+    if model.pinned:
+        raise bad_request("this server's one model is loaded for good (nanoserve serve --model M): "
+                          "keep_alive 0 cannot unload it; a server of several models (--models-dir, or "
+                          "--model more than once) unloads them", "keep_alive")
+    if model.bridge is not None:
+        state.models.keep_alive(model.name, 0)
+    return JSONResponse(shape.ended("unload"))
+
+
 async def _generation(request: Request, route: Literal["chat", "generate"]) -> Response:
-    state = state_of(request)
+    arrival_s = time.perf_counter()
+    server = state_of(request)
     model_type = OllamaChatRequest if route == "chat" else OllamaGenerateRequest
-    body = await routes.parse_body(request, model_type)
-    model = served_name(state, body.model)
+    body = await routes.read_body(request, model_type)
+    model, served = ollama_models.find(server, body.model)
+    keep_s = keep_alive_s(body.keep_alive)
+    _common(body, served)  # the body's own checks, before its model loads for it
+    shape = Shape(route, "chat", body.model, arrival_s=arrival_s)
     empty = not body.messages if route == "chat" else not body.prompt
-    if empty:  # Ollama's way to load a model: nothing to generate, the model is ready
-        shape = Shape(route, "chat", body.model)
-        return JSONResponse({**shape.piece(""), "done": True, "done_reason": "load"})
+    if empty and keep_s == 0:
+        return _unload(server, model, shape)
+    state, shape.load_s = await _bind(request, model)
     routes.check_available(state)
+    if empty:  # Ollama's way to load a model: nothing to generate, the model is ready
+        server.models.keep_alive(model.name, keep_s)
+        return JSONResponse(shape.ended("load"))
     try:
-        translated = (chat_request(state, body, model) if route == "chat"
-                      else generate_request(state, body, model))
+        translated = (chat_request(state, body, served) if route == "chat"
+                      else generate_request(state, body, served))
         await _fit_window(state, body.options, translated)
-        kind: Kind = "completion" if isinstance(translated, CompletionRequest) else "chat"
-        return await routes.serve_generation(request, kind, translated,
-                                             _answer(Shape(route, kind, body.model), body.stream))
+        shape.kind = "completion" if isinstance(translated, CompletionRequest) else "chat"
+        server.models.keep_alive(model.name, keep_s)
+        return await routes.serve_generation(request, shape.kind, translated, _answer(shape, body.stream))
     except APIError as error:
         prompt_field = {"messages": "messages" if route == "chat" else "prompt"}
         return error_response(error, OLLAMA_PARAMS | prompt_field)
@@ -524,47 +593,58 @@ async def generate(request: Request) -> Response:
 @ollama_route
 async def embed(request: Request) -> Response:
     arrival_s = time.perf_counter()
-    body = await routes.parse_body(request, OllamaEmbedRequest)
-    state = state_of(request)
-    _check_keep_alive(body.keep_alive)
+    server = state_of(request)
+    body = await routes.read_body(request, OllamaEmbedRequest)
+    model, served = ollama_models.find(server, body.model)
+    keep_s = keep_alive_s(body.keep_alive)
     sent = body.options.model_dump(exclude_none=True) if body.options is not None else {}
-    if (num_ctx := sent.pop("num_ctx", None)) is not None and num_ctx > state.engine.max_model_len:
-        raise bad_request(f"num_ctx must be at most this model's context, {state.engine.max_model_len}; got "
-                          f"{num_ctx}", "options.num_ctx")
+    num_ctx = sent.pop("num_ctx", None)
     if sent:
         name = next(iter(sent))
         raise bad_request(f"{name} is a sampling option: an embedding samples nothing", f"options.{name}")
+    state, load_s = await _bind(request, model)
+    routes.check_available(state)
+    if num_ctx is not None and num_ctx > state.engine.max_model_len:
+        raise bad_request(f"num_ctx must be at most this model's context, {state.engine.max_model_len}; got "
+                          f"{num_ctx}", "options.num_ctx")
+    server.models.keep_alive(model.name, keep_s)
     openai_body = embeddings.EmbeddingRequest.model_validate(
-        {"model": served_name(state, body.model), "input": body.input, "dimensions": body.dimensions})
+        {"model": served, "input": body.input, "dimensions": body.dimensions})
     generation = await embeddings.run(request, openai_body, arrival_s)
     if generation is None:
         return Response(status_code=499)
     vectors = [choice.embedding for choice in sorted(generation.choices.values(), key=lambda c: c.index)]
     return JSONResponse({"model": body.model, "embeddings": vectors,
-                         "total_duration": round((time.perf_counter() - arrival_s) * NS_PER_S),
-                         "load_duration": 0, "prompt_eval_count": generation.usage()["prompt_tokens"]})
+                         "total_duration": ns(time.perf_counter() - arrival_s), "load_duration": ns(load_s),
+                         "prompt_eval_count": generation.usage()["prompt_tokens"]})
 
 
 @ollama_route
 async def tags(request: Request) -> Response:
-    state = state_of(request)
-    routes.check_available(state)
-    return JSONResponse(ollama_models.tags_body(state))
+    listed = ollama_models.listing(state_of(request), loaded_only=False)
+    return JSONResponse(await asyncio.to_thread(ollama_models.tags_body, listed))
 
 
 @ollama_route
 async def ps(request: Request) -> Response:
     state = state_of(request)
-    routes.check_available(state)
-    return JSONResponse(ollama_models.ps_body(state))
+    listed = ollama_models.listing(state, loaded_only=True)
+    unloads_in_s = ollama_models.unloads_in(state, listed)
+    return JSONResponse(await asyncio.to_thread(ollama_models.ps_body, listed, unloads_in_s))
 
 
 @ollama_route
 async def show(request: Request) -> Response:
-    body = await routes.parse_body(request, OllamaShowRequest)
-    state = state_of(request)
-    routes.check_available(state)
-    return JSONResponse(ollama_models.show_body(state, served_name(state, body.model or body.name)))
+    """A served model's description, loaded or not: nothing loads for it."""
+    server = state_of(request)
+    body = await routes.read_body(request, OllamaShowRequest)
+    model, served = ollama_models.find(server, body.model or body.name)
+    engine, config = ollama_models.reading(server, model)
+
+    def read() -> dict[str, Any]:
+        return ollama_models.show_body(server, served, ollama_models.describe(model.name, engine, config))
+
+    return JSONResponse(await asyncio.to_thread(read))
 
 
 @ollama_route

@@ -2,9 +2,9 @@
 vLLM's /tokenize, /detokenize and /version, /health and /metrics (/v1/embeddings is `embeddings`').
 
 Owns: the API key check, reading a body no larger than the server's limit and validating it
-(`parse_body`), binding a request to the model its body names (`bind_model`: a 404 naming
-`model` for one not served; the request waits while it loads), the model listing, and the
-order one generation request goes through (`serve_generation`): the
+(`read_body`), binding a request to the model its body names (`bind_model`: a 404 naming
+`model` for one not served; the request waits while it loads; `parse_body` does both), the
+model listing, and the order one generation request goes through (`serve_generation`): the
 body checks, the engine's availability, planning (off the event loop), admission, then a
 stream or a unary answer, or the answer of a protocol built on chat (Anthropic's Messages,
 OpenAI's Responses).
@@ -192,6 +192,15 @@ async def create_chat_completion(request: Request) -> Response:
 async def parse_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
     """The body, read and validated, and the request bound to the model it names (`bind_model`:
     every route that reads a body serves one model's request)."""
+    body = await read_body(request, model)
+    await bind_model(request, getattr(body, "model", None))
+    return body
+
+
+async def read_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
+    """The body, read and validated, its refused fields refused; the request is not bound to a
+    model (for a route that finds the model itself: Ollama's names carry tags, and its /api/show
+    reads a model without loading it)."""
     # Parsed by hand, not by FastAPI: the body's size is bounded before it is read whole, and
     # strict validation from JSON makes `"n": "2"` a 400 rather than a guess.
     raw = await _read_body(request, state_of(request).limits)
@@ -202,7 +211,6 @@ async def parse_body(request: Request, model: type[ParsedBody]) -> ParsedBody:
     refused = protocol.refused_field(body)
     if refused is not None:
         raise APIError(400, refused.message, param=refused.param, code=refused.code)
-    await bind_model(request, getattr(body, "model", None))
     return body
 
 
