@@ -1,0 +1,92 @@
+"""Tiny but real Idefics3 (SmolVLM) checkpoints for the vision tests, built by transformers offline.
+
+`write_tiny_idefics3` writes what the loaders read: config.json and random float32 weights saved
+by transformers' own `Idefics3ForConditionalGeneration.save_pretrained`, the tiny byte-level BPE
+tokenizer of tiny_model.py with Idefics3's image tokens added as special tokens, a ChatML
+template, and the image processor's preprocessor_config.json (`Idefics3ImageProcessorPil`).
+`reference_processor` is transformers' processor for such a folder.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import AddedToken
+
+from tests.tiny_model import BOS_TOKEN, EOS_TOKEN, _tokenizer_config, tiny_tokenizer
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+
+
+def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 2, vision_heads: int = 4,
+                        image_size: int = 32, patch_size: int = 4, scale_factor: int = 2, text_hidden: int = 64,
+                        text_layers: int = 2, longest_edge: int = 64, split: bool = True,
+                        tie_word_embeddings: bool = False, seed: int = 0) -> Path:
+    """A complete Idefics3 folder: tiles of `image_size` pixels (the processor's max_image_size),
+    images first resized so their longest edge is `longest_edge`."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in IMAGE_TOKENS])
+    tokenizer.save(str(path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=text_hidden,
+                         intermediate_size=2 * text_hidden, num_hidden_layers=text_layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=text_hidden // 4, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None,
+                         tie_word_embeddings=tie_word_embeddings),
+        vision_config=dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                           num_hidden_layers=vision_layers, num_attention_heads=vision_heads, image_size=image_size,
+                           patch_size=patch_size),
+        scale_factor=scale_factor, image_token_id=tokenizer.token_to_id("<image>"),
+        tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms off their all-ones init, biases off zero: the test can see them
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    tokenizer_config = _tokenizer_config() | {"model_max_length": 4096}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
+                                          max_image_size={"longest_edge": image_size}, do_image_splitting=split)
+    processor.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": rows_per_tile(config)}))
+    return path
+
+
+def rows_per_tile(config) -> int:
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+
+
+def reference_processor(path: Path):
+    """transformers' Idefics3Processor over the folder's tokenizer and image processor."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN)
+    seq_len = json.loads((path / "processor_config.json").read_text())["image_seq_len"]
+    return Idefics3Processor(Idefics3ImageProcessorPil.from_pretrained(path), tokenizer, image_seq_len=seq_len)
+
+
+def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
+    return Image.fromarray(pixels, mode)
+
+
+def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
