@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.pooling_params import POOLING_METHODS
 
 # Fields that do not change the forward pass: token ids, training-only settings, and what
@@ -721,6 +722,8 @@ class EngineConfig:
     # How an embedding request pools the prompt's final hidden states ("last" or "mean");
     # None: the checkpoint's own choice (sentence-transformers' pooling config), else "last".
     pooling: str | None = None
+    # How many images one prompt may carry and how large each may be (a vision-language model's).
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:

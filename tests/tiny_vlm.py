@@ -24,8 +24,9 @@ IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of
                 *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
 
 
-def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 2, vision_heads: int = 4,
-                        image_size: int = 32, patch_size: int = 4, scale_factor: int = 2, text_hidden: int = 64,
+def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 2,
+                        vision_heads: int = 4, image_size: int = 32, patch_size: int = 4,
+                        scale_factor: int = 2, text_hidden: int = 64,
                         text_layers: int = 2, longest_edge: int = 64, split: bool = True,
                         tie_word_embeddings: bool = False, seed: int = 0) -> Path:
     """A complete Idefics3 folder: tiles of `image_size` pixels (the processor's max_image_size),
@@ -40,14 +41,15 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     config = Idefics3Config(
         text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=text_hidden,
-                         intermediate_size=2 * text_hidden, num_hidden_layers=text_layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=text_hidden // 4, max_position_embeddings=2048,
-                         rms_norm_eps=1e-5, bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=text_hidden // 4,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
                          eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None,
                          tie_word_embeddings=tie_word_embeddings),
         vision_config=dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
-                           num_hidden_layers=vision_layers, num_attention_heads=vision_heads, image_size=image_size,
-                           patch_size=patch_size),
+                           num_hidden_layers=vision_layers, num_attention_heads=vision_heads,
+                           image_size=image_size, patch_size=patch_size),
         scale_factor=scale_factor, image_token_id=tokenizer.token_to_id("<image>"),
         tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
@@ -60,7 +62,8 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
     tokenizer_config = _tokenizer_config() | {"model_max_length": 4096}
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
-                                          max_image_size={"longest_edge": image_size}, do_image_splitting=split)
+                                          max_image_size={"longest_edge": image_size},
+                                          do_image_splitting=split)
     processor.save_pretrained(path)
     (path / "processor_config.json").write_text(json.dumps({"image_seq_len": rows_per_tile(config)}))
     return path
@@ -78,7 +81,8 @@ def reference_processor(path: Path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
                                         eos_token=EOS_TOKEN)
     seq_len = json.loads((path / "processor_config.json").read_text())["image_seq_len"]
-    return Idefics3Processor(Idefics3ImageProcessorPil.from_pretrained(path), tokenizer, image_seq_len=seq_len)
+    image_processor = Idefics3ImageProcessorPil.from_pretrained(path)
+    return Idefics3Processor(image_processor, tokenizer, image_seq_len=seq_len)
 
 
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:

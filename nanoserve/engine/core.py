@@ -73,6 +73,7 @@ from nanoserve.distributed.group import RankPlan, ShardedModel, rank_threads
 from nanoserve.distributed.shards import local_config
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
+from nanoserve.engine.images import EngineImages, ImageData
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
@@ -93,6 +94,7 @@ from nanoserve.model.decoder import Llama
 from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
+from nanoserve.multimodal.inputs import ImageInput
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -203,8 +205,12 @@ class Engine:
             self.pool,
         )
         runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
+        # A vision-language model's image side (None: text only).
+        self.images = EngineImages.load(self.model_dir, config.image_limits, dtype=self.dtype,
+                                        device=self.device, kernel=self.kernel_choice.kernel)
         self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
-                                  device=self.device)
+                                  device=self.device,
+                                  image_embeddings=None if self.images is None else self.images.embeddings)
         self.loras = self._adapter_set()
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
@@ -368,12 +374,15 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, parent_id: str | None = None,
-                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> str:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None,
+                    images: Sequence[ImageData] | None = None) -> str:
         """Queue a request; `parent_id` names the client request it is one choice of (the
         scheduler's fair share divides steps between parents; None: a parent of its own);
         `lora_request` the adapter it runs with (loaded now if it is not resident); `pooling`
         makes it an embedding request: its prompt is computed, pooled into one vector (its one
-        output) and it ends, sampling nothing (`params` then give only its priority and cache salt)."""
+        output) and it ends, sampling nothing (`params` then give only its priority and cache salt);
+        `images` the files (bytes) or PIL images a vision-language model's text prompt places, one
+        per placeholder (`<image>` for SmolVLM)."""
         if pooling is not None:
             self.check_pooling(pooling)
             pooling = dataclasses.replace(pooling, method=pooling.method or self.pooling_method)
@@ -382,7 +391,7 @@ class Engine:
                                       "text (start it with task 'generate' to generate)", param="task")
         params = (params or SamplingParams()).with_bad_words_token_ids(
             lambda text: self.tokenizer.encode(text, add_bos=False))
-        prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
+        prompt_ids, image_inputs = self._prompt_inputs(prompt, params, images)
         if pooling is not None:  # nothing sampled: one "token" of room, as a prompt must leave
             params = dataclasses.replace(SamplingParams(max_tokens=1, temperature=0.0),
                                          priority=params.priority, cache_salt=params.cache_salt)
@@ -397,11 +406,27 @@ class Engine:
         spec = params.structured_outputs
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
         request = Request(request_id, prompt_ids, params, seed, parent_id=parent_id,
-                          output_state=output_state, grammar=grammar, adapter=adapter, pooling=pooling)
+                          output_state=output_state, grammar=grammar, adapter=adapter, pooling=pooling,
+                          images=image_inputs)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)
         return request_id
+
+    def _prompt_inputs(self, prompt: str | Sequence[int], params: SamplingParams,
+                       images: Sequence[ImageData] | None) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids (truncated as `params` ask) and its images placed in them."""
+        if not images:
+            return params.truncate_prompt(self.encode_prompt(prompt)), []
+        if self.images is None:
+            raise InvalidRequestError(f"{self.model_dir.name} is a text-only model: it takes no images",
+                                      param="images")
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("images need a text prompt (their placeholders are expanded in its "
+                                      "text); got token ids", param="prompt")
+        if self.tp is not None:
+            raise InvalidRequestError("images are not supported with tensor parallelism yet", param="images")
+        return self.images.prompt(prompt, images, self.encode_prompt, params.truncate_prompt)
 
     def check_pooling(self, pooling: PoolingParams) -> None:
         """Refuse an embedding request this engine cannot pool: with tensor parallelism, or a
@@ -574,13 +599,16 @@ class Engine:
             self.stats.decode_steps += 1
 
     @torch.inference_mode()
-    def prompt_logits(self, prompts: Sequence[str | Sequence[int]]) -> torch.Tensor:
-        """Last-position float32 logits of each prompt, computed alone (for parity and benches)."""
+    def prompt_logits(self, prompts: Sequence[str | Sequence[int]],
+                      images: Sequence[Sequence[ImageData]] | None = None) -> torch.Tensor:
+        """Last-position float32 logits of each prompt (with `images[i]` its images), computed alone
+        (for parity and benches)."""
         if self.has_unfinished():
             raise RuntimeError("prompt_logits runs each prompt alone; the engine has requests in flight")
         rows = []
-        for prompt in prompts:
-            request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        for index, prompt in enumerate(prompts):
+            request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                          images=images[index] if images is not None else None)
             captured = self._run_prefill_capturing_logits(self.requests[request_id])
             self.abort(request_id)
             rows.append(captured)

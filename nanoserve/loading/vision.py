@@ -43,7 +43,8 @@ def vision_tensor_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         layer = f"{v}encoder.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            shapes |= {f"{layer}self_attn.{proj}.weight": (hidden, hidden), f"{layer}self_attn.{proj}.bias": (hidden,)}
+            shapes |= {f"{layer}self_attn.{proj}.weight": (hidden, hidden),
+                       f"{layer}self_attn.{proj}.bias": (hidden,)}
         for norm in ("layer_norm1", "layer_norm2"):
             shapes |= {f"{layer}{norm}.weight": (hidden,), f"{layer}{norm}.bias": (hidden,)}
         shapes |= {f"{layer}mlp.fc1.weight": (ffn, hidden), f"{layer}mlp.fc1.bias": (ffn,),
@@ -61,7 +62,8 @@ def vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> Vi
         attn = [t[f"self_attn.{proj}.weight"] for proj in ("q_proj", "k_proj", "v_proj")]
         attn_bias = [t[f"self_attn.{proj}.bias"] for proj in ("q_proj", "k_proj", "v_proj")]
         return EncoderLayerWeights(
-            norm1=(t["layer_norm1.weight"], t["layer_norm1.bias"]), qkv=torch.cat(attn), qkv_bias=torch.cat(attn_bias),
+            norm1=(t["layer_norm1.weight"], t["layer_norm1.bias"]), qkv=torch.cat(attn),
+            qkv_bias=torch.cat(attn_bias),
             out=t["self_attn.out_proj.weight"], out_bias=t["self_attn.out_proj.bias"],
             norm2=(t["layer_norm2.weight"], t["layer_norm2.bias"]), fc1=t["mlp.fc1.weight"],
             fc1_bias=t["mlp.fc1.bias"], fc2=t["mlp.fc2.weight"], fc2_bias=t["mlp.fc2.bias"])
@@ -80,8 +82,8 @@ def check_vision_tensors(model_dir: Path, config: VisionConfig, tensors: dict[st
         if name not in tensors:
             raise UnsupportedModelError(f"{model_dir}: the checkpoint lacks the vision tensor {name} {shape}")
         if tuple(tensors[name].shape) != shape:
-            raise UnsupportedModelError(f"{model_dir}: vision tensor {name} has shape {tuple(tensors[name].shape)}; "
-                                        f"config.json implies {shape}")
+            raise UnsupportedModelError(f"{model_dir}: vision tensor {name} has shape "
+                                        f"{tuple(tensors[name].shape)}; config.json implies {shape}")
 
 
 def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dtype, device: torch.device,

@@ -95,7 +95,8 @@ class SiglipTower:
         tiles, _, height, width = pixel_values.shape
         rows, cols = height // cfg.patch_size, width // cfg.patch_size
         hidden = self._affine(self._patches(pixel_values), w.patch, w.patch_bias)
-        hidden = hidden.view(tiles, rows * cols, cfg.hidden_size) + w.positions[self._position_ids(rows, cols)]
+        positions = w.positions[self._position_ids(rows, cols)]
+        hidden = hidden.view(tiles, rows * cols, cfg.hidden_size) + positions
         for layer in w.layers:
             hidden = hidden + self._attention(self._norm(hidden, layer.norm1), layer)
             hidden = hidden + self._mlp(self._norm(hidden, layer.norm2), layer)

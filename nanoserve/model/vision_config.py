@@ -50,13 +50,14 @@ class VisionConfig:
             return None
         family = raw.get("model_type")
         if family not in VISION_FAMILIES:
-            raise UnsupportedModelError(f"config.json: model_type {family!r} has a vision tower nanoserve does not "
-                                        f"run; it runs the vision-language families {', '.join(VISION_FAMILIES)}")
+            raise UnsupportedModelError(f"config.json: model_type {family!r} has a vision tower nanoserve "
+                                        "does not run; it runs the vision-language families "
+                                        f"{', '.join(VISION_FAMILIES)}")
         vision, text = raw["vision_config"], raw["text_config"]
         act = vision.get("hidden_act", "gelu_pytorch_tanh")
         if act not in ENCODER_ACTIVATIONS:
-            raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: nanoserve's "
-                                        f"encoder runs {', '.join(ENCODER_ACTIVATIONS)}")
+            raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: "
+                                        f"nanoserve's encoder runs {', '.join(ENCODER_ACTIVATIONS)}")
         config = cls(family=family, hidden_size=vision["hidden_size"],
                      intermediate_size=vision["intermediate_size"], num_layers=vision["num_hidden_layers"],
                      num_heads=vision["num_attention_heads"], num_channels=vision.get("num_channels", 3),
@@ -65,8 +66,8 @@ class VisionConfig:
                      text_hidden_size=text["hidden_size"], image_token_id=raw["image_token_id"],
                      scale_factor=raw.get("scale_factor", 1))
         if config.hidden_size % config.num_heads or config.patches_per_side % config.scale_factor:
-            raise UnsupportedModelError("config.json: vision_config.hidden_size must divide by num_attention_heads "
-                                        "and the patches per side by scale_factor")
+            raise UnsupportedModelError("config.json: vision_config.hidden_size must divide by "
+                                        "num_attention_heads and the patches per side by scale_factor")
         return config
 
 

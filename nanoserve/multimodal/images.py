@@ -1,9 +1,8 @@
 """Image bytes to pixels: decoding with Pillow, under limits, every failure a 400 naming the part.
 
-Owns: `ImageLimits` (the most bytes and pixels one image may have, how many a prompt may carry),
-`decode_image` (PNG, JPEG, WebP, GIF's first frame -> an RGB `PIL.Image`, transparency composited
+Owns: `decode_image` (PNG, JPEG, WebP, GIF's first frame -> an RGB `PIL.Image`, transparency composited
 on white as transformers' processors do) and `data_url_bytes` (a base64 `data:` URL's payload).
-Refuses: any other format (SVG, TIFF, ...), an image over the limits (checked from its header,
+Refuses: any other format (SVG, TIFF, ...), an image over the `ImageLimits` (checked from its header,
 before its pixels are decoded), a truncated or corrupt file: each an `InvalidRequestError` whose
 `param` is the request field that carried the image.
 """
@@ -14,29 +13,13 @@ import base64
 import binascii
 import io
 import warnings
-from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
 from nanoserve.errors import InvalidRequestError
+from nanoserve.multimodal.limits import ImageLimits
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-# A 4096 x 4096 image: Idefics3's processors shrink anything larger to fit inside this anyway.
-MAX_PIXELS_DEFAULT = 4096 * 4096
-MAX_BYTES_DEFAULT = 20 << 20
-MAX_IMAGES_PER_PROMPT_DEFAULT = 8
-
-
-@dataclass(frozen=True, slots=True)
-class ImageLimits:
-    max_pixels: int = MAX_PIXELS_DEFAULT
-    max_bytes: int = MAX_BYTES_DEFAULT
-    max_images_per_prompt: int = MAX_IMAGES_PER_PROMPT_DEFAULT
-
-    def check_count(self, count: int, field: str) -> None:
-        if count > self.max_images_per_prompt:
-            raise InvalidRequestError(f"{count} images in one prompt; at most {self.max_images_per_prompt} are "
-                                      "allowed (--limit-mm-per-prompt)", param=field)
 
 
 def decode_image(data: bytes, field: str, limits: ImageLimits | None = None) -> Image.Image:
@@ -51,8 +34,8 @@ def decode_image(data: bytes, field: str, limits: ImageLimits | None = None) -> 
             image = Image.open(io.BytesIO(data), formats=FORMATS)
             width, height = image.size
             if width * height > limits.max_pixels:
-                raise InvalidRequestError(f"the image is {width} x {height} pixels; at most {limits.max_pixels} "
-                                          "pixels are allowed", param=field)
+                raise InvalidRequestError(f"the image is {width} x {height} pixels; at most "
+                                          f"{limits.max_pixels} pixels are allowed", param=field)
             image.seek(0)  # a GIF's first frame
             image.load()
     except InvalidRequestError:
@@ -80,7 +63,8 @@ def data_url_bytes(url: str, field: str) -> bytes:
     """The payload of a `data:image/...;base64,...` URL."""
     header, comma, payload = url.partition(",")
     if not comma or not header.startswith("data:") or not header.endswith(";base64"):
-        raise InvalidRequestError("an image data URL must look like data:image/png;base64,<data>", param=field)
+        raise InvalidRequestError("an image data URL must look like data:image/png;base64,<data>",
+                                  param=field)
     return base64_bytes(payload, field)
 
 

@@ -96,8 +96,8 @@ class Idefics3Processor:
         tile = raw.get("max_image_size", {}).get("longest_edge", vision.image_size)
         size = raw.get("size", {"longest_edge": 4 * tile})
         if raw.get("do_resize", True) and "longest_edge" not in size:
-            raise UnsupportedModelError(f"preprocessor_config.json field 'size' = {size!r}: Idefics3 resizes by "
-                                        "'longest_edge'")
+            raise UnsupportedModelError(f"preprocessor_config.json field 'size' = {size!r}: Idefics3 "
+                                        "resizes by 'longest_edge'")
         normalize = raw.get("do_normalize", True)
         return cls(rows_per_tile=vision.rows_per_tile, tile=tile,
                    longest_edge=size["longest_edge"] if raw.get("do_resize", True) else None,

@@ -1,0 +1,109 @@
+"""The engine's image side: a request's images become token ids with placeholder runs and
+`ImageInput`s; an image's embedding rows are computed once and kept by content hash.
+
+Owns: `EngineImages` (the model's processor, its encoder and `ImageEmbeddingCache`): decoding
+under the engine's `ImageLimits`, expanding the prompt's placeholders, placing each image's rows,
+and encoding on demand. An image is encoded alone (never batched with another request's), so its
+rows have the same bits in a crowd as alone, and a preempted request's recompute, or another
+request sending the same image, reads the cached rows.
+Refuses: images for a model without a vision tower, and images beside a token-id prompt (the
+placeholders come from the text), each naming the field.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.vision import load_image_encoder, read_vision_config
+from nanoserve.model.linear import KERNELS, LinearKernel
+from nanoserve.model.vision import ImageEncoder
+from nanoserve.multimodal.images import decode_image, to_rgb
+from nanoserve.multimodal.inputs import ImageInput, expand_placeholders, place_images
+from nanoserve.multimodal.limits import ImageLimits
+from nanoserve.multimodal.processors import ImageProcessor, load_processor
+
+# Images' embedding rows kept for reuse (preemption, a repeated image): the least recently
+# used go first past this many bytes.
+IMAGE_CACHE_BYTES = 256 << 20
+
+ImageData = bytes | Image.Image
+
+
+class ImageEmbeddingCache:
+    """Embedding rows by content hash, least recently used evicted past `max_bytes`."""
+
+    def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        rows = self._rows.get(key)
+        if rows is not None:
+            self.hits += 1
+            self._rows.move_to_end(key)
+            return rows
+        self.misses += 1
+        rows = compute()
+        self._rows[key] = rows
+        self.num_bytes += rows.numel() * rows.element_size()
+        while self.num_bytes > self.max_bytes and len(self._rows) > 1:
+            _, evicted = self._rows.popitem(last=False)
+            self.num_bytes -= evicted.numel() * evicted.element_size()
+        return rows
+
+
+class EngineImages:
+    def __init__(self, processor: ImageProcessor, encoder: ImageEncoder, limits: ImageLimits,
+                 device: torch.device) -> None:
+        self.processor = processor
+        self.encoder = encoder
+        self.limits = limits
+        self.device = device
+        self.cache = ImageEmbeddingCache()
+
+    @classmethod
+    def load(cls, model_dir: Path, limits: ImageLimits, *, dtype: torch.dtype, device: torch.device,
+             kernel: LinearKernel) -> EngineImages | None:
+        """The image side of `model_dir`, or None for a text-only model. Its matrices run the
+        text model's float kernel (a quantized kernel's float sibling: the tower stays float)."""
+        config = read_vision_config(model_dir)
+        if config is None:
+            return None
+        float_kernel = kernel if kernel.name in KERNELS else KERNELS["aten"]
+        encoder = load_image_encoder(model_dir, config, dtype=dtype, device=device,
+                                     linear_kernel=float_kernel)
+        return cls(load_processor(model_dir, config), encoder, limits, device)
+
+    def prompt(self, text: str, images: Sequence[ImageData], encode: Callable[[str], list[int]],
+               truncate: Callable[[list[int]], list[int]],
+               field: str = "images") -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids, its placeholders expanded, and its images placed in them."""
+        self.limits.check_count(len(images), field)
+        processed = [self.processor.process(self._decoded(image, f"{field}[{i}]"))
+                     for i, image in enumerate(images)]
+        ids = truncate(encode(expand_placeholders(text, self.processor.placeholder, processed, field)))
+        return ids, place_images(ids, processed, self.encoder.config.image_token_id, field)
+
+    def _decoded(self, image: ImageData, field: str) -> Image.Image:
+        if isinstance(image, bytes | bytearray):
+            return decode_image(bytes(image), field, self.limits)
+        if not isinstance(image, Image.Image):
+            raise InvalidRequestError(f"an image must be the bytes of an image file or a PIL image; got "
+                                      f"{type(image).__name__}", param=field)
+        if image.width * image.height > self.limits.max_pixels:
+            raise InvalidRequestError(f"the image is {image.width} x {image.height} pixels; at most "
+                                      f"{self.limits.max_pixels} pixels are allowed", param=field)
+        return to_rgb(image)
+
+    def embeddings(self, image: ImageInput) -> torch.Tensor:
+        """The image's embedding rows [len(positions), text hidden] on the device, encoded once."""
+        return self.cache.get(image.content_hash,
+                              lambda: self.encoder.encode(image.pixel_values.to(self.device)))
