@@ -11,6 +11,7 @@ signal killed, so a supervisor can tell a forced stop from a clean one.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from nanoserve.engine.core import Engine
+    from nanoserve.multimodal.limits import ImageLimits
     from nanoserve.server.adapters import LoRAModule
     from nanoserve.server.replicas import ReplicaPlan
     from nanoserve.server.tenants import Tenancy
@@ -102,6 +104,13 @@ def serve(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
+    allowed_media_domains: Annotated[list[str] | None, typer.Option(
+        help="A host whose http(s) image URLs the server fetches (repeatable; vLLM's name). Default: "
+             "none, so images come as data: URLs only.")] = None,
+    limit_mm_per_prompt: Annotated[str, typer.Option(
+        help="Most images one prompt may carry: a count, or vLLM's JSON {\"image\": N}.")] = "8",
+    max_image_pixels: Annotated[int, typer.Option(
+        min=1, help="Most pixels (width x height) one image may have; larger ones are a 400.")] = 4096 * 4096,
     data_parallel_size: Annotated[int, typer.Option(
         "--data-parallel-size", "-dp", min=1,
         help="Serve from N engine processes (vLLM's data parallelism), each on its own share of the cores "
@@ -123,6 +132,7 @@ def serve(
     from nanoserve.loading.default_model import resolve_model
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
+    from nanoserve.server.images import MediaPolicy
     from nanoserve.server.reasoning import ReasoningConfig
 
     tenancy = _tenancy(api_key, api_keys_file, prefix_cache_scope, max_concurrent_requests_per_tenant)
@@ -137,7 +147,9 @@ def serve(
     if enable_lora and data_parallel_size > 1:
         options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
                      "with --data-parallel-size above 1 yet")
-    config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    image_limits = _image_limits(limit_mm_per_prompt, max_image_pixels)
+    config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                           image_limits=image_limits)
     replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -157,7 +169,8 @@ def serve(
     _check_lora_modules(modules, source.dir, names, aliases, max_lora_rank)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
-                          max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
+                          max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template,
+                          media=MediaPolicy(frozenset(allowed_media_domains or ())))
     engine_deaths: list[BaseException] = []
 
     def stop_on_engine_death(error: BaseException) -> None:
@@ -190,6 +203,22 @@ def serve(
         typer.secho(f"Error: the engine stopped: {error!r} (the log above has the traceback)", err=True,
                     fg=typer.colors.RED)
         raise typer.Exit(code=1)
+
+
+def _image_limits(limit_mm_per_prompt: str, max_image_pixels: int) -> ImageLimits:
+    """`--limit-mm-per-prompt` (a count or vLLM's {"image": N}) and `--max-image-pixels`, or exit 2."""
+    from nanoserve.multimodal.limits import ImageLimits
+
+    try:
+        value = json.loads(limit_mm_per_prompt)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and set(value) == {"image"}:
+        value = value["image"]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        options.fail(f'--limit-mm-per-prompt must be a count >= 0 or {{"image": N}}; got '
+                     f"{limit_mm_per_prompt!r}")
+    return ImageLimits(max_images_per_prompt=value, max_pixels=max_image_pixels)
 
 
 def _replica_plan(config: EngineConfig, size: int) -> ReplicaPlan | None:

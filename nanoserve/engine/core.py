@@ -375,7 +375,7 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, parent_id: str | None = None,
                     lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None,
-                    images: Sequence[ImageData] | None = None) -> str:
+                    images: Sequence[ImageData] | Sequence[ImageInput] | None = None) -> str:
         """Queue a request; `parent_id` names the client request it is one choice of (the
         scheduler's fair share divides steps between parents; None: a parent of its own);
         `lora_request` the adapter it runs with (loaded now if it is not resident); `pooling`
@@ -414,18 +414,25 @@ class Engine:
         return request_id
 
     def _prompt_inputs(self, prompt: str | Sequence[int], params: SamplingParams,
-                       images: Sequence[ImageData] | None) -> tuple[list[int], list[ImageInput]]:
-        """The prompt's token ids (truncated as `params` ask) and its images placed in them."""
+                       images: Sequence[ImageData] | Sequence[ImageInput] | None
+                       ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids (truncated as `params` ask) and its images placed in them; or
+        token ids and the `ImageInput`s placed in them already, checked."""
         if not images:
             return params.truncate_prompt(self.encode_prompt(prompt)), []
         if self.images is None:
             raise InvalidRequestError(f"{self.model_dir.name} is a text-only model: it takes no images",
                                       param="images")
-        if not isinstance(prompt, str):
+        placed = all(isinstance(image, ImageInput) for image in images)
+        if not placed and not isinstance(prompt, str):
             raise InvalidRequestError("images need a text prompt (their placeholders are expanded in its "
                                       "text); got token ids", param="prompt")
         if self.tp is not None:
             raise InvalidRequestError("images are not supported with tensor parallelism yet", param="images")
+        if placed:  # by the server's planner: `prompt` holds their placeholders
+            prompt_ids = self.encode_prompt(prompt)
+            self.images.check_placed(prompt_ids, images)
+            return prompt_ids, list(images)
         return self.images.prompt(prompt, images, self.encode_prompt, params.truncate_prompt)
 
     def check_pooling(self, pooling: PoolingParams) -> None:

@@ -92,6 +92,16 @@ class EngineImages:
         ids = truncate(encode(expand_placeholders(text, self.processor.placeholder, processed, field)))
         return ids, place_images(ids, processed, self.encoder.config.image_token_id, field)
 
+    def check_placed(self, prompt_ids: Sequence[int], images: Sequence[ImageInput],
+                     field: str = "images") -> None:
+        """Refuse images placed where the prompt holds no image tokens (a truncated prompt)."""
+        image_token_id = self.encoder.config.image_token_id
+        self.limits.check_count(len(images), field)
+        for i, image in enumerate(images):
+            if any(p >= len(prompt_ids) or prompt_ids[p] != image_token_id for p in image.positions):
+                raise InvalidRequestError("an image's rows are placed where the prompt holds no image tokens",
+                                          param=f"{field}[{i}]")
+
     def _decoded(self, image: ImageData, field: str) -> Image.Image:
         if isinstance(image, bytes | bytearray):
             return decode_image(bytes(image), field, self.limits)

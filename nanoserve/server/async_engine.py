@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
     from nanoserve.model.lora import LoRARequest
+    from nanoserve.multimodal.inputs import ImageInput
     from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
@@ -49,6 +50,7 @@ class _Add:
     parent_id: str | None = None
     pooling: PoolingParams | None = None  # an embedding request
     lora_request: LoRARequest | None = None
+    images: tuple[ImageInput, ...] = ()  # placed in prompt_ids by the planner
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,13 +140,14 @@ class AsyncEngine:
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
-            pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> None:
+            pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None,
+            images: tuple[ImageInput, ...] = ()) -> None:
         """Queue a sequence, one choice of the client request `parent_id` (with `pooling`, an
-        embedding request; with `lora_request`, run with that adapter, resident already); its
-        outputs (or an exception) arrive on `queue`."""
+        embedding request; with `lora_request`, run with that adapter, resident already; with
+        `images`, those placed in its prompt); its outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling, lora_request))
+        self._send(_Add(request_id, prompt_ids, params, parent_id, pooling, lora_request, images))
 
     async def call(self, run: Callable[[Engine], object], *,
                    then: Callable[[object], None] | None = None) -> object:
@@ -329,7 +332,7 @@ def apply_commands(engine: Engine, commands: list[_Add | _Abort | _Call]) -> lis
         try:
             engine.add_request(command.prompt_ids, command.params, command.request_id,
                                parent_id=command.parent_id, pooling=command.pooling,
-                               lora_request=command.lora_request)
+                               lora_request=command.lora_request, images=list(command.images) or None)
         except Exception as error:
             rejected.append((command.request_id, error))
     return rejected

@@ -29,14 +29,17 @@ from nanoserve.sampling_params import (
 )
 from nanoserve.server import protocol
 from nanoserve.server.errors import bad_request
+from nanoserve.server.images import load_image
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.reasoning import ReasoningPlan
 from nanoserve.server.state import ServerLimits, ServerState
 from nanoserve.server.structured_fields import structured_outputs
 from nanoserve.server.tool_calls import ToolPlan
+from nanoserve.tokenizer import template_reads_parts
 
 if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
+    from nanoserve.multimodal.inputs import ImageInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +54,14 @@ class PlannedSequence:
     echo_logprobs: int | None = None  # completions' echo with logprobs N: the prompt's tokens lead them
     reasoning: ReasoningPlan | None = None  # a chat of a reasoning model: its think block
     pooling: PoolingParams | None = None  # an embedding request (/v1/embeddings): pooled, not sampled
+    images: tuple[ImageInput, ...] = ()  # a chat's images, placed in prompt_ids
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedPrompt:
     ids: list[int]
     echo: str = ""
+    images: tuple[ImageInput, ...] = ()
 
 
 # -- the one conversion -------------------------------------------------------------------------
@@ -191,7 +196,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
             sequences.append(PlannedSequence(
                 prompt_index * body.n + j, prompt_index, prompt.ids, params, tools, prompt.echo,
                 body.prompt_logprobs, body.logprobs if isinstance(body, CompletionRequest) and body.echo
-                else None, reasoning))
+                else None, reasoning, images=prompt.images))
     return sequences
 
 
@@ -213,6 +218,8 @@ def _reasoning(state: ServerState, body: ChatCompletionRequest,
 
 def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[PlannedPrompt]:
     if kind == "chat":
+        if body.image_parts() and getattr(engine, "images", None) is not None:
+            return [_image_chat_prompt(engine, body, limits)]
         return [PlannedPrompt(_chat_prompt_ids(engine, body))]
     prompt = body.prompt
     single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
@@ -252,6 +259,29 @@ def _chat_prompt_ids(engine: Engine, body: ChatCompletionRequest) -> list[int]:
                                                   **body.template_flags(),
                                                   add_special_tokens=bool(body.add_special_tokens))
     return _encode(engine, body, prompt_ids, "messages")
+
+
+def _image_chat_prompt(engine: Engine, body: ChatCompletionRequest, limits: ServerLimits) -> PlannedPrompt:
+    """A chat with images: each image fetched or decoded (a 400 names its part), the template
+    rendered with the model's placeholders, expanded, encoded, and the images placed."""
+    side, tokenizer = engine.images, engine.tokenizer
+    parts = body.image_parts()
+    with refusals_as_400(body):
+        side.limits.check_count(len(parts), "messages")
+        images = [load_image(url, param, limits.media, side.limits) for param, url in parts]
+        template = body.chat_template or tokenizer.chat_template
+        messages = body.chat_messages(side.processor.placeholder,
+                                      content_parts=template_reads_parts(template))
+    tools = ToolPlan.from_body(body)
+    add_bos = None if body.add_special_tokens else False
+    with refusals_as_400(body, param="messages"):
+        text = tokenizer.apply_chat_template(messages, tools=tools and tools.template_tools(),
+                                             **body.template_flags())
+        ids, placed = side.prompt(text, images,
+                                  lambda text: engine.encode_prompt(tokenizer.encode(text, add_bos=add_bos)),
+                                  lambda ids: keep_last_tokens(ids, body.truncate_prompt_tokens),
+                                  field="messages")
+    return PlannedPrompt(ids, images=tuple(placed))
 
 
 def _encode(engine: Engine, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:

@@ -83,12 +83,12 @@ RESPONSES_REFUSED: dict[str, Refusal] = {
     "input[].namespace": Refusal("tool namespaces are not supported"),
     "input[].async": Refusal("async tool calls are not supported", absent_or(False)),
     "input[].encrypted_content": Refusal("encrypted reasoning is not supported"),
-    "input[].content[].image_url": Refusal("only text content is supported"),
     "input[].content[].file_id": Refusal("only text content is supported"),
     "input[].content[].file_data": Refusal("only text content is supported"),
     "input[].content[].file_url": Refusal("only text content is supported"),
     "input[].content[].filename": Refusal("only text content is supported"),
-    "input[].content[].detail": Refusal("only text content is supported"),
+    "input[].content[].detail": Refusal("image detail levels are not supported: an image is processed as "
+                                        "its model's processor does", absent_or("auto")),
     "input[].content[].annotations": Refusal("annotations in the input are not supported", empty_or_absent),
     "input[].content[].logprobs": Refusal("logprobs in the input are not supported", empty_or_absent),
     "input[].content[].prompt_cache_breakpoint": Refusal("prompt cache breakpoints are not supported: "
@@ -104,6 +104,7 @@ TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_te
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image's: a data: URL, or http(s) from an allowed host
 
 
 class InputItem(OpenAIModel):
@@ -222,7 +223,7 @@ def _input_turns(items: list[InputItem]) -> list[dict[str, Any]]:
                           "content": _text(item.output, f"{where}.output")})
         else:
             _need(item, where, "role", "content")
-            turns.append({"role": item.role, "content": _text(item.content, f"{where}.content")})
+            turns.append({"role": item.role, "content": _content(item.content, f"{where}.content")})
         if reasoning and turns and turns[-1]["role"] == "assistant" and kind != "reasoning":
             turns[-1]["reasoning_content"], reasoning = reasoning, ""
     return turns
@@ -232,6 +233,22 @@ def _need(item: InputItem, where: str, *names: str) -> None:
     for name in names:
         if getattr(item, name) is None:
             raise bad_request(f"a {item.type or 'message'} item needs {name}", f"{where}.{name}")
+
+
+def _content(content: str | list[ContentPart], where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or with input_image parts the chat's text
+    and image_url parts in the same order."""
+    if isinstance(content, str) or not any(part.type == "input_image" for part in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": _text([part], f"{where}[{j}]")})
+        elif part.image_url is None:
+            raise bad_request("an input_image part needs its image_url", f"{where}[{j}].image_url")
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 def _text(content: str | list[ContentPart], where: str) -> str:

@@ -20,6 +20,7 @@ from nanoserve.server import protocol
 from nanoserve.server.adapters import AdapterRegistry
 from nanoserve.server.async_engine import AsyncEngine
 from nanoserve.server.errors import APIError
+from nanoserve.server.images import MediaPolicy
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.protocol import TokenText
 from nanoserve.server.reasoning import ReasoningConfig
@@ -43,6 +44,7 @@ class ServerLimits:
     retry_after_s: int = 1
     body_timeout_s: float = 30.0  # to send the whole body: a client that stalls is answered 408
     trust_request_chat_template: bool = False  # take a request's own chat_template (vLLM's flag)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may be fetched from
 
 
 @dataclass(slots=True)
