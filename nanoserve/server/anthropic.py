@@ -26,6 +26,7 @@ from pydantic import Field
 from nanoserve.server import routes
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.generation import Generation, unary_response
+from nanoserve.server.images import image_refusal
 from nanoserve.server.protocol import (
     ChatCompletionRequest,
     OpenAIModel,
@@ -166,11 +167,11 @@ class MessagesRequest(OpenAIModel):
 
 # -- the request as a chat completion -------------------------------------------------------------
 
-def as_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+def as_chat_request(body: MessagesRequest, images_refused: str | None = None) -> ChatCompletionRequest:
     """The chat completion request this body asks for; a 400 naming the field for what has no
-    counterpart."""
+    counterpart (an image block, with `images_refused` the reason)."""
     chat: dict[str, Any] = {"model": body.model, "max_tokens": body.max_tokens,
-                            "messages": _system(body.system) + _messages(body.messages),
+                            "messages": _system(body.system) + _messages(body.messages, images_refused),
                             "stream": body.stream}
     sampling = {"stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
                 "top_k": body.top_k, "user": body.metadata and body.metadata.user_id}
@@ -200,7 +201,7 @@ def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
              else "".join(block.text for block in system)}]
 
 
-def _messages(messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+def _messages(messages: list[AnthropicMessage], images_refused: str | None) -> list[dict[str, Any]]:
     chat = []
     for i, message in enumerate(messages):
         if isinstance(message.content, str):
@@ -208,6 +209,8 @@ def _messages(messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
             continue
         for j, block in enumerate(message.content):
             _block_fields(block, message.role, f"messages[{i}].content[{j}]")
+            if block.type == "image" and images_refused is not None:
+                raise bad_request(images_refused, f"messages[{i}].content[{j}].source", code="unsupported")
         chat += _message_turns(message)
     return chat
 
@@ -350,7 +353,7 @@ async def create_message(request: Request) -> Response:
     try:
         await _check_key(request)
         body = await routes.parse_body(request, MessagesRequest)
-        chat = as_chat_request(body)
+        chat = as_chat_request(body, image_refusal(state_of(request).engine))
         return await routes.serve_generation(request, "chat", chat, _answer(chat))
     except APIError as error:
         return error_response(error)

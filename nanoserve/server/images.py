@@ -2,7 +2,7 @@
 http(s) URLs fetched only from the hosts `serve --allowed-media-domains` names, within a size
 and a time limit.
 
-Owns: `MediaPolicy` and `load_image`. Every failure is a 400 naming the
+Owns: `MediaPolicy`, `image_refusal` and `load_image`. Every failure is a 400 naming the
 part that carried the image (`messages[0].content[1].image_url`).
 Refuses: any other URL scheme, a host not allowed (all hosts are, by default), a redirect, a
 fetch over the image size limit or slower than its deadline, and whatever `multimodal.images`
@@ -29,6 +29,18 @@ MEDIA_FETCH_TIMEOUT_S = 10.0
 class MediaPolicy:
     allowed_domains: frozenset[str] = frozenset()  # hosts http(s) image URLs may name; none: data: URLs only
     fetch_timeout_s: float = MEDIA_FETCH_TIMEOUT_S  # the whole fetch, connect to last byte
+
+
+def image_refusal(engine: object | None) -> str | None:
+    """Why the server's engine takes no images (None: it does, or it is not up yet and the request
+    is answered 503 later): a text-only model, or data-parallel replicas."""
+    if engine is None:
+        return None
+    if not hasattr(engine, "images"):  # the replicas' front
+        return "images are not served with --data-parallel-size above 1 yet"
+    if engine.images is None:
+        return "this model takes no images (it has no vision tower)"
+    return None
 
 
 def load_image(url: str, param: str, policy: MediaPolicy, limits: ImageLimits) -> Image.Image:

@@ -29,7 +29,7 @@ from nanoserve.sampling_params import (
 )
 from nanoserve.server import protocol
 from nanoserve.server.errors import bad_request
-from nanoserve.server.images import load_image
+from nanoserve.server.images import image_refusal, load_image
 from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.reasoning import ReasoningPlan
 from nanoserve.server.state import ServerLimits, ServerState
@@ -217,9 +217,13 @@ def _reasoning(state: ServerState, body: ChatCompletionRequest,
 
 
 def _prompts(engine: Engine, kind: Kind, body: RequestBody, limits: ServerLimits) -> list[PlannedPrompt]:
+    if kind == "chat" and body.image_parts():
+        refusal = image_refusal(engine)
+        if refusal is not None:
+            first_part = body.image_parts()[0][0].removesuffix(".image_url")
+            raise bad_request(refusal, first_part, code="unsupported")
+        return [_image_chat_prompt(engine, body, limits)]
     if kind == "chat":
-        if body.image_parts() and getattr(engine, "images", None) is not None:
-            return [_image_chat_prompt(engine, body, limits)]
         return [PlannedPrompt(_chat_prompt_ids(engine, body))]
     prompt = body.prompt
     single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))

@@ -134,9 +134,6 @@ REFUSED: dict[str, Refusal] = {
     "messages[].function_call": Refusal("function calling is not supported"),
     "messages[].audio": Refusal("audio is not supported"),
     "messages[].refusal": Refusal("refusal messages in the history are not supported"),
-    "messages[].content[].image_url.detail": Refusal("image detail levels are not supported: an image is "
-                                                     "processed as its model's processor does",
-                                                     absent_or("auto")),
     "messages[].content[].input_audio": Refusal(_TEXT_ONLY),
     "messages[].content[].file": Refusal(_TEXT_ONLY),
     "messages[].content[].video_url": Refusal(_TEXT_ONLY),
@@ -426,6 +423,10 @@ def _parts_of(message: ChatMessage, index: int, image_placeholder: str | None) -
             if part.image_url is None:
                 raise UnsupportedContentError("a content part of type 'image_url' needs its image_url",
                                               param=f"{where}.image_url")
+            if part.image_url.detail not in (None, "auto"):
+                raise UnsupportedContentError("image detail levels are not supported: an image is processed "
+                                              "as its model's processor does",
+                                              param=f"{where}.image_url.detail")
             parts.append({"type": "image"})
             continue
         if part.type != "text":
