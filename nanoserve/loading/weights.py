@@ -79,21 +79,26 @@ def with_model_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {f"model.{name}": tensor for name, tensor in tensors.items()}
 
 
-# A vision-language checkpoint's text model (Idefics3ForConditionalGeneration, SmolVLM).
-_TEXT_MODEL_PREFIX = "model.text_model."
+# A vision-language checkpoint's text model, under the prefixes its families save it with
+# (Idefics3 / SmolVLM's; LLaVA's as transformers 5 writes and reads it, and as older saves do).
+_TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 
 
 def text_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A vision-language checkpoint's text model under a causal LM's names (`model.layers...`,
     `lm_head.weight`), its vision tensors left out; any other checkpoint's tensors as they are."""
-    if not any(name.startswith(_TEXT_MODEL_PREFIX) for name in tensors):
+    if not any(name.startswith(old) for name in tensors for old, _ in _TEXT_MODEL_PREFIXES):
         return tensors
     renamed = {}
     for name, tensor in tensors.items():
-        if name.startswith(_TEXT_MODEL_PREFIX):
-            renamed["model." + name[len(_TEXT_MODEL_PREFIX):]] = tensor
-        elif name.startswith("lm_head."):
-            renamed[name] = tensor
+        for old, new in _TEXT_MODEL_PREFIXES:
+            if name.startswith(old):
+                renamed[new + name[len(old):]] = tensor
+                break
+        else:
+            if name.startswith("lm_head."):
+                renamed[name] = tensor
     return renamed
 
 

@@ -1,12 +1,14 @@
 """Vision encoders and projectors: an image's pixel tiles in, rows of the text model's
-embedding space out, one family behind one interface (`ImageEncoder`).
+embedding space out, every family behind one interface (`ImageEncoder`).
 
-Owns: the SigLIP vision transformer (patch embedding as one matrix multiply over unfolded
-patches, learned position embeddings bucketed as Idefics3's NaViT variant does for tiles of any
-size, pre-norm blocks with bidirectional attention among a tile's patches, a post-layernorm),
-and each family's projector: Idefics3 / SmolVLM's pixel shuffle (scale_factor**2 neighbouring
-patches into one row) and a linear map into the text width. The matrices go through the
-engine's `LinearKernel` like the decoder's.
+Owns: the SigLIP / CLIP vision transformer (patch embedding as one matrix multiply over
+unfolded patches, CLIP's class token and pre-layernorm, learned position embeddings (SigLIP's
+bucketed as Idefics3's NaViT variant does for tiles of any size), pre-norm blocks with
+bidirectional attention among a tile's tokens, read at the family's layer, a post-layernorm
+after the last), and each family's projector: Idefics3 / SmolVLM's pixel shuffle
+(scale_factor**2 neighbouring patches into one row) and a linear map into the text width;
+LLaVA-1.5's two linears with a GELU between. The matrices go through the engine's
+`LinearKernel` like the decoder's.
 Refuses: knowing about prompts, requests or caching (the engine owns where the rows go and when
 an image is encoded), and batching tiles of different images: an image is encoded alone, so its
 rows have the same bits whoever else sent an image in the same step.
@@ -54,11 +56,14 @@ class EncoderLayerWeights:
 @dataclass(slots=True)
 class VisionWeights:
     patch: torch.Tensor  # [hidden, channels * patch * patch]: the patch convolution as a matrix
-    patch_bias: torch.Tensor
-    positions: torch.Tensor  # [patches_per_side**2, hidden]
+    patch_bias: torch.Tensor | None  # SigLIP's; CLIP's convolution has none
+    positions: torch.Tensor  # [positions, hidden]
     layers: list[EncoderLayerWeights]
-    post_norm: tuple[torch.Tensor, torch.Tensor]
-    projector: torch.Tensor  # [text hidden, hidden * scale_factor**2]
+    # The projector's linears, in order, each (matrix, bias or None); the family's activation between
+    projector: list[tuple[torch.Tensor, torch.Tensor | None]]
+    class_embedding: torch.Tensor | None = None  # CLIP's class token, prepended to the patches
+    pre_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # CLIP's pre_layrnorm
+    post_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # after the last layer, when it runs
 
     def packed_for(self, kernel: LinearKernel) -> VisionWeights:
         """The same weights with every matrix packed once for `kernel`."""
@@ -66,41 +71,68 @@ class VisionWeights:
                                                   if f.name in EncoderLayerWeights.MATRICES
                                                   else getattr(layer, f.name))
                                          for f in fields(layer)}) for layer in self.layers]
-        return VisionWeights(kernel.pack(self.patch), self.patch_bias, self.positions, layers,
-                             self.post_norm, kernel.pack(self.projector))
+        projector = [(kernel.pack(matrix), bias) for matrix, bias in self.projector]
+        return VisionWeights(kernel.pack(self.patch), self.patch_bias, self.positions, layers, projector,
+                             self.class_embedding, self.pre_norm, self.post_norm)
 
     def to(self, dtype: torch.dtype, device: torch.device) -> VisionWeights:
         def move(value):
-            if isinstance(value, tuple):
-                return tuple(move(v) for v in value)
+            if value is None:
+                return None
+            if isinstance(value, tuple | list):
+                return type(value)(move(v) for v in value)
             return value.to(device=device, dtype=dtype)
         layers = [EncoderLayerWeights(**{f.name: move(getattr(layer, f.name)) for f in fields(layer)})
                   for layer in self.layers]
-        return VisionWeights(move(self.patch), move(self.patch_bias), move(self.positions), layers,
-                             move(self.post_norm), move(self.projector))
+        return VisionWeights(*(move(getattr(self, f.name)) if f.name != "layers" else layers
+                               for f in fields(self)))
 
 
-class SiglipTower:
-    """The SigLIP vision transformer: tiles in, one hidden row per patch out (post-layernorm)."""
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu, "quick_gelu": quick_gelu}
+
+
+class VisionTransformer:
+    """SigLIP's or CLIP's ViT: tiles in, one hidden row per token (CLIP's class token first) out,
+    from the layer the family reads (`VisionConfig.feature_layer`)."""
 
     def __init__(self, config: VisionConfig, weights: VisionWeights, linear: LinearKernel) -> None:
         self.config = config
         self.weights = weights
         self.linear = linear.apply
         self.head_dim = config.hidden_size // config.num_heads
+        self.activation = ACTIVATIONS[config.hidden_act]
+        # transformers' hidden_states: [embeddings, layer 1, ..., layer N]; feature_layer indexes them
+        count = len(weights.layers)
+        self.num_layers = count if config.feature_layer is None else range(count + 1)[config.feature_layer]
 
     def __call__(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[tiles, channels, height, width] -> [tiles, patches, hidden]."""
+        """[tiles, channels, height, width] -> [tiles, tokens, hidden]."""
         cfg, w = self.config, self.weights
         tiles, _, height, width = pixel_values.shape
         rows, cols = height // cfg.patch_size, width // cfg.patch_size
-        hidden = self._affine(self._patches(pixel_values), w.patch, w.patch_bias)
-        positions = w.positions[self._position_ids(rows, cols)]
-        hidden = hidden.view(tiles, rows * cols, cfg.hidden_size) + positions
-        for layer in w.layers:
+        hidden = self.linear(self._patches(pixel_values), w.patch)
+        if w.patch_bias is not None:
+            hidden = hidden + w.patch_bias
+        hidden = hidden.view(tiles, rows * cols, cfg.hidden_size)
+        if w.class_embedding is not None:
+            hidden = torch.cat([w.class_embedding.expand(tiles, 1, -1), hidden], dim=1)
+        hidden = hidden + w.positions[self._position_ids(rows, cols)]
+        if w.pre_norm is not None:
+            hidden = self._norm(hidden, w.pre_norm)
+        for layer in w.layers[:self.num_layers]:
             hidden = hidden + self._attention(self._norm(hidden, layer.norm1), layer)
             hidden = hidden + self._mlp(self._norm(hidden, layer.norm2), layer)
-        return self._norm(hidden, w.post_norm)
+        if w.post_norm is not None and self.config.feature_layer is None:
+            hidden = self._norm(hidden, w.post_norm)
+        return hidden
 
     def _patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Each patch's pixels as one row [tiles * patches, channels * patch * patch], in the
@@ -111,8 +143,12 @@ class SiglipTower:
         return grid.permute(0, 2, 4, 1, 3, 5).reshape(-1, channels * p * p)
 
     def _position_ids(self, rows: int, cols: int) -> torch.Tensor:
-        """Each patch's position embedding on the trained grid: a tile of another patch count
+        """Each token's position embedding. CLIP's: in order, its class token's first (the tile
+        must be image_size square). SigLIP's on the trained grid: a tile of another patch count
         reads its fractional coordinates' buckets (as Idefics3's embeddings compute them)."""
+        device = self.weights.positions.device
+        if self.weights.class_embedding is not None:
+            return torch.arange(rows * cols + 1, device=device)
         side = self.config.patches_per_side
         boundaries = torch.arange(1 / side, 1.0, 1 / side)
 
@@ -122,23 +158,21 @@ class SiglipTower:
             return torch.bucketize(fractions, boundaries, right=True)
 
         ids = buckets(rows)[:, None] * side + buckets(cols)[None, :]
-        return ids.reshape(-1).to(self.weights.positions.device)
+        return ids.reshape(-1).to(device)
 
     def _attention(self, x: torch.Tensor, layer: EncoderLayerWeights) -> torch.Tensor:
-        """Bidirectional attention among each tile's patches."""
-        tiles, patches, hidden = x.shape
+        """Bidirectional attention among each tile's tokens."""
+        tiles, tokens, hidden = x.shape
         qkv = self._affine(x.reshape(-1, hidden), layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.view(tiles, patches, 3, self.config.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(tiles, tokens, 3, self.config.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         attended = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
         attended = attended.transpose(1, 2).reshape(-1, hidden)
-        return self._affine(attended, layer.out, layer.out_bias).view(tiles, patches, hidden)
+        return self._affine(attended, layer.out, layer.out_bias).view(tiles, tokens, hidden)
 
     def _mlp(self, x: torch.Tensor, layer: EncoderLayerWeights) -> torch.Tensor:
-        tiles, patches, hidden = x.shape
+        tiles, tokens, hidden = x.shape
         up = self._affine(x.reshape(-1, hidden), layer.fc1, layer.fc1_bias)
-        approximate = "tanh" if self.config.hidden_act == "gelu_pytorch_tanh" else "none"
-        down = self._affine(F.gelu(up, approximate=approximate), layer.fc2, layer.fc2_bias)
-        return down.view(tiles, patches, hidden)
+        return self._affine(self.activation(up), layer.fc2, layer.fc2_bias).view(tiles, tokens, hidden)
 
     def _affine(self, x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return self.linear(x, matrix) + bias
@@ -158,8 +192,10 @@ def pixel_shuffle(x: torch.Tensor, scale_factor: int) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).reshape(tiles, seq // scale_factor ** 2, dim * scale_factor ** 2)
 
 
-class Idefics3Encoder:
-    """SmolVLM / Idefics3: SigLIP, pixel shuffle, one linear map into the text width."""
+class ProjectedEncoder:
+    """A ViT and its family's projector, one class for every family so far:
+    Idefics3 / SmolVLM: SigLIP, pixel shuffle, one linear map into the text width;
+    LLaVA-1.5: CLIP's second-to-last layer without its class token, linear, GELU, linear."""
 
     def __init__(self, config: VisionConfig, weights: VisionWeights,
                  linear_kernel: LinearKernel | None = None) -> None:
@@ -167,16 +203,27 @@ class Idefics3Encoder:
         kernel = linear_kernel or KERNELS["aten"]
         self.weights = weights.packed_for(kernel)
         self.linear = kernel.apply
-        self.tower = SiglipTower(config, self.weights, kernel)
+        self.tower = VisionTransformer(config, self.weights, kernel)
+        self.activation = ACTIVATIONS[config.projector_act] if config.projector_act else None
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        patches = self.tower(pixel_values.to(self.weights.positions.dtype))
-        shuffled = pixel_shuffle(patches, self.config.scale_factor)
-        return self.linear(shuffled.reshape(-1, shuffled.shape[-1]), self.weights.projector)
+        features = self.tower(pixel_values.to(self.weights.positions.dtype))
+        if self.config.drop_class_token:
+            features = features[:, 1:]
+        if self.config.scale_factor > 1:
+            features = pixel_shuffle(features, self.config.scale_factor)
+        rows = features.reshape(-1, features.shape[-1])
+        for index, (matrix, bias) in enumerate(self.weights.projector):
+            if index:
+                rows = self.activation(rows)
+            rows = self.linear(rows, matrix)
+            if bias is not None:
+                rows = rows + bias
+        return rows
 
 
-ENCODERS = {"idefics3": Idefics3Encoder}
+ENCODERS = {"idefics3": ProjectedEncoder, "llava": ProjectedEncoder}
 
 
 def build_encoder(config: VisionConfig, weights: VisionWeights,

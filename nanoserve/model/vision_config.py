@@ -14,8 +14,9 @@ from typing import Any
 from nanoserve.errors import UnsupportedModelError
 
 # model_type of the checkpoint -> the encoder + projector that runs it (model/vision.py).
-VISION_FAMILIES = ("idefics3",)
-ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+VISION_FAMILIES = ("idefics3", "llava")
+ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")
+VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision",), "llava": ("clip_vision_model",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,12 @@ class VisionConfig:
     text_hidden_size: int  # the width of the rows the projector writes (the text model's)
     image_token_id: int  # the placeholder token each image row replaces in the prompt
     scale_factor: int = 1  # Idefics3's pixel shuffle: scale_factor**2 patches become one row
+    # Which of transformers' hidden_states the projector reads (0: the embeddings, -1: the last
+    # layer's output); None: the last layer through the post-layernorm (SigLIP in Idefics3).
+    feature_layer: int | None = None
+    class_token: bool = False  # CLIP: a class token leads each tile's tokens
+    drop_class_token: bool = False  # LLaVA's "default" feature selection: the class token's row goes
+    projector_act: str | None = None  # between the projector's linears (LLaVA's GELU); None: one linear
 
     @property
     def patches_per_side(self) -> int:
@@ -40,8 +47,10 @@ class VisionConfig:
 
     @property
     def rows_per_tile(self) -> int:
-        """Embedding rows one image-size tile becomes: its patches, merged by the projector."""
-        return self.patches_per_side ** 2 // self.scale_factor ** 2
+        """Embedding rows one image-size tile becomes: its patches, merged by the projector (and
+        CLIP's class token where the projector reads it)."""
+        kept_class = self.class_token and not self.drop_class_token
+        return self.patches_per_side ** 2 // self.scale_factor ** 2 + kept_class
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> VisionConfig | None:
@@ -54,21 +63,46 @@ class VisionConfig:
                                         "does not run; it runs the vision-language families "
                                         f"{', '.join(VISION_FAMILIES)}")
         vision, text = raw["vision_config"], raw["text_config"]
+        if vision.get("model_type", VISION_MODEL_TYPES[family][0]) not in VISION_MODEL_TYPES[family]:
+            raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = {vision['model_type']!r}: "
+                                        f"a {family} checkpoint's tower runs as {VISION_MODEL_TYPES[family][0]}")
         act = vision.get("hidden_act", "gelu_pytorch_tanh")
         if act not in ENCODER_ACTIVATIONS:
             raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: "
                                         f"nanoserve's encoder runs {', '.join(ENCODER_ACTIVATIONS)}")
-        config = cls(family=family, hidden_size=vision["hidden_size"],
+        shape = dict(family=family, hidden_size=vision["hidden_size"],
                      intermediate_size=vision["intermediate_size"], num_layers=vision["num_hidden_layers"],
                      num_heads=vision["num_attention_heads"], num_channels=vision.get("num_channels", 3),
-                     image_size=vision["image_size"], patch_size=vision["patch_size"],
-                     layer_norm_eps=vision.get("layer_norm_eps", 1e-6), hidden_act=act,
-                     text_hidden_size=text["hidden_size"], image_token_id=raw["image_token_id"],
-                     scale_factor=raw.get("scale_factor", 1))
+                     image_size=vision["image_size"], patch_size=vision["patch_size"], hidden_act=act,
+                     text_hidden_size=text["hidden_size"])
+        if family == "idefics3":
+            config = cls(**shape, layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+                         image_token_id=raw["image_token_id"], scale_factor=raw.get("scale_factor", 1))
+        else:
+            config = cls(**shape, **_llava_fields(raw, vision))
         if config.hidden_size % config.num_heads or config.patches_per_side % config.scale_factor:
             raise UnsupportedModelError("config.json: vision_config.hidden_size must divide by "
                                         "num_attention_heads and the patches per side by scale_factor")
         return config
+
+
+def _llava_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-1.5's choices: one CLIP layer, with or without its class token, an MLP projector."""
+    layer = raw.get("vision_feature_layer", -2)
+    strategy = raw.get("vision_feature_select_strategy", "default")
+    if not isinstance(layer, int) or not -vision["num_hidden_layers"] - 1 <= layer <= vision["num_hidden_layers"]:
+        raise UnsupportedModelError(f"config.json field 'vision_feature_layer' = {layer!r}: nanoserve reads one "
+                                    "layer of the tower")
+    if strategy not in ("default", "full"):
+        raise UnsupportedModelError(f"config.json field 'vision_feature_select_strategy' = {strategy!r}: "
+                                    "'default' or 'full'")
+    act = raw.get("projector_hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise UnsupportedModelError(f"config.json field 'projector_hidden_act' = {act!r}: nanoserve's projector "
+                                    f"runs {', '.join(ENCODER_ACTIVATIONS)}")
+    token = raw.get("image_token_id", raw.get("image_token_index"))
+    return dict(layer_norm_eps=vision.get("layer_norm_eps", 1e-5), image_token_id=token, feature_layer=layer,
+                class_token=True, drop_class_token=strategy == "default", projector_act=act)
 
 
 def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Each vision family's image processor: an RGB image to the pixel tiles its encoder reads, and
 the text its placeholder in the prompt expands to, as the model's Hugging Face processor does.
 
-Owns: `ImageProcessor` (the interface), `ProcessedImage`, and Idefics3 / SmolVLM's processor,
+Owns: `ImageProcessor` (the interface), `ProcessedImage`, LLaVA-1.5's processor (pad to square
+where asked, shortest edge resized, centre crop, rescale, normalise; `<image>` once per row),
+and Idefics3 / SmolVLM's processor,
 configured from the checkpoint's preprocessor_config.json: resize so the longest edge is
 `size.longest_edge` (at most 4096), then to multiples of `max_image_size.longest_edge`, split
 into that many square tiles row by row plus the whole image shrunk to one tile, rescale and
@@ -79,6 +81,19 @@ def _to_tile_multiples(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
+def normalized(image: Image.Image, rescale_factor: float | None, mean: tuple[float, ...] | None,
+               std: tuple[float, ...] | None) -> np.ndarray:
+    """[channels, height, width] float32, rescaled in float64 then normalised in float32 as
+    transformers' numpy transforms do."""
+    pixels = np.moveaxis(np.asarray(image), -1, 0)
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    pixels = pixels.astype(np.float32)
+    if mean is not None:
+        pixels = ((pixels.T - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)).T
+    return np.ascontiguousarray(pixels)
+
+
 @dataclass(frozen=True, slots=True)
 class Idefics3Processor:
     rows_per_tile: int  # image tokens per tile (the processor's image_seq_len)
@@ -115,7 +130,8 @@ class Idefics3Processor:
             tiles, rows, cols = self._split(image)
         else:
             tiles, rows, cols = [self._resize(image, self.tile, self.tile)], 0, 0
-        pixels = torch.from_numpy(np.stack([self._normalized(tile) for tile in tiles]))
+        pixels = torch.from_numpy(np.stack([normalized(tile, self.rescale_factor, self.mean, self.std)
+                                            for tile in tiles]))
         return ProcessedImage(pixels, self._prompt_text(rows, cols), len(tiles) * self.rows_per_tile)
 
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
@@ -132,18 +148,6 @@ class Idefics3Processor:
                  for r in range(rows) for c in range(cols)]
         return [*tiles, self._resize(image, side, side)], rows, cols
 
-    def _normalized(self, image: Image.Image) -> np.ndarray:
-        """[channels, height, width] float32, rescaled in float64 then normalised in float32 as
-        transformers' numpy transforms do."""
-        pixels = np.moveaxis(np.asarray(image), -1, 0)
-        if self.rescale_factor is not None:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32)
-        if self.mean is not None:
-            mean, std = np.array(self.mean, dtype=np.float32), np.array(self.std, dtype=np.float32)
-            pixels = ((pixels.T - mean) / std).T
-        return np.ascontiguousarray(pixels)
-
     def _prompt_text(self, rows: int, cols: int) -> str:
         image_tokens = "<image>" * self.rows_per_tile
         whole = f"<fake_token_around_image><global-img>{image_tokens}<fake_token_around_image>"
@@ -157,7 +161,65 @@ class Idefics3Processor:
         return text + "\n" + whole
 
 
-PROCESSORS = {"idefics3": Idefics3Processor}
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True, slots=True)
+class LlavaProcessor:
+    """LLaVA-1.5's: optionally padded to a square of the mean colour, the shortest edge resized,
+    a centre crop of the tower's image size, rescaled and normalised; one `<image>` per row."""
+
+    rows: int  # image tokens one image becomes
+    shortest_edge: int | None  # None: no resize
+    crop: int | None  # the centre crop's side (the tower's image_size); None: no crop
+    pad_to_square: bool
+    resample: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    placeholder: str = "<image>"
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], vision: VisionConfig) -> LlavaProcessor:
+        size = raw.get("size", {"shortest_edge": vision.image_size})
+        crop = raw.get("crop_size", {"height": vision.image_size, "width": vision.image_size})
+        resize, center_crop = raw.get("do_resize", True), raw.get("do_center_crop", True)
+        if (resize and "shortest_edge" not in size) or (center_crop and crop != {"height": vision.image_size,
+                                                                                  "width": vision.image_size}):
+            raise UnsupportedModelError("preprocessor_config.json: LLaVA's images are resized by "
+                                        "'size.shortest_edge' and centre-cropped to the tower's image_size")
+        if resize and center_crop and size["shortest_edge"] < vision.image_size:
+            raise UnsupportedModelError("preprocessor_config.json: size.shortest_edge is smaller than the crop")
+        normalize = raw.get("do_normalize", True)
+        return cls(rows=vision.rows_per_tile, shortest_edge=size["shortest_edge"] if resize else None,
+                   crop=vision.image_size if center_crop else None, pad_to_square=raw.get("do_pad", False),
+                   resample=raw.get("resample", Image.BICUBIC),
+                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
+                   mean=tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)) if normalize else None,
+                   std=tuple(raw.get("image_std", OPENAI_CLIP_STD)) if normalize else None)
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        if self.pad_to_square and image.width != image.height:
+            side = max(image.width, image.height)
+            colour = tuple(int(x * 255) for x in self.mean) if self.mean else (0, 0, 0)
+            square = Image.new("RGB", (side, side), colour)
+            square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+            image = square
+        if self.shortest_edge is not None:
+            short, long = sorted((image.width, image.height))
+            new_long = int(self.shortest_edge * long / short)
+            width, height = ((self.shortest_edge, new_long) if image.width <= image.height
+                             else (new_long, self.shortest_edge))
+            image = image.resize((width, height), resample=self.resample)
+        if self.crop is not None:
+            top, left = (image.height - self.crop) // 2, (image.width - self.crop) // 2
+            image = image.crop((left, top, left + self.crop, top + self.crop))
+        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
+        return ProcessedImage(torch.from_numpy(pixels[None]), self.placeholder * self.rows, self.rows)
+
+
+PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor}
 
 
 def load_processor(model_dir: Path, vision: VisionConfig) -> ImageProcessor:
