@@ -1,6 +1,7 @@
-"""The Idefics3 / SmolVLM image side against transformers: the processor's pixel values and prompt
-ids, the encoder's embedding rows, and the text model's logits and greedy tokens with images in
-the prompt (float32, tiny random checkpoints built by transformers in several sizes)."""
+"""Each vision family's image side against transformers (Idefics3 / SmolVLM, LLaVA-1.5): the
+processor's pixel values and prompt ids, the encoder's embedding rows, and the text model's
+logits and greedy tokens with images in the prompt (float32, tiny random checkpoints built by
+transformers in several sizes)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,27 @@ from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
-from tests.tiny_vlm import random_image, reference_processor, write_tiny_idefics3
+from tests.tiny_vlm import (
+    random_image,
+    reference_llava_processor,
+    reference_processor,
+    write_tiny_idefics3,
+    write_tiny_llava,
+)
 
 pytest.importorskip("transformers")
 
 SIZES = {
-    "small": {},
-    "wider": dict(vision_hidden=48, vision_layers=3, vision_heads=6, text_hidden=96, text_layers=3,
-                  longest_edge=96, tie_word_embeddings=True, seed=1),
-    "patch8": dict(image_size=64, patch_size=8, scale_factor=4, longest_edge=160, seed=2),
-    "unsplit": dict(split=False, scale_factor=1, seed=3),
+    "idefics3-small": (write_tiny_idefics3, {}),
+    "idefics3-wider": (write_tiny_idefics3, dict(vision_hidden=48, vision_layers=3, vision_heads=6,
+                                                 text_hidden=96, text_layers=3, longest_edge=96,
+                                                 tie_word_embeddings=True, seed=1)),
+    "idefics3-patch8": (write_tiny_idefics3, dict(image_size=64, patch_size=8, scale_factor=4,
+                                                  longest_edge=160, seed=2)),
+    "idefics3-unsplit": (write_tiny_idefics3, dict(split=False, scale_factor=1, seed=3)),
+    "llava-default": (write_tiny_llava, {}),
+    "llava-full-padded": (write_tiny_llava, dict(strategy="full", feature_layer=-1, pad_to_square=True,
+                                                 vision_hidden=48, shortest_edge=40, seed=4)),
 }
 # (width, height): landscape, portrait, square, smaller than one tile, one tile exactly, a strip
 IMAGE_SHAPES = [(100, 70), (20, 33), (64, 64), (10, 7), (32, 32), (200, 50)]
@@ -31,14 +43,34 @@ IMAGE_SHAPES = [(100, 70), (20, 33), (64, 64), (10, 7), (32, 32), (200, 50)]
 
 @pytest.fixture(scope="module", params=sorted(SIZES))
 def vlm_dir(request, tmp_path_factory):
-    return write_tiny_idefics3(tmp_path_factory.mktemp(f"idefics3-{request.param}"), **SIZES[request.param])
+    write, options = SIZES[request.param]
+    return write(tmp_path_factory.mktemp(request.param), **options)
+
+
+def is_llava(vlm_dir) -> bool:
+    return read_vision_config(vlm_dir).family == "llava"
+
+
+def reference(vlm_dir):
+    return reference_llava_processor(vlm_dir) if is_llava(vlm_dir) else reference_processor(vlm_dir)
 
 
 @pytest.fixture(scope="module")
 def hf_model(vlm_dir):
-    from transformers import Idefics3ForConditionalGeneration
+    from transformers import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
 
-    return Idefics3ForConditionalGeneration.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    family = LlavaForConditionalGeneration if is_llava(vlm_dir) else Idefics3ForConditionalGeneration
+    return family.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+
+
+def hf_image_rows(hf_model, pixels: torch.Tensor) -> torch.Tensor:
+    """transformers' embedding rows of one image (its tiles)."""
+    with torch.no_grad():
+        if hasattr(hf_model.config, "vision_feature_layer"):
+            return hf_model.model.get_image_features(
+                pixels, vision_feature_layer=hf_model.config.vision_feature_layer,
+                vision_feature_select_strategy=hf_model.config.vision_feature_select_strategy).pooler_output[0]
+        return hf_model.model.get_image_features(pixels[None]).pooler_output[0]
 
 
 def images_of_every_kind() -> list[Image.Image]:
@@ -48,13 +80,14 @@ def images_of_every_kind() -> list[Image.Image]:
 
 def test_pixel_values_and_prompt_ids_equal_transformers_processor(vlm_dir):
     config = read_vision_config(vlm_dir)
-    processor, reference = load_processor(vlm_dir, config), reference_processor(vlm_dir)
+    processor, theirs_of = load_processor(vlm_dir, config), reference(vlm_dir)
     for image in images_of_every_kind():
         ours = processor.process(image.convert("RGB") if image.mode == "L" else _composited(image))
-        theirs = reference(images=[[image]], text=["Look: <image> what?"], return_tensors="pt")
-        assert torch.equal(ours.pixel_values, theirs["pixel_values"][0]), image.size
+        theirs = theirs_of(images=[[image]], text=["Look: <image> what?"], return_tensors="pt")
+        pixels = theirs["pixel_values"] if is_llava(vlm_dir) else theirs["pixel_values"][0]
+        assert torch.equal(ours.pixel_values, pixels), image.size
         text = expand_placeholders("Look: <image> what?", "<image>", [ours], "prompt")
-        assert reference.tokenizer(text)["input_ids"] == theirs["input_ids"][0].tolist()
+        assert theirs_of.tokenizer(text)["input_ids"] == theirs["input_ids"][0].tolist()
 
 
 def _composited(image: Image.Image) -> Image.Image:
@@ -69,8 +102,7 @@ def test_image_embeddings_match_transformers(vlm_dir, hf_model):
     encoder = load_image_encoder(vlm_dir, config, dtype=torch.float32, device=torch.device("cpu"))
     for image in images_of_every_kind()[:4]:
         pixels = processor.process(image.convert("RGB")).pixel_values
-        with torch.no_grad():
-            expected = hf_model.model.get_image_features(pixels[None]).pooler_output[0]
+        expected = hf_image_rows(hf_model, pixels)
         rows = encoder.encode(pixels)
         assert rows.shape == expected.shape
         torch.testing.assert_close(rows, expected, atol=1e-4, rtol=0)
@@ -82,11 +114,11 @@ def engine(vlm_dir):
 
 
 def test_logits_and_greedy_tokens_with_images_match_transformers(vlm_dir, hf_model, engine):
-    reference = reference_processor(vlm_dir)
+    theirs_of = reference(vlm_dir)
     prompts = [("Describe <image> please", [random_image(100, 70, seed=1)]),
                ("<image> and <image>: which?", [random_image(20, 33, seed=2), random_image(64, 64, seed=3)])]
     for text, images in prompts:
-        inputs = reference(images=[images], text=[text], return_tensors="pt")
+        inputs = theirs_of(images=[images], text=[text], return_tensors="pt")
         with torch.no_grad():
             expected = hf_model(**inputs).logits[0, -1]
             generated = hf_model.generate(**inputs, max_new_tokens=6, do_sample=False)

@@ -11,7 +11,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.sampling_params import SamplingParams
-from tests.tiny_vlm import image_bytes, random_image, write_tiny_idefics3
+from tests.tiny_vlm import image_bytes, random_image, write_tiny_idefics3, write_tiny_llava
 
 pytest.importorskip("transformers")
 
@@ -22,6 +22,11 @@ TWO_IMAGES = "<|im_start|>user\nCompare <image> with <image>.<|im_end|>\n<|im_st
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     return write_tiny_idefics3(tmp_path_factory.mktemp("idefics3"))
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return write_tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
 def image(seed: int, width: int = 100, height: int = 70) -> bytes:
@@ -53,7 +58,14 @@ def outcome(llm: LLM, prompts: list, seeds: list[int] | None = None) -> list[tup
             for c in completions]
 
 
-def test_image_requests_are_the_same_bits_alone_in_a_crowd_and_after_preemption(vlm_dir):
+# family -> (its checkpoint fixture, a pool (blocks of 4) small enough to preempt its crowd)
+FAMILIES = {"idefics3": ("vlm_dir", 60), "llava": ("llava_dir", 24)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_image_requests_are_the_same_bits_alone_in_a_crowd_and_after_preemption(family, request):
+    fixture, cramped_blocks = FAMILIES[family]
+    vlm_dir = request.getfixturevalue(fixture)
     prompts = crowd()
     roomy = LLM(str(vlm_dir), device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=512,
                 block_size=4)
@@ -62,8 +74,8 @@ def test_image_requests_are_the_same_bits_alone_in_a_crowd_and_after_preemption(
     chunked = LLM(str(vlm_dir), device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=512,
                   max_num_batched_tokens=24, block_size=4)
     assert outcome(chunked, prompts) == alone
-    cramped = LLM(str(vlm_dir), device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=60,
-                  max_num_batched_tokens=32, block_size=4)
+    cramped = LLM(str(vlm_dir), device="cpu", dtype="float32", batch_invariant=True,
+                  num_kv_blocks=cramped_blocks, max_num_batched_tokens=32, block_size=4)
     assert outcome(cramped, prompts) == alone
     assert cramped.engine.scheduler.num_preemptions >= 2, "the pool was not small enough to preempt"
     uncached = LLM(str(vlm_dir), device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=512,

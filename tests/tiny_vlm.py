@@ -69,6 +69,57 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
     return path
 
 
+def write_tiny_llava(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 3,
+                     image_size: int = 28, patch_size: int = 7, shortest_edge: int = 32,
+                     strategy: str = "default",
+                     feature_layer: int = -2, pad_to_square: bool = False, seed: int = 0) -> Path:
+    """A complete LLaVA-1.5-style folder (CLIP tower, MLP projector, Llama text model)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens([AddedToken("<image>", normalized=False, special=True)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=vision_hidden,
+                           intermediate_size=2 * vision_hidden, num_hidden_layers=vision_layers,
+                           num_attention_heads=4, image_size=image_size, patch_size=patch_size,
+                           projection_dim=vision_hidden),
+        image_token_id=tokenizer.token_to_id("<image>"), vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "class_embedding" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config() | {"model_max_length": 4096}))
+    LlavaImageProcessorPil(size={"shortest_edge": shortest_edge}, do_pad=pad_to_square,
+                           crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
+    options = {"patch_size": patch_size, "vision_feature_select_strategy": strategy,
+               "num_additional_image_tokens": 1}
+    (path / "processor_config.json").write_text(json.dumps(options))
+    return path
+
+
+def reference_llava_processor(path: Path):
+    """transformers' LlavaProcessor over the folder's tokenizer and image processor."""
+    from transformers import LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN)
+    options = json.loads((path / "processor_config.json").read_text())
+    return LlavaProcessor(LlavaImageProcessorPil.from_pretrained(path), tokenizer, **options)
+
+
 def rows_per_tile(config) -> int:
     vision = config.vision_config
     return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2

@@ -31,12 +31,14 @@ class TowerNames:
     clip: bool  # CLIP's class token and pre-layernorm
 
 
-NAMES = {"idefics3": TowerNames("model.vision_model.", ("model.connector.modality_projection.proj",), clip=False),
-         "llava": TowerNames("vision_tower.", ("multi_modal_projector.linear_1", "multi_modal_projector.linear_2"),
-                             clip=True)}
+NAMES = {"idefics3": TowerNames("model.vision_model.", ("model.connector.modality_projection.proj",),
+                                clip=False),
+         "llava": TowerNames("vision_tower.", ("multi_modal_projector.linear_1",
+                                               "multi_modal_projector.linear_2"), clip=True)}
 # Older and newer spellings of the same LLaVA tensors, to the one the map above uses.
-_RENAMED = (("model.vision_tower.vision_model.", "vision_tower."), ("vision_tower.vision_model.", "vision_tower."),
-            ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
+_RENAMED = (("model.vision_tower.vision_model.", "vision_tower."),
+            ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
 def read_vision_config(model_dir: Path) -> VisionConfig | None:
@@ -76,7 +78,8 @@ def vision_tensor_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
                    f"{layer}mlp.fc2.weight": (hidden, ffn), f"{layer}mlp.fc2.bias": (hidden,)}
     width = hidden * config.scale_factor ** 2
     for index, linear in enumerate(names.projector):
-        shapes[linear + ".weight"] = (config.text_hidden_size, width if index == 0 else config.text_hidden_size)
+        inputs = width if index == 0 else config.text_hidden_size
+        shapes[linear + ".weight"] = (config.text_hidden_size, inputs)
     return shapes
 
 
@@ -92,7 +95,8 @@ def vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> Vi
         attn_bias = [t[f"self_attn.{proj}.bias"] for proj in ("q_proj", "k_proj", "v_proj")]
         return EncoderLayerWeights(
             norm1=(t["layer_norm1.weight"], t["layer_norm1.bias"]), qkv=torch.cat(attn),
-            qkv_bias=torch.cat(attn_bias), out=t["self_attn.out_proj.weight"], out_bias=t["self_attn.out_proj.bias"],
+            qkv_bias=torch.cat(attn_bias), out=t["self_attn.out_proj.weight"],
+            out_bias=t["self_attn.out_proj.bias"],
             norm2=(t["layer_norm2.weight"], t["layer_norm2.bias"]), fc1=t["mlp.fc1.weight"],
             fc1_bias=t["mlp.fc1.bias"], fc2=t["mlp.fc2.weight"], fc2_bias=t["mlp.fc2.bias"])
 
@@ -101,10 +105,12 @@ def vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> Vi
 
     patch = tensors[v + "embeddings.patch_embedding.weight"]
     return VisionWeights(
-        patch=patch.reshape(patch.shape[0], -1), patch_bias=tensors.get(v + "embeddings.patch_embedding.bias"),
+        patch=patch.reshape(patch.shape[0], -1),
+        patch_bias=tensors.get(v + "embeddings.patch_embedding.bias"),
         positions=tensors[v + "embeddings.position_embedding.weight"],
         layers=[layer(i) for i in range(config.num_layers)],
-        projector=[(tensors[linear + ".weight"], tensors.get(linear + ".bias")) for linear in names.projector],
+        projector=[(tensors[linear + ".weight"], tensors.get(linear + ".bias"))
+                   for linear in names.projector],
         class_embedding=tensors.get(v + "embeddings.class_embedding"), pre_norm=norm(v + "pre_layrnorm"),
         post_norm=norm(v + "post_layernorm"))
 

@@ -64,8 +64,9 @@ class VisionConfig:
                                         f"{', '.join(VISION_FAMILIES)}")
         vision, text = raw["vision_config"], raw["text_config"]
         if vision.get("model_type", VISION_MODEL_TYPES[family][0]) not in VISION_MODEL_TYPES[family]:
-            raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = {vision['model_type']!r}: "
-                                        f"a {family} checkpoint's tower runs as {VISION_MODEL_TYPES[family][0]}")
+            raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = "
+                                        f"{vision['model_type']!r}: a {family} checkpoint's tower runs as "
+                                        f"{VISION_MODEL_TYPES[family][0]}")
         act = vision.get("hidden_act", "gelu_pytorch_tanh")
         if act not in ENCODER_ACTIVATIONS:
             raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: "
@@ -90,16 +91,17 @@ def _llava_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]
     """LLaVA-1.5's choices: one CLIP layer, with or without its class token, an MLP projector."""
     layer = raw.get("vision_feature_layer", -2)
     strategy = raw.get("vision_feature_select_strategy", "default")
-    if not isinstance(layer, int) or not -vision["num_hidden_layers"] - 1 <= layer <= vision["num_hidden_layers"]:
-        raise UnsupportedModelError(f"config.json field 'vision_feature_layer' = {layer!r}: nanoserve reads one "
-                                    "layer of the tower")
+    depth = vision["num_hidden_layers"]
+    if not isinstance(layer, int) or not -depth - 1 <= layer <= depth:
+        raise UnsupportedModelError(f"config.json field 'vision_feature_layer' = {layer!r}: nanoserve reads "
+                                    "one layer of the tower")
     if strategy not in ("default", "full"):
         raise UnsupportedModelError(f"config.json field 'vision_feature_select_strategy' = {strategy!r}: "
                                     "'default' or 'full'")
     act = raw.get("projector_hidden_act", "gelu")
     if act not in ENCODER_ACTIVATIONS:
-        raise UnsupportedModelError(f"config.json field 'projector_hidden_act' = {act!r}: nanoserve's projector "
-                                    f"runs {', '.join(ENCODER_ACTIVATIONS)}")
+        raise UnsupportedModelError(f"config.json field 'projector_hidden_act' = {act!r}: nanoserve's "
+                                    f"projector runs {', '.join(ENCODER_ACTIVATIONS)}")
     token = raw.get("image_token_id", raw.get("image_token_index"))
     return dict(layer_norm_eps=vision.get("layer_norm_eps", 1e-5), image_token_id=token, feature_layer=layer,
                 class_token=True, drop_class_token=strategy == "default", projector_act=act)

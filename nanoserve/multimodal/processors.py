@@ -185,12 +185,13 @@ class LlavaProcessor:
         size = raw.get("size", {"shortest_edge": vision.image_size})
         crop = raw.get("crop_size", {"height": vision.image_size, "width": vision.image_size})
         resize, center_crop = raw.get("do_resize", True), raw.get("do_center_crop", True)
-        if (resize and "shortest_edge" not in size) or (center_crop and crop != {"height": vision.image_size,
-                                                                                  "width": vision.image_size}):
+        tower_square = {"height": vision.image_size, "width": vision.image_size}
+        if (resize and "shortest_edge" not in size) or (center_crop and crop != tower_square):
             raise UnsupportedModelError("preprocessor_config.json: LLaVA's images are resized by "
                                         "'size.shortest_edge' and centre-cropped to the tower's image_size")
         if resize and center_crop and size["shortest_edge"] < vision.image_size:
-            raise UnsupportedModelError("preprocessor_config.json: size.shortest_edge is smaller than the crop")
+            raise UnsupportedModelError("preprocessor_config.json: size.shortest_edge is smaller than the "
+                                        "crop")
         normalize = raw.get("do_normalize", True)
         return cls(rows=vision.rows_per_tile, shortest_edge=size["shortest_edge"] if resize else None,
                    crop=vision.image_size if center_crop else None, pad_to_square=raw.get("do_pad", False),
