@@ -141,3 +141,22 @@ def test_a_text_only_model_refuses_images(tiny_model_dir):
     with pytest.raises(InvalidRequestError) as error:
         llm.generate({"prompt": "hi <image>", "multi_modal_data": {"image": image(1)}})
     assert error.value.param == "images"
+
+
+def test_generate_image_file_streams_the_librarys_text_and_a_bad_file_exits_2(vlm_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from nanoserve_cli.main import app
+
+    (tmp_path / "cat.png").write_bytes(image(1))
+    (tmp_path / "cat.svg").write_bytes(b'<svg xmlns="http://www.w3.org/2000/svg"/>')
+    llm = LLM(str(vlm_dir), device="cpu", dtype="float32", num_kv_blocks=128)
+    (expected,) = llm.generate({"prompt": "<image>What is it?", "multi_modal_data": {"image": image(1)}},
+                               SamplingParams(max_tokens=6, temperature=0.0))
+    args = ["generate", "What is it?", "--model", str(vlm_dir), "--dtype", "float32", "--max-tokens", "6"]
+    result = CliRunner().invoke(app, [*args, "--image", str(tmp_path / "cat.png")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith(expected.outputs[0].text + "\n")
+    result = CliRunner().invoke(app, [*args, "--image", str(tmp_path / "cat.svg")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "images[0]" in result.output or "not a PNG" in result.output

@@ -6,7 +6,8 @@ under the engine's `ImageLimits`, expanding the prompt's placeholders, placing e
 and encoding on demand. An image is encoded alone (never batched with another request's), so its
 rows have the same bits in a crowd as alone, and a preempted request's recompute, or another
 request sending the same image, reads the cached rows.
-Refuses: images for a model without a vision tower, and images beside a token-id prompt (the
+Refuses: images placed where the prompt holds no image tokens, and (in `Engine.add_request`)
+images for a model without a vision tower or raw images beside a token-id prompt (their
 placeholders come from the text), each naming the field.
 """
 
