@@ -553,8 +553,9 @@ class Scheduler:
             parent = keys[-1] if keys else chain_root(request.params.cache_salt, request.adapter_key)
             first = len(keys)
             tokens = request.token_ids(first * size, num_blocks * size)
-            extra = [request.image_key_material(b * size, (b + 1) * size) for b in range(first, num_blocks)]
-            keys += block_keys(tokens, size, num_blocks - first, parent, extra if request.images else ())
+            extra = ([request.image_key_material(b * size, (b + 1) * size) for b in range(first, num_blocks)]
+                     if request.images else ())
+            keys += block_keys(tokens, size, num_blocks - first, parent, extra)
         return keys[:num_blocks]
 
     def _register_filled_blocks(self, chunk: ScheduledChunk) -> None:
