@@ -3,9 +3,10 @@
 
 Owns: `EngineImages` (the model's processor, its encoder and `ImageEmbeddingCache`): decoding
 under the engine's `ImageLimits`, expanding the prompt's placeholders, placing each image's rows,
-and encoding on demand. An image is encoded alone (never batched with another request's), so its
-rows have the same bits in a crowd as alone, and a preempted request's recompute, or another
-request sending the same image, reads the cached rows.
+and encoding on demand (a prefill chunk's first need). An image is encoded alone (never batched
+with another request's), so its rows have the same bits in a crowd as alone; a preempted
+request's recompute reads the rows its image kept, and another request sending the same image
+those the cache kept.
 Refuses: images placed where the prompt holds no image tokens, and (in `Engine.add_request`)
 images for a model without a vision tower or raw images beside a token-id prompt (their
 placeholders come from the text), each naming the field.
@@ -115,6 +116,11 @@ class EngineImages:
         return to_rgb(image)
 
     def embeddings(self, image: ImageInput) -> torch.Tensor:
-        """The image's embedding rows [len(positions), text hidden] on the device, encoded once."""
-        return self.cache.get(image.content_hash,
-                              lambda: self.encoder.encode(image.pixel_values.to(self.device)))
+        """The image's embedding rows [len(positions), text hidden] on the device: encoded once
+        (or found by hash: another request's), then kept on the image in place of its pixels."""
+        if image.rows is None:
+            pixels = image.pixel_values
+            image.rows = self.cache.get(image.content_hash,
+                                        lambda: self.encoder.encode(pixels.to(self.device)))
+            image.pixel_values = None
+        return image.rows

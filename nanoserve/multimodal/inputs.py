@@ -20,14 +20,18 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.processors import ProcessedImage
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class ImageInput:
     """One image of one prompt. Row i of its embedding (the encoder's output) goes to prompt
-    position `positions[i]`."""
+    position `positions[i]`. Until it is encoded it holds its pixels; from then on its rows
+    instead (a preempted request recomputes from them), so a long queue of image requests
+    holds each image's few rows rather than its pixel tiles. Tensors are untyped here: the
+    scheduler, which carries these, has no torch."""
 
     content_hash: bytes  # sha256 of the processed pixels: the embedding cache's and prefix cache's key
-    pixel_values: Any  # torch.Tensor [tiles, channels, height, width] (untyped: the scheduler has no torch)
+    pixel_values: Any  # [tiles, channels, height, width]; None once encoded
     positions: tuple[int, ...]
+    rows: Any = None  # [len(positions), text hidden] once encoded
 
     def key_material(self, start: int, stop: int) -> bytes:
         """Its hash when any of its rows lies in positions [start, stop), else nothing: what a
