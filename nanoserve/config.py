@@ -724,6 +724,8 @@ class EngineConfig:
     pooling: str | None = None
     # How many images one prompt may carry and how large each may be (a vision-language model's).
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    # A llama.cpp mmproj GGUF: the vision tower and projector of a text model given as --model.
+    mmproj: str | None = None
 
     def __post_init__(self) -> None:
         if self.fair_share_rows is not None and not self.fair_share_rows >= 0:

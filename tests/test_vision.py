@@ -5,12 +5,15 @@ transformers in several sizes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from PIL import Image
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
+from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
@@ -19,6 +22,7 @@ from tests.tiny_vlm import (
     random_image,
     reference_llava_processor,
     reference_processor,
+    write_tiny_gguf_pair,
     write_tiny_idefics3,
     write_tiny_llava,
 )
@@ -138,3 +142,27 @@ def _run(engine: Engine, request_id: str) -> list[int]:
             if output.request_id == request_id:
                 tokens += output.token_ids
     return tokens
+
+
+def test_a_gguf_and_mmproj_pair_computes_the_hugging_face_folders_bits(tmp_path_factory):
+    """llama.cpp's layout (text GGUF + mmproj GGUF, float32) loads into the same encoder, processor
+    and logits as the folder it was written from."""
+    vlm_dir = write_tiny_idefics3(tmp_path_factory.mktemp("idefics3-hf"), seed=5)
+    text, mmproj = write_tiny_gguf_pair(vlm_dir, tmp_path_factory.mktemp("idefics3-gguf"))
+    options = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128}
+    folder = Engine(EngineConfig(model=str(vlm_dir), **options))
+    pair = Engine(EngineConfig(model=str(text), mmproj=str(mmproj), **options))
+    assert pair.images.processor == folder.images.processor
+    ours, theirs = pair.images.encoder.config, folder.images.encoder.config
+    assert dataclasses.replace(ours, layer_norm_eps=theirs.layer_norm_eps) == theirs
+    assert ours.layer_norm_eps == pytest.approx(theirs.layer_norm_eps, rel=1e-7)  # a float32 in GGUF
+    prompts = ["Describe <image> please", "<image> and <image>: which?"]
+    images = [[random_image(100, 70, seed=1)], [random_image(20, 33, seed=2), random_image(64, 64, seed=3)]]
+    assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
+
+
+def test_an_mmproj_that_is_not_a_file_is_refused_naming_it(tmp_path, tiny_model_dir):
+    with pytest.raises(InvalidRequestError) as error:
+        Engine(EngineConfig(model=str(tiny_model_dir), mmproj=str(tmp_path / "missing.gguf"),
+                            num_kv_blocks=16))
+    assert error.value.param == "mmproj"

@@ -145,3 +145,69 @@ def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
     return buffer.getvalue()
+
+
+def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """An Idefics3 folder as llama.cpp's converter lays it out: the text model as a llama GGUF
+    (tiny_model.write_tiny_gguf) and the tower and projector as an mmproj GGUF, float32, its
+    tensor names from gguf-py's own map and its metadata from gguf-py's own writer methods."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_model import write_tiny_gguf
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    text, vision = raw["text_config"], raw["vision_config"]
+    tensors = load_file(str(vlm_dir / "model.safetensors"))
+    llama_dir = out_dir / "text-hf"
+    llama_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        shutil.copy(vlm_dir / name, llama_dir / name)
+    # A GGUF lists every token, added ones too (the converter's vocabulary is the whole of it).
+    tokenizer = json.loads((vlm_dir / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] |= {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
+    (llama_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+            "eos_token_id")
+    llama = {key: text[key] for key in keys} | {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": None,
+        "rope_theta": text["rope_parameters"]["rope_theta"],
+        "tie_word_embeddings": raw["tie_word_embeddings"]}
+    (llama_dir / "config.json").write_text(json.dumps(llama))
+    prefix = "model.text_model."
+    save_file({("model." + name[len(prefix):] if name.startswith(prefix) else name): tensor
+               for name, tensor in tensors.items() if name.startswith(prefix) or name == "lm_head.weight"},
+              str(llama_dir / "model.safetensors"))
+    text_gguf = write_tiny_gguf(out_dir / "text.gguf", llama_dir)
+
+    mmproj = out_dir / "mmproj.gguf"
+    writer = gguf.GGUFWriter(str(mmproj), "clip")
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
+    writer.add_vision_projection_dim(text["hidden_size"])
+    writer.add_vision_image_size(vision["image_size"])
+    writer.add_vision_patch_size(vision["patch_size"])
+    writer.add_vision_embedding_length(vision["hidden_size"])
+    writer.add_vision_feed_forward_length(vision["intermediate_size"])
+    writer.add_vision_block_count(vision["num_hidden_layers"])
+    writer.add_vision_head_count(vision["num_attention_heads"])
+    writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
+    writer.add_vision_projector_scale_factor(raw["scale_factor"])
+    writer.add_vision_use_gelu(True)
+    processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
+    writer.add_vision_image_mean(processor["image_mean"])
+    writer.add_vision_image_std(processor["image_std"])
+    writer.add_vision_preproc_image_size(processor["size"]["longest_edge"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in tensors.items():
+        if name.startswith(("model.vision_model.", "model.connector.")):
+            stem, kind = name.rsplit(".", 1)
+            writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return text_gguf, mmproj

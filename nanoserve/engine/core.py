@@ -57,6 +57,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
@@ -207,7 +208,9 @@ class Engine:
         runner_model = ShardedModel(self.model, self.model_config, self.tp) if self.tp else self.model
         # A vision-language model's image side (None: text only).
         self.images = EngineImages.load(self.model_dir, config.image_limits, dtype=self.dtype,
-                                        device=self.device, kernel=self.kernel_choice.kernel)
+                                        device=self.device, kernel=self.kernel_choice.kernel,
+                                        mmproj=Path(config.mmproj) if config.mmproj else None,
+                                        token_id=self.tokenizer.backend.token_to_id)
         self.runner = ModelRunner(runner_model, self.kv_cache, eos_token_ids=self.tokenizer.eos_token_ids,
                                   device=self.device,
                                   image_embeddings=None if self.images is None else self.images.embeddings)

@@ -21,20 +21,23 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from nanoserve.errors import InvalidRequestError
+from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.loading.mmproj import read_mmproj
 from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.model.linear import KERNELS, LinearKernel
-from nanoserve.model.vision import ImageEncoder
+from nanoserve.model.vision import ImageEncoder, build_encoder
 from nanoserve.multimodal.images import decode_image, to_rgb
 from nanoserve.multimodal.inputs import ImageInput, expand_placeholders, place_images
 from nanoserve.multimodal.limits import ImageLimits
-from nanoserve.multimodal.processors import ImageProcessor, load_processor
+from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, load_processor
 
 # Images' embedding rows kept for reuse (preemption, a repeated image): the least recently
 # used go first past this many bytes.
 IMAGE_CACHE_BYTES = 256 << 20
 
 ImageData = bytes | Image.Image
+# The placeholder an mmproj family's prompts use (every family here spells it so).
+MMPROJ_PLACEHOLDER = "<image>"
 
 
 class ImageEmbeddingCache:
@@ -73,16 +76,34 @@ class EngineImages:
 
     @classmethod
     def load(cls, model_dir: Path, limits: ImageLimits, *, dtype: torch.dtype, device: torch.device,
-             kernel: LinearKernel) -> EngineImages | None:
-        """The image side of `model_dir`, or None for a text-only model. Its matrices run the
-        text model's float kernel (a quantized kernel's float sibling: the tower stays float)."""
+             kernel: LinearKernel, mmproj: Path | None = None,
+             token_id: Callable[[str], int | None] | None = None) -> EngineImages | None:
+        """The image side of `model_dir`, or of the llama.cpp `mmproj` file beside a text model
+        (`token_id` then finds its placeholder token in the text model's vocabulary); None for a
+        text-only model. Its matrices run the text model's float kernel (a quantized kernel's
+        float sibling: the tower stays float)."""
+        float_kernel = kernel if kernel.name in KERNELS else KERNELS["aten"]
+        if mmproj is not None:
+            return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, token_id)
         config = read_vision_config(model_dir)
         if config is None:
             return None
-        float_kernel = kernel if kernel.name in KERNELS else KERNELS["aten"]
         encoder = load_image_encoder(model_dir, config, dtype=dtype, device=device,
                                      linear_kernel=float_kernel)
         return cls(load_processor(model_dir, config), encoder, limits, device)
+
+    @classmethod
+    def _from_mmproj(cls, path: Path, limits: ImageLimits, dtype: torch.dtype, device: torch.device,
+                     kernel: LinearKernel, token_id: Callable[[str], int | None] | None) -> EngineImages:
+        if not path.is_file():
+            raise InvalidRequestError(f"mmproj: {path} is not a file", param="mmproj")
+        image_token_id = token_id(MMPROJ_PLACEHOLDER) if token_id is not None else None
+        if image_token_id is None:
+            raise UnsupportedModelError(f"the text model's vocabulary has no {MMPROJ_PLACEHOLDER} token for "
+                                        f"{path.name}'s images")
+        config, weights, fields = read_mmproj(path, image_token_id)
+        encoder = build_encoder(config, weights.to(dtype, device), kernel)
+        return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device)
 
     def prompt(self, text: str, images: Sequence[ImageData], encode: Callable[[str], list[int]],
                truncate: Callable[[list[int]], list[int]],
