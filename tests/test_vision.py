@@ -166,3 +166,20 @@ def test_an_mmproj_that_is_not_a_file_is_refused_naming_it(tmp_path, tiny_model_
         Engine(EngineConfig(model=str(tiny_model_dir), mmproj=str(tmp_path / "missing.gguf"),
                             num_kv_blocks=16))
     assert error.value.param == "mmproj"
+
+
+def test_a_llava_hf_config_that_lists_only_changed_fields_reads_with_transformers_defaults():
+    """llava-hf's config.json gives text_config and vision_config as diffs from the defaults."""
+    from nanoserve.config import ModelConfig
+    from nanoserve.model.vision_config import VisionConfig, text_config_dict
+
+    raw = {"model_type": "llava", "image_token_index": 32000, "vision_feature_layer": -2,
+           "text_config": {"model_type": "llama", "vocab_size": 32064, "max_position_embeddings": 4096,
+                           "rms_norm_eps": 1e-05},
+           "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "image_size": 336,
+                             "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
+                             "patch_size": 14}}
+    vision = VisionConfig.from_hf_dict(raw)
+    assert (vision.hidden_act, vision.rows_per_tile, vision.text_hidden_size) == ("quick_gelu", 576, 4096)
+    text = ModelConfig.from_hf_dict(text_config_dict(raw))
+    assert (text.hidden_size, text.num_layers, text.num_kv_heads, text.vocab_size) == (4096, 32, 32, 32064)

@@ -16,7 +16,15 @@ from nanoserve.errors import UnsupportedModelError
 # model_type of the checkpoint -> the encoder + projector that runs it (model/vision.py).
 VISION_FAMILIES = ("idefics3", "llava")
 ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")
-VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision",), "llava": ("clip_vision_model",)}
+# Each family's tower model_type (older transformers saved Idefics3's as "idefics3"), and the
+# tower's activation when vision_config leaves it out (the transformers config class's default).
+VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision", "idefics3"), "llava": ("clip_vision_model",)}
+DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu"}
+LLAVA_IMAGE_TOKEN_DEFAULT = 32000  # LlavaConfig's image_token_index when config.json leaves it out
+# LlamaConfig's defaults: a LLaVA checkpoint's text_config lists only the fields it changed.
+LLAMA_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                  "rms_norm_eps": 1e-6, "hidden_act": "silu"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +70,12 @@ class VisionConfig:
             raise UnsupportedModelError(f"config.json: model_type {family!r} has a vision tower nanoserve "
                                         "does not run; it runs the vision-language families "
                                         f"{', '.join(VISION_FAMILIES)}")
-        vision, text = raw["vision_config"], raw["text_config"]
+        vision, text = raw["vision_config"], text_config_dict(raw)
         if vision.get("model_type", VISION_MODEL_TYPES[family][0]) not in VISION_MODEL_TYPES[family]:
             raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = "
                                         f"{vision['model_type']!r}: a {family} checkpoint's tower runs as "
                                         f"{VISION_MODEL_TYPES[family][0]}")
-        act = vision.get("hidden_act", "gelu_pytorch_tanh")
+        act = vision.get("hidden_act", DEFAULT_ACTIVATION[family])
         if act not in ENCODER_ACTIVATIONS:
             raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: "
                                         f"nanoserve's encoder runs {', '.join(ENCODER_ACTIVATIONS)}")
@@ -102,17 +110,19 @@ def _llava_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]
     if act not in ENCODER_ACTIVATIONS:
         raise UnsupportedModelError(f"config.json field 'projector_hidden_act' = {act!r}: nanoserve's "
                                     f"projector runs {', '.join(ENCODER_ACTIVATIONS)}")
-    token = raw.get("image_token_id", raw.get("image_token_index"))
+    token = raw.get("image_token_id", raw.get("image_token_index", LLAVA_IMAGE_TOKEN_DEFAULT))
     return dict(layer_norm_eps=vision.get("layer_norm_eps", 1e-5), image_token_id=token, feature_layer=layer,
                 class_token=True, drop_class_token=strategy == "default", projector_act=act)
 
 
 def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config.json fields: a vision-language checkpoint's `text_config` (with
-    the head tying the whole checkpoint declares), any other checkpoint's own fields."""
+    """The text model's config.json fields: a vision-language checkpoint's `text_config` (Llama's
+    defaults where it leaves fields out, as transformers fills them; the head tying the whole
+    checkpoint declares), any other checkpoint's own fields."""
     if raw.get("vision_config") is None or raw.get("model_type") not in VISION_FAMILIES:
         return raw
-    text = dict(raw["text_config"])
+    text = LLAMA_DEFAULTS | dict(raw.get("text_config") or {})
+    text.setdefault("num_key_value_heads", text["num_attention_heads"])
     if "tie_word_embeddings" in raw:
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     return text
