@@ -37,6 +37,7 @@ SIZES = {
     "idefics3-patch8": (write_tiny_idefics3, dict(image_size=64, patch_size=8, scale_factor=4,
                                                   longest_edge=160, seed=2)),
     "idefics3-unsplit": (write_tiny_idefics3, dict(split=False, scale_factor=1, seed=3)),
+    "smolvlm2": (write_tiny_idefics3, dict(smolvlm=True, seed=6)),
     "llava-default": (write_tiny_llava, {}),
     "llava-full-padded": (write_tiny_llava, dict(strategy="full", feature_layer=-1, pad_to_square=True,
                                                  vision_hidden=48, shortest_edge=40, seed=4)),
@@ -61,10 +62,9 @@ def reference(vlm_dir):
 
 @pytest.fixture(scope="module")
 def hf_model(vlm_dir):
-    from transformers import Idefics3ForConditionalGeneration, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    family = LlavaForConditionalGeneration if is_llava(vlm_dir) else Idefics3ForConditionalGeneration
-    return family.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
 
 
 def hf_image_rows(hf_model, pixels: torch.Tensor) -> torch.Tensor:

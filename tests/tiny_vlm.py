@@ -28,10 +28,15 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
                         vision_heads: int = 4, image_size: int = 32, patch_size: int = 4,
                         scale_factor: int = 2, text_hidden: int = 64,
                         text_layers: int = 2, longest_edge: int = 64, split: bool = True,
-                        tie_word_embeddings: bool = False, seed: int = 0) -> Path:
+                        tie_word_embeddings: bool = False, smolvlm: bool = False, seed: int = 0) -> Path:
     """A complete Idefics3 folder: tiles of `image_size` pixels (the processor's max_image_size),
     images first resized so their longest edge is `longest_edge`."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil
+    import transformers
+
+    kind = "SmolVLM" if smolvlm else "Idefics3"  # SmolVLM2's classes: the same architecture
+    config_class = getattr(transformers, f"{kind}Config")
+    model_class = getattr(transformers, f"{kind}ForConditionalGeneration")
+    image_processor_class = getattr(transformers, f"{kind}ImageProcessorPil")
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -39,7 +44,7 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in IMAGE_TOKENS])
     tokenizer.save(str(path / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    config = Idefics3Config(
+    config = config_class(
         text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=text_hidden,
                          intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=text_hidden // 4,
@@ -53,7 +58,7 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
         scale_factor=scale_factor, image_token_id=tokenizer.token_to_id("<image>"),
         tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():  # norms off their all-ones init, biases off zero: the test can see them
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
@@ -61,7 +66,7 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
     model.save_pretrained(path)
     tokenizer_config = _tokenizer_config() | {"model_max_length": 4096}
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    processor = Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
+    processor = image_processor_class(size={"longest_edge": longest_edge},
                                           max_image_size={"longest_edge": image_size},
                                           do_image_splitting=split)
     processor.save_pretrained(path)
@@ -126,14 +131,19 @@ def rows_per_tile(config) -> int:
 
 
 def reference_processor(path: Path):
-    """transformers' Idefics3Processor over the folder's tokenizer and image processor."""
-    from transformers import Idefics3ImageProcessorPil, Idefics3Processor, PreTrainedTokenizerFast
+    """transformers' Idefics3Processor over the folder's tokenizer and image processor (a SmolVLM2
+    folder's own image processor; SmolVLMProcessor's text expansion is Idefics3's, and it needs
+    num2words and torchvision, which the tests do not install)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
 
+    smolvlm = json.loads((path / "config.json").read_text())["model_type"] == "smolvlm"
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
                                         eos_token=EOS_TOKEN)
     seq_len = json.loads((path / "processor_config.json").read_text())["image_seq_len"]
-    image_processor = Idefics3ImageProcessorPil.from_pretrained(path)
-    return Idefics3Processor(image_processor, tokenizer, image_seq_len=seq_len)
+    image_processor_class = getattr(transformers, f"{'SmolVLM' if smolvlm else 'Idefics3'}ImageProcessorPil")
+    return transformers.Idefics3Processor(image_processor_class.from_pretrained(path), tokenizer,
+                                          image_seq_len=seq_len)
 
 
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:

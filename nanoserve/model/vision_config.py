@@ -14,11 +14,13 @@ from typing import Any
 from nanoserve.errors import UnsupportedModelError
 
 # model_type of the checkpoint -> the encoder + projector that runs it (model/vision.py).
-VISION_FAMILIES = ("idefics3", "llava")
+# config.json's model_type -> the family that runs it (SmolVLM2 is Idefics3's architecture)
+VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "llava": "llava"}
 ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")
 # Each family's tower model_type (older transformers saved Idefics3's as "idefics3"), and the
 # tower's activation when vision_config leaves it out (the transformers config class's default).
-VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision", "idefics3"), "llava": ("clip_vision_model",)}
+VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision", "idefics3", "smolvlm_vision"),
+                      "llava": ("clip_vision_model",)}
 DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu"}
 LLAVA_IMAGE_TOKEN_DEFAULT = 32000  # LlavaConfig's image_token_index when config.json leaves it out
 # LlamaConfig's defaults: a LLaVA checkpoint's text_config lists only the fields it changed.
@@ -29,7 +31,7 @@ LLAMA_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 409
 
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
-    family: str  # one of VISION_FAMILIES
+    family: str  # one of VISION_FAMILIES' values
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -65,10 +67,10 @@ class VisionConfig:
         """The image side of config.json, or None for a text-only checkpoint."""
         if raw.get("vision_config") is None:
             return None
-        family = raw.get("model_type")
-        if family not in VISION_FAMILIES:
-            raise UnsupportedModelError(f"config.json: model_type {family!r} has a vision tower nanoserve "
-                                        "does not run; it runs the vision-language families "
+        family = VISION_FAMILIES.get(raw.get("model_type"))
+        if family is None:
+            raise UnsupportedModelError(f"config.json: model_type {raw.get('model_type')!r} has a vision "
+                                        "tower nanoserve does not run; it runs the vision-language families "
                                         f"{', '.join(VISION_FAMILIES)}")
         vision, text = raw["vision_config"], text_config_dict(raw)
         if vision.get("model_type", VISION_MODEL_TYPES[family][0]) not in VISION_MODEL_TYPES[family]:
