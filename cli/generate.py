@@ -76,6 +76,9 @@ def generate(
         help="Stop at this token id (repeatable).")] = None,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    image: Annotated[list[Path] | None, typer.Option(
+        help="An image file (PNG, JPEG, WebP, GIF) for a vision-language model (repeatable); placed at "
+             "the prompt's image placeholders (SmolVLM's <image>), else before the prompt.")] = None,
     *,
     engine: options.EngineOptions,
 ) -> None:
@@ -107,10 +110,39 @@ def generate(
             print(note, file=sys.stderr)
         print(llm.engine.kernel_summary, file=sys.stderr)
         print(llm.engine.kv_cache_summary, file=sys.stderr)
+        if image:
+            _stream(llm, _image_prompt(llm, prompt, [_read(path) for path in image], chat), params)
+            return
         messages = [{"role": "user", "content": prompt}]
         _stream(llm, llm.tokenizer.encode_chat(messages) if chat else prompt, params)
     except NanoserveError as error:
         options.fail_for(error)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        options.fail(f"--image: cannot read {path}: {error}")
+
+
+def _image_prompt(llm: LLM, prompt: str, images: list[bytes], chat: bool) -> dict:
+    """The prompt with its images: their placeholders where the prompt has them, else one per
+    image before it; with `chat`, in the chat template (as parts where the template reads parts)."""
+    from nanoserve.tokenizer import template_reads_parts
+
+    placeholder = llm.engine.images.processor.placeholder if llm.engine.images is not None else "<image>"
+    if placeholder not in prompt:
+        prompt = placeholder * len(images) + prompt
+    if chat:
+        content: str | list[dict] = prompt
+        if template_reads_parts(llm.tokenizer.chat_template):
+            pieces = prompt.split(placeholder)
+            content = [{"type": "text", "text": pieces[0]}]
+            for piece in pieces[1:]:
+                content += [{"type": "image"}, {"type": "text", "text": piece}]
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+    return {"prompt": prompt, "multi_modal_data": {"image": images}}
 
 
 def _structured(json_schema: Path | None, regex: str | None) -> StructuredOutputs | None:
@@ -127,7 +159,7 @@ def _structured(json_schema: Path | None, regex: str | None) -> StructuredOutput
     return StructuredOutputs(json=text, param="json_schema")
 
 
-def _stream(llm: LLM, prompt: str | list[int], params: SamplingParams) -> None:
+def _stream(llm: LLM, prompt: str | list[int] | dict, params: SamplingParams) -> None:
     start = time.perf_counter()
     first_token_s = None
     num_prompt = num_output = 0

@@ -121,6 +121,9 @@ SpeculativeMethod = Annotated[str, typer.Option(
 DraftModel = Annotated[str | None, typer.Option(
     help="The draft model of --speculative-method draft (a directory, .gguf or hub id, as --model): "
          "same tokenizer and vocabulary, its own KV cache; it proposes greedily.")]
+Mmproj = Annotated[str | None, typer.Option(
+    help="A llama.cpp mmproj .gguf: the vision tower and projector beside a text model (SmolVLM's "
+         "idefics3 projector); images then go in at its <image> placeholders.")]
 AsyncScheduling = Annotated[bool | None, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="Deferred output: launch each step before the last one's tokens are resolved on the host "
@@ -196,6 +199,7 @@ class EngineOptions:
     speculative_ngram_min: SpeculativeNgramMin = _DEFAULT.speculative_ngram_min
     speculative_ngram_max: SpeculativeNgramMax = _DEFAULT.speculative_ngram_max
     draft_model: DraftModel = _DEFAULT.draft_model
+    mmproj: Mmproj = _DEFAULT.mmproj
     speculative_policy: SpeculativePolicy = _DEFAULT.speculative_policy
     speculative_disable_by_batch_size: SpeculativeDisableByBatchSize = (
         _DEFAULT.speculative_disable_by_batch_size)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from nanoserve.engine.core import Engine
+    from nanoserve.multimodal.limits import ImageLimits
     from nanoserve.server.adapters import LoRAModule
     from nanoserve.server.bridges.models import ModelPolicy, ModelSpec
     from nanoserve.server.bridges.replicas import ReplicaPlan
@@ -145,6 +147,13 @@ def serve(
         min=0, max=MAX_SEED - 1, help="Seed for requests that give none: the same requests, in the same "
                                       "order, then sample the same tokens. Default: a random seed each.")]
     = None,
+    allowed_media_domains: Annotated[list[str] | None, typer.Option(
+        help="A host whose http(s) image URLs the server fetches (repeatable; vLLM's name). Default: "
+             "none, so images come as data: URLs only.")] = None,
+    limit_mm_per_prompt: Annotated[str, typer.Option(
+        help="Most images one prompt may carry: a count, or vLLM's JSON {\"image\": N}.")] = "8",
+    max_image_pixels: Annotated[int, typer.Option(
+        min=1, help="Most pixels (width x height) one image may have; larger ones are a 400.")] = 4096 * 4096,
     data_parallel_size: Annotated[int, typer.Option(
         "--data-parallel-size", "-dp", min=1,
         help="Serve from N engine processes (vLLM's data parallelism), each on its own share of the cores "
@@ -166,6 +175,7 @@ def serve(
     from nanoserve.loading.default_model import resolve_model
     from nanoserve.server.app import DRAIN_GRACE_S, ServerLimits, build_app
     from nanoserve.server.connections import with_header_timeout
+    from nanoserve.server.images import MediaPolicy
     from nanoserve.server.parsers.reasoning import ReasoningConfig
     from nanoserve.server.parsers.tool_formats import check_parser
 
@@ -190,13 +200,15 @@ def serve(
     policy = _model_policy(several, max_loaded_models, idle_unload_s, model_wait_timeout_s)
     if several:
         _check_one_model_options(served_model_name, enable_lora, data_parallel_size)
-    config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    image_limits = _image_limits(limit_mm_per_prompt, max_image_pixels)
+    config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                           image_limits=image_limits)
     replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options.serve_as_torchrun_rank(config)
     if several:
-        specs = _model_specs(model or [], models_dir, engine, policy.max_loaded)
+        specs = _model_specs(model or [], models_dir, engine, policy.max_loaded, image_limits)
     else:
         try:
             source = resolve_model(engine.model, float_weights=False)  # for its name: no weights converted
@@ -207,7 +219,8 @@ def serve(
         _check_lora_modules(modules, source.dir, names, aliases, max_lora_rank)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_n=max_n, max_prompts=max_prompts,
                           max_tokens=max_tokens_limit, max_top_logprobs=max_top_logprobs,
-                          max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template)
+                          max_waiting=max_waiting, trust_request_chat_template=trust_request_chat_template,
+                          media=MediaPolicy(frozenset(allowed_media_domains or ())))
     engine_deaths: list[BaseException] = []
 
     def stop_on_engine_death(error: BaseException) -> None:
@@ -276,7 +289,7 @@ def _check_one_model_options(served_model_name: list[str] | None, enable_lora: b
 
 
 def _model_specs(values: list[str], models_dir: Path | None, engine: options.EngineOptions,
-                 max_loaded: int) -> tuple[ModelSpec, ...]:
+                 max_loaded: int, image_limits: ImageLimits) -> tuple[ModelSpec, ...]:
     """The several models to serve: each --model, then each model in --models-dir, under its
     name (`_served_name`: a GGUF's file stem, a folder's name, a hub id); a --model's own
     spelling is accepted too. Exit 2 naming the option on a model that cannot be found or on
@@ -306,7 +319,7 @@ def _model_specs(values: list[str], models_dir: Path | None, engine: options.Eng
                 options.fail(f"{option}: two models are served as {spelling!r} ({taken[spelling]} and "
                              f"{value}); serve one of them from elsewhere or under another file name")
             taken[spelling] = value
-        config = engine.config(model=value, **kv_budget)
+        config = engine.config(model=value, image_limits=image_limits, **kv_budget)
         specs.append(ModelSpec((name,), functools.partial(_build_engine, config), aliases, config))
     return tuple(specs)
 
@@ -322,6 +335,22 @@ def _models_in(models_dir: Path) -> list[Path]:
         options.fail(f"--models-dir {models_dir} holds no model: no .gguf file and no folder with a "
                      "config.json")
     return found
+
+
+def _image_limits(limit_mm_per_prompt: str, max_image_pixels: int) -> ImageLimits:
+    """`--limit-mm-per-prompt` (a count or vLLM's {"image": N}) and `--max-image-pixels`, or exit 2."""
+    from nanoserve.multimodal.limits import ImageLimits
+
+    try:
+        value = json.loads(limit_mm_per_prompt)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and set(value) == {"image"}:
+        value = value["image"]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        options.fail(f'--limit-mm-per-prompt must be a count >= 0 or {{"image": N}}; got '
+                     f"{limit_mm_per_prompt!r}")
+    return ImageLimits(max_images_per_prompt=value, max_pixels=max_image_pixels)
 
 
 def _replica_plan(config: EngineConfig, size: int) -> ReplicaPlan | None:

@@ -42,7 +42,7 @@ from nanoserve.tokenizer import Tokenizer
 
 PromptDict = Mapping[str, Any]  # vLLM's TextPrompt and TokensPrompt
 Prompt = str | Sequence[int] | PromptDict
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
 
 
 @dataclass(slots=True)
@@ -169,8 +169,8 @@ class LLM:
             text, ids_or_text, prompt_params = _unpack(prompt, prompt_params)
             completion = None
             for i in range(prompt_params.n):
-                request_id = engine.add_request(ids_or_text, prompt_params.for_choice(i),
-                                                parent_id=parent_id, lora_request=lora)
+                request_id = engine.add_request(ids_or_text, prompt_params.for_choice(i), parent_id=parent_id,
+                                                lora_request=lora, images=_images(prompt))
                 parent_id = parent_id or request_id
                 if completion is None:
                     completion = Completion(request_id, engine.requests[request_id].prompt_ids, text, [])
@@ -213,7 +213,7 @@ class LLM:
         """Yield one request's outputs as they land; closing the iterator aborts the request."""
         engine = self.engine
         _, ids_or_text, params = _unpack(prompt, params or SamplingParams())
-        request_id = engine.add_request(ids_or_text, params)
+        request_id = engine.add_request(ids_or_text, params, images=_images(prompt))
         finished = False
         try:
             while not finished:
@@ -274,6 +274,19 @@ def _unpack(prompt: Prompt, params: SamplingParams) -> tuple[str | None, str | l
     if "prompt" in prompt:
         return prompt["prompt"], prompt["prompt"], params
     return None, list(prompt["prompt_token_ids"]), params
+
+
+def _images(prompt: Prompt) -> list | None:
+    """A prompt dict's images (vLLM's `multi_modal_data={"image": one or a list}`): image file
+    bytes or PIL images, one per placeholder in its text."""
+    if not isinstance(prompt, Mapping) or "multi_modal_data" not in prompt:
+        return None
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping) or set(data) != {"image"}:
+        raise InvalidRequestError("multi_modal_data must be a dict with one key, 'image'",
+                                  param="multi_modal_data")
+    images = data.get("image")
+    return list(images) if isinstance(images, list | tuple) else [images]
 
 
 def _with_priorities(params_list: list[SamplingParams],

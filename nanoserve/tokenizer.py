@@ -27,6 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nanoserve.errors import InvalidRequestError, ModelNotFoundError
 
 REPLACEMENT_CHAR = "\ufffd"
+# A template that indexes a content part's 'type' renders parts itself (`line['type'] == 'image'`).
+_READS_PARTS = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b""")
 # Prompt tokens that seed a detokenizer's context (vLLM seeds with 5 as well).
 PROMPT_CONTEXT_TOKENS = 5
 DRY_MAX_TAIL_TOKENS = 20  # llama.cpp's MAX_SEQ_LEN for a DRY breaker's tail
@@ -206,7 +208,11 @@ class Tokenizer:
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {err}", param="messages"
             ) from err
-        return _open_final_message(rendered, messages[-1]["content"]) if continue_final_message else rendered
+        if not continue_final_message:
+            return rendered
+        final = messages[-1]["content"]
+        final_text = final if isinstance(final, str) else "".join(part.get("text", "") for part in final)
+        return _open_final_message(rendered, final_text)
 
     def encode_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
@@ -331,8 +337,24 @@ def _check_messages(messages: Any) -> None:
             raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise InvalidRequestError(f"messages[{i}].role must be a string", param="messages")
-        if not isinstance(message.get("content"), str):
-            raise InvalidRequestError(f"messages[{i}].content must be a string", param="messages")
+        if not isinstance(message.get("content"), str) and not _is_parts(message.get("content")):
+            raise InvalidRequestError(f"messages[{i}].content must be a string (or a list of text and image "
+                                      "parts)", param="messages")
+
+
+def template_reads_parts(chat_template: str | None) -> bool:
+    """Whether a chat template renders a message's content parts itself (SmolVLM's: it is then
+    handed text and image parts, as transformers does) rather than a string with the image
+    placeholders in it."""
+    return bool(chat_template) and _READS_PARTS.search(chat_template) is not None
+
+
+def _is_parts(content: Any) -> bool:
+    """Content as a vision-language template reads it: {"type": "text", "text"} and {"type": "image"}."""
+    return isinstance(content, list) and all(
+        isinstance(part, Mapping) and (part.get("type") == "image"
+                                       or (part.get("type") == "text" and isinstance(part.get("text"), str)))
+        for part in content)
 
 
 def _raise_exception(message: str) -> None:

@@ -131,9 +131,10 @@ def test_the_core_modules_import_one_way_only():
 # (engine/), the fronts (llm, server/, bench/) or each other's callers.
 FLOORS = (
     ("nanoserve.openmp", "nanoserve.errors", "nanoserve.machine", "nanoserve.config",
-     "nanoserve.sampling_params", "nanoserve.pooling_params", "nanoserve.tokenizer", "nanoserve.quant"),
+     "nanoserve.sampling_params", "nanoserve.pooling_params", "nanoserve.tokenizer", "nanoserve.quant",
+     "nanoserve.multimodal.limits", "nanoserve.multimodal.images"),
     ("nanoserve.native",),
-    ("nanoserve.model",),
+    ("nanoserve.model", "nanoserve.multimodal"),
     ("nanoserve.distributed",),
     ("nanoserve.loading",),
     ("nanoserve.worker",),

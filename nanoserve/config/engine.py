@@ -1,7 +1,8 @@
 """How the engine runs (`EngineConfig`): the flat settings a caller passes (as vLLM's EngineArgs
 builds its VllmConfig), each declared, with its one default and its one check, by its concern's
 config: `load` (`LoadConfig`), `cache` (`CacheConfig`), `scheduler` (`SchedulerConfig`),
-`parallel` (`ParallelConfig`); speculative decoding's are checked by `engine.spec_decode.SpecConfig`.
+`parallel` (`ParallelConfig`), `multimodal` (`MultiModalConfig`); speculative decoding's are
+checked by `engine.spec_decode.SpecConfig`.
 
 Refuses: resolving what depends on the device or the model (the engine does, at start-up,
 through `scheduler_config`).
@@ -14,12 +15,15 @@ from dataclasses import dataclass
 
 from nanoserve.config.cache import CacheConfig
 from nanoserve.config.load import LoadConfig
+from nanoserve.config.multimodal import MultiModalConfig
 from nanoserve.config.parallel import ParallelConfig
 from nanoserve.config.scheduler import SchedulerConfig, resolve_fair_share_rows, resolve_prefill_step_s
 from nanoserve.errors import InvalidRequestError
+from nanoserve.multimodal.limits import ImageLimits
 
 # Each concern's defaults, which EngineConfig's fields take as theirs.
 _LOAD, _CACHE, _SCHEDULER, _PARALLEL = LoadConfig(), CacheConfig(), SchedulerConfig(), ParallelConfig()
+_MULTIMODAL = MultiModalConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,8 @@ class EngineConfig:
     tensor_parallel_size: int = _PARALLEL.tensor_parallel_size
     task: str = _LOAD.task
     pooling: str | None = _LOAD.pooling
+    image_limits: ImageLimits = _MULTIMODAL.image_limits
+    mmproj: str | None = _MULTIMODAL.mmproj
 
     def __post_init__(self) -> None:
         if self.prefill_step_ms is not None and not self.prefill_step_ms > 0:

@@ -4,12 +4,13 @@ Owns: `InputProcessor` (vLLM v1's input processor, shared the same way by the fr
 core): prompt encoding (text through the tokenizer, token ids checked against the vocabulary),
 the request checks (the length against what one request may hold, `max_request_tokens`, which
 is the context or the whole KV pool if smaller; token ids and grammars the model cannot honour;
-the task; pooling the engine cannot do), truncation, bad words tokenized, and the seed of an
-unseeded request. It reads plain facts (the tokenizer, context length, block size, number of
-blocks, ...) and no engine: `Engine.add_request` runs `process` on its own facts, and the server
-runs the same checks piece by piece while it plans a body, on the engine's processor (one engine
-in this process) or on one built from what a data-parallel replica reported (`server/bridges/replicas.py`),
-so a request is refused with one message whichever serves it.
+the task; pooling the engine cannot do), truncation, bad words tokenized, a vision-language
+model's images placed in the prompt (`engine.images`), and the seed of an unseeded request. It
+reads plain facts (the tokenizer, context length, block size, number of blocks, ...) and no
+engine: `Engine.add_request` runs `process` on its own facts, and the server runs the same
+checks piece by piece while it plans a body, on the engine's processor (one engine in this
+process) or on one built from what a data-parallel replica reported
+(`server/bridges/replicas.py`), so a request is refused with one message whichever serves it.
 Refuses: engine state (request ids, adapters, output state, the scheduler's queues); those stay
 with `Engine.add_request`.
 """
@@ -27,7 +28,9 @@ from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only held: the scheduler imports this module and stays free of them
+    from nanoserve.engine.images import EngineImages, ImageData
     from nanoserve.engine.structured import GrammarCompiler
+    from nanoserve.multimodal.inputs import ImageInput
     from nanoserve.tokenizer import Tokenizer
 
 
@@ -62,6 +65,7 @@ class AdmittedRequest:
     params: SamplingParams
     seed: int  # the request's own, else one drawn at admission
     pooling: PoolingParams | None  # an embedding request, its method resolved
+    images: list[ImageInput]  # placed in prompt_ids (a vision-language model's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,7 @@ class InputProcessor:
     pooling_method: str  # an embedding request's method when it names none
     hidden_size: int  # the one vector length served
     tensor_parallel: bool
+    images: EngineImages | None = None  # a vision-language model's image side; None: text only
 
     @property
     def max_request_tokens(self) -> int:
@@ -121,21 +126,46 @@ class InputProcessor:
                                       param="dimensions")
 
     def process(self, prompt: str | Sequence[int], params: SamplingParams | None,
-                pooling: PoolingParams | None) -> AdmittedRequest:
+                pooling: PoolingParams | None,
+                images: Sequence[ImageData] | Sequence[ImageInput] | None = None) -> AdmittedRequest:
         """A request's inputs checked and prepared for the scheduler (`Engine.add_request`): with
-        `pooling`, an embedding request, whose `params` give only its priority and cache salt."""
+        `pooling`, an embedding request, whose `params` give only its priority and cache salt;
+        `images`, one per placeholder of a vision-language model's text prompt."""
         pooling = self._resolved_pooling(pooling)
         params = (params or SamplingParams()).with_bad_words_token_ids(
             lambda text: self.tokenizer.encode(text, add_bos=False)).with_dry_breakers(
             lambda text: self.tokenizer.breaker_sequences(text))
-        prompt_ids = params.truncate_prompt(self.encode_prompt(prompt))
+        prompt_ids, image_inputs = self._prompt_inputs(prompt, params, images)
         if pooling is not None:  # nothing sampled: one "token" of room, as a prompt must leave
             params = dataclasses.replace(SamplingParams(max_tokens=1, temperature=0.0),
                                          priority=params.priority, cache_salt=params.cache_salt)
         self.check_request(prompt_ids, params)
         # Unseeded requests get a random seed now, so seeded and unseeded share one code path.
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        return AdmittedRequest(prompt_ids, params, seed, pooling)
+        return AdmittedRequest(prompt_ids, params, seed, pooling, image_inputs)
+
+    def _prompt_inputs(self, prompt: str | Sequence[int], params: SamplingParams,
+                       images: Sequence[ImageData] | Sequence[ImageInput] | None
+                       ) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids (truncated as `params` ask) and its images placed in them; or
+        token ids and the `ImageInput`s placed in them already (by the server's planner), checked."""
+        if not images:
+            return params.truncate_prompt(self.encode_prompt(prompt)), []
+        if self.images is None:
+            raise InvalidRequestError("this is a text-only model: it takes no images", param="images")
+        from nanoserve.multimodal.inputs import ImageInput
+
+        placed = all(isinstance(image, ImageInput) for image in images)
+        if not placed and not isinstance(prompt, str):
+            raise InvalidRequestError("images need a text prompt (their placeholders are expanded in its "
+                                      "text); got token ids", param="prompt")
+        if self.tensor_parallel:
+            raise InvalidRequestError("images are not supported with tensor parallelism yet", param="images")
+        if placed:  # `prompt` holds their placeholders
+            prompt_ids = self.encode_prompt(prompt)
+            self.images.check_placed(prompt_ids, images)
+            return prompt_ids, list(images)
+        return self.images.prompt(prompt, images, self.encode_prompt, params.truncate_prompt)
 
     def _resolved_pooling(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's pooling, checked, with this engine's method where it names

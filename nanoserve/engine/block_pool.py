@@ -5,7 +5,8 @@ Plain Python over integers, so it is cheap to reason about and to property-test.
 tensors themselves live in `kv_cache`; a block id here is an index into them.
 
 A full, computed block can be registered under a key chained over its parent's key and its
-own token ids (`block_keys`), so equal keys mean equal K/V. A request's chain starts from
+own token ids (`block_keys`), and the hashes of any images whose embeddings fill some of its
+positions, so equal keys mean equal K/V. A request's chain starts from
 `chain_root(cache_salt)`: empty for unsalted requests, a digest of the salt otherwise, so
 requests with different salts (or one salted, one not) never share a cached block and cannot
 learn from a cache hit what another user's prompt was. When no request holds a keyed
@@ -39,13 +40,17 @@ def chain_root(cache_salt: str | None, adapter_key: str | None = None) -> bytes:
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
-               parent: bytes = b"") -> list[bytes]:
+               parent: bytes = b"", extra: Sequence[bytes] = ()) -> list[bytes]:
     """The keys of the first `num_blocks` full blocks of `token_ids`, each a digest of
-    (the previous block's key, this block's ids), the chain starting from `parent`."""
+    (the previous block's key, this block's ids, `extra[i]` where given: the hashes of the images
+    whose embeddings replace some of its ids), the chain starting from `parent`."""
     keys = []
     for index in range(num_blocks):
         ids = array("q", token_ids[index * block_size:(index + 1) * block_size])
-        parent = hashlib.sha256(parent + ids.tobytes()).digest()
+        material = extra[index] if index < len(extra) else b""
+        if material:
+            material = b"\0image\0" + material
+        parent = hashlib.sha256(parent + ids.tobytes() + material).digest()
         keys.append(parent)
     return keys
 

@@ -58,6 +58,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
@@ -67,6 +68,7 @@ from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
 from nanoserve.engine.executor import Executor, check_start
+from nanoserve.engine.images import EngineImages, ImageData
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
@@ -87,6 +89,7 @@ from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.linear import KERNELS, QUANTIZED_KERNELS, LinearKernel, left_out
 from nanoserve.model.lora import Adapter, AdapterSet, LoRARequest, load_adapter
+from nanoserve.multimodal.inputs import ImageInput
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -170,8 +173,14 @@ class Engine:
                                     device_type=self.device.type),
             self.pool,
         )
+        # A vision-language model's image side (None: text only).
+        self.images = EngineImages.load(self.model_dir, config.image_limits, dtype=self.dtype,
+                                        device=self.device, kernel=self.kernel_choice.kernel,
+                                        mmproj=Path(config.mmproj) if config.mmproj else None,
+                                        token_id=self.tokenizer.backend.token_to_id)
         self.runner = ModelRunner(executor.runner_model, self.kv_cache,
-                                  eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)
+                                  eos_token_ids=self.tokenizer.eos_token_ids, device=self.device,
+                                  image_embeddings=None if self.images is None else self.images.embeddings)
         self.loras = self._adapter_set()
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.backend.to_str(), vocab_size=self.vocab_size,
@@ -182,7 +191,7 @@ class Engine:
                                         block_size=self.pool.block_size, task=config.task,
                                         pooling_method=self.pooling_method,
                                         hidden_size=self.model_config.hidden_size,
-                                        tensor_parallel=self.tp is not None)
+                                        tensor_parallel=self.tp is not None, images=self.images)
         self.readbacks = ReadbackCounter()
         self.stats = EngineStats()
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -308,13 +317,16 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, parent_id: str | None = None,
-                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> str:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None,
+                    images: Sequence[ImageData] | Sequence[ImageInput] | None = None) -> str:
         """Queue a request; `parent_id` names the client request it is one choice of (the
         scheduler's fair share divides steps between parents; None: a parent of its own);
         `lora_request` the adapter it runs with (loaded now if it is not resident); `pooling`
         makes it an embedding request: its prompt is computed, pooled into one vector (its one
-        output) and it ends, sampling nothing (`params` then give only its priority and cache salt)."""
-        admitted = self.admission.process(prompt, params, pooling)
+        output) and it ends, sampling nothing (`params` then give only its priority and cache salt);
+        `images` the files (bytes) or PIL images a vision-language model's text prompt places, one
+        per placeholder (`<image>` for SmolVLM)."""
+        admitted = self.admission.process(prompt, params, pooling, images)
         adapter = self.add_lora(lora_request) if lora_request is not None else None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -326,7 +338,7 @@ class Engine:
         grammar = self.grammars.new_grammar(spec) if spec is not None else None
         request = Request(request_id, prompt_ids, params, admitted.seed, parent_id=parent_id,
                           output_state=output_state, grammar=grammar, adapter=adapter,
-                          pooling=admitted.pooling)
+                          pooling=admitted.pooling, images=admitted.images)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * len(prompt_ids)
         self.scheduler.add(request)
@@ -490,13 +502,16 @@ class Engine:
             self.stats.decode_steps += 1
 
     @torch.inference_mode()
-    def prompt_logits(self, prompts: Sequence[str | Sequence[int]]) -> torch.Tensor:
-        """Last-position float32 logits of each prompt, computed alone (for parity and benches)."""
+    def prompt_logits(self, prompts: Sequence[str | Sequence[int]],
+                      images: Sequence[Sequence[ImageData]] | None = None) -> torch.Tensor:
+        """Last-position float32 logits of each prompt (with `images[i]` its images), computed alone
+        (for parity and benches)."""
         if self.has_unfinished():
             raise RuntimeError("prompt_logits runs each prompt alone; the engine has requests in flight")
         rows = []
-        for prompt in prompts:
-            request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        for index, prompt in enumerate(prompts):
+            request_id = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                          images=images[index] if images is not None else None)
             captured = self._run_prefill_capturing_logits(self.requests[request_id])
             self.abort(request_id)
             rows.append(captured)

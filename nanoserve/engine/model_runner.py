@@ -4,7 +4,8 @@ Owns the layout of a step: decode rows first, as one attention group (a decode's
 drafts are rows of that group too, each a one-row sequence over the request's blocks), then
 each prefill chunk as a group of its own; the flat cache slot of every row; which rows need logits
 (a drafting chunk's newest-token row and every draft row, then the prompt rows a request asking
-for prompt_logprobs scores); and the sampling rows in the same order, with the request id of each.
+for prompt_logprobs scores); the rows an image's embedding rows replace (a chunk takes the slice
+of each image that falls in it); and the sampling rows in the same order, with the request id of each.
 
 An embedding request's chunks sample nothing: the forward returns their final hidden states
 (every row for mean pooling, the last prompt row for last pooling), and the chunk that completes
@@ -21,6 +22,7 @@ those drafts, so the host reads them back with the tokens they are verified agai
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,7 @@ from nanoserve.model.batch import AttentionGroup, ForwardBatch
 from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.lora import Adapter, AdapterRows
+from nanoserve.multimodal.inputs import ImageInput
 
 
 @dataclass(slots=True)
@@ -95,8 +98,11 @@ class Forwarded:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: KVCache, *, eos_token_ids: frozenset[int],
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 image_embeddings: Callable[[ImageInput], torch.Tensor] | None = None) -> None:
+        """`image_embeddings`: an image's embedding rows (computed once, `engine.images`)."""
         self.model = model
+        self.image_embeddings = image_embeddings
         self.kv_cache = kv_cache
         self.sampler = BatchedSampler()
         self.eos_token_ids = eos_token_ids
@@ -121,6 +127,7 @@ class ModelRunner:
         pooling: list[PoolingSlice] = []
         pending: list[tuple[int, str]] = []  # (input row, request id) filled from `in_flight`
         device_drafts: list[tuple[int, str, int]] = []  # (input row, request id, draft) from `drafts`
+        splices: list[tuple[list[int], torch.Tensor]] = []  # (input rows, image rows that replace them)
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
             known_stop = stop - len(chunk.draft_ids)
@@ -132,6 +139,8 @@ class ModelRunner:
             if chunk.draft_ids and chunk.draft_ids[0] == ON_DEVICE:
                 first, request_id = len(input_ids) + len(known), chunk.request.request_id
                 device_drafts += ((first + j, request_id, j) for j in range(len(chunk.draft_ids)))
+            if chunk.request.images:
+                splices += self._image_splices(chunk, first_row)
             input_ids += known + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
@@ -155,6 +164,9 @@ class ModelRunner:
             adapter_rows=self._adapter_rows(ordered),
             hidden_rows=self._tensor(hidden_rows) if pooling else None,
         )
+        if splices:
+            batch.image_rows = self._tensor([row for rows, _ in splices for row in rows])
+            batch.image_embeds = torch.cat([embeds for _, embeds in splices])
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
                             [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))],
@@ -167,6 +179,18 @@ class ModelRunner:
         if not step.pooling:
             return Forwarded(self.model.forward(step.batch, self.kv_cache))
         return Forwarded(*self.model.forward_hidden(step.batch, self.kv_cache))
+
+    def _image_splices(self, chunk: ScheduledChunk, first_row: int) -> list[tuple[list[int], torch.Tensor]]:
+        """For each image with rows among the chunk's positions (a chunk may start or stop inside
+        an image): the batch rows they go to, and those embedding rows."""
+        stop = chunk.start + chunk.num_tokens
+        splices = []
+        for image in chunk.request.images:
+            first, last = image.rows_in(chunk.start, stop)
+            if first < last:
+                rows = [first_row + position - chunk.start for position in image.positions[first:last]]
+                splices.append((rows, self.image_embeddings(image)[first:last]))
+        return splices
 
     @staticmethod
     def _pooled_rows(chunk: ScheduledChunk, first_row: int, stop_row: int) -> list[int]:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.spec_decode import DraftState
     from nanoserve.engine.structured import RowGrammar
     from nanoserve.model.lora import Adapter
+    from nanoserve.multimodal.inputs import ImageInput
     from nanoserve.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -116,6 +117,10 @@ class Request:
     # where the chunks ended never changes a bit.
     pooling: PoolingParams | None = None
     pooled_rows: list = field(default_factory=list)
+    # A vision-language prompt's images: each one's embedding rows replace the token embeddings
+    # at its prompt positions (the runner splices them), and its hash is in the prefix-cache key
+    # of every block those positions fall in.
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def adapter_key(self) -> str | None:
@@ -150,6 +155,11 @@ class Request:
         """Whether its prefill needs every prompt position computed (prompt logprobs owed, or mean
         pooling): then none may come from the prefix cache."""
         return self.scores_prompt or (self.pooling is not None and self.pooling.reads_every_position)
+
+    def image_key_material(self, start: int, stop: int) -> bytes:
+        """The hashes of its images with rows in positions [start, stop): a prefix-cache block's
+        key over those positions mixes them in, so only the same images share the block."""
+        return b"".join(image.key_material(start, stop) for image in self.images)
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids in [start, stop) across prompt and output (a pending token is not there)."""

@@ -490,8 +490,11 @@ class Scheduler:
         if len(keys) < num_blocks:
             size = self.pool.block_size
             parent = keys[-1] if keys else chain_root(request.params.cache_salt, request.adapter_key)
-            tokens = request.token_ids(len(keys) * size, num_blocks * size)
-            keys += block_keys(tokens, size, num_blocks - len(keys), parent)
+            first = len(keys)
+            tokens = request.token_ids(first * size, num_blocks * size)
+            extra = ([request.image_key_material(b * size, (b + 1) * size) for b in range(first, num_blocks)]
+                     if request.images else ())
+            keys += block_keys(tokens, size, num_blocks - first, parent, extra)
         return keys[:num_blocks]
 
     def _register_filled_blocks(self, chunk: ScheduledChunk) -> None:

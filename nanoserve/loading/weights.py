@@ -35,6 +35,7 @@ from nanoserve.loading.hf_config import family_of, read_model_config
 from nanoserve.loading.hf_names import hf_tensor_shapes, weights_from_hf
 from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.linear import LinearKernel
+from nanoserve.model.vision_config import text_config_dict
 from nanoserve.model.weights import LlamaWeights
 
 
@@ -42,7 +43,7 @@ def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-    raw = json.loads(path.read_text())
+    raw = text_config_dict(json.loads(path.read_text()))
     try:
         family_of(raw)
         return read_model_config(raw)
@@ -79,6 +80,29 @@ def with_model_prefix(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {f"model.{name}": tensor for name, tensor in tensors.items()}
 
 
+# A vision-language checkpoint's text model, under the prefixes its families save it with
+# (Idefics3 / SmolVLM's; LLaVA's as transformers 5 writes and reads it, and as older saves do).
+_TEXT_MODEL_PREFIXES = (("model.text_model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+
+
+def text_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language checkpoint's text model under a causal LM's names (`model.layers...`,
+    `lm_head.weight`), its vision tensors left out; any other checkpoint's tensors as they are."""
+    if not any(name.startswith(old) for name in tensors for old, _ in _TEXT_MODEL_PREFIXES):
+        return tensors
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in _TEXT_MODEL_PREFIXES:
+            if name.startswith(old):
+                renamed[new + name[len(old):]] = tensor
+                break
+        else:
+            if name.startswith("lm_head."):
+                renamed[name] = tensor
+    return renamed
+
+
 def load_shard_state_dict(model_dir: Path, config: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
     """Rank `shard`'s part of every tensor, read as safetensors slices: no rank reads the rest."""
     tensors: dict[str, torch.Tensor] = {}
@@ -111,7 +135,7 @@ def load_weights(model_dir: Path, *, dtype: torch.dtype, device: torch.device, g
     elif shard is not None:
         tensors = load_shard_state_dict(model_dir, config, shard)
     else:
-        tensors = with_model_prefix(load_state_dict(model_dir))
+        tensors = text_tensors(with_model_prefix(load_state_dict(model_dir)))
     check_tensors(model_dir, config, tensors, shard)
     weights = weights_from_hf(local_config(config, world), tensors).to(dtype, device)
     if gguf is not None:

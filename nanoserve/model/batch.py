@@ -51,6 +51,10 @@ class ForwardBatch:
     adapter_rows: list[AdapterRows] = field(default_factory=list)
     # [m] rows whose final hidden states are wanted (embedding requests' pooling); None: none
     hidden_rows: torch.Tensor | None = None
+    # Images: the rows whose token embedding is replaced, and what replaces it ([k, hidden], each
+    # row an image's embedding row); None: no image row this step.
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

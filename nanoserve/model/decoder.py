@@ -5,7 +5,9 @@ paged KV cache, the gated MLP, residual adds, a tied or untied output head) and 
 switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) norms around
 both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
 (`rope`), the gate's activation (`layers`), and on a mixture of experts' sparse layers the
-routed experts in place of the MLP (`moe`). Knows nothing of requests, sampling or HTTP: a
+routed experts in place of the MLP (`moe`), and image embedding rows spliced over their
+placeholder tokens' embeddings (the batch carries them; `model.vision` makes them). Knows
+nothing of requests, sampling or HTTP: a
 `ForwardBatch` (`batch`) says which rows are which, and which adapter each LoRA row runs with
 (`lora`: its update is added after the base linear it targets).
 
@@ -200,6 +202,8 @@ class DecoderLM:
             hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
+        if batch.image_rows is not None:  # an image's rows stand in for its placeholder tokens
+            hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         # The one-call decoder adds LoRA rows' updates itself, where the adapters run in C.
         runs_lora = step.lora is not None or not batch.adapter_rows
         if self.decoder is not None and self.ops is not None and runs_lora:

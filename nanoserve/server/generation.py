@@ -126,11 +126,13 @@ class Generation:
         parent_id = tenancy.parent_id(tenant, request_id)
         # Only the in-process engine serves adapters (build_app refuses them beside replicas).
         adapter = {"lora_request": lora_request} if lora_request is not None else {}
+        # Only the in-process engine takes images (planning refuses them beside replicas).
         for seq_id, seq in zip(ids, plan, strict=True):
             try:
                 params = tenancy.scoped_params(seq.params, tenant)
+                images = {"images": seq.images} if seq.images else {}
                 state.async_engine.add(seq_id, seq.prompt_ids, params, queue, parent_id=parent_id,
-                                       pooling=seq.pooling, **adapter)
+                                       pooling=seq.pooling, **adapter, **images)
             except EngineUnavailableError as error:
                 generation.close()
                 raise unavailable(str(error), state.limits) from None

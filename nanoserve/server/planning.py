@@ -29,6 +29,7 @@ from nanoserve.sampling_params import (
     keep_last_tokens,
 )
 from nanoserve.server.errors import bad_request
+from nanoserve.server.images import image_refusal, load_image
 from nanoserve.server.openai import protocol
 from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.parsers.reasoning import ReasoningPlan
@@ -36,9 +37,11 @@ from nanoserve.server.parsers.structured_fields import structured_outputs
 from nanoserve.server.parsers.tool_calls import ToolPlan
 from nanoserve.server.parsers.tool_formats import resolve_format
 from nanoserve.server.state import ServerLimits, ServerState
+from nanoserve.tokenizer import template_reads_parts
 
 if TYPE_CHECKING:
     from nanoserve.engine.admission import InputProcessor
+    from nanoserve.multimodal.inputs import ImageInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +56,14 @@ class PlannedSequence:
     echo_logprobs: int | None = None  # completions' echo with logprobs N: the prompt's tokens lead them
     reasoning: ReasoningPlan | None = None  # a chat of a reasoning model: its think block
     pooling: PoolingParams | None = None  # an embedding request (/v1/embeddings): pooled, not sampled
+    images: tuple[ImageInput, ...] = ()  # a chat's images, placed in prompt_ids
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedPrompt:
     ids: list[int]
     echo: str = ""
+    images: tuple[ImageInput, ...] = ()
 
 
 # -- the one conversion -------------------------------------------------------------------------
@@ -180,6 +185,11 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     Blocking (tokenizing a long prompt takes a while): callers run it in a worker thread."""
     admission = state.admission
     tools = _tools(state, body) if kind == "chat" else None
+    if kind == "chat" and body.image_parts():
+        refusal = image_refusal(state)
+        if refusal is not None:
+            first_part = body.image_parts()[0][0].removesuffix(".image_url")
+            raise bad_request(refusal, first_part, code="unsupported")
     prompts = _prompts(admission, kind, body, state.limits)
     reasoning = _reasoning(state, body, prompts[0].ids) if kind == "chat" else None
     base = _base_params(body, state.default_seed() if body.seed is None else body.seed, reasoning, tools)
@@ -193,7 +203,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
             sequences.append(PlannedSequence(
                 prompt_index * body.n + j, prompt_index, prompt.ids, params, tools, prompt.echo,
                 body.prompt_logprobs, body.logprobs if isinstance(body, CompletionRequest) and body.echo
-                else None, reasoning))
+                else None, reasoning, images=prompt.images))
     return sequences
 
 
@@ -223,6 +233,8 @@ def _reasoning(state: ServerState, body: ChatCompletionRequest,
 
 def _prompts(admission: InputProcessor, kind: Kind, body: RequestBody,
              limits: ServerLimits) -> list[PlannedPrompt]:
+    if kind == "chat" and body.image_parts():
+        return [_image_chat_prompt(admission, body, limits)]
     if kind == "chat":
         return [PlannedPrompt(_chat_prompt_ids(admission, body))]
     prompt = body.prompt
@@ -263,6 +275,30 @@ def _chat_prompt_ids(admission: InputProcessor, body: ChatCompletionRequest) -> 
                                                   **body.template_flags(),
                                                   add_special_tokens=bool(body.add_special_tokens))
     return _encode(admission, body, prompt_ids, "messages")
+
+
+def _image_chat_prompt(admission: InputProcessor, body: ChatCompletionRequest,
+                       limits: ServerLimits) -> PlannedPrompt:
+    """A chat with images: each image fetched or decoded (a 400 names its part), the template
+    rendered with the model's placeholders, expanded, encoded, and the images placed."""
+    side, tokenizer = admission.images, admission.tokenizer
+    parts = body.image_parts()
+    with refusals_as_400(body):
+        side.limits.check_count(len(parts), "messages")
+        images = [load_image(url, param, limits.media, side.limits) for param, url in parts]
+        template = body.chat_template or tokenizer.chat_template
+        messages = body.chat_messages(side.processor.placeholder,
+                                      content_parts=template_reads_parts(template))
+    tools = ToolPlan.from_body(body)
+    add_bos = None if body.add_special_tokens else False
+    with refusals_as_400(body, param="messages"):
+        text = tokenizer.apply_chat_template(messages, tools=tools and tools.template_tools(),
+                                             **body.template_flags())
+        ids, placed = side.prompt(text, images,
+                                  lambda t: admission.encode_prompt(tokenizer.encode(t, add_bos=add_bos)),
+                                  lambda ids: keep_last_tokens(ids, body.truncate_prompt_tokens),
+                                  field="messages")
+    return PlannedPrompt(ids, images=tuple(placed))
 
 
 def _encode(admission: InputProcessor, body: RequestBody, prompt: str | list[int], param: str) -> list[int]:

@@ -23,6 +23,7 @@ from nanoserve.server.adapters import AdapterRegistry
 from nanoserve.server.bridges.engine_bridge import EngineBridge
 from nanoserve.server.bridges.models import ModelRegistry, ServedModel
 from nanoserve.server.errors import APIError
+from nanoserve.server.images import MediaPolicy
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import protocol
 from nanoserve.server.openai.protocol import TokenText
@@ -47,6 +48,7 @@ class ServerLimits:
     retry_after_s: int = 1
     body_timeout_s: float = 30.0  # to send the whole body: a client that stalls is answered 408
     trust_request_chat_template: bool = False  # take a request's own chat_template (vLLM's flag)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image URLs may be fetched from
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ message_stop, ping, error), and errors as `{"type": "error", "error": {...}}`; t
 Also /v1/messages/count_tokens: the prompt tokens a Messages request's system, messages and
 tools come to (`CountTokensRequest`, the request less what only generation reads), counted by
 the planning a generation runs.
-Refuses: images and documents, server tools, containers and MCP (named 400s).
+Refuses: documents, server tools, containers and MCP (named 400s).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pydantic import Field
 from nanoserve.server import planning
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.generation import Generation, unary_response
+from nanoserve.server.images import image_refusal
 from nanoserve.server.openai import routes
 from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -59,7 +60,6 @@ MESSAGES_REFUSED: dict[str, Refusal] = {
     "messages[].content[].citations": Refusal("citations are not supported", empty_or_absent),
     "messages[].content[].caller": Refusal("programmatic tool callers are not supported"),
     "messages[].content[].toolset_name": Refusal("toolsets are not supported"),
-    "messages[].content[].source": Refusal("image and document blocks are not supported (text only)"),
     "messages[].content[].transformations": Refusal("image blocks are not supported (text only)"),
     "system[].citations": Refusal("citations are not supported", empty_or_absent),
     "tools[].allowed_callers": Refusal("programmatic tool callers are not supported", empty_or_absent),
@@ -71,7 +71,7 @@ MESSAGES_REFUSED: dict[str, Refusal] = {
 }
 BLOCK_FIELDS = {"text": {"text"}, "tool_use": {"id", "name", "input"},
                 "tool_result": {"tool_use_id", "content", "is_error"},
-                "thinking": {"thinking", "signature"}, "redacted_thinking": {"data"}}
+                "thinking": {"thinking", "signature"}, "redacted_thinking": {"data"}, "image": {"source"}}
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -79,6 +79,19 @@ class TextBlock(OpenAIModel):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None  # a hint: the prefix cache keeps prompts anyway
+
+
+class ImageSource(OpenAIModel):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None  # base64
+    url: str | None = None  # http(s) from an allowed host
+
+    def chat_url(self) -> str:
+        """The image as a chat image_url's URL."""
+        if self.type == "url":
+            return self.url or ""
+        return f"data:{self.media_type or 'image/png'};base64,{self.data or ''}"
 
 
 class ContentBlock(OpenAIModel):
@@ -95,6 +108,7 @@ class ContentBlock(OpenAIModel):
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None
+    source: ImageSource | None = None
     cache_control: dict[str, Any] | None = None
 
 
@@ -173,11 +187,11 @@ class CountTokensRequest(OpenAIModel):
 
 # -- the request as a chat completion -------------------------------------------------------------
 
-def as_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+def as_chat_request(body: MessagesRequest, images_refused: str | None = None) -> ChatCompletionRequest:
     """The chat completion request this body asks for; a 400 naming the field for what has no
-    counterpart."""
+    counterpart (an image block, with `images_refused` the reason)."""
     chat: dict[str, Any] = {"model": body.model, "max_tokens": body.max_tokens,
-                            "messages": _system(body.system) + _messages(body.messages),
+                            "messages": _system(body.system) + _messages(body.messages, images_refused),
                             "stream": body.stream}
     sampling = {"stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
                 "top_k": body.top_k, "user": body.metadata and body.metadata.user_id}
@@ -207,7 +221,7 @@ def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
              else "".join(block.text for block in system)}]
 
 
-def _messages(messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+def _messages(messages: list[AnthropicMessage], images_refused: str | None) -> list[dict[str, Any]]:
     chat = []
     for i, message in enumerate(messages):
         if isinstance(message.content, str):
@@ -215,6 +229,8 @@ def _messages(messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
             continue
         for j, block in enumerate(message.content):
             _block_fields(block, message.role, f"messages[{i}].content[{j}]")
+            if block.type == "image" and images_refused is not None:
+                raise bad_request(images_refused, f"messages[{i}].content[{j}].source", code="unsupported")
         chat += _message_turns(message)
     return chat
 
@@ -222,17 +238,18 @@ def _messages(messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
 def _block_fields(block: ContentBlock, role: str, where: str) -> None:
     allowed = BLOCK_FIELDS.get(block.type)
     if allowed is None:
-        raise bad_request(f"content blocks of type {block.type!r} are not supported (text, tool_use, "
+        raise bad_request(f"content blocks of type {block.type!r} are not supported (text, image, tool_use, "
                           "tool_result, thinking)", f"{where}.type", code="unsupported")
     stray = sorted(set(block.model_fields_set) - allowed - {"type", "cache_control"})
     if stray:
         raise bad_request(f"a {block.type} block has no field {stray[0]!r}", f"{where}.{stray[0]}")
-    needed = {"text": ["text"], "tool_use": ["id", "name", "input"], "tool_result": ["tool_use_id"]}
+    needed = {"text": ["text"], "tool_use": ["id", "name", "input"], "tool_result": ["tool_use_id"],
+              "image": ["source"]}
     missing = [name for name in needed.get(block.type, []) if getattr(block, name) is None]
     if missing:
         raise bad_request(f"a {block.type} block needs {missing[0]}", f"{where}.{missing[0]}")
     owner = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
-             "tool_result": "user"}.get(block.type)
+             "tool_result": "user", "image": "user"}.get(block.type)
     if owner is not None and role != owner:
         raise bad_request(f"{block.type} blocks belong to {owner} messages", f"{where}.type")
 
@@ -245,6 +262,11 @@ def _message_turns(message: AnthropicMessage) -> list[dict[str, Any]]:
     results = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block)}
                for block in blocks if block.type == "tool_result"]
     if message.role != "assistant":
+        if any(block.type == "image" for block in blocks):  # text and image parts, in order
+            parts = [{"type": "text", "text": block.text} if block.type == "text"
+                     else {"type": "image_url", "image_url": {"url": block.source.chat_url()}}
+                     for block in blocks if block.type in ("text", "image")]
+            return [*results, {"role": message.role, "content": parts}]
         return results + ([{"role": message.role, "content": text}] if text or not results else [])
     turn: dict[str, Any] = {"role": "assistant", "content": text}
     calls = [{"id": block.id, "type": "function", "function": {
@@ -366,7 +388,7 @@ async def create_message(request: Request) -> Response:
     try:
         await _check_key(request)
         body = await routes.parse_body(request, MessagesRequest)
-        chat = as_chat_request(body)
+        chat = as_chat_request(body, image_refusal(state_of(request)))
         return await routes.serve_generation(request, "chat", chat, _answer(chat))
     except APIError as error:
         return error_response(error)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.core import Engine
     from nanoserve.engine.output import RequestOutput
     from nanoserve.model.lora import LoRARequest
+    from nanoserve.multimodal.inputs import ImageInput
     from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
@@ -120,13 +121,14 @@ class AsyncEngine(EngineBridge):
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
-            pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> None:
+            pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None,
+            images: tuple[ImageInput, ...] = ()) -> None:
         """Queue a sequence, one choice of the client request `parent_id` (with `pooling`, an
-        embedding request; with `lora_request`, run with that adapter, resident already); its
-        outputs (or an exception) arrive on `queue`."""
+        embedding request; with `lora_request`, run with that adapter, resident already; with
+        `images`, those placed in its prompt); its outputs (or an exception) arrive on `queue`."""
         self.check_available()
         self._queues[request_id] = queue
-        self._send(AddSequence(request_id, prompt_ids, params, parent_id, pooling, lora_request))
+        self._send(AddSequence(request_id, prompt_ids, params, parent_id, pooling, lora_request, images))
 
     async def call(self, run: Callable[[Engine], object], *,
                    then: Callable[[object], None] | None = None) -> object:

@@ -134,7 +134,6 @@ REFUSED: dict[str, Refusal] = {
     "messages[].function_call": Refusal("function calling is not supported"),
     "messages[].audio": Refusal("audio is not supported"),
     "messages[].refusal": Refusal("refusal messages in the history are not supported"),
-    "messages[].content[].image_url": Refusal(_TEXT_ONLY),
     "messages[].content[].input_audio": Refusal(_TEXT_ONLY),
     "messages[].content[].file": Refusal(_TEXT_ONLY),
     "messages[].content[].video_url": Refusal(_TEXT_ONLY),
@@ -274,9 +273,15 @@ class CompletionRequest(SamplingFields):
     echo: bool = Field(default=False, description="The prompt's text before each choice's text.")
 
 
+class ImageURL(OpenAIModel):
+    url: str  # a data: URL, or http(s) from a host in serve --allowed-media-domains
+    detail: str | None = None
+
+
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]  # OpenAI's; others are refused
@@ -325,10 +330,21 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFlags):
         "Most tokens the thinking may take: then the end tag is forced and the answer follows "
         "(default: serve --reasoning-budget). Needs a reasoning parser."))
 
-    def chat_messages(self) -> list[dict[str, Any]]:
+    def chat_messages(self, image_placeholder: str | None = None, *,
+                      content_parts: bool = False) -> list[dict[str, Any]]:
         """Messages as the chat template wants them: role, text content, and the tool calls and
-        tool_call_id of a tool-calling turn."""
-        return [_template_message(m, i) for i, m in enumerate(self.messages)]
+        tool_call_id of a tool-calling turn. An image part becomes `image_placeholder` in the
+        text (None: the model takes no images, and an image part is refused naming it); with
+        `content_parts` (a template that reads parts, as SmolVLM's) the content is a list of
+        {"type": "text", "text"} and {"type": "image"} parts instead."""
+        return [_template_message(m, i, image_placeholder, content_parts)
+                for i, m in enumerate(self.messages)]
+
+    def image_parts(self) -> list[tuple[str, str]]:
+        """(where it is, its URL) of each image part, in prompt order."""
+        return [(f"messages[{i}].content[{j}].image_url", part.image_url.url)
+                for i, message in enumerate(self.messages) if isinstance(message.content, list)
+                for j, part in enumerate(message.content) if part.type == "image_url" and part.image_url]
 
 
 RequestBody = CompletionRequest | ChatCompletionRequest  # a validated body of either endpoint
@@ -359,8 +375,12 @@ class UnsupportedContentError(ValueError):
         self.param = param
 
 
-def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
-    rendered: dict[str, Any] = {"role": message.role, "content": _text_of(message, index)}
+def _template_message(message: ChatMessage, index: int, image_placeholder: str | None,
+                      content_parts: bool) -> dict[str, Any]:
+    content: str | list[dict[str, str]] = _text_of(message, index, image_placeholder)
+    if content_parts:
+        content = _parts_of(message, index, image_placeholder)
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         rendered["tool_calls"] = [_template_tool_call(call, f"messages[{index}].tool_calls[{j}]")
                                   for j, call in enumerate(message.tool_calls)]
@@ -390,21 +410,45 @@ def _template_tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
     return {**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
-def _text_of(message: ChatMessage, index: int) -> str:
+def _text_of(message: ChatMessage, index: int, image_placeholder: str | None = None) -> str:
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
+    return "".join(part.get("text", image_placeholder)
+                   for part in _parts_of(message, index, image_placeholder))
+
+
+def _parts_of(message: ChatMessage, index: int, image_placeholder: str | None) -> list[dict[str, str]]:
+    """The content as text and image parts, each checked."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return [{"type": "text", "text": content or ""}]
+    parts = []
     for j, part in enumerate(content):
+        where = f"messages[{index}].content[{j}]"
+        if part.type == "image_url":
+            if image_placeholder is None:
+                raise UnsupportedContentError("this model takes no images (it has no vision tower); "
+                                              "content parts of type 'image_url' need a vision-language "
+                                              "model", param=where)
+            if part.image_url is None:
+                raise UnsupportedContentError("a content part of type 'image_url' needs its image_url",
+                                              param=f"{where}.image_url")
+            if part.image_url.detail not in (None, "auto"):
+                raise UnsupportedContentError("image detail levels are not supported: an image is processed "
+                                              "as its model's processor does",
+                                              param=f"{where}.image_url.detail")
+            parts.append({"type": "image"})
+            continue
         if part.type != "text":
             raise UnsupportedContentError(
-                f"content parts of type {part.type!r} are not supported (text only)",
-                param=f"messages[{index}].content[{j}]")
+                f"content parts of type {part.type!r} are not supported (text and image_url only)",
+                param=where)
         if part.text is None:
             raise UnsupportedContentError("a content part of type 'text' needs its text",
-                                          param=f"messages[{index}].content[{j}].text")
-        texts.append(part.text)
-    return "".join(texts)
+                                          param=f"{where}.text")
+        parts.append({"type": "text", "text": part.text})
+    return parts
 
 
 # -- response bodies ----------------------------------------------------------------------------

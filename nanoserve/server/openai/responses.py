@@ -30,6 +30,7 @@ from pydantic import Field
 
 from nanoserve.server.errors import bad_request
 from nanoserve.server.generation import Generation, unary_response
+from nanoserve.server.images import image_refusal
 from nanoserve.server.openai import routes
 from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -40,7 +41,7 @@ from nanoserve.server.openai.protocol import (
     now_s,
 )
 from nanoserve.server.openai.streaming import EventStreamResponse, chunk_batches
-from nanoserve.server.state import unavailable
+from nanoserve.server.state import state_of, unavailable
 
 log = logging.getLogger("nanoserve.server")
 
@@ -83,12 +84,12 @@ RESPONSES_REFUSED: dict[str, Refusal] = {
     "input[].namespace": Refusal("tool namespaces are not supported"),
     "input[].async": Refusal("async tool calls are not supported", absent_or(False)),
     "input[].encrypted_content": Refusal("encrypted reasoning is not supported"),
-    "input[].content[].image_url": Refusal("only text content is supported"),
     "input[].content[].file_id": Refusal("only text content is supported"),
     "input[].content[].file_data": Refusal("only text content is supported"),
     "input[].content[].file_url": Refusal("only text content is supported"),
     "input[].content[].filename": Refusal("only text content is supported"),
-    "input[].content[].detail": Refusal("only text content is supported"),
+    "input[].content[].detail": Refusal("image detail levels are not supported: an image is processed as "
+                                        "its model's processor does", absent_or("auto")),
     "input[].content[].annotations": Refusal("annotations in the input are not supported", empty_or_absent),
     "input[].content[].logprobs": Refusal("logprobs in the input are not supported", empty_or_absent),
     "input[].content[].prompt_cache_breakpoint": Refusal("prompt cache breakpoints are not supported: "
@@ -104,6 +105,7 @@ TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_te
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: str | None = None  # an input_image's: a data: URL, or http(s) from an allowed host
 
 
 class InputItem(OpenAIModel):
@@ -171,12 +173,12 @@ class ResponsesRequest(OpenAIModel):
 
 # -- the request as a chat completion -------------------------------------------------------------
 
-def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+def as_chat_request(body: ResponsesRequest, images_refused: str | None = None) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
     else:
-        messages += _input_turns(body.input)
+        messages += _input_turns(body.input, images_refused)
     if not messages:
         raise bad_request("input is empty: give a string or at least one item", "input")
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
@@ -198,7 +200,7 @@ def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(chat)
 
 
-def _input_turns(items: list[InputItem]) -> list[dict[str, Any]]:
+def _input_turns(items: list[InputItem], images_refused: str | None = None) -> list[dict[str, Any]]:
     """Items as chat turns: consecutive function calls join one assistant turn, a reasoning
     item becomes the next assistant turn's reasoning_content."""
     turns: list[dict[str, Any]] = []
@@ -222,7 +224,8 @@ def _input_turns(items: list[InputItem]) -> list[dict[str, Any]]:
                           "content": _text(item.output, f"{where}.output")})
         else:
             _need(item, where, "role", "content")
-            turns.append({"role": item.role, "content": _text(item.content, f"{where}.content")})
+            turns.append({"role": item.role, "content": _content(item.content, f"{where}.content",
+                                                                     images_refused)})
         if reasoning and turns and turns[-1]["role"] == "assistant" and kind != "reasoning":
             turns[-1]["reasoning_content"], reasoning = reasoning, ""
     return turns
@@ -232,6 +235,25 @@ def _need(item: InputItem, where: str, *names: str) -> None:
     for name in names:
         if getattr(item, name) is None:
             raise bad_request(f"a {item.type or 'message'} item needs {name}", f"{where}.{name}")
+
+
+def _content(content: str | list[ContentPart], where: str,
+             images_refused: str | None) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or with input_image parts the chat's text
+    and image_url parts in the same order (refused naming the part, with `images_refused` the reason)."""
+    if isinstance(content, str) or not any(part.type == "input_image" for part in content):
+        return _text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": _text([part], f"{where}[{j}]")})
+        elif part.image_url is None:
+            raise bad_request("an input_image part needs its image_url", f"{where}[{j}].image_url")
+        elif images_refused is not None:
+            raise bad_request(images_refused, f"{where}[{j}].image_url", code="unsupported")
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 def _text(content: str | list[ContentPart], where: str) -> str:
@@ -334,7 +356,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
 
 async def create_response(request: Request) -> Response:
     body = await routes.parse_body(request, ResponsesRequest)
-    chat = as_chat_request(body)
+    chat = as_chat_request(body, image_refusal(state_of(request)))
 
     async def answer(http: Request, generation: Generation, model: str) -> Response:
         if body.stream:

@@ -1,0 +1,147 @@
+"""The engine's image side: a request's images become token ids with placeholder runs and
+`ImageInput`s; an image's embedding rows are computed once and kept by content hash.
+
+Owns: `EngineImages` (the model's processor, its encoder and `ImageEmbeddingCache`): decoding
+under the engine's `ImageLimits`, expanding the prompt's placeholders, placing each image's rows,
+and encoding on demand (a prefill chunk's first need). An image is encoded alone (never batched
+with another request's), so its rows have the same bits in a crowd as alone; a preempted
+request's recompute reads the rows its image kept, and another request sending the same image
+those the cache kept.
+Refuses: images placed where the prompt holds no image tokens, and (in `Engine.add_request`)
+images for a model without a vision tower or raw images beside a token-id prompt (their
+placeholders come from the text), each naming the field.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.loading.mmproj import read_mmproj
+from nanoserve.loading.vision import load_image_encoder, read_vision_config
+from nanoserve.model.linear import KERNELS, LinearKernel
+from nanoserve.model.vision import ImageEncoder, build_encoder
+from nanoserve.multimodal.images import decode_image, to_rgb
+from nanoserve.multimodal.inputs import ImageInput, expand_placeholders, place_images
+from nanoserve.multimodal.limits import ImageLimits
+from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, load_processor
+
+# Images' embedding rows kept for reuse (preemption, a repeated image): the least recently
+# used go first past this many bytes.
+IMAGE_CACHE_BYTES = 256 << 20
+
+ImageData = bytes | Image.Image
+# The placeholder an mmproj family's prompts use (every family here spells it so).
+MMPROJ_PLACEHOLDER = "<image>"
+
+
+class ImageEmbeddingCache:
+    """Embedding rows by content hash, least recently used evicted past `max_bytes`."""
+
+    def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        rows = self._rows.get(key)
+        if rows is not None:
+            self.hits += 1
+            self._rows.move_to_end(key)
+            return rows
+        self.misses += 1
+        rows = compute()
+        self._rows[key] = rows
+        self.num_bytes += rows.numel() * rows.element_size()
+        while self.num_bytes > self.max_bytes and len(self._rows) > 1:
+            _, evicted = self._rows.popitem(last=False)
+            self.num_bytes -= evicted.numel() * evicted.element_size()
+        return rows
+
+
+class EngineImages:
+    def __init__(self, processor: ImageProcessor, encoder: ImageEncoder, limits: ImageLimits,
+                 device: torch.device) -> None:
+        self.processor = processor
+        self.encoder = encoder
+        self.limits = limits
+        self.device = device
+        self.cache = ImageEmbeddingCache()
+
+    @classmethod
+    def load(cls, model_dir: Path, limits: ImageLimits, *, dtype: torch.dtype, device: torch.device,
+             kernel: LinearKernel, mmproj: Path | None = None,
+             token_id: Callable[[str], int | None] | None = None) -> EngineImages | None:
+        """The image side of `model_dir`, or of the llama.cpp `mmproj` file beside a text model
+        (`token_id` then finds its placeholder token in the text model's vocabulary); None for a
+        text-only model. Its matrices run the text model's float kernel (a quantized kernel's
+        float sibling: the tower stays float)."""
+        float_kernel = kernel if kernel.name in KERNELS else KERNELS["aten"]
+        if mmproj is not None:
+            return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, token_id)
+        config = read_vision_config(model_dir)
+        if config is None:
+            return None
+        encoder = load_image_encoder(model_dir, config, dtype=dtype, device=device,
+                                     linear_kernel=float_kernel)
+        return cls(load_processor(model_dir, config), encoder, limits, device)
+
+    @classmethod
+    def _from_mmproj(cls, path: Path, limits: ImageLimits, dtype: torch.dtype, device: torch.device,
+                     kernel: LinearKernel, token_id: Callable[[str], int | None] | None) -> EngineImages:
+        if not path.is_file():
+            raise InvalidRequestError(f"mmproj: {path} is not a file", param="mmproj")
+        image_token_id = token_id(MMPROJ_PLACEHOLDER) if token_id is not None else None
+        if image_token_id is None:
+            raise UnsupportedModelError(f"the text model's vocabulary has no {MMPROJ_PLACEHOLDER} token for "
+                                        f"{path.name}'s images")
+        config, weights, fields = read_mmproj(path, image_token_id)
+        encoder = build_encoder(config, weights.to(dtype, device), kernel)
+        return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device)
+
+    def prompt(self, text: str, images: Sequence[ImageData], encode: Callable[[str], list[int]],
+               truncate: Callable[[list[int]], list[int]],
+               field: str = "images") -> tuple[list[int], list[ImageInput]]:
+        """The prompt's token ids, its placeholders expanded, and its images placed in them."""
+        self.limits.check_count(len(images), field)
+        processed = [self.processor.process(self._decoded(image, f"{field}[{i}]"))
+                     for i, image in enumerate(images)]
+        ids = truncate(encode(expand_placeholders(text, self.processor.placeholder, processed, field)))
+        return ids, place_images(ids, processed, self.encoder.config.image_token_id, field)
+
+    def check_placed(self, prompt_ids: Sequence[int], images: Sequence[ImageInput],
+                     field: str = "images") -> None:
+        """Refuse images placed where the prompt holds no image tokens (a truncated prompt)."""
+        image_token_id = self.encoder.config.image_token_id
+        self.limits.check_count(len(images), field)
+        for i, image in enumerate(images):
+            if any(p >= len(prompt_ids) or prompt_ids[p] != image_token_id for p in image.positions):
+                raise InvalidRequestError("an image's rows are placed where the prompt holds no image tokens",
+                                          param=f"{field}[{i}]")
+
+    def _decoded(self, image: ImageData, field: str) -> Image.Image:
+        if isinstance(image, bytes | bytearray):
+            return decode_image(bytes(image), field, self.limits)
+        if not isinstance(image, Image.Image):
+            raise InvalidRequestError(f"an image must be the bytes of an image file or a PIL image; got "
+                                      f"{type(image).__name__}", param=field)
+        if image.width * image.height > self.limits.max_pixels:
+            raise InvalidRequestError(f"the image is {image.width} x {image.height} pixels; at most "
+                                      f"{self.limits.max_pixels} pixels are allowed", param=field)
+        return to_rgb(image)
+
+    def embeddings(self, image: ImageInput) -> torch.Tensor:
+        """The image's embedding rows [len(positions), text hidden] on the device: encoded once
+        (or found by hash: another request's), then kept on the image in place of its pixels."""
+        if image.rows is None:
+            pixels = image.pixel_values
+            image.rows = self.cache.get(image.content_hash,
+                                        lambda: self.encoder.encode(pixels.to(self.device)))
+            image.pixel_values = None
+        return image.rows

@@ -1,0 +1,145 @@
+"""A vision-language checkpoint folder's image side: its vision config and encoder weights.
+The text model is read by `loading.weights` like any causal LM's (`text_tensors`).
+
+Owns: the Hugging Face tensor names of each vision family's tower and projector (with their
+shapes, checked before anything is built; LLaVA's under both the names transformers 5 saves and
+the older `model.vision_tower.vision_model.` ones) and `load_image_encoder`.
+Refuses: GGUF `mmproj` files (not read yet) and checkpoints whose vision tensors are missing or
+misshapen, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanoserve.errors import UnsupportedModelError
+from nanoserve.loading.weights import weight_files
+from nanoserve.model.linear import LinearKernel
+from nanoserve.model.vision import EncoderLayerWeights, ImageEncoder, VisionWeights, build_encoder
+from nanoserve.model.vision_config import VisionConfig
+
+
+@dataclass(frozen=True, slots=True)
+class TowerNames:
+    tower: str  # the prefix of the ViT's tensors
+    projector: tuple[str, ...]  # the projector's linears, in order (each `.weight`, maybe `.bias`)
+    clip: bool  # CLIP's class token and pre-layernorm
+
+
+NAMES = {"idefics3": TowerNames("model.vision_model.", ("model.connector.modality_projection.proj",),
+                                clip=False),
+         "llava": TowerNames("vision_tower.", ("multi_modal_projector.linear_1",
+                                               "multi_modal_projector.linear_2"), clip=True)}
+# Older and newer spellings of the same LLaVA tensors, to the one the map above uses.
+_RENAMED = (("model.vision_tower.vision_model.", "vision_tower."),
+            ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
+            ("model.multi_modal_projector.", "multi_modal_projector."))
+
+
+def read_vision_config(model_dir: Path) -> VisionConfig | None:
+    """The image side of `model_dir`'s config.json; None for a text-only model."""
+    return VisionConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+
+
+def canonical_name(name: str) -> str:
+    for old, new in _RENAMED:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def vision_tensor_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every vision tensor a checkpoint of `config` must hold, with its shape (projector biases,
+    optional, are checked where present)."""
+    names = NAMES[config.family]
+    hidden, ffn, p, v = config.hidden_size, config.intermediate_size, config.patch_size, names.tower
+    positions = config.patches_per_side ** 2 + names.clip
+    shapes = {v + "embeddings.patch_embedding.weight": (hidden, config.num_channels, p, p),
+              v + "embeddings.position_embedding.weight": (positions, hidden)}
+    if names.clip:
+        shapes |= {v + "embeddings.class_embedding": (hidden,), v + "pre_layrnorm.weight": (hidden,),
+                   v + "pre_layrnorm.bias": (hidden,)}
+    else:
+        shapes |= {v + "embeddings.patch_embedding.bias": (hidden,), v + "post_layernorm.weight": (hidden,),
+                   v + "post_layernorm.bias": (hidden,)}
+    for i in range(config.num_layers):
+        layer = f"{v}encoder.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes |= {f"{layer}self_attn.{proj}.weight": (hidden, hidden),
+                       f"{layer}self_attn.{proj}.bias": (hidden,)}
+        for norm in ("layer_norm1", "layer_norm2"):
+            shapes |= {f"{layer}{norm}.weight": (hidden,), f"{layer}{norm}.bias": (hidden,)}
+        shapes |= {f"{layer}mlp.fc1.weight": (ffn, hidden), f"{layer}mlp.fc1.bias": (ffn,),
+                   f"{layer}mlp.fc2.weight": (hidden, ffn), f"{layer}mlp.fc2.bias": (hidden,)}
+    width = hidden * config.scale_factor ** 2
+    for index, linear in enumerate(names.projector):
+        inputs = width if index == 0 else config.text_hidden_size
+        shapes[linear + ".weight"] = (config.text_hidden_size, inputs)
+    return shapes
+
+
+def vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> VisionWeights:
+    """The encoder's weights from checked Hugging Face tensors (canonical names)."""
+    names = NAMES[config.family]
+    v = names.tower
+
+    def layer(i: int) -> EncoderLayerWeights:
+        prefix = f"{v}encoder.layers.{i}."
+        t = {name[len(prefix):]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+        attn = [t[f"self_attn.{proj}.weight"] for proj in ("q_proj", "k_proj", "v_proj")]
+        attn_bias = [t[f"self_attn.{proj}.bias"] for proj in ("q_proj", "k_proj", "v_proj")]
+        return EncoderLayerWeights(
+            norm1=(t["layer_norm1.weight"], t["layer_norm1.bias"]), qkv=torch.cat(attn),
+            qkv_bias=torch.cat(attn_bias), out=t["self_attn.out_proj.weight"],
+            out_bias=t["self_attn.out_proj.bias"],
+            norm2=(t["layer_norm2.weight"], t["layer_norm2.bias"]), fc1=t["mlp.fc1.weight"],
+            fc1_bias=t["mlp.fc1.bias"], fc2=t["mlp.fc2.weight"], fc2_bias=t["mlp.fc2.bias"])
+
+    def norm(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (tensors[name + ".weight"], tensors[name + ".bias"]) if name + ".weight" in tensors else None
+
+    patch = tensors[v + "embeddings.patch_embedding.weight"]
+    return VisionWeights(
+        patch=patch.reshape(patch.shape[0], -1),
+        patch_bias=tensors.get(v + "embeddings.patch_embedding.bias"),
+        positions=tensors[v + "embeddings.position_embedding.weight"],
+        layers=[layer(i) for i in range(config.num_layers)],
+        projector=[(tensors[linear + ".weight"], tensors.get(linear + ".bias"))
+                   for linear in names.projector],
+        class_embedding=tensors.get(v + "embeddings.class_embedding"), pre_norm=norm(v + "pre_layrnorm"),
+        post_norm=norm(v + "post_layernorm"))
+
+
+def check_vision_tensors(model_dir: Path, config: VisionConfig, tensors: dict[str, torch.Tensor]) -> None:
+    expected = vision_tensor_shapes(config)
+    for linear in NAMES[config.family].projector:  # an optional bias, where there is one
+        if linear + ".bias" in tensors:
+            expected[linear + ".bias"] = expected[linear + ".weight"][:1]
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise UnsupportedModelError(f"{model_dir}: the checkpoint lacks the vision tensor {name} {shape}")
+        if tuple(tensors[name].shape) != shape:
+            raise UnsupportedModelError(f"{model_dir}: vision tensor {name} has shape "
+                                        f"{tuple(tensors[name].shape)}; config.json implies {shape}")
+
+
+def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dtype, device: torch.device,
+                       linear_kernel: LinearKernel | None = None) -> ImageEncoder:
+    """The family's encoder with `model_dir`'s weights (the vision tensors alone are read)."""
+    names = NAMES[config.family]
+    wanted = (names.tower, *names.projector)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as file:
+            for name in file.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                canonical = canonical_name(name)
+                if canonical.startswith(wanted):
+                    tensors[canonical] = file.get_tensor(name)
+    check_vision_tensors(model_dir, config, tensors)
+    weights = vision_weights(config, tensors).to(dtype, device)
+    return build_encoder(config, weights, linear_kernel)

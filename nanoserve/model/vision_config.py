@@ -1,0 +1,130 @@
+"""A vision-language checkpoint's image side: its encoder's shape and its projector's.
+
+Owns: `VisionConfig`, read from a Hugging Face config.json's `vision_config` and the fields
+around it, and `VISION_FAMILIES`, the model types whose image side nanoserve runs (the text
+side is an ordinary `ModelConfig`, read from `text_config`). Refuses: a vision family or an
+encoder activation it does not implement, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nanoserve.errors import UnsupportedModelError
+
+# model_type of the checkpoint -> the encoder + projector that runs it (model/vision.py).
+# config.json's model_type -> the family that runs it (SmolVLM2 is Idefics3's architecture)
+VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "llava": "llava"}
+ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")
+# Each family's tower model_type (older transformers saved Idefics3's as "idefics3"), and the
+# tower's activation when vision_config leaves it out (the transformers config class's default).
+VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision", "idefics3", "smolvlm_vision"),
+                      "llava": ("clip_vision_model",)}
+DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu"}
+LLAVA_IMAGE_TOKEN_DEFAULT = 32000  # LlavaConfig's image_token_index when config.json leaves it out
+# LlamaConfig's defaults: a LLaVA checkpoint's text_config lists only the fields it changed.
+LLAMA_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                  "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+
+
+@dataclass(frozen=True, slots=True)
+class VisionConfig:
+    family: str  # one of VISION_FAMILIES' values
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_channels: int
+    image_size: int  # the side of the square the position embeddings were trained on
+    patch_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    text_hidden_size: int  # the width of the rows the projector writes (the text model's)
+    image_token_id: int  # the placeholder token each image row replaces in the prompt
+    scale_factor: int = 1  # Idefics3's pixel shuffle: scale_factor**2 patches become one row
+    # Which of transformers' hidden_states the projector reads (0: the embeddings, -1: the last
+    # layer's output); None: the last layer through the post-layernorm (SigLIP in Idefics3).
+    feature_layer: int | None = None
+    class_token: bool = False  # CLIP: a class token leads each tile's tokens
+    drop_class_token: bool = False  # LLaVA's "default" feature selection: the class token's row goes
+    projector_act: str | None = None  # between the projector's linears (LLaVA's GELU); None: one linear
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def rows_per_tile(self) -> int:
+        """Embedding rows one image-size tile becomes: its patches, merged by the projector (and
+        CLIP's class token where the projector reads it)."""
+        kept_class = self.class_token and not self.drop_class_token
+        return self.patches_per_side ** 2 // self.scale_factor ** 2 + kept_class
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> VisionConfig | None:
+        """The image side of config.json, or None for a text-only checkpoint."""
+        if raw.get("vision_config") is None:
+            return None
+        family = VISION_FAMILIES.get(raw.get("model_type"))
+        if family is None:
+            raise UnsupportedModelError(f"config.json: model_type {raw.get('model_type')!r} has a vision "
+                                        "tower nanoserve does not run; it runs the vision-language families "
+                                        f"{', '.join(VISION_FAMILIES)}")
+        vision, text = raw["vision_config"], text_config_dict(raw)
+        if vision.get("model_type", VISION_MODEL_TYPES[family][0]) not in VISION_MODEL_TYPES[family]:
+            raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = "
+                                        f"{vision['model_type']!r}: a {family} checkpoint's tower runs as "
+                                        f"{VISION_MODEL_TYPES[family][0]}")
+        act = vision.get("hidden_act", DEFAULT_ACTIVATION[family])
+        if act not in ENCODER_ACTIVATIONS:
+            raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: "
+                                        f"nanoserve's encoder runs {', '.join(ENCODER_ACTIVATIONS)}")
+        shape = dict(family=family, hidden_size=vision["hidden_size"],
+                     intermediate_size=vision["intermediate_size"], num_layers=vision["num_hidden_layers"],
+                     num_heads=vision["num_attention_heads"], num_channels=vision.get("num_channels", 3),
+                     image_size=vision["image_size"], patch_size=vision["patch_size"], hidden_act=act,
+                     text_hidden_size=text["hidden_size"])
+        if family == "idefics3":
+            config = cls(**shape, layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+                         image_token_id=raw["image_token_id"], scale_factor=raw.get("scale_factor", 1))
+        else:
+            config = cls(**shape, **_llava_fields(raw, vision))
+        if config.hidden_size % config.num_heads or config.patches_per_side % config.scale_factor:
+            raise UnsupportedModelError("config.json: vision_config.hidden_size must divide by "
+                                        "num_attention_heads and the patches per side by scale_factor")
+        return config
+
+
+def _llava_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-1.5's choices: one CLIP layer, with or without its class token, an MLP projector."""
+    layer = raw.get("vision_feature_layer", -2)
+    strategy = raw.get("vision_feature_select_strategy", "default")
+    depth = vision["num_hidden_layers"]
+    if not isinstance(layer, int) or not -depth - 1 <= layer <= depth:
+        raise UnsupportedModelError(f"config.json field 'vision_feature_layer' = {layer!r}: nanoserve reads "
+                                    "one layer of the tower")
+    if strategy not in ("default", "full"):
+        raise UnsupportedModelError(f"config.json field 'vision_feature_select_strategy' = {strategy!r}: "
+                                    "'default' or 'full'")
+    act = raw.get("projector_hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise UnsupportedModelError(f"config.json field 'projector_hidden_act' = {act!r}: nanoserve's "
+                                    f"projector runs {', '.join(ENCODER_ACTIVATIONS)}")
+    token = raw.get("image_token_id", raw.get("image_token_index", LLAVA_IMAGE_TOKEN_DEFAULT))
+    return dict(layer_norm_eps=vision.get("layer_norm_eps", 1e-5), image_token_id=token, feature_layer=layer,
+                class_token=True, drop_class_token=strategy == "default", projector_act=act)
+
+
+def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config.json fields: a vision-language checkpoint's `text_config` (Llama's
+    defaults where it leaves fields out, as transformers fills them; the head tying the whole
+    checkpoint declares), any other checkpoint's own fields."""
+    if raw.get("vision_config") is None or raw.get("model_type") not in VISION_FAMILIES:
+        return raw
+    text = LLAMA_DEFAULTS | dict(raw.get("text_config") or {})
+    text.setdefault("num_key_value_heads", text["num_attention_heads"])
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return text

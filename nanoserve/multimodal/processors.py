@@ -1,0 +1,230 @@
+"""Each vision family's image processor: an RGB image to the pixel tiles its encoder reads, and
+the text its placeholder in the prompt expands to, as the model's Hugging Face processor does.
+
+Owns: `ImageProcessor` (the interface), `ProcessedImage`, LLaVA-1.5's processor (pad to square
+where asked, shortest edge resized, centre crop, rescale, normalise; `<image>` once per row),
+and Idefics3 / SmolVLM's processor,
+configured from the checkpoint's preprocessor_config.json: resize so the longest edge is
+`size.longest_edge` (at most 4096), then to multiples of `max_image_size.longest_edge`, split
+into that many square tiles row by row plus the whole image shrunk to one tile, rescale and
+normalise; its prompt text `<fake_token_around_image><row_r_col_c><image>*n ...
+<fake_token_around_image><global-img><image>*n<fake_token_around_image>` (the same arithmetic
+as transformers' `Idefics3ImageProcessorPil` and `Idefics3Processor`, in numpy and Pillow).
+Refuses: decoding (multimodal.images) and knowing where the rows go in a batch (the engine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from PIL import Image
+
+from nanoserve.errors import UnsupportedModelError
+from nanoserve.model.vision_config import VisionConfig
+
+# transformers' Idefics3 processors never go past a 4096-pixel edge.
+IDEFICS3_MAX_EDGE = 4096
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedImage:
+    pixel_values: torch.Tensor  # [tiles, channels, height, width] float32
+    prompt_text: str  # what one placeholder in the prompt becomes for this image
+    num_rows: int  # embedding rows the encoder makes of it (image tokens in `prompt_text`)
+
+
+class ImageProcessor(Protocol):
+    placeholder: str  # the text marking where an image goes in a prompt, before expansion
+
+    def process(self, image: Image.Image) -> ProcessedImage: ...
+
+
+def _rescale_to_longest(height: int, width: int, longest: int) -> tuple[int, int]:
+    """transformers' `_resize_output_size_rescale_to_max_len`: the longest edge to `longest`,
+    the other kept to the aspect ratio and rounded up to even."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    return max(height, 1), max(width, 1)
+
+
+def _shrink_below(height: int, width: int, most: int) -> tuple[int, int]:
+    """transformers' `_resize_output_size_scale_below_upper_bound`."""
+    aspect = width / height
+    if width >= height and width > most:
+        width, height = most, int(most / aspect)
+    elif height > width and height > most:
+        height, width = most, int(most * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _to_tile_multiples(height: int, width: int, tile: int) -> tuple[int, int]:
+    """transformers' `resize_for_vision_encoder`: both edges up to multiples of `tile`."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
+
+
+def normalized(image: Image.Image, rescale_factor: float | None, mean: tuple[float, ...] | None,
+               std: tuple[float, ...] | None) -> np.ndarray:
+    """[channels, height, width] float32, rescaled in float64 then normalised in float32 as
+    transformers' numpy transforms do."""
+    pixels = np.moveaxis(np.asarray(image), -1, 0)
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    pixels = pixels.astype(np.float32)
+    if mean is not None:
+        pixels = ((pixels.T - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)).T
+    return np.ascontiguousarray(pixels)
+
+
+@dataclass(frozen=True, slots=True)
+class Idefics3Processor:
+    rows_per_tile: int  # image tokens per tile (the processor's image_seq_len)
+    tile: int  # max_image_size.longest_edge
+    longest_edge: int | None  # size.longest_edge; None: no first resize
+    split: bool
+    resample: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    placeholder: str = "<image>"
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], vision: VisionConfig) -> Idefics3Processor:
+        tile = raw.get("max_image_size", {}).get("longest_edge", vision.image_size)
+        size = raw.get("size", {"longest_edge": 4 * tile})
+        if raw.get("do_resize", True) and "longest_edge" not in size:
+            raise UnsupportedModelError(f"preprocessor_config.json field 'size' = {size!r}: Idefics3 "
+                                        "resizes by 'longest_edge'")
+        normalize = raw.get("do_normalize", True)
+        return cls(rows_per_tile=vision.rows_per_tile, tile=tile,
+                   longest_edge=size["longest_edge"] if raw.get("do_resize", True) else None,
+                   split=raw.get("do_image_splitting", True), resample=raw.get("resample", Image.LANCZOS),
+                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
+                   mean=tuple(raw.get("image_mean", IMAGENET_STANDARD)) if normalize else None,
+                   std=tuple(raw.get("image_std", IMAGENET_STANDARD)) if normalize else None)
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        if self.longest_edge is not None:
+            height, width = _rescale_to_longest(image.height, image.width, self.longest_edge)
+            image = self._resize(image, *_shrink_below(height, width, IDEFICS3_MAX_EDGE))
+        if self.split:
+            image = self._resize(image, *_to_tile_multiples(image.height, image.width, self.tile))
+            tiles, rows, cols = self._split(image)
+        else:
+            tiles, rows, cols = [self._resize(image, self.tile, self.tile)], 0, 0
+        pixels = torch.from_numpy(np.stack([normalized(tile, self.rescale_factor, self.mean, self.std)
+                                            for tile in tiles]))
+        return ProcessedImage(pixels, self._prompt_text(rows, cols), len(tiles) * self.rows_per_tile)
+
+    def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
+        return image.resize((width, height), resample=self.resample)
+
+    def _split(self, image: Image.Image) -> tuple[list[Image.Image], int, int]:
+        """Square tiles row by row, then the whole image as one tile; or the image alone when it
+        is one tile already."""
+        side = self.tile
+        if image.height <= side and image.width <= side:
+            return [image], 0, 0
+        rows, cols = (image.height - side) // side + 1, (image.width - side) // side + 1
+        tiles = [image.crop((c * side, r * side, (c + 1) * side, (r + 1) * side))
+                 for r in range(rows) for c in range(cols)]
+        return [*tiles, self._resize(image, side, side)], rows, cols
+
+    def _prompt_text(self, rows: int, cols: int) -> str:
+        image_tokens = "<image>" * self.rows_per_tile
+        whole = f"<fake_token_around_image><global-img>{image_tokens}<fake_token_around_image>"
+        if rows == 0 and cols == 0:
+            return whole
+        text = ""
+        for r in range(rows):
+            text += "".join(f"<fake_token_around_image><row_{r + 1}_col_{c + 1}>{image_tokens}"
+                            for c in range(cols))
+            text += "\n"
+        return text + "\n" + whole
+
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True, slots=True)
+class LlavaProcessor:
+    """LLaVA-1.5's: optionally padded to a square of the mean colour, the shortest edge resized,
+    a centre crop of the tower's image size, rescaled and normalised; one `<image>` per row."""
+
+    rows: int  # image tokens one image becomes
+    shortest_edge: int | None  # None: no resize
+    crop: int | None  # the centre crop's side (the tower's image_size); None: no crop
+    pad_to_square: bool
+    resample: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    placeholder: str = "<image>"
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], vision: VisionConfig) -> LlavaProcessor:
+        size = raw.get("size", {"shortest_edge": vision.image_size})
+        crop = raw.get("crop_size", {"height": vision.image_size, "width": vision.image_size})
+        resize, center_crop = raw.get("do_resize", True), raw.get("do_center_crop", True)
+        tower_square = {"height": vision.image_size, "width": vision.image_size}
+        if (resize and "shortest_edge" not in size) or (center_crop and crop != tower_square):
+            raise UnsupportedModelError("preprocessor_config.json: LLaVA's images are resized by "
+                                        "'size.shortest_edge' and centre-cropped to the tower's image_size")
+        if resize and center_crop and size["shortest_edge"] < vision.image_size:
+            raise UnsupportedModelError("preprocessor_config.json: size.shortest_edge is smaller than the "
+                                        "crop")
+        normalize = raw.get("do_normalize", True)
+        return cls(rows=vision.rows_per_tile, shortest_edge=size["shortest_edge"] if resize else None,
+                   crop=vision.image_size if center_crop else None, pad_to_square=raw.get("do_pad", False),
+                   resample=raw.get("resample", Image.BICUBIC),
+                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
+                   mean=tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)) if normalize else None,
+                   std=tuple(raw.get("image_std", OPENAI_CLIP_STD)) if normalize else None)
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        if self.pad_to_square and image.width != image.height:
+            side = max(image.width, image.height)
+            colour = tuple(int(x * 255) for x in self.mean) if self.mean else (0, 0, 0)
+            square = Image.new("RGB", (side, side), colour)
+            square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+            image = square
+        if self.shortest_edge is not None:
+            short, long = sorted((image.width, image.height))
+            new_long = int(self.shortest_edge * long / short)
+            width, height = ((self.shortest_edge, new_long) if image.width <= image.height
+                             else (new_long, self.shortest_edge))
+            image = image.resize((width, height), resample=self.resample)
+        if self.crop is not None:
+            top, left = (image.height - self.crop) // 2, (image.width - self.crop) // 2
+            image = image.crop((left, top, left + self.crop, top + self.crop))
+        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
+        return ProcessedImage(torch.from_numpy(pixels[None]), self.placeholder * self.rows, self.rows)
+
+
+PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor}
+
+
+def load_processor(model_dir: Path, vision: VisionConfig) -> ImageProcessor:
+    """The family's processor, configured by `model_dir`'s preprocessor_config.json."""
+    path = model_dir / "preprocessor_config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    return PROCESSORS[vision.family].from_config(raw, vision)

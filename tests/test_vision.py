@@ -1,0 +1,185 @@
+"""Each vision family's image side against transformers (Idefics3 / SmolVLM, LLaVA-1.5): the
+processor's pixel values and prompt ids, the encoder's embedding rows, and the text model's
+logits and greedy tokens with images in the prompt (float32, tiny random checkpoints built by
+transformers in several sizes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from PIL import Image
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.core import Engine
+from nanoserve.errors import InvalidRequestError
+from nanoserve.loading.vision import load_image_encoder, read_vision_config
+from nanoserve.multimodal.inputs import expand_placeholders
+from nanoserve.multimodal.processors import load_processor
+from nanoserve.sampling_params import SamplingParams
+from tests.tiny_vlm import (
+    random_image,
+    reference_llava_processor,
+    reference_processor,
+    write_tiny_gguf_pair,
+    write_tiny_idefics3,
+    write_tiny_llava,
+)
+
+pytest.importorskip("transformers")
+
+SIZES = {
+    "idefics3-small": (write_tiny_idefics3, {}),
+    "idefics3-wider": (write_tiny_idefics3, dict(vision_hidden=48, vision_layers=3, vision_heads=6,
+                                                 text_hidden=96, text_layers=3, longest_edge=96,
+                                                 tie_word_embeddings=True, seed=1)),
+    "idefics3-patch8": (write_tiny_idefics3, dict(image_size=64, patch_size=8, scale_factor=4,
+                                                  longest_edge=160, seed=2)),
+    "idefics3-unsplit": (write_tiny_idefics3, dict(split=False, scale_factor=1, seed=3)),
+    "smolvlm2": (write_tiny_idefics3, dict(smolvlm=True, seed=6)),
+    "llava-default": (write_tiny_llava, {}),
+    "llava-full-padded": (write_tiny_llava, dict(strategy="full", feature_layer=-1, pad_to_square=True,
+                                                 vision_hidden=48, shortest_edge=40, seed=4)),
+}
+# (width, height): landscape, portrait, square, smaller than one tile, one tile exactly, a strip
+IMAGE_SHAPES = [(100, 70), (20, 33), (64, 64), (10, 7), (32, 32), (200, 50)]
+
+
+@pytest.fixture(scope="module", params=sorted(SIZES))
+def vlm_dir(request, tmp_path_factory):
+    write, options = SIZES[request.param]
+    return write(tmp_path_factory.mktemp(request.param), **options)
+
+
+def is_llava(vlm_dir) -> bool:
+    return read_vision_config(vlm_dir).family == "llava"
+
+
+def reference(vlm_dir):
+    return reference_llava_processor(vlm_dir) if is_llava(vlm_dir) else reference_processor(vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+
+
+def hf_image_rows(hf_model, pixels: torch.Tensor) -> torch.Tensor:
+    """transformers' embedding rows of one image (its tiles)."""
+    with torch.no_grad():
+        if hasattr(hf_model.config, "vision_feature_layer"):
+            return hf_model.model.get_image_features(
+                pixels, vision_feature_layer=hf_model.config.vision_feature_layer,
+                vision_feature_select_strategy=hf_model.config.vision_feature_select_strategy).pooler_output[0]
+        return hf_model.model.get_image_features(pixels[None]).pooler_output[0]
+
+
+def images_of_every_kind() -> list[Image.Image]:
+    shapes = [random_image(w, h, seed=i) for i, (w, h) in enumerate(IMAGE_SHAPES)]
+    return [*shapes, random_image(40, 30, seed=9, mode="RGBA"), random_image(30, 40, seed=10).convert("L")]
+
+
+def test_pixel_values_and_prompt_ids_equal_transformers_processor(vlm_dir):
+    config = read_vision_config(vlm_dir)
+    processor, theirs_of = load_processor(vlm_dir, config), reference(vlm_dir)
+    for image in images_of_every_kind():
+        ours = processor.process(image.convert("RGB") if image.mode == "L" else _composited(image))
+        theirs = theirs_of(images=[[image]], text=["Look: <image> what?"], return_tensors="pt")
+        pixels = theirs["pixel_values"] if is_llava(vlm_dir) else theirs["pixel_values"][0]
+        assert torch.equal(ours.pixel_values, pixels), image.size
+        text = expand_placeholders("Look: <image> what?", "<image>", [ours], "prompt")
+        assert theirs_of.tokenizer(text)["input_ids"] == theirs["input_ids"][0].tolist()
+
+
+def _composited(image: Image.Image) -> Image.Image:
+    from nanoserve.multimodal.images import to_rgb
+
+    return to_rgb(image)
+
+
+def test_image_embeddings_match_transformers(vlm_dir, hf_model):
+    config = read_vision_config(vlm_dir)
+    processor = load_processor(vlm_dir, config)
+    encoder = load_image_encoder(vlm_dir, config, dtype=torch.float32, device=torch.device("cpu"))
+    for image in images_of_every_kind()[:4]:
+        pixels = processor.process(image.convert("RGB")).pixel_values
+        expected = hf_image_rows(hf_model, pixels)
+        rows = encoder.encode(pixels)
+        assert rows.shape == expected.shape
+        torch.testing.assert_close(rows, expected, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir):
+    return Engine(EngineConfig(model=str(vlm_dir), dtype="float32", device="cpu", num_kv_blocks=256))
+
+
+def test_logits_and_greedy_tokens_with_images_match_transformers(vlm_dir, hf_model, engine):
+    theirs_of = reference(vlm_dir)
+    prompts = [("Describe <image> please", [random_image(100, 70, seed=1)]),
+               ("<image> and <image>: which?", [random_image(20, 33, seed=2), random_image(64, 64, seed=3)])]
+    for text, images in prompts:
+        inputs = theirs_of(images=[images], text=[text], return_tensors="pt")
+        with torch.no_grad():
+            expected = hf_model(**inputs).logits[0, -1]
+            generated = hf_model.generate(**inputs, max_new_tokens=6, do_sample=False)
+            greedy = generated[0, inputs["input_ids"].shape[1]:]
+        logits = engine.prompt_logits([text], images=[images])[0]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        request_id = engine.add_request(text, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                        images=images)
+        tokens = _run(engine, request_id)
+        assert tokens == greedy.tolist()
+
+
+def _run(engine: Engine, request_id: str) -> list[int]:
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == request_id:
+                tokens += output.token_ids
+    return tokens
+
+
+def test_a_gguf_and_mmproj_pair_computes_the_hugging_face_folders_bits(tmp_path_factory):
+    """llama.cpp's layout (text GGUF + mmproj GGUF, float32) loads into the same encoder, processor
+    and logits as the folder it was written from."""
+    vlm_dir = write_tiny_idefics3(tmp_path_factory.mktemp("idefics3-hf"), seed=5)
+    text, mmproj = write_tiny_gguf_pair(vlm_dir, tmp_path_factory.mktemp("idefics3-gguf"))
+    options = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128}
+    folder = Engine(EngineConfig(model=str(vlm_dir), **options))
+    pair = Engine(EngineConfig(model=str(text), mmproj=str(mmproj), **options))
+    assert pair.images.processor == folder.images.processor
+    ours, theirs = pair.images.encoder.config, folder.images.encoder.config
+    assert dataclasses.replace(ours, layer_norm_eps=theirs.layer_norm_eps) == theirs
+    assert ours.layer_norm_eps == pytest.approx(theirs.layer_norm_eps, rel=1e-7)  # a float32 in GGUF
+    prompts = ["Describe <image> please", "<image> and <image>: which?"]
+    images = [[random_image(100, 70, seed=1)], [random_image(20, 33, seed=2), random_image(64, 64, seed=3)]]
+    assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
+
+
+def test_an_mmproj_that_is_not_a_file_is_refused_naming_it(tmp_path, tiny_model_dir):
+    with pytest.raises(InvalidRequestError) as error:
+        Engine(EngineConfig(model=str(tiny_model_dir), mmproj=str(tmp_path / "missing.gguf"),
+                            num_kv_blocks=16))
+    assert error.value.param == "mmproj"
+
+
+def test_a_llava_hf_config_that_lists_only_changed_fields_reads_with_transformers_defaults():
+    """llava-hf's config.json gives text_config and vision_config as diffs from the defaults."""
+    from nanoserve.loading.hf_config import read_model_config
+    from nanoserve.model.vision_config import VisionConfig, text_config_dict
+
+    raw = {"model_type": "llava", "image_token_index": 32000, "vision_feature_layer": -2,
+           "text_config": {"model_type": "llama", "vocab_size": 32064, "max_position_embeddings": 4096,
+                           "rms_norm_eps": 1e-05},
+           "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "image_size": 336,
+                             "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24,
+                             "patch_size": 14}}
+    vision = VisionConfig.from_hf_dict(raw)
+    assert (vision.hidden_act, vision.rows_per_tile, vision.text_hidden_size) == ("quick_gelu", 576, 4096)
+    text = read_model_config(text_config_dict(raw))
+    assert (text.hidden_size, text.num_layers, text.num_kv_heads, text.vocab_size) == (4096, 32, 32, 32064)

@@ -1,0 +1,223 @@
+"""Tiny but real Idefics3 (SmolVLM) checkpoints for the vision tests, built by transformers offline.
+
+`write_tiny_idefics3` writes what the loaders read: config.json and random float32 weights saved
+by transformers' own `Idefics3ForConditionalGeneration.save_pretrained`, the tiny byte-level BPE
+tokenizer of tiny_model.py with Idefics3's image tokens added as special tokens, a ChatML
+template, and the image processor's preprocessor_config.json (`Idefics3ImageProcessorPil`).
+`reference_processor` is transformers' processor for such a folder.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import AddedToken
+
+from tests.tiny_model import BOS_TOKEN, EOS_TOKEN, _tokenizer_config, tiny_tokenizer
+
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+                *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
+
+
+def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 2,
+                        vision_heads: int = 4, image_size: int = 32, patch_size: int = 4,
+                        scale_factor: int = 2, text_hidden: int = 64,
+                        text_layers: int = 2, longest_edge: int = 64, split: bool = True,
+                        tie_word_embeddings: bool = False, smolvlm: bool = False, seed: int = 0) -> Path:
+    """A complete Idefics3 folder: tiles of `image_size` pixels (the processor's max_image_size),
+    images first resized so their longest edge is `longest_edge`."""
+    import transformers
+
+    kind = "SmolVLM" if smolvlm else "Idefics3"  # SmolVLM2's classes: the same architecture
+    config_class = getattr(transformers, f"{kind}Config")
+    model_class = getattr(transformers, f"{kind}ForConditionalGeneration")
+    image_processor_class = getattr(transformers, f"{kind}ImageProcessorPil")
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in IMAGE_TOKENS])
+    tokenizer.save(str(path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    config = config_class(
+        text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=text_hidden,
+                         intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=text_hidden // 4,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None,
+                         tie_word_embeddings=tie_word_embeddings),
+        vision_config=dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                           num_hidden_layers=vision_layers, num_attention_heads=vision_heads,
+                           image_size=image_size, patch_size=patch_size),
+        scale_factor=scale_factor, image_token_id=tokenizer.token_to_id("<image>"),
+        tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():  # norms off their all-ones init, biases off zero: the test can see them
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    tokenizer_config = _tokenizer_config() | {"model_max_length": 4096}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    processor = image_processor_class(size={"longest_edge": longest_edge},
+                                          max_image_size={"longest_edge": image_size},
+                                          do_image_splitting=split)
+    processor.save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": rows_per_tile(config)}))
+    return path
+
+
+def write_tiny_llava(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 3,
+                     image_size: int = 28, patch_size: int = 7, shortest_edge: int = 32,
+                     strategy: str = "default",
+                     feature_layer: int = -2, pad_to_square: bool = False, seed: int = 0) -> Path:
+    """A complete LLaVA-1.5-style folder (CLIP tower, MLP projector, Llama text model)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens([AddedToken("<image>", normalized=False, special=True)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=vision_hidden,
+                           intermediate_size=2 * vision_hidden, num_hidden_layers=vision_layers,
+                           num_attention_heads=4, image_size=image_size, patch_size=patch_size,
+                           projection_dim=vision_hidden),
+        image_token_id=tokenizer.token_to_id("<image>"), vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "class_embedding" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config() | {"model_max_length": 4096}))
+    LlavaImageProcessorPil(size={"shortest_edge": shortest_edge}, do_pad=pad_to_square,
+                           crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
+    options = {"patch_size": patch_size, "vision_feature_select_strategy": strategy,
+               "num_additional_image_tokens": 1}
+    (path / "processor_config.json").write_text(json.dumps(options))
+    return path
+
+
+def reference_llava_processor(path: Path):
+    """transformers' LlavaProcessor over the folder's tokenizer and image processor."""
+    from transformers import LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN)
+    options = json.loads((path / "processor_config.json").read_text())
+    return LlavaProcessor(LlavaImageProcessorPil.from_pretrained(path), tokenizer, **options)
+
+
+def rows_per_tile(config) -> int:
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+
+
+def reference_processor(path: Path):
+    """transformers' Idefics3Processor over the folder's tokenizer and image processor (a SmolVLM2
+    folder's own image processor; SmolVLMProcessor's text expansion is Idefics3's, and it needs
+    num2words and torchvision, which the tests do not install)."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    smolvlm = json.loads((path / "config.json").read_text())["model_type"] == "smolvlm"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN)
+    seq_len = json.loads((path / "processor_config.json").read_text())["image_seq_len"]
+    image_processor_class = getattr(transformers, f"{'SmolVLM' if smolvlm else 'Idefics3'}ImageProcessorPil")
+    return transformers.Idefics3Processor(image_processor_class.from_pretrained(path), tokenizer,
+                                          image_seq_len=seq_len)
+
+
+def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
+    return Image.fromarray(pixels, mode)
+
+
+def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """An Idefics3 folder as llama.cpp's converter lays it out: the text model as a llama GGUF
+    (tiny_model.write_tiny_gguf) and the tower and projector as an mmproj GGUF, float32, its
+    tensor names from gguf-py's own map and its metadata from gguf-py's own writer methods."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_model import write_tiny_gguf
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    text, vision = raw["text_config"], raw["vision_config"]
+    tensors = load_file(str(vlm_dir / "model.safetensors"))
+    llama_dir = out_dir / "text-hf"
+    llama_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        shutil.copy(vlm_dir / name, llama_dir / name)
+    # A GGUF lists every token, added ones too (the converter's vocabulary is the whole of it).
+    tokenizer = json.loads((vlm_dir / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] |= {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
+    (llama_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+            "eos_token_id")
+    llama = {key: text[key] for key in keys} | {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": None,
+        "rope_theta": text["rope_parameters"]["rope_theta"],
+        "tie_word_embeddings": raw["tie_word_embeddings"]}
+    (llama_dir / "config.json").write_text(json.dumps(llama))
+    prefix = "model.text_model."
+    save_file({("model." + name[len(prefix):] if name.startswith(prefix) else name): tensor
+               for name, tensor in tensors.items() if name.startswith(prefix) or name == "lm_head.weight"},
+              str(llama_dir / "model.safetensors"))
+    text_gguf = write_tiny_gguf(out_dir / "text.gguf", llama_dir)
+
+    mmproj = out_dir / "mmproj.gguf"
+    writer = gguf.GGUFWriter(str(mmproj), "clip")
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
+    writer.add_vision_projection_dim(text["hidden_size"])
+    writer.add_vision_image_size(vision["image_size"])
+    writer.add_vision_patch_size(vision["patch_size"])
+    writer.add_vision_embedding_length(vision["hidden_size"])
+    writer.add_vision_feed_forward_length(vision["intermediate_size"])
+    writer.add_vision_block_count(vision["num_hidden_layers"])
+    writer.add_vision_head_count(vision["num_attention_heads"])
+    writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
+    writer.add_vision_projector_scale_factor(raw["scale_factor"])
+    writer.add_vision_use_gelu(True)
+    processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
+    writer.add_vision_image_mean(processor["image_mean"])
+    writer.add_vision_image_std(processor["image_std"])
+    writer.add_vision_preproc_image_size(processor["size"]["longest_edge"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in tensors.items():
+        if name.startswith(("model.vision_model.", "model.connector.")):
+            stem, kind = name.rsplit(".", 1)
+            writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return text_gguf, mmproj
