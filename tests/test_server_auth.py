@@ -71,9 +71,11 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key(guarded
 
 def _auth_error(path: str, body: dict) -> bool:
     """The refusal in the route's own protocol: Anthropic's error type on its Messages API,
-    OpenAI's error code everywhere else."""
+    Ollama's error string on its /api routes, OpenAI's error code everywhere else."""
     if path == "/v1/messages":
         return body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    if path.startswith("/api/"):
+        return isinstance(body["error"], str) and "API key" in body["error"]
     return body["error"]["code"] == "invalid_api_key"
 
 
