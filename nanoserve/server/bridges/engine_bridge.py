@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from nanoserve.engine.admission import InputProcessor
     from nanoserve.engine.core import Engine
     from nanoserve.model.lora import LoRARequest
+    from nanoserve.multimodal.inputs import ImageInput
     from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
@@ -44,6 +45,7 @@ class AddSequence:
     parent_id: str | None = None
     pooling: PoolingParams | None = None  # an embedding request
     lora_request: LoRARequest | None = None
+    images: tuple[ImageInput, ...] = ()  # placed in prompt_ids by the planner
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +133,10 @@ class EngineBridge(ABC):
     @abstractmethod
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
-            pooling: PoolingParams | None = None) -> None:
+            pooling: PoolingParams | None = None, images: tuple[ImageInput, ...] = ()) -> None:
         """Queue a sequence, one choice of the client request `parent_id` (with `pooling`, an
-        embedding request); its outputs (or an exception) arrive on `queue`."""
+        embedding request; `images` placed in `prompt_ids`); its outputs (or an exception) arrive
+        on `queue`."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:
@@ -180,7 +183,7 @@ def apply_commands(engine: Engine, commands: list[Command]) -> list[tuple[str, B
         try:
             engine.add_request(command.prompt_ids, command.params, command.request_id,
                                parent_id=command.parent_id, pooling=command.pooling,
-                               lora_request=command.lora_request)
+                               lora_request=command.lora_request, images=list(command.images) or None)
         except Exception as error:
             rejected.append((command.request_id, error))
     return rejected

@@ -67,6 +67,7 @@ from nanoserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from nanoserve.engine.output import RequestOutput
+    from nanoserve.multimodal.inputs import ImageInput
     from nanoserve.pooling_params import PoolingParams
     from nanoserve.sampling_params import SamplingParams
 
@@ -311,9 +312,9 @@ class ReplicaPool(EngineBridge):
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, *, parent_id: str | None = None,
-            pooling: PoolingParams | None = None) -> None:
+            pooling: PoolingParams | None = None, images: tuple[ImageInput, ...] = ()) -> None:
         """Route a sequence (with `pooling`, an embedding request) to a replica and queue it
-        there; its outputs arrive on `queue`."""
+        there; its outputs arrive on `queue`. (`images`: the planner refuses them beside replicas.)"""
         self.check_available()
         replica = self._route(prompt_ids, params, parent_id)
         self._routes[request_id] = _Route(queue, replica, parent_id)
@@ -321,7 +322,7 @@ class ReplicaPool(EngineBridge):
         if parent_id is not None:
             _, count = self._parents.get(parent_id, (replica, 0))
             self._parents[parent_id] = (replica, count + 1)
-        replica.outbox.put(AddSequence(request_id, prompt_ids, params, parent_id, pooling))
+        replica.outbox.put(AddSequence(request_id, prompt_ids, params, parent_id, pooling, images=images))
 
     def abort(self, request_id: str) -> None:
         route = self._forget(request_id)
