@@ -70,9 +70,9 @@ def test_every_route_but_the_open_ones_refuses_a_request_without_the_key(guarded
 
 
 def _auth_error(path: str, body: dict) -> bool:
-    """The refusal in the route's own protocol: Anthropic's error type on its Messages API,
-    Ollama's error string on its /api routes, OpenAI's error code everywhere else."""
-    if path == "/v1/messages":
+    """The refusal in the route's own protocol: Anthropic's error type on its Messages API (and
+    its token count), Ollama's error string on its /api routes, OpenAI's error code elsewhere."""
+    if path in ("/v1/messages", "/v1/messages/count_tokens"):
         return body["type"] == "error" and body["error"]["type"] == "authentication_error"
     if path.startswith("/api/"):
         return isinstance(body["error"], str) and "API key" in body["error"]
