@@ -106,6 +106,14 @@ PrefixCaching = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching",
     help="Reuse the KV cache of prompt prefixes already computed (default); the output is the same "
          "either way under --batch-invariant.")]
+PrefixCacheDir = Annotated[str | None, typer.Option(
+    help="Keep the prefix cache's full KV blocks in this directory across restarts: written when "
+         "evicted and at shutdown, read back on a later prefix hit (bound to the model file, its dtype "
+         "and the KV cache's dtype and block size). Default: memory only.")]
+PrefixCacheDirMaxGb = Annotated[float, typer.Option(
+    min=0.0001,
+    help="Size limit of --prefix-cache-dir in GB (every model's files in it); least recently used "
+         "blocks are deleted first.")]
 Threads = Annotated[int | None, typer.Option(
     min=1, help="CPU threads for the model; default: every core this process may use.")]
 LinearKernel = Annotated[str | None, typer.Option(
@@ -185,6 +193,8 @@ class EngineOptions:
     block_size: BlockSize = _DEFAULT.block_size
     batch_invariant: BatchInvariant = _DEFAULT.batch_invariant
     enable_prefix_caching: PrefixCaching = _DEFAULT.enable_prefix_caching
+    prefix_cache_dir: PrefixCacheDir = _DEFAULT.prefix_cache_dir
+    prefix_cache_dir_max_gb: PrefixCacheDirMaxGb = _DEFAULT.prefix_cache_dir_max_gb
     threads: Threads = _DEFAULT.threads
     linear_kernel: LinearKernel = _DEFAULT.linear_kernel
     quantize: Quantize = _DEFAULT.quantize
@@ -228,6 +238,10 @@ class EngineOptions:
             fail(f"--task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_METHODS:
             fail(f"--pooling must be one of {', '.join(POOLING_METHODS)}; got {self.pooling!r}")
+        if self.prefix_cache_dir is not None and self.tensor_parallel_size > 1:
+            fail("--prefix-cache-dir is not supported with --tensor-parallel-size above 1")
+        if self.prefix_cache_dir is not None and not self.enable_prefix_caching:
+            fail("--prefix-cache-dir keeps the prefix cache's blocks: drop --no-prefix-caching")
         check_linear_kernel(self.linear_kernel)
         try:
             SpecConfig(self.speculative_tokens, self.speculative_method, self.speculative_ngram_min,

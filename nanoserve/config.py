@@ -675,6 +675,11 @@ class EngineConfig:
     batch_invariant: bool = True
     # Reuse the K/V of prompt prefixes already computed (automatic prefix caching).
     enable_prefix_caching: bool = True
+    # Keep the prefix cache's full blocks in this directory across restarts (engine/prefix_store.py):
+    # written when evicted and at close, read back on a later hit; None: memory only.
+    prefix_cache_dir: str | None = None
+    # The directory's size limit in GB (every model's files in it): least recently used go first.
+    prefix_cache_dir_max_gb: float = 10.0
     linear_kernel: str | None = None  # None: the fastest that qualifies, measured at start-up
     threads: int | None = None  # CPU threads; None: every core this process may run on
     # Speculative decoding (exact: tokens and logprobs as without it, under batch invariance):

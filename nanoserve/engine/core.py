@@ -58,10 +58,12 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
+from nanoserve import __version__, native
 from nanoserve.config import (
     ASYNC_SCHEDULING_DEFAULT,
     FAIR_SHARE_ROWS_DEFAULT,
@@ -69,12 +71,14 @@ from nanoserve.config import (
     PREFILL_STEP_MS_DEFAULT,
     EngineConfig,
 )
+from nanoserve.engine import prefix_store
 from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
 from nanoserve.engine.executor import Executor, check_start
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
+from nanoserve.engine.prefix_store import PrefixStore, checkpoint_identity
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -134,6 +138,7 @@ class Engine:
         the others' workers with tensor parallelism), then the scheduler, the runner and the
         output processor."""
         self.config = config
+        prefix_store.check_config(config)
         self.spec = SpecConfig.from_engine(config)
         self.spec.check(draft_model=config.draft_model)
         startup = Startup.decide(config)
@@ -171,6 +176,7 @@ class Engine:
         self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
         self.drafter = self._drafter()
         self.pool = BlockPool(num_blocks, config.block_size)
+        self.prefix_store = self._open_prefix_store()
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             enable_prefix_caching=config.enable_prefix_caching,
@@ -180,7 +186,7 @@ class Engine:
                             prefill_step_s=self._prefill_step_s(),
                             prefill_pace_min_tokens=PREFILL_PACE_MIN_TOKENS,
                             scheduling_policy=config.scheduling_policy),
-            self.pool,
+            self.pool, cold=self.prefix_store,
         )
         self.runner = ModelRunner(executor.runner_model, self.kv_cache,
                                   eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)
@@ -215,8 +221,34 @@ class Engine:
         log.info(self.kv_cache_summary)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
+        """Write the prefix cache's blocks to its directory (if it has one) and stop the
+        tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
+        if self.prefix_store is not None:
+            self.prefix_store.close()
         self.executor.close()
+
+    def _open_prefix_store(self) -> PrefixStore | None:
+        """The prefix cache's disk tier (`--prefix-cache-dir`), under a namespace of everything
+        that decides a block's bits; it hears of the pool's evictions."""
+        config = self.config
+        if config.prefix_cache_dir is None:
+            return None
+        source = self.source
+        files = ([source.gguf] if source.gguf is not None
+                 else [*sorted(source.dir.glob("*.safetensors")), source.dir / "config.json"])
+        shape = self.model_config
+        identity = {"nanoserve": __version__, "checkpoint": checkpoint_identity(files),
+                    "dtype": str(self.dtype), "quantize": config.quantize,
+                    "weight_format": self.weight_format, "linear_kernel": self.kernel_choice.kernel.name,
+                    "kv_cache_dtype": self.kv_cache.cache_dtype,
+                    "block_size": config.block_size, "batch_invariant": config.batch_invariant,
+                    "native": native.library() is not None, "device": self.device.type,
+                    "shape": [shape.num_layers, shape.num_kv_heads, shape.head_dim]}
+        store = PrefixStore(Path(config.prefix_cache_dir), identity,
+                            int(config.prefix_cache_dir_max_gb * 1e9), self.kv_cache)
+        self.pool.on_evict = store.save
+        store.keyed_blocks = self.pool.cached_blocks
+        return store
 
     def _adapter_set(self) -> AdapterSet | None:
         config = self.config

@@ -21,6 +21,9 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    With prefix caching, a request being admitted first takes the longest run of cached full
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
+   With a disk tier (`ColdBlocks`: `--prefix-cache-dir`), the run continues from disk where
+   memory's ends: each further block found there is read into a free block and registered, as
+   long as blocks are free, instead of computed.
 
 While requests of more than one client request (a parent: an HTTP request's prompts and
 choices, or a tenant's requests) run and one decodes, each parent takes at most its fair share
@@ -79,6 +82,7 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanoserve.config import SCHEDULING_POLICIES
 from nanoserve.engine.admission import check_fits, request_token_limit
@@ -134,6 +138,16 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+
+
+class ColdBlocks(Protocol):
+    """Full blocks kept outside the pool, by prefix-cache key (`engine.prefix_store`)."""
+
+    def has(self, key: bytes) -> bool: ...
+
+    def load(self, key: bytes, block_id: int) -> bool:
+        """Put block `key` into pool block `block_id`; False when it cannot (then nothing changed)."""
+        ...
 
 
 def priority_key(request: Request) -> tuple[int, float]:
@@ -216,9 +230,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, cold: ColdBlocks | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.cold = cold
         self.requests: dict[str, Request] = {}  # every live request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -517,11 +532,29 @@ class Scheduler:
         if (not self.config.enable_prefix_caching or request.num_computed_tokens
                 or request.reads_every_position):
             return 0
-        hit_ids = self.pool.lookup(self._keys(request, (request.num_tokens - 1) // self.pool.block_size))
-        self.pool.take(hit_ids)
+        keys = self._keys(request, (request.num_tokens - 1) // self.pool.block_size)
+        hit_ids = self.pool.lookup(keys)
+        self.pool.take(hit_ids)  # before any load: a load's allocation must not evict them
+        if self.cold is not None:
+            hit_ids += self._load_cold(keys[len(hit_ids):])
         request.block_ids = hit_ids
         request.num_computed_tokens = len(hit_ids) * self.pool.block_size
         return request.num_computed_tokens
+
+    def _load_cold(self, keys: list[bytes]) -> list[int]:
+        """The run of `keys` the disk tier holds, from the first, each read into a block of its
+        own (held, registered), while blocks are free."""
+        loaded: list[int] = []
+        for key in keys:
+            if not self.pool.can_allocate(1) or not self.cold.has(key):
+                break
+            block_id = self.pool.allocate(1)[0]
+            if not self.cold.load(key, block_id):
+                self.pool.free([block_id])
+                break
+            self.pool.register(block_id, key)
+            loaded.append(block_id)
+        return loaded
 
     def _count_lookup(self, request: Request, hits: int) -> None:
         if not self.config.enable_prefix_caching:
