@@ -717,6 +717,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Adapters kept loaded (vLLM's --max-cpu-loras): beyond it the least recently used idle one
+    # is unloaded, and loaded again on its next request; None: max(max_loras, 8).
+    max_cpu_loras: int | None = None
     # Tensor parallelism (vLLM's --tensor-parallel-size): the model split over this many ranks,
     # one process each (nanoserve.distributed); 1: one process, exactly the code it always ran.
     tensor_parallel_size: int = 1

@@ -185,7 +185,8 @@ class Engine:
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
                             prefill_step_s=self._prefill_step_s(),
                             prefill_pace_min_tokens=PREFILL_PACE_MIN_TOKENS,
-                            scheduling_policy=config.scheduling_policy),
+                            scheduling_policy=config.scheduling_policy,
+                            max_loras=config.max_loras if config.enable_lora else None),
             self.pool, cold=self.prefix_store,
         )
         self.runner = ModelRunner(executor.runner_model, self.kv_cache,
@@ -257,11 +258,12 @@ class Engine:
         if self.tp is not None:
             raise InvalidRequestError("LoRA adapters are not supported with tensor parallelism yet",
                                       param="enable_lora")
-        return AdapterSet(config.max_loras, config.max_lora_rank)
+        return AdapterSet(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
 
     def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Load an adapter (vLLM's add_lora), checked whole against the base model first; the one
-        resident already when its name, id and path match."""
+        loaded already when its name, id and path match. Beyond max_cpu_loras the least recently
+        used adapter no live request holds is unloaded."""
         if self.loras is None:
             raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora)",
                                       param="lora_request")
@@ -269,10 +271,11 @@ class Engine:
             raise InvalidRequestError(f"lora_request must be a LoRARequest; got {lora_request!r}",
                                       param="lora_request")
         kernel = self._adapter_kernel()
+        in_use = [request.adapter for request in self.requests.values() if request.adapter is not None]
         return self.loras.add(lora_request, lambda request, serial: load_adapter(
             request, read_adapter(request.lora_path, self.model_config, self.loras.max_lora_rank),
             self.model_config, serial=serial, pack=kernel.pack, matmul=kernel.apply, dtype=self.dtype,
-            device=self.device, native=self.model.native_lora))
+            device=self.device, native=self.model.native_lora), in_use)
 
     def _adapter_kernel(self) -> LinearKernel:
         """The kernel of adapters' float matrices: the model's, unless that one runs GGUF blocks

@@ -118,6 +118,9 @@ class SchedulerConfig:
     # sliding windows): blocks wholly before them go back to the pool as a request advances.
     # 0: a request keeps every block (some layer sees the whole context).
     kv_window: int = 0
+    # Most distinct LoRA adapters among the running requests, so in any step (vLLM's
+    # --max-loras); None: no bound. Base-model requests take no adapter slot.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -138,6 +141,8 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 (or None: no bound), got {self.max_loras}")
 
 
 class ColdBlocks(Protocol):
@@ -153,6 +158,39 @@ class ColdBlocks(Protocol):
 def priority_key(request: Request) -> tuple[int, float]:
     """The priority policy's order: lower priority values first, then earlier arrivals."""
     return request.params.priority, request.arrival_s
+
+
+@dataclass(slots=True)
+class AdapterSlots:
+    """The LoRA adapters of the running requests, at most `max_loras` (None: no bound) distinct
+    ones: every step schedules only running requests, so no step holds more.
+
+    An adapter that finds every slot taken waits until one frees: its requests are passed over
+    and, from the first of them in the waiting order, so is every later request with an
+    adapter, so the running adapters' newer requests cannot keep their slots for ever; the
+    running ones finish (max_tokens bounds them) and the waiting adapter is admitted in a
+    bounded number of steps. Base-model requests take no slot and are never held back."""
+
+    max_loras: int | None
+    running: set[str]
+    blocked: bool = False
+
+    @classmethod
+    def of(cls, max_loras: int | None, running: Iterable[Request]) -> AdapterSlots:
+        return cls(max_loras, {r.adapter_key for r in running if r.adapter_key is not None})
+
+    def admits(self, request: Request) -> bool:
+        key = request.adapter_key
+        if key is None or self.max_loras is None:
+            return True
+        if self.blocked or (key not in self.running and len(self.running) >= self.max_loras):
+            self.blocked = True
+            return False
+        return True
+
+    def take(self, request: Request) -> None:
+        if request.adapter_key is not None:
+            self.running.add(request.adapter_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,11 +526,14 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         running_parents = Counter(request.parent for request in self.running)
+        slots = AdapterSlots.of(self.config.max_loras, self.running)
         for request in self._waiting_order(budget.contended):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admitted once the token is known
+            if not slots.admits(request):
+                continue  # its adapter waits for a slot; base-model requests behind it may pass
             hits = self._take_cached_prefix(request)
             num_tokens = self._grant(budget, request)
             self.share.admit(request.parent, decoding=budget.shared,
@@ -514,6 +555,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_parents[request.parent] += 1
+            slots.take(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget.spend(request, num_tokens)
             if not whole:
