@@ -37,6 +37,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -54,6 +55,8 @@ log = logging.getLogger("nanoserve")
 MAGIC = b"NSKVBLK\0"
 FORMAT_VERSION = 1
 SUFFIX = ".kvblock"
+# A partial file older than this is a crashed write's leftover (younger: maybe another process's).
+STALE_PARTIAL_S = 600.0
 # magic, format version, namespace digest, block key, payload bytes, payload checksum
 _HEADER = struct.Struct("<8sI32s32sQ32s")
 
@@ -121,8 +124,11 @@ class PrefixStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "identity.json").write_text(json.dumps(identity, indent=1, sort_keys=True))
         self._scan()
-        self._writer = threading.Thread(target=self._write_loop, name="nanoserve-prefix-store", daemon=True)
+        # The thread holds the store weakly, so an engine dropped unclosed is still collected.
+        self._writer = threading.Thread(target=_write_loop, args=(weakref.ref(self), self._queue),
+                                        name="nanoserve-prefix-store", daemon=True)
         self._writer.start()
+        weakref.finalize(self, self._queue.put, None)
         self._closed = False
         # The blocks to write at close: the engine's pool's keyed blocks (set by the engine).
         self.keyed_blocks: Callable[[], list[tuple[int, bytes]]] = list
@@ -132,10 +138,14 @@ class PrefixStore:
         """Index the directory's block files by last use; leftovers of an interrupted write go."""
         found, others = [], 0
         for path in self.root.glob(f"*/*{SUFFIX}*"):
-            if not path.name.endswith(SUFFIX):
-                path.unlink(missing_ok=True)
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another process's trim or rename, meanwhile
                 continue
-            stat = path.stat()
+            if not path.name.endswith(SUFFIX):  # a write in progress, or one a crash left
+                if time.time() - stat.st_mtime > STALE_PARTIAL_S:
+                    path.unlink(missing_ok=True)
+                continue
             found.append((stat.st_mtime_ns, path, stat.st_size))
             key = _key_of(path)
             if path.parent == self.dir and key is not None:
@@ -146,8 +156,8 @@ class PrefixStore:
             self._files[path] = size
             self.total_bytes += size
         log.info(f"prefix cache dir {self.root}: {len(self._on_disk)} blocks of this model and settings, "
-                 f"{others} of other models or settings (not used here), {self.total_bytes / 2**30:.2f} GiB "
-                 f"of {self.max_bytes / 2**30:.2f}")
+                 f"{others} of other models or settings (not used here), {self.total_bytes / 1e9:.2f} GB "
+                 f"of {self.max_bytes / 1e9:.2f}")
         self._trim()
 
     def _path(self, key: bytes) -> Path:
@@ -260,14 +270,14 @@ class PrefixStore:
 
     # -- the writer thread --------------------------------------------------------------------
 
-    def _write_loop(self) -> None:
-        while (pending := self._queue.get()) is not None:
-            try:
-                self._write(pending)
-            except OSError as error:  # a full or read-only disk costs the cache, never a request
-                log.warning(f"prefix cache dir: could not write a block: {error}")
-            with self._lock:
-                self._pending.pop(pending.key, None)
+    def write(self, pending: _Pending) -> None:
+        """Write one queued block (the writer thread)."""
+        try:
+            self._write(pending)
+        except OSError as error:  # a full or read-only disk costs the cache, never a request
+            log.warning(f"prefix cache dir: could not write a block: {error}")
+        with self._lock:
+            self._pending.pop(pending.key, None)
 
     def _write(self, pending: _Pending) -> None:
         payload = b"".join(content.contiguous().view(torch.uint8).numpy().tobytes()
@@ -297,6 +307,16 @@ class PrefixStore:
                 if path.parent == self.dir:
                     self._on_disk.discard(_key_of(path))
             path.unlink(missing_ok=True)
+
+
+def _write_loop(store: weakref.ref[PrefixStore], blocks: queue.Queue[_Pending | None]) -> None:
+    """The writer thread: queued blocks until the store closes or is collected."""
+    while (pending := blocks.get()) is not None:
+        alive = store()
+        if alive is None:
+            return
+        alive.write(pending)
+        del alive
 
 
 def _key_of(path: Path) -> bytes | None:
