@@ -186,8 +186,8 @@ def test_bad_lora_modules_exit_2_naming_the_option_before_the_model_loads(tiny_m
                        (["--lora-modules", f"a={wide}", "--max-lora-rank", "8"], "max_lora_rank=8"),
                        (["--lora-modules", f"tiny={adapters[0]}", "--served-model-name", "tiny"],
                         "base model"),
-                       (["--lora-modules", f"a={adapters[0]}", "--lora-modules", f"b={adapters[1]}"],
-                        "--max-loras is 1")):
+                       (["--lora-modules", f"a={adapters[0]}", "--lora-modules", f"a={adapters[1]}"],
+                        "more than once")):
         result = runner.invoke(cli, ["serve", "--model", str(tiny_model_dir), *args])
         assert result.exit_code == 2, result.output
         assert "--lora-modules" in result.output and says in " ".join(result.output.split())
