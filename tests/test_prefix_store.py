@@ -46,10 +46,18 @@ def other_model_dir(tmp_path_factory) -> Path:
     return long_context_model(tmp_path_factory.mktemp("tiny_long_other"), seed=1)
 
 
+# The linear kernel is chosen by measurement at start-up and may flip between engines on a busy
+# machine; blocks are bound to it (a flip is a miss), so every engine here runs the first one's.
+_first_kernel: dict[str, str] = {}
+
+
 def make_engine(model_dir: Path, cache_dir: Path | None, num_kv_blocks: int = 160, **options) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK,
-                               num_kv_blocks=num_kv_blocks, max_num_batched_tokens=512, threads=1,
-                               prefix_cache_dir=None if cache_dir is None else str(cache_dir), **options))
+    options.setdefault("linear_kernel", _first_kernel.get("name"))
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK,
+                                 num_kv_blocks=num_kv_blocks, max_num_batched_tokens=512, threads=1,
+                                 prefix_cache_dir=None if cache_dir is None else str(cache_dir), **options))
+    _first_kernel.setdefault("name", engine.kernel_choice.kernel.name)
+    return engine
 
 
 def serve(engine: Engine, prompt: list[int]) -> tuple[list[int], list]:
