@@ -9,8 +9,12 @@ import os
 import random
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from server_harness import BackgroundServer
+from test_server_api import wait_healthy
+from tiny_model import write_tiny_llama
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_pool import block_keys
@@ -20,7 +24,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.weights import read_config
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.sampling_params import SamplingParams
-from tests.tiny_model import write_tiny_llama
+from nanoserve.server.app import build_app
 
 BLOCK = 16
 PROMPT = random.Random(7).choices(range(3, 300), k=2000)
@@ -199,6 +203,16 @@ def test_q8_0_blocks_come_back_with_their_scales(model_dir, tmp_path):
         assert second.prefix_store.loaded_blocks == (len(PROMPT) - 1) // BLOCK
     finally:
         second.close()
+
+
+def test_a_server_writes_its_prefix_cache_when_it_stops(model_dir, tmp_path):
+    app = build_app(lambda: make_engine(model_dir, tmp_path), model_names=["tiny"])
+    with BackgroundServer(app) as server:
+        wait_healthy(server.base_url)
+        answer = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                            json={"model": "tiny", "prompt": PROMPT[:200], "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+    assert block_file(tmp_path, 200 // BLOCK - 1).exists()  # the prompt's last full block
 
 
 def small_store(model_dir: Path, root: Path, max_blocks: int) -> tuple[PrefixStore, KVCache]:
