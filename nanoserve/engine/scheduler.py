@@ -25,6 +25,11 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    memory's ends: each further block found there is read into a free block and registered, as
    long as blocks are free, instead of computed.
 
+With LoRA adapters, the running requests hold at most `max_loras` distinct adapters, so no
+step holds more (`AdapterSlots`): a waiting request whose adapter finds no slot is passed over,
+never refused, and later requests with adapters wait behind it, so it is admitted once the
+running adapters' requests finish; base-model requests take no slot.
+
 While requests of more than one client request (a parent: an HTTP request's prompts and
 choices, or a tenant's requests) run and one decodes, each parent takes at most its fair share
 of a step's rows (`fair_share.py`: the lightest parent's demand plus `fair_share_rows`), its
