@@ -71,14 +71,13 @@ from nanoserve.config import (
     PREFILL_STEP_MS_DEFAULT,
     EngineConfig,
 )
-from nanoserve.engine import prefix_store
 from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
 from nanoserve.engine.draft_model import DraftModel
 from nanoserve.engine.executor import Executor, check_start
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
-from nanoserve.engine.prefix_store import PrefixStore, checkpoint_identity
+from nanoserve.engine.prefix_store import PrefixStore, check_prefix_cache_dir, checkpoint_identity
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -138,7 +137,7 @@ class Engine:
         the others' workers with tensor parallelism), then the scheduler, the runner and the
         output processor."""
         self.config = config
-        prefix_store.check_config(config)
+        check_prefix_cache_dir(config)
         self.spec = SpecConfig.from_engine(config)
         self.spec.check(draft_model=config.draft_model)
         startup = Startup.decide(config)

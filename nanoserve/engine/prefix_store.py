@@ -61,7 +61,7 @@ STALE_PARTIAL_S = 600.0
 _HEADER = struct.Struct("<8sI32s32sQ32s")
 
 
-def check_config(config: EngineConfig) -> None:
+def check_prefix_cache_dir(config: EngineConfig) -> None:
     """Refuse, by name, a prefix cache directory this engine could not keep."""
     if config.prefix_cache_dir is None:
         return
