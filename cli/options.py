@@ -104,6 +104,14 @@ PrefixCaching = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching",
     help="Reuse the KV cache of prompt prefixes already computed (default); the output is the same "
          "either way under --batch-invariant.")]
+PrefixCacheDir = Annotated[str | None, typer.Option(
+    help="Keep the prefix cache's full KV blocks in this directory across restarts: written when "
+         "evicted and at shutdown, read back on a later prefix hit (bound to the model file, its dtype "
+         "and the KV cache's dtype and block size). Default: memory only.")]
+PrefixCacheDirMaxGb = Annotated[float, typer.Option(
+    min=0.0001,
+    help="Size limit of --prefix-cache-dir in GB (every model's files in it); least recently used "
+         "blocks are deleted first.")]
 Threads = Annotated[int | None, typer.Option(
     min=1, help="CPU threads for the model; default: every core this process may use.")]
 LinearKernel = Annotated[str | None, typer.Option(
@@ -191,6 +199,8 @@ class EngineOptions:
     block_size: BlockSize = _DEFAULT.block_size
     batch_invariant: BatchInvariant = _DEFAULT.batch_invariant
     enable_prefix_caching: PrefixCaching = _DEFAULT.enable_prefix_caching
+    prefix_cache_dir: PrefixCacheDir = _DEFAULT.prefix_cache_dir
+    prefix_cache_dir_max_gb: PrefixCacheDirMaxGb = _DEFAULT.prefix_cache_dir_max_gb
     threads: Threads = _DEFAULT.threads
     linear_kernel: LinearKernel = _DEFAULT.linear_kernel
     quantize: Quantize = _DEFAULT.quantize
@@ -214,6 +224,7 @@ class EngineOptions:
 
     def check(self) -> None:
         """Exit 2 naming the option on a value no engine could take, before anything loads."""
+        from nanoserve.engine.prefix_store import check_prefix_cache_dir
         from nanoserve.engine.spec_decode import SpecConfig
         from nanoserve.quant import QUANTIZERS
 
@@ -224,7 +235,7 @@ class EngineOptions:
         if self.device is not None and self.device.split(":")[0] not in ("cpu", "cuda"):
             fail(f"--device must be cpu or cuda; got {self.device!r}")
         try:  # the engine's own checks, each option's in one place (nanoserve.config)
-            EngineConfig(**asdict(self))
+            check_prefix_cache_dir(EngineConfig(**asdict(self)))
         except InvalidRequestError as error:
             fail_for(error)
         if self.device is not None and self.device.split(":")[0] == "cpu" and self.kv_cache_dtype == "fp8":

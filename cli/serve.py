@@ -137,7 +137,11 @@ def serve(
     enable_lora: Annotated[bool, typer.Option(
         "--enable-lora", help="Serve LoRA adapters (implied by --lora-modules and "
                               "--enable-lora-runtime-updates).")] = False,
-    max_loras: Annotated[int, typer.Option(min=1, help="Most LoRA adapters loaded at once.")] = 1,
+    max_loras: Annotated[int, typer.Option(
+        min=1, help="Most distinct LoRA adapters in one step; requests of others wait their turn.")] = 1,
+    max_cpu_loras: Annotated[int | None, typer.Option(
+        min=1, help="LoRA adapters kept loaded; beyond it the least recently used idle one is unloaded "
+                    "(and loaded again on its next request). Default: max(--max-loras, 8).")] = None,
     max_lora_rank: Annotated[int, typer.Option(min=1, help="Highest LoRA rank an adapter may have.")] = 16,
     enable_lora_runtime_updates: Annotated[bool, typer.Option(
         "--enable-lora-runtime-updates", help="Serve POST /v1/load_lora_adapter and "
@@ -192,7 +196,9 @@ def serve(
         options.fail(str(error))
     if log_level.lower() not in LOG_LEVELS:
         options.fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}")
-    modules = _lora_modules(lora_modules or [], max_loras)
+    modules = _lora_modules(lora_modules or [])
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        options.fail(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({max_loras})")
     enable_lora = enable_lora or bool(modules) or enable_lora_runtime_updates
     if enable_lora and data_parallel_size > 1:
         options.fail("--lora-modules, --enable-lora and --enable-lora-runtime-updates are not served "
@@ -202,7 +208,7 @@ def serve(
         _check_one_model_options(served_model_name, enable_lora, data_parallel_size)
     image_limits = _image_limits(limit_mm_per_prompt, max_image_pixels)
     config = engine.config(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                           image_limits=image_limits)
+                           max_cpu_loras=max_cpu_loras, image_limits=image_limits)
     replicas = _replica_plan(config, data_parallel_size)
     # Logging first: resolving the model may download or convert it, and says so as it starts.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -383,7 +389,7 @@ def _tenancy(api_keys: list[str] | None, keys_file: Path | None, cache_scope: st
         options.fail(str(error))
 
 
-def _lora_modules(entries: list[str], max_loras: int) -> tuple[LoRAModule, ...]:
+def _lora_modules(entries: list[str]) -> tuple[LoRAModule, ...]:
     """The --lora-modules entries, or exit 2 naming the one that does not parse."""
     from nanoserve.server.adapters import parse_lora_module
 
@@ -391,8 +397,6 @@ def _lora_modules(entries: list[str], max_loras: int) -> tuple[LoRAModule, ...]:
         modules = tuple(parse_lora_module(entry) for entry in entries)
     except ValueError as error:
         options.fail(f"invalid value for --lora-modules: {error}")
-    if len(modules) > max_loras:
-        options.fail(f"--lora-modules names {len(modules)} adapters; --max-loras is {max_loras}")
     return modules
 
 

@@ -134,6 +134,16 @@ class LLM:
         llm.engine = Engine(config)
         return llm
 
+    def close(self) -> None:
+        """Write the prefix cache to its directory (`prefix_cache_dir`) and stop any workers."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

@@ -168,18 +168,83 @@ def test_bad_adapters_are_refused_by_name_and_nothing_of_them_loads(tiny_model_d
     assert "lm_head" in refused(llm, LoRARequest("odd", 4, str(odd))).message
 
 
-def test_lora_requests_without_enable_lora_or_over_max_loras_are_refused_by_name(tiny_model_dir, adapters):
+def test_lora_requests_without_enable_lora_are_refused_by_name(tiny_model_dir, adapters):
     plain = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=32)
     with pytest.raises(InvalidRequestError) as error:
         plain.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[0])
     assert error.value.param == "lora_request"
-    one = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=32, enable_lora=True, max_loras=1)
-    one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[0])
     with pytest.raises(InvalidRequestError) as error:
-        one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[1])
-    assert error.value.param == "max_loras"
-    one.engine.remove_lora("adapter-0")
-    assert one.generate([PROMPT], GREEDY, lora_request=requests_of(adapters)[1])[0].token_ids
+        LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=32, enable_lora=True, max_loras=2,
+            max_cpu_loras=1)
+    assert error.value.param == "max_cpu_loras"
+
+
+_first_kernel: dict[str, str] = {}
+
+
+def default_lora_llm(model_dir, **options) -> LLM:
+    """vLLM's multi-LoRA example's engine: enable_lora and every other LoRA option at its default.
+    Each runs the first one's linear kernel (measured at start-up, it may flip on a busy
+    machine), so engines compared with each other differ in their adapters only."""
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_lora=True, num_kv_blocks=64,
+              linear_kernel=_first_kernel.get("name"), **options)
+    _first_kernel.setdefault("name", llm.engine.kernel_choice.kernel.name)
+    return llm
+
+
+def outputs_of(results) -> list[tuple[list[int], list[float]]]:
+    return [(r.token_ids, [e.logprob for e in r.logprobs]) for r in results]
+
+
+def test_vllms_multi_lora_example_runs_with_the_defaults_each_output_as_alone(tiny_model_dir, adapters):
+    """Two adapters with max_loras=1, in sequence and in one generate call: each request's
+    tokens and logprobs are those of an engine that only ever saw its adapter (or none)."""
+    loras = requests_of(adapters)[:2]
+    prompts = [f"{PROMPT} {i}" + " the" * i for i in range(5)]
+    per_prompt = [loras[0], loras[1], None, loras[1], loras[0]]
+    alone = []
+    for prompt, lora in zip(prompts, per_prompt, strict=True):
+        with default_lora_llm(tiny_model_dir) as own:
+            alone += outputs_of(own.generate([prompt], GREEDY, lora_request=lora))
+    with default_lora_llm(tiny_model_dir) as llm:
+        in_sequence = [outputs_of(llm.generate([p], GREEDY, lora_request=lora))[0]
+                       for p, lora in zip(prompts, per_prompt, strict=True)]
+        together = outputs_of(llm.generate(prompts, GREEDY, lora_request=per_prompt))
+        assert llm.engine.pool.is_completely_free
+    assert in_sequence == alone
+    assert together == alone
+
+
+def test_idle_adapters_beyond_max_cpu_loras_are_unloaded_least_recently_used_first(tiny_model_dir, adapters):
+    loras = requests_of(adapters)
+    with default_lora_llm(tiny_model_dir, max_cpu_loras=2) as llm:
+        first = outputs_of(llm.generate([PROMPT], GREEDY, lora_request=loras[0]))
+        llm.generate([PROMPT], GREEDY, lora_request=loras[1])
+        llm.generate([PROMPT], GREEDY, lora_request=loras[0])  # a use: adapter-1 is now the oldest
+        llm.generate([PROMPT], GREEDY, lora_request=loras[2])
+        assert [a.name for a in llm.engine.list_loras()] == ["adapter-0", "adapter-2"]
+        assert outputs_of(llm.generate([PROMPT], GREEDY, lora_request=loras[1])) != first
+        assert [a.name for a in llm.engine.list_loras()] == ["adapter-2", "adapter-1"]
+        assert outputs_of(llm.generate([PROMPT], GREEDY, lora_request=loras[0])) == first  # loaded again
+        llm.engine.remove_lora("adapter-2")  # the LRU unloaded it: its owner's unload still succeeds
+        with pytest.raises(InvalidRequestError):
+            llm.engine.remove_lora("never-loaded")
+
+
+def test_an_adapter_a_request_holds_is_not_unloaded(tiny_model_dir, adapters):
+    loras = requests_of(adapters)
+    with default_lora_llm(tiny_model_dir, max_cpu_loras=1) as llm:
+        engine = llm.engine
+        held = engine.add_request(PROMPT, GREEDY, lora_request=loras[0])
+        engine.add_request(PROMPT, GREEDY, lora_request=loras[1])
+        assert [a.name for a in engine.list_loras()] == ["adapter-0", "adapter-1"]
+        while engine.has_unfinished():
+            engine.step()
+        assert held not in engine.requests
+        engine.add_request(PROMPT, GREEDY, lora_request=loras[2])
+        assert [a.name for a in engine.list_loras()] == ["adapter-2"]
+        while engine.has_unfinished():
+            engine.step()
 
 
 # -- llama.cpp's GGUF LoRA ----------------------------------------------------------------------

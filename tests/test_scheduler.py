@@ -3,6 +3,7 @@
 import itertools
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -646,3 +647,85 @@ def test_an_arrival_runs_in_every_step_beside_any_one_heavy_client(heavy, arrive
         assert any(chunk.request is ordinary for chunk in plan.chunks), steps
     assert steps <= ordinary_len + 8
     scheduler.pool.check()
+
+
+# -- LoRA adapters: at most max_loras distinct ones a step --------------------------------------
+
+def lora_scheduler(max_loras, num_blocks=4000, max_num_seqs=8, fair_share=float("inf"), prefix_caching=False):
+    config = SchedulerConfig(max_num_seqs, 64, 1024, enable_prefix_caching=prefix_caching,
+                             fair_share_rows=fair_share, max_loras=max_loras)
+    return Scheduler(config, BlockPool(num_blocks, 4))
+
+
+def lora_request(rid, adapter, prompt_len=6, max_tokens=4, parent=None):
+    request = make_request(rid, prompt_len, max_tokens=max_tokens, parent=parent)
+    # The scheduler reads only an adapter's cache key (one per load).
+    request.adapter = None if adapter is None else SimpleNamespace(cache_key=adapter)
+    return request
+
+
+def step_adapters(plan) -> set[str]:
+    return {chunk.request.adapter_key for chunk in plan.chunks if chunk.request.adapter_key is not None}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.lists(st.one_of(
+        st.tuples(st.just("add"), st.sampled_from([None, "a", "b", "c", "d"]), st.integers(1, 40),
+                  st.integers(1, 12), st.sampled_from(["p", "q", None])),
+        st.tuples(st.just("step")),
+    ), max_size=40),
+    st.sampled_from([float("inf"), 2.0]),
+    st.sampled_from([24, 4000]),
+    st.booleans(),
+)
+def test_no_step_holds_more_than_max_loras_adapters_and_every_request_finishes(max_loras, ops, fair_share,
+                                                                               num_blocks, prefix_caching):
+    scheduler = lora_scheduler(max_loras, num_blocks=num_blocks, max_num_seqs=4, fair_share=fair_share,
+                               prefix_caching=prefix_caching)
+    count = itertools.count()
+
+    def step():
+        plan = run_step(scheduler)
+        assert len(step_adapters(plan)) <= max_loras
+        assert len({r.adapter_key for r in scheduler.running if r.adapter_key is not None}) <= max_loras
+        scheduler.pool.check()
+
+    for op in ops:
+        if op[0] == "add":
+            rid = next(count)
+            scheduler.add(lora_request(rid, op[1], op[2], op[3], parent=op[4] and f"{op[4]}{rid % 2}"))
+        else:
+            step()
+    for _ in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        step()
+    assert not scheduler.has_unfinished(), "a request never finished"
+    assert scheduler.pool.is_completely_free
+
+
+def test_a_waiting_adapter_is_served_while_the_running_adapters_requests_keep_arriving():
+    """max_loras=1, adapter a runs and a new request of a arrives every step: b, arriving at step
+    2, is admitted once the a requests that came before it finish, never behind the later ones."""
+    scheduler = lora_scheduler(1)
+    scheduler.add(lora_request("a0", "a", max_tokens=20))
+    waiting_b = lora_request("b", "b", max_tokens=5)
+    base = lora_request("base", None, max_tokens=3)
+    admitted_at = None
+    for index in range(1, 200):
+        scheduler.add(lora_request(f"a{index}", "a", max_tokens=20))
+        if index == 2:
+            scheduler.add(waiting_b)
+            scheduler.add(base)
+        plan = run_step(scheduler)
+        if index == 2:
+            assert any(chunk.request is base for chunk in plan.chunks), "a base request waits for no slot"
+        if admitted_at is None and any(chunk.request is waiting_b for chunk in plan.chunks):
+            admitted_at = index
+            assert step_adapters(plan) == {"b"}
+        if waiting_b.status.is_finished:
+            break
+    assert admitted_at is not None and admitted_at <= 2 + 20 + 2
+    assert waiting_b.status.is_finished

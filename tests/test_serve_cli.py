@@ -42,6 +42,10 @@ runner = CliRunner()
     (["--reasoning-budget", "-1"], {}, "--reasoning-budget"),
     (["--task", "classify"], {}, "--task"),
     (["--pooling", "cls"], {}, "--pooling"),
+    (["--prefix-cache-dir", "/tmp/kv", "-tp", "2"], {}, "--prefix-cache-dir"),
+    (["--prefix-cache-dir", "/tmp/kv", "--no-prefix-caching"], {}, "--prefix-cache-dir"),
+    (["--prefix-cache-dir-max-gb", "0"], {}, "--prefix-cache-dir-max-gb"),
+    (["--max-loras", "2", "--max-cpu-loras", "1"], {}, "--max-cpu-loras"),
 ])
 def test_a_bad_serve_option_exits_2_naming_it_before_loading_the_model(args, env, option, tmp_path):
     # The model path does not exist: reaching it would fail naming --model instead.

@@ -23,6 +23,11 @@ class CacheConfig:
     # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
     # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
     kv_cache_dtype: str = "auto"
+    # Keep the prefix cache's full blocks in this directory across restarts (engine/prefix_store.py):
+    # written when evicted and at close, read back on a later hit; None: memory only.
+    prefix_cache_dir: str | None = None
+    # The directory's size limit in GB (every model's files in it): least recently used go first.
+    prefix_cache_dir_max_gb: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

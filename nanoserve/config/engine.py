@@ -44,6 +44,8 @@ class EngineConfig:
     kv_cache_fraction: float = _CACHE.kv_cache_fraction
     num_kv_blocks: int | None = _CACHE.num_kv_blocks
     kv_cache_dtype: str = _CACHE.kv_cache_dtype
+    prefix_cache_dir: str | None = _CACHE.prefix_cache_dir
+    prefix_cache_dir_max_gb: float = _CACHE.prefix_cache_dir_max_gb
     batch_invariant: bool = _LOAD.batch_invariant
     enable_prefix_caching: bool = _SCHEDULER.enable_prefix_caching
     linear_kernel: str | None = _LOAD.linear_kernel
@@ -78,6 +80,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # Adapters kept loaded (vLLM's --max-cpu-loras): beyond it the least recently used idle one
+    # is unloaded, and loaded again on its next request; None: max(max_loras, 8).
+    max_cpu_loras: int | None = None
     tensor_parallel_size: int = _PARALLEL.tensor_parallel_size
     task: str = _LOAD.task
     pooling: str | None = _LOAD.pooling
@@ -103,5 +108,6 @@ class EngineConfig:
             fair_share_rows=resolve_fair_share_rows(self.fair_share_rows, device_type),
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             prefill_step_s=resolve_prefill_step_s(self.prefill_step_ms, device_type),
-            scheduling_policy=self.scheduling_policy, kv_window=kv_window)
+            scheduling_policy=self.scheduling_policy, kv_window=kv_window,
+            max_loras=self.max_loras if self.enable_lora else None)
 

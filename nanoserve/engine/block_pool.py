@@ -12,7 +12,9 @@ requests with different salts (or one salted, one not) never share a cached bloc
 learn from a cache hit what another user's prompt was. When no request holds a keyed
 block it stays cached (counted as free) until `allocate` needs the room: truly free blocks go
 first, then cached ones, least recently freed first, and an evicted block loses its key
-before anyone writes to it, so no key ever names overwritten content.
+before anyone writes to it, so no key ever names overwritten content. Whoever keeps evicted
+blocks elsewhere (the prefix cache's disk tier, `engine.prefix_store`) hears of each eviction
+through `on_evict`, before the block is given out, so it can still copy the content.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class BlockPoolError(RuntimeError):
@@ -56,7 +58,9 @@ def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None) -> None:
+        """`on_evict`: called with the (block, key) pairs `allocate` evicts, before it returns them."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -66,6 +70,7 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # free, keyed; oldest first
         self._block_of_key: dict[bytes, int] = {}
         self._key_of_block: dict[int, bytes] = {}
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,16 +104,24 @@ class BlockPool:
         freed cached ones, whose keys are dropped here, before their content is overwritten."""
         if num_blocks > self.num_free_blocks:
             raise BlockPoolError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
-        block_ids = []
+        block_ids, evicted = [], []
         for _ in range(num_blocks):
             if self._free:
                 block_id = self._free.popleft()
             else:
                 block_id, _ = self._cached_free.popitem(last=False)
-                del self._block_of_key[self._key_of_block.pop(block_id)]
+                key = self._key_of_block.pop(block_id)
+                del self._block_of_key[key]
+                evicted.append((block_id, key))
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return block_ids
+
+    def cached_blocks(self) -> list[tuple[int, bytes]]:
+        """Every keyed block and its key, held or not."""
+        return list(self._key_of_block.items())
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The blocks holding the longest cached run of `keys` from the first; takes nothing."""

@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from nanoserve import __version__, native
 from nanoserve.config import ASYNC_SCHEDULING_DEFAULT, EngineConfig
 from nanoserve.engine.admission import InputProcessor
 from nanoserve.engine.block_pool import BlockPool
@@ -71,6 +72,7 @@ from nanoserve.engine.executor import Executor, check_start
 from nanoserve.engine.images import EngineImages, ImageData
 from nanoserve.engine.model_runner import DeviceDrafts, ModelRunner, PreparedStep
 from nanoserve.engine.output import HostTokens, OutputProcessor, ReadbackCounter, RequestOutput, TokenBatch
+from nanoserve.engine.prefix_store import PrefixStore, check_prefix_cache_dir, checkpoint_identity
 from nanoserve.engine.proposers import Drafter, DraftModelProposer, NgramProposer
 from nanoserve.engine.request import Request, RequestStatus
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -131,6 +133,7 @@ class Engine:
         the others' workers with tensor parallelism), then the scheduler, the runner and the
         output processor."""
         self.config = config
+        check_prefix_cache_dir(config)
         self.spec = SpecConfig.from_engine(config)
         self.spec.check(draft_model=config.draft_model)
         startup = Startup.decide(config)
@@ -168,10 +171,11 @@ class Engine:
         self.draft = self._load_draft_model(self.draft_source, num_blocks) if self.draft_source else None
         self.drafter = self._drafter()
         self.pool = BlockPool(num_blocks, config.block_size)
+        self.prefix_store = self._open_prefix_store()
         self.scheduler = Scheduler(
             config.scheduler_config(max_model_len=self.max_model_len, kv_window=self.model_config.kv_window,
                                     device_type=self.device.type),
-            self.pool,
+            self.pool, cold=self.prefix_store,
         )
         # A vision-language model's image side (None: text only).
         self.images = EngineImages.load(self.model_dir, config.image_limits, dtype=self.dtype,
@@ -212,8 +216,34 @@ class Engine:
         log.info(self.kv_cache_summary)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
+        """Write the prefix cache's blocks to its directory (if it has one) and stop the
+        tensor-parallel workers (a no-op with one rank); the engine takes no step after."""
+        if self.prefix_store is not None:
+            self.prefix_store.close()
         self.executor.close()
+
+    def _open_prefix_store(self) -> PrefixStore | None:
+        """The prefix cache's disk tier (`--prefix-cache-dir`), under a namespace of everything
+        that decides a block's bits; it hears of the pool's evictions."""
+        config = self.config
+        if config.prefix_cache_dir is None:
+            return None
+        source = self.source
+        files = ([source.gguf] if source.gguf is not None
+                 else [*sorted(source.dir.glob("*.safetensors")), source.dir / "config.json"])
+        shape = self.model_config
+        identity = {"nanoserve": __version__, "checkpoint": checkpoint_identity(files),
+                    "dtype": str(self.dtype), "quantize": config.quantize,
+                    "weight_format": self.weight_format, "linear_kernel": self.kernel_choice.kernel.name,
+                    "kv_cache_dtype": self.kv_cache.cache_dtype,
+                    "block_size": config.block_size, "batch_invariant": config.batch_invariant,
+                    "native": native.library() is not None, "device": self.device.type,
+                    "shape": [shape.num_layers, shape.num_kv_heads, shape.head_dim]}
+        store = PrefixStore(Path(config.prefix_cache_dir), identity,
+                            int(config.prefix_cache_dir_max_gb * 1e9), self.kv_cache)
+        self.pool.on_evict = store.save
+        store.keyed_blocks = self.pool.cached_blocks
+        return store
 
     def _adapter_set(self) -> AdapterSet | None:
         config = self.config
@@ -222,11 +252,12 @@ class Engine:
         if self.tp is not None:
             raise InvalidRequestError("LoRA adapters are not supported with tensor parallelism yet",
                                       param="enable_lora")
-        return AdapterSet(config.max_loras, config.max_lora_rank)
+        return AdapterSet(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
 
     def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Load an adapter (vLLM's add_lora), checked whole against the base model first; the one
-        resident already when its name, id and path match."""
+        loaded already when its name, id and path match. Beyond max_cpu_loras the least recently
+        used adapter no live request holds is unloaded."""
         if self.loras is None:
             raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora)",
                                       param="lora_request")
@@ -234,10 +265,11 @@ class Engine:
             raise InvalidRequestError(f"lora_request must be a LoRARequest; got {lora_request!r}",
                                       param="lora_request")
         kernel = self._adapter_kernel()
+        in_use = [request.adapter for request in self.requests.values() if request.adapter is not None]
         return self.loras.add(lora_request, lambda request, serial: load_adapter(
             request, read_adapter(request.lora_path, self.model_config, self.loras.max_lora_rank),
             self.model_config, serial=serial, pack=kernel.pack, matmul=kernel.apply, dtype=self.dtype,
-            device=self.device, native=self.model.native_lora))
+            device=self.device, native=self.model.native_lora), in_use)
 
     def _adapter_kernel(self) -> LinearKernel:
         """The kernel of adapters' float matrices: the model's, unless that one runs GGUF blocks

@@ -21,6 +21,14 @@ Where a chunk ends never changes a token: a prompt in chunks computes what it wo
    With prefix caching, a request being admitted first takes the longest run of cached full
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
+   With a disk tier (`ColdBlocks`: `--prefix-cache-dir`), the run continues from disk where
+   memory's ends: each further block found there is read into a free block and registered, as
+   long as blocks are free, instead of computed.
+
+With LoRA adapters, the running requests hold at most `max_loras` distinct adapters, so no
+step holds more (`AdapterSlots`): a waiting request whose adapter finds no slot is passed over,
+never refused, and later requests with adapters wait behind it, so it is admitted once the
+running adapters' requests finish; base-model requests take no slot.
 
 While requests of more than one client request (a parent: an HTTP request's prompts and
 choices, or a tenant's requests) run and one decodes, each parent takes at most its fair share
@@ -79,6 +87,7 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanoserve.config.scheduler import SchedulerConfig
 from nanoserve.engine.admission import check_fits, request_token_limit
@@ -88,9 +97,52 @@ from nanoserve.engine.prefill_pace import PrefillPace
 from nanoserve.engine.request import NewToken, Request, RequestStatus
 
 
+class ColdBlocks(Protocol):
+    """Full blocks kept outside the pool, by prefix-cache key (`engine.prefix_store`)."""
+
+    def has(self, key: bytes) -> bool: ...
+
+    def load(self, key: bytes, block_id: int) -> bool:
+        """Put block `key` into pool block `block_id`; False when it cannot (then nothing changed)."""
+        ...
+
+
 def priority_key(request: Request) -> tuple[int, float]:
     """The priority policy's order: lower priority values first, then earlier arrivals."""
     return request.params.priority, request.arrival_s
+
+
+@dataclass(slots=True)
+class AdapterSlots:
+    """The LoRA adapters of the running requests, at most `max_loras` (None: no bound) distinct
+    ones: every step schedules only running requests, so no step holds more.
+
+    An adapter that finds every slot taken waits until one frees: its requests are passed over
+    and, from the first of them in the waiting order, so is every later request with an
+    adapter, so the running adapters' newer requests cannot keep their slots for ever; the
+    running ones finish (max_tokens bounds them) and the waiting adapter is admitted in a
+    bounded number of steps. Base-model requests take no slot and are never held back."""
+
+    max_loras: int | None
+    running: set[str]
+    blocked: bool = False
+
+    @classmethod
+    def of(cls, max_loras: int | None, running: Iterable[Request]) -> AdapterSlots:
+        return cls(max_loras, {r.adapter_key for r in running if r.adapter_key is not None})
+
+    def admits(self, request: Request) -> bool:
+        key = request.adapter_key
+        if key is None or self.max_loras is None:
+            return True
+        if self.blocked or (key not in self.running and len(self.running) >= self.max_loras):
+            self.blocked = True
+            return False
+        return True
+
+    def take(self, request: Request) -> None:
+        if request.adapter_key is not None:
+            self.running.add(request.adapter_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +220,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, cold: ColdBlocks | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.cold = cold
         self.requests: dict[str, Request] = {}  # every live request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -425,11 +478,14 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         running_parents = Counter(request.parent for request in self.running)
+        slots = AdapterSlots.of(self.config.max_loras, self.running)
         for request in self._waiting_order(budget.contended):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: admitted once the token is known
+            if not slots.admits(request):
+                continue  # its adapter waits for a slot; base-model requests behind it may pass
             hits = self._take_cached_prefix(request)
             num_tokens = self._grant(budget, request)
             self.share.admit(request.parent, decoding=budget.shared,
@@ -451,6 +507,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             running_parents[request.parent] += 1
+            slots.take(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget.spend(request, num_tokens)
             if not whole:
@@ -469,11 +526,29 @@ class Scheduler:
         if (not self.config.enable_prefix_caching or request.num_computed_tokens
                 or request.reads_every_position):
             return 0
-        hit_ids = self.pool.lookup(self._keys(request, (request.num_tokens - 1) // self.pool.block_size))
-        self.pool.take(hit_ids)
+        keys = self._keys(request, (request.num_tokens - 1) // self.pool.block_size)
+        hit_ids = self.pool.lookup(keys)
+        self.pool.take(hit_ids)  # before any load: a load's allocation must not evict them
+        if self.cold is not None:
+            hit_ids += self._load_cold(keys[len(hit_ids):])
         request.block_ids = hit_ids
         request.num_computed_tokens = len(hit_ids) * self.pool.block_size
         return request.num_computed_tokens
+
+    def _load_cold(self, keys: list[bytes]) -> list[int]:
+        """The run of `keys` the disk tier holds, from the first, each read into a block of its
+        own (held, registered), while blocks are free."""
+        loaded: list[int] = []
+        for key in keys:
+            if not self.pool.can_allocate(1) or not self.cold.has(key):
+                break
+            block_id = self.pool.allocate(1)[0]
+            if not self.cold.load(key, block_id):
+                self.pool.free([block_id])
+                break
+            self.pool.register(block_id, key)
+            loaded.append(block_id)
+        return loaded
 
     def _count_lookup(self, request: Request, hits: int) -> None:
         if not self.config.enable_prefix_caching:

@@ -158,3 +158,25 @@ class KVCache:
             rows = rows.to(self.dtype)
             gathered.append(rows.view(rows.shape[0], seqs, blocks * self.block_size, rows.shape[-1]))
         return gathered[0], gathered[1]
+
+    def _stored(self) -> list[torch.Tensor]:
+        """Every tensor that holds part of a block (block index along dim 1), in a fixed order:
+        each layer's K, each layer's V, then the q8_0 scales (K's, V's); fp8 as its bytes."""
+        tensors = self.k + self.v + (self.k_scales or []) + (self.v_scales or [])
+        return [_movable(t) for t in tensors]
+
+    def block_layout(self) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        """The dtype and the one-block shape of each tensor `read_blocks` returns, in its order."""
+        return [(t.dtype, (t.shape[0], 1, *t.shape[2:])) for t in self._stored()]
+
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Copies on the CPU of whole blocks' contents, exactly as stored (the prefix cache's
+        disk tier): one tensor per `block_layout` entry, [.., len(block_ids), ..] each."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        return [t.index_select(1, index).cpu() for t in self._stored()]
+
+    def write_blocks(self, block_ids: list[int], contents: list[torch.Tensor]) -> None:
+        """Store whole blocks' contents as `read_blocks` returned them, at `block_ids`."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        for cache, content in zip(self._stored(), contents, strict=True):
+            cache.index_copy_(1, index, content.to(cache.device))

@@ -5,14 +5,16 @@ Owns: `LoRARequest` (vLLM's: a name, an integer id, a path), the checks every ad
 passes (`check_rank`, `check_weights`; `loading.adapters` reads PEFT folders and llama.cpp's
 GGUF LoRA files into `AdapterTensor`s), and `load_adapter`, which makes an `Adapter` whose
 matrices sit fused like the base model's (q, k and v share the qkv output's columns, gate and
-up gate_up's), with the file's scaling folded into B; `AdapterSet`, the
-adapters resident at once (at most max_loras); and each row's update added to a base
-linear's output after the base matmul ran once for the whole batch, two ways: where the native
-small ops run (float32 on the CPU), every adapter of a step in one C pass per target matrix
-(`native_step`, nanoserve.native.lora; inside the one-call decoder where that runs); else
-`apply`, the reference, each adapter's two small matmuls over its rows alone through a
-batch-invariant float kernel (the model's own, or the native float kernel beside a GGUF
-model's block kernel). Either way a row's bits do not depend on which adapters its neighbours use.
+up gate_up's), with the file's scaling folded into B; `AdapterSet`, the adapters loaded (on
+first use; beyond max_cpu_loras the least recently used idle one is unloaded: vLLM's LRU cache
+of adapters; how many share a step, max_loras, is the scheduler's rule); and each row's update
+added to a base linear's output after the base matmul ran once for the whole batch, two ways:
+where the native small ops run (float32 on the CPU), every adapter of a step in one C pass per
+target matrix (`native_step`, nanoserve.native.lora; inside the one-call decoder where that
+runs); else `apply`, the reference, each adapter's two small matmuls over its rows alone
+through a batch-invariant float kernel (the model's own, or the native float kernel beside a
+GGUF model's block kernel). Either way a row's bits do not depend on which adapters its
+neighbours use.
 Refuses, by name, before anything is kept: a rank above max_lora_rank, a target module the
 decoder has no linear for, an MLP module on a layer whose MLP is a mixture of experts, DoRA,
 trained biases or modules_to_save, and a tensor whose shape does not fit the base model; an
@@ -21,7 +23,8 @@ adapter is resident whole or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,9 @@ TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
            "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
 # The modules of a dense MLP: a sparse layer's experts have none of them (nor LoRA support).
 MLP_TARGETS = frozenset(("gate_proj", "up_proj", "down_proj"))
+# Adapters kept loaded when max_cpu_loras is not set: at least this many, at least max_loras.
+# An idle adapter of rank 16 on a small model is a few MB, and a reload reads its file again.
+MAX_CPU_LORAS_FLOOR = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,40 +210,66 @@ def _packed(update: TargetUpdate, width: int, pack: Callable[[torch.Tensor], tor
 
 @dataclass(slots=True)
 class AdapterSet:
-    """The adapters resident at once, by name: at most `max_loras`, each of rank at most
-    `max_lora_rank`."""
+    """The adapters loaded, by name, least recently used first: each of rank at most
+    `max_lora_rank`; at most `max_cpu_loras` (vLLM's name; None: max(max_loras,
+    MAX_CPU_LORAS_FLOOR)) but for those that requests in flight hold, which are never unloaded
+    (a request keeps its adapter's weights to its end in any case). `max_loras`, how many
+    distinct adapters may share a step, is checked here and kept by the scheduler."""
 
     max_loras: int
     max_lora_rank: int
-    adapters: dict[str, Adapter] = field(default_factory=dict)
+    max_cpu_loras: int | None = None
+    adapters: OrderedDict[str, Adapter] = field(default_factory=OrderedDict)
     _loads: int = 0
+    _unloaded_idle: set[str] = field(default_factory=set)  # names the LRU unloaded, not their owner
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(self.max_loras, MAX_CPU_LORAS_FLOOR)
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be an integer >= 1; got {value!r}", param=name)
+        if self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                                      f"({self.max_loras})", param="max_cpu_loras")
 
-    def add(self, request: LoRARequest, load: Callable[[LoRARequest, int], Adapter]) -> Adapter:
-        """The adapter `request` names: the resident one (same id and path), else loaded now."""
+    def add(self, request: LoRARequest, load: Callable[[LoRARequest, int], Adapter],
+            in_use: Collection[Adapter] = ()) -> Adapter:
+        """The adapter `request` names: the loaded one (same id and path), else loaded now, and
+        then the least recently used beyond `max_cpu_loras` unloaded, none of `in_use` (the
+        adapters of requests in flight)."""
         resident = self.adapters.get(request.lora_name)
         if resident is not None:
             if (resident.lora_int_id, resident.path) != (request.lora_int_id, request.lora_path):
                 raise InvalidRequestError(f"a LoRA adapter named {request.lora_name!r} is loaded already "
                                           f"(id {resident.lora_int_id}, {resident.path})", param="lora_name")
+            self.adapters.move_to_end(request.lora_name)
             return resident
         if any(a.lora_int_id == request.lora_int_id for a in self.adapters.values()):
             raise InvalidRequestError(f"lora_int_id {request.lora_int_id} belongs to another adapter",
                                       param="lora_int_id")
-        if len(self.adapters) >= self.max_loras:
-            raise InvalidRequestError(f"{len(self.adapters)} LoRA adapters are loaded, max_loras="
-                                      f"{self.max_loras}; unload one first", param="max_loras")
         self._loads += 1
-        adapter = load(request, self._loads)
+        adapter = load(request, self._loads)  # a refused adapter unloads nothing
         self.adapters[request.lora_name] = adapter
+        self._unloaded_idle.discard(request.lora_name)
+        self._unload_idle(in_use)
         return adapter
 
+    def _unload_idle(self, in_use: Collection[Adapter]) -> None:
+        """Unload the least recently used adapters that no request holds, down to max_cpu_loras
+        (the newest, just loaded, stays)."""
+        held = {id(adapter) for adapter in in_use}
+        idle = [name for name, adapter in list(self.adapters.items())[:-1] if id(adapter) not in held]
+        for name in idle[:max(0, len(self.adapters) - self.max_cpu_loras)]:
+            del self.adapters[name]
+            self._unloaded_idle.add(name)
+
     def remove(self, name: str) -> None:
+        """Unload `name`; one the LRU unloaded already is unloaded (its owner's unload succeeds)."""
+        if name in self._unloaded_idle:
+            self._unloaded_idle.discard(name)
+            return
         if self.adapters.pop(name, None) is None:
             raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", param="lora_name")
 

@@ -231,6 +231,7 @@ class AsyncEngine(EngineBridge):
             while self._loop_once():
                 pass
             self._abort_all()
+            self.engine.close()  # the prefix cache's directory gets its blocks
         except StartCancelled as error:  # told to stop while it loaded: no death, nothing to report
             log.info("the engine stopped before it was ready: %s", error)
         except BaseException as error:  # the loop is dead: say so, fail every stream
