@@ -45,7 +45,7 @@ FP8 = "fp8"
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            FP8: torch.float8_e4m3fn, Q8_0: torch.int8}
 # The caches the native attention reads in place; any other runs the torch attention.
-NATIVE_KV_CACHE_DTYPES = ("float32", Q8_0)
+NATIVE_KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", Q8_0)
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 _SCALE_BYTES = 4  # a q8_0 row's float32 scale
 

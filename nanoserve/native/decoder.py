@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve import native
+from nanoserve.native.attention import check_cache
 from nanoserve.native.lora import NativeLoRAStep
 from nanoserve.native.ops import PagedContext
 from nanoserve.native.stage_matrix import StageMatrix
@@ -38,7 +39,7 @@ class _Model(ctypes.Structure):
                 ("intermediate", _I64), ("eps", _F32), ("scale", _F32), ("input_norm", _P), ("post_norm", _P),
                 ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
                 ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P),
-                ("moe", _P)]
+                ("kv_dtype", _I64), ("moe", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -85,7 +86,7 @@ class NativeDecoder:
                              shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
                              ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
                              ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
-                             signed_sin.data_ptr(), None, None,
+                             signed_sin.data_ptr(), None, None, 0,
                              ctypes.addressof(self._experts) if self.sparse_layers else None)
         self._cache: tuple[object, list[ctypes.Array]] | None = None
         # None, or the seconds the projections took so far (with their barriers), for the
@@ -122,10 +123,11 @@ class NativeDecoder:
         return cls(library.lib, shape, norms, packed, cos, signed_sin, experts)
 
     def _bind_cache(self, kv_cache) -> None:
-        """The cache's per-layer addresses, once per cache (the engine keeps one for its life);
-        a q8_0 cache's scales too (None: float32 K/V)."""
+        """The cache's per-layer addresses and dtype, once per cache (the engine keeps one for its
+        life); a q8_0 cache's scales too (None for the other dtypes)."""
         if self._cache is not None and self._cache[0] is kv_cache:
             return
+        self._model.kv_dtype = check_cache(kv_cache.k[0], kv_cache.v[0], *kv_cache.scales(0))[0]
         arrays = [_pointers(list(kv_cache.k)), _pointers(list(kv_cache.v))]
         self._model.k_cache, self._model.v_cache = (ctypes.addressof(a) for a in arrays)
         self._model.k_scales = self._model.v_scales = None
