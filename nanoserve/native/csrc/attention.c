@@ -12,8 +12,8 @@
  *   dotted with each K row: 16 lanes of fused multiply-adds over the head dimension, zero
  *   padded to a multiple of 16, the lanes then summed pairwise l + l+8, l + l+4, l + l+2,
  *   l + l+1), optionally soft-capped, the running max raised, the running sum and the values'
- *   accumulator rescaled by exp(old max - new max), and the tile's exp-weighted V rows added
- *   slot by slot with fused multiply-adds.
+ *   accumulator rescaled by exp(old max - new max), the tile's weights summed in 16 lanes the
+ *   same way, and its exp-weighted V rows added slot by slot with fused multiply-adds.
  * - The partitions' (max, sum, accumulator) are merged in partition order.
  * So a row's bits depend on its q, its context and its position only: not on the other rows of
  * the call (decode rows, a prompt chunk's rows, a crowd), nor on the thread count, nor on
@@ -30,7 +30,8 @@
  * compiled with its target attribute and chosen at run time from cpuid (ns_attention_isas says
  * which this CPU runs). Every vector operation is an exactly rounded IEEE operation on the same
  * operands in the same order as the reference (the 16 lanes of the reference are two 8-lane
- * registers on AVX2 and one on AVX-512), so the three agree bit for bit (tests/test_native_
+ * registers on AVX2 and one on AVX-512; AVX-512 sums sixteen keys' lanes at once over shuffled
+ * registers, each key by the same pairs), so the three agree bit for bit (tests/test_native_
  * attention.py). Contraction is off in this file: the compiler may not fuse a multiply and an
  * add the reference keeps apart. A head dimension that is not a multiple of 16 runs the
  * reference (the same bits, slower).
@@ -125,71 +126,67 @@ typedef struct {
     int64_t table_width, block_size, cache_slots, dim;
 } AttnCache;
 
-/* One tile's K or V rows: their row indices in the cache (kv_head * cache_slots + slot). */
+/* What differs between the paths. A tile's K or V rows are float32 rows of `padded` values
+ * (`rows[j]`, j < NS_ATTN_TILE): the cache's own rows where it holds float32 and needs no
+ * padding, else `convert`'s copies. Query vector q / accumulator acc: `padded` floats.
+ * - convert: the cache rows `index[0..count)` into out [count, padded], zeros past dim.
+ * - scores: scores[j] = q . rows[j] for j in [begin, end) (slots past `end` inside the last
+ *   16 may be written too: scratch the caller does not read).
+ * - exp_shifted: x = exp(x - shift), in place.
+ * - sum: the sum of x[0..n) in 16 lanes (x[i] into lane i % 16, in order), the lanes then
+ *   summed pairwise as a dot product's.
+ * - accumulate: acc += p[j] * rows[j] for j in [begin, end), in order. */
 typedef struct {
-    const ns_kv_rows *cache;
-    const int64_t *index;
-    int64_t count, dim, padded;
-} AttnTile;
-
-/* Query vector v's slots inside the tile: [begin[v], end[v]) relative to the tile's first slot. */
-typedef struct {
-    const int32_t *begin, *end;
-} AttnRanges;
-
-/* What differs between the paths: the tile's scores, exp over a run of scores, and the values'
- * accumulation. q and acc hold `queries` vectors of `padded` floats; scores `queries` rows of
- * NS_ATTN_TILE. */
-typedef struct {
-    void (*scores)(const float *q, int64_t queries, const AttnTile *tile, const AttnRanges *ranges,
+    void (*convert)(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim, int64_t padded,
+                    float *out);
+    void (*scores)(const float *q, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
                    float *scores);
-    void (*exp_shifted)(float *x, float shift, int64_t n); /* x = exp(x - shift) in place */
-    void (*accumulate)(const float *probs, int64_t queries, const AttnTile *tile, const AttnRanges *ranges,
+    void (*exp_shifted)(float *x, float shift, int64_t n);
+    float (*sum)(const float *x, int64_t n);
+    void (*accumulate)(const float *p, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
                        float *acc);
 } AttnIsa;
 
-/* Row `index` of a cache as float32 values into out [padded] (zeros past dim). */
-static inline void row_reference(const ns_kv_rows *cache, int64_t index, int64_t dim, int64_t padded,
-                                 float *out) {
-    const int64_t at = index * dim;
-    switch (cache->dtype) {
-    case NS_KV_F32:
-        memcpy(out, (const float *)cache->rows + at, (size_t)dim * sizeof(float));
-        break;
-    case NS_KV_F16:
-        for (int64_t i = 0; i < dim; i++) out[i] = half_to_float(((const uint16_t *)cache->rows)[at + i]);
-        break;
-    case NS_KV_BF16:
-        for (int64_t i = 0; i < dim; i++) out[i] = bf16_to_float(((const uint16_t *)cache->rows)[at + i]);
-        break;
-    default: { /* q8_0 */
-        const int8_t *codes = (const int8_t *)cache->rows + at;
-        const float scale = cache->scales[index];
-        for (int64_t i = 0; i < dim; i++) out[i] = (float)codes[i] * scale;
-    }
-    }
-    for (int64_t i = dim; i < padded; i++) out[i] = 0.0f;
-}
-
 /* ---------------------------------------------------------------- the portable reference */
 
-static float dot_reference(const float *q, const float *k, int64_t padded) {
-    float lanes[NS_ATTN_LANES] = {0};
-    for (int64_t c = 0; c < padded; c += NS_ATTN_LANES)
-        for (int l = 0; l < NS_ATTN_LANES; l++) lanes[l] = fmaf(q[c + l], k[c + l], lanes[l]);
+static void convert_reference(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
+                              int64_t padded, float *out) {
+    for (int64_t j = 0; j < count; j++) {
+        float *row = out + j * padded;
+        const int64_t at = index[j] * dim;
+        switch (cache->dtype) {
+        case NS_KV_F32:
+            memcpy(row, (const float *)cache->rows + at, (size_t)dim * sizeof(float));
+            break;
+        case NS_KV_F16:
+            for (int64_t i = 0; i < dim; i++) row[i] = half_to_float(((const uint16_t *)cache->rows)[at + i]);
+            break;
+        case NS_KV_BF16:
+            for (int64_t i = 0; i < dim; i++) row[i] = bf16_to_float(((const uint16_t *)cache->rows)[at + i]);
+            break;
+        default: { /* q8_0 */
+            const int8_t *codes = (const int8_t *)cache->rows + at;
+            const float scale = cache->scales[index[j]];
+            for (int64_t i = 0; i < dim; i++) row[i] = (float)codes[i] * scale;
+        }
+        }
+        for (int64_t i = dim; i < padded; i++) row[i] = 0.0f;
+    }
+}
+
+static float lanes_sum_reference(float *lanes) {
     for (int half = NS_ATTN_LANES / 2; half >= 1; half /= 2)
         for (int l = 0; l < half; l++) lanes[l] = lanes[l] + lanes[l + half];
     return lanes[0];
 }
 
-static void scores_reference(const float *q, int64_t queries, const AttnTile *tile, const AttnRanges *ranges,
+static void scores_reference(const float *q, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
                              float *scores) {
-    float row[tile->padded];
-    for (int64_t j = 0; j < tile->count; j++) {
-        row_reference(tile->cache, tile->index[j], tile->dim, tile->padded, row);
-        for (int64_t v = 0; v < queries; v++)
-            if (j >= ranges->begin[v] && j < ranges->end[v])
-                scores[v * NS_ATTN_TILE + j] = dot_reference(q + v * tile->padded, row, tile->padded);
+    for (int64_t j = begin; j < end; j++) {
+        float lanes[NS_ATTN_LANES] = {0};
+        for (int64_t c = 0; c < padded; c += NS_ATTN_LANES)
+            for (int l = 0; l < NS_ATTN_LANES; l++) lanes[l] = fmaf(q[c + l], rows[j][c + l], lanes[l]);
+        scores[j] = lanes_sum_reference(lanes);
     }
 }
 
@@ -197,28 +194,27 @@ static void exp_shifted_reference(float *x, float shift, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = exp_reference(x[i] - shift);
 }
 
-static void accumulate_reference(const float *probs, int64_t queries, const AttnTile *tile,
-                                 const AttnRanges *ranges, float *acc) {
-    float row[tile->padded];
-    for (int64_t j = 0; j < tile->count; j++) {
-        row_reference(tile->cache, tile->index[j], tile->dim, tile->padded, row);
-        for (int64_t v = 0; v < queries; v++) {
-            if (j < ranges->begin[v] || j >= ranges->end[v]) continue;
-            const float p = probs[v * NS_ATTN_TILE + j];
-            float *a = acc + v * tile->padded;
-            for (int64_t i = 0; i < tile->padded; i++) a[i] = fmaf(p, row[i], a[i]);
-        }
-    }
+static float sum_reference(const float *x, int64_t n) {
+    float lanes[NS_ATTN_LANES] = {0};
+    for (int64_t i = 0; i < n; i++) lanes[i % NS_ATTN_LANES] = lanes[i % NS_ATTN_LANES] + x[i];
+    return lanes_sum_reference(lanes);
 }
 
-static const AttnIsa REFERENCE = {scores_reference, exp_shifted_reference, accumulate_reference};
+static void accumulate_reference(const float *p, const float *const *rows, int64_t begin, int64_t end,
+                                 int64_t padded, float *acc) {
+    for (int64_t j = begin; j < end; j++)
+        for (int64_t i = 0; i < padded; i++) acc[i] = fmaf(p[j], rows[j][i], acc[i]);
+}
+
+static const AttnIsa REFERENCE = {convert_reference, scores_reference, exp_shifted_reference, sum_reference,
+                                  accumulate_reference};
 
 #ifdef NS_ATTN_X86
 /* ---------------------------------------------------------------- AVX2 + FMA + F16C */
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-/* 8 values of row `index` from float `i` on (i a multiple of 8, inside dim). */
+/* 8 values of row `index` from value `i` on (i a multiple of 8, inside dim). */
 AVX2_TARGET static inline __m256 load8_avx2(const ns_kv_rows *cache, int64_t index, int64_t dim, int64_t i) {
     const int64_t at = index * dim + i;
     switch (cache->dtype) {
@@ -237,31 +233,43 @@ AVX2_TARGET static inline __m256 load8_avx2(const ns_kv_rows *cache, int64_t ind
     }
 }
 
-AVX2_TARGET static void row_avx2(const AttnTile *tile, int64_t j, float *out) {
-    for (int64_t i = 0; i < tile->dim; i += 8)
-        _mm256_storeu_ps(out + i, load8_avx2(tile->cache, tile->index[j], tile->dim, i));
+AVX2_TARGET static void convert_avx2(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
+                                     int64_t padded, float *out) {
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + j * padded + i, load8_avx2(cache, index[j], dim, i));
 }
 
-AVX2_TARGET static inline float dot_avx2(const float *q, const float *k, int64_t padded) {
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (int64_t c = 0; c < padded; c += 16) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), hi);
-    }
+/* The 16 lanes lo (0-7) and hi (8-15) summed as lanes_sum_reference sums them. */
+AVX2_TARGET static inline float lanes_sum_avx2(__m256 lo, __m256 hi) {
     __m256 s8 = _mm256_add_ps(lo, hi); /* l + l+8 */
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-AVX2_TARGET static void scores_avx2(const float *q, int64_t queries, const AttnTile *tile,
-                                    const AttnRanges *ranges, float *scores) {
-    float row[tile->padded];
-    for (int64_t j = 0; j < tile->count; j++) {
-        row_avx2(tile, j, row);
-        for (int64_t v = 0; v < queries; v++)
-            if (j >= ranges->begin[v] && j < ranges->end[v])
-                scores[v * NS_ATTN_TILE + j] = dot_avx2(q + v * tile->padded, row, tile->padded);
+/* Four keys at a time: eight independent chains of multiply-adds. */
+AVX2_TARGET static void scores_avx2(const float *q, const float *const *rows, int64_t begin, int64_t end,
+                                    int64_t padded, float *scores) {
+    int64_t j = begin;
+    for (; j + 4 <= end; j += 4) {
+        __m256 lo[4], hi[4];
+        for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < padded; c += 16) {
+            const __m256 q_lo = _mm256_loadu_ps(q + c), q_hi = _mm256_loadu_ps(q + c + 8);
+            for (int t = 0; t < 4; t++) {
+                lo[t] = _mm256_fmadd_ps(q_lo, _mm256_loadu_ps(rows[j + t] + c), lo[t]);
+                hi[t] = _mm256_fmadd_ps(q_hi, _mm256_loadu_ps(rows[j + t] + c + 8), hi[t]);
+            }
+        }
+        for (int t = 0; t < 4; t++) scores[j + t] = lanes_sum_avx2(lo[t], hi[t]);
+    }
+    for (; j < end; j++) {
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int64_t c = 0; c < padded; c += 16) {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(rows[j] + c), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(rows[j] + c + 8), hi);
+        }
+        scores[j] = lanes_sum_avx2(lo, hi);
     }
 }
 
@@ -289,22 +297,50 @@ AVX2_TARGET static void exp_shifted_avx2(float *x, float shift, int64_t n) {
     for (; i < n; i++) x[i] = exp_reference(x[i] - shift);
 }
 
-AVX2_TARGET static void accumulate_avx2(const float *probs, int64_t queries, const AttnTile *tile,
-                                        const AttnRanges *ranges, float *acc) {
-    float row[tile->padded];
-    for (int64_t j = 0; j < tile->count; j++) {
-        row_avx2(tile, j, row);
-        for (int64_t v = 0; v < queries; v++) {
-            if (j < ranges->begin[v] || j >= ranges->end[v]) continue;
-            const __m256 p = _mm256_set1_ps(probs[v * NS_ATTN_TILE + j]);
-            float *a = acc + v * tile->padded;
-            for (int64_t i = 0; i < tile->padded; i += 8)
-                _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(row + i), _mm256_loadu_ps(a + i)));
+AVX2_TARGET static float sum_avx2(const float *x, int64_t n) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(x + i));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(x + i + 8));
+    }
+    if (i < n) { /* the tail's lanes add zeros: x + 0 is x */
+        float tail[16] = {0};
+        memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(tail));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(tail + 8));
+    }
+    return lanes_sum_avx2(lo, hi);
+}
+
+AVX2_TARGET static void accumulate_avx2(const float *p, const float *const *rows, int64_t begin, int64_t end,
+                                        int64_t padded, float *acc) {
+    for (int64_t c = 0; c < padded; c += 32) { /* 32 values: four chains */
+        const int wide = padded - c >= 32;
+        __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8), a2 = a0, a3 = a1;
+        if (wide) {
+            a2 = _mm256_loadu_ps(acc + c + 16);
+            a3 = _mm256_loadu_ps(acc + c + 24);
+        }
+        for (int64_t j = begin; j < end; j++) {
+            const __m256 w = _mm256_set1_ps(p[j]);
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c + 8), a1);
+            if (wide) {
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c + 24), a3);
+            }
+        }
+        _mm256_storeu_ps(acc + c, a0);
+        _mm256_storeu_ps(acc + c + 8, a1);
+        if (wide) {
+            _mm256_storeu_ps(acc + c + 16, a2);
+            _mm256_storeu_ps(acc + c + 24, a3);
         }
     }
 }
 
-static const AttnIsa AVX2 = {scores_avx2, exp_shifted_avx2, accumulate_avx2};
+static const AttnIsa AVX2 = {convert_avx2, scores_avx2, exp_shifted_avx2, sum_avx2, accumulate_avx2};
 
 /* ---------------------------------------------------------------- AVX-512F */
 
@@ -328,12 +364,37 @@ AVX512_TARGET static inline __m512 load16_avx512(const ns_kv_rows *cache, int64_
     }
 }
 
-AVX512_TARGET static void row_avx512(const AttnTile *tile, int64_t j, float *out) {
-    for (int64_t i = 0; i < tile->dim; i += 16)
-        _mm512_storeu_ps(out + i, load16_avx512(tile->cache, tile->index[j], tile->dim, i));
+AVX512_TARGET static void convert_avx512(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
+                                         int64_t padded, float *out) {
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t i = 0; i < dim; i += 16)
+            _mm512_storeu_ps(out + j * padded + i, load16_avx512(cache, index[j], dim, i));
 }
 
-AVX512_TARGET static inline float reduce16_avx512(__m512 acc) {
+/* Lanes x[0..8) + x[8..16) of two vectors at once: [x's, y's] (each its l + l+8). */
+AVX512_TARGET static inline __m512 fold8_avx512(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+}
+
+/* 16 keys' 16-lane sums at once, each by lanes_sum_reference's pairs (l + l+8, l + l+4,
+ * l + l+2, l + l+1), the additions shared out over shuffled registers: 16 scores in key order. */
+AVX512_TARGET static inline __m512 lanes_sum16_avx512(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) b[i] = fold8_avx512(a[2 * i], a[2 * i + 1]); /* quarters: key 2i: 0,1; 2i+1: 2,3 */
+    for (int i = 0; i < 4; i++) /* quarter t: key 4i + t, its l + l+4 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* quarter t: keys 8i + t (lanes 0, 1) and 8i + 4 + t (lanes 2, 3) */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter t: keys t, 4 + t, 8 + t, 12 + t */
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+AVX512_TARGET static inline float lanes_sum_avx512(__m512 acc) {
     __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -341,20 +402,20 @@ AVX512_TARGET static inline float reduce16_avx512(__m512 acc) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-AVX512_TARGET static void scores_avx512(const float *q, int64_t queries, const AttnTile *tile,
-                                        const AttnRanges *ranges, float *scores) {
-    const int64_t padded = tile->padded;
-    float row[padded];
-    for (int64_t j = 0; j < tile->count; j++) {
-        row_avx512(tile, j, row);
-        for (int64_t v = 0; v < queries; v++) {
-            if (j < ranges->begin[v] || j >= ranges->end[v]) continue;
-            const float *qv = q + v * padded;
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t c = 0; c < padded; c += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + c), _mm512_loadu_ps(row + c), acc);
-            scores[v * NS_ATTN_TILE + j] = reduce16_avx512(acc);
+/* Sixteen keys at a time (a short last group repeats its first key: lanes nobody reads). */
+AVX512_TARGET static void scores_avx512(const float *q, const float *const *rows, int64_t begin, int64_t end,
+                                        int64_t padded, float *scores) {
+    for (int64_t j = begin; j < end; j += 16) {
+        const float *keys[16];
+        const int64_t count = end - j < 16 ? end - j : 16;
+        for (int t = 0; t < 16; t++) keys[t] = rows[j + (t < count ? t : 0)];
+        __m512 a[16];
+        for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < padded; c += 16) {
+            const __m512 qc = _mm512_loadu_ps(q + c);
+            for (int t = 0; t < 16; t++) a[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys[t] + c), a[t]);
         }
+        _mm512_mask_storeu_ps(scores + j, (__mmask16)((1u << count) - 1), lanes_sum16_avx512(a));
     }
 }
 
@@ -377,32 +438,44 @@ AVX512_TARGET static inline __m512 exp16_avx512(__m512 x) {
 
 AVX512_TARGET static void exp_shifted_avx512(float *x, float shift, int64_t n) {
     const __m512 s = _mm512_set1_ps(shift);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), s)));
-    if (i < n) {
-        const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1);
-        __m512 e = exp16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), s));
-        _mm512_mask_storeu_ps(x + i, tail, e);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(x + i, live, exp16_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, x + i), s)));
     }
 }
 
-AVX512_TARGET static void accumulate_avx512(const float *probs, int64_t queries, const AttnTile *tile,
-                                            const AttnRanges *ranges, float *acc) {
-    const int64_t padded = tile->padded;
-    float row[padded];
-    for (int64_t j = 0; j < tile->count; j++) {
-        row_avx512(tile, j, row);
-        for (int64_t v = 0; v < queries; v++) {
-            if (j < ranges->begin[v] || j >= ranges->end[v]) continue;
-            const __m512 p = _mm512_set1_ps(probs[v * NS_ATTN_TILE + j]);
-            float *a = acc + v * padded;
-            for (int64_t i = 0; i < padded; i += 16)
-                _mm512_storeu_ps(a + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(row + i), _mm512_loadu_ps(a + i)));
+AVX512_TARGET static float sum_avx512(const float *x, int64_t n) {
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) { /* the tail's lanes add zeros: x + 0 is x */
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        lanes = _mm512_add_ps(lanes, _mm512_maskz_loadu_ps(live, x + i));
+    }
+    return lanes_sum_avx512(lanes);
+}
+
+AVX512_TARGET static void accumulate_avx512(const float *p, const float *const *rows, int64_t begin, int64_t end,
+                                            int64_t padded, float *acc) {
+    for (int64_t c = 0; c < padded; c += 64) { /* 64 values: four chains (fewer at the end) */
+        const int chunks = padded - c >= 64 ? 4 : (int)((padded - c) / 16);
+        __m512 a[4];
+        for (int u = 0; u < 4; u++) a[u] = u < chunks ? _mm512_loadu_ps(acc + c + 16 * u) : _mm512_setzero_ps();
+        if (chunks == 4) {
+            for (int64_t j = begin; j < end; j++) {
+                const __m512 w = _mm512_set1_ps(p[j]);
+                for (int u = 0; u < 4; u++) a[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[j] + c + 16 * u), a[u]);
+            }
+        } else {
+            for (int64_t j = begin; j < end; j++) {
+                const __m512 w = _mm512_set1_ps(p[j]);
+                for (int u = 0; u < chunks; u++)
+                    a[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[j] + c + 16 * u), a[u]);
+            }
         }
+        for (int u = 0; u < chunks; u++) _mm512_storeu_ps(acc + c + 16 * u, a[u]);
     }
 }
 
-static const AttnIsa AVX512 = {scores_avx512, exp_shifted_avx512, accumulate_avx512};
+static const AttnIsa AVX512 = {convert_avx512, scores_avx512, exp_shifted_avx512, sum_avx512, accumulate_avx512};
 #endif
 
 /* The paths this CPU runs: NS_ATTN_PORTABLE always, with AVX2 and AVX-512 where cpuid says so. */
@@ -505,32 +578,41 @@ typedef struct {
     float scale, softcap;
 } AttnJob;
 
-/* One thread's buffers for up to NS_ATTN_QUERIES query vectors. */
+/* One thread's buffers for up to NS_ATTN_QUERIES query vectors and one tile. */
 typedef struct {
-    float *q, *acc, *scores, *max, *sum;
+    float *q, *acc, *scores, *max, *sum, *k_tile, *v_tile;
+    const float **k_rows, **v_rows;
     int64_t *index;
     int32_t *begin, *end, *low, *high;
 } AttnScratch;
 
-static void *scratch_alloc(AttnScratch *s, int64_t padded) {
-    const int64_t n = NS_ATTN_QUERIES;
-    float *floats = aligned_alloc(64, sizeof(float) * (size_t)(2 * n * padded + n * NS_ATTN_TILE + 2 * n + 16));
-    if (floats == NULL) return NULL;
-    s->q = floats;
+static int scratch_alloc(AttnScratch *s, int64_t padded) {
+    const int64_t n = NS_ATTN_QUERIES, tile = NS_ATTN_TILE;
+    s->q = aligned_alloc(64, sizeof(float) * (size_t)(2 * n * padded + n * tile + 2 * n + 2 * tile * padded + 16));
+    s->k_rows = malloc((sizeof(float *) * 2 + sizeof(int64_t)) * (size_t)tile + sizeof(int32_t) * 4 * (size_t)n);
+    if (s->q == NULL || s->k_rows == NULL) {
+        free(s->q);
+        free(s->k_rows);
+        return -2;
+    }
     s->acc = s->q + n * padded;
     s->scores = s->acc + n * padded;
-    s->max = s->scores + n * NS_ATTN_TILE;
+    s->max = s->scores + n * tile;
     s->sum = s->max + n;
-    s->index = malloc(sizeof(int64_t) * NS_ATTN_TILE + sizeof(int32_t) * 4 * NS_ATTN_QUERIES);
-    if (s->index == NULL) {
-        free(floats);
-        return NULL;
-    }
-    s->begin = (int32_t *)(s->index + NS_ATTN_TILE);
+    s->k_tile = s->sum + n;
+    s->v_tile = s->k_tile + tile * padded;
+    s->v_rows = s->k_rows + tile;
+    s->index = (int64_t *)(s->v_rows + tile);
+    s->begin = (int32_t *)(s->index + tile);
     s->end = s->begin + n;
     s->low = s->end + n;
     s->high = s->low + n;
-    return floats;
+    return 0;
+}
+
+static void scratch_free(AttnScratch *s) {
+    free(s->q);
+    free(s->k_rows);
 }
 
 /* Merge `parts` partitions' (max, sum, accumulator [padded]) in order into out [dim]: the
@@ -561,27 +643,41 @@ static void softmax_tile(const AttnJob *job, AttnScratch *s, int64_t v, int64_t 
     for (int64_t j = 1; j < count; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
     const float old_max = s->max[v], new_max = tile_max > old_max ? tile_max : old_max;
     job->isa->exp_shifted(scores, new_max, count);
-    float tile_sum = 0.0f;
-    for (int64_t j = 0; j < count; j++) tile_sum = tile_sum + scores[j];
+    const float tile_sum = job->isa->sum(scores, count);
     if (old_max == -INFINITY) {
         s->sum[v] = tile_sum;
-    } else {
+    } else if (old_max != new_max) {
         const float correction = exp_reference(old_max - new_max);
         s->sum[v] = s->sum[v] * correction + tile_sum;
         float *acc = s->acc + v * padded;
         for (int64_t i = 0; i < padded; i++) acc[i] = acc[i] * correction;
+    } else { /* a correction of exp(0) = 1 would leave every bit as it is */
+        s->sum[v] = s->sum[v] + tile_sum;
     }
     s->max[v] = new_max;
 }
 
-/* Query vectors [v0, v0 + n) of the block (row-major: row, then the group's heads) over
- * partition `part` of K/V head `kv_head`; rows of one sequence, `first_row` the block's first. */
-static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, int64_t v0, int64_t n,
-                        int64_t kv_head, int64_t part) {
-    const AttnCache *c = job->c;
-    const int64_t dim = c->dim, padded = padded_dim(dim), group = job->heads / job->kv_heads;
+/* Pointers to a tile's `count` K or V rows as float32: the cache's own where it holds float32
+ * rows with no padding, else copies converted into `buffer`. */
+static void tile_rows(const AttnIsa *isa, const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
+                      int64_t padded, float *buffer, const float **rows) {
+    if (cache->dtype == NS_KV_F32 && dim == padded) {
+        for (int64_t j = 0; j < count; j++) rows[j] = (const float *)cache->rows + index[j] * dim;
+        return;
+    }
+    isa->convert(cache, index, count, dim, padded, buffer);
+    for (int64_t j = 0; j < count; j++) rows[j] = buffer + j * padded;
+}
+
+/* Query vectors [v0, v0 + n) of the block (row-major: row, then the group's heads): their
+ * scaled q, each one's slots of partition `part` ([low, high]), and their running state
+ * reset. Returns the union of their slots, [*lo, *hi] (empty: *hi < *lo). */
+static void start_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, int64_t v0, int64_t n,
+                          int64_t kv_head, int64_t part, int64_t *lo, int64_t *hi) {
+    const int64_t dim = job->c->dim, padded = padded_dim(dim), group = job->heads / job->kv_heads;
     const int64_t part_lo = part * NS_ATTN_PARTITION, part_hi = part_lo + NS_ATTN_PARTITION - 1;
-    int64_t lo = INT64_MAX, hi = -1;
+    *lo = INT64_MAX;
+    *hi = -1;
     for (int64_t v = 0; v < n; v++) {
         const int64_t r = first_row + (v0 + v) / group, h = kv_head * group + (v0 + v) % group;
         const int64_t last = job->positions[r], first = first_slot(last, job->plan->window);
@@ -591,35 +687,49 @@ static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, i
         s->sum[v] = 0.0f;
         memset(s->acc + v * padded, 0, sizeof(float) * (size_t)padded);
         if (s->low[v] > s->high[v]) continue; /* this row sees nothing of the partition */
-        lo = s->low[v] < lo ? s->low[v] : lo;
-        hi = s->high[v] > hi ? s->high[v] : hi;
+        *lo = s->low[v] < *lo ? s->low[v] : *lo;
+        *hi = s->high[v] > *hi ? s->high[v] : *hi;
         const float *q = job->q + r * job->q_row_stride + h * dim;
         for (int64_t i = 0; i < dim; i++) s->q[v * padded + i] = q[i] * job->scale;
         for (int64_t i = dim; i < padded; i++) s->q[v * padded + i] = 0.0f;
     }
-    if (hi < lo) return;
+}
+
+/* Query vectors [v0, v0 + n) of the block over partition `part` of K/V head `kv_head`, tile by
+ * tile: each tile's K rows read (and converted) once for all of them, then its V rows. */
+static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, int64_t v0, int64_t n,
+                        int64_t kv_head, int64_t part) {
+    const AttnCache *c = job->c;
+    const AttnIsa *isa = job->isa;
+    const int64_t dim = c->dim, padded = padded_dim(dim);
+    int64_t lo, hi;
+    start_queries(job, s, first_row, v0, n, kv_head, part, &lo, &hi);
     const int64_t *table = c->block_tables + job->row_seq[first_row] * c->table_width;
     const int64_t head_base = kv_head * c->cache_slots;
     for (int64_t tile_lo = lo / NS_ATTN_TILE * NS_ATTN_TILE; tile_lo <= hi; tile_lo += NS_ATTN_TILE) {
-        const int64_t from = tile_lo > lo ? tile_lo : lo, to = tile_lo + NS_ATTN_TILE - 1 < hi ? tile_lo + NS_ATTN_TILE - 1 : hi;
-        for (int64_t slot = from; slot <= to; slot++)
-            s->index[slot - from] = head_base + table[slot / c->block_size] * c->block_size + slot % c->block_size;
+        const int64_t from = tile_lo > lo ? tile_lo : lo;
+        const int64_t to = tile_lo + NS_ATTN_TILE - 1 < hi ? tile_lo + NS_ATTN_TILE - 1 : hi, count = to - from + 1;
         int any = 0;
-        for (int64_t v = 0; v < n; v++) {
+        for (int64_t v = 0; v < n; v++) { /* each one's slots of the tile, from `from` */
             int64_t b = s->low[v] > from ? s->low[v] : from, e = s->high[v] < to ? s->high[v] : to;
             s->begin[v] = (int32_t)(b - from);
             s->end[v] = (int32_t)(e >= b ? e - from + 1 : b - from);
             any |= e >= b;
         }
         if (!any) continue;
-        /* Scores and weights are kept at the tile's own offsets (begin[v] from `from`). */
-        AttnTile k_tile = {&c->k, s->index, to - from + 1, dim, padded};
-        AttnRanges ranges = {s->begin, s->end};
-        job->isa->scores(s->q, n, &k_tile, &ranges, s->scores);
+        for (int64_t slot = from; slot <= to; slot++)
+            s->index[slot - from] = head_base + table[slot / c->block_size] * c->block_size + slot % c->block_size;
+        tile_rows(isa, &c->k, s->index, count, dim, padded, s->k_tile, s->k_rows);
+        for (int64_t v = 0; v < n; v++) {
+            if (s->end[v] <= s->begin[v]) continue;
+            isa->scores(s->q + v * padded, s->k_rows, s->begin[v], s->end[v], padded, s->scores + v * NS_ATTN_TILE);
+            softmax_tile(job, s, v, padded);
+        }
+        tile_rows(isa, &c->v, s->index, count, dim, padded, s->v_tile, s->v_rows);
         for (int64_t v = 0; v < n; v++)
-            if (s->end[v] > s->begin[v]) softmax_tile(job, s, v, padded);
-        AttnTile v_tile = {&c->v, s->index, to - from + 1, dim, padded};
-        job->isa->accumulate(s->scores, n, &v_tile, &ranges, s->acc);
+            if (s->end[v] > s->begin[v])
+                isa->accumulate(s->scores + v * NS_ATTN_TILE, s->v_rows, s->begin[v], s->end[v], padded,
+                                s->acc + v * padded);
     }
 }
 
@@ -694,13 +804,13 @@ static void merge_row_head(const AttnJob *job, int64_t r, int64_t h) {
 static int attention_task(const AttnJob *job, int thread, int threads) {
     const int64_t padded = padded_dim(job->c->dim);
     AttnScratch s;
-    void *held = job->plan->units > thread ? scratch_alloc(&s, padded) : NULL;
-    int status = job->plan->units > thread && held == NULL ? -2 : 0;
-    if (held != NULL)
-        for (int64_t unit = thread; unit < job->plan->units; unit += threads) run_unit(job, &s, unit);
-    if (held != NULL) {
-        free(s.index);
-        free(held);
+    int status = 0;
+    if (job->plan->units > thread) {
+        status = scratch_alloc(&s, padded);
+        if (status == 0) {
+            for (int64_t unit = thread; unit < job->plan->units; unit += threads) run_unit(job, &s, unit);
+            scratch_free(&s);
+        }
     }
     if (job->plan->partials == NULL) return status;
     if (threads > 1) ns_barrier(threads);
