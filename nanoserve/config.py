@@ -644,8 +644,9 @@ PREFILL_STEP_MS_DEFAULT: dict[str, float | None] = {"cpu": 50.0, "cuda": None}
 PREFILL_PACE_MIN_TOKENS = 16
 SCHEDULING_POLICIES = ("fcfs", "priority")  # EngineConfig.scheduling_policy (the scheduler's)
 TASKS = ("generate", "embed")  # EngineConfig.task
-# EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "fp8")
+# EngineConfig.kv_cache_dtype (model/kv_cache.py's); auto: float16 beside float32 activations
+# on the CPU (half the bytes; README, "KV cache dtype"), else the activations' dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -668,8 +669,9 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.25
     num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
-    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
-    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
+    # What the KV cache stores (model/kv_cache.py): auto (float16 beside float32 activations on
+    # the CPU, else the activations' dtype), float32, float16, bfloat16, q8_0 (int8 with a scale
+    # per head per token: 3.8x float32's tokens), fp8 (CUDA).
     kv_cache_dtype: str = "auto"
     # A request's tokens and logprobs do not depend on what shares its steps (DESIGN invariant 1).
     batch_invariant: bool = True

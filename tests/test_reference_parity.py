@@ -13,8 +13,10 @@ pytestmark = pytest.mark.real_model
 
 
 @pytest.fixture(scope="module")
-def llm(default_llm):
-    return default_llm  # float32
+def llm(default_model_dir):
+    """float32 weights and float32 K/V: the reference's own arithmetic (the default cache is
+    float16; its agreement is the next tests')."""
+    return LLM(str(default_model_dir), device="cpu", kv_cache_gb=0.25, kv_cache_dtype="float32")
 
 
 def test_last_position_logits_match_the_reference_within_1e_3(llm, reference):

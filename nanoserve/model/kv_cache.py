@@ -8,9 +8,11 @@ The native ops (`nanoserve.native.ops`) write and read this same layout in place
 block tables, without `write` or `gather`: change it and change csrc/ops.c with it.
 
 The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activations':
-- auto: the activations' dtype, stored as computed (the default).
-- float32, bfloat16: K/V cast as they are written and cast back to the activations' dtype as
-  they are read (torch attention; the native attention reads float32 and q8_0 caches).
+- auto (the default): float16 beside float32 activations on the CPU, half float32's bytes
+  (`python -m nanoserve.bench.kv_cache` measures its agreement with float32 K/V; README, "KV
+  cache dtype"); elsewhere the activations' dtype, stored as computed.
+- float32, float16, bfloat16: K/V cast as they are written (rounded to nearest even) and cast
+  back to the activations' dtype as they are read; the native attention reads them in place.
 - fp8 (CUDA only): float8_e4m3fn, clamped to its range, without a scale.
 - q8_0: int8 codes in the shape above, and one float32 scale per head per token
   (`k_scales`/`v_scales`, [num_kv_heads, num_blocks, block_size]): ggml's q8_0 arithmetic
@@ -52,14 +54,19 @@ _SCALE_BYTES = 4  # a q8_0 row's float32 scale
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> str:
     """The cache dtype --kv-cache-dtype `name` means beside activations of `dtype` on `device`
-    (auto: `dtype`'s own), refused by name where it cannot run."""
+    (auto: float16 beside float32 on the CPU, else `dtype`'s own), refused by name where it
+    cannot run."""
     if name not in KV_CACHE_DTYPES:
         raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}",
                                   param="kv_cache_dtype")
     if name == FP8 and device.type != "cuda":
         raise InvalidRequestError("an fp8 KV cache runs on CUDA only; on the CPU, q8_0 holds 3.8x float32's "
                                   "tokens (bfloat16: 2x)", param="kv_cache_dtype")
-    return str(dtype).removeprefix("torch.") if name == "auto" else name
+    if name != "auto":
+        return name
+    if dtype == torch.float32 and device.type == "cpu":
+        return "float16"
+    return str(dtype).removeprefix("torch.")
 
 
 def bytes_per_token(config: ModelConfig, cache_dtype: str) -> int:

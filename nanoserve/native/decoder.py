@@ -46,7 +46,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("table_width", _I64), ("positions", _P), ("slot_mapping", _P),
                 ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
                 ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P),
-                ("lora", _P), ("expert_rows", _P), ("expert_seconds", _P)]
+                ("attention_seconds", _P), ("lora", _P), ("expert_rows", _P), ("expert_seconds", _P)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +89,10 @@ class NativeDecoder:
                              signed_sin.data_ptr(), None, None, 0,
                              ctypes.addressof(self._experts) if self.sparse_layers else None)
         self._cache: tuple[object, list[ctypes.Array]] | None = None
-        # None, or the seconds the projections took so far (with their barriers), for the
-        # profile's split of the forward; timing costs two clock reads a projection.
+        # None, or the seconds the projections took so far (with their barriers), and RoPE + the
+        # K/V write + attention, for the profile's split of the forward; two clock reads a stage.
         self.linear_s: float | None = None
+        self.attention_s: float | None = None
 
     @classmethod
     def for_layers(cls, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
@@ -170,9 +171,11 @@ class NativeDecoder:
                      paged.block_tables.data_ptr(), paged.row_seq.data_ptr(), hidden.data_ptr(),
                      delta.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(),
                      gate_up.data_ptr(), activated.data_ptr())
-        linear_s = ctypes.c_double(0.0)
+        linear_s, attention_s = ctypes.c_double(0.0), ctypes.c_double(0.0)
         if self.linear_s is not None:
             step.linear_seconds = ctypes.addressof(linear_s)
+        if self.attention_s is not None:
+            step.attention_seconds = ctypes.addressof(attention_s)
         if lora is not None:
             step.lora = ctypes.addressof(lora.struct)
         for name, tally, dtype in (("expert_rows", expert_rows, torch.int64),
@@ -187,4 +190,6 @@ class NativeDecoder:
             raise MemoryError("the native decoder could not allocate its scratch")
         if self.linear_s is not None:
             self.linear_s += linear_s.value
+        if self.attention_s is not None:
+            self.attention_s += attention_s.value
         return delta

@@ -52,6 +52,7 @@ typedef struct {
     const int64_t *positions, *slot_mapping, *block_tables, *row_seq;
     float *hidden, *delta, *normed, *qkv, *attended, *gate_up, *activated;
     double *linear_seconds; /* NULL, or where thread 0 adds the projections' wall time (profile) */
+    double *attention_seconds; /* NULL, or where thread 0 adds RoPE + K/V write + attention's (profile) */
     const ns_lora_step *lora; /* NULL, or the LoRA rows' adapters (lora.c), added after each projection */
     int64_t *expert_rows;   /* NULL, or [experts]: each expert's routed rows are added here (profile) */
     double *expert_seconds; /* NULL, or [experts]: each expert's matmul wall time is added here */
@@ -101,9 +102,12 @@ static void project(const DecoderJob *job, int64_t layer, int which, const float
     ns_stage_blocks(m->formats[at], input, job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
 }
 
+static double now_s(void);
+
 static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {
     const DecoderModel *m = job->m;
     const DecoderStep *s = job->s;
+    const double start = s->attention_seconds != NULL && thread == 0 ? now_s() : 0.0;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
     const ns_kv_rows k_cache = {m->k_cache[layer], m->k_scales != NULL ? m->k_scales[layer] : NULL, (int)m->kv_dtype};
     const ns_kv_rows v_cache = {m->v_cache[layer], m->v_scales != NULL ? m->v_scales[layer] : NULL, (int)m->kv_dtype};
@@ -117,6 +121,7 @@ static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {
                                  m->head_dim, m->block_size, m->num_blocks, m->scale, 0.0f, thread, threads) != 0)
         job->failed = 1;
     ns_barrier(threads);
+    if (start != 0.0) *s->attention_seconds += now_s() - start;
     if (!quantized(m, layer, O)) return;
     const int64_t q_size = m->heads * m->head_dim;
     stage_rows(s->rows, s->rows * q_size, thread, threads, &begin, &end);
