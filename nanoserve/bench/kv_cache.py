@@ -25,7 +25,7 @@ each row with the machine it ran on:
   |x| over every row the float32 engine wrote) of q8_0 with one scale per row, as the cache
   stores it, and with one scale per block of 32 (ggml's q8_0 blocks), the alternative
   model/kv_cache.py weighs.
-Refuses: judging; README.md ("Quantized KV cache") states what the figures mean.
+Refuses: judging; README.md ("KV cache dtype") states what the figures mean.
 """
 
 from __future__ import annotations

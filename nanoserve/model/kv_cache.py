@@ -27,7 +27,7 @@ The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activatio
   at head_dim 64 ggml's layout (two float16 scales) takes the same 68 bytes a row and rounds
   somewhat closer; `python -m nanoserve.bench.kv_cache` measures both round trips on the
   default model (results/kv_cache_rounding.csv) and the agreement with float32 K/V the row
-  scale gives (README, "Quantized KV cache").
+  scale gives (README, "KV cache dtype").
   The native write (csrc/ops.c quantize_row_q8) and `quantize_q8` here are the same float32
   arithmetic, so both paths store the same codes and scales and read the same numbers; the
   native attention dequantizes one row at a time inside its loop, `gather` (the torch path)
