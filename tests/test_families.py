@@ -146,13 +146,13 @@ def test_a_gguf_of_the_same_weights_matches_transformers(case, tmp_path):
 
 
 @pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
-def test_soft_capped_attention_runs_in_torch_beside_native_small_ops(tmp_path):
-    """The native attention kernel has no soft-capping: Gemma 2 attends in torch, its norms and
-    RoPE tables stay native, and its logits still match (the test above checks them)."""
+def test_soft_capped_attention_runs_in_the_native_kernel_and_matches_the_torch_path(tmp_path):
+    """The native attention soft-caps its scores: Gemma 2 attends natively (its sliding layers
+    too), and its logits match the torch path's (and transformers': the tests above)."""
     case = next(c for c in CASES if c.config_class == "Gemma2Config")
     families.write_checkpoint(case, tmp_path)
     model = load_model(tmp_path)
-    assert model.ops is not None and not model.native_attention
+    assert model.ops is not None and model.native_attention and model.config.attn_softcap
     plain = load_model(tmp_path, native=False)
     assert plain.ops is None
     torch.testing.assert_close(prefill_logits(model, PROMPTS[1]), prefill_logits(plain, PROMPTS[1]),

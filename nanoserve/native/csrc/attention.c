@@ -135,6 +135,7 @@ typedef struct {
  * - exp_shifted: x = exp(x - shift), in place.
  * - sum: the sum of x[0..n) in 16 lanes (x[i] into lane i % 16, in order), the lanes then
  *   summed pairwise as a dot product's.
+ * - max: the largest of x[0..n) (n >= 1; exact in any order).
  * - accumulate: acc += p[j] * rows[j] for j in [begin, end), in order. */
 typedef struct {
     void (*convert)(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim, int64_t padded,
@@ -143,6 +144,7 @@ typedef struct {
                    float *scores);
     void (*exp_shifted)(float *x, float shift, int64_t n);
     float (*sum)(const float *x, int64_t n);
+    float (*max)(const float *x, int64_t n);
     void (*accumulate)(const float *p, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
                        float *acc);
 } AttnIsa;
@@ -200,6 +202,12 @@ static float sum_reference(const float *x, int64_t n) {
     return lanes_sum_reference(lanes);
 }
 
+static float max_reference(const float *x, int64_t n) {
+    float largest = x[0];
+    for (int64_t i = 1; i < n; i++) largest = x[i] > largest ? x[i] : largest;
+    return largest;
+}
+
 static void accumulate_reference(const float *p, const float *const *rows, int64_t begin, int64_t end,
                                  int64_t padded, float *acc) {
     for (int64_t j = begin; j < end; j++)
@@ -207,7 +215,7 @@ static void accumulate_reference(const float *p, const float *const *rows, int64
 }
 
 static const AttnIsa REFERENCE = {convert_reference, scores_reference, exp_shifted_reference, sum_reference,
-                                  accumulate_reference};
+                                  max_reference, accumulate_reference};
 
 #ifdef NS_ATTN_X86
 /* ---------------------------------------------------------------- AVX2 + FMA + F16C */
@@ -340,7 +348,18 @@ AVX2_TARGET static void accumulate_avx2(const float *p, const float *const *rows
     }
 }
 
-static const AttnIsa AVX2 = {convert_avx2, scores_avx2, exp_shifted_avx2, sum_avx2, accumulate_avx2};
+AVX2_TARGET static float max_avx2(const float *x, int64_t n) {
+    __m256 largest = _mm256_set1_ps(x[0]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) largest = _mm256_max_ps(largest, _mm256_loadu_ps(x + i));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    float result = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    for (; i < n; i++) result = x[i] > result ? x[i] : result;
+    return result;
+}
+
+static const AttnIsa AVX2 = {convert_avx2, scores_avx2, exp_shifted_avx2, sum_avx2, max_avx2, accumulate_avx2};
 
 /* ---------------------------------------------------------------- AVX-512F */
 
@@ -475,7 +494,17 @@ AVX512_TARGET static void accumulate_avx512(const float *p, const float *const *
     }
 }
 
-static const AttnIsa AVX512 = {convert_avx512, scores_avx512, exp_shifted_avx512, sum_avx512, accumulate_avx512};
+AVX512_TARGET static float max_avx512(const float *x, int64_t n) {
+    __m512 largest = _mm512_set1_ps(x[0]);
+    for (int64_t i = 0; i < n; i += 16) { /* the tail's lanes hold x[0] again */
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        largest = _mm512_max_ps(largest, _mm512_mask_loadu_ps(_mm512_set1_ps(x[0]), live, x + i));
+    }
+    return _mm512_reduce_max_ps(largest);
+}
+
+static const AttnIsa AVX512 = {convert_avx512, scores_avx512, exp_shifted_avx512, sum_avx512, max_avx512,
+                               accumulate_avx512};
 #endif
 
 /* The paths this CPU runs: NS_ATTN_PORTABLE always, with AVX2 and AVX-512 where cpuid says so. */
@@ -639,8 +668,7 @@ static void softmax_tile(const AttnJob *job, AttnScratch *s, int64_t v, int64_t 
     const int64_t count = s->end[v] - s->begin[v];
     if (job->softcap > 0.0f)
         for (int64_t j = 0; j < count; j++) scores[j] = job->softcap * tanhf(scores[j] / job->softcap);
-    float tile_max = scores[0];
-    for (int64_t j = 1; j < count; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+    const float tile_max = job->isa->max(scores, count);
     const float old_max = s->max[v], new_max = tile_max > old_max ? tile_max : old_max;
     job->isa->exp_shifted(scores, new_max, count);
     const float tile_sum = job->isa->sum(scores, count);
