@@ -20,11 +20,12 @@
  * whether a prefill chunk or a decode step computed it (preemption by recompute keeps tokens).
  *
  * Work: a ROW BLOCK is up to NS_ATTN_QUERIES / group consecutive rows of one sequence (a decode
- * row is a block of its own); the unit a thread takes is (row block, K/V head, partition), so
- * the GQA query heads of every row of the block share each K/V row as it is loaded and
- * converted, and a single long decode row still spreads over every thread. Units are dealt to
- * the threads in turn; the partitions' results of rows with more than one are merged after a
- * barrier, one (row, K/V head) per unit.
+ * row is a block of its own), whose GQA query heads share each K/V row as it is loaded and
+ * converted. A decode row's unit is (K/V head, partition), so a single long row still spreads
+ * over every thread; its partitions' results are merged after a barrier, one (row, query head)
+ * a unit. A prompt chunk's block is one unit per K/V head that runs its partitions in turn and
+ * merges them itself, in the same order with the same function (no results kept across
+ * threads). Units are dealt to the threads in turn.
  *
  * Three paths, one arithmetic: the portable C reference, AVX2 (+FMA, F16C) and AVX-512F, each
  * compiled with its target attribute and chosen at run time from cpuid (ns_attention_isas says
@@ -564,7 +565,18 @@ int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, cons
             low = first < low ? first : low;
             high = positions[i] > high ? positions[i] : high;
         }
-        units += (high / NS_ATTN_PARTITION - low / NS_ATTN_PARTITION + 1) * kv_heads;
+        const int64_t parts = high / NS_ATTN_PARTITION - low / NS_ATTN_PARTITION + 1;
+        if (end - r > 1) { /* a prompt chunk's rows: one unit a K/V head runs all their partitions */
+            units += kv_heads;
+            plan->max_parts = parts > plan->max_parts ? parts : plan->max_parts;
+            for (int64_t i = r; i < end; i++) plan->partial_at[i] = partials; /* none kept */
+        } else { /* a decode row: one unit a (K/V head, partition), merged past the barrier */
+            units += parts * kv_heads;
+            for (int64_t i = r; i < end; i++) {
+                plan->partial_at[i] = partials;
+                if (parts > 1) partials += parts * heads * (padded_dim(dim) + 2);
+            }
+        }
         plan->block_start[blocks] = r;
         plan->unit_end[blocks++] = units;
         r = end;
@@ -572,11 +584,6 @@ int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, cons
     plan->block_start[blocks] = rows;
     plan->blocks = blocks;
     plan->units = units;
-    for (int64_t r = 0; r < rows; r++) {
-        plan->partial_at[r] = partials;
-        int64_t parts = positions[r] / NS_ATTN_PARTITION - first_slot(positions[r], window) / NS_ATTN_PARTITION + 1;
-        if (parts > 1) partials += parts * heads * (padded_dim(dim) + 2);
-    }
     plan->partial_at[rows] = partials;
     if (partials > 0) {
         plan->partials = malloc(sizeof(float) * (size_t)partials);
@@ -610,18 +617,21 @@ typedef struct {
 /* One thread's buffers for up to NS_ATTN_QUERIES query vectors and one tile. */
 typedef struct {
     float *q, *acc, *scores, *max, *sum, *k_tile, *v_tile;
+    float *kept; /* a prompt chunk's partitions' (max, sum, accumulator) per query vector, or NULL */
     const float **k_rows, **v_rows;
     int64_t *index;
     int32_t *begin, *end, *low, *high;
 } AttnScratch;
 
-static int scratch_alloc(AttnScratch *s, int64_t padded) {
+static int scratch_alloc(AttnScratch *s, int64_t padded, int64_t max_parts) {
     const int64_t n = NS_ATTN_QUERIES, tile = NS_ATTN_TILE;
     s->q = aligned_alloc(64, sizeof(float) * (size_t)(2 * n * padded + n * tile + 2 * n + 2 * tile * padded + 16));
     s->k_rows = malloc((sizeof(float *) * 2 + sizeof(int64_t)) * (size_t)tile + sizeof(int32_t) * 4 * (size_t)n);
-    if (s->q == NULL || s->k_rows == NULL) {
+    s->kept = max_parts > 0 ? malloc(sizeof(float) * (size_t)(n * max_parts * (padded + 2))) : NULL;
+    if (s->q == NULL || s->k_rows == NULL || (max_parts > 0 && s->kept == NULL)) {
         free(s->q);
         free(s->k_rows);
+        free(s->kept);
         return -2;
     }
     s->acc = s->q + n * padded;
@@ -642,6 +652,7 @@ static int scratch_alloc(AttnScratch *s, int64_t padded) {
 static void scratch_free(AttnScratch *s) {
     free(s->q);
     free(s->k_rows);
+    free(s->kept);
 }
 
 /* Merge `parts` partitions' (max, sum, accumulator [padded]) in order into out [dim]: the
@@ -783,30 +794,74 @@ static void store_queries(const AttnJob *job, AttnScratch *s, int64_t first_row,
     }
 }
 
+/* A prompt chunk's query vectors [v0, v0 + n) after partition `p` of the block's `parts`: each
+ * one's (max, sum, accumulator) kept for its merge. */
+static void keep_queries(AttnScratch *s, int64_t n, int64_t p, int64_t parts, int64_t padded) {
+    for (int64_t v = 0; v < n; v++) {
+        if (s->low[v] > s->high[v]) continue; /* a partition the row does not reach */
+        float *kept = s->kept + (v * parts + p) * (padded + 2);
+        kept[0] = s->max[v];
+        kept[1] = s->sum[v];
+        memcpy(kept + 2, s->acc + v * padded, sizeof(float) * (size_t)padded);
+    }
+}
+
+/* Each of the query vectors' own partitions, kept in order from the block's first, merged
+ * into out: the arithmetic of merge_row_head over a decode row's partials. */
+static void merge_kept(const AttnJob *job, AttnScratch *s, int64_t first_row, int64_t v0, int64_t n, int64_t kv_head,
+                       int64_t block_first_part, int64_t parts) {
+    const int64_t dim = job->c->dim, padded = padded_dim(dim), group = job->heads / job->kv_heads;
+    for (int64_t v = 0; v < n; v++) {
+        const int64_t r = first_row + (v0 + v) / group, h = kv_head * group + (v0 + v) % group;
+        const int64_t last = job->positions[r], first_part = first_slot(last, job->plan->window) / NS_ATTN_PARTITION;
+        const int64_t count = last / NS_ATTN_PARTITION - first_part + 1;
+        float max[count], sum[count];
+        const float *acc[count];
+        for (int64_t p = 0; p < count; p++) {
+            const float *kept = s->kept + (v * parts + first_part - block_first_part + p) * (padded + 2);
+            max[p] = kept[0];
+            sum[p] = kept[1];
+            acc[p] = kept + 2;
+        }
+        merge_partitions(max, sum, acc, count, dim, job->out + (r * job->heads + h) * dim);
+    }
+}
+
+/* Unit `unit`: a decode row's (K/V head, partition), its result stored for the merge; or a
+ * prompt chunk's K/V head over all its partitions, merged here (the same merge, in the same
+ * order, so a row's bits are the same either way). */
 static void run_unit(const AttnJob *job, AttnScratch *s, int64_t unit) {
     const ns_attention_plan *plan = job->plan;
-    int64_t block = 0, low = 0, hi, b_lo = INT64_MAX;
-    /* The block holding `unit`: a binary search over the units' prefix counts. */
-    hi = plan->blocks - 1;
-    while (low < hi) {
+    int64_t low = 0, hi = plan->blocks - 1, b_lo = INT64_MAX, b_hi = 0;
+    while (low < hi) { /* the block holding `unit`: a binary search over the units' prefix counts */
         int64_t mid = (low + hi) / 2;
         if (plan->unit_end[mid] <= unit) low = mid + 1;
         else hi = mid;
     }
-    block = low;
-    const int64_t first_row = plan->block_start[block], end_row = plan->block_start[block + 1];
+    const int64_t block = low, first_row = plan->block_start[block], end_row = plan->block_start[block + 1];
     for (int64_t r = first_row; r < end_row; r++) {
         int64_t first = first_slot(job->positions[r], plan->window);
         b_lo = first < b_lo ? first : b_lo;
+        b_hi = job->positions[r] > b_hi ? job->positions[r] : b_hi;
     }
+    const int64_t first_part = b_lo / NS_ATTN_PARTITION, parts = b_hi / NS_ATTN_PARTITION - first_part + 1;
     const int64_t in_block = unit - (block ? plan->unit_end[block - 1] : 0);
-    const int64_t parts = (plan->unit_end[block] - (block ? plan->unit_end[block - 1] : 0)) / job->kv_heads;
-    const int64_t kv_head = in_block / parts, part = b_lo / NS_ATTN_PARTITION + in_block % parts;
     const int64_t queries = (end_row - first_row) * (job->heads / job->kv_heads);
+    const int chunk = end_row - first_row > 1;
+    const int64_t kv_head = chunk ? in_block : in_block / parts;
     for (int64_t v0 = 0; v0 < queries; v0 += NS_ATTN_QUERIES) {
         const int64_t n = queries - v0 < NS_ATTN_QUERIES ? queries - v0 : NS_ATTN_QUERIES;
-        run_queries(job, s, first_row, v0, n, kv_head, part);
-        store_queries(job, s, first_row, v0, n, kv_head, part);
+        if (!chunk) {
+            const int64_t part = first_part + in_block % parts;
+            run_queries(job, s, first_row, v0, n, kv_head, part);
+            store_queries(job, s, first_row, v0, n, kv_head, part);
+            continue;
+        }
+        for (int64_t p = 0; p < parts; p++) {
+            run_queries(job, s, first_row, v0, n, kv_head, first_part + p);
+            keep_queries(s, n, p, parts, padded_dim(job->c->dim));
+        }
+        merge_kept(job, s, first_row, v0, n, kv_head, first_part, parts);
     }
 }
 
@@ -834,7 +889,7 @@ static int attention_task(const AttnJob *job, int thread, int threads) {
     AttnScratch s;
     int status = 0;
     if (job->plan->units > thread) {
-        status = scratch_alloc(&s, padded);
+        status = scratch_alloc(&s, padded, job->plan->max_parts);
         if (status == 0) {
             for (int64_t unit = thread; unit < job->plan->units; unit += threads) run_unit(job, &s, unit);
             scratch_free(&s);

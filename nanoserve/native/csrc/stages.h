@@ -32,10 +32,11 @@ void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, 
  * returns 0, or -2 when the thread's scratch could not be allocated. */
 typedef struct {
     int64_t rows, window, blocks, units;
+    int64_t max_parts;    /* the most partitions a prompt chunk's row block spans (0: none) */
     int64_t *block_start; /* [blocks + 1]: each row block's first row */
     int64_t *unit_end;    /* [blocks]: the units of blocks 0..b together */
-    int64_t *partial_at;  /* [rows + 1]: where each row's partitions' partials start */
-    float *partials;      /* NULL when no row has more than one partition */
+    int64_t *partial_at;  /* [rows + 1]: where each decode row's partitions' partials start */
+    float *partials;      /* NULL when no decode row has more than one partition */
 } ns_attention_plan;
 int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, const int64_t *positions, int64_t rows,
                            int64_t heads, int64_t kv_heads, int64_t dim, int64_t window);
