@@ -164,6 +164,7 @@ def profile_table(frame, title: str):
         table.add_column(f"{phase} ms (rb)", justify="right")
     table.add_column("other ms", justify="right")
     table.add_column("forward: linears ms", justify="right")
+    table.add_column("forward: attention ms (share of step)", justify="right")
     table.add_column("forward: rest ms (per row)", justify="right")
     table.add_column("native calls", justify="right")
     table.add_column("tok/s", justify="right")
@@ -173,6 +174,7 @@ def profile_table(frame, title: str):
                       f"{row.roofline_step_ms:.2f} ({row.roofline_fraction:.2f})", *phases,
                       f"{row.other_ms:.2f}",
                       f"{row.forward_linear_ms:.2f}",
+                      f"{row.forward_attention_ms:.2f} ({row.attention_share:.2f})",
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")
     return table

@@ -357,10 +357,13 @@ def test_profile_splits_decode_steps_into_phases_with_the_one_readback_in_collec
         assert (frame[f"{phase}_ms"] >= 0).all()
     assert (frame.collect_readbacks == 1).all() and (frame.readbacks_per_step == 1).all()
     assert (frame[[f"{p}_readbacks" for p in PROFILE_PHASES if p != "collect"]] == 0).all().all()
-    # The forward splits into its matrix multiplies and the rest, which add up to it.
-    assert ((frame.forward_linear_ms > 0) & (frame.forward_rest_ms > 0)).all()
-    total = frame.forward_linear_ms + frame.forward_rest_ms  # to the CSV's 6 significant digits
+    # The forward splits into its matrix multiplies, its attention and the rest, which add up to it.
+    parts = frame[["forward_linear_ms", "forward_attention_ms", "forward_rest_ms"]]
+    assert (parts > 0).all().all()
+    total = parts.sum(axis=1)  # to the CSV's 6 significant digits
     assert total.tolist() == pytest.approx(frame.forward_ms.tolist(), rel=1e-4)
+    share = frame.forward_attention_ms / frame.step_ms
+    assert frame.attention_share.tolist() == pytest.approx(share.tolist(), rel=1e-4)
     assert "nanoserve.forward" in trace.read_text()
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -429,11 +432,15 @@ def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir
     assert result.exit_code == 0, result.output
     frame = pd.read_csv(out)
     assert frame.native_ops.tolist() == [False, True] and frame.batch_size.tolist() == [2, 2]
-    assert (frame.forward_rest_ms > 0).all()
+    assert (frame.forward_rest_ms > 0).all() and (frame.forward_attention_ms > 0).all()
     assert frame.native_calls_per_step[1] > 0  # the native small ops' calls, counted
-    # Each step beside its memory roofline: the weights a step reads at the measured bandwidth.
+    # Each step beside its memory roofline: the weights and the K/V a step reads at the measured
+    # bandwidth (each row's context: the prompt and half the output on average, 4 + 3 / 2 tokens).
     # The CSV keeps 6 significant digits.
-    expected = 1e3 * frame.weight_bytes_per_step / (frame.measured_read_gbs * 1e9)
+    kv_token_bytes = 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 K/V heads of 16, float16 (the CPU default)
+    assert frame.kv_bytes_per_step.tolist() == pytest.approx([2 * 5.5 * kv_token_bytes] * 2, rel=1e-4)
+    read_bytes = frame.weight_bytes_per_step + frame.kv_bytes_per_step
+    expected = 1e3 * read_bytes / (frame.measured_read_gbs * 1e9)
     assert (frame.weight_bytes_per_step > 0).all()
     assert frame.roofline_step_ms.tolist() == pytest.approx(expected.tolist(), rel=1e-4)
     fraction = frame.roofline_step_ms / frame.step_ms

@@ -21,12 +21,22 @@ TABLE = """
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--weights", "q4_1,q3"], "--weights"), (["--slots", "1,0"], "--slots"), (["--turns", "0"], "--turns"),
-    (["--input-len", "0"], "--input-len")])
+    (["--input-len", "0"], "--input-len"), (["--gguf", "no/such/shape.gguf"], "--gguf")])
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         llamacpp_compare.parse(argv)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_gguf_file_replaces_the_default_models_files_unless_weights_are_named(tmp_path):
+    shape = tmp_path / "shape-1b-Q4_K_M.gguf"
+    shape.write_bytes(b"GGUF")
+    alone = llamacpp_compare.parse(["--gguf", str(shape), "--input-len", "32000"])
+    assert alone.gguf == [shape] and alone.weights == [] and alone.input_len == 32000
+    both = llamacpp_compare.parse(["--gguf", str(shape), "--weights", "q4_1"])
+    assert both.weights == ["q4_1"]
+    assert llamacpp_compare.parse([]).weights == list(llamacpp_compare.WEIGHTS)
 
 
 def test_batched_bench_rows_are_read_by_slot_count(monkeypatch, tmp_path):

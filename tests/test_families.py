@@ -115,6 +115,39 @@ def test_a_request_is_bit_identical_alone_and_in_a_crowd(checkpoint, native):
         assert torch.equal(alone, crowded)
 
 
+# Long contexts, scaled down: the RoPE scalings' original contexts are 16 and 32 positions, so a
+# 600-token prompt runs them 20-40x past it (YaRN, llama3), every window slides hundreds of
+# positions, and the native attention cuts the context into three of its partitions
+# (csrc/nanoserve.h's NS_ATTN_PARTITION, 256 slots). LongRoPE is not here: its context is capped
+# at the original (README, "Model families").
+LONG_CASES = ["llama-rope-yarn", "llama-rope-llama3", "mistral-window-5", "qwen2-sliding-upper-layer",
+              "gemma2-softcap-window-5", "gemma3-local-rope-window-6"]
+LONG_PROMPT_TOKENS = 600
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("name", LONG_CASES)
+def test_a_prompt_across_attention_partitions_matches_transformers(name, native, tmp_path):
+    """Last-position logits of a 600-token prompt against transformers (float32, 1e-4), in one
+    prefill and in chunks that straddle the partitions (bit-identical to the one prefill)."""
+    case = next(c for c in CASES if c.name == name)
+    case = Case(case.name, case.config_class, {**case.fields, "max_position_embeddings": 1024})
+    hf_model = families.write_checkpoint(case, tmp_path)
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, families.BASE["vocab_size"], (LONG_PROMPT_TOKENS,), generator=g).tolist()
+    model = load_model(tmp_path, native=native)
+
+    def prefill(chunk: int) -> torch.Tensor:
+        cache = families.Cache(model.config, num_blocks=LONG_PROMPT_TOKENS // families.BLOCK + 1)
+        for start in range(0, len(prompt), chunk):
+            logits = families.step(model, cache, [("a", prompt[start:start + chunk], start)])["a"]
+        return logits
+
+    whole = prefill(LONG_PROMPT_TOKENS)
+    torch.testing.assert_close(whole, families.reference_logits(hf_model, prompt), atol=1e-4, rtol=0)
+    assert torch.equal(prefill(200), whole)
+
+
 # llama.cpp keeps some of Gemma's settings in code, not in the file: the query scale is
 # 1/sqrt(head_dim) and Gemma 3 slides five layers of six. Its GGUF cases say the same in HF terms.
 FIELDS = {c.name: c.fields for c in CASES}
@@ -146,13 +179,13 @@ def test_a_gguf_of_the_same_weights_matches_transformers(case, tmp_path):
 
 
 @pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
-def test_soft_capped_attention_runs_in_torch_beside_native_small_ops(tmp_path):
-    """The native attention kernel has no soft-capping: Gemma 2 attends in torch, its norms and
-    RoPE tables stay native, and its logits still match (the test above checks them)."""
+def test_soft_capped_attention_runs_in_the_native_kernel_and_matches_the_torch_path(tmp_path):
+    """The native attention soft-caps its scores: Gemma 2 attends natively (its sliding layers
+    too), and its logits match the torch path's (and transformers': the tests above)."""
     case = next(c for c in CASES if c.config_class == "Gemma2Config")
     families.write_checkpoint(case, tmp_path)
     model = load_model(tmp_path)
-    assert model.ops is not None and not model.native_attention
+    assert model.ops is not None and model.native_attention and model.config.attn_softcap
     plain = load_model(tmp_path, native=False)
     assert plain.ops is None
     torch.testing.assert_close(prefill_logits(model, PROMPTS[1]), prefill_logits(plain, PROMPTS[1]),

@@ -20,8 +20,9 @@ import pandas as pd
 
 PHASE_COLOURS = {"schedule": "#4c72b0", "prepare": "#dd8452", "forward": "#55a868",
                  "sample": "#c44e52", "collect": "#8172b3", "other": "#937860"}
-# The forward band split in two when the profile timed its matrix multiplies.
+# The forward band split when the profile timed its matrix multiplies and its attention.
 FORWARD_SPLIT = {"forward_linear": ("forward: linears", "#55a868"),
+                 "forward_attention": ("forward: attention", "#2f7d4a"),
                  "forward_rest": ("forward: the rest", "#a6d8b0")}
 
 
@@ -87,8 +88,9 @@ def phase_chart(frame: pd.DataFrame, path: Path) -> Path:
     """Stacked milliseconds per decode step, one bar per batch size, one band per phase."""
     bands = {p: (p, colour) for p, colour in PHASE_COLOURS.items() if f"{p}_ms" in frame}
     if "forward_linear_ms" in frame:
+        split = {n: b for n, b in FORWARD_SPLIT.items() if f"{n}_ms" in frame}
         bands = {n: b for p, band in bands.items()
-                 for n, b in (FORWARD_SPLIT.items() if p == "forward" else [(p, band)])}
+                 for n, b in (split.items() if p == "forward" else [(p, band)])}
     frame = frame.sort_values("batch_size", kind="stable")
     fig, ax = plt.subplots(figsize=(8, 5.5))
     positions = range(len(frame))

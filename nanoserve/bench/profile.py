@@ -3,12 +3,14 @@
 Owns: running `batch_size` requests through an `Engine` and attributing every decode step's
 wall time and readbacks to its phases (schedule, prepare, forward, sample, collect), read from
 the engine's own `stats.phase_s` and `stats.phase_readbacks`; the forward's split into its
-matrix multiplies (every call of the model's `linear`, timed around the call) and the rest of
-it (norms, RoPE, the cache write, attention, activations, residual adds, Python); and, on
+matrix multiplies (every call of the model's `linear`, timed around the call), its attention
+(every attention call; where every layer runs in one native call, the decoder's own timing of
+RoPE + the K/V write + attention) and the rest of it (norms, activations, residual adds,
+Python); and, on
 request, a torch.profiler Chrome trace of a few steps, with the phases the engine names there;
 for a mixture of experts, its routed-rows histogram and per-expert matmul time (`expert_profile`);
-and each step beside its memory roofline (the weight bytes a step reads over this machine's
-streaming read bandwidth, measured once per profile).
+and each step beside its memory roofline (the weight bytes and the K/V bytes a step reads over
+this machine's streaming read bandwidth, measured once per profile).
 Refuses: printing and file formats beyond the trace (the CLI and `charts` do those).
 """
 
@@ -31,6 +33,7 @@ from nanoserve.bench.offline import ModelCost, kv_blocks_for, sampling_params, s
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import PHASES, Engine
 from nanoserve.errors import InvalidRequestError
+from nanoserve.model.kv_cache import bytes_per_token
 from nanoserve.model.moe import ExpertTally
 
 
@@ -41,6 +44,7 @@ class StepCost:
     readbacks: dict[str, int]
     rows: int
     linear_s: float  # inside the forward's matrix multiplies
+    attention_s: float  # inside the forward's attention
     allreduce_s: float = 0.0  # rank 0 inside the tensor-parallel all-reduces (waiting included)
     native_calls: int = 0  # calls into the native kernels (nanoserve.native.calls)
 
@@ -72,6 +76,65 @@ class LinearTimer:
         return out
 
 
+class AttentionTimer:
+    """Sums the wall time of every attention call of the forward: the native kernel's (one
+    layer's call), the torch attention's, and where every layer runs in one native call, the
+    decoder's own timing of its RoPE + K/V write + attention stage (`total_s` adds it)."""
+
+    def __init__(self, attend: Callable, decoder=None) -> None:
+        self.attend = attend
+        self.seconds = 0.0
+        self.decoder = decoder
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds + (self.decoder.attention_s if self.decoder is not None else 0.0)
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.attend(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def __getattr__(self, name: str):  # the torch attention's plan_step and properties
+        return getattr(self.attend, name)
+
+
+@contextmanager
+def timed_attention(engine: Engine) -> Iterator[AttentionTimer]:
+    """The engine's model with its attention timed (native or torch), for the duration of the block."""
+    model = engine.model
+    decoder = getattr(model, "decoder", None)
+    torch_timer = AttentionTimer(model.torch_attention, decoder)
+    model.torch_attention = torch_timer
+    ops = getattr(model, "ops", None)
+    native_timer = AttentionTimer(ops.paged_attention) if ops is not None else None
+    if native_timer is not None:
+        ops.paged_attention = native_timer
+    if decoder is not None:
+        decoder.attention_s = 0.0
+    try:
+        yield torch_timer if native_timer is None else _Both(torch_timer, native_timer)
+    finally:
+        model.torch_attention = torch_timer.attend
+        if native_timer is not None:
+            del ops.paged_attention  # the class's method again
+        if decoder is not None:
+            decoder.attention_s = None
+
+
+@dataclass(slots=True)
+class _Both:
+    """Two timers read as one."""
+
+    first: AttentionTimer
+    second: AttentionTimer
+
+    @property
+    def total_s(self) -> float:
+        return self.first.total_s + self.second.total_s
+
+
 @contextmanager
 def timed_linears(engine: Engine) -> Iterator[LinearTimer]:
     """The engine's model with its matrix multiplies timed, for the duration of the block."""
@@ -95,10 +158,11 @@ def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: i
     stats = engine.stats
     collectives = engine.tp.collectives if engine.tp is not None else None
     costs = []
-    with timed_linears(engine) as linears:
+    with timed_linears(engine) as linears, timed_attention(engine) as attention:
         def counters() -> tuple:
             reduce_s = collectives.reduce_s if collectives is not None else 0.0
-            return dict(stats.phase_s), dict(stats.phase_readbacks), linears.total_s, reduce_s, native.calls()
+            return (dict(stats.phase_s), dict(stats.phase_readbacks), linears.total_s, reduce_s,
+                    native.calls(), attention.total_s)
 
         before = counters()
 
@@ -109,7 +173,7 @@ def _run_batch(engine: Engine, prompts: list[list[int]], mix: str, output_len: i
                 phase_s = {p: after[0][p] - before[0][p] for p in PHASES}
                 readbacks = {p: after[1][p] - before[1][p] for p in PHASES}
                 costs.append(StepCost(step.seconds, phase_s, readbacks, step.rows, after[2] - before[2],
-                                      after[3] - before[3], after[4] - before[4]))
+                                      after[5] - before[5], after[3] - before[3], after[4] - before[4]))
             before = after
 
         work = [(prompt, sampling_params(mix, row, output_len)) for row, prompt in enumerate(prompts)]
@@ -134,7 +198,10 @@ def summarize(batch_size: int, costs: list[StepCost]) -> dict[str, float]:
     # The forward phase split: its matrix multiplies, and everything else it does.
     linear_s = sum(c.linear_s for c in costs) / steps
     row["forward_linear_ms"] = 1000 * linear_s
-    row["forward_rest_ms"] = row["forward_ms"] - row["forward_linear_ms"]
+    # Attention: its own column and its share of the step (it grows with the context).
+    row["forward_attention_ms"] = 1000 * sum(c.attention_s for c in costs) / steps
+    row["attention_share"] = row["forward_attention_ms"] / row["step_ms"]
+    row["forward_rest_ms"] = row["forward_ms"] - row["forward_linear_ms"] - row["forward_attention_ms"]
     row["forward_rest_ms_per_row"] = row["forward_rest_ms"] / row["mean_rows"]
     # Tensor parallelism: the all-reduces' share of the forward (0 with one rank).
     row["forward_allreduce_ms"] = 1000 * sum(c.allreduce_s for c in costs) / steps
@@ -216,10 +283,14 @@ def profile_engine(engine: Engine, spec: ProfileSpec,
         progress(spec.batch_sizes[-1], len(spec.batch_sizes), len(spec.batch_sizes))
     frame = pd.DataFrame(rows)
     weight_bytes = ModelCost.of_engine(engine).weight_bytes
+    # Each decode row reads its context's K/V: on average the prompt and half the output.
+    kv_token_bytes = bytes_per_token(engine.model_config, engine.kv_cache.cache_dtype)
+    kv_bytes = frame["mean_rows"] * (spec.input_len + spec.output_len / 2) * kv_token_bytes
     read_gbs = read_bandwidth_gbs(engine.device)
-    roofline_ms = 1e3 * weight_bytes / (read_gbs * 1e9)
-    frame = frame.assign(weight_bytes_per_step=weight_bytes, measured_read_gbs=read_gbs,
-                         roofline_step_ms=roofline_ms, roofline_fraction=roofline_ms / frame["step_ms"])
+    roofline_ms = 1e3 * (weight_bytes + kv_bytes) / (read_gbs * 1e9)
+    frame = frame.assign(weight_bytes_per_step=weight_bytes, kv_bytes_per_step=kv_bytes,
+                         measured_read_gbs=read_gbs, roofline_step_ms=roofline_ms,
+                         roofline_fraction=roofline_ms / frame["step_ms"])
     return frame.assign(params=spec.params, dtype=spec.dtype, weight_format=engine.weight_format,
                         batch_invariant=spec.batch_invariant, prefix_caching=spec.prefix_caching,
                         input_len=spec.input_len, output_len=spec.output_len)

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from nanoserve.errors import InvalidRequestError
 
-# CacheConfig.kv_cache_dtype (model/kv_cache.py's); auto: the activations' dtype.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "fp8")
+# CacheConfig.kv_cache_dtype (model/kv_cache.py's); auto: float16 beside float32 activations
+# on the CPU (half the bytes; docs/kv-cache.md), else the activations' dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +21,9 @@ class CacheConfig:
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.25
     num_kv_blocks: int | None = None  # an exact pool size (tests use tiny pools)
-    # What the KV cache stores (model/kv_cache.py): auto (the activations' dtype), float32,
-    # bfloat16, q8_0 (int8 with a scale per head per token: 3.8x float32's tokens), fp8 (CUDA).
+    # What the KV cache stores (model/kv_cache.py): auto (float16 beside float32 activations on
+    # the CPU, else the activations' dtype), float32, float16, bfloat16, q8_0 (int8 with a scale
+    # per head per token: 3.8x float32's tokens), fp8 (CUDA).
     kv_cache_dtype: str = "auto"
     # Keep the prefix cache's full blocks in this directory across restarts (engine/prefix_store.py):
     # written when evicted and at close, read back on a later hit; None: memory only.

@@ -168,10 +168,9 @@ class DecoderLM:
 
     @property
     def native_attention(self) -> bool:
-        """The native attention has no soft-capping and reads float32 and q8_0 caches only: a
-        model with soft-capping or another cache attends in torch (the rest of its small ops
-        stay native)."""
-        return self.ops is not None and not self.config.attn_softcap and self.native_kv
+        """The native attention reads float32, float16, bfloat16 and q8_0 caches: a model with
+        another cache attends in torch (the rest of its small ops stay native)."""
+        return self.ops is not None and self.native_kv
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -257,13 +256,13 @@ class DecoderLM:
             # RoPE and the K/V write, then attention over the paged cache in place: q is the
             # first heads * head_dim columns of qkv, rotated in place by the first call.
             k_cache, v_cache = kv_cache.k[index], kv_cache.v[index]
-            k_scales, v_scales = kv_cache.scales(index)  # a q8_0 cache's; None for float32
+            k_scales, v_scales = kv_cache.scales(index)  # a q8_0 cache's; None for the others
             cos, sin = self.rope_tables[rope]
             self.ops.rope_write_kv(qkv, batch.positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
                                    cfg.num_heads, k_scales, v_scales)
             out = self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, cfg.num_heads, self.scale,
                                            window=window, out=step.attended, k_scales=k_scales,
-                                           v_scales=v_scales)
+                                           v_scales=v_scales, softcap=cfg.attn_softcap)
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)

@@ -8,9 +8,11 @@ The native ops (`nanoserve.native.ops`) write and read this same layout in place
 block tables, without `write` or `gather`: change it and change csrc/ops.c with it.
 
 The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activations':
-- auto: the activations' dtype, stored as computed (the default).
-- float32, bfloat16: K/V cast as they are written and cast back to the activations' dtype as
-  they are read (torch attention; the native attention reads float32 and q8_0 caches).
+- auto (the default): float16 beside float32 activations on the CPU, half float32's bytes
+  (`python -m nanoserve.bench.experiments.kv_cache` measures its agreement with float32 K/V;
+  docs/kv-cache.md); elsewhere the activations' dtype, stored as computed.
+- float32, float16, bfloat16: K/V cast as they are written (rounded to nearest even) and cast
+  back to the activations' dtype as they are read; the native attention reads them in place.
 - fp8 (CUDA only): float8_e4m3fn, clamped to its range, without a scale.
 - q8_0: int8 codes in the shape above, and one float32 scale per head per token
   (`k_scales`/`v_scales`, [num_kv_heads, num_blocks, block_size]): ggml's q8_0 arithmetic
@@ -25,7 +27,7 @@ The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activatio
   at head_dim 64 ggml's layout (two float16 scales) takes the same 68 bytes a row and rounds
   somewhat closer; `python -m nanoserve.bench.experiments.kv_cache` measures both round trips on the
   default model (results/kv_cache_rounding.csv) and the agreement with float32 K/V the row
-  scale gives (README, "Quantized KV cache").
+  scale gives (docs/kv-cache.md).
   The native write (csrc/ops.c quantize_row_q8) and `quantize_q8` here are the same float32
   arithmetic, so both paths store the same codes and scales and read the same numbers; the
   native attention dequantizes one row at a time inside its loop, `gather` (the torch path)
@@ -45,18 +47,23 @@ FP8 = "fp8"
 STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            FP8: torch.float8_e4m3fn, Q8_0: torch.int8}
 # The caches the native attention reads in place; any other runs the torch attention.
-NATIVE_KV_CACHE_DTYPES = ("float32", Q8_0)
+NATIVE_KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", Q8_0)
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 _SCALE_BYTES = 4  # a q8_0 row's float32 scale
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> str:
     """The cache dtype --kv-cache-dtype `name` means beside activations of `dtype` on `device`
-    (auto: `dtype`'s own), refused by name where it cannot run."""
+    (auto: float16 beside float32 on the CPU, else `dtype`'s own), refused by name where it
+    cannot run."""
     if name == FP8 and device.type != "cuda":
         raise InvalidRequestError("an fp8 KV cache runs on CUDA only; on the CPU, q8_0 holds 3.8x float32's "
                                   "tokens (bfloat16: 2x)", param="kv_cache_dtype")
-    return str(dtype).removeprefix("torch.") if name == "auto" else name
+    if name != "auto":
+        return name
+    if dtype == torch.float32 and device.type == "cpu":
+        return "float16"
+    return str(dtype).removeprefix("torch.")
 
 
 def bytes_per_token(config: ModelConfig, cache_dtype: str) -> int:

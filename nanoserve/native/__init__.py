@@ -25,7 +25,7 @@ from nanoserve.native.build import BuildResult, build_library
 log = logging.getLogger("nanoserve")
 T = TypeVar("T")
 
-ABI_VERSION = 3  # csrc/nanoserve.h's NS_ABI_VERSION
+ABI_VERSION = 4  # csrc/nanoserve.h's NS_ABI_VERSION
 DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanoserve import native
+from nanoserve.native.attention import check_cache
 from nanoserve.native.lora import NativeLoRAStep
 from nanoserve.native.ops import PagedContext
 from nanoserve.native.stage_matrix import StageMatrix
@@ -38,14 +39,14 @@ class _Model(ctypes.Structure):
                 ("intermediate", _I64), ("eps", _F32), ("scale", _F32), ("input_norm", _P), ("post_norm", _P),
                 ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
                 ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P),
-                ("moe", _P)]
+                ("kv_dtype", _I64), ("moe", _P)]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("table_width", _I64), ("positions", _P), ("slot_mapping", _P),
                 ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
                 ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P),
-                ("lora", _P), ("expert_rows", _P), ("expert_seconds", _P)]
+                ("attention_seconds", _P), ("lora", _P), ("expert_rows", _P), ("expert_seconds", _P)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +86,13 @@ class NativeDecoder:
                              shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
                              ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
                              ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
-                             signed_sin.data_ptr(), None, None,
+                             signed_sin.data_ptr(), None, None, 0,
                              ctypes.addressof(self._experts) if self.sparse_layers else None)
         self._cache: tuple[object, list[ctypes.Array]] | None = None
-        # None, or the seconds the projections took so far (with their barriers), for the
-        # profile's split of the forward; timing costs two clock reads a projection.
+        # None, or the seconds the projections took so far (with their barriers), and RoPE + the
+        # K/V write + attention, for the profile's split of the forward; two clock reads a stage.
         self.linear_s: float | None = None
+        self.attention_s: float | None = None
 
     @classmethod
     def for_layers(cls, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
@@ -122,10 +124,11 @@ class NativeDecoder:
         return cls(library.lib, shape, norms, packed, cos, signed_sin, experts)
 
     def _bind_cache(self, kv_cache) -> None:
-        """The cache's per-layer addresses, once per cache (the engine keeps one for its life);
-        a q8_0 cache's scales too (None: float32 K/V)."""
+        """The cache's per-layer addresses and dtype, once per cache (the engine keeps one for its
+        life); a q8_0 cache's scales too (None for the other dtypes)."""
         if self._cache is not None and self._cache[0] is kv_cache:
             return
+        self._model.kv_dtype = check_cache(kv_cache.k[0], kv_cache.v[0], *kv_cache.scales(0))[0]
         arrays = [_pointers(list(kv_cache.k)), _pointers(list(kv_cache.v))]
         self._model.k_cache, self._model.v_cache = (ctypes.addressof(a) for a in arrays)
         self._model.k_scales = self._model.v_scales = None
@@ -168,9 +171,11 @@ class NativeDecoder:
                      paged.block_tables.data_ptr(), paged.row_seq.data_ptr(), hidden.data_ptr(),
                      delta.data_ptr(), normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(),
                      gate_up.data_ptr(), activated.data_ptr())
-        linear_s = ctypes.c_double(0.0)
+        linear_s, attention_s = ctypes.c_double(0.0), ctypes.c_double(0.0)
         if self.linear_s is not None:
             step.linear_seconds = ctypes.addressof(linear_s)
+        if self.attention_s is not None:
+            step.attention_seconds = ctypes.addressof(attention_s)
         if lora is not None:
             step.lora = ctypes.addressof(lora.struct)
         for name, tally, dtype in (("expert_rows", expert_rows, torch.int64),
@@ -185,4 +190,6 @@ class NativeDecoder:
             raise MemoryError("the native decoder could not allocate its scratch")
         if self.linear_s is not None:
             self.linear_s += linear_s.value
+        if self.attention_s is not None:
+            self.attention_s += attention_s.value
         return delta

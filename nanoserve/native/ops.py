@@ -1,16 +1,16 @@
 """The forward's small ops in C (csrc/ops.c): RMSNorm (with the residual add fused), RoPE with
-the K/V write into the paged cache, attention over the paged cache in place, SiLU(gate)*up.
-The cache's K and V are float32, or q8_0 (int8 codes with one float32 scale per row: `k_scales`
-and `v_scales`, model/kv_cache.py), quantized by the write and dequantized a row at a time by
-the attention.
+the K/V write into the paged cache, SiLU(gate)*up; and attention over the paged cache in place
+(csrc/attention.c, bound in `nanoserve.native.attention`). The cache's K and V are float32,
+float16, bfloat16, or q8_0 (int8 codes with one float32 scale per row: `k_scales` and
+`v_scales`, model/kv_cache.py), converted by the write and read a row at a time by the attention.
 
 Owns: the ctypes signatures of those kernels and the checks that make a call safe (dtype,
 contiguity, shapes) before a raw pointer reaches C, where a wrong one is a segfault rather than
 an exception. `NativeOps` is what the model calls; `portable=True` runs the plain C path the
 tests hold the vector path against.
 Refuses: dtypes other than float32 (the model then keeps its torch ops) and devices other than
-the CPU. The attention here is batch-invariant by construction (csrc/ops.c says how); it does
-not reproduce the torch attention's bits, so a model runs one or the other for every row.
+the CPU. The attention here is batch-invariant by construction (csrc/attention.c says how); it
+does not reproduce the torch attention's bits, so a model runs one or the other for every row.
 """
 
 from __future__ import annotations
@@ -21,23 +21,17 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve import native
+from nanoserve.native.attention import ISAS, NativeAttention, NativeOpsError, check_cache
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "rms_norm": (_P, _P, _P, _I64, _I64, _F32, _INT),
     "add_rms_norm": (_P, _P, _P, _P, _I64, _I64, _F32, _INT),
     "silu_mul": (_P, _P, _I64, _I64, _INT),
-    "paged_attention": (_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-                        _F32, _I64, _INT),
 }
-_SINGLE = {"rope_write_kv": (_P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT)}
-# Scratch per attention thread is (context + 2 * head_dim) floats a query head on the heap (and
-# one dequantized row of a q8_0 cache); RoPE keeps one head on the stack.
+_SINGLE = {"rope_write_kv": (_P, _P, _P, _P, _P, _INT, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT)}
+# RoPE keeps one head on the stack.
 MAX_HEAD_DIM = 1024
-
-
-class NativeOpsError(ValueError):
-    """A tensor a kernel cannot take (dtype, layout, shape): raised before any pointer is passed."""
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> None:
@@ -47,23 +41,6 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
                              f"{t.device}, contiguous={t.is_contiguous()}")
     if shape is not None and t.shape != shape:
         raise NativeOpsError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
-
-
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
-                 v_scales: torch.Tensor | None) -> tuple[int | None, int | None]:
-    """The caches [kv_heads, blocks, block_size, d]: float32 without scales, or int8 q8_0 codes
-    with float32 scales [kv_heads, blocks, block_size]. Returns the scales' addresses (None: float32)."""
-    if k_scales is None and v_scales is None:
-        _check("k_cache", k_cache, torch.float32)
-        _check("v_cache", v_cache, torch.float32, tuple(k_cache.shape))
-        return None, None
-    if k_scales is None or v_scales is None:
-        raise NativeOpsError("a q8_0 cache needs both k_scales and v_scales")
-    _check("k_cache", k_cache, torch.int8)
-    _check("v_cache", v_cache, torch.int8, tuple(k_cache.shape))
-    _check("k_scales", k_scales, torch.float32, tuple(k_cache.shape[:3]))
-    _check("v_scales", v_scales, torch.float32, tuple(k_cache.shape[:3]))
-    return k_scales.data_ptr(), v_scales.data_ptr()
 
 
 def _output(name: str, out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -104,9 +81,10 @@ class NativeOps:
         suffix = "_portable" if portable else ""
         for name, argtypes in {**_SIGNATURES, **_SINGLE}.items():
             fn = getattr(lib, f"ns_{name}{suffix if name in _SIGNATURES else ''}")
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int if name == "paged_attention" else None
+            fn.argtypes, fn.restype = argtypes, None
             setattr(self, f"_{name}", fn)
         self.portable = portable
+        self.attention = NativeAttention(lib, ISAS["portable"] if portable else 0)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,12 +124,13 @@ class NativeOps:
                       v_cache: torch.Tensor, heads: int, k_scales: torch.Tensor | None = None,
                       v_scales: torch.Tensor | None = None) -> None:
         """Rotate q in place in qkv [rows, (heads + 2 kv_heads) * d]; write rotated k and v into
-        the caches [kv_heads, blocks, block_size, d] at slot_mapping's flat slots (q8_0 caches:
-        quantized, each row's scale into k_scales / v_scales)."""
+        the caches [kv_heads, blocks, block_size, d] at slot_mapping's flat slots (float16 and
+        bfloat16 caches: rounded to nearest even; q8_0 caches: quantized, each row's scale into
+        k_scales / v_scales)."""
         kv_heads, blocks, block_size, dim = k_cache.shape
         rows = qkv.shape[0]
         _check("qkv", qkv, torch.float32, (rows, (heads + 2 * kv_heads) * dim))
-        k_scales_at, v_scales_at = _check_cache(k_cache, v_cache, k_scales, v_scales)
+        kv_dtype, k_scales_at, v_scales_at = check_cache(k_cache, v_cache, k_scales, v_scales)
         _check("cos", cos, torch.float32, (cos.shape[0], dim))
         _check("signed_sin", signed_sin, torch.float32, tuple(cos.shape))
         _check("positions", positions, torch.int64, (rows,))
@@ -159,40 +138,21 @@ class NativeOps:
         if dim > MAX_HEAD_DIM or dim % 2:
             raise NativeOpsError(f"head_dim must be even and at most {MAX_HEAD_DIM}; got {dim}")
         self._rope_write_kv(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
-                            slot_mapping.data_ptr(), k_cache.data_ptr(), k_scales_at, v_cache.data_ptr(),
-                            v_scales_at, rows, heads, kv_heads, dim, blocks * block_size,
+                            slot_mapping.data_ptr(), kv_dtype, k_cache.data_ptr(), k_scales_at,
+                            v_cache.data_ptr(), v_scales_at, rows, heads, kv_heads, dim, blocks * block_size,
                             torch.get_num_threads())
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         context: PagedContext, heads: int, scale: float, window: int = 0,
                         out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of every row over its sequence's context in the paged cache, read in place.
-
-        q [rows, >= heads * d] with unit stride inside a row (a view of the qkv projection is
-        fine); caches [kv_heads, blocks, block_size, d]; -> [rows, heads * d]. `window` > 0
-        limits a row to its last `window` slots (0: the whole context). q8_0 caches: int8
-        codes, with their scales [kv_heads, blocks, block_size] in k_scales / v_scales.
-        """
-        kv_heads, blocks, block_size, dim = k_cache.shape
-        rows = q.shape[0]
-        if q.dtype != torch.float32 or q.stride(-1) != 1 or q.shape[1] < heads * dim:
-            raise NativeOpsError(f"q must be float32 rows of at least {heads * dim} unit-stride values")
-        k_scales_at, v_scales_at = _check_cache(k_cache, v_cache, k_scales, v_scales)
-        if context.rows != rows:
-            raise NativeOpsError(f"the context describes {context.rows} rows; q has {rows}")
-        if heads % kv_heads:
-            raise NativeOpsError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-        out = _output("out", out, q, (rows, heads * dim))
-        tables = context.block_tables
-        if self._paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), k_scales_at,
-                                 v_cache.data_ptr(), v_scales_at, tables.data_ptr(), tables.shape[1],
-                                 context.row_seq.data_ptr(), context.positions.data_ptr(), out.data_ptr(),
-                                 rows, heads, kv_heads, dim, block_size, blocks, scale, window,
-                                 torch.get_num_threads()) != 0:
-            raise MemoryError(f"the attention's scratch for a context of {int(context.positions.max()) + 1} "
-                              "slots could not be allocated")
-        return out
+                        v_scales: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+        """Attention of every row over its sequence's context in the paged cache, read in place
+        (`NativeAttention.__call__` says what each argument is), on this object's path."""
+        if context.rows != q.shape[0]:
+            raise NativeOpsError(f"the context describes {context.rows} rows; q has {q.shape[0]}")
+        return self.attention(q, k_cache, v_cache, context.block_tables, context.row_seq, context.positions,
+                              heads, scale, window=window, softcap=softcap, out=out, k_scales=k_scales,
+                              v_scales=v_scales)
 
 
 def load(*, portable: bool = False) -> NativeOps | None:

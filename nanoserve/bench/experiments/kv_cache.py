@@ -1,30 +1,31 @@
-"""What a quantized KV cache buys and costs: bytes per token, decode speed at a long context,
-and agreement with float32 K/V (--kv-cache-dtype; model/kv_cache.py).
+"""What a compact KV cache buys and costs: bytes per token, decode speed at a long context,
+and agreement with float32 K/V, for each dtype the cache stores on the CPU (float16 the
+default, bfloat16, q8_0; --kv-cache-dtype; model/kv_cache.py).
 
 `python -m nanoserve.bench.experiments.kv_cache --reference ../shared/reference/smollm2` writes three CSVs,
 each row with the machine it ran on:
-- results/kv_cache_bytes.csv: K/V bytes per token of the model for float32, bfloat16 and q8_0,
-  and each one's ratio to float32's and bfloat16's (the goal: q8_0 about a quarter of float32,
-  half of bfloat16).
-- results/kv_cache_decode.csv: decode tokens/s of one request at a --context-token prompt, q8_0
-  K/V against float32 K/V in one process, the two engines in alternating turns (A B A B ...) so a
-  burst of load from elsewhere falls on both; each turn's figure, and per dtype the median of
-  the turns with its ratio to float32's (the goal: q8_0 no slower, a ratio >= 1). The prompt is
+- results/kv_cache_bytes.csv: K/V bytes per token of the model for each dtype, and each one's
+  ratio to float32's and bfloat16's (the goals: float16 and bfloat16 half of float32, q8_0
+  about a quarter).
+- results/kv_cache_decode.csv: decode tokens/s of one request at a --context-token prompt, each
+  dtype's engine against float32 K/V in one process, the engines in alternating turns (A B C D
+  A B ...) so a burst of load from elsewhere falls on all; each turn's figure, and per dtype the
+  median of the turns with its ratio to float32's (the goal: no slower, a ratio >= 1). The prompt is
   prefilled once per engine (the first turn); later turns take it from the prefix cache, so
   every turn times decode steps over the same context.
 - results/kv_cache_attention.csv: the native paged attention alone, one decode row of the
-  model's attention shape over a --context-slot cache, float32 against q8_0, in alternating
-  turns: the least of many repetitions each (a kernel's floor, which neighbours on a busy
-  machine disturb far less than a mean), and q8_0's ratio to float32's time.
-- results/kv_cache_agreement.csv: per reference prompt (shared/reference: the golden prompts
-  of the default model), the greedy tokens q8_0 K/V generates against float32 K/V's, how many
-  match before the first difference, and the largest |logprob difference| of the chosen tokens
-  over the matched ones; and the same for the long-context decode's tokens.
+  model's attention shape over a --context-slot cache, each dtype in alternating turns: the
+  least of many repetitions each (a kernel's floor, which neighbours on a busy machine disturb
+  far less than a mean), and its ratio to float32's time.
+- results/kv_cache_agreement.csv: per dtype and reference prompt (shared/reference: the golden
+  prompts of the default model), the greedy tokens that dtype's K/V generates against float32
+  K/V's, how many match before the first difference, and the largest |logprob difference| of
+  the chosen tokens over the matched ones; and the same for the long-context decode's tokens.
 - results/kv_cache_rounding.csv: per layer, K and V, the relative error (|dequantized - x| /
   |x| over every row the float32 engine wrote) of q8_0 with one scale per row, as the cache
   stores it, and with one scale per block of 32 (ggml's q8_0 blocks), the alternative
   model/kv_cache.py weighs.
-Refuses: judging; README.md ("Quantized KV cache") states what the figures mean.
+Refuses: judging; README.md ("KV cache dtype") states what the figures mean.
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ from nanoserve.native import ops as native_ops
 from nanoserve.native.ops import PagedContext
 from nanoserve.sampling_params import SamplingParams
 
-COMPARED = ("float32", "q8_0")  # the decode and agreement sides: the reference first
-SIZED = ("float32", "bfloat16", "q8_0")
+COMPARED = ("float32", "float16", "bfloat16", "q8_0")  # the reference first
+
 
 
 def bytes_frame(llm: LLM) -> pd.DataFrame:
     config = llm.engine.model_config
-    sizes = {name: bytes_per_token(config, name) for name in SIZED}
+    sizes = {name: bytes_per_token(config, name) for name in COMPARED}
     return pd.DataFrame([{"kv_cache_dtype": name, "bytes_per_token": size,
                           "fraction_of_float32": size / sizes["float32"],
                           "fraction_of_bfloat16": size / sizes["bfloat16"],
@@ -83,8 +84,8 @@ def rounding_frame(cache: KVCache) -> pd.DataFrame:
 
 
 def attention_frame(llm: LLM, context: int, repetitions: int = 200, block_size: int = 16) -> pd.DataFrame:
-    """Seconds of one decode row's native attention over `context` slots, float32 against q8_0
-    K/V, the two alternated `repetitions` times; the least of each."""
+    """Seconds of one decode row's native attention over `context` slots in each dtype's cache,
+    the dtypes alternated `repetitions` times; the least of each."""
     ops = native_ops.load()
     if ops is None:
         return pd.DataFrame()
@@ -97,9 +98,11 @@ def attention_frame(llm: LLM, context: int, repetitions: int = 200, block_size: 
     paged = PagedContext(torch.randperm(blocks, generator=g).view(1, -1), torch.zeros(1, dtype=torch.long),
                          torch.tensor([context - 1]))
     q = torch.randn(1, heads * dim, generator=g)
-    calls = {"float32": lambda: ops.paged_attention(q, k, v, paged, heads, dim ** -0.5),
-             "q8_0": lambda: ops.paged_attention(q, k_codes, v_codes, paged, heads, dim ** -0.5,
-                                                 k_scales=k_scales, v_scales=v_scales)}
+    caches = {name: (k.to(getattr(torch, name)), v.to(getattr(torch, name)), None, None)
+              for name in ("float32", "float16", "bfloat16")}
+    caches["q8_0"] = (k_codes, v_codes, k_scales, v_scales)
+    calls = {name: (lambda c=c: ops.paged_attention(q, c[0], c[1], paged, heads, dim ** -0.5, k_scales=c[2],
+                                                     v_scales=c[3])) for name, c in caches.items()}
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(repetitions):
         for name, call in calls.items():
@@ -149,11 +152,11 @@ def decode_frame(engines: dict[str, LLM], context: int, new_tokens: int, turns: 
     return pd.concat([frame, summary], ignore_index=True), outputs
 
 
-def agreement_row(case: str, prompt_tokens: int, reference: tuple[list[int], list[float]],
-                  quantized: tuple[list[int], list[float]]) -> dict[str, object]:
-    matched = matched_prefix(quantized[0], reference[0])
-    errors = [abs(a - b) for a, b in zip(reference[1][:matched], quantized[1][:matched], strict=True)]
-    return {"case": case, "prompt_tokens": prompt_tokens, "tokens": len(reference[0]),
+def agreement_row(name: str, case: str, prompt_tokens: int, reference: tuple[list[int], list[float]],
+                  compact: tuple[list[int], list[float]]) -> dict[str, object]:
+    matched = matched_prefix(compact[0], reference[0])
+    errors = [abs(a - b) for a, b in zip(reference[1][:matched], compact[1][:matched], strict=True)]
+    return {"kv_cache_dtype": name, "case": case, "prompt_tokens": prompt_tokens, "tokens": len(reference[0]),
             "matched_tokens": matched, "all_matched": matched == len(reference[0]),
             "max_abs_logprob_error": max(errors, default=0.0)}
 
@@ -167,10 +170,13 @@ def agreement_frame(engines: dict[str, LLM], reference_dir: Path, new_tokens: in
     for name in COMPARED:
         completions = engines[name].generate(prompts, params, progress=False)
         results[name] = [(c.token_ids, [entry.logprob for entry in c.logprobs]) for c in completions]
-    rows = [agreement_row(str(i), len(prompt), results["float32"][i], results["q8_0"][i])
-            for i, prompt in enumerate(prompts)]
     context, outputs = long_context
-    rows.append(agreement_row(f"random {context}-token prompt", context, outputs["float32"], outputs["q8_0"]))
+    rows = []
+    for name in COMPARED[1:]:
+        rows += [agreement_row(name, str(i), len(prompt), results["float32"][i], results[name][i])
+                 for i, prompt in enumerate(prompts)]
+        rows.append(agreement_row(name, f"random {context}-token prompt", context, outputs["float32"],
+                                  outputs[name]))
     return pd.DataFrame(rows)
 
 

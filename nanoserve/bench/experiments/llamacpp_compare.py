@@ -15,6 +15,15 @@ llama.cpp and writes the float32 copy), and options it does not know (exit 2 nam
     python -m nanoserve.bench.experiments.llamacpp_compare --weights q8_0,q4_k_m --slots 1,16 --turns 3
     python -m nanoserve.bench.experiments.llamacpp_compare --weights q4_1 --slots 1 --input-len 512 \\
         --output-len 16 --out results/prefill_vs_llamacpp.csv
+
+Long contexts: the prompt length is --input-len (the default model's context is 8,192), and
+--gguf compares any other file, such as `../shared/anchors/make-shape 1b Q4_K_M`'s (a context
+of 32,768):
+
+    python -m nanoserve.bench.experiments.llamacpp_compare --weights q4_1 --slots 1 --input-len 8000 \\
+        --output-len 16 --out results/long_context_vs_llamacpp.csv
+    python -m nanoserve.bench.experiments.llamacpp_compare \\
+        --gguf "$(../shared/anchors/make-shape 1b Q4_K_M)" --slots 1 --input-len 32000 --output-len 16 --turns 3 --out results/long_context_1b_vs_llamacpp.csv
 """
 
 from __future__ import annotations
@@ -177,10 +186,21 @@ def _weights(text: str) -> list[str]:
     return names
 
 
+def _gguf_files(text: str) -> list[Path]:
+    paths = [Path(p) for p in text.split(",")]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise argparse.ArgumentTypeError(f"no such file: {', '.join(missing)}")
+    return paths
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.llamacpp_compare",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", type=_weights, default=list(WEIGHTS), help="q4_1,f32,q8_0,q4_k_m")
+    parser.add_argument("--weights", type=_weights, default=None,
+                        help="q4_1,f32,q8_0,q4_k_m: the default model's files (default: all, unless --gguf)")
+    parser.add_argument("--gguf", type=_gguf_files, default=[],
+                        help="PATH,PATH,...: other GGUF files to compare, named by their file name")
     parser.add_argument("--slots", type=_int_list, default=[1, 16], help="N,N,... concurrent requests")
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens (llama.cpp's PP)")
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated (llama.cpp's TG)")
@@ -191,6 +211,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("input_len", "output_len", "turns"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.weights is None:
+        args.weights = [] if args.gguf else list(WEIGHTS)
     return args
 
 
@@ -200,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if not anchors.tool("llama-batched-bench").is_file() or not (anchors.cache / F32_NAME).is_file():
         sys.exit(f"no llama.cpp build or float32 copy under {anchors.cache}: run "
                  "../shared/anchors/llamacpp-bench once first (it builds llama.cpp, writes the float32 GGUF)")
-    files = {w: model_file(w, anchors) for w in args.weights}
+    files = {w: model_file(w, anchors) for w in args.weights} | {path.name: path for path in args.gguf}
     machine = {"cpu_model": cpu_model(), "cpu_flags": vector_flags(), "cores": os.cpu_count(),
                "git_commit": git_commit()}
     rows: list[dict[str, object]] = []

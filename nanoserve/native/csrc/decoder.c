@@ -6,9 +6,9 @@
  * threads, the stages separated by barriers:
  *     norm (+ residual add) and quantize | qkv | RoPE + K/V write | attention | quantize |
  *     o | residual add + norm and quantize | gate_up | SiLU*up and quantize | down
- * Each stage is the exported kernel's own code (stages.h), split the same way (rows, (row,
- * K/V head) units, groups of 8 columns: never a reduction), so the bits are the separate
- * calls' bits, and batch-invariant for the same reasons. A stage too small to be worth
+ * Each stage is the exported kernel's own code (stages.h), split the same way (rows, attention.c's
+ * (row block, K/V head, partition) units, groups of 8 columns: never a reduction), so the bits
+ * are the separate calls' bits, and batch-invariant for the same reasons. A stage too small to be worth
  * splitting (NS_STAGE_MIN_WORK) runs on thread 0 while the others wait at the barrier.
  * The matrices are in repacked block layouts (stage_blocks.c; their inputs quantized once, in the
  * stage that writes them), in matmul_float.c's panels (float32, or a GGUF file's F16 / BF16
@@ -40,8 +40,9 @@ typedef struct {
     void *const *k_cache, *const *v_cache; /* [layer]: [kv_heads, num_blocks * block_size, head_dim] */
     int64_t block_size, num_blocks;
     const float *cos, *signed_sin; /* [positions, head_dim] */
-    /* NULL: float32 caches; else [layer]: a q8_0 cache's scales [kv_heads, num_blocks * block_size] */
+    /* NULL, or [layer]: a q8_0 cache's scales [kv_heads, num_blocks * block_size] */
     float *const *k_scales, *const *v_scales;
+    int64_t kv_dtype; /* nanoserve.h's NS_KV_* */
     const ns_moe_layer *const *moe; /* NULL: every layer dense; else [layer]: its experts, or NULL */
 } DecoderModel;
 
@@ -51,6 +52,7 @@ typedef struct {
     const int64_t *positions, *slot_mapping, *block_tables, *row_seq;
     float *hidden, *delta, *normed, *qkv, *attended, *gate_up, *activated;
     double *linear_seconds; /* NULL, or where thread 0 adds the projections' wall time (profile) */
+    double *attention_seconds; /* NULL, or where thread 0 adds RoPE + K/V write + attention's (profile) */
     const ns_lora_step *lora; /* NULL, or the LoRA rows' adapters (lora.c), added after each projection */
     int64_t *expert_rows;   /* NULL, or [experts]: each expert's routed rows are added here (profile) */
     double *expert_seconds; /* NULL, or [experts]: each expert's matmul wall time is added here */
@@ -61,6 +63,7 @@ typedef struct {
     const DecoderStep *s;
     xblock *xq; /* one quantized input at a time: every reuse is past a barrier */
     ns_moe_scratch moe; /* the sparse layers' buffers, and their rows' routing */
+    ns_attention_plan attention; /* the step's rows' attention plan, the same for every layer */
     _Atomic int failed;
 } DecoderJob;
 
@@ -99,29 +102,26 @@ static void project(const DecoderJob *job, int64_t layer, int which, const float
     ns_stage_blocks(m->formats[at], input, job->xq, m->matrices[at], y, job->s->rows, n, k, thread, threads);
 }
 
+static double now_s(void);
+
 static void attention(DecoderJob *job, int64_t layer, int thread, int threads) {
     const DecoderModel *m = job->m;
     const DecoderStep *s = job->s;
+    const double start = s->attention_seconds != NULL && thread == 0 ? now_s() : 0.0;
     const int64_t qkv_width = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    const ns_kv_rows k_cache = {m->k_cache[layer], m->k_scales != NULL ? m->k_scales[layer] : NULL};
-    const ns_kv_rows v_cache = {m->v_cache[layer], m->v_scales != NULL ? m->v_scales[layer] : NULL};
+    const ns_kv_rows k_cache = {m->k_cache[layer], m->k_scales != NULL ? m->k_scales[layer] : NULL, (int)m->kv_dtype};
+    const ns_kv_rows v_cache = {m->v_cache[layer], m->v_scales != NULL ? m->v_scales[layer] : NULL, (int)m->kv_dtype};
     int64_t begin, end;
     stage_rows(s->rows, s->rows * qkv_width, thread, threads, &begin, &end);
     ns_stage_rope_rows(s->qkv, s->positions, m->cos, m->signed_sin, s->slot_mapping, k_cache, v_cache, m->heads,
                        m->kv_heads, m->head_dim, m->num_blocks * m->block_size, begin, end);
     ns_barrier(threads);
-    int64_t longest = 0;
-    for (int64_t r = 0; r < s->rows; r++) longest = s->positions[r] + 1 > longest ? s->positions[r] + 1 : longest;
-    const int64_t units = s->rows * m->kv_heads;
-    int split = units > 1 && units * (m->heads / m->kv_heads) * longest * m->head_dim >= NS_STAGE_MIN_WORK;
-    if (split || thread == 0) {
-        int status = ns_stage_attention(s->qkv, qkv_width, k_cache, v_cache, s->block_tables,
-                                        s->table_width, s->row_seq, s->positions, s->attended, s->rows, m->heads,
-                                        m->kv_heads, m->head_dim, m->block_size, m->num_blocks, m->scale,
-                                        split ? thread : 0, split ? threads : 1);
-        if (status != 0) job->failed = 1;
-    }
+    if (ns_stage_tiled_attention(&job->attention, s->qkv, qkv_width, k_cache, v_cache, s->block_tables,
+                                 s->table_width, s->row_seq, s->positions, s->attended, m->heads, m->kv_heads,
+                                 m->head_dim, m->block_size, m->num_blocks, m->scale, 0.0f, thread, threads) != 0)
+        job->failed = 1;
     ns_barrier(threads);
+    if (start != 0.0) *s->attention_seconds += now_s() - start;
     if (!quantized(m, layer, O)) return;
     const int64_t q_size = m->heads * m->head_dim;
     stage_rows(s->rows, s->rows * q_size, thread, threads, &begin, &end);
@@ -202,11 +202,15 @@ static void decoder_task(void *context, int thread, int threads) {
 NS_EXPORT int ns_decoder_layers(const DecoderModel *m, const DecoderStep *s, int num_threads) {
     int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
     widest = widest > m->heads * m->head_dim ? widest : m->heads * m->head_dim;
-    DecoderJob job = {m, s, malloc(sizeof(xblock) * (size_t)(s->rows * (widest / 32))), {0}, 0};
+    DecoderJob job = {m, s, malloc(sizeof(xblock) * (size_t)(s->rows * (widest / 32))), {0}, {0}, 0};
     int status = job.xq == NULL ? -2 : 0;
     if (status == 0 && m->moe != NULL) status = ns_moe_scratch_init(&job.moe, m->moe, m->layers, s->rows, 1);
+    if (status == 0)
+        status = ns_attention_plan_init(&job.attention, s->row_seq, s->positions, s->rows, m->heads, m->kv_heads,
+                                        m->head_dim, 0);
     if (status == 0) ns_parallel(num_threads, decoder_task, &job);
     free(job.xq);
     ns_moe_scratch_free(&job.moe);
+    ns_attention_plan_free(&job.attention);
     return status != 0 || job.failed ? -2 : 0;
 }

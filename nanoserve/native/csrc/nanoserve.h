@@ -20,13 +20,25 @@
 #include <stdint.h>
 
 /* Bumped when a function's signature changes, so Python refuses a stale library. */
-#define NS_ABI_VERSION 3
+#define NS_ABI_VERSION 4
 
 #if defined(_MSC_VER)
 #define NS_EXPORT __declspec(dllexport)
 #else
 #define NS_EXPORT __attribute__((visibility("default")))
 #endif
+
+/* The KV cache's dtypes (stages.h's ns_kv_rows, nanoserve/native/attention.py's codes). */
+enum { NS_KV_F32 = 0, NS_KV_F16 = 1, NS_KV_BF16 = 2, NS_KV_Q8_0 = 3 };
+
+/* attention.c's fixed cuts of a row's context, in slots from position 0: the partitions the
+ * threads share out and merge in order, and the tiles of one online-softmax step. A row's bits
+ * depend on them; change them and every cached bit of every test moves. */
+#define NS_ATTN_PARTITION 256
+#define NS_ATTN_TILE 64
+/* attention.c's paths, as bits: ns_tiled_attention takes one (0: the widest this CPU runs),
+ * ns_attention_isas returns those this CPU runs. */
+enum { NS_ATTN_PORTABLE = 1, NS_ATTN_AVX2 = 2, NS_ATTN_AVX512 = 4 };
 
 /* threadpool.c: run task(context, t, threads) for t = 0..threads-1 (t = 0 on the caller) and
  * return when every one has; ns_barrier(threads) inside a task waits for its other threads.

@@ -1,29 +1,23 @@
-/* The rest of a step: every float32 op of the forward outside the matrix multiplies, fused.
+/* The rest of a step: every float32 op of the forward outside the matrix multiplies and the
+ * attention (attention.c), fused.
  *
  * - ns_rms_norm, ns_add_rms_norm: RMSNorm of each row, the second after adding the sublayer's
  *   output into the residual stream in place (one pass over the row instead of three).
  * - ns_rope_write_kv: RoPE on q (in place) and k, and the K/V write into the paged cache at each
  *   row's slot, in one pass over the projection's output.
- * - ns_paged_attention: attention of every row over its own sequence's context, read from the
- *   paged cache IN PLACE through the block table (no gather copy).
  * - ns_silu_mul: SiLU(gate) * up over the stacked gate/up projection.
  *
- * The cache holds float32 rows, or q8_0 rows (int8 codes and one float32 scale per row of
- * head_dim values: model/kv_cache.py says why). A q8_0 row is quantized as the K/V write
- * stores it and dequantized one row at a time inside the attention loop, into a head_dim
- * buffer the dot products read; the whole cache is never expanded. The quantization is the
- * same arithmetic as kv_cache.quantize_q8 (the torch path), so both read the same numbers.
+ * The cache holds float32, float16 or bfloat16 rows (rounded to nearest even, as torch's .to()
+ * rounds), or q8_0 rows (int8 codes and one float32 scale per row of head_dim values:
+ * model/kv_cache.py says why), the same arithmetic as kv_cache.write (the torch path), so both
+ * paths store the same bits.
  *
- * Batch invariance by construction: every (row, head) is computed by the same code whatever
- * the other rows are, so a token scored in a prefill chunk and in a decode step agree bit for
- * bit. Attention reads exactly the slots a row can see (never the padding), scores them in slot
- * order, and sums its softmax-weighted values in CONTEXT_CHUNK pieces whose partials are added
- * in chunk order, so the result depends on the row's own context and position only. Threads
- * split (row, head) pairs (attention: (row, K/V head) pairs) or rows, never a row's reduction.
+ * Batch invariance by construction: every row is computed by the same code whatever the other
+ * rows are. Threads split rows, never a row's reduction.
  *
  * Each kernel is exported twice: ns_X runs the widest vector path compiled in, ns_X_portable
  * the plain C one the tests hold it against. Both share one body, parametrized by a table of
- * vector primitives (dot product, sum of squares, a*x+y, exp, q8_0 dequantization).
+ * vector primitives (sum of squares, SiLU*up).
  */
 #include <float.h>
 #include <math.h>
@@ -38,18 +32,12 @@
 #define NS_OPS_AVX2 1
 #endif
 
-/* The batch-invariant attention's chunk (model.py's CONTEXT_CHUNK): slots [c*64, c*64+64). */
-#define NS_CONTEXT_CHUNK 64
 /* Below this many elements of work a parallel region costs more than it saves. */
 #define NS_PARALLEL_MIN_WORK 16384
 
 typedef struct {
-    float (*dot)(const float *a, const float *b, int64_t n);
     float (*sum_squares)(const float *x, int64_t n);
-    void (*axpy)(float a, const float *x, float *y, int64_t n); /* y += a * x */
-    void (*exp_shifted)(const float *x, float shift, float *out, int64_t n); /* exp(x - shift) */
     void (*silu_mul)(const float *gate, const float *up, float *out, int64_t n);
-    void (*dequantize_q8)(const int8_t *codes, float scale, float *out, int64_t n); /* code * scale */
 } VecOps;
 
 /* ---------------------------------------------------------------- portable primitives */
@@ -62,24 +50,11 @@ static float dot_portable(const float *a, const float *b, int64_t n) {
 
 static float sum_squares_portable(const float *x, int64_t n) { return dot_portable(x, x, n); }
 
-static void axpy_portable(float a, const float *x, float *y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-static void exp_shifted_portable(const float *x, float shift, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = expf(x[i] - shift);
-}
-
 static void silu_mul_portable(const float *gate, const float *up, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-static void dequantize_q8_portable(const int8_t *codes, float scale, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = (float)codes[i] * scale;
-}
-
-static const VecOps PORTABLE = {dot_portable, sum_squares_portable, axpy_portable,
-                                exp_shifted_portable, silu_mul_portable, dequantize_q8_portable};
+static const VecOps PORTABLE = {sum_squares_portable, silu_mul_portable};
 
 /* ---------------------------------------------------------------- AVX2 + FMA primitives */
 #ifdef NS_OPS_AVX2
@@ -116,27 +91,6 @@ static float dot_avx2(const float *a, const float *b, int64_t n) {
 
 static float sum_squares_avx2(const float *x, int64_t n) { return dot_avx2(x, x, n); }
 
-static void axpy_avx2(float a, const float *x, float *y, int64_t n) {
-    __m256 va = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-static void exp_shifted_avx2(const float *x, float shift, float *out, int64_t n) {
-    __m256 s = _mm256_set1_ps(shift);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), s)));
-    if (i < n) { /* the tail through the same vector code, so every slot rounds alike */
-        float tail[8] = {0};
-        memcpy(tail, x + i, (size_t)(n - i) * sizeof(float));
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(tail), s));
-        _mm256_storeu_ps(tail, e);
-        memcpy(out + i, tail, (size_t)(n - i) * sizeof(float));
-    }
-}
-
 static void silu_mul_avx2(const float *gate, const float *up, float *out, int64_t n) {
     const __m256 one = _mm256_set1_ps(1.0f);
     int64_t i = 0;
@@ -148,19 +102,7 @@ static void silu_mul_avx2(const float *gate, const float *up, float *out, int64_
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-/* The same products as the portable loop (an int8 converts to float exactly), 8 at a time. */
-static void dequantize_q8_avx2(const int8_t *codes, float scale, float *out, int64_t n) {
-    const __m256 s = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), s));
-    }
-    for (; i < n; i++) out[i] = (float)codes[i] * scale;
-}
-
-static const VecOps AVX2 = {dot_avx2, sum_squares_avx2, axpy_avx2, exp_shifted_avx2, silu_mul_avx2,
-                            dequantize_q8_avx2};
+static const VecOps AVX2 = {sum_squares_avx2, silu_mul_avx2};
 #define BEST (&AVX2)
 #else
 #define BEST (&PORTABLE)
@@ -272,12 +214,49 @@ static void quantize_row_q8(const float *x, int64_t n, int8_t *codes, float *sca
     *scale = d;
 }
 
+/* float32 to float16 / bfloat16, rounded to nearest even as torch's .to() rounds, so the native
+ * write and kv_cache.write store the same bits (float16: overflow to infinity, subnormals kept). */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000, magnitude = x & 0x7fffffff;
+    if (magnitude > 0x7f800000) return (uint16_t)(sign | 0x7e00 | ((magnitude >> 13) & 0x3ff)); /* NaN */
+    if (magnitude >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds past 65504: infinity */
+    if (magnitude < 0x38800000) { /* below float16's smallest normal: a subnormal or zero */
+        if (magnitude < 0x33000000) return (uint16_t)sign;
+        const uint32_t exponent = magnitude >> 23, mantissa = (magnitude & 0x7fffff) | 0x800000;
+        const uint32_t shift = 126 - exponent; /* 14..24 */
+        uint32_t half = mantissa >> shift;
+        const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    const uint32_t rounded = magnitude + 0xfff + ((magnitude >> 13) & 1) - 0x38000000; /* rebias 127 -> 15 */
+    return (uint16_t)(sign | (rounded >> 13));
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
 /* Row `index` (kv_head * cache_slots + slot) of a K or V cache takes the values x [dim]. */
 static void store_row(const ns_kv_rows *cache, int64_t index, const float *x, int64_t dim) {
-    if (cache->scales == NULL)
+    switch (cache->dtype) {
+    case NS_KV_F32:
         memcpy((float *)cache->rows + index * dim, x, (size_t)dim * sizeof(float));
-    else
+        break;
+    case NS_KV_F16:
+        for (int64_t i = 0; i < dim; i++) ((uint16_t *)cache->rows)[index * dim + i] = float_to_half(x[i]);
+        break;
+    case NS_KV_BF16:
+        for (int64_t i = 0; i < dim; i++) ((uint16_t *)cache->rows)[index * dim + i] = float_to_bf16(x[i]);
+        break;
+    default:
         quantize_row_q8(x, dim, (int8_t *)cache->rows + index * dim, cache->scales + index);
+    }
 }
 
 typedef struct {
@@ -314,171 +293,6 @@ static void rope_write_kv(float *qkv, const int64_t *positions, const float *cos
     for_each_row(rope_one_row, &args, rows, rows * (heads + 2 * kv_heads) * dim, num_threads);
 }
 
-/* ---------------------------------------------------------------- attention over the paged cache */
-
-typedef struct {
-    ns_kv_rows k_cache, v_cache;    /* [kv_heads, num_blocks * block_size, dim] */
-    const int64_t *block_tables;    /* [seqs, table_width] */
-    int64_t table_width, block_size, cache_slots, dim;
-} PagedCache;
-
-/* Walks one sequence's slots in order through its block table, one division at the start. */
-typedef struct {
-    const int64_t *table;
-    int64_t index; /* the current slot's row of the cache: kv_head * cache_slots + its cache slot */
-    int64_t offset, block_index, block_size, head_base;
-} SlotCursor;
-
-static inline SlotCursor cursor_at(const PagedCache *c, const int64_t *table, int64_t kv_head, int64_t slot) {
-    SlotCursor at = {table, 0, slot % c->block_size, slot / c->block_size, c->block_size,
-                     kv_head * c->cache_slots};
-    at.index = at.head_base + table[at.block_index] * c->block_size + at.offset;
-    return at;
-}
-
-static inline void cursor_next(SlotCursor *at) {
-    if (++at->offset == at->block_size) {
-        at->offset = 0;
-        at->index = at->head_base + at->table[++at->block_index] * at->block_size;
-    } else {
-        at->index++;
-    }
-}
-
-/* The float32 values of cache row `index`: the row itself, or a q8_0 row dequantized into
- * `buffer` [dim] (one row at a time: the tile the dot products read, never the whole cache). */
-static inline const float *cache_row(const VecOps *ops, const ns_kv_rows *cache, int64_t index, int64_t dim,
-                                     float *buffer) {
-    if (cache->scales == NULL) return (const float *)cache->rows + index * dim;
-    ops->dequantize_q8((const int8_t *)cache->rows + index * dim, cache->scales[index], buffer, dim);
-    return buffer;
-}
-
-/* Floats of one thread's attention scratch: per query head of the group, its scores over the
- * longest context, its scaled q, its chunk's output and three running sums; and one
- * dequantized cache row. */
-static inline int64_t attention_scratch_floats(int64_t group, int64_t longest, int64_t dim) {
-    return group * (longest + 2 * dim + 3) + dim;
-}
-
-/* The `group` query heads of one row that share K/V head `kv_head` (grouped-query attention),
- * over context slots [first, last], in one pass over its K rows and one over its V rows: each
- * K/V row is read once for the group instead of once per head, which is what bounds attention
- * over a long context. Each head's arithmetic is exactly what it would be alone: its scores in
- * slot order, the softmax's max over the visible slots, each chunk's exp-weighted values summed
- * in slot order into its chunk_out, and the chunks' partials (values and weights) added in
- * chunk order. q and out hold the group's heads back to back (dim floats each); scratch holds
- * attention_scratch_floats(group, scores_len, dim) floats. */
-static void attend_group(const VecOps *ops, const PagedCache *c, const int64_t *table, int64_t kv_head,
-                         const float *q, int64_t group, float scale, int64_t first, int64_t last,
-                         int64_t scores_len, float *scratch, float *out) {
-    int64_t dim = c->dim, count = last - first + 1;
-    float *scores = scratch, *scaled_q = scores + group * scores_len, *chunk_out = scaled_q + group * dim;
-    float *max_score = chunk_out + group * dim, *total = max_score + group, *chunk_total = total + group;
-    float *dequantized = chunk_total + group;
-    for (int64_t g = 0; g < group; g++) {
-        for (int64_t i = 0; i < dim; i++) scaled_q[g * dim + i] = q[g * dim + i] * scale;
-        max_score[g] = -INFINITY;
-    }
-    SlotCursor k = cursor_at(c, table, kv_head, first);
-    for (int64_t j = first; j <= last; j++) {
-        const float *k_row = cache_row(ops, &c->k_cache, k.index, dim, dequantized);
-        for (int64_t g = 0; g < group; g++) {
-            float score = ops->dot(scaled_q + g * dim, k_row, dim);
-            scores[g * scores_len + j] = score;
-            max_score[g] = score > max_score[g] ? score : max_score[g];
-        }
-        if (j < last) cursor_next(&k);
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float *row_scores = scores + g * scores_len + first;
-        ops->exp_shifted(row_scores, max_score[g], row_scores, count);
-        total[g] = 0.0f;
-    }
-    memset(out, 0, (size_t)(group * dim) * sizeof(float));
-    SlotCursor v = cursor_at(c, table, kv_head, first);
-    for (int64_t start = first; start <= last;) {
-        int64_t stop = (start / NS_CONTEXT_CHUNK + 1) * NS_CONTEXT_CHUNK; /* the chunk's end */
-        stop = stop > last + 1 ? last + 1 : stop;
-        memset(chunk_out, 0, (size_t)(group * dim) * sizeof(float));
-        for (int64_t g = 0; g < group; g++) chunk_total[g] = 0.0f;
-        for (int64_t j = start; j < stop; j++) {
-            const float *v_row = cache_row(ops, &c->v_cache, v.index, dim, dequantized);
-            for (int64_t g = 0; g < group; g++) {
-                float weight = scores[g * scores_len + j];
-                chunk_total[g] += weight;
-                ops->axpy(weight, v_row, chunk_out + g * dim, dim);
-            }
-            if (j < last) cursor_next(&v);
-        }
-        for (int64_t g = 0; g < group; g++) {
-            total[g] += chunk_total[g];
-            for (int64_t i = 0; i < dim; i++) out[g * dim + i] += chunk_out[g * dim + i];
-        }
-        start = stop;
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float inv_total = 1.0f / total[g];
-        for (int64_t i = 0; i < dim; i++) out[g * dim + i] *= inv_total;
-    }
-}
-
-/* q [rows, q_row_stride] (heads * dim used); out [rows, heads * dim]. Row r attends over the
- * context of sequence row_seq[r] (its block table) up to its position; with window > 0, only
- * the last `window` slots of it. Threads split (row, K/V head) pairs: query head h reads K/V
- * head h / (heads / kv_heads), so a pair's query heads are consecutive. */
-typedef struct {
-    const VecOps *ops;
-    const float *q;
-    int64_t q_row_stride;
-    const PagedCache *c;
-    const int64_t *row_seq, *positions;
-    float *out;
-    int64_t heads, kv_heads, window, longest, units;
-    float scale;
-    _Atomic int failed; /* a thread could not allocate its scratch */
-} AttentionJob;
-
-static void attention_task(void *context, int thread, int threads) {
-    AttentionJob *a = context;
-    const int64_t dim = a->c->dim, group = a->heads / a->kv_heads;
-    if (thread >= a->units) return;
-    float *scratch = malloc((size_t)attention_scratch_floats(group, a->longest, dim) * sizeof(float));
-    if (scratch == NULL) {
-        a->failed = 1;
-        return;
-    }
-    /* Units dealt in turn, not in contiguous ranges: a prompt chunk's rows attend over contexts
-     * growing row by row (causal), so a contiguous split left the last thread most of the work.
-     * A unit's arithmetic does not depend on which thread runs it. */
-    for (int64_t unit = thread; unit < a->units; unit += threads) {
-        int64_t r = unit / a->kv_heads, kv_head = unit % a->kv_heads, last = a->positions[r];
-        int64_t first = a->window > 0 && last + 1 > a->window ? last + 1 - a->window : 0;
-        int64_t h = kv_head * group; /* the group's first query head */
-        attend_group(a->ops, a->c, a->c->block_tables + a->row_seq[r] * a->c->table_width, kv_head,
-                     a->q + r * a->q_row_stride + h * dim, group, a->scale, first, last, a->longest, scratch,
-                     a->out + (r * a->heads + h) * dim);
-    }
-    free(scratch);
-}
-
-/* q [rows, q_row_stride] (heads * dim used); out [rows, heads * dim]. Row r attends over the
- * context of sequence row_seq[r] (its block table) up to its position; with window > 0, only
- * the last `window` slots of it. Threads split (row, K/V head) pairs: query head h reads K/V
- * head h / (heads / kv_heads), so a pair's query heads are consecutive. Returns 0, or -2 when
- * a thread's scratch could not be allocated. */
-static int paged_attention(const VecOps *ops, const float *q, int64_t q_row_stride, const PagedCache *c,
-                           const int64_t *row_seq, const int64_t *positions, float *out, int64_t rows,
-                           int64_t heads, int64_t kv_heads, float scale, int64_t window, int num_threads) {
-    int64_t group = heads / kv_heads, longest = 0;
-    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-    AttentionJob job = {ops, q, q_row_stride, c, row_seq, positions, out, heads, kv_heads, window, longest,
-                        rows * kv_heads, scale, 0};
-    int worth = job.units > 1 && job.units * group * longest * c->dim >= NS_PARALLEL_MIN_WORK;
-    ns_parallel(worth ? num_threads : 1, attention_task, &job);
-    return job.failed ? -2 : 0;
-}
-
 /* ---------------------------------------------------------------- stages (stages.h) */
 
 void ns_stage_norm_rows(float *residual, const float *delta, const float *weight, float *out, int64_t dim,
@@ -497,19 +311,6 @@ void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, 
                         int64_t kv_heads, int64_t dim, int64_t cache_slots, int64_t begin, int64_t end) {
     RopeArgs args = {qkv, positions, slots, cos, signed_sin, k_cache, v_cache, heads, kv_heads, dim, cache_slots};
     for (int64_t r = begin; r < end; r++) rope_one_row(&args, r);
-}
-
-int ns_stage_attention(const float *q, int64_t q_row_stride, ns_kv_rows k_cache, ns_kv_rows v_cache,
-                       const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
-                       const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
-                       int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads) {
-    PagedCache cache = {k_cache, v_cache, block_tables, table_width, block_size, num_blocks * block_size, dim};
-    int64_t longest = 0;
-    for (int64_t r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
-    AttentionJob job = {BEST, q, q_row_stride, &cache, row_seq, positions, out, heads, kv_heads, 0, longest,
-                        rows * kv_heads, scale, 0};
-    attention_task(&job, thread, threads);
-    return job.failed ? -2 : 0;
 }
 
 /* ---------------------------------------------------------------- exports */
@@ -535,28 +336,12 @@ NS_EXPORT_BOTH(silu_mul,
                ARGS(gate_up, out, rows, width, num_threads))
 
 /* RoPE has no vector primitive: one export, the compiler vectorizes it. */
-/* k_scales/v_scales NULL: float32 caches; else int8 q8_0 codes with one scale per row. */
+/* Caches of kv_dtype (nanoserve.h's NS_KV_*); k_scales/v_scales: a q8_0 cache's, else NULL. */
 NS_EXPORT void ns_rope_write_kv(float *qkv, const int64_t *positions, const float *cos,
-                                const float *signed_sin, const int64_t *slots, void *k_cache, float *k_scales,
-                                void *v_cache, float *v_scales, int64_t rows, int64_t heads, int64_t kv_heads,
-                                int64_t dim, int64_t cache_slots, int num_threads) {
-    ns_kv_rows k = {k_cache, k_scales}, v = {v_cache, v_scales};
+                                const float *signed_sin, const int64_t *slots, int kv_dtype, void *k_cache,
+                                float *k_scales, void *v_cache, float *v_scales, int64_t rows, int64_t heads,
+                                int64_t kv_heads, int64_t dim, int64_t cache_slots, int num_threads) {
+    ns_kv_rows k = {k_cache, k_scales, kv_dtype}, v = {v_cache, v_scales, kv_dtype};
     rope_write_kv(qkv, positions, cos, signed_sin, slots, k, v, rows, heads, kv_heads, dim, cache_slots,
                   num_threads);
 }
-
-#define PAGED_PARAMS                                                                                   \
-    (const float *q, int64_t q_row_stride, void *k_cache, float *k_scales, void *v_cache,              \
-     float *v_scales, const int64_t *block_tables, int64_t table_width, const int64_t *row_seq, const int64_t *positions, \
-     float *out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,        \
-     int64_t num_blocks, float scale, int64_t window, int num_threads)
-#define PAGED_BODY(ops)                                                                                 \
-    {                                                                                                   \
-        PagedCache cache = {{k_cache, k_scales}, {v_cache, v_scales}, block_tables, table_width,         \
-                            block_size, num_blocks * block_size, dim};                                  \
-        return paged_attention(ops, q, q_row_stride, &cache, row_seq, positions, out, rows, heads,      \
-                               kv_heads, scale, window, num_threads);                                   \
-    }
-
-NS_EXPORT int ns_paged_attention PAGED_PARAMS PAGED_BODY(BEST)
-NS_EXPORT int ns_paged_attention_portable PAGED_PARAMS PAGED_BODY(&PORTABLE)

@@ -9,11 +9,13 @@
 
 #include "quant_blocks.h"
 
-/* One layer's K or V cache, [kv_heads, cache_slots, head_dim] rows: float32 (scales NULL), or
- * q8_0: int8 codes and one float32 scale per row, [kv_heads, cache_slots] (ops.c says how). */
+/* One layer's K or V cache, [kv_heads, cache_slots, head_dim] rows of `dtype` (nanoserve.h's
+ * NS_KV_*): float32, float16, bfloat16, or q8_0: int8 codes and one float32 scale per row,
+ * `scales` [kv_heads, cache_slots] (ops.c says how; NULL for the others). */
 typedef struct {
     void *rows;
     float *scales;
+    int dtype;
 } ns_kv_rows;
 
 /* ops.c, on the vector path. Rows [begin, end). delta NULL: a plain RMSNorm of residual. */
@@ -23,12 +25,27 @@ void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t
 void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
                         const int64_t *slots, ns_kv_rows k_cache, ns_kv_rows v_cache, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t cache_slots, int64_t begin, int64_t end);
-/* Attention over the paged cache (ops.c's ns_paged_attention), thread `thread`'s (row, K/V head)
- * units; returns 0, or -2 when its scratch could not be allocated. */
-int ns_stage_attention(const float *q, int64_t q_row_stride, ns_kv_rows k_cache, ns_kv_rows v_cache,
-                       const int64_t *block_tables, int64_t table_width, const int64_t *row_seq,
-                       const int64_t *positions, float *out, int64_t rows, int64_t heads, int64_t kv_heads,
-                       int64_t dim, int64_t block_size, int64_t num_blocks, float scale, int thread, int threads);
+/* attention.c: tiled attention over the paged cache (ns_tiled_attention's arithmetic), in two
+ * parts: a plan of the step's rows, made once per call by one thread (0, or -2 when out of
+ * memory; freed by ns_attention_plan_free either way), and the stage every thread of the region
+ * runs, its units then (past a barrier inside) its merges; no barrier after them. The stage
+ * returns 0, or -2 when the thread's scratch could not be allocated. */
+typedef struct {
+    int64_t rows, window, blocks, units;
+    int64_t max_parts;    /* the most partitions a prompt chunk's row block spans (0: none) */
+    int64_t *block_start; /* [blocks + 1]: each row block's first row */
+    int64_t *unit_end;    /* [blocks]: the units of blocks 0..b together */
+    int64_t *partial_at;  /* [rows + 1]: where each decode row's partitions' partials start */
+    float *partials;      /* NULL when no decode row has more than one partition */
+} ns_attention_plan;
+int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, const int64_t *positions, int64_t rows,
+                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t window);
+void ns_attention_plan_free(ns_attention_plan *plan);
+int ns_stage_tiled_attention(const ns_attention_plan *plan, const float *q, int64_t q_row_stride, ns_kv_rows k_cache,
+                             ns_kv_rows v_cache, const int64_t *block_tables, int64_t table_width,
+                             const int64_t *row_seq, const int64_t *positions, float *out, int64_t heads,
+                             int64_t kv_heads, int64_t dim, int64_t block_size, int64_t num_blocks, float scale,
+                             float softcap, int thread, int threads);
 
 /* matmul_x8.c, on the vector path: rows [begin, end) of x [., k] quantized into xq. */
 void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin, int64_t end);
