@@ -23,7 +23,8 @@ of 32,768):
     python -m nanoserve.bench.experiments.llamacpp_compare --weights q4_1 --slots 1 --input-len 8000 \\
         --output-len 16 --out results/long_context_vs_llamacpp.csv
     python -m nanoserve.bench.experiments.llamacpp_compare \\
-        --gguf "$(../shared/anchors/make-shape 1b Q4_K_M)" --slots 1 --input-len 32000 --output-len 16 --turns 3 --out results/long_context_1b_vs_llamacpp.csv
+        --gguf "$(../shared/anchors/make-shape 1b Q4_K_M)" --slots 1 --input-len 32000 \\
+        --output-len 16 --turns 3 --out results/long_context_1b_vs_llamacpp.csv
 """
 
 from __future__ import annotations
