@@ -653,7 +653,7 @@ def test_an_arrival_runs_in_every_step_beside_any_one_heavy_client(heavy, arrive
 
 def lora_scheduler(max_loras, num_blocks=4000, max_num_seqs=8, fair_share=float("inf"), prefix_caching=False):
     config = SchedulerConfig(max_num_seqs, 64, 1024, enable_prefix_caching=prefix_caching,
-                             fair_share_rows=fair_share, max_loras=max_loras)
+                             fair_share_rows=fair_share, max_running_adapters=max_loras)
     return Scheduler(config, BlockPool(num_blocks, 4))
 
 

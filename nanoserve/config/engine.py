@@ -109,5 +109,5 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             prefill_step_s=resolve_prefill_step_s(self.prefill_step_ms, device_type),
             scheduling_policy=self.scheduling_policy, kv_window=kv_window,
-            max_loras=self.max_loras if self.enable_lora else None)
+            max_running_adapters=self.max_loras if self.enable_lora else None)
 

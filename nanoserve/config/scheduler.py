@@ -67,9 +67,9 @@ class SchedulerConfig:
     # sliding windows): blocks wholly before them go back to the pool as a request advances.
     # 0: a request keeps every block (some layer sees the whole context).
     kv_window: int = 0
-    # Most distinct LoRA adapters among the running requests, so in any step (vLLM's
-    # --max-loras); None: no bound. Base-model requests take no adapter slot.
-    max_loras: int | None = None
+    # Most distinct LoRA adapters among the running requests, so in any step (the engine's
+    # max_loras when LoRA is on); None: no bound. Base-model requests take no adapter slot.
+    max_running_adapters: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "prefill_pace_min_tokens"):
@@ -86,9 +86,9 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
                                       f"got {self.scheduling_policy!r}", param="scheduling_policy")
-        if self.max_loras is not None and self.max_loras < 1:
-            raise InvalidRequestError(f"max_loras must be >= 1 (or None: no bound); got {self.max_loras}",
-                                      param="max_loras")
+        if self.max_running_adapters is not None and self.max_running_adapters < 1:
+            raise InvalidRequestError(f"max_running_adapters must be >= 1 (or None: no bound); got "
+                                      f"{self.max_running_adapters}", param="max_loras")
 
 
 def _at_least_one(name: str, value: int) -> None:

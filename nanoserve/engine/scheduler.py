@@ -478,7 +478,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget) -> None:
         running_parents = Counter(request.parent for request in self.running)
-        slots = AdapterSlots.of(self.config.max_loras, self.running)
+        slots = AdapterSlots.of(self.config.max_running_adapters, self.running)
         for request in self._waiting_order(budget.contended):
             if budget.tokens == 0 or len(self.running) >= self.config.max_num_seqs:
                 break

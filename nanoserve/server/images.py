@@ -2,7 +2,7 @@
 http(s) URLs fetched only from the hosts `serve --allowed-media-domains` names, within a size
 and a time limit.
 
-Owns: `MediaPolicy`, `image_refusal` and `load_image`. Every failure is a 400 naming the
+Owns: `MediaPolicy` and `load_image`. Every failure is a 400 naming the
 part that carried the image (`messages[0].content[1].image_url`).
 Refuses: any other URL scheme, a host not allowed (none is, by default: data: URLs only), a redirect, a
 fetch over the image size limit or slower than its deadline, and whatever `multimodal.images`
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -23,9 +22,6 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.images import data_url_bytes, decode_image
 from nanoserve.multimodal.limits import ImageLimits
 
-if TYPE_CHECKING:
-    from nanoserve.server.state import ServerState
-
 MEDIA_FETCH_TIMEOUT_S = 10.0
 
 
@@ -33,17 +29,6 @@ MEDIA_FETCH_TIMEOUT_S = 10.0
 class MediaPolicy:
     allowed_domains: frozenset[str] = frozenset()  # hosts http(s) image URLs may name; none: data: URLs only
     fetch_timeout_s: float = MEDIA_FETCH_TIMEOUT_S  # the whole fetch, connect to last byte
-
-
-def image_refusal(state: ServerState) -> str | None:
-    """Why the model a request reaches takes no images (None: it does, or it is not up yet and
-    the request is answered 503 later): a text-only model, or data-parallel replicas."""
-    admission = state.admission
-    if admission is None or admission.images is not None:
-        return None
-    if state.engine is None:  # the replicas' front, whose admission carries no image side
-        return "images are not served with --data-parallel-size above 1 yet"
-    return "this model takes no images (it has no vision tower)"
 
 
 def load_image(url: str, param: str, policy: MediaPolicy, limits: ImageLimits) -> Image.Image:

@@ -29,7 +29,7 @@ from nanoserve.sampling_params import (
     keep_last_tokens,
 )
 from nanoserve.server.errors import bad_request
-from nanoserve.server.images import image_refusal, load_image
+from nanoserve.server.images import load_image
 from nanoserve.server.openai import protocol
 from nanoserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, Kind, RequestBody
 from nanoserve.server.parsers.reasoning import ReasoningPlan
@@ -186,7 +186,7 @@ def plan(state: ServerState, kind: Kind, body: RequestBody) -> list[PlannedSeque
     admission = state.admission
     tools = _tools(state, body) if kind == "chat" else None
     if kind == "chat" and body.image_parts():
-        refusal = image_refusal(state)
+        refusal = state.image_refusal()
         if refusal is not None:
             first_part = body.image_parts()[0][0].removesuffix(".image_url")
             raise bad_request(refusal, first_part, code="unsupported")

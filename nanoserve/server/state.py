@@ -94,6 +94,16 @@ class ServerState:
         """The request checks and the tokenizer of the engines serving; None while they load."""
         return self.async_engine.admission if self.async_engine is not None else None
 
+    def image_refusal(self) -> str | None:
+        """Why the model a request reaches takes no images (None: it does, or it is not up yet and
+        the request is answered 503 later): a text-only model, or data-parallel replicas."""
+        admission = self.admission
+        if admission is None or admission.images is not None:
+            return None
+        if self.engine is None:  # the replicas' front, whose admission carries no image side
+            return "images are not served with --data-parallel-size above 1 yet"
+        return "this model takes no images (it has no vision tower)"
+
     @property
     def engine(self) -> Engine | None:
         """The in-process engine (None with replicas): the engine thread's alone, but for tests."""

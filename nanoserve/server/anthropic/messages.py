@@ -30,7 +30,6 @@ from pydantic import Field
 from nanoserve.server import planning
 from nanoserve.server.errors import APIError, bad_request
 from nanoserve.server.generation import Generation, unary_response
-from nanoserve.server.images import image_refusal
 from nanoserve.server.openai import routes
 from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -388,7 +387,7 @@ async def create_message(request: Request) -> Response:
     try:
         await _check_key(request)
         body = await routes.parse_body(request, MessagesRequest)
-        chat = as_chat_request(body, image_refusal(state_of(request)))
+        chat = as_chat_request(body, state_of(request).image_refusal())
         return await routes.serve_generation(request, "chat", chat, _answer(chat))
     except APIError as error:
         return error_response(error)

@@ -30,7 +30,6 @@ from pydantic import Field
 
 from nanoserve.server.errors import bad_request
 from nanoserve.server.generation import Generation, unary_response
-from nanoserve.server.images import image_refusal
 from nanoserve.server.openai import routes
 from nanoserve.server.openai.protocol import (
     ChatCompletionRequest,
@@ -356,7 +355,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
 
 async def create_response(request: Request) -> Response:
     body = await routes.parse_body(request, ResponsesRequest)
-    chat = as_chat_request(body, image_refusal(state_of(request)))
+    chat = as_chat_request(body, state_of(request).image_refusal())
 
     async def answer(http: Request, generation: Generation, model: str) -> Response:
         if body.stream:
