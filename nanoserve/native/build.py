@@ -1,9 +1,10 @@
 """Building the native kernel library for this machine, once, and finding it again.
 
-Owns: compiling every C file in `csrc/` into one shared library with the system C compiler
-(`$CC`, else `cc`), for this CPU (-march=native), cached under `cache_root()/native/<key>/`,
-where the key hashes the sources, the compiler's version, the flags and the CPU's flags; so a
-second start compiles nothing, and an edited kernel, a new compiler or another CPU builds anew.
+Owns: compiling every C file under `csrc/`, its subfolders too, into one shared library with
+the system C compiler (`$CC`, else `cc`), for this CPU (-march=native; the wide tiles in
+csrc/arch/ select their own ISA, and isa.c picks one at run time), cached under
+`cache_root()/native/<key>/`, where the key hashes the sources, the compiler's version, the
+flags and the CPU's flags; so a second start compiles nothing, and an edited kernel, a new compiler or another CPU builds anew.
 A build is written beside its final name and renamed into place, so two processes starting
 at once never load half a file.
 Refuses: to be required. No compiler, a failed build or NANOSERVE_NO_NATIVE=1 give `None`
@@ -44,10 +45,11 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
-def build_key(sources: list[Path], cc: str) -> str:
+def build_key(sources: list[Path], cc: str, source_dir: Path = SOURCE_DIR) -> str:
     digest = hashlib.sha256()
     for source in sources:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
+        name = source.relative_to(source_dir).as_posix() if source.is_relative_to(source_dir) else source.name
+        digest.update(name.encode() + b"\0" + source.read_bytes() + b"\0")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     facts = [version.splitlines()[0] if version else cc, *CFLAGS, platform.machine(), *sorted(cpu_flags())]
     digest.update("\0".join(facts).encode())
@@ -59,10 +61,10 @@ def build_library(source_dir: Path = SOURCE_DIR, cache_dir: Path | None = None) 
     cc = compiler()
     if cc is None:
         return BuildResult(None, f"no C compiler ({os.environ.get('CC', 'cc')!r} not found; set CC)")
-    sources = sorted(source_dir.glob("*.c"))
-    headers = sorted(source_dir.glob("*.h"))
+    sources = sorted(source_dir.rglob("*.c"))
+    headers = sorted(source_dir.rglob("*.h"))
     try:
-        key = build_key(sources + headers, cc)
+        key = build_key(sources + headers, cc, source_dir)
     except (OSError, subprocess.SubprocessError) as error:
         return BuildResult(None, f"cannot run the C compiler {cc}: {error}")
     target = (cache_dir or cache_root() / "native") / key / LIBRARY_NAME

@@ -100,6 +100,8 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 PRODUCTS = ("ns_matmul_x8", "ns_gemm_x8", "ns_matmul_kx8")  # each with a `_portable` twin
+# The x8 and K layouts' products on an ISA named by the caller (nanoserve.native.ISAS)
+ISA_PRODUCTS = ("ns_matmul_x8_isa", "ns_matmul_kx8_isa")
 LOOKUPS = ("ns_dequantize_rows_x8", "ns_dequantize_rows_kx8")  # rows of matmul_x8.c's, matmul_kx8.c's layouts
 
 
@@ -113,6 +115,9 @@ def _lib() -> ctypes.CDLL | None:
         for entry in (getattr(lib, name), getattr(lib, f"{name}_portable")):
             entry.argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
             entry.restype = ctypes.c_int
+    for name in ISA_PRODUCTS:
+        getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
     for name in LOOKUPS:
         getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
@@ -126,11 +131,33 @@ def _require() -> ctypes.CDLL:
     return lib
 
 
-def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False, isa: str | None = None,
+           threads: int | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T -> float32 [rows, out]. `portable` runs the plain C path
-    (for the tests: it gives the vector path's bits)."""
-    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape,
-                    f"{weight.source.name} {weight.shape} repacked")
+    (for the tests: it gives the vector path's bits); `isa` one of nanoserve.native.ISAS that
+    runs here (every one gives the same bits)."""
+    what = f"{weight.source.name} {weight.shape} repacked"
+    if isa is not None:
+        return _product_on(isa, "ns_matmul_x8_isa", weight.layout.ggml_type, x, weight.blocks, weight.shape,
+                           what, threads)
+    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape, what)
+
+
+def _product_on(isa: str, name: str, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
+                shape: tuple[int, int], what: str, threads: int | None) -> torch.Tensor:
+    """One of ISA_PRODUCTS on ISA `isa`."""
+    lib = _require()
+    if isa not in native.ISAS:
+        raise ValueError(f"isa: {isa!r} is not one of {', '.join(native.ISAS)}")
+    x, y = _checked(x, shape)
+    if x.shape[0]:
+        status = getattr(lib, name)(native.ISAS.index(isa), ggml_type, x.data_ptr(), blocks.data_ptr(),
+                                    y.data_ptr(), x.shape[0], shape[0], shape[1],
+                                    threads or torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"isa: {isa} does not run here, or {what} has no layout")
+        native.raise_for_status(status, "repacked matmul", what, shape[0])
+    return y
 
 
 def _product(name: str, portable: bool, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
@@ -381,7 +408,12 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
     return values.reshape(g * COLUMNS, in_features)[:out_features]
 
 
-def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False) -> torch.Tensor:
-    """x [rows, in] float32 @ weight^T -> float32 [rows, out]; `portable` runs the scalar reference."""
-    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape,
-                    f"{weight.format.name} {weight.shape} repacked")
+def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False, isa: str | None = None,
+             threads: int | None = None) -> torch.Tensor:
+    """x [rows, in] float32 @ weight^T -> float32 [rows, out]; `portable` runs the scalar reference,
+    `isa` one of nanoserve.native.ISAS that runs here (every one gives the same bits)."""
+    what = f"{weight.format.name} {weight.shape} repacked"
+    if isa is not None:
+        return _product_on(isa, "ns_matmul_kx8_isa", weight.format.ggml_type, x, weight.blocks, weight.shape,
+                           what, threads)
+    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape, what)
