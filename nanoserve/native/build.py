@@ -4,7 +4,8 @@ Owns: compiling every C file under `csrc/`, its subfolders too, into one shared 
 the system C compiler (`$CC`, else `cc`), for this CPU (-march=native; the wide tiles in
 csrc/arch/ select their own ISA, and isa.c picks one at run time), cached under
 `cache_root()/native/<key>/`, where the key hashes the sources, the compiler's version, the
-flags and the CPU's flags; so a second start compiles nothing, and an edited kernel, a new compiler or another CPU builds anew.
+flags and the CPU's flags; so a second start compiles nothing, and an edited kernel, a new
+compiler or another CPU builds anew.
 A build is written beside its final name and renamed into place, so two processes starting
 at once never load half a file.
 Refuses: to be required. No compiler, a failed build or NANOSERVE_NO_NATIVE=1 give `None`
