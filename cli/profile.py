@@ -164,6 +164,9 @@ def profile_table(frame, title: str):
         table.add_column(f"{phase} ms (rb)", justify="right")
     table.add_column("other ms", justify="right")
     table.add_column("forward: linears ms", justify="right")
+    with_peak = "linear_peak_fraction" in frame.columns
+    if with_peak:
+        table.add_column(f"linears / {frame['peak_isa'].iloc[0]} peak", justify="right")
     table.add_column("forward: rest ms (per row)", justify="right")
     table.add_column("native calls", justify="right")
     table.add_column("tok/s", justify="right")
@@ -173,6 +176,7 @@ def profile_table(frame, title: str):
                       f"{row.roofline_step_ms:.2f} ({row.roofline_fraction:.2f})", *phases,
                       f"{row.other_ms:.2f}",
                       f"{row.forward_linear_ms:.2f}",
+                      *([f"{row.linear_peak_fraction:.2f}"] if with_peak else []),
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")
     return table

@@ -224,51 +224,68 @@ static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, con
 enum { WT_Q4_K_BYTES = 1184, WT_Q4_K_CODES = 160, WT_Q6_K_BYTES = 1680, WT_Q6_K_SCALES = 16, WT_Q6_K_LOW = 144,
        WT_Q6_K_HIGH = 1168 };
 
-/* Sub-block j's chunk t of Q6_K codes, 0..63: its low nibbles and its top 2 bits. */
-static inline __attribute__((always_inline)) wt_vi WT(q6_k_chunk)(const uint8_t *block, int64_t stride, int j, int t) {
-    const wt_vi w = WT(load_unit)(block + WT_Q6_K_LOW + 256 * (j / 2) + 32 * t, stride);
-    const wt_vi h = WT(load_unit)(block + WT_Q6_K_HIGH + 256 * (j / 4) + 32 * t, stride);
-    const wt_vi low = WT_AND((j & 1) ? WT_SRLI16(w, 4) : w, WT_SET1_8(0x0F));
-    const wt_vi high = WT_AND(WT_SLLI16(WT_SRLI16(h, 2 * (j % 4)), 4), WT_SET1_8(0x30));
+/* Sub-block j = 4s + i's chunk t of Q6_K codes, 0..63: its low nibbles and its top 2 bits (i a
+ * constant wherever this is inlined, so the nibble and the shift are). */
+static inline __attribute__((always_inline)) wt_vi WT(q6_k_chunk)(const uint8_t *block, int64_t stride, int s,
+                                                                const int i, int t) {
+    const wt_vi w = WT(load_unit)(block + WT_Q6_K_LOW + 256 * (2 * s + i / 2) + 32 * t, stride);
+    const wt_vi h = WT(load_unit)(block + WT_Q6_K_HIGH + 256 * s + 32 * t, stride);
+    const wt_vi low = WT_AND((i & 1) ? WT_SRLI16(w, 4) : w, WT_SET1_8(0x0F));
+    const wt_vi high = WT_AND(WT_SLLI16(WT_SRLI16(h, 2 * i), 4), WT_SET1_8(0x30));
     return WT_OR(low, high);
 }
 
-/* Each row's s_h = sum (q - 32) x over half `half` of sub-block j (activation block b). */
+/* Each row's s_h = sum (q - 32) x over half `half` of sub-block 4s + i (activation block b). */
 static inline __attribute__((always_inline)) void WT(q6_k_half)(const int rows, const uint8_t *block, int64_t stride,
-                                                              int j, const int half, const xblock *x, int64_t blocks,
-                                                              int64_t b, wt_vi *sums) {
+                                                              int s, const int i, const int half, const xblock *x,
+                                                              int64_t blocks, int64_t b, wt_vi *sums) {
     for (int r = 0; r < rows; r++) sums[r] = WT_SET1_32(-32 * x[r * blocks + b].half_sums[half]);
     for (int t = 4 * half; t < 4 * half + 4; t++) {
-        const wt_vi q = WT(q6_k_chunk)(block, stride, j, t);
+        const wt_vi q = WT(q6_k_chunk)(block, stride, s, i, t);
         for (int r = 0; r < rows; r++) sums[r] = WT_DOT(sums[r], q, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
     }
 }
 
-/* Sub-block j of a super-block (activation block b) against the tile's rows: the acc chain. */
-static inline __attribute__((always_inline)) void WT(kx8_sub_block)(const int fmt, const int rows,
-                                                                  const uint8_t *block, int64_t stride, const int j,
-                                                                  const xblock *x, int64_t blocks, int64_t b,
-                                                                  wt_vf *acc) {
-    wt_vf isum[WT_MAX_ROWS];
-    if (fmt == NS_WIDE_Q4_K) {
-        wt_vi sums[WT_MAX_ROWS];
-        for (int r = 0; r < rows; r++) sums[r] = WT_ZERO_I();
-        for (int t = 0; t < 8; t++) {
-            const wt_vi w = WT(load_unit)(block + WT_Q4_K_CODES + 256 * (j / 2) + 32 * t, stride);
-            const wt_vi q = WT_AND((j & 1) ? WT_SRLI16(w, 4) : w, WT_SET1_8(0x0F));
-            for (int r = 0; r < rows; r++) sums[r] = WT_DOT(sums[r], q, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+/* Q4_K's sub-blocks 2p and 2p + 1 (activation blocks b and b + 1) against the tile's rows: one
+ * load of each chunk serves both, its low nibbles the first and its high nibbles the second;
+ * the acc chain takes sub-block 2p, then 2p + 1. */
+static inline __attribute__((always_inline)) void WT(q4_k_pair)(const int rows, const uint8_t *block, int64_t stride,
+                                                              int p, const xblock *x, int64_t blocks, int64_t b,
+                                                              wt_vf *acc) {
+    wt_vi low_sums[WT_MAX_ROWS], high_sums[WT_MAX_ROWS];
+    for (int r = 0; r < rows; r++) low_sums[r] = high_sums[r] = WT_ZERO_I();
+    for (int t = 0; t < 8; t++) {
+        const wt_vi w = WT(load_unit)(block + WT_Q4_K_CODES + 256 * p + 32 * t, stride);
+        const wt_vi low = WT_AND(w, WT_SET1_8(0x0F)), high = WT_AND(WT_SRLI16(w, 4), WT_SET1_8(0x0F));
+        for (int r = 0; r < rows; r++) {
+            low_sums[r] = WT_DOT(low_sums[r], low, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+            high_sums[r] = WT_DOT(high_sums[r], high, WT(broadcast4)(x[r * blocks + b + 1].qs + 4 * t));
         }
-        const wt_vf sc = WT(u8_unit)(block + 32 + 8 * j, stride);
-        for (int r = 0; r < rows; r++) isum[r] = WT_MUL(WT_CVT(sums[r]), sc);
-    } else {
-        const wt_vf sc0 = WT(i8_unit)(block + WT_Q6_K_SCALES + 8 * (2 * j), stride);
-        const wt_vf sc1 = WT(i8_unit)(block + WT_Q6_K_SCALES + 8 * (2 * j + 1), stride);
-        wt_vi sums[WT_MAX_ROWS];
-        WT(q6_k_half)(rows, block, stride, j, 0, x, blocks, b, sums);
-        for (int r = 0; r < rows; r++) isum[r] = WT_MUL(WT_CVT(sums[r]), sc0);
-        WT(q6_k_half)(rows, block, stride, j, 1, x, blocks, b, sums);
-        for (int r = 0; r < rows; r++) isum[r] = WT_FMA(WT_CVT(sums[r]), sc1, isum[r]);
     }
+    const wt_vf d = WT(f16_unit)(block, stride);
+    const wt_vf low_scale = WT(u8_unit)(block + 32 + 8 * (2 * p), stride);
+    const wt_vf high_scale = WT(u8_unit)(block + 32 + 8 * (2 * p + 1), stride);
+    for (int r = 0; r < rows; r++) {
+        const xblock *xb = x + r * blocks + b;
+        acc[r] = WT_FMA(WT_MUL(WT_CVT(low_sums[r]), low_scale), WT_MUL(d, WT_SET1_F(xb[0].d)), acc[r]);
+        acc[r] = WT_FMA(WT_MUL(WT_CVT(high_sums[r]), high_scale), WT_MUL(d, WT_SET1_F(xb[1].d)), acc[r]);
+    }
+}
+
+/* Q6_K's sub-block j = 4s + i (activation block b) against the tile's rows: the acc chain. */
+static inline __attribute__((always_inline)) void WT(q6_k_sub_block)(const int rows, const uint8_t *block,
+                                                                   int64_t stride, int s, const int i,
+                                                                   const xblock *x, int64_t blocks, int64_t b,
+                                                                   wt_vf *acc) {
+    const int j = 4 * s + i;
+    wt_vf isum[WT_MAX_ROWS];
+    const wt_vf sc0 = WT(i8_unit)(block + WT_Q6_K_SCALES + 8 * (2 * j), stride);
+    const wt_vf sc1 = WT(i8_unit)(block + WT_Q6_K_SCALES + 8 * (2 * j + 1), stride);
+    wt_vi sums[WT_MAX_ROWS];
+    WT(q6_k_half)(rows, block, stride, s, i, 0, x, blocks, b, sums);
+    for (int r = 0; r < rows; r++) isum[r] = WT_MUL(WT_CVT(sums[r]), sc0);
+    WT(q6_k_half)(rows, block, stride, s, i, 1, x, blocks, b, sums);
+    for (int r = 0; r < rows; r++) isum[r] = WT_FMA(WT_CVT(sums[r]), sc1, isum[r]);
     const wt_vf d = WT(f16_unit)(block, stride);
     for (int r = 0; r < rows; r++) acc[r] = WT_FMA(isum[r], WT_MUL(d, WT_SET1_F(x[r * blocks + b].d)), acc[r]);
 }
@@ -281,10 +298,17 @@ static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, co
     for (int r = 0; r < rows; r++) acc[r] = WT_ZERO_F();
     for (int64_t super = 0; super < blocks / 8; super++) {
         const uint8_t *block = group + super * bytes;
+        const int64_t b = 8 * super;
         WT(prefetch)(block, stride, bytes);
-        /* unrolled, so each sub-block's nibble and shifts are constants */
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) WT(kx8_sub_block)(fmt, rows, block, stride, j, x, blocks, 8 * super + j, acc);
+        if (fmt == NS_WIDE_Q4_K) {
+            for (int p = 0; p < 4; p++) WT(q4_k_pair)(rows, block, stride, p, x, blocks, b + 2 * p, acc);
+            continue;
+        }
+        /* Q6_K: the inner 4 unrolled, so each sub-block's nibble and top-bit shift are constants */
+        for (int s = 0; s < 2; s++) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) WT(q6_k_sub_block)(rows, block, stride, s, i, x, blocks, b + 4 * s + i, acc);
+        }
     }
     if (fmt == NS_WIDE_Q4_K) {
         wt_vf off[WT_MAX_ROWS];
