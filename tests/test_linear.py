@@ -96,6 +96,15 @@ def test_plain_choice_is_the_fastest_measured(tmp_path):
     assert choice.kernel.name == fastest and choice.reason.startswith("fastest (")
 
 
+def test_the_probe_times_a_prompt_chunk_beside_the_decode_steps(tmp_path):
+    assert linear.probe_rows(8, 512) == (1, 4, linear.PROBE_PREFILL_ROWS)  # capped
+    assert linear.probe_rows(32, 64) == (1, 4, 16, 32, 64)
+    assert linear.probe_rows(32, 16) == (1, 4, 16, 32)  # a chunk no longer than a decode step
+    choice = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=False,
+                           cache_path=tmp_path / "kernels.json")
+    assert all(list(v.ms_by_rows) == [1, 4, 32] for v in choice.verdicts.values())
+
+
 def test_second_start_reads_the_cache_and_measures_nothing(tmp_path, monkeypatch):
     cache = tmp_path / "kernels.json"
     monkeypatch.setattr(linear, "time_kernels", canned_turns(clear_turns))

@@ -46,6 +46,9 @@ ROW_TILE = 16
 ONEDNN_BATCH_HINT = 16
 # Rows of the speed probe: one request, a few, and a full decode step (capped at max rows).
 PROBE_ROWS = (1, 4, 16, 32)
+# And a prompt chunk, capped here: past a few panels of rows a block GEMM's cost grows with its
+# rows, so this many predict a longer chunk, and the probe stays short enough for start-up.
+PROBE_PREFILL_ROWS = 128
 # Enough layers that the probe streams its weights from memory rather than from the L3 cache.
 PROBE_MIN_BYTES = 128 << 20
 # Turns of the speed probe. A turn times every candidate once at a row count, in an order
@@ -61,7 +64,8 @@ QUIET_SPREAD = 0.10
 # Bump when a kernel's code or the way they are timed changes, so verdicts cached by older code
 # are measured again (the native kernels' own changes are keyed by their build's source hash).
 # 7: kernels timed in alternating turns; earlier verdicts may hold a stall's flipped choice.
-CACHE_VERSION = 7
+# 8: a prompt chunk among the probe's row counts.
+CACHE_VERSION = 8
 # Rows from which `native-quant-gemm` runs the prefill GEMM: the probe's 16- and 32-row calls
 # measure it against the x8 tiles, and the self-test crosses the threshold.
 GEMM_MIN_ROWS = 16
@@ -317,8 +321,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     cached = _read_cache(cache_path, key)
     verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
     from_cache = all(v.ms_by_rows for v in verdicts.values())
+    rows = probe_rows(max_rows, prefill_rows)
     if not from_cache:  # all of them, in the same turns, so that their figures compare
-        rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
         for name, turns_ms in time_kernels(candidates, shape.layers, rows, device).items():
             verdicts[name].record(turns_ms)
 
@@ -357,6 +361,14 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     if forced is None and (unusable := left_out(device)):
         reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
+
+
+def probe_rows(max_rows: int, prefill_rows: int) -> tuple[int, ...]:
+    """The row counts the engine calls a linear with that the probe times: decode steps up to
+    `max_rows`, and a prompt chunk of `prefill_rows` (capped at PROBE_PREFILL_ROWS)."""
+    rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
+    chunk = min(prefill_rows, PROBE_PREFILL_ROWS)
+    return (*rows, chunk) if chunk > rows[-1] else rows
 
 
 def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str | None) -> list[LinearKernel]:
