@@ -21,12 +21,23 @@ TABLE = """
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--weights", "q4_1,q3"], "--weights"), (["--slots", "1,0"], "--slots"), (["--turns", "0"], "--turns"),
-    (["--input-len", "0"], "--input-len")])
+    (["--input-len", "0"], "--input-len"), (["--model", "/no/such/file.gguf"], "--model"),
+    (["--model", __file__], "--model")])
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         llamacpp_compare.parse(argv)
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_model_file_replaces_the_default_weights_unless_they_are_named(tmp_path):
+    gguf = tmp_path / "shape-1.7b-Q4_0.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    alone = llamacpp_compare.parse(["--model", str(gguf)])
+    assert alone.model == [gguf] and alone.weights == []
+    beside = llamacpp_compare.parse(["--model", str(gguf), "--weights", "q4_1"])
+    assert beside.model == [gguf] and beside.weights == ["q4_1"]
+    assert llamacpp_compare.parse([]).weights == list(llamacpp_compare.WEIGHTS)
 
 
 def test_batched_bench_rows_are_read_by_slot_count(monkeypatch, tmp_path):
