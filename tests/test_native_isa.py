@@ -137,3 +137,35 @@ def test_the_start_up_line_names_the_isa_the_tiles_run_on():
     library = native.library()
     assert library.tiles_isa == _isas_here()[-1] if _isas_here() else library.tiles_isa == "portable"
     assert f"tiles on {library.tiles_isa}" in native.status()
+
+
+# ---- the repacking at load in C (csrc/repack.c) against the torch reference ----------------------
+
+@pytest.mark.parametrize("format_name", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("out_features", [1, 7, 8, 37])
+def test_the_c_repack_writes_the_torch_repacks_bytes(format_name, out_features):
+    repack = _repack()
+    in_features = 512
+    weight = random_weight(format_name, out_features, in_features, seed=out_features)
+    if format_name in K_FORMATS:
+        native, reference = repack.repack_k(weight), repack.repack_k_torch(weight)
+    else:
+        native, reference = repack.repack(weight), repack.repack_torch(weight)
+    assert torch.equal(native.blocks, reference.blocks)
+
+
+def test_q4_0_scales_at_the_f16_edges_get_the_torch_repacks_offsets_or_stay_in_the_file():
+    repack = _repack()
+    weight = random_weight("q4_0", 16, 64)
+    blocks = weight.blocks.clone().reshape(-1, 18)
+    # +-0, subnormals that stay subnormal and that become normal, and the largest normal that
+    # does not overflow (8188 x 8 = 65504)
+    scales = torch.tensor([0.0, -0.0, 2.0**-24, -(2.0**-20), 2.0**-17, 1.5 * 2.0**-15, 8188.0, -8188.0],
+                          dtype=torch.float16)
+    blocks[: len(scales), :2] = scales.view(torch.uint8).reshape(-1, 2)
+    edged = QuantizedWeight(weight.format, weight.shape, blocks.reshape(16, -1))
+    assert torch.equal(repack.repack(edged).blocks, repack.repack_torch(edged).blocks)
+    for overflowing in (8192.0, float("inf"), float("nan")):
+        blocks[0, :2] = torch.tensor([overflowing], dtype=torch.float16).view(torch.uint8)
+        held = QuantizedWeight(weight.format, weight.shape, blocks.reshape(16, -1).clone())
+        assert repack.repack(held) is held and repack.repack_torch(held) is held

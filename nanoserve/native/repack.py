@@ -11,6 +11,9 @@ Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
 Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents
 those layouts; a tied table in them serves lookups too).
+The repacking itself runs in C for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (csrc/repack.c: one pass, the
+groups split among the threads), in torch for the others (`repack_torch`, `repack_k_torch`: every
+format, the tests' reference for the C one).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
 Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS); the kernel choice leaves
 those matrices in their file layout for matmul_quant.c / matmul_more.c.
@@ -34,6 +37,7 @@ LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q5_0": FORMATS["q5_
 # Formats held in another's layout with the offset m = -SHIFT * d (exact in f16 unless it overflows).
 SHIFTED = {"q4_0": 8, "q5_0": 16}
 GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/matmul_gemm.c runs
+NATIVE_REPACKS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")  # the formats csrc/repack.c repacks
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -62,7 +66,36 @@ def has_gemm(weight: object) -> bool:
 
 def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     """`weight` in the interleaved layout; itself where there is no layout for its format (or
-    Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16)."""
+    Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16). Q4_0, Q4_1 and Q8_0 are
+    repacked in C (csrc/repack.c) where the library runs, the others by `repack_torch`."""
+    if not repackable(weight):
+        return weight
+    if weight.format.name in NATIVE_REPACKS and _lib() is not None:
+        blocks = _native_repack(weight, weight.shape[1] // 32)
+        return weight if blocks is None else RepackedWeight(weight.format, LAYOUT[weight.format.name],
+                                                            weight.shape, blocks)
+    return repack_torch(weight)
+
+
+def _native_repack(weight: QuantizedWeight, blocks_per_row: int) -> torch.Tensor | None:
+    """csrc/repack.c's layout of `weight`: uint8 [groups, blocks_per_row x group-block bytes], or
+    None where a Q4_0 scale's offset overflows f16."""
+    lib = _require()
+    groups = -(-weight.shape[0] // COLUMNS)
+    out = torch.empty(groups, blocks_per_row * lib.ns_repack_group_block_bytes(weight.format.ggml_type),
+                      dtype=torch.uint8)
+    source = weight.blocks.contiguous()
+    status = lib.ns_repack_blocks(weight.format.ggml_type, source.data_ptr(), out.data_ptr(), weight.shape[0],
+                                  weight.shape[1], torch.get_num_threads())
+    if status == -4:
+        return None
+    if status != 0:
+        raise ValueError(f"the native library refused to repack {weight.format.name} {weight.shape}")
+    return out
+
+
+def repack_torch(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
+    """`repack` in torch, for every format with a layout (the tests' reference for csrc/repack.c)."""
     if not repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -118,6 +151,9 @@ def _lib() -> ctypes.CDLL | None:
     for name in ISA_PRODUCTS:
         getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
+    lib.ns_repack_blocks.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, ctypes.c_int]
+    lib.ns_repack_blocks.restype = lib.ns_repack_group_block_bytes.restype = ctypes.c_int
+    lib.ns_repack_group_block_bytes.argtypes = [ctypes.c_int]
     for name in LOOKUPS:
         getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
@@ -239,7 +275,15 @@ def k_repackable(weight: object) -> bool:
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES."""
+    """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES. Q4_K and
+    Q6_K are repacked in C (csrc/repack.c) where the library runs, the others by `repack_k_torch`."""
+    if k_repackable(weight) and weight.format.name in NATIVE_REPACKS and _lib() is not None:
+        return KRepackedWeight(weight.format, weight.shape, _native_repack(weight, weight.shape[1] // 256))
+    return repack_k_torch(weight)
+
+
+def repack_k_torch(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
+    """`repack_k` in torch, for every K layout (the tests' reference for csrc/repack.c)."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
