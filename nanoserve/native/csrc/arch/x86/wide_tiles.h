@@ -65,6 +65,7 @@ static inline wt_vf WT(i8_unit)(const uint8_t *p, int64_t stride) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(WT(bytes_unit)(p, stride)));
 }
 #define WT_AND _mm512_and_si512
+#define WT_ADD_I _mm512_add_epi32
 #define WT_OR _mm512_or_si512
 #define WT_XOR _mm512_xor_si512
 #define WT_SRLI16 _mm512_srli_epi16
@@ -110,6 +111,7 @@ static inline wt_vf WT(i8_unit)(const uint8_t *p, int64_t stride) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #define WT_AND _mm256_and_si256
+#define WT_ADD_I _mm256_add_epi32
 #define WT_OR _mm256_or_si256
 #define WT_XOR _mm256_xor_si256
 #define WT_SRLI16 _mm256_srli_epi16
@@ -141,7 +143,19 @@ static inline void WT(store)(float *y, wt_vf v, int valid) {
 #error "WT_COLUMNS is 16 or 8"
 #endif
 
-enum { WT_MAX_ROWS = NS_WIDE_MAX_ROWS };
+enum { WT_MAX_ROWS = NS_WIDE_MAX_ROWS, WT_MAX_CHAINS = 4 };
+
+/* Independent integer sums a row keeps per block: one dot product waits for the one before it
+ * in its chain (vpdpbusd's latency is several cycles), so a short tile, whose rows alone give
+ * too few chains to fill the pipes, splits each row's sum and adds the parts at the end (an
+ * exact integer sum, in any order). */
+#define WT_CHAINS(rows) ((rows) >= 4 ? 1 : (rows) >= 2 ? 2 : 4)
+
+static inline __attribute__((always_inline)) wt_vi WT(sum_chains)(const wt_vi *parts, const int chains) {
+    wt_vi sum = parts[0];
+    for (int c = 1; c < chains; c++) sum = WT_ADD_I(sum, parts[c]);
+    return sum;
+}
 
 /* 4 activation bytes in every 32-bit lane (a broadcast the compiler folds into the dot product) */
 static inline wt_vi WT(broadcast4)(const int8_t *p) {
@@ -173,38 +187,45 @@ static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, con
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * bytes;
         WT(prefetch)(block, stride, bytes);
-        wt_vi isum[WT_MAX_ROWS];
+        const int chains = WT_CHAINS(rows);
+        wt_vi part[WT_MAX_ROWS][WT_MAX_CHAINS], isum[WT_MAX_ROWS];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < chains; c++) part[r][c] = WT_ZERO_I();
         if (fmt == NS_WIDE_Q4_1) {
-            for (int r = 0; r < rows; r++) isum[r] = WT_ZERO_I();
             for (int t = 0; t < 4; t++) {
                 const wt_vi w = WT(load_unit)(block + 32 + 32 * t, stride);
                 const wt_vi lo = WT_AND(w, low4), hi = WT_AND(WT_SRLI16(w, 4), low4);
                 for (int r = 0; r < rows; r++) {
                     const int8_t *xq = x[r * blocks + b].qs;
-                    isum[r] = WT_DOT(isum[r], lo, WT(broadcast4)(xq + 4 * t));
-                    isum[r] = WT_DOT(isum[r], hi, WT(broadcast4)(xq + 16 + 4 * t));
+                    wt_vi *even = &part[r][(2 * t) % chains], *odd = &part[r][(2 * t + 1) % chains];
+                    *even = WT_DOT(*even, lo, WT(broadcast4)(xq + 4 * t));
+                    *odd = WT_DOT(*odd, hi, WT(broadcast4)(xq + 16 + 4 * t));
                 }
             }
         } else {
 #if WT_VNNI
             for (int r = 0; r < rows; r++) {
                 const xblock *xb = x + r * blocks + b;
-                isum[r] = WT_SET1_32(-128 * (xb->half_sums[0] + xb->half_sums[1]));
+                part[r][0] = WT_SET1_32(-128 * (xb->half_sums[0] + xb->half_sums[1]));
             }
             for (int t = 0; t < 8; t++) {
                 const wt_vi biased = WT_XOR(WT(load_unit)(block + 16 + 32 * t, stride), WT_SET1_8((char)0x80));
-                for (int r = 0; r < rows; r++)
-                    isum[r] = WT_DOT(isum[r], biased, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+                for (int r = 0; r < rows; r++) {
+                    wt_vi *chain = &part[r][t % chains];
+                    *chain = WT_DOT(*chain, biased, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+                }
             }
 #else
-            for (int r = 0; r < rows; r++) isum[r] = WT_ZERO_I();
             for (int t = 0; t < 8; t++) {
                 const wt_vi w = WT(load_unit)(block + 16 + 32 * t, stride), magnitude = WT_ABS8(w);
-                for (int r = 0; r < rows; r++)
-                    isum[r] = WT_DOT(isum[r], magnitude, WT_SIGN_ONTO(WT(broadcast4)(x[r * blocks + b].qs + 4 * t), w));
+                for (int r = 0; r < rows; r++) {
+                    wt_vi *chain = &part[r][t % chains];
+                    *chain = WT_DOT(*chain, magnitude, WT_SIGN_ONTO(WT(broadcast4)(x[r * blocks + b].qs + 4 * t), w));
+                }
             }
 #endif
         }
+        for (int r = 0; r < rows; r++) isum[r] = WT(sum_chains)(part[r], chains);
         const wt_vf d = WT(f16_unit)(block, stride);
         for (int r = 0; r < rows; r++)
             acc[r] = WT_FMA(WT_CVT(isum[r]), WT_MUL(d, WT_SET1_F(x[r * blocks + b].d)), acc[r]);
@@ -239,11 +260,20 @@ static inline __attribute__((always_inline)) wt_vi WT(q6_k_chunk)(const uint8_t 
 static inline __attribute__((always_inline)) void WT(q6_k_half)(const int rows, const uint8_t *block, int64_t stride,
                                                               int s, const int i, const int half, const xblock *x,
                                                               int64_t blocks, int64_t b, wt_vi *sums) {
-    for (int r = 0; r < rows; r++) sums[r] = WT_SET1_32(-32 * x[r * blocks + b].half_sums[half]);
+    const int chains = (WT_CHAINS(rows) + 1) / 2; /* four dot products a half: two chains at most */
+    wt_vi parts[WT_MAX_ROWS][2];
+    for (int r = 0; r < rows; r++) {
+        parts[r][0] = WT_SET1_32(-32 * x[r * blocks + b].half_sums[half]);
+        if (chains > 1) parts[r][1] = WT_ZERO_I();
+    }
     for (int t = 4 * half; t < 4 * half + 4; t++) {
         const wt_vi q = WT(q6_k_chunk)(block, stride, s, i, t);
-        for (int r = 0; r < rows; r++) sums[r] = WT_DOT(sums[r], q, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+        for (int r = 0; r < rows; r++) {
+            wt_vi *chain = &parts[r][t % chains];
+            *chain = WT_DOT(*chain, q, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+        }
     }
+    for (int r = 0; r < rows; r++) sums[r] = WT(sum_chains)(parts[r], chains);
 }
 
 /* Q4_K's sub-blocks 2p and 2p + 1 (activation blocks b and b + 1) against the tile's rows: one
@@ -252,15 +282,22 @@ static inline __attribute__((always_inline)) void WT(q6_k_half)(const int rows, 
 static inline __attribute__((always_inline)) void WT(q4_k_pair)(const int rows, const uint8_t *block, int64_t stride,
                                                               int p, const xblock *x, int64_t blocks, int64_t b,
                                                               wt_vf *acc) {
-    wt_vi low_sums[WT_MAX_ROWS], high_sums[WT_MAX_ROWS];
-    for (int r = 0; r < rows; r++) low_sums[r] = high_sums[r] = WT_ZERO_I();
+    const int chains = (WT_CHAINS(rows) + 1) / 2; /* the low and high sums are two chains already */
+    wt_vi low_parts[WT_MAX_ROWS][2], high_parts[WT_MAX_ROWS][2], low_sums[WT_MAX_ROWS], high_sums[WT_MAX_ROWS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < chains; c++) low_parts[r][c] = high_parts[r][c] = WT_ZERO_I();
     for (int t = 0; t < 8; t++) {
         const wt_vi w = WT(load_unit)(block + WT_Q4_K_CODES + 256 * p + 32 * t, stride);
         const wt_vi low = WT_AND(w, WT_SET1_8(0x0F)), high = WT_AND(WT_SRLI16(w, 4), WT_SET1_8(0x0F));
         for (int r = 0; r < rows; r++) {
-            low_sums[r] = WT_DOT(low_sums[r], low, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
-            high_sums[r] = WT_DOT(high_sums[r], high, WT(broadcast4)(x[r * blocks + b + 1].qs + 4 * t));
+            wt_vi *low_chain = &low_parts[r][t % chains], *high_chain = &high_parts[r][t % chains];
+            *low_chain = WT_DOT(*low_chain, low, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+            *high_chain = WT_DOT(*high_chain, high, WT(broadcast4)(x[r * blocks + b + 1].qs + 4 * t));
         }
+    }
+    for (int r = 0; r < rows; r++) {
+        low_sums[r] = WT(sum_chains)(low_parts[r], chains);
+        high_sums[r] = WT(sum_chains)(high_parts[r], chains);
     }
     const wt_vf d = WT(f16_unit)(block, stride);
     const wt_vf low_scale = WT(u8_unit)(block + 32 + 8 * (2 * p), stride);
