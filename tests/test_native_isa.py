@@ -169,3 +169,20 @@ def test_q4_0_scales_at_the_f16_edges_get_the_torch_repacks_offsets_or_stay_in_t
         blocks[0, :2] = torch.tensor([overflowing], dtype=torch.float16).view(torch.uint8)
         held = QuantizedWeight(weight.format, weight.shape, blocks.reshape(16, -1).clone())
         assert repack.repack(held) is held and repack.repack_torch(held) is held
+
+
+def test_a_benchmark_can_switch_the_tiles_isa_between_calls_and_back():
+    repack = _repack()
+    packed = repack.repack(random_weight("q4_0", 40, 256))
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    chosen = native.library().tiles_isa
+    expected = repack.matmul(x, packed, portable=True)
+    for isa in _isas_here():
+        before = native.choose_tiles_isa(isa)
+        try:
+            assert torch.equal(repack.matmul(x, packed), expected), isa
+        finally:
+            native.choose_tiles_isa(before)
+    assert native.choose_tiles_isa(chosen) == chosen
+    with pytest.raises(ValueError, match="isa"):
+        native.choose_tiles_isa("sse9")

@@ -68,8 +68,8 @@ def _load() -> tuple[NativeLibrary | None, str]:
     lib.ns_native_calls.restype = ctypes.c_uint64
     if lib.ns_abi_version() != ABI_VERSION:
         return None, f"{build.path} has ABI {lib.ns_abi_version()}, expected {ABI_VERSION}"
-    lib.ns_isa_available.argtypes = [ctypes.c_int]
-    lib.ns_isa_available.restype = lib.ns_isa_chosen.restype = ctypes.c_int
+    lib.ns_isa_available.argtypes = lib.ns_isa_choose.argtypes = [ctypes.c_int]
+    lib.ns_isa_available.restype = lib.ns_isa_chosen.restype = lib.ns_isa_choose.restype = ctypes.c_int
     return NativeLibrary(lib, lib.ns_isa().decode(), ISAS[lib.ns_isa_chosen()], build), build.reason
 
 
@@ -88,6 +88,19 @@ def bound(cache: list, bind: Callable[[ctypes.CDLL], T]) -> T | None:
     if not cache or cache[0][0] is not native:
         cache[:] = [(native, bind(native.lib))]
     return cache[0][1]
+
+
+def choose_tiles_isa(name: str) -> str:
+    """For a benchmark comparing ISAs in one process, between steps: the block tiles run on ISA
+    `name` (one of `isas()`) from the next call on; returns the one they ran on. The start-up
+    line keeps naming the ISA chosen at load."""
+    native = library()
+    if native is None:
+        raise RuntimeError(status())
+    previous = ISAS[native.lib.ns_isa_chosen()]
+    if name not in ISAS or native.lib.ns_isa_choose(ISAS.index(name)) != 0:
+        raise ValueError(f"isa: {name!r} does not run here (this CPU runs {', '.join(native.isas())})")
+    return previous
 
 
 def calls() -> int:

@@ -39,10 +39,19 @@ static ns_isa_level choose(void) {
     return NS_ISA_PORTABLE;
 }
 
+static int best = -1; /* a race writes the same value */
+
 ns_isa_level ns_isa_best(void) {
-    static int best = -1; /* a race writes the same value */
     if (best < 0) best = choose();
     return (ns_isa_level)best;
+}
+
+/* For a benchmark comparing ISAs in one process, between calls (no kernel may be running): the
+ * ISA every later call runs, if it runs here. Returns 0, or -1 leaving the choice as it was. */
+NS_EXPORT int ns_isa_choose(int isa) {
+    if (!ns_isa_runs(isa)) return -1;
+    best = isa;
+    return 0;
 }
 
 /* For Python: the label of ISA `isa` (0 .. NS_ISA_COUNT - 1) and whether it runs here. */
