@@ -135,7 +135,9 @@ def test_an_isa_this_cpu_lacks_or_an_unknown_name_is_refused():
 
 def test_the_start_up_line_names_the_isa_the_tiles_run_on():
     library = native.library()
-    assert library.tiles_isa == _isas_here()[-1] if _isas_here() else library.tiles_isa == "portable"
+    # isa.h: AVX-512 without VNNI runs only when named
+    chosen_by_default = [isa for isa in _isas_here() if isa != "avx512"]
+    assert library.tiles_isa == (chosen_by_default[-1] if chosen_by_default else "portable")
     assert f"tiles on {library.tiles_isa}" in native.status()
 
 

@@ -30,6 +30,7 @@ DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
 
 
 # csrc/isa.h's ISAs, in its order: the wide block tiles run on the last one that runs here
+# (AVX-512 without VNNI only when NANOSERVE_ISA names it)
 ISAS = ("portable", "avx2", "avxvnni", "avx512", "avx512vnni")
 ISA_VARIABLE = "NANOSERVE_ISA"  # holds the block tiles to a narrower ISA (to compare them)
 # The layouts with a wide tile (csrc/arch/x86/wide_tiles.h); the others run the AVX2 tiles.

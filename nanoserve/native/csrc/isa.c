@@ -35,7 +35,7 @@ static ns_isa_level choose(void) {
         for (int isa = 0; isa < NS_ISA_COUNT; isa++)
             if (strcmp(forced, LABELS[isa]) == 0 && ns_isa_runs(isa)) return (ns_isa_level)isa;
     for (int isa = NS_ISA_COUNT - 1; isa > 0; isa--)
-        if (ns_isa_runs(isa)) return (ns_isa_level)isa;
+        if (isa != NS_ISA_AVX512 && ns_isa_runs(isa)) return (ns_isa_level)isa;
     return NS_ISA_PORTABLE;
 }
 

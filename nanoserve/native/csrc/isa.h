@@ -19,7 +19,9 @@ typedef enum {
 
 /* Whether this library has `isa` compiled in and this CPU runs it. */
 int ns_isa_runs(int isa);
-/* The widest ISA that runs here, unless NANOSERVE_ISA names a narrower one that does. */
+/* The widest ISA that runs here, unless NANOSERVE_ISA names another that does. AVX-512 without
+ * VNNI is taken only when named: on the one machine it was measured on (results of
+ * bench.block_kernels, bench.isa_compare) its maddubs tiles lost to AVX2's on Q4_0 and Q4_K. */
 ns_isa_level ns_isa_best(void);
 const char *ns_isa_label(int isa);
 
