@@ -165,6 +165,9 @@ def profile_table(frame, title: str):
     table.add_column("other ms", justify="right")
     table.add_column("forward: linears ms", justify="right")
     table.add_column("forward: attention ms (share of step)", justify="right")
+    with_peak = "linear_peak_fraction" in frame.columns
+    if with_peak:
+        table.add_column(f"linears / {frame['peak_isa'].iloc[0]} peak", justify="right")
     table.add_column("forward: rest ms (per row)", justify="right")
     table.add_column("native calls", justify="right")
     table.add_column("tok/s", justify="right")
@@ -175,6 +178,7 @@ def profile_table(frame, title: str):
                       f"{row.other_ms:.2f}",
                       f"{row.forward_linear_ms:.2f}",
                       f"{row.forward_attention_ms:.2f} ({row.attention_share:.2f})",
+                      *([f"{row.linear_peak_fraction:.2f}"] if with_peak else []),
                       f"{row.forward_rest_ms:.2f} ({row.forward_rest_ms_per_row:.2f})",
                       f"{row.native_calls_per_step:.0f}", f"{row.decode_tokens_per_s:.1f}")
     return table

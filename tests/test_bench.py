@@ -7,6 +7,7 @@ tests stay fast (the probes themselves are exercised in one test with a tiny bud
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import sys
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 
 import nanoserve_cli.bench
 import nanoserve_cli.profile
+from nanoserve import native
 from nanoserve.bench import hardware, offline, serve
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
@@ -422,6 +424,24 @@ def test_machine_description_and_probes_give_plausible_figures():
     assert hardware.gemm_gflops(4, budget_s=0.01) > 0
 
 
+def test_the_peak_probe_counts_every_lane_and_scales_with_rounds():
+    library = native.library()
+    if library is None or library.tiles_isa == "portable":
+        pytest.skip(f"no vector ISA to probe ({native.status()})")
+    probe = library.lib.ns_peak_ops
+    probe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    probe.restype = ctypes.c_int64
+    lanes = {"avx512vnni": 64, "avx512": 64, "avxvnni": 32, "avx2": 32}  # int8 pairs a register
+    for isa in library.isas()[1:]:
+        number = native.ISAS.index(isa)
+        # 12 chains, each a multiply and an add per byte pair, on every thread
+        assert probe(number, 0, 10, 2) == 2 * 10 * 12 * lanes[isa] * 2
+        assert probe(number, 1, 10, 1) == 10 * 12 * lanes[isa] // 4 * 2  # float32: a quarter the lanes
+    assert probe(0, 0, 10, 1) == 0  # portable C has no peak to probe
+    peak = hardware.compute_peak(1, budget_s=0.02)
+    assert peak.isa == library.tiles_isa and peak.int8_gops > 0 and peak.f32_gflops > 0
+
+
 def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir, tmp_path):
     out = tmp_path / "profile.csv"
     result = invoke("profile", "--model", str(tiny_model_dir), "--slots", "2", "--input-len", "4",
@@ -445,6 +465,13 @@ def test_profile_runs_the_torch_and_native_small_ops_side_by_side(tiny_model_dir
     assert frame.roofline_step_ms.tolist() == pytest.approx(expected.tolist(), rel=1e-4)
     fraction = frame.roofline_step_ms / frame.step_ms
     assert frame.roofline_fraction.tolist() == pytest.approx(fraction.tolist(), rel=1e-4)
+    # The linears beside the cores' peak: their operations a second over the probed rate.
+    if "linear_peak_fraction" in frame.columns:
+        assert frame.peak_isa[0] == native.library().tiles_isa
+        achieved = frame.linear_ops_per_step / (frame.forward_linear_ms / 1e3) / 1e9
+        assert frame.linear_gops.tolist() == pytest.approx(achieved.tolist(), rel=1e-4)
+        assert frame.linear_peak_fraction.tolist() == pytest.approx(
+            (frame.linear_gops / frame.measured_f32_peak_gflops).tolist(), rel=1e-3)
 
 
 def test_every_neighbour_kind_is_a_body_the_protocol_accepts_under_the_body_limit():

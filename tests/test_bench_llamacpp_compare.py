@@ -21,7 +21,8 @@ TABLE = """
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--weights", "q4_1,q3"], "--weights"), (["--slots", "1,0"], "--slots"), (["--turns", "0"], "--turns"),
-    (["--input-len", "0"], "--input-len"), (["--gguf", "no/such/shape.gguf"], "--gguf")])
+    (["--input-len", "0"], "--input-len"), (["--model", "/no/such/file.gguf"], "--model"),
+    (["--model", __file__], "--model")])
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         llamacpp_compare.parse(argv)
@@ -29,13 +30,13 @@ def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
-def test_a_gguf_file_replaces_the_default_models_files_unless_weights_are_named(tmp_path):
-    shape = tmp_path / "shape-1b-Q4_K_M.gguf"
-    shape.write_bytes(b"GGUF")
-    alone = llamacpp_compare.parse(["--gguf", str(shape), "--input-len", "32000"])
-    assert alone.gguf == [shape] and alone.weights == [] and alone.input_len == 32000
-    both = llamacpp_compare.parse(["--gguf", str(shape), "--weights", "q4_1"])
-    assert both.weights == ["q4_1"]
+def test_a_model_file_replaces_the_default_weights_unless_they_are_named(tmp_path):
+    gguf = tmp_path / "shape-1.7b-Q4_0.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    alone = llamacpp_compare.parse(["--model", str(gguf)])
+    assert alone.model == [gguf] and alone.weights == []
+    beside = llamacpp_compare.parse(["--model", str(gguf), "--weights", "q4_1"])
+    assert beside.model == [gguf] and beside.weights == ["q4_1"]
     assert llamacpp_compare.parse([]).weights == list(llamacpp_compare.WEIGHTS)
 
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from nanoserve import native
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.llm import LLM
-from nanoserve.loading.gguf import convert_gguf, gguf_weights, unpermute_qk
+from nanoserve.loading.gguf import convert_gguf, gguf_weights, read_tensors, unpermute_qk
 from nanoserve.loading.hf_config import read_model_config
 from nanoserve.loading.hf_names import hf_tensor_shapes
 from nanoserve.model.linear import QUANTIZED_KERNELS
@@ -162,6 +162,30 @@ def private_cache(tmp_path, monkeypatch) -> Path:
 def _quantized_gguf(wide_model_dir: Path, tmp_path: Path, type_name: str) -> Path:
     return write_tiny_gguf(tmp_path / f"wide-{type_name}.gguf", wide_model_dir,
                            matrix_type=GGMLQuantizationType[type_name])
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "F16"])
+def test_the_tensor_table_reader_finds_what_ggufs_reader_finds(type_name, wide_model_dir, tmp_path):
+    path = _quantized_gguf(wide_model_dir, tmp_path, type_name)
+    theirs = GGUFReader(path).tensors
+    ours = read_tensors(path)
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.tensor_type == reference.tensor_type and mine.n_bytes == reference.n_bytes
+        assert mine.shape.tolist() == reference.shape.tolist()
+        their_bytes = np.ascontiguousarray(reference.data).view(np.uint8).reshape(-1)
+        assert np.array_equal(mine.data.reshape(-1), their_bytes)
+
+
+def test_the_tensor_table_reader_refuses_a_cut_file_and_a_stranger(wide_model_dir, tmp_path):
+    path = _quantized_gguf(wide_model_dir, tmp_path, "Q8_0")
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ModelNotFoundError, match="truncated"):
+        read_tensors(path)
+    stranger = tmp_path / "stranger.gguf"
+    stranger.write_bytes(b"GGUF but truncated")
+    with pytest.raises(ModelNotFoundError, match="not a readable GGUF"):
+        read_tensors(stranger)
 
 
 def _llm(path: Path, **options) -> LLM:

@@ -96,6 +96,15 @@ def test_plain_choice_is_the_fastest_measured(tmp_path):
     assert choice.kernel.name == fastest and choice.reason.startswith("fastest (")
 
 
+def test_the_probe_times_a_prompt_chunk_beside_the_decode_steps(tmp_path):
+    assert linear.probe_rows(8, 512) == (1, 4, linear.PROBE_PREFILL_ROWS)  # capped
+    assert linear.probe_rows(32, 48) == (1, 4, 16, 32, 48)
+    assert linear.probe_rows(32, 16) == (1, 4, 16, 32)  # a chunk no longer than a decode step
+    choice = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=False,
+                           cache_path=tmp_path / "kernels.json")
+    assert all(list(v.ms_by_rows) == [1, 4, 32] for v in choice.verdicts.values())
+
+
 def test_second_start_reads_the_cache_and_measures_nothing(tmp_path, monkeypatch):
     cache = tmp_path / "kernels.json"
     monkeypatch.setattr(linear, "time_kernels", canned_turns(clear_turns))
@@ -335,3 +344,17 @@ def test_a_tie_measured_quietly_is_cached_and_a_clear_margin_despite_noise_too(t
                                cache_path=cache)
         assert first.kernel.name == "aten-tile16" and "not cached" not in first.reason
         assert measure.calls == 1 and second.from_cache and second.kernel.name == "aten-tile16"
+
+
+def test_the_self_test_multiplies_each_weights_first_columns_over_the_whole_reduction():
+    packed_shapes = []
+
+    def pack(weight):
+        packed_shapes.append(tuple(weight.shape))
+        return weight
+
+    spy = LinearKernel("spy", "records what it packs", pack,
+                       lambda x, w: torch.zeros(x.shape[0], w.shape[0]), ("cpu",))
+    shape = ProbeShape([[torch.randn(300, 64), torch.randn(40, 64)]], torch.randn(1000, 64))
+    assert self_test(spy, shape, max_rows=4, prefill_rows=8) == ""
+    assert packed_shapes == [(linear.SELF_TEST_COLUMNS, 64), (40, 64), (linear.SELF_TEST_COLUMNS, 64)]

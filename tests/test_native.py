@@ -1,5 +1,6 @@
 """The native kernel library: built once per machine, found again, and never required."""
 
+import shutil
 import subprocess
 
 import pytest
@@ -30,13 +31,24 @@ def test_first_build_compiles_and_a_second_compiles_nothing(tmp_path, monkeypatc
 @needs_compiler
 def test_an_edited_source_builds_anew(tmp_path):
     sources = tmp_path / "csrc"
-    sources.mkdir()
-    for source in build.SOURCE_DIR.iterdir():
-        (sources / source.name).write_bytes(source.read_bytes())
+    shutil.copytree(build.SOURCE_DIR, sources)
     before = build.build_library(sources, tmp_path / "cache")
     (sources / "runtime.c").write_text((sources / "runtime.c").read_text() + "\n/* edited */\n")
     after = build.build_library(sources, tmp_path / "cache")
     assert before.path != after.path and after.compile_s > 0
+
+
+@needs_compiler
+def test_a_source_in_a_subfolder_is_built_and_keys_the_build(tmp_path):
+    sources = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, sources)
+    cc = build.compiler()
+    files = sorted(sources.rglob("*.[ch]"))
+    assert sources / "arch" / "x86" / "wide_tiles.c" in files
+    before = build.build_key(files, cc, sources)
+    nested = sources / "arch" / "x86" / "wide_tiles.c"
+    nested.write_text(nested.read_text() + "\n/* edited */\n")
+    assert build.build_key(files, cc, sources) != before
 
 
 @needs_compiler

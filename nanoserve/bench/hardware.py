@@ -4,7 +4,9 @@ Owns: a description of the machine (CPU model, cores, torch version and threads,
 the git commit of the code measured, a read-bandwidth probe (the best of a few streaming
 reads over 512 MB: a sum, a dot product and a matrix-vector product, since on some CPUs one
 of them is itself a slow kernel and would understate the memory), a GEMM FLOP/s probe that
-runs the linear kernel the engine runs, and per-config peak memory.
+runs the linear kernel the engine runs, a peak probe of the cores' own int8 dot-product and
+float32 FMA rates on the widest ISA the native tiles run (`compute_peak`), and per-config
+peak memory.
 Each probe runs for about a second, so it can run beside the measurement it calibrates.
 Refuses: quoting figures from elsewhere; every limit here is measured in the same process.
 """
@@ -12,6 +14,7 @@ Refuses: quoting figures from elsewhere; every limit here is measured in the sam
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import subprocess
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve import native
 from nanoserve.machine import cpu_model, vector_flags
 from nanoserve.model.linear import KERNELS, LinearKernel
 
@@ -148,6 +152,47 @@ def gemm_gflops(rows: int, device: torch.device | str = "cpu", *, dtype: torch.d
     x = torch.randn(rows, GEMM_IN_FEATURES, device=device).to(dtype)
     seconds = best_seconds(lambda: kernel.apply(x, weight), device, budget_s=budget_s)
     return 2.0 * rows * GEMM_IN_FEATURES * GEMM_OUT_FEATURES / seconds / 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class ComputePeak:
+    """What the cores retire a second with every lane busy and no memory touched (csrc/arch/x86/
+    peak.c): int8 multiply-adds (the quantized tiles' vpdpbusd, or maddubs + madd) and float32
+    FMAs, on `isa`, across `threads` threads; operations count a multiply and an add each."""
+
+    isa: str
+    threads: int
+    int8_gops: float
+    f32_gflops: float
+
+    def columns(self) -> dict[str, object]:
+        return {"peak_isa": self.isa, "measured_int8_peak_gops": round(self.int8_gops, 1),
+                "measured_f32_peak_gflops": round(self.f32_gflops, 1)}
+
+
+# Rounds of a peak probe call: a few milliseconds of one core's chains
+PEAK_ROUNDS = 200_000
+
+
+def compute_peak(threads: int | None = None, *, budget_s: float = 0.3) -> ComputePeak | None:
+    """The peak probe on the ISA the native tiles run here, best of about `budget_s` per rate;
+    None with the native library off or no vector ISA."""
+    library = native.library()
+    if library is None or library.tiles_isa == "portable":
+        return None
+    threads = threads or torch.get_num_threads()
+    probe = library.lib.ns_peak_ops
+    probe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    probe.restype = ctypes.c_int64
+    isa = native.ISAS.index(library.tiles_isa)
+
+    def rate(float32: int) -> float:
+        ops = probe(isa, float32, PEAK_ROUNDS, threads)
+        seconds = best_seconds(lambda: probe(isa, float32, PEAK_ROUNDS, threads), torch.device("cpu"),
+                               budget_s=budget_s / 2)
+        return ops / seconds / 1e9
+
+    return ComputePeak(library.tiles_isa, threads, rate(0), rate(1))
 
 
 @dataclass(frozen=True, slots=True)

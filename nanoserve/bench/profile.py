@@ -10,7 +10,9 @@ Python); and, on
 request, a torch.profiler Chrome trace of a few steps, with the phases the engine names there;
 for a mixture of experts, its routed-rows histogram and per-expert matmul time (`expert_profile`);
 and each step beside its memory roofline (the weight bytes and the K/V bytes a step reads over
-this machine's streaming read bandwidth, measured once per profile).
+this machine's streaming read bandwidth, measured once per profile) and its linears beside the
+cores' compute peak (`hardware.compute_peak`: int8 dot products for block formats, float32 FMAs
+otherwise): `linear_peak_fraction` is the linears' operations a second over that peak.
 Refuses: printing and file formats beyond the trace (the CLI and `charts` do those).
 """
 
@@ -28,7 +30,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from nanoserve import native
 from nanoserve.bench.driver import StepRecord, run_closed_loop
-from nanoserve.bench.hardware import read_bandwidth_gbs
+from nanoserve.bench.hardware import compute_peak, read_bandwidth_gbs
 from nanoserve.bench.offline import ModelCost, kv_blocks_for, sampling_params, synthetic_prompts
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import PHASES, Engine
@@ -291,9 +293,25 @@ def profile_engine(engine: Engine, spec: ProfileSpec,
     frame = frame.assign(weight_bytes_per_step=weight_bytes, kv_bytes_per_step=kv_bytes,
                          measured_read_gbs=read_gbs, roofline_step_ms=roofline_ms,
                          roofline_fraction=roofline_ms / frame["step_ms"])
+    frame = with_compute_peak(frame, engine)
     return frame.assign(params=spec.params, dtype=spec.dtype, weight_format=engine.weight_format,
                         batch_invariant=spec.batch_invariant, prefix_caching=spec.prefix_caching,
                         input_len=spec.input_len, output_len=spec.output_len)
+
+
+def with_compute_peak(frame: pd.DataFrame, engine: Engine) -> pd.DataFrame:
+    """The frame with the linears' operations a step and their fraction of the cores' peak (int8
+    for a block-format model, float32 otherwise); unchanged where no peak probe runs (the
+    native library off, or a GPU)."""
+    peak = compute_peak(torch.get_num_threads()) if engine.device.type == "cpu" else None
+    if peak is None:
+        return frame
+    quantized = engine.weight_format.split("+")[0] not in ("float32", "bfloat16", "float16")
+    peak_gops = peak.int8_gops if quantized else peak.f32_gflops
+    ops = 2.0 * engine.model_config.matmul_params * frame["mean_rows"]
+    achieved_gops = ops / (frame["forward_linear_ms"] / 1e3) / 1e9
+    return frame.assign(**peak.columns(), linear_ops_per_step=ops, linear_gops=achieved_gops,
+                        linear_peak_fraction=achieved_gops / peak_gops)
 
 
 def write_trace(engine: Engine, spec: ProfileSpec) -> Path:

@@ -33,13 +33,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
@@ -155,6 +157,86 @@ def open_gguf(path: str | Path) -> GGUFReader:
                 f"{path}: truncated or corrupt GGUF file (tensor {tensor.name!r} holds "
                 f"{tensor.data.nbytes} of its {tensor.n_bytes} bytes)")
     return reader
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a GGUF file as `read_tensors` finds it: what gguf_weights reads of gguf's
+    ReaderTensor (its dims fastest-varying first; its bytes a read-only view of the map)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray  # uint8 [rows, bytes a row]
+    n_bytes: int
+
+
+# GGUF's key/value types (gguf.GGUFValueType) -> the bytes of one scalar value (8: a string,
+# 9: an array; neither has a fixed size)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def read_tensors(path: str | Path) -> list[TensorEntry]:
+    """The file's tensors, reading the key/value section only to step over it (gguf's reader
+    builds every value, a 49152-word vocabulary's one at a time: seconds at every start).
+    Raises ModelNotFoundError for a file that is not a readable GGUF or is cut short."""
+    try:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        return _tensor_entries(path, mapped, memoryview(mapped))
+    except (OSError, ValueError, IndexError, KeyError, struct.error, UnicodeDecodeError) as err:
+        raise ModelNotFoundError(f"{path}: not a readable GGUF file ({err})") from err
+
+
+def _tensor_entries(path: str | Path, mapped: np.ndarray, view: memoryview) -> list[TensorEntry]:
+    magic, version, tensor_count, kv_count = struct.unpack_from("<4sIQQ", view, 0)
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"magic {magic!r}, version {version}")
+    at, alignment = 24, 32
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", view, at)
+        return bytes(view[at + 8 : at + 8 + length]).decode(), at + 8 + length
+
+    def skip(kind: int, at: int) -> int:
+        if kind == _STRING:
+            return at + 8 + struct.unpack_from("<Q", view, at)[0]
+        if kind != _ARRAY:
+            return at + _SCALAR_BYTES[kind]
+        item, count = struct.unpack_from("<IQ", view, at)
+        at += 12
+        if item in _SCALAR_BYTES:
+            return at + count * _SCALAR_BYTES[item]
+        for _ in range(count):
+            at = skip(item, at)
+        return at
+
+    for _ in range(kv_count):
+        key, at = string(at)
+        (kind,) = struct.unpack_from("<I", view, at)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", view, at + 4)
+        at = skip(kind, at + 4)
+    infos = []
+    for _ in range(tensor_count):
+        name, at = string(at)
+        (dims,) = struct.unpack_from("<I", view, at)
+        shape = np.array(struct.unpack_from(f"<{dims}Q", view, at + 4), dtype=np.uint64)
+        kind, offset = struct.unpack_from("<IQ", view, at + 4 + 8 * dims)
+        at += 4 + 8 * dims + 12
+        infos.append((name, GGMLQuantizationType(kind), shape, offset))
+    start = -(-at // alignment) * alignment
+    entries = []
+    for name, kind, shape, offset in infos:
+        block_values, block_bytes = GGML_QUANT_SIZES[kind]
+        row_bytes = int(shape[0]) // block_values * block_bytes
+        n_bytes = row_bytes * math.prod(int(d) for d in shape[1:])
+        data = mapped[start + offset : start + offset + n_bytes]
+        if data.nbytes != n_bytes:
+            raise ModelNotFoundError(f"{path}: truncated or corrupt GGUF file (tensor {name!r} holds "
+                                     f"{data.nbytes} of its {n_bytes} bytes)")
+        entries.append(TensorEntry(name, kind, shape, data.reshape(-1, row_bytes), n_bytes))
+    return entries
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -484,7 +566,7 @@ def gguf_weights(gguf_path: str | Path, config: dict[str, Any],
     heads = _permuted_heads(config)
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     dequantized: dict[str, list[str]] = {}
-    for tensor in open_gguf(gguf_path).tensors:
+    for tensor in read_tensors(gguf_path):
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
         kind = tensor.name.split(".")[-2]

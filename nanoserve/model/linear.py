@@ -46,6 +46,14 @@ ROW_TILE = 16
 ONEDNN_BATCH_HINT = 16
 # Rows of the speed probe: one request, a few, and a full decode step (capped at max rows).
 PROBE_ROWS = (1, 4, 16, 32)
+# And a prompt chunk, capped here: past a few panels of rows a block GEMM's cost grows with its
+# rows, so this many predict a longer chunk, and the probe stays short enough for start-up.
+PROBE_PREFILL_ROWS = 64
+# Output features of each weight the self-test multiplies: a row's bits hang on its reduction
+# over K (whole here) and on the rows beside it, not on how many columns there are, and a slice
+# this wide still spans several column units per thread; the full matrices made a first start
+# wait seconds for rows computed one at a time.
+SELF_TEST_COLUMNS = 256
 # Enough layers that the probe streams its weights from memory rather than from the L3 cache.
 PROBE_MIN_BYTES = 128 << 20
 # Turns of the speed probe. A turn times every candidate once at a row count, in an order
@@ -61,7 +69,8 @@ QUIET_SPREAD = 0.10
 # Bump when a kernel's code or the way they are timed changes, so verdicts cached by older code
 # are measured again (the native kernels' own changes are keyed by their build's source hash).
 # 7: kernels timed in alternating turns; earlier verdicts may hold a stall's flipped choice.
-CACHE_VERSION = 7
+# 8: a prompt chunk among the probe's row counts; the self-test on each weight's first columns.
+CACHE_VERSION = 8
 # Rows from which `native-quant-gemm` runs the prefill GEMM: the probe's 16- and 32-row calls
 # measure it against the x8 tiles, and the self-test crosses the threshold.
 GEMM_MIN_ROWS = 16
@@ -317,8 +326,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     cached = _read_cache(cache_path, key)
     verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
     from_cache = all(v.ms_by_rows for v in verdicts.values())
+    rows = probe_rows(max_rows, prefill_rows)
     if not from_cache:  # all of them, in the same turns, so that their figures compare
-        rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
         for name, turns_ms in time_kernels(candidates, shape.layers, rows, device).items():
             verdicts[name].record(turns_ms)
 
@@ -357,6 +366,14 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     if forced is None and (unusable := left_out(device)):
         reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
+
+
+def probe_rows(max_rows: int, prefill_rows: int) -> tuple[int, ...]:
+    """The row counts the engine calls a linear with that the probe times: decode steps up to
+    `max_rows`, and a prompt chunk of `prefill_rows` (capped at PROBE_PREFILL_ROWS)."""
+    rows = tuple(r for r in PROBE_ROWS if r <= max_rows) or (1,)
+    chunk = min(prefill_rows, PROBE_PREFILL_ROWS)
+    return (*rows, chunk) if chunk > rows[-1] else rows
 
 
 def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str | None) -> list[LinearKernel]:
@@ -429,15 +446,17 @@ def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill
               seed: int = 0) -> str:
     """'' when every row's bits are independent of the call it is in; else where they moved.
 
-    For each distinct weight shape (and the head, which only sees decode-sized calls): rows
-    computed alone are the reference; every call of M rows (1..max_rows) at two offsets,
-    and every row of the prefill-sized calls, must reproduce them bit for bit.
+    For each distinct weight shape (and the head, which only sees decode-sized calls), its first
+    SELF_TEST_COLUMNS output features: rows computed alone are the reference; every call of M
+    rows (1..max_rows) at two offsets, and every row of the prefill-sized calls, must reproduce
+    them bit for bit.
     """
     generator = torch.Generator().manual_seed(seed)
     offset = 7  # a row's position in the call must not matter either
     distinct = {tuple(w.shape): w for w in shape.layers[0]}
     targets = [(w, prefill_rows) for w in distinct.values()] + [(shape.head, 0)]
-    for weight, prefill in targets:
+    for whole, prefill in targets:
+        weight = _leading_columns(whole, SELF_TEST_COLUMNS)
         packed = kernel.pack(weight)
         # Every row of a prefill call, not only its first: later row panels may take another path.
         reference_rows = max(max_rows + offset, prefill)
@@ -450,10 +469,19 @@ def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill
             out = kernel.apply(x[start : start + m], packed)
             checked = min(m, reference_rows - start)
             if not torch.equal(out[:checked], alone[start : start + checked]):
-                out_features, in_features = weight.shape
+                out_features, in_features = whole.shape
                 return (f"{m} rows at offset {start} differ from rows alone, "
                         f"weight {out_features}x{in_features}")
     return ""
+
+
+def _leading_columns(weight: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` output features of a dense or block weight (a stack of parts whole)."""
+    if weight.shape[0] <= count:
+        return weight
+    if isinstance(weight, quant.QuantizedWeight):
+        return weight.rows(torch.arange(count))
+    return weight[:count] if isinstance(weight, torch.Tensor) and not quant.is_quantized(weight) else weight
 
 
 _clock = time.perf_counter  # the probe's clock (a test's fake one stalls on cue)

@@ -29,11 +29,24 @@ ABI_VERSION = 4  # csrc/nanoserve.h's NS_ABI_VERSION
 DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
 
 
+# csrc/isa.h's ISAs, in its order: the wide block tiles run on the last one that runs here
+# (AVX-512 without VNNI only when NANOSERVE_ISA names it)
+ISAS = ("portable", "avx2", "avxvnni", "avx512", "avx512vnni")
+ISA_VARIABLE = "NANOSERVE_ISA"  # holds the block tiles to a narrower ISA (to compare them)
+# The layouts with a wide tile (csrc/arch/x86/wide_tiles.h); the others run the AVX2 tiles.
+WIDE_TILE_FORMATS = "q4_0 q4_1 q8_0 q4_k q6_k"
+
+
 @dataclass(frozen=True, slots=True)
 class NativeLibrary:
     lib: ctypes.CDLL
-    isa: str  # the vector path compiled in: avx2 or portable
+    isa: str  # the vector path compiled in for every kernel: avx2 or portable
+    tiles_isa: str  # the ISA the block tiles run on, chosen at run time (one of ISAS)
     build: BuildResult
+
+    def isas(self) -> list[str]:
+        """The ISAs this library runs on this CPU, narrowest first."""
+        return [name for number, name in enumerate(ISAS) if self.lib.ns_isa_available(number)]
 
 
 def disabled() -> bool:
@@ -56,7 +69,9 @@ def _load() -> tuple[NativeLibrary | None, str]:
     lib.ns_native_calls.restype = ctypes.c_uint64
     if lib.ns_abi_version() != ABI_VERSION:
         return None, f"{build.path} has ABI {lib.ns_abi_version()}, expected {ABI_VERSION}"
-    return NativeLibrary(lib, lib.ns_isa().decode(), build), build.reason
+    lib.ns_isa_available.argtypes = lib.ns_isa_choose.argtypes = [ctypes.c_int]
+    lib.ns_isa_available.restype = lib.ns_isa_chosen.restype = lib.ns_isa_choose.restype = ctypes.c_int
+    return NativeLibrary(lib, lib.ns_isa().decode(), ISAS[lib.ns_isa_chosen()], build), build.reason
 
 
 def library() -> NativeLibrary | None:
@@ -76,6 +91,19 @@ def bound(cache: list, bind: Callable[[ctypes.CDLL], T]) -> T | None:
     return cache[0][1]
 
 
+def choose_tiles_isa(name: str) -> str:
+    """For a benchmark comparing ISAs in one process, between steps: the block tiles run on ISA
+    `name` (one of `isas()`) from the next call on; returns the one they ran on. The start-up
+    line keeps naming the ISA chosen at load."""
+    native = library()
+    if native is None:
+        raise RuntimeError(status())
+    previous = ISAS[native.lib.ns_isa_chosen()]
+    if name not in ISAS or native.lib.ns_isa_choose(ISAS.index(name)) != 0:
+        raise ValueError(f"isa: {name!r} does not run here (this CPU runs {', '.join(native.isas())})")
+    return previous
+
+
 def calls() -> int:
     """Native kernel calls made so far in this process (0 with the library off); the profile's
     calls per step are differences of it."""
@@ -89,7 +117,19 @@ def status() -> str:
     if native is None:
         return f"native kernels: off ({reason}); running torch kernels"
     spin = openmp.note()
-    return f"native kernels: on ({native.isa}; {reason})" + (f"; {spin}" if spin else "")
+    return (f"native kernels: on ({native.isa}; {_tiles_note(native)}; {reason})"
+            + (f"; {spin}" if spin else ""))
+
+
+def _tiles_note(native: NativeLibrary) -> str:
+    """Which ISA the block tiles run on, and why where NANOSERVE_ISA asked for another."""
+    note = f"{WIDE_TILE_FORMATS} tiles on {native.tiles_isa}"
+    forced = os.environ.get(ISA_VARIABLE, "").strip()
+    if forced and forced != native.tiles_isa:
+        runs = native.isas()
+        why = "unknown" if forced not in ISAS else "not on this CPU"
+        note += f" ({ISA_VARIABLE}={forced} {why}; this CPU runs {', '.join(runs)})"
+    return note
 
 
 def raise_for_status(status: int, kernel: str, weight: str, rows: int) -> None:

@@ -11,6 +11,9 @@ Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
 Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents
 those layouts; a tied table in them serves lookups too).
+The repacking itself runs in C for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (csrc/repack.c: one pass, the
+groups split among the threads), in torch for the others (`repack_torch`, `repack_k_torch`: every
+format, the tests' reference for the C one).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
 Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_XS); the kernel choice leaves
 those matrices in their file layout for matmul_quant.c / matmul_more.c.
@@ -34,6 +37,7 @@ LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q5_0": FORMATS["q5_
 # Formats held in another's layout with the offset m = -SHIFT * d (exact in f16 unless it overflows).
 SHIFTED = {"q4_0": 8, "q5_0": 16}
 GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/matmul_gemm.c runs
+NATIVE_REPACKS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")  # the formats csrc/repack.c repacks
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -62,7 +66,36 @@ def has_gemm(weight: object) -> bool:
 
 def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     """`weight` in the interleaved layout; itself where there is no layout for its format (or
-    Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16)."""
+    Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16). Q4_0, Q4_1 and Q8_0 are
+    repacked in C (csrc/repack.c) where the library runs, the others by `repack_torch`."""
+    if not repackable(weight):
+        return weight
+    if weight.format.name in NATIVE_REPACKS and _lib() is not None:
+        blocks = _native_repack(weight, weight.shape[1] // 32)
+        return weight if blocks is None else RepackedWeight(weight.format, LAYOUT[weight.format.name],
+                                                            weight.shape, blocks)
+    return repack_torch(weight)
+
+
+def _native_repack(weight: QuantizedWeight, blocks_per_row: int) -> torch.Tensor | None:
+    """csrc/repack.c's layout of `weight`: uint8 [groups, blocks_per_row x group-block bytes], or
+    None where a Q4_0 scale's offset overflows f16."""
+    lib = _require()
+    groups = -(-weight.shape[0] // COLUMNS)
+    out = torch.empty(groups, blocks_per_row * lib.ns_repack_group_block_bytes(weight.format.ggml_type),
+                      dtype=torch.uint8)
+    source = weight.blocks.contiguous()
+    status = lib.ns_repack_blocks(weight.format.ggml_type, source.data_ptr(), out.data_ptr(), weight.shape[0],
+                                  weight.shape[1], torch.get_num_threads())
+    if status == -4:
+        return None
+    if status != 0:
+        raise ValueError(f"the native library refused to repack {weight.format.name} {weight.shape}")
+    return out
+
+
+def repack_torch(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
+    """`repack` in torch, for every format with a layout (the tests' reference for csrc/repack.c)."""
     if not repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -100,6 +133,8 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 PRODUCTS = ("ns_matmul_x8", "ns_gemm_x8", "ns_matmul_kx8")  # each with a `_portable` twin
+# The x8 and K layouts' products on an ISA named by the caller (nanoserve.native.ISAS)
+ISA_PRODUCTS = ("ns_matmul_x8_isa", "ns_matmul_kx8_isa")
 LOOKUPS = ("ns_dequantize_rows_x8", "ns_dequantize_rows_kx8")  # rows of matmul_x8.c's, matmul_kx8.c's layouts
 
 
@@ -113,6 +148,12 @@ def _lib() -> ctypes.CDLL | None:
         for entry in (getattr(lib, name), getattr(lib, f"{name}_portable")):
             entry.argtypes = [ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
             entry.restype = ctypes.c_int
+    for name in ISA_PRODUCTS:
+        getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_int, _P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.ns_repack_blocks.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, ctypes.c_int]
+    lib.ns_repack_blocks.restype = lib.ns_repack_group_block_bytes.restype = ctypes.c_int
+    lib.ns_repack_group_block_bytes.argtypes = [ctypes.c_int]
     for name in LOOKUPS:
         getattr(lib, name).argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
@@ -126,11 +167,33 @@ def _require() -> ctypes.CDLL:
     return lib
 
 
-def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False, isa: str | None = None,
+           threads: int | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T -> float32 [rows, out]. `portable` runs the plain C path
-    (for the tests: it gives the vector path's bits)."""
-    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape,
-                    f"{weight.source.name} {weight.shape} repacked")
+    (for the tests: it gives the vector path's bits); `isa` one of nanoserve.native.ISAS that
+    runs here (every one gives the same bits)."""
+    what = f"{weight.source.name} {weight.shape} repacked"
+    if isa is not None:
+        return _product_on(isa, "ns_matmul_x8_isa", weight.layout.ggml_type, x, weight.blocks, weight.shape,
+                           what, threads)
+    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape, what)
+
+
+def _product_on(isa: str, name: str, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
+                shape: tuple[int, int], what: str, threads: int | None) -> torch.Tensor:
+    """One of ISA_PRODUCTS on ISA `isa`."""
+    lib = _require()
+    if isa not in native.ISAS:
+        raise ValueError(f"isa: {isa!r} is not one of {', '.join(native.ISAS)}")
+    x, y = _checked(x, shape)
+    if x.shape[0]:
+        status = getattr(lib, name)(native.ISAS.index(isa), ggml_type, x.data_ptr(), blocks.data_ptr(),
+                                    y.data_ptr(), x.shape[0], shape[0], shape[1],
+                                    threads or torch.get_num_threads())
+        if status == -1:
+            raise ValueError(f"isa: {isa} does not run here, or {what} has no layout")
+        native.raise_for_status(status, "repacked matmul", what, shape[0])
+    return y
 
 
 def _product(name: str, portable: bool, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
@@ -212,7 +275,15 @@ def k_repackable(weight: object) -> bool:
 
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES."""
+    """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES. Q4_K and
+    Q6_K are repacked in C (csrc/repack.c) where the library runs, the others by `repack_k_torch`."""
+    if k_repackable(weight) and weight.format.name in NATIVE_REPACKS and _lib() is not None:
+        return KRepackedWeight(weight.format, weight.shape, _native_repack(weight, weight.shape[1] // 256))
+    return repack_k_torch(weight)
+
+
+def repack_k_torch(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
+    """`repack_k` in torch, for every K layout (the tests' reference for csrc/repack.c)."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -381,7 +452,12 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
     return values.reshape(g * COLUMNS, in_features)[:out_features]
 
 
-def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False) -> torch.Tensor:
-    """x [rows, in] float32 @ weight^T -> float32 [rows, out]; `portable` runs the scalar reference."""
-    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape,
-                    f"{weight.format.name} {weight.shape} repacked")
+def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False, isa: str | None = None,
+             threads: int | None = None) -> torch.Tensor:
+    """x [rows, in] float32 @ weight^T -> float32 [rows, out]; `portable` runs the scalar reference,
+    `isa` one of nanoserve.native.ISAS that runs here (every one gives the same bits)."""
+    what = f"{weight.format.name} {weight.shape} repacked"
+    if isa is not None:
+        return _product_on(isa, "ns_matmul_kx8_isa", weight.format.ggml_type, x, weight.blocks, weight.shape,
+                           what, threads)
+    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape, what)

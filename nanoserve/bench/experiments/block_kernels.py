@@ -1,6 +1,8 @@
-"""The block-format kernels side by side on the default model's matrix shapes: the file's row-major
-layout (csrc/matmul_quant.c, matmul_more.c for Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / Q2_K / Q3_K), the
-8-column repacked layouts (matmul_x8.c, matmul_kx8.c) and the prefill GEMM (matmul_gemm.c: Q4_0,
+"""The block-format kernels side by side on a model's matrix shapes (the default model's, or
+SmolLM2-1.7B's with `--shape 1.7b`): the file's row-major layout (csrc/matmul_quant.c,
+matmul_more.c for Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / Q2_K / Q3_K), the 8-column repacked layouts
+(matmul_x8.c, matmul_kx8.c) on the widest ISA here (`x8`) and on each ISA this CPU runs
+(`x8@avx2`, `x8@avx512vnni`, ...: csrc/isa.h), and the prefill GEMM (matmul_gemm.c: Q4_0,
 Q4_1, Q8_0), per format and row count.
 
 Owns: timing one call of each kernel on random blocks of each shape (qkv 960x576, o 576x576,
@@ -13,6 +15,8 @@ the native library.
 
     python -m nanoserve.bench.experiments.block_kernels --formats q4_1,q8_0,q4_k,q6_k --rows 1,16,64,512 \\
         --out results/block_kernels.csv
+    python -m nanoserve.bench.block_kernels --shape 1.7b --formats q4_0,q4_k,q6_k --rows 1,16,512 \\
+        --repeat 3 --out results/block_kernels_1.7b.csv
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from nanoserve import native, quant
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.bench.offline import positive_int_list
 
-# (out, in) of one layer's matrices in SmolLM2-135M: q, k and v stacked, o, gate and up stacked, down.
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+# (out, in) of one layer's matrices: q, k and v stacked, o, gate and up stacked, down; per model.
+SHAPES_BY_MODEL = {"135m": ((960, 576), (576, 576), (3072, 576), (576, 1536)),  # SmolLM2-135M
+                   "1.7b": ((6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192))}  # SmolLM2-1.7B
+SHAPES = SHAPES_BY_MODEL["135m"]
 FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs")
 
 
@@ -48,10 +54,10 @@ def random_blocks(format_name: str, out_features: int, in_features: int, seed: i
     return quant.QuantizedWeight(fmt, (out_features, in_features), blocks.reshape(out_features, -1))
 
 
-def shapes_for(format_name: str) -> list[tuple[int, int]]:
-    """The SHAPES a format can hold: the K-quants' 256-value blocks fit only down's 1536 inputs
-    (llama-quantize writes the others of this model in a 32-value fallback format)."""
-    return [(n, k) for n, k in SHAPES if k % quant.FORMATS[format_name].values == 0]
+def shapes_for(format_name: str, shapes: tuple[tuple[int, int], ...] = SHAPES) -> list[tuple[int, int]]:
+    """The shapes a format can hold: at 135M the K-quants' 256-value blocks fit only down's 1536
+    inputs (llama-quantize writes the others of that model in a 32-value fallback format)."""
+    return [(n, k) for n, k in shapes if k % quant.FORMATS[format_name].values == 0]
 
 
 def kernels_for(format_name: str) -> dict[str, tuple[Callable, Callable]]:
@@ -60,10 +66,13 @@ def kernels_for(format_name: str) -> dict[str, tuple[Callable, Callable]]:
     from nanoserve.native import repack
 
     kernels = {"row-major": (lambda w: w, row_major.matmul)}
-    if repack.k_repackable(random_blocks(format_name, 8, 256, 0)):
-        kernels["x8"] = (repack.repack_k, repack.matmul_k)
+    k_layout = repack.k_repackable(random_blocks(format_name, 8, 256, 0))
+    pack, multiply = (repack.repack_k, repack.matmul_k) if k_layout else (repack.repack, repack.matmul)
+    kernels["x8"] = (pack, multiply)
+    for isa in native.library().isas()[1:]:  # each vector ISA this CPU runs
+        kernels[f"x8@{isa}"] = (pack, lambda x, w, isa=isa, multiply=multiply: multiply(x, w, isa=isa))
+    if k_layout:
         return kernels
-    kernels["x8"] = (repack.repack, repack.matmul)
     if repack.has_gemm(repack.repack(random_blocks(format_name, 8, 32, 0))):
         kernels["gemm"] = (repack.repack, repack.gemm)
     return kernels
@@ -75,11 +84,12 @@ def seconds(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def measure(format_name: str, rows: int, repeat: int) -> dict[str, float]:
+def measure(format_name: str, rows: int, repeat: int,
+            shapes: tuple[tuple[int, int], ...] = SHAPES) -> dict[str, float]:
     """Milliseconds of one call per shape, summed over the format's shapes, per kernel; kernels in turns."""
     kernels = kernels_for(format_name)
     total = dict.fromkeys(kernels, 0.0)
-    for index, (out_features, in_features) in enumerate(shapes_for(format_name)):
+    for index, (out_features, in_features) in enumerate(shapes_for(format_name, shapes)):
         weight = random_blocks(format_name, out_features, in_features, seed=index)
         packed = {name: pack(weight) for name, (pack, _) in kernels.items()}
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(index))
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=positive_int_list, default="1,16,64,512",
                         help="rows per call, comma-separated")
     parser.add_argument("--repeat", type=int, default=50, help="turns per shape; each call's best is kept")
+    parser.add_argument("--shape", choices=sorted(SHAPES_BY_MODEL), default="135m",
+                        help="whose matrix shapes: SmolLM2-135M's or SmolLM2-1.7B's")
     parser.add_argument("--out", type=Path, default=Path("results/block_kernels.csv"))
     args = parser.parse_args(argv)
     formats = args.formats.split(",")
@@ -114,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     for format_name in formats:
         for count in rows:
             load = os.getloadavg()[0]
-            ms = measure(format_name, count, args.repeat)
-            shapes = " ".join(f"{n}x{k}" for n, k in shapes_for(format_name))
+            ms = measure(format_name, count, args.repeat, SHAPES_BY_MODEL[args.shape])
+            shapes = " ".join(f"{n}x{k}" for n, k in shapes_for(format_name, SHAPES_BY_MODEL[args.shape]))
             record = {**machine, "format": format_name, "shapes": shapes, "rows": count,
                       "repeat": args.repeat, "load_avg_1m": round(load, 2)}
             record |= {f"{name}_ms": round(value, 4) for name, value in ms.items()}
@@ -123,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                        for name, value in ms.items() if name != "row-major"}
             if "gemm" in ms:
                 record["gemm_speedup_vs_x8"] = round(ms["x8"] / ms["gemm"], 3)
+            if "x8@avx2" in ms:  # the widest ISA's tiles against the AVX2 ones they replace
+                record["x8_speedup_vs_avx2"] = round(ms["x8@avx2"] / ms["x8"], 3)
             records.append(record)
             print(", ".join(f"{k}={v}" for k, v in record.items() if k not in machine), file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,9 @@
 
 Owns: the files compared (the default model's own Q4_1 GGUF; the float32 copy
 `../shared/anchors/llamacpp-bench` writes; that copy re-quantized to Q8_0 and Q4_K_M by llama.cpp's
-own `llama-quantize`, built from the same llama.cpp source as the anchor, once), the turns
+own `llama-quantize`, built from the same llama.cpp source as the anchor, once; or any GGUF named
+with `--model`, labelled by its file name: `../shared/anchors/make-shape` writes published
+models' shapes), the turns
 (llama.cpp's `llama-batched-bench` and `nanoserve bench` on one file one after the other, the
 order swapped every turn), and a CSV of every turn's figures and their ratios, with the
 median over turns per (weights, slots) and the machine named in every row.
@@ -12,18 +14,21 @@ time to first token, which is the prompt's prefill plus one sampled token) and t
 Refuses: running without the anchor's llama.cpp build (run the anchor script first: it builds
 llama.cpp and writes the float32 copy), and options it does not know (exit 2 naming them).
 
-    python -m nanoserve.bench.experiments.llamacpp_compare --weights q8_0,q4_k_m --slots 1,16 --turns 3
+    python -m nanoserve.bench.experiments.llamacpp_compare --weights q8_0,q4_k_m --slots 1,16 \\
+        --turns 3
     python -m nanoserve.bench.experiments.llamacpp_compare --weights q4_1 --slots 1 --input-len 512 \\
         --output-len 16 --out results/prefill_vs_llamacpp.csv
+    python -m nanoserve.bench.experiments.llamacpp_compare \\
+        --model ~/.cache/nanoserve-anchors/shapes/X.gguf --slots 1,16 --input-len 512 --output-len 16
 
 Long contexts: the prompt length is --input-len (the default model's context is 8,192), and
---gguf compares any other file, such as `../shared/anchors/make-shape 1b Q4_K_M`'s (a context
+--model compares any other file, such as `../shared/anchors/make-shape 1b Q4_K_M`'s (a context
 of 32,768):
 
     python -m nanoserve.bench.experiments.llamacpp_compare --weights q4_1 --slots 1 --input-len 8000 \\
         --output-len 16 --out results/long_context_vs_llamacpp.csv
     python -m nanoserve.bench.experiments.llamacpp_compare \\
-        --gguf "$(../shared/anchors/make-shape 1b Q4_K_M)" --slots 1 --input-len 32000 \\
+        --model "$(../shared/anchors/make-shape 1b Q4_K_M)" --slots 1 --input-len 32000 \\
         --output-len 16 --turns 3 --out results/long_context_1b_vs_llamacpp.csv
 """
 
@@ -187,21 +192,23 @@ def _weights(text: str) -> list[str]:
     return names
 
 
-def _gguf_files(text: str) -> list[Path]:
-    paths = [Path(p) for p in text.split(",")]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise argparse.ArgumentTypeError(f"no such file: {', '.join(missing)}")
-    return paths
+def _gguf(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no file {text!r}")
+    with path.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise argparse.ArgumentTypeError(f"{text!r} is not a GGUF file")
+    return path
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench.experiments.llamacpp_compare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", type=_weights, default=None,
-                        help="q4_1,f32,q8_0,q4_k_m: the default model's files (default: all, unless --gguf)")
-    parser.add_argument("--gguf", type=_gguf_files, default=[],
-                        help="PATH,PATH,...: other GGUF files to compare, named by their file name")
+                        help="q4_1,f32,q8_0,q4_k_m (default: all of them, unless --model is given)")
+    parser.add_argument("--model", type=_gguf, action="append", default=[],
+                        help="a GGUF file to compare (repeat for more), beside --weights' files")
     parser.add_argument("--slots", type=_int_list, default=[1, 16], help="N,N,... concurrent requests")
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens (llama.cpp's PP)")
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated (llama.cpp's TG)")
@@ -209,21 +216,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="alternating turns; the CSV keeps each and the median")
     parser.add_argument("--out", type=Path, default=Path("results/llamacpp_compare.csv"))
     args = parser.parse_args(argv)
+    if args.weights is None:
+        args.weights = [] if args.model else list(WEIGHTS)
     for name in ("input_len", "output_len", "turns"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.weights is None:
-        args.weights = [] if args.gguf else list(WEIGHTS)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     anchors = Anchors.here()
-    if not anchors.tool("llama-batched-bench").is_file() or not (anchors.cache / F32_NAME).is_file():
+    needs_f32 = any(w != "q4_1" for w in args.weights)
+    missing_f32 = needs_f32 and not (anchors.cache / F32_NAME).is_file()
+    if not anchors.tool("llama-batched-bench").is_file() or missing_f32:
         sys.exit(f"no llama.cpp build or float32 copy under {anchors.cache}: run "
                  "../shared/anchors/llamacpp-bench once first (it builds llama.cpp, writes the float32 GGUF)")
-    files = {w: model_file(w, anchors) for w in args.weights} | {path.name: path for path in args.gguf}
+    files = {w: model_file(w, anchors) for w in args.weights} | {path.name: path for path in args.model}
     machine = {"cpu_model": cpu_model(), "cpu_flags": vector_flags(), "cores": os.cpu_count(),
                "git_commit": git_commit()}
     rows: list[dict[str, object]] = []

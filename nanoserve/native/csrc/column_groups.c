@@ -2,6 +2,7 @@
 #include <stdlib.h>
 
 #include "column_groups.h"
+#include "isa.h"
 #include "nanoserve.h"
 
 /* A call of at most this many rows has every thread quantize all of them into its own copy
@@ -10,25 +11,66 @@
  * same either way. */
 #define PRIVATE_ROWS 8
 
+/* The panel's rows in the fewest tiles of at most `height` rows, as even as they go. */
+static int tile_count(int panel_rows, int height) { return (panel_rows + height - 1) / height; }
+static int tile_rows(int panel_rows, int tiles, int i) { return panel_rows / tiles + (i < panel_rows % tiles); }
+
+/* Columns of group g that exist (the last group of N may be short). */
+static int valid_columns(int64_t n, int64_t g) {
+    return n - g * NS_GROUP_COLUMNS < NS_GROUP_COLUMNS ? (int)(n - g * NS_GROUP_COLUMNS) : NS_GROUP_COLUMNS;
+}
+
+/* Groups [begin, end) in units of layout->wide_groups through the wide tile; a unit short of
+ * groups (the last of N) passes stride 0 and stores only its own columns. */
+static void wide_units(const ns_group_layout *layout, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
+                       int64_t panel, int panel_rows, int64_t n, int64_t blocks, int64_t begin, int64_t end) {
+    const int tiles = tile_count(panel_rows, layout->wide_height);
+    for (int64_t g = begin; g < end; g += layout->wide_groups) {
+        const int64_t last = g + layout->wide_groups <= end ? g + layout->wide_groups - 1 : end - 1;
+        const int valid = (int)(last - g) * NS_GROUP_COLUMNS + valid_columns(n, last);
+        const int64_t stride = last > g ? layout->group_bytes : 0;
+        for (int i = 0, r = 0; i < tiles; i++) {
+            const int rows = tile_rows(panel_rows, tiles, i);
+            layout->wide(rows, w + g * layout->group_bytes, stride, xq + (panel + r) * blocks, blocks,
+                         y + (panel + r) * y_stride + g * NS_GROUP_COLUMNS, y_stride, valid);
+            r += rows;
+        }
+    }
+}
+
 void ns_column_groups(const ns_group_layout *layout, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
                       int64_t rows, int64_t n, int64_t k, int thread, int threads) {
     const int64_t blocks = k / 32, groups = (n + NS_GROUP_COLUMNS - 1) / NS_GROUP_COLUMNS;
+    /* threads split whole units, so only the matrix's last unit may be short */
+    const int64_t unit = layout->wide ? layout->wide_groups : 1;
     int64_t begin, end;
-    ns_share(groups, thread, threads, &begin, &end);
+    ns_share((groups + unit - 1) / unit, thread, threads, &begin, &end);
+    begin *= unit;
+    end = end * unit < groups ? end * unit : groups;
     for (int64_t panel = 0; panel < rows; panel += NS_GROUP_PANEL) {
         const int panel_rows = rows - panel < NS_GROUP_PANEL ? (int)(rows - panel) : NS_GROUP_PANEL;
-        const int tiles = (panel_rows + layout->tile_height - 1) / layout->tile_height;
+        if (layout->wide) {
+            wide_units(layout, xq, w, y, y_stride, panel, panel_rows, n, blocks, begin, end);
+            continue;
+        }
+        const int tiles = tile_count(panel_rows, layout->tile_height);
         for (int64_t g = begin; g < end; g++) {
-            const int valid = n - g * NS_GROUP_COLUMNS < NS_GROUP_COLUMNS ? (int)(n - g * NS_GROUP_COLUMNS)
-                                                                          : NS_GROUP_COLUMNS;
             for (int i = 0, r = 0; i < tiles; i++) {
-                const int tile_rows = panel_rows / tiles + (i < panel_rows % tiles);
-                layout->tile(layout->fmt, tile_rows, w + g * layout->group_bytes, xq + (panel + r) * blocks, blocks,
-                             y + (panel + r) * y_stride + g * NS_GROUP_COLUMNS, y_stride, valid);
-                r += tile_rows;
+                const int tile_rows_here = tile_rows(panel_rows, tiles, i);
+                layout->tile(layout->fmt, tile_rows_here, w + g * layout->group_bytes, xq + (panel + r) * blocks,
+                             blocks, y + (panel + r) * y_stride + g * NS_GROUP_COLUMNS, y_stride,
+                             valid_columns(n, g));
+                r += tile_rows_here;
             }
         }
     }
+}
+
+ns_group_layout ns_group_layout_on(ns_group_layout layout, int isa) {
+    layout.wide = ns_wide_tile_on(isa, layout.fmt);
+    layout.wide_groups = ns_wide_groups(isa);
+    layout.wide_height = ns_wide_height(layout.fmt);
+    return layout;
 }
 
 typedef struct {
@@ -60,8 +102,9 @@ static void groups_task(void *context, int thread, int threads) {
 int ns_matmul_column_groups(const ns_group_layout *layout, void (*quantize)(const float *, int64_t, xblock *),
                             const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
-    const int64_t groups = (n + NS_GROUP_COLUMNS - 1) / NS_GROUP_COLUMNS;
-    if (num_threads > groups) num_threads = (int)groups;
+    const int64_t unit = layout->wide ? layout->wide_groups : 1;
+    const int64_t units = ((n + NS_GROUP_COLUMNS - 1) / NS_GROUP_COLUMNS + unit - 1) / unit;
+    if (num_threads > units) num_threads = (int)units;
     if (num_threads < 1) num_threads = 1;
     const int64_t copies = rows <= PRIVATE_ROWS ? num_threads : 1;
     xblock *xq = malloc(sizeof(xblock) * (size_t)(copies * rows * (k / 32)));

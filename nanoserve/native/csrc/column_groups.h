@@ -13,6 +13,7 @@
 
 #include <stdint.h>
 
+#include "arch/x86/wide_tiles_api.h"
 #include "quant_blocks.h"
 
 enum { NS_GROUP_COLUMNS = 8, NS_GROUP_PANEL = 32 };
@@ -23,13 +24,19 @@ typedef void (*ns_group_tile)(int fmt, int rows, const uint8_t *group, const xbl
                               int64_t y_stride, int valid);
 
 /* How one layout runs: its tile, its format number, the most rows a tile takes, and one group's
- * bytes over the whole of K. */
+ * bytes over the whole of K; and where an ISA has one, its wide tile (arch/x86/wide_tiles.h),
+ * which then runs every group in units of `wide_groups` groups (NULL: `tile` runs them). */
 typedef struct {
     ns_group_tile tile;
     int fmt;
     int tile_height;
     int64_t group_bytes;
+    ns_wide_tile wide;
+    int wide_groups, wide_height;
 } ns_group_layout;
+
+/* `layout` with ISA `isa`'s wide tile, where that ISA has one for the layout and runs here. */
+ns_group_layout ns_group_layout_on(ns_group_layout layout, int isa);
 
 /* Thread `thread`'s groups of columns of y [rows, n] = xq @ W^T, y's rows `y_stride` apart. */
 void ns_column_groups(const ns_group_layout *layout, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,

@@ -83,6 +83,7 @@
  * memory, sets their speed. Blocking and threads: column_groups.h's driver.
  */
 #include "column_groups.h"
+#include "isa.h"
 #include "nanoserve.h"
 #include "quant_blocks.h"
 #include "stages.h"
@@ -551,30 +552,35 @@ static ns_group_tile kx8_best_tile(int fmt) {
 
 int ns_kx8_layout(int fmt) { return kx8_bytes(fmt) != 0; }
 
-/* The driver's description of this layout with `tile`, for a K of k values. */
-static ns_group_layout kx8_layout(ns_group_tile tile, int fmt, int64_t k) {
-    return (ns_group_layout){tile, fmt, kx8_tile_rows(fmt), k / 256 * kx8_bytes(fmt)};
-}
-
-static int matmul_kx8(ns_group_tile tile, void (*quantize)(const float *, int64_t, xblock *), int fmt,
-                      const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
-    if (kx8_bytes(fmt) == 0 || k % 256 != 0) return -1;
-    const ns_group_layout layout = kx8_layout(tile, fmt, k);
-    return ns_matmul_column_groups(&layout, quantize, x, w, y, rows, n, k, num_threads);
+/* The driver's description of this layout with `tile`, for a K of k values, with ISA `isa`'s
+ * wide tile where it has one (isa.h). */
+static ns_group_layout kx8_layout(ns_group_tile tile, int fmt, int64_t k, int isa) {
+    return ns_group_layout_on((ns_group_layout){tile, fmt, kx8_tile_rows(fmt), k / 256 * kx8_bytes(fmt)}, isa);
 }
 
 void ns_stage_kx8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                           int64_t n, int64_t k, int thread, int threads) {
-    const ns_group_layout layout = kx8_layout(kx8_best_tile(fmt), fmt, k);
+    const ns_group_layout layout = kx8_layout(kx8_best_tile(fmt), fmt, k, ns_isa_best());
     ns_column_groups(&layout, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
 /* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 12: Q4_K, 13: Q5_K, 14: Q6_K,
- * 10: Q2_K, 11: Q3_K, 23: IQ4_XS), on the widest path compiled in. Returns 0, -1 for an unknown layout or k
- * not whole super-blocks of 256, -2 when out of memory. */
+ * 10: Q2_K, 11: Q3_K, 23: IQ4_XS) on ISA `isa` (isa.h; the portable one quantizes x in plain C
+ * too). Returns 0, -1 for an unknown layout, k not whole super-blocks of 256 or an ISA that does
+ * not run here, -2 when out of memory. */
+NS_EXPORT int ns_matmul_kx8_isa(int isa, int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
+                                int64_t k, int num_threads) {
+    if (kx8_bytes(fmt) == 0 || k % 256 != 0 || !ns_isa_runs(isa)) return -1;
+    const int portable = isa == NS_ISA_PORTABLE;
+    const ns_group_layout layout = kx8_layout(portable ? kx8_tile_portable : kx8_best_tile(fmt), fmt, k, isa);
+    return ns_matmul_column_groups(&layout, portable ? quantize_row_portable : quantize_row, x, w, y, rows, n, k,
+                                   num_threads);
+}
+
+/* ns_matmul_kx8_isa on the widest ISA that runs here. */
 NS_EXPORT int ns_matmul_kx8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
-    return matmul_kx8(kx8_best_tile(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
+    return ns_matmul_kx8_isa(ns_isa_best(), fmt, x, w, y, rows, n, k, num_threads);
 }
 
 /* ---- row lookups: a tied head's table serving the embedding -------------------------------- */
@@ -629,8 +635,8 @@ NS_EXPORT int ns_dequantize_rows_kx8(int fmt, const uint8_t *w, const int64_t *i
     return ns_lookup_rows(kx8_lookup_row, fmt, w, ids, count, n, k, out, num_threads);
 }
 
-/* The scalar reference, for the tests to hold the vector path against (bit for bit). */
+/* The scalar reference, for the tests to hold the vector paths against (bit for bit). */
 NS_EXPORT int ns_matmul_kx8_portable(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
                                      int64_t k, int num_threads) {
-    return matmul_kx8(kx8_tile_portable, quantize_row_portable, fmt, x, w, y, rows, n, k, num_threads);
+    return ns_matmul_kx8_isa(NS_ISA_PORTABLE, fmt, x, w, y, rows, n, k, num_threads);
 }

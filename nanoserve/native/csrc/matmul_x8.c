@@ -42,6 +42,7 @@
  * Blocking and threads: column_groups.h's driver, in tiles of up to ROW_TILE rows.
  */
 #include "column_groups.h"
+#include "isa.h"
 #include "nanoserve.h"
 #include "quant_blocks.h"
 #include "stages.h"
@@ -280,36 +281,45 @@ void ns_stage_quantize_rows(const float *x, int64_t k, xblock *xq, int64_t begin
     for (int64_t r = begin; r < end; r++) quantize_row(x + r * k, k, xq + r * (k / 32));
 }
 
-/* The driver's description of this layout with `tile`, for a K of k values. */
-static ns_group_layout x8_layout(ns_group_tile tile, int fmt, int64_t k) {
-    return (ns_group_layout){tile, fmt, ROW_TILE, k / 32 * group_block_bytes(fmt)};
+/* The driver's description of this layout with `tile`, for a K of k values, with ISA `isa`'s
+ * wide tile where it has one (isa.h). */
+static ns_group_layout x8_layout(ns_group_tile tile, int fmt, int64_t k, int isa) {
+    return ns_group_layout_on((ns_group_layout){tile, fmt, ROW_TILE, k / 32 * group_block_bytes(fmt)}, isa);
 }
 
 void ns_stage_x8_strided(int fmt, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride, int64_t rows,
                          int64_t n, int64_t k, int thread, int threads) {
-    const ns_group_layout layout = x8_layout(BEST_TILE(fmt), fmt, k);
+    const ns_group_layout layout = x8_layout(BEST_TILE(fmt), fmt, k, ns_isa_best());
     ns_column_groups(&layout, xq, w, y, y_stride, rows, n, k, thread, threads);
 }
 
-static int matmul_x8(ns_group_tile tile, void (*quantize)(const float *, int64_t, xblock *), int fmt,
-                     const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k, int num_threads) {
-    if (group_block_bytes(fmt) == 0 || k % 32 != 0) return -1;
-    const ns_group_layout layout = x8_layout(tile, fmt, k);
-    return ns_matmul_column_groups(&layout, quantize, x, w, y, rows, n, k, num_threads);
+/* The group tile of ISA `isa` below its wide tiles: AVX2's where it is compiled in, else portable. */
+static ns_group_tile x8_group_tile(int isa, int fmt) {
+    return isa == NS_ISA_PORTABLE ? dot_tile_portable : BEST_TILE(fmt);
 }
 
 /* y [rows, n] = x [rows, k] @ W^T for W [n, k] repacked (fmt 3: the Q4_1 layout, 7: Q5_1, 8: Q8_0,
- * 20: IQ4_NL), on the widest path compiled in. Returns 0, -1 for an unknown layout or k not whole blocks, -2 when
- * out of memory. */
-NS_EXPORT int ns_matmul_x8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
-                           int64_t k, int num_threads) {
-    return matmul_x8(BEST_TILE(fmt), quantize_row, fmt, x, w, y, rows, n, k, num_threads);
+ * 20: IQ4_NL) on ISA `isa` (isa.h; the portable one quantizes x in plain C too). Returns 0, -1
+ * for an unknown layout, k not whole blocks or an ISA that does not run here, -2 when out of
+ * memory. */
+NS_EXPORT int ns_matmul_x8_isa(int isa, int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
+                               int64_t k, int num_threads) {
+    if (group_block_bytes(fmt) == 0 || k % 32 != 0 || !ns_isa_runs(isa)) return -1;
+    const ns_group_layout layout = x8_layout(x8_group_tile(isa, fmt), fmt, k, isa);
+    return ns_matmul_column_groups(&layout, isa == NS_ISA_PORTABLE ? quantize_row_portable : quantize_row, x, w, y,
+                                   rows, n, k, num_threads);
 }
 
-/* The same through plain C, for the tests to hold the vector path against (bit for bit). */
+/* ns_matmul_x8_isa on the widest ISA that runs here. */
+NS_EXPORT int ns_matmul_x8(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n,
+                           int64_t k, int num_threads) {
+    return ns_matmul_x8_isa(ns_isa_best(), fmt, x, w, y, rows, n, k, num_threads);
+}
+
+/* The same through plain C, for the tests to hold the vector paths against (bit for bit). */
 NS_EXPORT int ns_matmul_x8_portable(int fmt, const float *x, const uint8_t *w, float *y, int64_t rows,
                                     int64_t n, int64_t k, int num_threads) {
-    return matmul_x8(dot_tile_portable, quantize_row_portable, fmt, x, w, y, rows, n, k, num_threads);
+    return ns_matmul_x8_isa(NS_ISA_PORTABLE, fmt, x, w, y, rows, n, k, num_threads);
 }
 
 /* Row `id` of the repacked W, dequantized into row [k]. */

@@ -4,7 +4,9 @@
  *   sits beside a portable C version of the same function, under #if on the compiler's own
  *   macros (__AVX2__, __FMA__, __F16C__), so any machine with a C compiler gets a working
  *   library (portable C where it has no AVX2), and a test can hold the fast path against the
- *   portable one. AVX2 is the only vector path compiled today.
+ *   portable one. The block tiles' wider paths (AVX-512, AVX-512 VNNI, AVX-VNNI: arch/x86/)
+ *   select their ISA per file with GCC's target pragma and are chosen at run time by cpuid
+ *   (isa.h), each held against the same portable reference.
  * - Batch invariance by construction: a kernel never splits a row's reduction (the K axis)
  *   across threads or in a way that depends on how many rows share the call or where the row
  *   sits. Threads split output columns; row blocking only reuses a weight block across rows.

@@ -1,0 +1,31 @@
+/* wide_tiles.h's tiles for AVX-512 with VNNI: vpdpbusd on zmm. */
+#include "wide_tiles_api.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#include <string.h>
+
+#include "column_groups.h"
+#include "quant_blocks.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
+#endif
+#define WT_NAME avx512vnni
+#define WT_COLUMNS 16
+#define WT_VNNI 1
+#include "wide_tiles.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#else
+ns_wide_tile ns_wide_tile_for_avx512vnni(int fmt) {
+    (void)fmt;
+    return 0;
+}
+#endif
