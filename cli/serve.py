@@ -295,7 +295,7 @@ def _check_one_model_options(served_model_name: list[str] | None, enable_lora: b
 
 
 def _model_specs(values: list[str], models_dir: Path | None, engine: options.EngineOptions,
-                 max_loaded: int, image_limits: ImageLimits) -> tuple[ModelSpec, ...]:
+                 max_loaded: int, image_limits: ImageLimits | None = None) -> tuple[ModelSpec, ...]:
     """The several models to serve: each --model, then each model in --models-dir, under its
     name (`_served_name`: a GGUF's file stem, a folder's name, a hub id); a --model's own
     spelling is accepted too. Exit 2 naming the option on a model that cannot be found or on
@@ -325,7 +325,8 @@ def _model_specs(values: list[str], models_dir: Path | None, engine: options.Eng
                 options.fail(f"{option}: two models are served as {spelling!r} ({taken[spelling]} and "
                              f"{value}); serve one of them from elsewhere or under another file name")
             taken[spelling] = value
-        config = engine.config(model=value, image_limits=image_limits, **kv_budget)
+        images = {} if image_limits is None else {"image_limits": image_limits}  # None: the default limits
+        config = engine.config(model=value, **kv_budget, **images)
         specs.append(ModelSpec((name,), functools.partial(_build_engine, config), aliases, config))
     return tuple(specs)
 
