@@ -174,7 +174,10 @@ def test_late_positions_and_greedy_tokens_match_transformers(checkpoint, path):
     assert result.token_ids == tokens_reference
 
 
-LONG_CASE = CASES[0]  # llama3-scaled, every layer full attention: each query reads all 32k keys
+# llama3-scaled full attention, each query reading every key before it; one layer, as the
+# properties below are the cache's and the scheduler's, and each 32k prefill costs its square.
+LONG_CASE = families.Case("llama-one-layer-rope-llama3", "LlamaConfig",
+                          {**CASES[0].fields, "num_hidden_layers": 1})
 
 
 def fingerprint(result) -> tuple[list[int], list]:
@@ -222,11 +225,13 @@ def test_prefix_caching_at_32k_changes_no_token_or_logprob(long_checkpoint, alon
 
 
 def test_preemption_at_32k_changes_no_token_or_logprob(long_checkpoint, alone):
-    """A pool of 40k positions: each request's 32k fits, both do not, so they preempt."""
+    """A pool with room for one request's 32k and 100 blocks more: b is admitted beside a's last
+    prefill chunk and preempted as its own chunks outgrow what a's decode leaves."""
     model_dir, a, b = long_checkpoint
     path, runs_alone = alone
+    one_request = -(-(LONG_PROMPT_LEN + STEPS) // BLOCK)
     with kernels(path):
-        llm = make_llm(model_dir, enable_prefix_caching=False, num_kv_blocks=40000 // BLOCK)
+        llm = make_llm(model_dir, enable_prefix_caching=False, num_kv_blocks=one_request + 100)
         results = llm.generate([{"prompt_token_ids": p} for p in (a, b)], long_params())
     assert [fingerprint(r) for r in results] == runs_alone
     assert llm.engine.scheduler.num_preemptions > 0
