@@ -144,9 +144,11 @@ def checkpoint(request, tmp_path_factory, tiny_model_dir):
 def make_llm(path, **overrides):
     from nanoserve.llm import LLM
 
-    # No prefill pace: every prefill step runs CHUNK tokens, whatever this machine's speed.
+    # No prefill pace: every prefill step runs CHUNK tokens, whatever this machine's speed, and
+    # as many beside a decode (so a prompt admitted beside another's decode outgrows the pool).
     settings = {"device": "cpu", "block_size": BLOCK, "max_num_seqs": 4, "max_num_batched_tokens": CHUNK,
-                "prefill_step_ms": float("inf"), "num_kv_blocks": 32768 // BLOCK + 8} | overrides
+                "max_prefill_tokens_while_decoding": CHUNK, "prefill_step_ms": float("inf"),
+                "num_kv_blocks": 32768 // BLOCK + 8} | overrides
     return LLM(str(path), **settings)
 
 
