@@ -2,18 +2,19 @@
 prefix caching and preemption at 32k, through the engine (LLM: scheduler, chunked prefill,
 paged cache, sampler), on the native path and on the torch one (NANOSERVE_NO_NATIVE=1).
 
-Per checkpoint (tiny, random, built by transformers' own config class; each pairs a family's
-window with a RoPE scaling so six models cover every kind): the engine's logprobs of the last
-prompt positions (prompt_logprobs) and of 8 greedy steps, all 20 it returns per position,
-within 1e-4 of transformers' float32 log-softmax at the same token ids (the logits are O(1),
-so 1e-4 is absolute), and the greedy tokens equal. Transformers' reference is its own chunked
-prefill through its own cache (its attention at 16k in one piece would hold gigabytes of
-scores), SDPA except Gemma 2, whose soft-capping only eager runs.
+Per checkpoint (tiny, random, built by transformers' own config class; most pair a family's
+window with a RoPE scaling, so six models cover every kind): the engine's logprobs of the last
+prompt positions (prompt_logprobs) and of 8 greedy steps, all 20 it returns per position and
+the chosen token's, within 1e-4 absolute (rtol 0, as tests/test_families.py holds logits) of
+transformers' float32 log-softmax at the same token ids; and the greedy tokens equal.
+Transformers' reference is its own chunked prefill through its own cache (its attention at 16k
+in one piece would hold gigabytes of scores), SDPA except Gemma 2, whose soft-capping only
+eager runs.
 
-At 32k (a llama3-scaled model, full attention): a prompt served twice, and one sharing its
-first 30k tokens, are bit-identical (tokens and logprobs) with prefix caching on and off; two
-such requests in a pool too small for both preempt each other and each is bit-identical to
-running alone.
+At 32k (a one-layer llama3-scaled model, full attention): a prompt served twice, and one
+sharing its first 30k tokens, are bit-identical (tokens and logprobs) with prefix caching on
+and off; two such requests in a pool too small for both (the second is preempted) are each
+bit-identical to running alone.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import pytest
 import torch
 
 from nanoserve import native
+from nanoserve.llm import LLM
 from nanoserve.native import quant as native_quant
+from nanoserve.sampling_params import SamplingParams
 
 transformers = families.require_transformers()
 
@@ -88,7 +91,8 @@ def random_prompt(length: int, seed: int) -> list[int]:
 @contextlib.contextmanager
 def kernels(path: str) -> Iterator[None]:
     """Engines started inside run `path`: "torch" is NANOSERVE_NO_NATIVE=1 (the library is
-    loaded once per process, so its caches are cleared both ways)."""
+    loaded once per process, so its caches are cleared both ways); "native" is what the
+    process runs (the torch path too where the suite runs under NANOSERVE_NO_NATIVE=1)."""
     if path == "native":
         yield
         return
@@ -99,7 +103,7 @@ def kernels(path: str) -> Iterator[None]:
         try:
             yield
         finally:
-            patch.delenv(native.DISABLE_VARIABLE)
+            patch.undo()
             native._load.cache_clear()
             native_quant._lib.cache_clear()
 
@@ -142,8 +146,6 @@ def checkpoint(request, tmp_path_factory, tiny_model_dir):
 
 
 def make_llm(path, **overrides):
-    from nanoserve.llm import LLM
-
     # No prefill pace: every prefill step runs CHUNK tokens, whatever this machine's speed, and
     # as many beside a decode (so a prompt admitted beside another's decode outgrows the pool).
     settings = {"device": "cpu", "block_size": BLOCK, "max_num_seqs": 4, "max_num_batched_tokens": CHUNK,
@@ -164,8 +166,6 @@ def assert_logprobs_close(entries, reference: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_late_positions_and_greedy_tokens_match_transformers(checkpoint, path):
     model_dir, prompt, (prompt_reference, tokens_reference, steps_reference) = checkpoint
-    from nanoserve.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=TOP,
                             prompt_logprobs=TOP)
     with kernels(path):
@@ -197,8 +197,6 @@ def long_checkpoint(tmp_path_factory, tiny_model_dir):
 
 
 def long_params():
-    from nanoserve.sampling_params import SamplingParams
-
     return SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
 
 
