@@ -100,9 +100,14 @@ def _longrope(inv_freq: torch.Tensor, scaling: dict, context: int) -> tuple[torc
 def rope_table(rope: Rope, config: ModelConfig, context: int, device: torch.device,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, signed sin) [context, head_dim] of one RoPE, scaled by its attention factor, in
-    the stored head layout (`rotary_head_order`): cos 1 and sin 0 on the dims it passes."""
+    the stored head layout (`rotary_head_order`): cos 1 and sin 0 on the dims it passes.
+
+    The phases position * frequency are rounded to float32 before cos and sin, as transformers
+    (and vLLM) compute them: at long contexts that rounding moves a phase by up to half a
+    float32 ulp of its value, which the checkpoints' reference forward carries and exact phases
+    would not (tests/test_long_context.py holds 16k positions to it)."""
     inv_freq, factor = rope_frequencies(rope, config.rotated_dims, config.max_position_embeddings)
-    freqs = torch.outer(torch.arange(context, dtype=torch.float64), inv_freq)
+    freqs = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq.float()).double()
     cos, sin = freqs.cos() * factor, freqs.sin() * factor
     passed = torch.ones(context, (config.head_dim - config.rotated_dims) // 2, dtype=torch.float64)
     return (torch.cat([cos, passed, cos, passed], dim=-1).to(device=device, dtype=dtype),
