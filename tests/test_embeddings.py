@@ -21,8 +21,10 @@ RAW = {method: PoolingParams(method=method, normalize=False) for method in ("las
 
 @pytest.fixture(scope="module")
 def chunked(tiny_model_dir) -> LLM:
-    """Steps of 8 tokens: the long prompt pools across several chunks."""
-    return LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    """Steps of 8 tokens: the long prompt pools across several chunks; float32 K/V, transformers'
+    own arithmetic (the default float16 cache's agreement is test_reference_parity's)."""
+    return LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8,
+               kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +178,8 @@ def test_a_headless_qwen3_checkpoint_loads_with_the_embed_task_and_pools_as_tran
     with pytest.raises(InvalidRequestError) as refused:
         LLM(str(path), device="cpu", num_kv_blocks=8)
     assert refused.value.param == "task"
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, task="embed")
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, task="embed",
+              kv_cache_dtype="float32")
     for result in llm.embed(PROMPTS, PoolingParams(normalize=False)):
         with torch.no_grad():
             expected = model(torch.tensor([result.prompt_token_ids])).last_hidden_state[0, -1]

@@ -68,8 +68,10 @@ def adapters(tiny_model_dir, tmp_path_factory) -> list[Path]:
 
 
 def lora_llm(model_dir, **options) -> LLM:
+    """float32 K/V: PEFT's own arithmetic (the default float16 cache's agreement is
+    test_reference_parity's)."""
     return LLM(str(model_dir), dtype="float32", device="cpu", batch_invariant=True, enable_lora=True,
-               max_loras=4, max_lora_rank=8, num_kv_blocks=64, **options)
+               max_loras=4, max_lora_rank=8, num_kv_blocks=64, kv_cache_dtype="float32", **options)
 
 
 def lora_llm_on(model_dir, monkeypatch, *, native: bool) -> LLM:
