@@ -47,6 +47,7 @@ VISION_SHAPE = {"hidden": 768, "layers": 12, "heads": 12, "ffn": 3072, "image_si
 SCALE_FACTOR = 4
 LONGEST_EDGE = 2048  # the processor's "size": images are resized to this longest edge, then tiled
 TEXT_VOCAB = 49280
+TEXT_HIDDEN = 576  # SmolLM2-135M's: the projector's output
 IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
 # The tokens the idefics3 prompts spell (llama.cpp's mtmd looks them up by their text)
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
@@ -62,13 +63,13 @@ def write_pair(cache: Path, longest_edge: int = LONGEST_EDGE) -> tuple[Path, Pat
     text, mmproj = folder / "text.Q4_1.gguf", folder / f"mmproj.f16.edge{longest_edge}.gguf"
     folder.mkdir(parents=True, exist_ok=True)
     if not text.is_file():
-        _write_text(default_gguf(), text)
+        write_text(default_gguf(), text)
     if not mmproj.is_file():
-        _write_mmproj(mmproj, longest_edge)
+        write_mmproj(mmproj, longest_edge)
     return text, mmproj
 
 
-def _write_text(source: Path, target: Path) -> None:
+def write_text(source: Path, target: Path) -> None:
     """`source` with SmolVLM's image tokens (control tokens, as the converter writes special added
     tokens) and reserved ones appended to its vocabulary, their embedding rows copies of the first
     rows (the matrix keeps its quantization: rows are whole blocks)."""
@@ -99,13 +100,14 @@ def _write_text(source: Path, target: Path) -> None:
     _finish(writer, target)
 
 
-def _write_mmproj(target: Path, longest_edge: int) -> None:
-    """SigLIP base patch16 at 512 px and the idefics3 projector, random weights, with the metadata
-    and tensor names of llama.cpp's converter (conversion/smolvlm.py), float16 as its default."""
+def write_mmproj(target: Path, longest_edge: int, shape: dict[str, int] = VISION_SHAPE) -> None:
+    """A SigLIP tower of `shape` (SigLIP base patch16 at 512 px) and the idefics3 projector,
+    random weights, with the metadata and tensor names of llama.cpp's converter
+    (conversion/smolvlm.py), float16 as its default."""
     import gguf
 
-    shape, rng = VISION_SHAPE, np.random.default_rng(0)
-    hidden, ffn, text_hidden = shape["hidden"], shape["ffn"], 576
+    rng = np.random.default_rng(0)
+    hidden, ffn, text_hidden = shape["hidden"], shape["ffn"], TEXT_HIDDEN
     positions = (shape["image_size"] // shape["patch_size"]) ** 2
     writer = gguf.GGUFWriter(str(target) + ".part", "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
@@ -298,6 +300,24 @@ def median_row(rows: list[dict[str, object]]) -> dict[str, object]:
     return median
 
 
+def write_csv(out: Path, rows: list[dict[str, object]]) -> dict[str, object]:
+    """Every turn's row and their median row to `out`; returns the median row."""
+    median = median_row(rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(median))
+        writer.writeheader()
+        writer.writerows([*rows, median])
+    return median
+
+
+def machine_columns(threads: int, image_size: tuple[int, int], longest_edge: int) -> dict[str, object]:
+    """The columns every row carries: the machine and the run's settings."""
+    return {"cpu_model": cpu_model(), "cpu_flags": " ".join(vector_flags()), "cores": os.cpu_count(),
+            "git_commit": git_commit(), "threads": threads, "image_size": "x".join(map(str, image_size)),
+            "longest_edge": longest_edge}
+
+
 def _size(text: str) -> tuple[int, int]:
     try:
         width, height = (int(v) for v in text.lower().split("x"))
@@ -335,9 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     text, mmproj = write_pair(anchors.cache, args.longest_edge)
     image = write_image(text.parent, *args.image_size)
     warm_image = write_image(text.parent, *args.image_size, seed=1)
-    machine = {"cpu_model": cpu_model(), "cpu_flags": vector_flags(), "cores": os.cpu_count(),
-               "git_commit": git_commit(), "threads": args.threads,
-               "image_size": "x".join(map(str, args.image_size)), "longest_edge": args.longest_edge}
+    machine = machine_columns(args.threads, args.image_size, args.longest_edge)
     rows: list[dict[str, object]] = []
     for turn in range(1, args.turns + 1):
         if turn % 2:  # the order swaps every turn, so neither side always runs on a warmer machine
@@ -349,12 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         row = turn_row(turn, ours, theirs)
         rows.append(machine | row)
         print(", ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
-    median = median_row(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(median))
-        writer.writeheader()
-        writer.writerows([*rows, median])
+    median = write_csv(args.out, rows)
     print(f"{median['image_size']} image, {median['nanoserve_tiles']} tiles (llama.cpp "
           f"{median['llamacpp_tiles']}): encode {median['nanoserve_encode_ms']} ms vs "
           f"{median['llamacpp_encode_ms']} ms ({median['encode_speedup']}x), TTFT "
