@@ -57,9 +57,9 @@ def test_a_log_without_a_needed_line_is_an_error(dropped):
 
 
 @pytest.mark.parametrize(("argv", "named"), [
-    (["--turns", "0"], "--turns"), (["--threads", "0"], "--threads"), (["--image-size", "512"], "--image-size"),
-    (["--image-size", "0x5"], "--image-size"), (["--longest-edge", "0"], "--longest-edge"),
-    (["--bogus", "1"], "--bogus")])
+    (["--turns", "0"], "--turns"), (["--threads", "0"], "--threads"),
+    (["--longest-edge", "0"], "--longest-edge"), (["--image-size", "512"], "--image-size"),
+    (["--image-size", "0x5"], "--image-size"), (["--bogus", "1"], "--bogus")])
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         mtmd_compare.parse(argv)
