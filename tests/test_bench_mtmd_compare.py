@@ -59,7 +59,8 @@ def test_a_log_without_a_needed_line_is_an_error(dropped):
 @pytest.mark.parametrize(("argv", "named"), [
     (["--turns", "0"], "--turns"), (["--threads", "0"], "--threads"),
     (["--longest-edge", "0"], "--longest-edge"), (["--image-size", "512"], "--image-size"),
-    (["--image-size", "0x5"], "--image-size"), (["--bogus", "1"], "--bogus")])
+    (["--image-size", "0x5"], "--image-size"), (["--mmproj-type", "q8_0"], "--mmproj-type"),
+    (["--bogus", "1"], "--bogus")])
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         mtmd_compare.parse(argv)
@@ -84,6 +85,7 @@ def test_the_csv_has_the_machine_and_both_engines_in_every_row_and_a_median_row(
     for row in read:
         assert row["cpu_model"] == cpu_model() and row["cpu_flags"] == " ".join(vector_flags())
         assert row["threads"] == "2" and row["image_size"] == "512x512" and row["longest_edge"] == "2048"
+        assert row["mmproj_type"] == "f16"
         assert row["nanoserve_tiles"] == row["llamacpp_tiles"] == "5"
     median = read[-1]
     assert float(median["encode_speedup"]) == 1.0  # llama.cpp's 100 ms over 50, 200, 100: 2, 0.5, 1

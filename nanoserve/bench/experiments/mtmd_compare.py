@@ -4,18 +4,20 @@ Owns: the files compared, written once under the anchors cache (`../shared/ancho
 builds llama.cpp there): a GGUF text model + `mmproj` GGUF pair of SmolVLM-256M-Instruct's
 published shape, laid out as llama.cpp's converter writes one (the text model is the default
 model's own Q4_1 GGUF, SmolLM2-135M, with SmolVLM's image tokens added to its vocabulary up to
-SmolVLM's 49280; the tower is SigLIP base patch16 at 512 px with random float16 weights, the
-embeddings float32 as the converter forces them, and the idefics3 projector with scale factor 4
-into the text model's 576), and a synthesized PNG; the turns (the CLI and one nanoserve process
-one after the other, the order swapped every turn, both on `--threads`); and a CSV of every
-turn's figures and their ratios, with the medians and the machine in every row.
+SmolVLM's 49280; the tower is SigLIP base patch16 at 512 px with random weights, float16 as the
+converter writes by default or float32 (`--mmproj-type`), the embeddings float32 as it forces
+them, and the idefics3 projector with scale factor 4 into the text model's 576), and a
+synthesized PNG; the turns (the CLI and one nanoserve process one after the other, the order
+swapped every turn, both on `--threads`); and a CSV of every turn's figures and their ratios,
+with the medians and the machine in every row.
 Figures, per engine: the image's encode time (llama.cpp: its own "mtmd batch encoding done"
 lines summed over the image's tiles; nanoserve: the engine's encoder over the processed tiles,
 after a warm-up request) and the time to first token of one request with the image, from its
-image file's bytes to the first sampled token (llama.cpp: its log's timestamps from the line
-printed once both models are loaded to the first line after the first token; nanoserve: one
-`LLM.generate` with `max_tokens=1`, after a warm-up request with another image of the same
-size, as llama.cpp warms up at load). The tile counts each engine used are in every row.
+image file's bytes to the first sampled token (llama.cpp: its log's timestamps, from the line
+printed once both models are loaded to its perf summary, less the sampled token's decode;
+nanoserve: one `LLM.generate` with `max_tokens=1`, after a warm-up request with another image
+of the same size, as llama.cpp warms up at load). The tile counts and prompt lengths each
+engine used are in every row.
 Refuses: running without the anchor's `llama-mtmd-cli` (run the anchor script first), and
 options it does not know (exit 2 naming them).
 
@@ -53,19 +55,22 @@ IMAGE_MEAN = IMAGE_STD = [0.5, 0.5, 0.5]
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
                 *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
 PAIR_DIR = "smolvlm-256m-shape"
+# --mmproj-type: the file type llama.cpp's converter records, and the matrices' dtype
+MMPROJ_TYPES = {"f16": ("MOSTLY_F16", np.float16), "f32": ("ALL_F32", np.float32)}
 PROMPT = "Describe this image."
 
 
-def write_pair(cache: Path, longest_edge: int = LONGEST_EDGE) -> tuple[Path, Path]:
+def write_pair(cache: Path, longest_edge: int = LONGEST_EDGE, mmproj_type: str = "f16") -> tuple[Path, Path]:
     """The text and mmproj GGUFs under `cache`, written the first time; `longest_edge` is the
-    mmproj's preprocessor size (`clip.vision.preproc_image_size`), which both engines read."""
+    mmproj's preprocessor size (`clip.vision.preproc_image_size`), which both engines read, and
+    `mmproj_type` its matrices' type (a key of `MMPROJ_TYPES`)."""
     folder = cache / PAIR_DIR
-    text, mmproj = folder / "text.Q4_1.gguf", folder / f"mmproj.f16.edge{longest_edge}.gguf"
+    text, mmproj = folder / "text.Q4_1.gguf", folder / f"mmproj.{mmproj_type}.edge{longest_edge}.gguf"
     folder.mkdir(parents=True, exist_ok=True)
     if not text.is_file():
         write_text(default_gguf(), text)
     if not mmproj.is_file():
-        write_mmproj(mmproj, longest_edge)
+        write_mmproj(mmproj, longest_edge, mmproj_type=mmproj_type)
     return text, mmproj
 
 
@@ -100,10 +105,11 @@ def write_text(source: Path, target: Path) -> None:
     _finish(writer, target)
 
 
-def write_mmproj(target: Path, longest_edge: int, shape: dict[str, int] = VISION_SHAPE) -> None:
+def write_mmproj(target: Path, longest_edge: int, shape: dict[str, int] = VISION_SHAPE,
+                 mmproj_type: str = "f16") -> None:
     """A SigLIP tower of `shape` (SigLIP base patch16 at 512 px) and the idefics3 projector,
     random weights, with the metadata and tensor names of llama.cpp's converter
-    (conversion/smolvlm.py), float16 as its default."""
+    (conversion/smolvlm.py), its matrices of `mmproj_type` (the converter's default: f16)."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -111,7 +117,8 @@ def write_mmproj(target: Path, longest_edge: int, shape: dict[str, int] = VISION
     positions = (shape["image_size"] // shape["patch_size"]) ** 2
     writer = gguf.GGUFWriter(str(target) + ".part", "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    file_type, matrix_dtype = MMPROJ_TYPES[mmproj_type]
+    writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_clip_has_vision_encoder(True)
     writer.add_vision_projection_dim(text_hidden)
     writer.add_vision_image_size(shape["image_size"])
@@ -129,7 +136,7 @@ def write_mmproj(target: Path, longest_edge: int, shape: dict[str, int] = VISION
     writer.add_vision_preproc_image_size(longest_edge)
 
     def matrix(*dims: int) -> np.ndarray:
-        return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float16)
+        return (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(matrix_dtype)
 
     def norm(name: str) -> None:
         writer.add_tensor(f"{name}.weight", 1 + 0.1 * rng.standard_normal(hidden, dtype=np.float32))
@@ -311,11 +318,12 @@ def write_csv(out: Path, rows: list[dict[str, object]]) -> dict[str, object]:
     return median
 
 
-def machine_columns(threads: int, image_size: tuple[int, int], longest_edge: int) -> dict[str, object]:
+def machine_columns(threads: int, image_size: tuple[int, int], longest_edge: int,
+                    mmproj_type: str = "f16") -> dict[str, object]:
     """The columns every row carries: the machine and the run's settings."""
     return {"cpu_model": cpu_model(), "cpu_flags": " ".join(vector_flags()), "cores": os.cpu_count(),
             "git_commit": git_commit(), "threads": threads, "image_size": "x".join(map(str, image_size)),
-            "longest_edge": longest_edge}
+            "longest_edge": longest_edge, "mmproj_type": mmproj_type}
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -335,6 +343,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--longest-edge", type=int, default=LONGEST_EDGE,
                         help="the mmproj's preprocessor size: images are resized to this longest edge, "
                              "then tiled (SmolVLM-256M's processor: 2048)")
+    parser.add_argument("--mmproj-type", choices=sorted(MMPROJ_TYPES), default="f16",
+                        help="the mmproj's matrices (f16: llama.cpp's converter's default)")
     parser.add_argument("--threads", type=int, default=2, help="threads for both engines")
     parser.add_argument("--turns", type=int, default=3,
                         help="alternating turns; the CSV keeps each and the median")
@@ -352,10 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     if not anchors.tool("llama-mtmd-cli").is_file():
         sys.exit(f"no llama-mtmd-cli under {anchors.build}: run ../shared/anchors/llamacpp-bench once first "
                  "(it builds llama.cpp with llama-mtmd-cli)")
-    text, mmproj = write_pair(anchors.cache, args.longest_edge)
+    text, mmproj = write_pair(anchors.cache, args.longest_edge, args.mmproj_type)
     image = write_image(text.parent, *args.image_size)
     warm_image = write_image(text.parent, *args.image_size, seed=1)
-    machine = machine_columns(args.threads, args.image_size, args.longest_edge)
+    machine = machine_columns(args.threads, args.image_size, args.longest_edge, args.mmproj_type)
     rows: list[dict[str, object]] = []
     for turn in range(1, args.turns + 1):
         if turn % 2:  # the order swaps every turn, so neither side always runs on a warmer machine
