@@ -97,7 +97,7 @@ TINY_TOWER = {"hidden": 64, "layers": 2, "heads": 4, "ffn": 128, "image_size": 3
 
 @pytest.mark.skipif(not Anchors.here().tool("llama-mtmd-cli").is_file(),
                     reason="llama.cpp's llama-mtmd-cli is not built (run ../shared/anchors/llamacpp-bench)")
-def test_both_engines_run_a_pair_in_the_bench_layout_on_the_same_tiles(tmp_path):
+def test_both_engines_run_a_pair_in_the_bench_layout_on_the_same_tiles_and_prompt(tmp_path):
     text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
     mtmd_compare.write_text(default_gguf(), text)
     mtmd_compare.write_mmproj(mmproj, longest_edge=64, shape=TINY_TOWER)
@@ -107,6 +107,7 @@ def test_both_engines_run_a_pair_in_the_bench_layout_on_the_same_tiles(tmp_path)
     ours = mtmd_compare.nanoserve(text, mmproj, image, warm_image, 1)
     # 64 x 48 resized to a longest edge of 64, tiled by 32: 2 x 2 tiles and the whole image
     assert theirs["tiles"] == ours["tiles"] == 5
+    assert theirs["prompt_tokens"] == ours["prompt_tokens"]  # one chat template renders both prompts
     row = mtmd_compare.turn_row(1, ours, theirs)
     assert row["nanoserve_tiles"] == row["llamacpp_tiles"] == 5
     assert all(isinstance(row[column], float) for column in ("encode_speedup", "ttft_speedup"))

@@ -227,10 +227,11 @@ def parse_mtmd_log(log: str) -> dict[str, float]:
 
 
 def llama_cpp(text: Path, mmproj: Path, image: Path, threads: int, anchors: Anchors) -> dict[str, float]:
-    """One llama-mtmd-cli run: the image with the prompt, one greedy token."""
+    """One llama-mtmd-cli run: the image with the prompt, one greedy token; the prompt rendered by
+    the GGUF's own chat template (`--jinja`, as nanoserve renders it: the same prompt tokens)."""
     command = [str(anchors.tool("llama-mtmd-cli")), "-m", str(text), "--mmproj", str(mmproj),
                "--image", str(image), "-p", PROMPT, "-n", "1", "--temp", "0", "-t", str(threads),
-               "--log-timestamps", "-v"]
+               "--jinja", "--log-timestamps", "-v"]
     done = subprocess.run(command, capture_output=True, text=True, env=openmp.foreign_environment())
     if done.returncode != 0:
         raise RuntimeError(f"llama-mtmd-cli failed ({done.returncode}):\n{done.stderr[-3000:]}")
