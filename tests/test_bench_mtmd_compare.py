@@ -70,7 +70,7 @@ def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
 
 def _figures(tiles: int, encode_ms: float, ttft_ms: float) -> dict[str, float]:
     return {"tiles": tiles, "encode_ms": encode_ms, "ttft_ms": ttft_ms, "prompt_tokens": 100,
-            "image_decode_ms": 10.0, "prompt_eval_ms": 50.0}
+            "image_decode_ms": 10.0, "prompt_eval_ms": 50.0, "dtype": "float32", "linear_kernel": "aten"}
 
 
 def test_the_csv_has_the_machine_and_both_engines_in_every_row_and_a_median_row(tmp_path):
@@ -110,4 +110,5 @@ def test_both_engines_run_a_pair_in_the_bench_layout_on_the_same_tiles_and_promp
     assert theirs["prompt_tokens"] == ours["prompt_tokens"]  # one chat template renders both prompts
     row = mtmd_compare.turn_row(1, ours, theirs)
     assert row["nanoserve_tiles"] == row["llamacpp_tiles"] == 5
+    assert row["nanoserve_dtype"] == "float32"  # --dtype auto on a quantized GGUF: the tower in float32
     assert all(isinstance(row[column], float) for column in ("encode_speedup", "ttft_speedup"))

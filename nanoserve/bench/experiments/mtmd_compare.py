@@ -283,7 +283,8 @@ def nanoserve_turn(text: Path, mmproj: Path, image: Path, warm_image: Path, thre
     images.encoder.encode(pixels.to(images.device))
     encode_s = time.perf_counter() - start
     return {"tiles": int(pixels.shape[0]), "encode_ms": 1000 * encode_s, "ttft_ms": 1000 * ttft_s,
-            "prompt_tokens": len(done.prompt_token_ids)}
+            "prompt_tokens": len(done.prompt_token_ids),
+            "dtype": str(llm.engine.dtype).removeprefix("torch."), "linear_kernel": llm.engine.kernel_choice.kernel.name}
 
 
 def turn_row(turn: int, ours: dict[str, float], theirs: dict[str, float]) -> dict[str, object]:
@@ -296,7 +297,8 @@ def turn_row(turn: int, ours: dict[str, float], theirs: dict[str, float]) -> dic
             "nanoserve_ttft_ms": round(ours["ttft_ms"], 1), "llamacpp_ttft_ms": round(theirs["ttft_ms"], 1),
             "ttft_speedup": round(theirs["ttft_ms"] / ours["ttft_ms"], 3),
             "llamacpp_image_decode_ms": theirs["image_decode_ms"],
-            "llamacpp_prompt_eval_ms": theirs["prompt_eval_ms"], "load_avg_1m": round(os.getloadavg()[0], 2)}
+            "llamacpp_prompt_eval_ms": theirs["prompt_eval_ms"], "nanoserve_dtype": ours["dtype"],
+            "nanoserve_linear_kernel": ours["linear_kernel"], "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
 def median_row(rows: list[dict[str, object]]) -> dict[str, object]:
