@@ -282,9 +282,10 @@ def nanoserve_turn(text: Path, mmproj: Path, image: Path, warm_image: Path, thre
     start = time.perf_counter()
     images.encoder.encode(pixels.to(images.device))
     encode_s = time.perf_counter() - start
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
     return {"tiles": int(pixels.shape[0]), "encode_ms": 1000 * encode_s, "ttft_ms": 1000 * ttft_s,
-            "prompt_tokens": len(done.prompt_token_ids),
-            "dtype": str(llm.engine.dtype).removeprefix("torch."), "linear_kernel": llm.engine.kernel_choice.kernel.name}
+            "prompt_tokens": len(done.prompt_token_ids), "dtype": dtype,
+            "linear_kernel": llm.engine.kernel_choice.kernel.name}
 
 
 def turn_row(turn: int, ours: dict[str, float], theirs: dict[str, float]) -> dict[str, object]:
