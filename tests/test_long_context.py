@@ -152,7 +152,10 @@ def checkpoint(request, tmp_path_factory, tiny_model_dir):
 def make_llm(path, **overrides):
     # No prefill pace: every prefill step runs CHUNK tokens, whatever this machine's speed, and
     # as many beside a decode (so a prompt admitted beside another's decode outgrows the pool).
-    settings = {"device": "cpu", "block_size": BLOCK, "max_num_seqs": 4, "max_num_batched_tokens": CHUNK,
+    # float32 K/V: transformers' own arithmetic (the default float16 cache's agreement is
+    # test_reference_parity's).
+    settings = {"device": "cpu", "block_size": BLOCK, "kv_cache_dtype": "float32", "max_num_seqs": 4,
+                "max_num_batched_tokens": CHUNK,
                 "max_prefill_tokens_while_decoding": CHUNK, "prefill_step_ms": float("inf"),
                 "num_kv_blocks": 32768 // BLOCK + 8} | overrides
     return LLM(str(path), **settings)
