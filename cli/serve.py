@@ -174,6 +174,11 @@ def serve(
     GET /metrics (Prometheus), GET /version, GET /docs (OpenAPI). Request fields the server does
     not honour are refused with a 400 naming them (README: "Request fields").
     """
+    # Until uvicorn installs its own handlers, a stop signal leaves at once with 128 + its
+    # number: Python's default SIGINT raises KeyboardInterrupt inside whatever import is running
+    # (torch's C extensions turn it into another error and a traceback, exit 1).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _frame: _exit_forced(number))
     import uvicorn
 
     from nanoserve.loading.default_model import resolve_model
