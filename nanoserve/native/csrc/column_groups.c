@@ -38,18 +38,26 @@ static void wide_units(const ns_group_layout *layout, const xblock *xq, const ui
     }
 }
 
+/* One row runs the layout's own tile: the wide tiles pay off across rows, and a lone row (a
+   1-slot decode step) ran slower through them (results/isa_compare_1.7b_q4_k_m_1slot.csv).
+   Every tile gives the same bits, so the choice changes no output. */
+static int runs_wide(const ns_group_layout *layout, int64_t rows) {
+    return layout->wide != NULL && rows > 1;
+}
+
 void ns_column_groups(const ns_group_layout *layout, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
                       int64_t rows, int64_t n, int64_t k, int thread, int threads) {
     const int64_t blocks = k / 32, groups = (n + NS_GROUP_COLUMNS - 1) / NS_GROUP_COLUMNS;
+    const int wide = runs_wide(layout, rows);
     /* threads split whole units, so only the matrix's last unit may be short */
-    const int64_t unit = layout->wide ? layout->wide_groups : 1;
+    const int64_t unit = wide ? layout->wide_groups : 1;
     int64_t begin, end;
     ns_share((groups + unit - 1) / unit, thread, threads, &begin, &end);
     begin *= unit;
     end = end * unit < groups ? end * unit : groups;
     for (int64_t panel = 0; panel < rows; panel += NS_GROUP_PANEL) {
         const int panel_rows = rows - panel < NS_GROUP_PANEL ? (int)(rows - panel) : NS_GROUP_PANEL;
-        if (layout->wide) {
+        if (wide) {
             wide_units(layout, xq, w, y, y_stride, panel, panel_rows, n, blocks, begin, end);
             continue;
         }
@@ -102,7 +110,7 @@ static void groups_task(void *context, int thread, int threads) {
 int ns_matmul_column_groups(const ns_group_layout *layout, void (*quantize)(const float *, int64_t, xblock *),
                             const float *x, const uint8_t *w, float *y, int64_t rows, int64_t n, int64_t k,
                             int num_threads) {
-    const int64_t unit = layout->wide ? layout->wide_groups : 1;
+    const int64_t unit = runs_wide(layout, rows) ? layout->wide_groups : 1;
     const int64_t units = ((n + NS_GROUP_COLUMNS - 1) / NS_GROUP_COLUMNS + unit - 1) / unit;
     if (num_threads > units) num_threads = (int)units;
     if (num_threads < 1) num_threads = 1;
