@@ -115,6 +115,63 @@ def write_tiny_llava(path: str | Path, *, vision_hidden: int = 32, vision_layers
     return path
 
 
+GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+
+
+def write_tiny_gemma3(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 2,
+                      image_size: int = 32, patch_size: int = 4, tokens_per_image: int = 16,
+                      text_hidden: int = 64, text_layers: int = 3, sliding_window: int = 24,
+                      head_dim: int = 16, seed: int = 0) -> Path:
+    """A complete Gemma 3 vision-language folder (SigLIP tower, pooled soft tokens, a Gemma 3
+    text model whose sliding and full layers alternate; images of `tokens_per_image` rows)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in GEMMA3_TOKENS])
+    tokenizer.save(str(path / "tokenizer.json"))
+    ids = [tokenizer.token_to_id(t) for t in GEMMA3_TOKENS]
+    config = Gemma3Config(
+        text_config=dict(vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), hidden_size=text_hidden,
+                         intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
+                         num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                         sliding_window=sliding_window, max_position_embeddings=2048,
+                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(text_layers)],
+                         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None),
+        vision_config=dict(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                           num_hidden_layers=vision_layers, num_attention_heads=4, image_size=image_size,
+                           patch_size=patch_size, vision_use_head=False),
+        mm_tokens_per_image=tokens_per_image, boi_token_index=ids[0], image_token_index=ids[1],
+        eoi_token_index=ids[2])
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms and the projection off their init, biases off zero: the test can see them
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "projection" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config() | {"model_max_length": 4096}))
+    Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_length": tokens_per_image}))
+    return path
+
+
+def reference_gemma3_processor(path: Path):
+    """transformers' Gemma3Processor over the folder's tokenizer (its image tokens named as Gemma's
+    tokenizer names them) and image processor."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    names = dict(zip(("boi_token", "image_token", "eoi_token"), GEMMA3_TOKENS, strict=True))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN, extra_special_tokens=names)
+    options = json.loads((path / "processor_config.json").read_text())
+    return Gemma3Processor(Gemma3ImageProcessorPil.from_pretrained(path), tokenizer, **options)
+
+
 def reference_llava_processor(path: Path):
     """transformers' LlavaProcessor over the folder's tokenizer and image processor."""
     from transformers import LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast

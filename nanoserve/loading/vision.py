@@ -2,8 +2,8 @@
 The text model is read by `loading.weights` like any causal LM's (`text_tensors`).
 
 Owns: the Hugging Face tensor names of each vision family's tower and projector (with their
-shapes, checked before anything is built; LLaVA's under both the names transformers 5 saves and
-the older `model.vision_tower.vision_model.` ones) and `load_image_encoder`.
+shapes, checked before anything is built; LLaVA's and Gemma 3's under both the names transformers
+5 saves and the older `model.vision_tower.vision_model.` ones) and `load_image_encoder`.
 Refuses: GGUF `mmproj` files (not read yet) and checkpoints whose vision tensors are missing or
 misshapen, naming the tensor.
 """
@@ -29,16 +29,26 @@ class TowerNames:
     tower: str  # the prefix of the ViT's tensors
     projector: tuple[str, ...]  # the projector's linears, in order (each `.weight`, maybe `.bias`)
     clip: bool  # CLIP's class token and pre-layernorm
+    # Gemma 3: its soft-token RMSNorm (`.weight`), and its one matrix saved as x @ W's W
+    # [vision hidden, text hidden], the transpose of a linear's weight.
+    projector_norm: str | None = None
+    projector_transposed: bool = False
 
 
 NAMES = {"idefics3": TowerNames("model.vision_model.", ("model.connector.modality_projection.proj",),
                                 clip=False),
          "llava": TowerNames("vision_tower.", ("multi_modal_projector.linear_1",
-                                               "multi_modal_projector.linear_2"), clip=True)}
-# Older and newer spellings of the same LLaVA tensors, to the one the map above uses.
+                                               "multi_modal_projector.linear_2"), clip=True),
+         "gemma3": TowerNames("vision_tower.", ("multi_modal_projector.mm_input_projection",), clip=False,
+                              projector_norm="multi_modal_projector.mm_soft_emb_norm",
+                              projector_transposed=True)}
+# Older and newer spellings of the same LLaVA and Gemma 3 tensors, to the one the map above uses.
 _RENAMED = (("model.vision_tower.vision_model.", "vision_tower."),
             ("vision_tower.vision_model.", "vision_tower."), ("model.vision_tower.", "vision_tower."),
             ("model.multi_modal_projector.", "multi_modal_projector."))
+# Gemma 3's projection matrix is a bare parameter: named here like a linear's weight.
+_GEMMA3_PROJECTION = ("multi_modal_projector.mm_input_projection_weight",
+                      "multi_modal_projector.mm_input_projection.weight")
 
 
 def read_vision_config(model_dir: Path) -> VisionConfig | None:
@@ -49,8 +59,9 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
 def canonical_name(name: str) -> str:
     for old, new in _RENAMED:
         if name.startswith(old):
-            return new + name[len(old):]
-    return name
+            name = new + name[len(old):]
+            break
+    return _GEMMA3_PROJECTION[1] if name == _GEMMA3_PROJECTION[0] else name
 
 
 def vision_tensor_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -79,7 +90,10 @@ def vision_tensor_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
     width = hidden * config.scale_factor ** 2
     for index, linear in enumerate(names.projector):
         inputs = width if index == 0 else config.text_hidden_size
-        shapes[linear + ".weight"] = (config.text_hidden_size, inputs)
+        shape = (config.text_hidden_size, inputs)
+        shapes[linear + ".weight"] = shape[::-1] if names.projector_transposed else shape
+    if names.projector_norm is not None:
+        shapes[names.projector_norm + ".weight"] = (width,)
     return shapes
 
 
@@ -109,17 +123,20 @@ def vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> Vi
         patch_bias=tensors.get(v + "embeddings.patch_embedding.bias"),
         positions=tensors[v + "embeddings.position_embedding.weight"],
         layers=[layer(i) for i in range(config.num_layers)],
-        projector=[(tensors[linear + ".weight"], tensors.get(linear + ".bias"))
+        projector=[(tensors[linear + ".weight"].T.contiguous() if names.projector_transposed
+                    else tensors[linear + ".weight"], tensors.get(linear + ".bias"))
                    for linear in names.projector],
         class_embedding=tensors.get(v + "embeddings.class_embedding"), pre_norm=norm(v + "pre_layrnorm"),
-        post_norm=norm(v + "post_layernorm"))
+        post_norm=norm(v + "post_layernorm"),
+        projector_norm=tensors[names.projector_norm + ".weight"] if names.projector_norm else None)
 
 
 def check_vision_tensors(model_dir: Path, config: VisionConfig, tensors: dict[str, torch.Tensor]) -> None:
     expected = vision_tensor_shapes(config)
-    for linear in NAMES[config.family].projector:  # an optional bias, where there is one
+    names = NAMES[config.family]
+    for linear in names.projector:  # an optional bias, where there is one
         if linear + ".bias" in tensors:
-            expected[linear + ".bias"] = expected[linear + ".weight"][:1]
+            expected[linear + ".bias"] = (config.text_hidden_size,)
     for name, shape in expected.items():
         if name not in tensors:
             raise UnsupportedModelError(f"{model_dir}: the checkpoint lacks the vision tensor {name} {shape}")
@@ -132,7 +149,7 @@ def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dt
                        linear_kernel: LinearKernel | None = None) -> ImageEncoder:
     """The family's encoder with `model_dir`'s weights (the vision tensors alone are read)."""
     names = NAMES[config.family]
-    wanted = (names.tower, *names.projector)
+    wanted = (names.tower, *names.projector, *filter(None, [names.projector_norm]))
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as file:

@@ -7,7 +7,8 @@ bucketed as Idefics3's NaViT variant does for tiles of any size), pre-norm block
 bidirectional attention among a tile's tokens, read at the family's layer, a post-layernorm
 after the last), and each family's projector: Idefics3 / SmolVLM's pixel shuffle
 (scale_factor**2 neighbouring patches into one row) and a linear map into the text width;
-LLaVA-1.5's two linears with a GELU between. The matrices go through the engine's
+LLaVA-1.5's two linears with a GELU between; Gemma 3's average pool of the patch grid, soft-token
+RMSNorm and one linear. The matrices go through the engine's
 `LinearKernel` like the decoder's.
 Refuses: knowing about prompts, requests or caching (the engine owns where the rows go and when
 an image is encoded), and batching tiles of different images: an image is encoded alone, so its
@@ -16,6 +17,7 @@ rows have the same bits whoever else sent an image in the same step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -64,6 +66,7 @@ class VisionWeights:
     class_embedding: torch.Tensor | None = None  # CLIP's class token, prepended to the patches
     pre_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # CLIP's pre_layrnorm
     post_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # after the last layer, when it runs
+    projector_norm: torch.Tensor | None = None  # Gemma 3's soft-token RMSNorm before its linear (1 + w)
 
     def packed_for(self, kernel: LinearKernel) -> VisionWeights:
         """The same weights with every matrix packed once for `kernel`."""
@@ -73,7 +76,7 @@ class VisionWeights:
                                          for f in fields(layer)}) for layer in self.layers]
         projector = [(kernel.pack(matrix), bias) for matrix, bias in self.projector]
         return VisionWeights(kernel.pack(self.patch), self.patch_bias, self.positions, layers, projector,
-                             self.class_embedding, self.pre_norm, self.post_norm)
+                             self.class_embedding, self.pre_norm, self.post_norm, self.projector_norm)
 
     def to(self, dtype: torch.dtype, device: torch.device) -> VisionWeights:
         def move(value):
@@ -182,6 +185,20 @@ class VisionTransformer:
         return F.layer_norm(x, weight.shape, weight, bias, self.config.layer_norm_eps)
 
 
+def pooled_soft_tokens(x: torch.Tensor, tokens_per_image: int, norm_weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """Gemma 3's multimodal projector before its matrix: [tiles, side * side, d] average-pooled to
+    [tiles, tokens_per_image, d] over square windows of the patch grid (row-major), then Gemma's
+    RMSNorm in float32 with its weight applied as (1 + w) (transformers' Gemma3MultiModalProjector)."""
+    tiles, seq, dim = x.shape
+    side, pooled = math.isqrt(seq), math.isqrt(tokens_per_image)
+    grid = x.transpose(1, 2).reshape(tiles, dim, side, side).contiguous()
+    x = F.avg_pool2d(grid, kernel_size=side // pooled, stride=side // pooled).flatten(2).transpose(1, 2)
+    wide = x.float()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + norm_weight.float())
+    return normed.to(x.dtype)
+
+
 def pixel_shuffle(x: torch.Tensor, scale_factor: int) -> torch.Tensor:
     """Idefics3's space-to-depth: [tiles, side * side, d] -> [tiles, side * side / s**2, d * s**2],
     each output row the s x s neighbouring patches' features side by side (its exact layout)."""
@@ -195,7 +212,8 @@ def pixel_shuffle(x: torch.Tensor, scale_factor: int) -> torch.Tensor:
 class ProjectedEncoder:
     """A ViT and its family's projector, one class for every family so far:
     Idefics3 / SmolVLM: SigLIP, pixel shuffle, one linear map into the text width;
-    LLaVA-1.5: CLIP's second-to-last layer without its class token, linear, GELU, linear."""
+    LLaVA-1.5: CLIP's second-to-last layer without its class token, linear, GELU, linear;
+    Gemma 3: SigLIP, average pool to `tokens_per_image` rows, soft-token RMSNorm, one linear."""
 
     def __init__(self, config: VisionConfig, weights: VisionWeights,
                  linear_kernel: LinearKernel | None = None) -> None:
@@ -213,6 +231,9 @@ class ProjectedEncoder:
             features = features[:, 1:]
         if self.config.scale_factor > 1:
             features = pixel_shuffle(features, self.config.scale_factor)
+        if self.config.tokens_per_image:
+            features = pooled_soft_tokens(features, self.config.tokens_per_image, self.weights.projector_norm,
+                                          self.config.layer_norm_eps)
         rows = features.reshape(-1, features.shape[-1])
         for index, (matrix, bias) in enumerate(self.weights.projector):
             if index:
@@ -223,7 +244,7 @@ class ProjectedEncoder:
         return rows
 
 
-ENCODERS = {"idefics3": ProjectedEncoder, "llava": ProjectedEncoder}
+ENCODERS = {"idefics3": ProjectedEncoder, "llava": ProjectedEncoder, "gemma3": ProjectedEncoder}
 
 
 def build_encoder(config: VisionConfig, weights: VisionWeights,

@@ -1,13 +1,15 @@
 """A vision-language checkpoint's image side: its encoder's shape and its projector's.
 
 Owns: `VisionConfig`, read from a Hugging Face config.json's `vision_config` and the fields
-around it, and `VISION_FAMILIES`, the model types whose image side nanoserve runs (the text
-side is an ordinary `ModelConfig`, read from `text_config`). Refuses: a vision family or an
+around it, and `VISION_FAMILIES`, the model types whose image side nanoserve runs: Idefics3 /
+SmolVLM, LLaVA-1.5, Gemma 3 (the text side is an ordinary `ModelConfig`, read from
+`text_config` over its text family's defaults). Refuses: a vision family or an
 encoder activation it does not implement, naming the field.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,18 +17,29 @@ from nanoserve.errors import UnsupportedModelError
 
 # model_type of the checkpoint -> the encoder + projector that runs it (model/vision.py).
 # config.json's model_type -> the family that runs it (SmolVLM2 is Idefics3's architecture)
-VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "llava": "llava"}
+VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "llava": "llava", "gemma3": "gemma3"}
 ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")
 # Each family's tower model_type (older transformers saved Idefics3's as "idefics3"), and the
 # tower's activation when vision_config leaves it out (the transformers config class's default).
 VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision", "idefics3", "smolvlm_vision"),
-                      "llava": ("clip_vision_model",)}
-DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu"}
+                      "llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",)}
+DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu", "gemma3": "gelu_pytorch_tanh"}
 LLAVA_IMAGE_TOKEN_DEFAULT = 32000  # LlavaConfig's image_token_index when config.json leaves it out
+# Gemma3Config's defaults: its placeholder token and the rows one image is pooled to.
+GEMMA3_IMAGE_TOKEN_DEFAULT = 262144
+GEMMA3_TOKENS_PER_IMAGE_DEFAULT = 256
 # LlamaConfig's defaults: a LLaVA checkpoint's text_config lists only the fields it changed.
 LLAMA_DEFAULTS = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
                   "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
                   "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+# Gemma3TextConfig's defaults: google's Gemma 3 checkpoints list only the fields they changed.
+GEMMA3_TEXT_DEFAULTS = {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304,
+                        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                        "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 4096,
+                        "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0}
+GEMMA3_ROPE_THETA_DEFAULT = 1000000.0  # its full layers' base, when neither rope field states one
+TEXT_DEFAULTS = {"idefics3": LLAMA_DEFAULTS, "llava": LLAMA_DEFAULTS, "gemma3": GEMMA3_TEXT_DEFAULTS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +63,12 @@ class VisionConfig:
     class_token: bool = False  # CLIP: a class token leads each tile's tokens
     drop_class_token: bool = False  # LLaVA's "default" feature selection: the class token's row goes
     projector_act: str | None = None  # between the projector's linears (LLaVA's GELU); None: one linear
+    # Gemma 3: the patch grid average-pooled to this many rows (a square), then its soft-token
+    # RMSNorm before the one linear; 0: no pooling.
+    tokens_per_image: int = 0
+    # Gemma 3: an image's rows attend to each other both ways in the text model (the text stays
+    # causal), so a prompt chunk never ends inside one.
+    bidirectional: bool = False
 
     @property
     def patches_per_side(self) -> int:
@@ -59,6 +78,8 @@ class VisionConfig:
     def rows_per_tile(self) -> int:
         """Embedding rows one image-size tile becomes: its patches, merged by the projector (and
         CLIP's class token where the projector reads it)."""
+        if self.tokens_per_image:
+            return self.tokens_per_image
         kept_class = self.class_token and not self.drop_class_token
         return self.patches_per_side ** 2 // self.scale_factor ** 2 + kept_class
 
@@ -89,12 +110,28 @@ class VisionConfig:
         if family == "idefics3":
             config = cls(**shape, layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
                          image_token_id=raw["image_token_id"], scale_factor=raw.get("scale_factor", 1))
+        elif family == "gemma3":
+            config = cls(**shape, **_gemma3_fields(raw, vision))
         else:
             config = cls(**shape, **_llava_fields(raw, vision))
         if config.hidden_size % config.num_heads or config.patches_per_side % config.scale_factor:
             raise UnsupportedModelError("config.json: vision_config.hidden_size must divide by "
                                         "num_attention_heads and the patches per side by scale_factor")
         return config
+
+
+def _gemma3_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's choices: SigLIP's last layer through its post-layernorm, the patch grid pooled to
+    `mm_tokens_per_image` rows (a square whose side divides the grid's), bidirectional images."""
+    tokens = raw.get("mm_tokens_per_image", GEMMA3_TOKENS_PER_IMAGE_DEFAULT)
+    side = math.isqrt(tokens) if isinstance(tokens, int) and tokens > 0 else 0
+    grid = vision["image_size"] // vision["patch_size"]
+    if side * side != tokens or grid % side:
+        raise UnsupportedModelError(f"config.json field 'mm_tokens_per_image' = {tokens!r}: nanoserve pools "
+                                    f"the {grid} x {grid} patch grid to a square whose side divides {grid}")
+    token = raw.get("image_token_id", raw.get("image_token_index", GEMMA3_IMAGE_TOKEN_DEFAULT))
+    return dict(layer_norm_eps=vision.get("layer_norm_eps", 1e-6), image_token_id=token,
+                tokens_per_image=tokens, bidirectional=True)
 
 
 def _llava_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
@@ -118,13 +155,15 @@ def _llava_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]
 
 
 def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config.json fields: a vision-language checkpoint's `text_config` (Llama's
-    defaults where it leaves fields out, as transformers fills them; the head tying the whole
-    checkpoint declares), any other checkpoint's own fields."""
+    """The text model's config.json fields: a vision-language checkpoint's `text_config` (its text
+    family's defaults where it leaves fields out, as transformers fills them: Llama's, Gemma 3's;
+    the head tying the whole checkpoint declares), any other checkpoint's own fields."""
     if raw.get("vision_config") is None or raw.get("model_type") not in VISION_FAMILIES:
         return raw
-    text = LLAMA_DEFAULTS | dict(raw.get("text_config") or {})
+    text = TEXT_DEFAULTS[VISION_FAMILIES[raw["model_type"]]] | dict(raw.get("text_config") or {})
     text.setdefault("num_key_value_heads", text["num_attention_heads"])
+    if text["model_type"] == "gemma3_text" and "rope_parameters" not in text:
+        text.setdefault("rope_theta", GEMMA3_ROPE_THETA_DEFAULT)
     if "tie_word_embeddings" in raw:
         text["tie_word_embeddings"] = raw["tie_word_embeddings"]
     return text

@@ -3,6 +3,7 @@ the text its placeholder in the prompt expands to, as the model's Hugging Face p
 
 Owns: `ImageProcessor` (the interface), `ProcessedImage`, LLaVA-1.5's processor (pad to square
 where asked, shortest edge resized, centre crop, rescale, normalise; `<image>` once per row),
+Gemma 3's (resized to the tower's square, rescale, normalise; `<start_of_image>` expanded),
 and Idefics3 / SmolVLM's processor,
 configured from the checkpoint's preprocessor_config.json: resize so the longest edge is
 `size.longest_edge` (at most 4096), then to multiples of `max_image_size.longest_edge`, split
@@ -220,7 +221,51 @@ class LlavaProcessor:
         return ProcessedImage(torch.from_numpy(pixels[None]), self.placeholder * self.rows, self.rows)
 
 
-PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor}
+# Gemma 3's tokenizer's boi_token, image_token and eoi_token (tokenizer_config's extra_special_tokens)
+GEMMA3_BOI, GEMMA3_IMAGE, GEMMA3_EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Processor:
+    """Gemma 3's: the image resized to the tower's square (no crops: pan-and-scan is refused),
+    rescaled and normalised; its `<start_of_image>` in the prompt becomes
+    `\n\n<start_of_image>` + `<image_soft_token>` * rows + `<end_of_image>\n\n`
+    (transformers' Gemma3ImageProcessorPil and Gemma3Processor)."""
+
+    rows: int  # image tokens one image becomes (mm_tokens_per_image)
+    side: int  # every image is resized to side x side pixels (the tower's image_size)
+    resample: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    placeholder: str = GEMMA3_BOI
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], vision: VisionConfig) -> Gemma3Processor:
+        if raw.get("do_pan_and_scan"):
+            raise UnsupportedModelError("preprocessor_config.json field 'do_pan_and_scan' = true: nanoserve "
+                                        "runs Gemma 3's images whole, without pan-and-scan crops")
+        square = {"height": vision.image_size, "width": vision.image_size}
+        size = raw.get("size", square)
+        if not raw.get("do_resize", True) or size != square:
+            raise UnsupportedModelError(f"preprocessor_config.json fields 'do_resize' / 'size' = {size!r}: "
+                                        f"Gemma 3's images are resized to the tower's {vision.image_size} x "
+                                        f"{vision.image_size}")
+        normalize = raw.get("do_normalize", True)
+        return cls(rows=vision.rows_per_tile, side=vision.image_size,
+                   resample=raw.get("resample", Image.BILINEAR),
+                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
+                   mean=tuple(raw.get("image_mean", IMAGENET_STANDARD)) if normalize else None,
+                   std=tuple(raw.get("image_std", IMAGENET_STANDARD)) if normalize else None)
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        image = image.resize((self.side, self.side), resample=self.resample)
+        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
+        text = f"\n\n{GEMMA3_BOI}{GEMMA3_IMAGE * self.rows}{GEMMA3_EOI}\n\n"
+        return ProcessedImage(torch.from_numpy(pixels[None]), text, self.rows)
+
+
+PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor, "gemma3": Gemma3Processor}
 
 
 def load_processor(model_dir: Path, vision: VisionConfig) -> ImageProcessor:
