@@ -182,6 +182,7 @@ class Engine:
                                         device=self.device, kernel=self.kernel_choice.kernel,
                                         mmproj=Path(config.mmproj) if config.mmproj else None,
                                         token_id=self.tokenizer.backend.token_to_id)
+        self._check_image_fits_a_step()
         self.runner = ModelRunner(executor.runner_model, self.kv_cache,
                                   eos_token_ids=self.tokenizer.eos_token_ids, device=self.device,
                                   image_embeddings=None if self.images is None else self.images.embeddings)
@@ -214,6 +215,16 @@ class Engine:
             log.info(note)
         log.info(self.kernel_summary)
         log.info(self.kv_cache_summary)
+
+    def _check_image_fits_a_step(self) -> None:
+        """A bidirectional image is computed in one step (`scheduler.whole_images`): refuse a step
+        budget it cannot fit, as vLLM refuses one below its largest multimodal item."""
+        vision = self.images.encoder.config if self.images is not None else None
+        budget = self.scheduler.config.max_num_batched_tokens
+        if vision is not None and vision.bidirectional and budget < vision.rows_per_tile:
+            raise InvalidRequestError(f"max_num_batched_tokens is {budget}; this model's images are "
+                                      f"{vision.rows_per_tile} tokens each, computed in one step: raise it "
+                                      f"to at least {vision.rows_per_tile}", param="max_num_batched_tokens")
 
     def close(self) -> None:
         """Write the prefix cache's blocks to its directory (if it has one) and stop the

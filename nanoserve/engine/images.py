@@ -27,7 +27,7 @@ from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.model.linear import KERNELS, LinearKernel
 from nanoserve.model.vision import ImageEncoder, build_encoder
 from nanoserve.multimodal.images import decode_image, to_rgb
-from nanoserve.multimodal.inputs import ImageInput, expand_placeholders, place_images
+from nanoserve.multimodal.inputs import ImageInput, check_runs, expand_placeholders, place_images
 from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, load_processor
 
@@ -113,7 +113,8 @@ class EngineImages:
         processed = [self.processor.process(self._decoded(image, f"{field}[{i}]"))
                      for i, image in enumerate(images)]
         ids = truncate(encode(expand_placeholders(text, self.processor.placeholder, processed, field)))
-        return ids, place_images(ids, processed, self.encoder.config.image_token_id, field)
+        config = self.encoder.config
+        return ids, place_images(ids, processed, config.image_token_id, field, config.bidirectional)
 
     def check_placed(self, prompt_ids: Sequence[int], images: Sequence[ImageInput],
                      field: str = "images") -> None:
@@ -124,6 +125,12 @@ class EngineImages:
             if any(p >= len(prompt_ids) or prompt_ids[p] != image_token_id for p in image.positions):
                 raise InvalidRequestError("an image's rows are placed where the prompt holds no image tokens",
                                           param=f"{field}[{i}]")
+            if image.bidirectional != self.encoder.config.bidirectional:
+                how = "both ways" if self.encoder.config.bidirectional else "causally"
+                raise InvalidRequestError(f"an image placed for another model: this model's image rows "
+                                          f"attend {how}", param=f"{field}[{i}]")
+        if self.encoder.config.bidirectional:
+            check_runs(images, field)
 
     def _decoded(self, image: ImageData, field: str) -> Image.Image:
         if isinstance(image, bytes | bytearray):

@@ -128,6 +128,8 @@ class ModelRunner:
         pending: list[tuple[int, str]] = []  # (input row, request id) filled from `in_flight`
         device_drafts: list[tuple[int, str, int]] = []  # (input row, request id, draft) from `drafts`
         splices: list[tuple[list[int], torch.Tensor]] = []  # (input rows, image rows that replace them)
+        visible_ends: list[int] = []  # the last position each row sees (past its own inside an image)
+        bidirectional = any(image.bidirectional for chunk in ordered for image in chunk.request.images)
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
             known_stop = stop - len(chunk.draft_ids)
@@ -143,6 +145,8 @@ class ModelRunner:
                 splices += self._image_splices(chunk, first_row)
             input_ids += known + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
+            if bidirectional:
+                visible_ends += self._visible_ends(chunk)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
             if chunk.samples:  # the newest token's row, then one per draft
                 logits_rows += range(len(input_ids) - 1 - len(chunk.draft_ids), len(input_ids))
@@ -167,6 +171,8 @@ class ModelRunner:
         if splices:
             batch.image_rows = self._tensor([row for rows, _ in splices for row in rows])
             batch.image_embeds = torch.cat([embeds for _, embeds in splices])
+        if bidirectional and visible_ends != positions:  # some row lies inside a bidirectional image
+            batch.visible_ends = self._tensor(visible_ends)
         sampled = [chunk for chunk in ordered if chunk.samples]
         return PreparedStep(batch, self._sampling_batch(sampled),
                             [c.request.request_id for c in sampled for _ in range(1 + len(c.draft_ids))],
@@ -191,6 +197,18 @@ class ModelRunner:
                 rows = [first_row + position - chunk.start for position in image.positions[first:last]]
                 splices.append((rows, self.image_embeddings(image)[first:last]))
         return splices
+
+    @staticmethod
+    def _visible_ends(chunk: ScheduledChunk) -> list[int]:
+        """The last position each of the chunk's rows sees: its own, or inside a bidirectional
+        image that image's last (the scheduler never cuts one, so it is in the cache by then)."""
+        ends = list(range(chunk.start, chunk.start + chunk.num_tokens))
+        for image in chunk.request.images:
+            if image.bidirectional:
+                first, last = image.rows_in(chunk.start, chunk.start + chunk.num_tokens)
+                for position in image.positions[first:last]:
+                    ends[position - chunk.start] = image.last_position
+        return ends
 
     @staticmethod
     def _pooled_rows(chunk: ScheduledChunk, first_row: int, stop_row: int) -> list[int]:
@@ -317,8 +335,13 @@ class ModelRunner:
         # Short block tables are padded with block 0: the mask hides those slots.
         tables = [(c.request.block_ids[:num_blocks] + [0] * num_blocks)[:num_blocks] for c in chunks]
         positions = [list(range(c.start, c.start + c.num_tokens)) for c in chunks]
+        # A row inside a bidirectional image sees past its position: no chunk of context may be
+        # skipped by position alone.
+        sees_ahead = any(image.bidirectional and image.key_material(c.start, c.start + c.num_tokens)
+                         for c in chunks for image in c.request.images)
         return AttentionGroup(row_start, len(chunks), rows_per_seq, self._tensor(positions),
-                              self._tensor(tables), first_positions=tuple(c.start for c in chunks))
+                              self._tensor(tables),
+                              first_positions=None if sees_ahead else tuple(c.start for c in chunks))
 
     def _sampling_batch(self, sampled: list[ScheduledChunk]) -> SamplingBatch | None:
         if not sampled:

@@ -18,6 +18,8 @@ A decode step then costs at most a plain one plus that many prompt tokens, howev
 prompts that arrive (vLLM bounds the same with `long_prefill_token_threshold` per prompt and
 `max_num_partial_prefills` prompts). With nothing decoding, prefills take the whole budget.
 Where a chunk ends never changes a token: a prompt in chunks computes what it would in one.
+A bidirectional image (Gemma 3: its rows see the whole image) is never cut: a chunk that would
+end inside one ends before it, and the chunk that reaches it takes it whole (`whole_images`).
    With prefix caching, a request being admitted first takes the longest run of cached full
    blocks its tokens start with (never all of them: the last token is always computed, so the
    step yields logits) and is scheduled from there. A preempted request re-admits the same way.
@@ -145,6 +147,23 @@ class AdapterSlots:
             self.running.add(request.adapter_key)
 
 
+def whole_images(request: Request, start: int, num_tokens: int, step_tokens: int) -> int:
+    """The tokens of a chunk from `start` once no bidirectional image is cut: its rows attend up
+    to the image's last position, so the chunk computing them must hold the rest of it. A chunk
+    that would end inside such an image ends before it (vLLM's rule for bidirectional images);
+    one that starts at or inside it takes it whole, past the prefill caps and the fair share,
+    if what is left of the step's `step_tokens` holds it, else none this step. (The engine
+    refuses a model whose image is longer than max_num_batched_tokens, so it fits some step.)"""
+    stop = start + num_tokens
+    for image in request.images:
+        first, last = image.positions[0], image.last_position
+        if image.bidirectional and first < stop <= last:
+            whole = last + 1 if last + 1 - start <= step_tokens else start
+            stop = first if first > start else whole
+            break
+    return stop - start
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at position `start`, computed this step.
@@ -200,8 +219,8 @@ class StepBudget:
 
     def spend(self, request: Request, num_tokens: int) -> None:
         self.tokens -= num_tokens
-        if request.num_uncomputed_tokens > 1:
-            self.prefill_tokens -= num_tokens
+        if request.num_uncomputed_tokens > 1:  # an image taken whole may overdraw the prefill budget
+            self.prefill_tokens = max(0, self.prefill_tokens - num_tokens)
 
 
 @dataclass(slots=True)
@@ -436,6 +455,7 @@ class Scheduler:
                 continue  # its pending token is its last: max_tokens ends it when resolved
             start, extra = request.num_computed_tokens, self._row_extra(request)
             num_tokens = self.share.affordable(request.parent, start, self._grant(budget, request), extra)
+            num_tokens = whole_images(request, start, num_tokens, budget.tokens)
             if num_tokens == 0:
                 continue
             drafts = self._drafts(request, budget.tokens - num_tokens)
@@ -499,6 +519,7 @@ class Scheduler:
                 if num_tokens == 0 and self._grant(budget, request) > 0:
                     self._unadmit(request)
                     continue  # its parent's share is spent this step: the next in line may run
+            num_tokens = whole_images(request, request.num_computed_tokens, num_tokens, budget.tokens)
             if num_tokens == 0 or not self._reserve(request, request.num_computed_tokens + num_tokens):
                 self._unadmit(request)
                 break  # FCFS: no one overtakes the head of the queue for budget or blocks

@@ -9,7 +9,9 @@
   change a token).
 
 `TorchAttention` is what a decoder layer calls: it plans a step once (masks, or the positions'
-plan) and runs a layer's attention from its fused qkv rows.
+plan) and runs a layer's attention from its fused qkv rows. A row sees the context up to its
+position, or, inside a bidirectional image (Gemma 3), up to the image's last position
+(`ForwardBatch.visible_ends`); a sliding window still counts back from its position.
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ def sequence_position_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 
+def _visible_ends(batch: ForwardBatch) -> torch.Tensor:
+    """[rows] the last position each row sees: its own, or its bidirectional image's last."""
+    return batch.positions if batch.visible_ends is None else batch.visible_ends
+
+
 @dataclass(slots=True)
 class TorchAttention:
     """A model's attention in torch: the step's plans, and each layer's attention from qkv."""
@@ -156,7 +163,8 @@ class TorchAttention:
     def _plan(self, batch: ForwardBatch, block_size: int, window: int) -> PositionPlan | list[torch.Tensor]:
         if self.batch_invariant:
             return self._position_plan(batch, block_size, window)
-        return [self._group_mask(group, block_size, window) for group in batch.groups]
+        ends = _visible_ends(batch)
+        return [self._group_mask(group, ends, block_size, window) for group in batch.groups]
 
     def __call__(self, index: int, qkv: torch.Tensor, step: StepContext, kv_cache: KVCache, *,
                  rope: int = 0, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
@@ -241,17 +249,20 @@ class TorchAttention:
         ctx = width * block_size
         # Groups hold their rows in batch order, so batch.positions is each row's position.
         slots = torch.arange(ctx, device=tables.device).view(1, ctx)
-        visible = slots <= batch.positions.view(-1, 1)
+        visible = slots <= _visible_ends(batch).view(-1, 1)
         if window:  # a sliding layer: only the last `window` positions
             visible &= slots > batch.positions.view(-1, 1) - window
         return PositionPlan(tables, decodes, prefills, visible.view(1, -1, 1, ctx))
 
-    def _group_mask(self, group: AttentionGroup, block_size: int, window: int = 0) -> torch.Tensor:
-        """[1, seqs, per_kv * rows, ctx] bool: a query row sees the context up to its position
-        (with a `window`, its last `window` positions only)."""
+    def _group_mask(self, group: AttentionGroup, ends: torch.Tensor, block_size: int,
+                    window: int = 0) -> torch.Tensor:
+        """[1, seqs, per_kv * rows, ctx] bool: a query row sees the context up to its end (its
+        position, or its bidirectional image's last; with a `window`, from its position's last
+        `window` positions only)."""
         ctx = group.block_tables.shape[1] * block_size
         slots = torch.arange(ctx, device=group.positions.device)
-        visible = slots.view(1, 1, ctx) <= group.positions.unsqueeze(-1)  # [seqs, rows, ctx]
+        rows = slice(group.row_start, group.row_start + group.num_seqs * group.rows_per_seq)
+        visible = slots.view(1, 1, ctx) <= ends[rows].view(group.num_seqs, group.rows_per_seq, 1)
         if window:
             visible &= slots.view(1, 1, ctx) > group.positions.unsqueeze(-1) - window
         per_kv = self.config.num_heads // self.config.num_kv_heads

@@ -55,6 +55,9 @@ class ForwardBatch:
     # row an image's embedding row); None: no image row this step.
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # [rows] the last position each row attends to: past its own inside a bidirectional image
+    # (Gemma 3), whose rows see the whole image; None: every row sees up to its own position.
+    visible_ends: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -91,11 +94,17 @@ def paged_context(batch: ForwardBatch, kv_cache: KVCache) -> PagedContext:
     if len(row_seq) != rows:
         raise ValueError(f"attention groups cover {len(row_seq)} rows; the batch has {rows}")
     cache_slots = kv_cache.num_blocks * kv_cache.block_size
-    for name, values, bound in (("block_tables", tables, kv_cache.num_blocks),
-                                ("positions", batch.positions, width * kv_cache.block_size),
-                                ("slot_mapping", batch.slot_mapping, cache_slots)):
+    checked = [("block_tables", tables, kv_cache.num_blocks),
+               ("positions", batch.positions, width * kv_cache.block_size),
+               ("slot_mapping", batch.slot_mapping, cache_slots)]
+    if batch.visible_ends is not None:
+        checked.append(("visible_ends", batch.visible_ends, width * kv_cache.block_size))
+        torch._assert_async((batch.visible_ends >= batch.positions).all(),
+                            "visible_ends must be >= positions")
+    for name, values, bound in checked:
         if values.numel():
             # Checked inside torch, not read back into Python: a step reads back once, in the
             # output processor (tests/test_engine.py makes any other host read fail).
             torch._assert_async(((values >= 0) & (values < bound)).all(), f"{name} must lie in [0, {bound})")
-    return PagedContext(tables.contiguous(), torch.tensor(row_seq, dtype=torch.long), batch.positions)
+    return PagedContext(tables.contiguous(), torch.tensor(row_seq, dtype=torch.long), batch.positions,
+                        batch.visible_ends)

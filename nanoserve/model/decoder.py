@@ -205,7 +205,8 @@ class DecoderLM:
             hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         # The one-call decoder adds LoRA rows' updates itself, where the adapters run in C.
         runs_lora = step.lora is not None or not batch.adapter_rows
-        if self.decoder is not None and self.ops is not None and runs_lora:
+        # The one-call decoder runs causal attention only (Llama stacks have no bidirectional images).
+        if self.decoder is not None and self.ops is not None and runs_lora and batch.visible_ends is None:
             tally = self.moe.tally if self.moe is not None else None
             if tally is not None:
                 tally.calls += self.decoder.sparse_layers

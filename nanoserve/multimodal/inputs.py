@@ -32,6 +32,13 @@ class ImageInput:
     pixel_values: Any  # [tiles, channels, height, width]; None once encoded
     positions: tuple[int, ...]
     rows: Any = None  # [len(positions), text hidden] once encoded
+    # Its rows attend to each other both ways (Gemma 3; its positions then one run): each sees up
+    # to the image's last position, so no prompt chunk may end inside it.
+    bidirectional: bool = False
+
+    @property
+    def last_position(self) -> int:
+        return self.positions[-1]
 
     def key_material(self, start: int, stop: int) -> bytes:
         """Its hash when any of its rows lies in positions [start, stop), else nothing: what a
@@ -62,8 +69,9 @@ def expand_placeholders(text: str, placeholder: str, images: Sequence[ProcessedI
 
 
 def place_images(prompt_ids: Sequence[int], images: Sequence[ProcessedImage], image_token_id: int,
-                 field: str) -> list[ImageInput]:
-    """Each image's positions: the image tokens of the prompt, the first image's rows first."""
+                 field: str, bidirectional: bool = False) -> list[ImageInput]:
+    """Each image's positions: the image tokens of the prompt, the first image's rows first
+    (`bidirectional`: each image's rows attend to each other both ways, and must be one run)."""
     positions = [p for p, token in enumerate(prompt_ids) if token == image_token_id]
     wanted = sum(image.num_rows for image in images)
     if len(positions) != wanted:
@@ -73,6 +81,18 @@ def place_images(prompt_ids: Sequence[int], images: Sequence[ProcessedImage], im
     placed, start = [], 0
     for image in images:
         stop = start + image.num_rows
-        placed.append(ImageInput(content_hash(image), image.pixel_values, tuple(positions[start:stop])))
+        placed.append(ImageInput(content_hash(image), image.pixel_values, tuple(positions[start:stop]),
+                                 bidirectional=bidirectional))
         start = stop
+    if bidirectional:
+        check_runs(placed, field)
     return placed
+
+
+def check_runs(images: Sequence[ImageInput], field: str) -> None:
+    """Refuse a bidirectional image whose positions are not one run (its text between them would
+    see rows after it)."""
+    for i, image in enumerate(images):
+        if image.positions and image.last_position - image.positions[0] + 1 != len(image.positions):
+            raise InvalidRequestError("this model's image rows attend to each other both ways: an image's "
+                                      "placeholder tokens must be one run", param=f"{field}[{i}]")

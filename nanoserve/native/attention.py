@@ -17,8 +17,8 @@ import ctypes
 import torch
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURE = (_INT, _P, _I64, _INT, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
-              _F32, _I64, _F32, _INT)
+_SIGNATURE = (_INT, _P, _I64, _INT, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+              _I64, _F32, _I64, _F32, _INT)
 
 # nanoserve.h's NS_KV_*: the cache storage dtypes the kernel reads (int8: q8_0 codes with scales).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
@@ -83,7 +83,8 @@ class NativeAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, heads: int,
                  scale: float, *, window: int = 0, softcap: float = 0.0, out: torch.Tensor | None = None,
-                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                 visible_ends: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of every row over its sequence's context in the paged cache, read in place.
 
         q [rows, >= heads * d] float32 with unit stride inside a row (a view of the qkv
@@ -91,6 +92,9 @@ class NativeAttention:
         width], row_seq and positions [rows], int64 (their values' bounds are the caller's to
         check: `model.batch.paged_context` does); -> [rows, heads * d]. `window` > 0 limits a
         row to its last `window` slots; `softcap` > 0 soft-caps the scores (Gemma 2).
+        `visible_ends` [rows] int64: the last slot each row sees where it is past its position
+        (a bidirectional image's rows see the whole image; the window still counts back from the
+        position); None: each row's position (bounds, and each >= its position, the caller's).
         """
         kv_heads, blocks, block_size, dim = k_cache.shape
         rows = q.shape[0]
@@ -100,6 +104,8 @@ class NativeAttention:
         check_tensor("block_tables", block_tables, torch.int64)
         check_tensor("row_seq", row_seq, torch.int64, (rows,))
         check_tensor("positions", positions, torch.int64, (rows,))
+        if visible_ends is not None:
+            check_tensor("visible_ends", visible_ends, torch.int64, (rows,))
         if heads % kv_heads:
             raise NativeOpsError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
         if out is None:
@@ -107,8 +113,10 @@ class NativeAttention:
         check_tensor("out", out, torch.float32, (rows, heads * dim))
         status = self._attend(self.isa, q.data_ptr(), q.stride(0), code, k_cache.data_ptr(), k_scales_at,
                               v_cache.data_ptr(), v_scales_at, block_tables.data_ptr(), block_tables.shape[1],
-                              row_seq.data_ptr(), positions.data_ptr(), out.data_ptr(), rows, heads, kv_heads,
-                              dim, block_size, blocks, scale, window, softcap, torch.get_num_threads())
+                              row_seq.data_ptr(), positions.data_ptr(),
+                              None if visible_ends is None else visible_ends.data_ptr(), out.data_ptr(), rows,
+                              heads, kv_heads, dim, block_size, blocks, scale, window, softcap,
+                              torch.get_num_threads())
         if status == -2:
             raise MemoryError("the attention's scratch could not be allocated")
         if status != 0:

@@ -54,7 +54,8 @@ def _output(name: str, out: torch.Tensor | None, like: torch.Tensor, shape: tupl
 @dataclass(frozen=True, slots=True)
 class PagedContext:
     """Where each row's context lives, built once per step for every layer: row r attends over
-    sequence row_seq[r]'s block table up to positions[r] (its own slot included). Types and
+    sequence row_seq[r]'s block table up to positions[r] (its own slot included), or up to
+    visible_ends[r] where given (a bidirectional image's rows see the whole image). Types and
     shapes are checked here; the values' bounds (a sequence in the table, a position inside its
     blocks, a block inside the cache) are the builder's to check, once per step, as
     `model.paged_context` does."""
@@ -62,11 +63,14 @@ class PagedContext:
     block_tables: torch.Tensor  # [seqs, width] int64: cache blocks of each sequence
     row_seq: torch.Tensor  # [rows] int64: each row's sequence
     positions: torch.Tensor  # [rows] int64
+    visible_ends: torch.Tensor | None = None  # [rows] int64, each >= its row's position; None: positions
 
     def __post_init__(self) -> None:  # once per step, not once per layer
         _check("block_tables", self.block_tables, torch.int64)
         _check("row_seq", self.row_seq, torch.int64)
         _check("positions", self.positions, torch.int64, self.row_seq.shape)
+        if self.visible_ends is not None:
+            _check("visible_ends", self.visible_ends, torch.int64, self.row_seq.shape)
 
     @property
     def rows(self) -> int:
@@ -152,7 +156,7 @@ class NativeOps:
             raise NativeOpsError(f"the context describes {context.rows} rows; q has {q.shape[0]}")
         return self.attention(q, k_cache, v_cache, context.block_tables, context.row_seq, context.positions,
                               heads, scale, window=window, softcap=softcap, out=out, k_scales=k_scales,
-                              v_scales=v_scales)
+                              v_scales=v_scales, visible_ends=context.visible_ends)
 
 
 def load(*, portable: bool = False) -> NativeOps | None:

@@ -1,7 +1,8 @@
 /* Tiled (flash-style) attention over the paged KV cache, for decode rows and prompt chunks alike.
  *
- * Every query row attends over its own sequence's slots [first, last] (last: its position;
- * first: 0, or the window's start), read in place through its block table in the cache's own
+ * Every query row attends over its own sequence's slots [first, last] (last: its position, or
+ * where the caller gives visible_ends the last slot of the bidirectional image it lies in;
+ * first: 0, or its position's window's start), read in place through its block table in the cache's own
  * dtype (float32, float16, bfloat16, or q8_0 codes with one float32 scale a row), converted to
  * float32 one K or V row at a time as a tile reads it: the cache is never expanded.
  *
@@ -541,12 +542,19 @@ static inline int64_t first_slot(int64_t last, int64_t window) {
     return window > 0 && last + 1 > window ? last + 1 - window : 0;
 }
 
+/* The last slot row r sees: its position, or past it inside a bidirectional image. */
+static inline int64_t last_slot(const ns_attention_plan *plan, const int64_t *positions, int64_t r) {
+    return plan->visible_ends != NULL ? plan->visible_ends[r] : positions[r];
+}
+
 static inline int64_t padded_dim(int64_t dim) { return (dim + NS_ATTN_LANES - 1) / NS_ATTN_LANES * NS_ATTN_LANES; }
 
 /* Row blocks, the units' prefix counts and where each multi-partition row keeps its partials. */
-int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, const int64_t *positions, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t window) {
+int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, const int64_t *positions,
+                           const int64_t *visible_ends, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t window) {
     memset(plan, 0, sizeof *plan);
+    plan->visible_ends = visible_ends;
     const int64_t group = heads / kv_heads;
     const int64_t block_rows = group >= NS_ATTN_QUERIES ? 1 : NS_ATTN_QUERIES / group;
     plan->rows = rows;
@@ -561,9 +569,9 @@ int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, cons
         while (end < rows && end - r < block_rows && row_seq[end] == row_seq[r]) end++;
         int64_t low = INT64_MAX, high = 0;
         for (int64_t i = r; i < end; i++) {
-            int64_t first = first_slot(positions[i], window);
+            int64_t first = first_slot(positions[i], window), last = last_slot(plan, positions, i);
             low = first < low ? first : low;
-            high = positions[i] > high ? positions[i] : high;
+            high = last > high ? last : high;
         }
         const int64_t parts = high / NS_ATTN_PARTITION - low / NS_ATTN_PARTITION + 1;
         if (end - r > 1) { /* a prompt chunk's rows: one unit a K/V head runs all their partitions */
@@ -719,7 +727,8 @@ static void start_queries(const AttnJob *job, AttnScratch *s, int64_t first_row,
     *hi = -1;
     for (int64_t v = 0; v < n; v++) {
         const int64_t r = first_row + (v0 + v) / group, h = kv_head * group + (v0 + v) % group;
-        const int64_t last = job->positions[r], first = first_slot(last, job->plan->window);
+        const int64_t last = last_slot(job->plan, job->positions, r);
+        const int64_t first = first_slot(job->positions[r], job->plan->window);
         s->low[v] = (int32_t)(first > part_lo ? first : part_lo);
         s->high[v] = (int32_t)(last < part_hi ? last : part_hi);
         s->max[v] = -INFINITY;
@@ -780,7 +789,8 @@ static void store_queries(const AttnJob *job, AttnScratch *s, int64_t first_row,
     for (int64_t v = 0; v < n; v++) {
         if (s->low[v] > s->high[v]) continue;
         const int64_t r = first_row + (v0 + v) / group, h = kv_head * group + (v0 + v) % group;
-        const int64_t last = job->positions[r], first_part = first_slot(last, job->plan->window) / NS_ATTN_PARTITION;
+        const int64_t last = last_slot(job->plan, job->positions, r);
+        const int64_t first_part = first_slot(job->positions[r], job->plan->window) / NS_ATTN_PARTITION;
         const float *acc = s->acc + v * padded;
         if (last / NS_ATTN_PARTITION == first_part) {
             merge_partitions(s->max + v, s->sum + v, &acc, 1, dim, job->out + (r * job->heads + h) * dim);
@@ -813,7 +823,8 @@ static void merge_kept(const AttnJob *job, AttnScratch *s, int64_t first_row, in
     const int64_t dim = job->c->dim, padded = padded_dim(dim), group = job->heads / job->kv_heads;
     for (int64_t v = 0; v < n; v++) {
         const int64_t r = first_row + (v0 + v) / group, h = kv_head * group + (v0 + v) % group;
-        const int64_t last = job->positions[r], first_part = first_slot(last, job->plan->window) / NS_ATTN_PARTITION;
+        const int64_t last = last_slot(job->plan, job->positions, r);
+        const int64_t first_part = first_slot(job->positions[r], job->plan->window) / NS_ATTN_PARTITION;
         const int64_t count = last / NS_ATTN_PARTITION - first_part + 1;
         float max[count], sum[count];
         const float *acc[count];
@@ -840,9 +851,9 @@ static void run_unit(const AttnJob *job, AttnScratch *s, int64_t unit) {
     }
     const int64_t block = low, first_row = plan->block_start[block], end_row = plan->block_start[block + 1];
     for (int64_t r = first_row; r < end_row; r++) {
-        int64_t first = first_slot(job->positions[r], plan->window);
+        int64_t first = first_slot(job->positions[r], plan->window), last = last_slot(plan, job->positions, r);
         b_lo = first < b_lo ? first : b_lo;
-        b_hi = job->positions[r] > b_hi ? job->positions[r] : b_hi;
+        b_hi = last > b_hi ? last : b_hi;
     }
     const int64_t first_part = b_lo / NS_ATTN_PARTITION, parts = b_hi / NS_ATTN_PARTITION - first_part + 1;
     const int64_t in_block = unit - (block ? plan->unit_end[block - 1] : 0);
@@ -868,8 +879,8 @@ static void run_unit(const AttnJob *job, AttnScratch *s, int64_t unit) {
 /* The partials of row r's query head h merged into out. */
 static void merge_row_head(const AttnJob *job, int64_t r, int64_t h) {
     const ns_attention_plan *plan = job->plan;
-    const int64_t dim = job->c->dim, padded = padded_dim(dim), last = job->positions[r];
-    const int64_t parts = last / NS_ATTN_PARTITION - first_slot(last, plan->window) / NS_ATTN_PARTITION + 1;
+    const int64_t dim = job->c->dim, padded = padded_dim(dim), last = last_slot(plan, job->positions, r);
+    const int64_t parts = last / NS_ATTN_PARTITION - first_slot(job->positions[r], plan->window) / NS_ATTN_PARTITION + 1;
     float max[parts], sum[parts];
     const float *acc[parts];
     for (int64_t p = 0; p < parts; p++) {
@@ -932,17 +943,20 @@ static void call_task(void *context, int thread, int threads) {
  * runs; else one NS_ATTN_* bit). q [rows, q_row_stride] (heads * dim used, unit stride);
  * caches [kv_heads, num_blocks * block_size, dim] of `kv_dtype` (q8_0: with their scales);
  * out [rows, heads * dim]. Row r attends over sequence row_seq[r]'s block table up to its
- * position (window > 0: its last `window` slots); softcap > 0: scores soft-capped. Returns 0,
+ * position, or up to visible_ends[r] where visible_ends is not NULL (a bidirectional image's
+ * rows see the whole image; window > 0: from its position's last `window` slots on);
+ * softcap > 0: scores soft-capped. Returns 0,
  * -2 when out of memory, -4 when the CPU lacks `isa`. */
 NS_EXPORT int ns_tiled_attention(int isa, const float *q, int64_t q_row_stride, int kv_dtype, void *k_cache,
                                  float *k_scales, void *v_cache, float *v_scales, const int64_t *block_tables,
-                                 int64_t table_width, const int64_t *row_seq, const int64_t *positions, float *out,
+                                 int64_t table_width, const int64_t *row_seq, const int64_t *positions,
+                                 const int64_t *visible_ends, float *out,
                                  int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                                  int64_t num_blocks, float scale, int64_t window, float softcap, int num_threads) {
     const AttnIsa *path = attention_isa(isa, dim);
     if (path == NULL) return -4;
     ns_attention_plan plan;
-    int status = ns_attention_plan_init(&plan, row_seq, positions, rows, heads, kv_heads, dim, window);
+    int status = ns_attention_plan_init(&plan, row_seq, positions, visible_ends, rows, heads, kv_heads, dim, window);
     if (status == 0 && rows > 0) {
         AttnCache cache = {{k_cache, k_scales, kv_dtype}, {v_cache, v_scales, kv_dtype}, block_tables, table_width,
                            block_size, num_blocks * block_size, dim};

@@ -206,7 +206,7 @@ NS_EXPORT int ns_decoder_layers(const DecoderModel *m, const DecoderStep *s, int
     int status = job.xq == NULL ? -2 : 0;
     if (status == 0 && m->moe != NULL) status = ns_moe_scratch_init(&job.moe, m->moe, m->layers, s->rows, 1);
     if (status == 0)
-        status = ns_attention_plan_init(&job.attention, s->row_seq, s->positions, s->rows, m->heads, m->kv_heads,
+        status = ns_attention_plan_init(&job.attention, s->row_seq, s->positions, NULL, s->rows, m->heads, m->kv_heads,
                                         m->head_dim, 0);
     if (status == 0) ns_parallel(num_threads, decoder_task, &job);
     free(job.xq);

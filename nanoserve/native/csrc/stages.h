@@ -37,9 +37,12 @@ typedef struct {
     int64_t *unit_end;    /* [blocks]: the units of blocks 0..b together */
     int64_t *partial_at;  /* [rows + 1]: where each decode row's partitions' partials start */
     float *partials;      /* NULL when no decode row has more than one partition */
+    const int64_t *visible_ends; /* [rows]: the last slot each row sees (a bidirectional image's
+                                  * rows see the whole image), or NULL: each row's position */
 } ns_attention_plan;
-int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, const int64_t *positions, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t window);
+int ns_attention_plan_init(ns_attention_plan *plan, const int64_t *row_seq, const int64_t *positions,
+                           const int64_t *visible_ends, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t window);
 void ns_attention_plan_free(ns_attention_plan *plan);
 int ns_stage_tiled_attention(const ns_attention_plan *plan, const float *q, int64_t q_row_stride, ns_kv_rows k_cache,
                              ns_kv_rows v_cache, const int64_t *block_tables, int64_t table_width,
