@@ -42,14 +42,17 @@ def stored(k, v, dtype):
     return (k, v, None, None), (k.float(), v.float())
 
 
-def reference(q, k, v, tables, row_seq, positions, heads, scale, window=0, softcap=0.0):
-    """float64, one row at a time over its gathered context: q [rows, >= heads * d]."""
+def reference(q, k, v, tables, row_seq, positions, heads, scale, window=0, softcap=0.0, ends=None):
+    """float64, one row at a time over its gathered context: q [rows, >= heads * d]; row r sees
+    up to ends[r] (default: its position), from its position's window on."""
     kv_heads, _, _, dim = k.shape
     out = []
-    for r, (seq, pos) in enumerate(zip(row_seq.tolist(), positions.tolist(), strict=True)):
+    ends = positions if ends is None else ends
+    rows = zip(row_seq.tolist(), positions.tolist(), ends.tolist(), strict=True)
+    for r, (seq, pos, end) in enumerate(rows):
         first = max(0, pos + 1 - window) if window else 0
-        keys = k[:, tables[seq]].reshape(kv_heads, -1, dim)[:, first : pos + 1].double()
-        values = v[:, tables[seq]].reshape(kv_heads, -1, dim)[:, first : pos + 1].double()
+        keys = k[:, tables[seq]].reshape(kv_heads, -1, dim)[:, first : end + 1].double()
+        values = v[:, tables[seq]].reshape(kv_heads, -1, dim)[:, first : end + 1].double()
         qr = q[r, : heads * dim].view(kv_heads, heads // kv_heads, dim).double()
         scores = qr @ keys.transpose(1, 2) * scale
         if softcap:
@@ -138,6 +141,37 @@ def test_a_rows_bits_are_the_same_alone_in_a_crowd_in_a_prefill_chunk_and_at_1_t
         alone = _with_threads(1, lambda pos=pos, table=table: kernel(
             q_seq[pos : pos + 1], k, v, table, torch.tensor([0]), torch.tensor([pos]), heads, 0.125))
         assert torch.equal(alone, crowds[0][1 + pos : 2 + pos]), f"position {pos}"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+@pytest.mark.parametrize("window", [0, 100])
+def test_rows_inside_a_bidirectional_image_see_its_whole_run_on_every_path(dtype, window):
+    """A 600-slot prompt chunk whose image rows [250, 520) see up to slot 519 (Gemma 3), beside a
+    decode row: every vector path equals the portable reference bit for bit, the float64
+    reference of the same visibility holds, and an image row computed alone (a one-row unit of
+    several partitions, as the block split can leave one) has the chunk's bits."""
+    heads, kv_heads, dim, block_size, length, image = 8, 2, 32, 16, 600, range(250, 520)
+    tables, k, v = paged_setup([length, 300], heads, kv_heads, dim, block_size, seed=7)
+    (k, v, k_scales, v_scales), (k_held, v_held) = stored(k, v, dtype)
+    q = torch.randn(length + 1, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(8))
+    row_seq, positions = torch.tensor([1] + [0] * length), torch.tensor([299, *range(length)])
+    ends = torch.tensor([299, *(image[-1] if p in image else p for p in range(length))])
+    def run(path, rows=slice(None)):
+        return attention(path)(q[rows], k, v, tables, row_seq[rows], positions[rows], heads, dim ** -0.5,
+                               window=window, k_scales=k_scales, v_scales=v_scales,
+                               visible_ends=ends[rows].contiguous())
+
+    portable = run("portable")
+    for path in VECTOR_PATHS:
+        assert torch.equal(run(path), portable), path
+    expected = reference(q, k_held, v_held, tables, row_seq, positions, heads, dim ** -0.5, window, ends=ends)
+    torch.testing.assert_close(portable.double(), expected, rtol=2e-5, atol=1e-5)
+    for pos in (image[0], 300, image[-1]):
+        assert torch.equal(run("best", slice(pos + 1, pos + 2)), run("best")[pos + 1 : pos + 2]), pos
+    causal = attention("portable")(q, k, v, tables, row_seq, positions, heads, dim ** -0.5, window=window,
+                                   k_scales=k_scales, v_scales=v_scales)
+    assert not torch.equal(causal[1 + image[0]], portable[1 + image[0]])
 
 
 @needs_native
