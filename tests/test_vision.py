@@ -1,7 +1,7 @@
-"""Each vision family's image side against transformers (Idefics3 / SmolVLM, LLaVA-1.5): the
-processor's pixel values and prompt ids, the encoder's embedding rows, and the text model's
-logits and greedy tokens with images in the prompt (float32, tiny random checkpoints built by
-transformers in several sizes)."""
+"""Each vision family's image side against transformers (Idefics3 / SmolVLM, LLaVA-1.5, Gemma 3):
+the processor's pixel values and prompt ids, the encoder's embedding rows, and the text model's
+logits and greedy tokens with images in the prompt (float32, float32 K/V, tiny random checkpoints
+built by transformers in several sizes; Gemma 3's image rows attend to each other both ways)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
     random_image,
+    reference_gemma3_processor,
     reference_llava_processor,
     reference_processor,
+    write_tiny_gemma3,
     write_tiny_gguf_pair,
     write_tiny_idefics3,
     write_tiny_llava,
@@ -41,6 +43,12 @@ SIZES = {
     "llava-default": (write_tiny_llava, {}),
     "llava-full-padded": (write_tiny_llava, dict(strategy="full", feature_layer=-1, pad_to_square=True,
                                                  vision_hidden=48, shortest_edge=40, seed=4)),
+    "gemma3-small": (write_tiny_gemma3, {}),
+    # A sliding window (6) shorter than an image (9 rows): its rows see from their window to its end.
+    "gemma3-window-inside-image": (write_tiny_gemma3, dict(vision_hidden=48, image_size=36, patch_size=6,
+                                                           tokens_per_image=9, text_hidden=96, text_layers=4,
+                                                           sliding_window=6, head_dim=32, seed=1)),
+    "gemma3-unpooled": (write_tiny_gemma3, dict(image_size=24, tokens_per_image=36, seed=2)),
 }
 # (width, height): landscape, portrait, square, smaller than one tile, one tile exactly, a strip
 IMAGE_SHAPES = [(100, 70), (20, 33), (64, 64), (10, 7), (32, 32), (200, 50)]
@@ -52,12 +60,18 @@ def vlm_dir(request, tmp_path_factory):
     return write(tmp_path_factory.mktemp(request.param), **options)
 
 
-def is_llava(vlm_dir) -> bool:
-    return read_vision_config(vlm_dir).family == "llava"
+def family(vlm_dir) -> str:
+    return read_vision_config(vlm_dir).family
 
 
 def reference(vlm_dir):
-    return reference_llava_processor(vlm_dir) if is_llava(vlm_dir) else reference_processor(vlm_dir)
+    return {"llava": reference_llava_processor, "gemma3": reference_gemma3_processor,
+            "idefics3": reference_processor}[family(vlm_dir)](vlm_dir)
+
+
+def with_placeholder(vlm_dir, text: str) -> str:
+    """`text` with its `<image>` placeholders spelled as the family's processor spells them."""
+    return text.replace("<image>", load_processor(vlm_dir, read_vision_config(vlm_dir)).placeholder)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +84,8 @@ def hf_model(vlm_dir):
 def hf_image_rows(hf_model, pixels: torch.Tensor) -> torch.Tensor:
     """transformers' embedding rows of one image (its tiles)."""
     with torch.no_grad():
+        if hf_model.config.model_type == "gemma3":
+            return hf_model.model.get_image_features(pixels).pooler_output[0]
         if hasattr(hf_model.config, "vision_feature_layer"):
             return hf_model.model.get_image_features(
                 pixels, vision_feature_layer=hf_model.config.vision_feature_layer,
@@ -85,12 +101,13 @@ def images_of_every_kind() -> list[Image.Image]:
 def test_pixel_values_and_prompt_ids_equal_transformers_processor(vlm_dir):
     config = read_vision_config(vlm_dir)
     processor, theirs_of = load_processor(vlm_dir, config), reference(vlm_dir)
+    prompt = with_placeholder(vlm_dir, "Look: <image> what?")
     for image in images_of_every_kind():
         ours = processor.process(image.convert("RGB") if image.mode == "L" else _composited(image))
-        theirs = theirs_of(images=[[image]], text=["Look: <image> what?"], return_tensors="pt")
-        pixels = theirs["pixel_values"] if is_llava(vlm_dir) else theirs["pixel_values"][0]
+        theirs = theirs_of(images=[[image]], text=[prompt], return_tensors="pt")
+        pixels = theirs["pixel_values"][0] if family(vlm_dir) == "idefics3" else theirs["pixel_values"]
         assert torch.equal(ours.pixel_values, pixels), image.size
-        text = expand_placeholders("Look: <image> what?", "<image>", [ours], "prompt")
+        text = expand_placeholders(prompt, processor.placeholder, [ours], "prompt")
         assert theirs_of.tokenizer(text)["input_ids"] == theirs["input_ids"][0].tolist()
 
 
@@ -114,14 +131,18 @@ def test_image_embeddings_match_transformers(vlm_dir, hf_model):
 
 @pytest.fixture(scope="module")
 def engine(vlm_dir):
-    return Engine(EngineConfig(model=str(vlm_dir), dtype="float32", device="cpu", num_kv_blocks=256))
+    return Engine(EngineConfig(model=str(vlm_dir), dtype="float32", device="cpu", num_kv_blocks=256,
+                               kv_cache_dtype="float32"))
 
 
 def test_logits_and_greedy_tokens_with_images_match_transformers(vlm_dir, hf_model, engine):
+    """(Gemma 3: transformers' processor gives token_type_ids, whose image runs it attends
+    bidirectionally, in prefill; causal attention would miss by far more than the tolerance.)"""
     theirs_of = reference(vlm_dir)
     prompts = [("Describe <image> please", [random_image(100, 70, seed=1)]),
                ("<image> and <image>: which?", [random_image(20, 33, seed=2), random_image(64, 64, seed=3)])]
     for text, images in prompts:
+        text = with_placeholder(vlm_dir, text)
         inputs = theirs_of(images=[images], text=[text], return_tensors="pt")
         with torch.no_grad():
             expected = hf_model(**inputs).logits[0, -1]
@@ -183,3 +204,55 @@ def test_a_llava_hf_config_that_lists_only_changed_fields_reads_with_transformer
     assert (vision.hidden_act, vision.rows_per_tile, vision.text_hidden_size) == ("quick_gelu", 576, 4096)
     text = read_model_config(text_config_dict(raw))
     assert (text.hidden_size, text.num_layers, text.num_kv_heads, text.vocab_size) == (4096, 32, 32, 32064)
+
+
+def test_a_gemma3_config_that_lists_only_changed_fields_reads_with_transformers_defaults():
+    """google/gemma-3-4b-it's config.json gives text_config and vision_config as diffs from
+    Gemma3TextConfig's and SiglipVisionConfig's defaults."""
+    from nanoserve.loading.hf_config import read_model_config
+    from nanoserve.model.vision_config import VisionConfig, text_config_dict
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+           "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+           "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "torch_dtype": "bfloat16",
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                             "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+    vision = VisionConfig.from_hf_dict(raw)
+    assert (vision.rows_per_tile, vision.image_token_id, vision.bidirectional) == (256, 262144, True)
+    text = read_model_config(text_config_dict(raw))
+    assert (text.num_heads, text.num_kv_heads, text.head_dim, text.vocab_size) == (8, 4, 256, 262208)
+    assert (text.sliding_window, text.rope_theta, text.rope_scaling) == (1024, 1e6, {"rope_type": "linear",
+                                                                                      "factor": 8.0})
+    assert text.local_rope.theta == 10000.0 and text.sliding_layers[:6] == (True,) * 5 + (False,)
+
+
+def test_gemma3_with_pan_and_scan_or_another_pooling_is_refused_naming_the_field(tmp_path):
+    import json
+
+    from nanoserve.errors import UnsupportedModelError
+    from nanoserve.model.vision_config import VisionConfig
+    from nanoserve.multimodal.processors import Gemma3Processor
+
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 32, "patch_size": 4}
+    raw = {"model_type": "gemma3", "mm_tokens_per_image": 9, "text_config": {"hidden_size": 64},
+           "vision_config": vision}
+    with pytest.raises(UnsupportedModelError, match="mm_tokens_per_image"):
+        VisionConfig.from_hf_dict(raw)
+    config = VisionConfig.from_hf_dict(raw | {"mm_tokens_per_image": 16})
+    with pytest.raises(UnsupportedModelError, match="do_pan_and_scan"):
+        Gemma3Processor.from_config(json.loads('{"do_pan_and_scan": true}'), config)
+
+
+def test_a_step_budget_below_one_gemma3_image_is_refused_naming_the_option(tmp_path_factory):
+    """Its image is computed in one step (vLLM refuses the same below its largest item)."""
+    vlm_dir = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3-budget"))
+    with pytest.raises(InvalidRequestError) as error:
+        Engine(EngineConfig(model=str(vlm_dir), dtype="float32", device="cpu", num_kv_blocks=64,
+                            max_num_batched_tokens=15))
+    assert error.value.param == "max_num_batched_tokens" and "16" in str(error.value)
