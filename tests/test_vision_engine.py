@@ -1,7 +1,9 @@
 """Images through the engine: an image request's tokens and logprobs are the same bits alone, in a
-crowd of text and image requests (chunked prefill splitting prompts inside images), after
-preemption, and with prefix caching on or off; the prefix cache shares blocks between prompts with
-the same image only; each image is encoded once; bad images are refused before any step."""
+crowd of text and image requests (chunked prefill splitting prompts inside images; never inside
+Gemma 3's, whose rows attend to each other both ways), after preemption, and with prefix caching
+on or off (a cached prefix ending inside a Gemma 3 image too), on the native and the torch
+attention; the prefix cache shares blocks between prompts with the same image only; each image
+is encoded once; bad images are refused before any step."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.sampling_params import SamplingParams
-from tests.tiny_vlm import image_bytes, random_image, write_tiny_idefics3, write_tiny_llava
+from tests.tiny_vlm import image_bytes, random_image, write_tiny_gemma3, write_tiny_idefics3, write_tiny_llava
 
 pytest.importorskip("transformers")
 
@@ -29,6 +31,11 @@ def llava_dir(tmp_path_factory):
     return write_tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
 def image(seed: int, width: int = 100, height: int = 70) -> bytes:
     return image_bytes(random_image(width, height, seed=seed))
 
@@ -39,14 +46,15 @@ def params(seed: int) -> SamplingParams:
                           logprobs=3)
 
 
-def image_prompt(seed: int) -> dict:
-    return {"prompt": PROMPT, "multi_modal_data": {"image": image(seed)}}
+def image_prompt(seed: int, placeholder: str = "<image>") -> dict:
+    return {"prompt": PROMPT.replace("<image>", placeholder), "multi_modal_data": {"image": image(seed)}}
 
 
-def crowd() -> list:
-    two = {"prompt": TWO_IMAGES, "multi_modal_data": {"image": [image(2), image(3, 30, 50)]}}
-    return [image_prompt(1), "The capital of France is", two, image_prompt(4),
-            "Once upon a time, in a small village", image_prompt(1)]
+def crowd(placeholder: str = "<image>") -> list:
+    two = {"prompt": TWO_IMAGES.replace("<image>", placeholder),
+           "multi_modal_data": {"image": [image(2), image(3, 30, 50)]}}
+    return [image_prompt(1, placeholder), "The capital of France is", two, image_prompt(4, placeholder),
+            "Once upon a time, in a small village", image_prompt(1, placeholder)]
 
 
 def outcome(llm: LLM, prompts: list, seeds: list[int] | None = None) -> list[tuple[list[int], list[tuple]]]:
@@ -58,15 +66,16 @@ def outcome(llm: LLM, prompts: list, seeds: list[int] | None = None) -> list[tup
             for c in completions]
 
 
-# family -> (its checkpoint fixture, a pool (blocks of 4) small enough to preempt its crowd)
-FAMILIES = {"idefics3": ("vlm_dir", 60), "llava": ("llava_dir", 24)}
+# family -> (its checkpoint fixture, its placeholder, a pool (blocks of 4) small enough to preempt its crowd)
+FAMILIES = {"idefics3": ("vlm_dir", "<image>", 60), "llava": ("llava_dir", "<image>", 24),
+            "gemma3": ("gemma3_dir", "<start_of_image>", 24)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_image_requests_are_the_same_bits_alone_in_a_crowd_and_after_preemption(family, request):
-    fixture, cramped_blocks = FAMILIES[family]
+    fixture, placeholder, cramped_blocks = FAMILIES[family]
     vlm_dir = request.getfixturevalue(fixture)
-    prompts = crowd()
+    prompts = crowd(placeholder)
     roomy = LLM(str(vlm_dir), device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=512,
                 block_size=4)
     alone = [outcome(roomy, [prompt], [seed])[0] for seed, prompt in enumerate(prompts)]
@@ -161,3 +170,32 @@ def test_generate_image_file_streams_the_librarys_text_and_a_bad_file_exits_2(vl
     result = CliRunner().invoke(app, [*args, "--image", str(tmp_path / "cat.svg")])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "images[0]" in result.output or "not a PNG" in result.output
+
+
+def test_a_cached_prefix_ending_inside_a_gemma3_image_gives_the_uncached_bits(gemma3_dir):
+    """A prompt ending in its image: a repeat finds cached blocks up to a boundary inside the
+    image, and computes the rest of the image in one chunk whose rows read the cached ones
+    (computed whole, so final): the same bits as with no prefix cache."""
+    settings = dict(device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=256, block_size=8,
+                    kv_cache_dtype="float32")
+    cached, uncached = LLM(str(gemma3_dir), **settings), LLM(str(gemma3_dir), enable_prefix_caching=False,
+                                                            **settings)
+    image_token_id = cached.engine.images.encoder.config.image_token_id
+    for lead in ("Describe", "Describe it", "Describe it now", "Describe this", "Say", "Say it"):
+        prompt = {"prompt": f"{lead} <start_of_image>", "multi_modal_data": {"image": image(11)}}
+        (first,) = cached.generate(prompt, params(1))
+        ids = first.prompt_token_ids
+        image_rows = [p for p, token in enumerate(ids) if token == image_token_id]
+        hit = (len(ids) - 1) // 8 * 8
+        if image_rows[0] < hit <= image_rows[-1]:
+            break
+    else:
+        pytest.fail("no prompt put a block boundary inside its image")
+    hits = cached.engine.scheduler.prefix_cache_hits
+    (again,) = cached.generate(prompt, params(1))
+    assert cached.engine.scheduler.prefix_cache_hits - hits == hit
+    (expected,) = uncached.generate(prompt, params(1))
+    for ours in (first, again):
+        assert ours.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert ([(e.token_id, e.logprob, e.top) for e in ours.outputs[0].logprobs]
+                == [(e.token_id, e.logprob, e.top) for e in expected.outputs[0].logprobs])
