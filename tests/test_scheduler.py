@@ -729,3 +729,35 @@ def test_a_waiting_adapter_is_served_while_the_running_adapters_requests_keep_ar
             break
     assert admitted_at is not None and admitted_at <= 2 + 20 + 2
     assert waiting_b.status.is_finished
+
+
+@pytest.mark.parametrize("step_tokens", [17, 24, 32])
+@pytest.mark.parametrize("prefill_cap", [None, 5])
+def test_no_chunk_ends_inside_a_bidirectional_image_and_the_chunk_reaching_one_takes_it_whole(
+        step_tokens, prefill_cap):
+    """Gemma 3's image rows see the whole image, so a chunk ends before an image or takes it
+    whole, past the prefill cap beside a decode (vLLM's rule for bidirectional images); a
+    causal image (the other families) is cut wherever the budget ends."""
+    from nanoserve.multimodal.inputs import ImageInput
+
+    scheduler = make_scheduler(max_tokens_per_step=step_tokens, prefill_cap=prefill_cap)
+    decoding = make_request("decoding", 3, max_tokens=60)
+    scheduler.add(decoding)
+    run_step(scheduler)
+    request = make_request("image", 70)
+    bidirectional = ImageInput(b"a", None, tuple(range(7, 23)), bidirectional=True)
+    causal = ImageInput(b"b", None, tuple(range(30, 46)))
+    later = ImageInput(b"c", None, tuple(range(50, 66)), bidirectional=True)
+    request.images = [bidirectional, causal, later]
+    scheduler.add(request)
+    cuts = []
+    while request.num_computed_tokens < 70:
+        for chunk in run_step(scheduler).chunks:
+            if chunk.request is request:
+                cuts.append(chunk.start + chunk.num_tokens)
+    for image in (bidirectional, later):
+        assert not any(image.positions[0] < cut <= image.last_position for cut in cuts), cuts
+    if prefill_cap is not None:  # the image chunks go past the cap; the causal image is cut
+        assert [b - a for a, b in itertools.pairwise([0, *cuts])].count(16) == 2, cuts
+        assert any(causal.positions[0] < cut <= causal.last_position for cut in cuts), cuts
+    assert scheduler.pool.num_free_blocks + len(decoding.block_ids) + len(request.block_ids) == 64
