@@ -13,7 +13,7 @@ from PIL import Image
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
-from nanoserve.errors import InvalidRequestError
+from nanoserve.errors import InvalidRequestError, UnsupportedModelError
 from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
@@ -234,7 +234,6 @@ def test_a_gemma3_config_that_lists_only_changed_fields_reads_with_transformers_
 def test_gemma3_with_pan_and_scan_or_another_pooling_is_refused_naming_the_field(tmp_path):
     import json
 
-    from nanoserve.errors import UnsupportedModelError
     from nanoserve.model.vision_config import VisionConfig
     from nanoserve.multimodal.processors import Gemma3Processor
 
@@ -256,3 +255,35 @@ def test_a_step_budget_below_one_gemma3_image_is_refused_naming_the_option(tmp_p
         Engine(EngineConfig(model=str(vlm_dir), dtype="float32", device="cpu", num_kv_blocks=64,
                             max_num_batched_tokens=15))
     assert error.value.param == "max_num_batched_tokens" and "16" in str(error.value)
+
+
+MMPROJ_POOLINGS = {"pooled-by-llama.cpp's-default-4": dict(tokens_per_image=4),
+                   "pooled-by-2-a-stated-scale-factor": dict(image_size=28, patch_size=7, tokens_per_image=4,
+                                                             seed=3)}
+
+
+@pytest.mark.parametrize("options", list(MMPROJ_POOLINGS.values()), ids=list(MMPROJ_POOLINGS))
+def test_a_gemma3_mmproj_gguf_reads_into_the_hugging_face_folders_encoder_and_processor(options,
+                                                                                       tmp_path_factory):
+    """llama.cpp's gemma3 mmproj (its projector's norm stored as 1 + w, its pooling as a scale
+    factor) gives the folder's vision config, processor and image rows, bit for bit."""
+    import dataclasses
+
+    from nanoserve.loading.mmproj import read_mmproj
+    from nanoserve.model.vision import build_encoder
+    from nanoserve.multimodal.processors import PROCESSORS
+    from tests.tiny_vlm import write_tiny_gemma3_mmproj
+
+    vlm_dir = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3-hf"), **options)
+    mmproj = write_tiny_gemma3_mmproj(vlm_dir, tmp_path_factory.mktemp("gemma3-gguf") / "mmproj.gguf")
+    folder = read_vision_config(vlm_dir)
+    vocabulary = {"<image_soft_token>": folder.image_token_id}
+    config, weights, fields = read_mmproj(mmproj, vocabulary.get)
+    assert dataclasses.replace(config, layer_norm_eps=folder.layer_norm_eps) == folder
+    assert PROCESSORS["gemma3"].from_config(fields, config) == load_processor(vlm_dir, folder)
+    ours = build_encoder(config, weights)
+    theirs = load_image_encoder(vlm_dir, folder, dtype=torch.float32, device=torch.device("cpu"))
+    pixels = load_processor(vlm_dir, folder).process(random_image(50, 40, seed=4)).pixel_values
+    assert torch.equal(ours.encode(pixels), theirs.encode(pixels))
+    with pytest.raises(UnsupportedModelError, match="<image_soft_token>"):
+        read_mmproj(mmproj, {}.get)

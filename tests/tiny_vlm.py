@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -278,3 +279,51 @@ def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     writer.write_tensors_to_file()
     writer.close()
     return text_gguf, mmproj
+
+
+def write_tiny_gemma3_mmproj(vlm_dir: Path, path: Path) -> Path:
+    """A Gemma 3 folder's tower and projector as llama.cpp's converter writes its mmproj GGUF
+    (float32): gguf-py's tensor names (under the `vision_tower.vision_model.` spelling its map
+    knows), the soft-token norm stored as 1 + w, the pooling kernel as projector.scale_factor
+    where it is not llama.cpp's default 4."""
+    import gguf
+    from safetensors.torch import load_file
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    vision = raw["vision_config"]
+    grid = vision["image_size"] // vision["patch_size"]
+    kernel = grid // math.isqrt(raw["mm_tokens_per_image"])
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_vision_projection_dim(raw["text_config"]["hidden_size"])
+    writer.add_vision_image_size(vision["image_size"])
+    writer.add_vision_patch_size(vision["patch_size"])
+    writer.add_vision_embedding_length(vision["hidden_size"])
+    writer.add_vision_feed_forward_length(vision["intermediate_size"])
+    writer.add_vision_block_count(vision["num_hidden_layers"])
+    writer.add_vision_head_count(vision["num_attention_heads"])
+    writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
+    writer.add_vision_use_gelu(True)
+    if kernel != 4:
+        writer.add_vision_projector_scale_factor(kernel)
+    processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
+    writer.add_vision_image_mean(processor["image_mean"])
+    writer.add_vision_image_std(processor["image_std"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in load_file(str(vlm_dir / "model.safetensors")).items():
+        name = name.replace("model.", "", 1) if name.startswith("model.") else name
+        if name == "multi_modal_projector.mm_input_projection_weight":
+            name = "multi_modal_projector.mm_input_projection.weight"
+        elif name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = "vision_tower.vision_model." + name[len("vision_tower."):]
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+            continue
+        stem, kind = name.rsplit(".", 1)
+        values = tensor + 1 if stem.endswith("mm_soft_emb_norm") else tensor
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", values.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

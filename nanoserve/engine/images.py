@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from nanoserve.errors import InvalidRequestError, UnsupportedModelError
+from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.mmproj import read_mmproj
 from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.model.linear import KERNELS, LinearKernel
@@ -36,8 +36,6 @@ from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, load_pro
 IMAGE_CACHE_BYTES = 256 << 20
 
 ImageData = bytes | Image.Image
-# The placeholder an mmproj family's prompts use (every family here spells it so).
-MMPROJ_PLACEHOLDER = "<image>"
 
 
 class ImageEmbeddingCache:
@@ -97,11 +95,7 @@ class EngineImages:
                      kernel: LinearKernel, token_id: Callable[[str], int | None] | None) -> EngineImages:
         if not path.is_file():
             raise InvalidRequestError(f"mmproj: {path} is not a file", param="mmproj")
-        image_token_id = token_id(MMPROJ_PLACEHOLDER) if token_id is not None else None
-        if image_token_id is None:
-            raise UnsupportedModelError(f"the text model's vocabulary has no {MMPROJ_PLACEHOLDER} token for "
-                                        f"{path.name}'s images")
-        config, weights, fields = read_mmproj(path, image_token_id)
+        config, weights, fields = read_mmproj(path, token_id or (lambda _: None))
         encoder = build_encoder(config, weights.to(dtype, device), kernel)
         return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device)
 
