@@ -37,7 +37,7 @@ class PositionPlan:
     num_decode_rows: int  # rows 0..D-1 are single-row sequences 0..D-1 (decodes come first)
     # (first row, rows, sequence, first row's position or None) of each multi-row chunk
     prefills: list[tuple[int, int, int, int | None]]
-    visible: torch.Tensor  # [1, rows, 1, ctx] bool: the slots up to each row's position
+    visible: torch.Tensor  # [1, rows, 1, ctx] bool: the slots up to each row's visible end
 
 
 @dataclass(slots=True)
