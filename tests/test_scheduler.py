@@ -761,3 +761,22 @@ def test_no_chunk_ends_inside_a_bidirectional_image_and_the_chunk_reaching_one_t
         assert [b - a for a, b in itertools.pairwise([0, *cuts])].count(16) == 2, cuts
         assert any(causal.positions[0] < cut <= causal.last_position for cut in cuts), cuts
     assert scheduler.pool.num_free_blocks + len(decoding.block_ids) + len(request.block_ids) == 64
+
+
+@pytest.mark.parametrize(("start", "granted", "step_tokens", "expected"), [
+    (0, 12, 32, 7),  # would end inside [7, 23): ends before it
+    (7, 3, 32, 16),  # reaches it: takes it whole, past its grant
+    (12, 3, 32, 11),  # starts inside it (a cached prefix's end): the rest of it whole
+    (7, 3, 15, 0),  # the step cannot hold it: none of it this step
+    (12, 0, 32, 0),  # granted nothing: nothing
+    (0, 23, 32, 23),  # ends at its end: as granted
+    (25, 10, 32, 10),  # a causal image [30, 40) is cut anywhere
+])
+def test_whole_images_moves_a_chunk_end_out_of_a_bidirectional_image(start, granted, step_tokens, expected):
+    from nanoserve.engine.scheduler import whole_images
+    from nanoserve.multimodal.inputs import ImageInput
+
+    request = make_request("image", 60)
+    request.images = [ImageInput(b"a", None, tuple(range(7, 23)), bidirectional=True),
+                      ImageInput(b"b", None, tuple(range(30, 40)))]
+    assert whole_images(request, start, granted, step_tokens) == expected

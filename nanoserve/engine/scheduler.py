@@ -153,7 +153,10 @@ def whole_images(request: Request, start: int, num_tokens: int, step_tokens: int
     that would end inside such an image ends before it (vLLM's rule for bidirectional images);
     one that starts at or inside it takes it whole, past the prefill caps and the fair share,
     if what is left of the step's `step_tokens` holds it, else none this step. (The engine
-    refuses a model whose image is longer than max_num_batched_tokens, so it fits some step.)"""
+    refuses a model whose image is longer than max_num_batched_tokens, so it fits some step.)
+    A chunk granted nothing stays nothing."""
+    if num_tokens == 0:
+        return 0
     stop = start + num_tokens
     for image in request.images:
         first, last = image.positions[0], image.last_position
