@@ -192,3 +192,22 @@ def test_a_text_only_model_refuses_an_image_part_naming_it(tiny_model_dir):
         assert http.get("/health").status_code == 200
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages[0].content[1]"
+
+
+def test_a_gemma3_model_answers_an_openai_data_url_image_as_offline(tmp_path_factory):
+    """Gemma 3: the image part becomes its <start_of_image> placeholder, expanded and attended
+    both ways, over the same path as the offline engine."""
+    from tests.tiny_vlm import write_tiny_gemma3
+
+    gemma3_dir = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3-server"))
+    llm = LLM(str(gemma3_dir), dtype="float32", device="cpu", num_kv_blocks=96)
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION + "<start_of_image>"}])
+    (completion,) = llm.generate({"prompt": text, "multi_modal_data": {"image": PNG}},
+                                 SamplingParams(max_tokens=8, temperature=0.0))
+    limits = ServerLimits(max_body_bytes=4 << 20, media=MediaPolicy(frozenset()))
+    with (serving(lambda: tiny_engine(gemma3_dir, dtype="float32"), limits=limits) as server,
+          openai_client(server) as client):
+        reply = client.chat.completions.create(model=MODEL, messages=chat_parts(data_url(PNG)), max_tokens=8,
+                                               temperature=0.0)
+    assert reply.choices[0].message.content == completion.outputs[0].text
+    assert reply.usage.prompt_tokens == len(completion.prompt_token_ids)
