@@ -4,8 +4,9 @@ the runner or the model.
 
 Owns: `ImageInput`, `expand_placeholders` (each placeholder in a prompt's text replaced by its
 image's expansion, in order) and `place_images` (each image's run of placeholder token
-positions in the token ids). Refuses: a prompt whose placeholders do not match its images
-one for one, naming the field.
+positions in the token ids, marked bidirectional for a family whose image rows attend to each
+other both ways). Refuses: a prompt whose placeholders do not match its images one for one, and
+a bidirectional image whose positions are not one run (`check_runs`), naming the field.
 """
 
 from __future__ import annotations

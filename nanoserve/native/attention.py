@@ -5,7 +5,8 @@ Owns: the kernel's signature, the checks that make a call safe before a raw poin
 and which vector paths this CPU runs (`isas`). The arithmetic (partitions of the context merged
 in order, tiles under an online softmax, GQA heads sharing each K/V row) is csrc/attention.c's
 and is batch-invariant by construction: a row's bits depend on its q, its context and its
-position only, on every path (the portable C reference, AVX2, AVX-512 agree bit for bit).
+position only (and, inside a bidirectional image, that image's last slot: `visible_ends`), on
+every path (the portable C reference, AVX2, AVX-512 agree bit for bit).
 Refuses: activations other than float32, devices other than the CPU, and a cache dtype it does
 not read (`KV_DTYPE_CODES`); the model then attends in torch.
 """
