@@ -880,7 +880,8 @@ static void run_unit(const AttnJob *job, AttnScratch *s, int64_t unit) {
 static void merge_row_head(const AttnJob *job, int64_t r, int64_t h) {
     const ns_attention_plan *plan = job->plan;
     const int64_t dim = job->c->dim, padded = padded_dim(dim), last = last_slot(plan, job->positions, r);
-    const int64_t parts = last / NS_ATTN_PARTITION - first_slot(job->positions[r], plan->window) / NS_ATTN_PARTITION + 1;
+    const int64_t first_part = first_slot(job->positions[r], plan->window) / NS_ATTN_PARTITION;
+    const int64_t parts = last / NS_ATTN_PARTITION - first_part + 1;
     float max[parts], sum[parts];
     const float *acc[parts];
     for (int64_t p = 0; p < parts; p++) {
