@@ -49,7 +49,7 @@ static void wide_units(const ns_group_layout *layout, const xblock *xq, const in
             const int rows = tile_rows(panel_rows, tiles, i);
             layout->wide(rows, w + g * layout->group_bytes, stride, xq + (panel + r) * blocks,
                          codes_all + r * blocks * 8, blocks, y + (panel + r) * y_stride + g * NS_GROUP_COLUMNS,
-                         y_stride, valid);
+                         y_stride, valid, i == 0);
             r += rows;
         }
     }

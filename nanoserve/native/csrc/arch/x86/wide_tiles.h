@@ -168,7 +168,9 @@ static inline __attribute__((always_inline)) wt_vi WT(word)(const int32_t *codes
 }
 
 /* How far ahead of the block it multiplies a tile asks for each group's weights (matmul_x8.c's
- * reason: the hardware prefetcher restarts at every matrix). */
+ * reason: the hardware prefetcher restarts at every matrix). Only a unit's first tile asks: the
+ * panel's other tiles find the unit in cache, and a request a line costs a tile of few rows
+ * more than it saves. */
 #define WT_PREFETCH_BYTES 4096
 
 static inline __attribute__((always_inline)) void WT(prefetch)(const uint8_t *block, int64_t stride, int bytes) {
@@ -182,14 +184,14 @@ static inline __attribute__((always_inline)) void WT(prefetch)(const uint8_t *bl
 
 static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, const int rows, const uint8_t *group,
                                                             int64_t stride, const xblock *x, const int32_t *codes, int64_t blocks,
-                                                            float *y, int64_t y_stride, int valid) {
+                                                            float *y, int64_t y_stride, int valid, int prefetch) {
     const int bytes = fmt == NS_WIDE_Q4_1 ? 160 : 272;
     const wt_vi low4 = WT_SET1_8(0x0F);
     wt_vf acc[WT_MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = WT_ZERO_F();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * bytes;
-        WT(prefetch)(block, stride, bytes);
+        if (prefetch) WT(prefetch)(block, stride, bytes);
         const int chains = WT_CHAINS(rows);
         wt_vi part[WT_MAX_ROWS][WT_MAX_CHAINS], isum[WT_MAX_ROWS];
         for (int r = 0; r < rows; r++)
@@ -247,18 +249,12 @@ static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, con
 
 /* ---- kx8: Q4_K and Q6_K ---------------------------------------------------------------------------- */
 
-enum { WT_Q4_K_BYTES = 1184, WT_Q4_K_CODES = 160, WT_Q6_K_BYTES = 1680, WT_Q6_K_SCALES = 16, WT_Q6_K_LOW = 144,
-       WT_Q6_K_HIGH = 1168 };
+enum { WT_Q4_K_BYTES = 1184, WT_Q4_K_CODES = 160, WT_Q6_K_BYTES = 2192, WT_Q6_K_SCALES = 16, WT_Q6_K_CODES = 144 };
 
-/* Sub-block j = 4s + i's chunk t of Q6_K codes, 0..63: its low nibbles and its top 2 bits (i a
- * constant wherever this is inlined, so the nibble and the shift are). */
+/* Sub-block j = 4s + i's chunk t of Q6_K codes, 0..63, a byte each. */
 static inline __attribute__((always_inline)) wt_vi WT(q6_k_chunk)(const uint8_t *block, int64_t stride, int s,
                                                                 const int i, int t) {
-    const wt_vi w = WT(load_unit)(block + WT_Q6_K_LOW + 256 * (2 * s + i / 2) + 32 * t, stride);
-    const wt_vi h = WT(load_unit)(block + WT_Q6_K_HIGH + 256 * s + 32 * t, stride);
-    const wt_vi low = WT_AND((i & 1) ? WT_SRLI16(w, 4) : w, WT_SET1_8(0x0F));
-    const wt_vi high = WT_AND(WT_SLLI16(WT_SRLI16(h, 2 * i), 4), WT_SET1_8(0x30));
-    return WT_OR(low, high);
+    return WT(load_unit)(block + WT_Q6_K_CODES + 256 * (4 * s + i) + 32 * t, stride);
 }
 
 /* Each row's s_h = sum (q - 32) x over half `half` of sub-block 4s + i (activation block b). */
@@ -327,14 +323,14 @@ static inline __attribute__((always_inline)) void WT(q6_k_sub_block)(const int r
 
 static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, const int rows, const uint8_t *group,
                                                              int64_t stride, const xblock *x, const int32_t *codes, int64_t blocks,
-                                                             float *y, int64_t y_stride, int valid) {
+                                                             float *y, int64_t y_stride, int valid, int prefetch) {
     const int bytes = fmt == NS_WIDE_Q4_K ? WT_Q4_K_BYTES : WT_Q6_K_BYTES;
     wt_vf acc[WT_MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = WT_ZERO_F();
     for (int64_t super = 0; super < blocks / 8; super++) {
         const uint8_t *block = group + super * bytes;
         const int64_t b = 8 * super;
-        WT(prefetch)(block, stride, bytes);
+        if (prefetch) WT(prefetch)(block, stride, bytes);
         if (fmt == NS_WIDE_Q4_K) {
             for (int p = 0; p < 4; p++) {
                 WT(q4_k_sub_block)(rows, block, stride, p, 0, x, codes, blocks, b + 2 * p, acc);
@@ -364,12 +360,12 @@ static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, co
 /* One function per (layout, tile height), both constants, so each row's registers are named. */
 #define WT_HEIGHT_CASE(BODY, FMT, ROWS)                                          \
     if (rows == ROWS) {                                                          \
-        BODY(FMT, ROWS, group, stride, x, codes, blocks, y, y_stride, valid);    \
+        BODY(FMT, ROWS, group, stride, x, codes, blocks, y, y_stride, valid, prefetch); \
         return;                                                                  \
     }
 #define WT_DEFINE_TILE(NAME, BODY, FMT)                                                                         \
     static void NAME(int rows, const uint8_t *group, int64_t stride, const xblock *x, const int32_t *codes, int64_t blocks, float *y, \
-                     int64_t y_stride, int valid) {                                                             \
+                     int64_t y_stride, int valid, int prefetch) {                                               \
         WT_HEIGHT_CASE(BODY, FMT, 8)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 7)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 6)                                                                            \
@@ -377,7 +373,7 @@ static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, co
         WT_HEIGHT_CASE(BODY, FMT, 4)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 3)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 2)                                                                            \
-        BODY(FMT, 1, group, stride, x, codes, blocks, y, y_stride, valid);                                     \
+        BODY(FMT, 1, group, stride, x, codes, blocks, y, y_stride, valid, prefetch);                           \
     }
 WT_DEFINE_TILE(WT(x8_q4_1), WT(x8_body), NS_WIDE_Q4_1)
 WT_DEFINE_TILE(WT(x8_q8_0), WT(x8_body), NS_WIDE_Q8_0)

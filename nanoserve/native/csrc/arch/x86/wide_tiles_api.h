@@ -16,9 +16,10 @@ enum { NS_WIDE_MAX_ROWS = 8 };
  * first at `group`, a second `stride` bytes on (stride 0: one group). The rows' codes come
  * interleaved in `codes` (ns_wide_interleave): so a tile reads every row's 4 bytes of a chunk
  * at constant offsets from one address. Their scales and sums stay in x. Writes y's rows,
- * `y_stride` apart, their first `valid` columns. */
+ * `y_stride` apart, their first `valid` columns; `prefetch`: ask for the unit's next blocks
+ * ahead (the first tile to meet the unit). */
 typedef void (*ns_wide_tile)(int rows, const uint8_t *group, int64_t stride, const xblock *x, const int32_t *codes,
-                             int64_t blocks, float *y, int64_t y_stride, int valid);
+                             int64_t blocks, float *y, int64_t y_stride, int valid, int prefetch);
 
 /* The codes of `rows` rows of x (`blocks` blocks each) as a tile reads them: word t (codes
  * 4t..4t+3) of block b of row r at codes[(8 b + t) rows + r]. */
