@@ -22,7 +22,7 @@
  *          c's codes 4t..4t+3 at 32t + 4c. A byte a code reads 30% more than the file's 6.5 bits
  *          a value, and spares every chunk the 2 loads, 5 shifts and masks and the or that put the
  *          file's low nibble and top 2 bits together: that unpacking, not the memory, set a
- *          decode step's speed on Q6_K (results/README.md, q6_k_layout rows).
+ *          decode step's speed on Q6_K.
  *     Q2_K (672 bytes = 8 x 84): d[8] f16, dmin[8] f16, scales[16 halves of 16][8 columns] u8 (the
  *          file's bytes: scale in the low nibble, min in the high), then the 2-bit codes (0..3): 2
  *          sets s of 256 bytes, chunked as Q4_K's pairs, bits 2i, 2i+1 of byte l holding value l
