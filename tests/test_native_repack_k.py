@@ -69,8 +69,9 @@ def test_a_tied_table_in_a_k_layout_is_held_once(format_name):
 def test_layout_is_the_files_bytes_up_to_padding_and_q4_k_unpacked_scales(format_name):
     weight = random_weight(format_name, 37, 512)
     # Q4_K's and Q5_K's 12 bytes of packed 6-bit scales and mins are 16 bytes unpacked, Q3_K's
-    # 12 bytes of 6-bit scales 16 (resident 114 / 110 of the file's bytes), IQ4_XS's 6 bytes 8
-    per_super_block = {"q4_k": 148, "q5_k": 180, "q6_k": 210, "q2_k": 84, "q3_k": 114,
+    # 12 bytes of 6-bit scales 16 (resident 114 / 110 of the file's bytes), IQ4_XS's 6 bytes 8;
+    # Q6_K's 6-bit codes a byte each (274: 256 code bytes, 16 scales, d)
+    per_super_block = {"q4_k": 148, "q5_k": 180, "q6_k": 274, "q2_k": 84, "q3_k": 114,
                        "iq4_xs": 138}[format_name]
     assert _repack().repack_k(weight).nbytes == 40 * 2 * per_super_block
 

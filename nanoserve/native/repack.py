@@ -247,7 +247,7 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
 # ---- the K-quants and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c) --------------------------
 
 # Per group of 8 columns and super-block of 256.
-K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 1680, "q2_k": 672, "q3_k": 912, "iq4_xs": 1104}
+K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 2192, "q2_k": 672, "q3_k": 912, "iq4_xs": 1104}
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,11 +347,8 @@ def _q6_k_codes(flat: torch.Tensor) -> torch.Tensor:
 def _q6_k_fields(groups: torch.Tensor) -> list[torch.Tensor]:
     g, _, s, _ = groups.shape
     codes = _q6_k_codes(groups.reshape(-1, 210)).reshape(g, COLUMNS, s, 8, 32)
-    top = (codes >> 4).reshape(g, COLUMNS, s, 2, 4, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
-    top_bytes = (top << shifts).sum(dim=4, dtype=torch.uint8)  # disjoint bits: the sum is an OR
     return [_per_column(groups[..., 208:210].reshape(g, COLUMNS, s, 1, 2)),
-            _per_column(groups[..., 192:208]), _chunked(_nibble_pairs(codes & 0x0F)), _chunked(top_bytes)]
+            _per_column(groups[..., 192:208]), _chunked(codes)]
 
 
 def _iq4_xs_fields(groups: torch.Tensor) -> list[torch.Tensor]:
@@ -443,10 +440,7 @@ def _k_dequantize_layout(weight: KRepackedWeight) -> torch.Tensor:
         scales = columns(16, 16).squeeze(-1).contiguous().view(torch.int8).float()
         values = (f16(0) * scales).unsqueeze(-1) * codes.float()
     else:
-        top = unchunked(1168, 2).unsqueeze(3)  # [g, column, s, 1, 2, 32]
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
-        high = ((top >> shifts) & 3).permute(0, 1, 2, 4, 3, 5).reshape(g, COLUMNS, s, 8, 32)
-        codes = (low_nibbles(144) | (high << 4)).to(torch.int8) - 32
+        codes = unchunked(144, 8).to(torch.int8) - 32
         scales = columns(16, 16).squeeze(-1).contiguous().view(torch.int8).float()  # [g, column, s, 16]
         values = (f16(0) * scales).unsqueeze(-1) * codes.reshape(g, COLUMNS, s, 16, 16).float()
     return values.reshape(g * COLUMNS, in_features)[:out_features]

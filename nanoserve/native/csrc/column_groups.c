@@ -20,10 +20,26 @@ static int valid_columns(int64_t n, int64_t g) {
     return n - g * NS_GROUP_COLUMNS < NS_GROUP_COLUMNS ? (int)(n - g * NS_GROUP_COLUMNS) : NS_GROUP_COLUMNS;
 }
 
+/* A thread's interleaved codes of one panel (ns_wide_interleave), kept between calls: the
+ * pool's threads live as long as the process, and a panel's codes are the size of its rows. */
+static __thread int32_t *panel_codes;
+static __thread int64_t panel_codes_words;
+
+static int32_t *panel_codes_for(int64_t words) {
+    if (words > panel_codes_words) {
+        int32_t *grown = realloc(panel_codes, (size_t)words * sizeof(int32_t));
+        if (grown == NULL) return NULL;
+        panel_codes = grown, panel_codes_words = words;
+    }
+    return panel_codes;
+}
+
 /* Groups [begin, end) in units of layout->wide_groups through the wide tile; a unit short of
- * groups (the last of N) passes stride 0 and stores only its own columns. */
-static void wide_units(const ns_group_layout *layout, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
-                       int64_t panel, int panel_rows, int64_t n, int64_t blocks, int64_t begin, int64_t end) {
+ * groups (the last of N) passes stride 0 and stores only its own columns. Each tile's codes are
+ * interleaved once for the panel, before its first unit. */
+static void wide_units(const ns_group_layout *layout, const xblock *xq, const int32_t *codes_all, const uint8_t *w,
+                       float *y, int64_t y_stride, int64_t panel, int panel_rows, int64_t n, int64_t blocks,
+                       int64_t begin, int64_t end) {
     const int tiles = tile_count(panel_rows, layout->wide_height);
     for (int64_t g = begin; g < end; g += layout->wide_groups) {
         const int64_t last = g + layout->wide_groups <= end ? g + layout->wide_groups - 1 : end - 1;
@@ -31,10 +47,22 @@ static void wide_units(const ns_group_layout *layout, const xblock *xq, const ui
         const int64_t stride = last > g ? layout->group_bytes : 0;
         for (int i = 0, r = 0; i < tiles; i++) {
             const int rows = tile_rows(panel_rows, tiles, i);
-            layout->wide(rows, w + g * layout->group_bytes, stride, xq + (panel + r) * blocks, blocks,
-                         y + (panel + r) * y_stride + g * NS_GROUP_COLUMNS, y_stride, valid);
+            layout->wide(rows, w + g * layout->group_bytes, stride, xq + (panel + r) * blocks,
+                         codes_all + r * blocks * 8, blocks, y + (panel + r) * y_stride + g * NS_GROUP_COLUMNS,
+                         y_stride, valid, i == 0);
             r += rows;
         }
+    }
+}
+
+/* The panel's codes, tile by tile, in the order wide_units reads them. */
+static void interleave_panel(const ns_group_layout *layout, const xblock *xq, int64_t panel, int panel_rows,
+                             int64_t blocks, int32_t *codes) {
+    const int tiles = tile_count(panel_rows, layout->wide_height);
+    for (int i = 0, r = 0; i < tiles; i++) {
+        const int rows = tile_rows(panel_rows, tiles, i);
+        ns_wide_interleave(xq + (panel + r) * blocks, rows, blocks, codes + r * blocks * 8);
+        r += rows;
     }
 }
 
@@ -48,9 +76,13 @@ static int runs_wide(const ns_group_layout *layout, int64_t rows) {
 void ns_column_groups(const ns_group_layout *layout, const xblock *xq, const uint8_t *w, float *y, int64_t y_stride,
                       int64_t rows, int64_t n, int64_t k, int thread, int threads) {
     const int64_t blocks = k / 32, groups = (n + NS_GROUP_COLUMNS - 1) / NS_GROUP_COLUMNS;
-    const int wide = runs_wide(layout, rows);
-    /* threads split whole units, so only the matrix's last unit may be short */
-    const int64_t unit = wide ? layout->wide_groups : 1;
+    const int64_t panel_words = (rows < NS_GROUP_PANEL ? rows : NS_GROUP_PANEL) * blocks * 8;
+    /* without memory for the codes the layout's own tile runs: the same bits */
+    int32_t *codes = runs_wide(layout, rows) ? panel_codes_for(panel_words) : NULL;
+    const int wide = codes != NULL;
+    /* threads split whole units, so only the matrix's last unit may be short (the same split
+       whichever tile a thread then runs) */
+    const int64_t unit = runs_wide(layout, rows) ? layout->wide_groups : 1;
     int64_t begin, end;
     ns_share((groups + unit - 1) / unit, thread, threads, &begin, &end);
     begin *= unit;
@@ -58,7 +90,8 @@ void ns_column_groups(const ns_group_layout *layout, const xblock *xq, const uin
     for (int64_t panel = 0; panel < rows; panel += NS_GROUP_PANEL) {
         const int panel_rows = rows - panel < NS_GROUP_PANEL ? (int)(rows - panel) : NS_GROUP_PANEL;
         if (wide) {
-            wide_units(layout, xq, w, y, y_stride, panel, panel_rows, n, blocks, begin, end);
+            interleave_panel(layout, xq, panel, panel_rows, blocks, codes);
+            wide_units(layout, xq, codes, w, y, y_stride, panel, panel_rows, n, blocks, begin, end);
             continue;
         }
         const int tiles = tile_count(panel_rows, layout->tile_height);

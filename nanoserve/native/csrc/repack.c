@@ -28,7 +28,7 @@ static int layout_bytes(int fmt) {
     case RP_Q4_0: case RP_Q4_1: return 160;
     case RP_Q8_0: return 272;
     case RP_Q4_K: return 1184;
-    case RP_Q6_K: return 1680;
+    case RP_Q6_K: return 2192;
     default: return 0;
     }
 }
@@ -97,21 +97,19 @@ static int repack_column(int fmt, const uint8_t *src, uint8_t *dst, int c) {
         /* the file's qs are already the layout's nibble pairs: byte l of 32p.. holds sub-blocks 2p, 2p + 1 */
         for (int p = 0; p < 4; p++) chunk_column(dst + 160 + 256 * p, c, src + 16 + 32 * p, 32);
         return 0;
-    default: { /* Q6_K: ql[128], qh[64], scales[16], d */
+    default: { /* Q6_K: ql[128], qh[64], scales[16], d; the codes a byte each */
         const uint8_t *ql = src, *qh = src + 128;
         memcpy(dst + 2 * c, src + 208, 2);
         for (int h = 0; h < 16; h++) dst[16 + 8 * h + c] = src[192 + h];
         for (int half = 0; half < 2; half++) {
-            uint8_t pairs[2][32];
-            for (int l = 0; l < 32; l++) {
-                const uint8_t first = ql[64 * half + l], second = ql[64 * half + 32 + l];
-                pairs[0][l] = (uint8_t)((first & 0x0F) | (second & 0x0F) << 4); /* sub-blocks 4h, 4h + 1 */
-                pairs[1][l] = (uint8_t)((first >> 4) | (second & 0xF0));        /* 4h + 2, 4h + 3 */
+            for (int i = 0; i < 4; i++) { /* sub-block 4 half + i, as ggml's dequantize_row_q6_K reads it */
+                uint8_t codes[32];
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t low = ql[64 * half + 32 * (i & 1) + l];
+                    codes[l] = (uint8_t)(((i & 2) ? low >> 4 : low & 0x0F) | ((qh[32 * half + l] >> (2 * i)) & 3) << 4);
+                }
+                chunk_column(dst + 144 + 256 * (4 * half + i), c, codes, 32);
             }
-            chunk_column(dst + 144 + 256 * (2 * half), c, pairs[0], 32);
-            chunk_column(dst + 144 + 256 * (2 * half + 1), c, pairs[1], 32);
-            /* the file's qh byte l of half h holds the top 2 bits of sub-block 4h + i at bits 2i */
-            chunk_column(dst + 1168 + 256 * half, c, qh + 32 * half, 32);
         }
         return 0;
     }

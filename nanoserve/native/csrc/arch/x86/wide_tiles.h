@@ -9,8 +9,11 @@
  * the register's upper half repeats it and the store keeps the first `valid` columns).
  *
  * For each block, each chunk of the unit's codes is loaded and unpacked once and met by every
- * row of the tile (its 4 activation bytes broadcast from memory); each row keeps its int32 sums
- * and float accumulators in registers. The arithmetic of each output is its layout's, operation
+ * row of the tile (its 4 activation bytes broadcast from the panel's interleaved codes, every
+ * row at a constant offset from one address); each row keeps its int32 sum and float
+ * accumulator in registers, one sub-block at a time (Q4_K's two nibbles of a chunk are two
+ * passes: holding both sub-blocks' sums spilled registers). The chunk loops are unrolled so
+ * the compiler names each sum's register instead of copying it every step. The arithmetic of each output is its layout's, operation
  * for operation (matmul_x8.c, matmul_kx8.c), with the block's integer dot product summed by
  * vpdpbusd (or maddubs + madd without VNNI), which an exact integer sum does not see:
  *   x8 Q4_1: acc = fma(float(isum_b), d_b * dx_b, acc), off = fma(m_b, sx_b, off); y = acc + off
@@ -157,15 +160,17 @@ static inline __attribute__((always_inline)) wt_vi WT(sum_chains)(const wt_vi *p
     return sum;
 }
 
-/* 4 activation bytes in every 32-bit lane (a broadcast the compiler folds into the dot product) */
-static inline wt_vi WT(broadcast4)(const int8_t *p) {
-    int32_t word;
-    memcpy(&word, p, 4);
-    return WT_SET1_32(word);
+/* Word t of block b of the tile's row r (ns_wide_interleave's order) in every 32-bit lane: with
+ * `rows` a constant, one address and constant offsets for every row of a chunk. */
+static inline __attribute__((always_inline)) wt_vi WT(word)(const int32_t *codes, const int rows, int64_t b, int t,
+                                                          int r) {
+    return WT_SET1_32(codes[(8 * b + t) * rows + r]);
 }
 
 /* How far ahead of the block it multiplies a tile asks for each group's weights (matmul_x8.c's
- * reason: the hardware prefetcher restarts at every matrix). */
+ * reason: the hardware prefetcher restarts at every matrix). Only a unit's first tile asks: the
+ * panel's other tiles find the unit in cache, and a request a line costs a tile of few rows
+ * more than it saves. */
 #define WT_PREFETCH_BYTES 4096
 
 static inline __attribute__((always_inline)) void WT(prefetch)(const uint8_t *block, int64_t stride, int bytes) {
@@ -178,28 +183,28 @@ static inline __attribute__((always_inline)) void WT(prefetch)(const uint8_t *bl
 /* ---- x8: Q4_1 (Q4_0 repacked) and Q8_0 ----------------------------------------------------------- */
 
 static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, const int rows, const uint8_t *group,
-                                                            int64_t stride, const xblock *x, int64_t blocks,
-                                                            float *y, int64_t y_stride, int valid) {
+                                                            int64_t stride, const xblock *x, const int32_t *codes, int64_t blocks,
+                                                            float *y, int64_t y_stride, int valid, int prefetch) {
     const int bytes = fmt == NS_WIDE_Q4_1 ? 160 : 272;
     const wt_vi low4 = WT_SET1_8(0x0F);
     wt_vf acc[WT_MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = WT_ZERO_F();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * bytes;
-        WT(prefetch)(block, stride, bytes);
+        if (prefetch) WT(prefetch)(block, stride, bytes);
         const int chains = WT_CHAINS(rows);
         wt_vi part[WT_MAX_ROWS][WT_MAX_CHAINS], isum[WT_MAX_ROWS];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < chains; c++) part[r][c] = WT_ZERO_I();
         if (fmt == NS_WIDE_Q4_1) {
+            #pragma GCC unroll 8
             for (int t = 0; t < 4; t++) {
                 const wt_vi w = WT(load_unit)(block + 32 + 32 * t, stride);
                 const wt_vi lo = WT_AND(w, low4), hi = WT_AND(WT_SRLI16(w, 4), low4);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *xq = x[r * blocks + b].qs;
                     wt_vi *even = &part[r][(2 * t) % chains], *odd = &part[r][(2 * t + 1) % chains];
-                    *even = WT_DOT(*even, lo, WT(broadcast4)(xq + 4 * t));
-                    *odd = WT_DOT(*odd, hi, WT(broadcast4)(xq + 16 + 4 * t));
+                    *even = WT_DOT(*even, lo, WT(word)(codes, rows, b, t, r));
+                    *odd = WT_DOT(*odd, hi, WT(word)(codes, rows, b, 4 + t, r));
                 }
             }
         } else {
@@ -208,19 +213,21 @@ static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, con
                 const xblock *xb = x + r * blocks + b;
                 part[r][0] = WT_SET1_32(-128 * (xb->half_sums[0] + xb->half_sums[1]));
             }
+            #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 const wt_vi biased = WT_XOR(WT(load_unit)(block + 16 + 32 * t, stride), WT_SET1_8((char)0x80));
                 for (int r = 0; r < rows; r++) {
                     wt_vi *chain = &part[r][t % chains];
-                    *chain = WT_DOT(*chain, biased, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+                    *chain = WT_DOT(*chain, biased, WT(word)(codes, rows, b, t, r));
                 }
             }
 #else
+            #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
                 const wt_vi w = WT(load_unit)(block + 16 + 32 * t, stride), magnitude = WT_ABS8(w);
                 for (int r = 0; r < rows; r++) {
                     wt_vi *chain = &part[r][t % chains];
-                    *chain = WT_DOT(*chain, magnitude, WT_SIGN_ONTO(WT(broadcast4)(x[r * blocks + b].qs + 4 * t), w));
+                    *chain = WT_DOT(*chain, magnitude, WT_SIGN_ONTO(WT(word)(codes, rows, b, t, r), w));
                 }
             }
 #endif
@@ -242,109 +249,99 @@ static inline __attribute__((always_inline)) void WT(x8_body)(const int fmt, con
 
 /* ---- kx8: Q4_K and Q6_K ---------------------------------------------------------------------------- */
 
-enum { WT_Q4_K_BYTES = 1184, WT_Q4_K_CODES = 160, WT_Q6_K_BYTES = 1680, WT_Q6_K_SCALES = 16, WT_Q6_K_LOW = 144,
-       WT_Q6_K_HIGH = 1168 };
+enum { WT_Q4_K_BYTES = 1184, WT_Q4_K_CODES = 160, WT_Q6_K_BYTES = 2192, WT_Q6_K_SCALES = 16, WT_Q6_K_CODES = 144 };
 
-/* Sub-block j = 4s + i's chunk t of Q6_K codes, 0..63: its low nibbles and its top 2 bits (i a
- * constant wherever this is inlined, so the nibble and the shift are). */
+/* Sub-block j = 4s + i's chunk t of Q6_K codes, 0..63, a byte each. */
 static inline __attribute__((always_inline)) wt_vi WT(q6_k_chunk)(const uint8_t *block, int64_t stride, int s,
                                                                 const int i, int t) {
-    const wt_vi w = WT(load_unit)(block + WT_Q6_K_LOW + 256 * (2 * s + i / 2) + 32 * t, stride);
-    const wt_vi h = WT(load_unit)(block + WT_Q6_K_HIGH + 256 * s + 32 * t, stride);
-    const wt_vi low = WT_AND((i & 1) ? WT_SRLI16(w, 4) : w, WT_SET1_8(0x0F));
-    const wt_vi high = WT_AND(WT_SLLI16(WT_SRLI16(h, 2 * i), 4), WT_SET1_8(0x30));
-    return WT_OR(low, high);
+    return WT(load_unit)(block + WT_Q6_K_CODES + 256 * (4 * s + i) + 32 * t, stride);
 }
 
 /* Each row's s_h = sum (q - 32) x over half `half` of sub-block 4s + i (activation block b). */
 static inline __attribute__((always_inline)) void WT(q6_k_half)(const int rows, const uint8_t *block, int64_t stride,
                                                               int s, const int i, const int half, const xblock *x,
-                                                              int64_t blocks, int64_t b, wt_vi *sums) {
+                                                              const int32_t *codes, int64_t blocks, int64_t b,
+                                                              wt_vi *sums) {
     const int chains = (WT_CHAINS(rows) + 1) / 2; /* four dot products a half: two chains at most */
     wt_vi parts[WT_MAX_ROWS][2];
     for (int r = 0; r < rows; r++) {
         parts[r][0] = WT_SET1_32(-32 * x[r * blocks + b].half_sums[half]);
         if (chains > 1) parts[r][1] = WT_ZERO_I();
     }
+    #pragma GCC unroll 8
     for (int t = 4 * half; t < 4 * half + 4; t++) {
         const wt_vi q = WT(q6_k_chunk)(block, stride, s, i, t);
         for (int r = 0; r < rows; r++) {
             wt_vi *chain = &parts[r][t % chains];
-            *chain = WT_DOT(*chain, q, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
+            *chain = WT_DOT(*chain, q, WT(word)(codes, rows, b, t, r));
         }
     }
     for (int r = 0; r < rows; r++) sums[r] = WT(sum_chains)(parts[r], chains);
 }
 
-/* Q4_K's sub-blocks 2p and 2p + 1 (activation blocks b and b + 1) against the tile's rows: one
- * load of each chunk serves both, its low nibbles the first and its high nibbles the second;
- * the acc chain takes sub-block 2p, then 2p + 1. */
-static inline __attribute__((always_inline)) void WT(q4_k_pair)(const int rows, const uint8_t *block, int64_t stride,
-                                                              int p, const xblock *x, int64_t blocks, int64_t b,
-                                                              wt_vf *acc) {
-    const int chains = (WT_CHAINS(rows) + 1) / 2; /* the low and high sums are two chains already */
-    wt_vi low_parts[WT_MAX_ROWS][2], high_parts[WT_MAX_ROWS][2], low_sums[WT_MAX_ROWS], high_sums[WT_MAX_ROWS];
+/* Q4_K's sub-block 2p + nibble (activation block b) against the tile's rows: the low or high
+ * nibbles of pair p's chunks, one sub-block at a time, so that a row keeps one sum and its
+ * accumulator in registers (two sub-blocks at once spilled them). */
+static inline __attribute__((always_inline)) void WT(q4_k_sub_block)(const int rows, const uint8_t *block,
+                                                                   int64_t stride, int p, const int nibble,
+                                                                   const xblock *x, const int32_t *codes,
+                                                                   int64_t blocks, int64_t b, wt_vf *acc) {
+    const int chains = WT_CHAINS(rows);
+    wt_vi parts[WT_MAX_ROWS][WT_MAX_CHAINS], sums[WT_MAX_ROWS];
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < chains; c++) low_parts[r][c] = high_parts[r][c] = WT_ZERO_I();
+        for (int c = 0; c < chains; c++) parts[r][c] = WT_ZERO_I();
+#pragma GCC unroll 8
     for (int t = 0; t < 8; t++) {
         const wt_vi w = WT(load_unit)(block + WT_Q4_K_CODES + 256 * p + 32 * t, stride);
-        const wt_vi low = WT_AND(w, WT_SET1_8(0x0F)), high = WT_AND(WT_SRLI16(w, 4), WT_SET1_8(0x0F));
-        for (int r = 0; r < rows; r++) {
-            wt_vi *low_chain = &low_parts[r][t % chains], *high_chain = &high_parts[r][t % chains];
-            *low_chain = WT_DOT(*low_chain, low, WT(broadcast4)(x[r * blocks + b].qs + 4 * t));
-            *high_chain = WT_DOT(*high_chain, high, WT(broadcast4)(x[r * blocks + b + 1].qs + 4 * t));
-        }
+        const wt_vi q = WT_AND(nibble ? WT_SRLI16(w, 4) : w, WT_SET1_8(0x0F));
+        for (int r = 0; r < rows; r++) parts[r][t % chains] = WT_DOT(parts[r][t % chains], q, WT(word)(codes, rows, b, t, r));
     }
-    for (int r = 0; r < rows; r++) {
-        low_sums[r] = WT(sum_chains)(low_parts[r], chains);
-        high_sums[r] = WT(sum_chains)(high_parts[r], chains);
-    }
+    for (int r = 0; r < rows; r++) sums[r] = WT(sum_chains)(parts[r], chains);
     const wt_vf d = WT(f16_unit)(block, stride);
-    const wt_vf low_scale = WT(u8_unit)(block + 32 + 8 * (2 * p), stride);
-    const wt_vf high_scale = WT(u8_unit)(block + 32 + 8 * (2 * p + 1), stride);
-    for (int r = 0; r < rows; r++) {
-        const xblock *xb = x + r * blocks + b;
-        acc[r] = WT_FMA(WT_MUL(WT_CVT(low_sums[r]), low_scale), WT_MUL(d, WT_SET1_F(xb[0].d)), acc[r]);
-        acc[r] = WT_FMA(WT_MUL(WT_CVT(high_sums[r]), high_scale), WT_MUL(d, WT_SET1_F(xb[1].d)), acc[r]);
-    }
+    const wt_vf scale = WT(u8_unit)(block + 32 + 8 * (2 * p + nibble), stride);
+    for (int r = 0; r < rows; r++)
+        acc[r] = WT_FMA(WT_MUL(WT_CVT(sums[r]), scale), WT_MUL(d, WT_SET1_F(x[r * blocks + b].d)), acc[r]);
 }
 
 /* Q6_K's sub-block j = 4s + i (activation block b) against the tile's rows: the acc chain. */
 static inline __attribute__((always_inline)) void WT(q6_k_sub_block)(const int rows, const uint8_t *block,
                                                                    int64_t stride, int s, const int i,
-                                                                   const xblock *x, int64_t blocks, int64_t b,
+                                                                   const xblock *x, const int32_t *codes, int64_t blocks, int64_t b,
                                                                    wt_vf *acc) {
     const int j = 4 * s + i;
     wt_vf isum[WT_MAX_ROWS];
     const wt_vf sc0 = WT(i8_unit)(block + WT_Q6_K_SCALES + 8 * (2 * j), stride);
     const wt_vf sc1 = WT(i8_unit)(block + WT_Q6_K_SCALES + 8 * (2 * j + 1), stride);
     wt_vi sums[WT_MAX_ROWS];
-    WT(q6_k_half)(rows, block, stride, s, i, 0, x, blocks, b, sums);
+    WT(q6_k_half)(rows, block, stride, s, i, 0, x, codes, blocks, b, sums);
     for (int r = 0; r < rows; r++) isum[r] = WT_MUL(WT_CVT(sums[r]), sc0);
-    WT(q6_k_half)(rows, block, stride, s, i, 1, x, blocks, b, sums);
+    WT(q6_k_half)(rows, block, stride, s, i, 1, x, codes, blocks, b, sums);
     for (int r = 0; r < rows; r++) isum[r] = WT_FMA(WT_CVT(sums[r]), sc1, isum[r]);
     const wt_vf d = WT(f16_unit)(block, stride);
     for (int r = 0; r < rows; r++) acc[r] = WT_FMA(isum[r], WT_MUL(d, WT_SET1_F(x[r * blocks + b].d)), acc[r]);
 }
 
 static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, const int rows, const uint8_t *group,
-                                                             int64_t stride, const xblock *x, int64_t blocks,
-                                                             float *y, int64_t y_stride, int valid) {
+                                                             int64_t stride, const xblock *x, const int32_t *codes, int64_t blocks,
+                                                             float *y, int64_t y_stride, int valid, int prefetch) {
     const int bytes = fmt == NS_WIDE_Q4_K ? WT_Q4_K_BYTES : WT_Q6_K_BYTES;
     wt_vf acc[WT_MAX_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = WT_ZERO_F();
     for (int64_t super = 0; super < blocks / 8; super++) {
         const uint8_t *block = group + super * bytes;
         const int64_t b = 8 * super;
-        WT(prefetch)(block, stride, bytes);
+        if (prefetch) WT(prefetch)(block, stride, bytes);
         if (fmt == NS_WIDE_Q4_K) {
-            for (int p = 0; p < 4; p++) WT(q4_k_pair)(rows, block, stride, p, x, blocks, b + 2 * p, acc);
+            for (int p = 0; p < 4; p++) {
+                WT(q4_k_sub_block)(rows, block, stride, p, 0, x, codes, blocks, b + 2 * p, acc);
+                WT(q4_k_sub_block)(rows, block, stride, p, 1, x, codes, blocks, b + 2 * p + 1, acc);
+            }
             continue;
         }
         /* Q6_K: the inner 4 unrolled, so each sub-block's nibble and top-bit shift are constants */
         for (int s = 0; s < 2; s++) {
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) WT(q6_k_sub_block)(rows, block, stride, s, i, x, blocks, b + 4 * s + i, acc);
+            for (int i = 0; i < 4; i++) WT(q6_k_sub_block)(rows, block, stride, s, i, x, codes, blocks, b + 4 * s + i, acc);
         }
     }
     if (fmt == NS_WIDE_Q4_K) {
@@ -363,12 +360,12 @@ static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, co
 /* One function per (layout, tile height), both constants, so each row's registers are named. */
 #define WT_HEIGHT_CASE(BODY, FMT, ROWS)                                          \
     if (rows == ROWS) {                                                          \
-        BODY(FMT, ROWS, group, stride, x, blocks, y, y_stride, valid);           \
+        BODY(FMT, ROWS, group, stride, x, codes, blocks, y, y_stride, valid, prefetch); \
         return;                                                                  \
     }
 #define WT_DEFINE_TILE(NAME, BODY, FMT)                                                                         \
-    static void NAME(int rows, const uint8_t *group, int64_t stride, const xblock *x, int64_t blocks, float *y, \
-                     int64_t y_stride, int valid) {                                                             \
+    static void NAME(int rows, const uint8_t *group, int64_t stride, const xblock *x, const int32_t *codes, int64_t blocks, float *y, \
+                     int64_t y_stride, int valid, int prefetch) {                                               \
         WT_HEIGHT_CASE(BODY, FMT, 8)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 7)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 6)                                                                            \
@@ -376,8 +373,7 @@ static inline __attribute__((always_inline)) void WT(kx8_body)(const int fmt, co
         WT_HEIGHT_CASE(BODY, FMT, 4)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 3)                                                                            \
         WT_HEIGHT_CASE(BODY, FMT, 2)                                                                            \
-        for (int r = 0; r < rows; r++)                                                                          \
-            BODY(FMT, 1, group, stride, x + r * blocks, blocks, y + r * y_stride, y_stride, valid);             \
+        BODY(FMT, 1, group, stride, x, codes, blocks, y, y_stride, valid, prefetch);                           \
     }
 WT_DEFINE_TILE(WT(x8_q4_1), WT(x8_body), NS_WIDE_Q4_1)
 WT_DEFINE_TILE(WT(x8_q8_0), WT(x8_body), NS_WIDE_Q8_0)
