@@ -40,8 +40,9 @@ from nanoserve.quant import QUANTIZERS, format_names
 
 log = logging.getLogger("nanoserve")
 
-# Like vLLM's CPU backend (4 GiB): the cache is zeroed at start, and host RAM is shared with
-# everything else, so a fraction of free memory alone would make start-up slow and greedy.
+# Like vLLM's CPU backend (4 GiB): host RAM is shared with everything else, and the cache's
+# pages are taken as requests first write them (`kv_cache.zero_filled`), so a fraction of free
+# memory alone would let a long-running engine grow into memory others have since taken.
 CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
 
 
