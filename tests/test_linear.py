@@ -3,6 +3,8 @@ a choice no stall of a neighbour flips, and a verdict its own timings cannot cal
 its doubt, so that no later start waits for the probe."""
 
 
+import logging
+
 import pytest
 import torch
 
@@ -120,6 +122,18 @@ def test_second_start_reads_the_cache_and_measures_nothing(tmp_path, monkeypatch
     second = choose_kernel(probe_shape(), device=CPU, max_rows=8, prefill_rows=32, batch_invariant=True,
                            cache_path=cache)
     assert second.from_cache and second.kernel == first.kernel
+
+
+def test_a_start_that_times_the_kernels_says_so_before_it_waits_and_a_cached_one_does_not(
+        tmp_path, monkeypatch, caplog):
+    cache = tmp_path / "kernels.json"
+    monkeypatch.setattr(linear, "time_kernels", canned_turns(clear_turns))
+    for _ in range(2):
+        with caplog.at_level(logging.INFO, logger="nanoserve"):
+            choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
+                          cache_path=cache)
+    announced = [r.getMessage() for r in caplog.records if "timing" in r.getMessage()]
+    assert len(announced) == 1 and f"the verdict is cached in {cache}" in announced[0]
 
 
 def test_cache_is_keyed_by_dtype_and_thread_count(tmp_path, monkeypatch):

@@ -331,7 +331,7 @@ class Engine:
     def kernel_summary(self) -> str:
         choice = self.kernel_choice
         mode = "batch-invariant" if self.config.batch_invariant and choice.batch_invariant else "plain"
-        cached = ", cached verdict" if choice.from_cache else ""
+        cached = ", cached verdict" if choice.from_cache else ", measured at this start"
         return (f"linear kernel: {choice.kernel.name} ({mode} forward, {self.threads} threads{cached}): "
                 f"{choice.reason}")
 

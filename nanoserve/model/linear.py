@@ -334,6 +334,10 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     rows = probe_rows(max_rows, prefill_rows)
     timed = not from_cache
     if timed:  # all of them, in the same turns, so that their figures compare
+        if len(candidates) > 1:
+            log.info("linear kernel: timing %d candidates on the model's own weights (once per machine, "
+                     "threads and model shape: the verdict is cached%s)", len(candidates),
+                     f" in {cache_path}" if cache_path is not None else " for no later start")
         for name, turns_ms in time_kernels(candidates, shape.layers, rows, device).items():
             verdicts[name].record(turns_ms)
 
