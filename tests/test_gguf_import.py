@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from hypothesis import given
 from hypothesis import strategies as st
 from tiny_model import CORPUS, llama_cpp_permute, read_weights, write_tiny_gguf, write_tiny_llama
@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from nanoserve import native
 from nanoserve.errors import ModelNotFoundError, UnsupportedModelError
 from nanoserve.llm import LLM
-from nanoserve.loading.gguf import convert_gguf, gguf_weights, read_tensors, unpermute_qk
+from nanoserve.loading.gguf import convert_gguf, gguf_weights, open_gguf, read_tensors, unpermute_qk
 from nanoserve.loading.hf_config import read_model_config
 from nanoserve.loading.hf_names import hf_tensor_shapes
 from nanoserve.model.linear import QUANTIZED_KERNELS
@@ -175,6 +175,64 @@ def test_the_tensor_table_reader_finds_what_ggufs_reader_finds(type_name, wide_m
         assert mine.shape.tolist() == reference.shape.tolist()
         their_bytes = np.ascontiguousarray(reference.data).view(np.uint8).reshape(-1)
         assert np.array_equal(mine.data.reshape(-1), their_bytes)
+
+
+def _every_value_type_gguf(path: Path) -> Path:
+    """A GGUF file with a key of every scalar type at its extreme, strings (non-ASCII, empty),
+    arrays of every scalar type and of strings (gguf's writer refuses an empty array), and
+    tensors of several types and ranks."""
+    writer = GGUFWriter(str(path), "llama")
+    for number, value_type in enumerate((GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16,
+                                         GGUFValueType.INT16, GGUFValueType.UINT32, GGUFValueType.INT32,
+                                         GGUFValueType.UINT64, GGUFValueType.INT64)):
+        signed = value_type.name.startswith("INT")
+        bits = int(value_type.name.removeprefix("U").removeprefix("INT"))
+        extreme = -(2 ** (bits - 1)) if signed else 2**bits - 1
+        writer.add_key_value(f"test.scalar.{number}", extreme, value_type)
+        writer.add_key_value(f"test.array.{number}", [0, 1, extreme], GGUFValueType.ARRAY, value_type)
+    writer.add_key_value("test.f32", 1e-5, GGUFValueType.FLOAT32)  # not exact in float32
+    writer.add_key_value("test.f64", 0.1, GGUFValueType.FLOAT64)
+    writer.add_key_value("test.true", True, GGUFValueType.BOOL)
+    writer.add_key_value("test.false", False, GGUFValueType.BOOL)
+    writer.add_key_value("test.string", "Grüße, 世界", GGUFValueType.STRING)
+    writer.add_key_value("test.empty_string", "", GGUFValueType.STRING)
+    writer.add_key_value("test.floats", [0.1, -2.5e-8, 3e38], GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    writer.add_key_value("test.doubles", [0.1, -1e300], GGUFValueType.ARRAY, GGUFValueType.FLOAT64)
+    writer.add_key_value("test.bools", [True, False, True], GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    writer.add_key_value("test.strings", ["a", "", "Ġthe", "é ü"], GGUFValueType.ARRAY, GGUFValueType.STRING)
+    g = np.random.default_rng(0)
+    writer.add_tensor("a.weight", g.standard_normal((3, 64), dtype=np.float32))
+    writer.add_tensor("b.weight", g.standard_normal((2, 4, 32), dtype=np.float32).astype(np.float16))
+    writer.add_tensor("c.bias", g.standard_normal(7, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    return path
+
+
+def test_the_metadata_reader_gives_ggufs_values_for_every_type_and_its_whole_tensor_table(tmp_path):
+    path = _every_value_type_gguf(tmp_path / "every.gguf")
+    theirs = GGUFReader(path)
+    ours = open_gguf(path)
+    # gguf's reader adds the header as GGUF.* pseudo-keys; the file's own keys are the rest.
+    expected = {key: field.contents() for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert ours.metadata == expected
+    assert {key: type(value) for key, value in ours.metadata.items()} == {
+        key: type(value) for key, value in expected.items()}
+    assert ours.metadata["test.f32"] == float(np.float32(1e-5)) and ours.metadata["test.array.7"][2] == -2**63
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.n_bytes) for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        their_bytes = np.ascontiguousarray(reference.data).view(np.uint8).reshape(-1)
+        assert np.array_equal(mine.data.reshape(-1), their_bytes)
+
+
+def test_the_metadata_reader_gives_ggufs_values_for_a_tokenizer_and_model_file(wide_model_dir, tmp_path):
+    path = _quantized_gguf(wide_model_dir, tmp_path, "Q4_K")
+    expected = {key: field.contents() for key, field in GGUFReader(path).fields.items()
+                if not key.startswith("GGUF.")}
+    assert open_gguf(path).metadata == expected
+    assert len(expected["tokenizer.ggml.tokens"]) > 100
 
 
 def test_the_tensor_table_reader_refuses_a_cut_file_and_a_stranger(wide_model_dir, tmp_path):

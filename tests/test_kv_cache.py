@@ -9,6 +9,8 @@ chosen token's logprob within MAX_LOGPROB_ERROR (2e-3) of float32's, five times 
 difference measured (q8_0 rounds each value by at most half a step, max|row| / 254).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from families import step
@@ -270,3 +272,26 @@ def test_the_command_line_refuses_a_bad_kv_cache_dtype_with_exit_2_naming_the_op
     result = generate("hi", "--device", "cpu", "--kv-cache-dtype", value)
     assert result.exit_code == 2
     assert "--kv-cache-dtype" in result.output
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's /proc")
+@pytest.mark.parametrize("cache_dtype", ["float16", "q8_0"])
+def test_a_new_cpu_cache_reads_zero_everywhere_and_holds_no_page_until_written(cache_dtype):
+    # Every slot is read before any is written (masked padding, a block's tail), so a new
+    # cache must be zeros; and a budget of many GiB must not be written at start-up: a cache
+    # of 512 MiB here leaves the process's resident memory within 64 MiB of where it was.
+    before = _resident_bytes()
+    cache = KVCache(CONFIG, 512 * 2**20 // bytes_per_token(CONFIG, cache_dtype) // 16, 16, torch.float32,
+                    torch.device("cpu"), cache_dtype)
+    assert cache.nbytes > 500 * 2**20
+    assert _resident_bytes() - before < 64 * 2**20
+    assert all(torch.count_nonzero(t) == 0 for t in cache.k + cache.v + (cache.k_scales or []))
+    k = torch.ones(1, CONFIG.num_kv_heads, CONFIG.head_dim)
+    cache.write(0, torch.tensor([cache.num_blocks * 16 - 1]), k, k)
+    last_k, _ = cache.gather(0, torch.tensor([[cache.num_blocks - 1]]))
+    assert torch.equal(last_k[:, 0, -1], k[0]) and torch.count_nonzero(last_k[:, 0, :-1]) == 0

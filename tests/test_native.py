@@ -7,6 +7,7 @@ import pytest
 
 from nanoserve import native
 from nanoserve.native import build
+from nanoserve.native.attention import ISAS
 
 needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C compiler on this machine")
 
@@ -97,6 +98,9 @@ def test_the_library_loads_with_its_abi_version_and_isa(fresh_load):
     assert library.lib.ns_abi_version() == native.ABI_VERSION
     assert library.isa in ("avx2", "portable")
     assert native.status().startswith(f"native kernels: on ({library.isa}; ")
+    # The attention picks its own path by cpuid: the line names the widest of those it runs.
+    paths = [name for name, bit in ISAS.items() if library.lib.ns_attention_isas() & bit]
+    assert f"; attention on {paths[-1]}; " in native.status()
 
 
 @pytest.fixture

@@ -142,7 +142,9 @@ class Engine:
         self.weight_notes = startup.notes  # start-up lines on how the weights were loaded
         self.source = startup.source
         self.model_dir = self.source.dir
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.startup_phases = startup.phases  # how long each phase of this start took
+        with startup.phases.timed("tokenizer"):
+            self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.pooling_method = config.pooling or checkpoint_pooling(self.model_dir) or "last"
         if config.task == "generate" and not read_config(self.model_dir).has_lm_head:
             raise InvalidRequestError(
@@ -151,7 +153,9 @@ class Engine:
         self.draft_source = self._resolve_draft_model() if self.spec.method == "draft" else None
         self.executor = Executor(config, startup)
         try:
-            self._build_above_the_ranks()
+            with startup.phases.timed("scheduler and runner"):
+                self._build_above_the_ranks()
+            log.info(startup.phases.summary)
         except BaseException:
             self.executor.close()
             raise
@@ -338,7 +342,7 @@ class Engine:
     def kernel_summary(self) -> str:
         choice = self.kernel_choice
         mode = "batch-invariant" if self.config.batch_invariant and choice.batch_invariant else "plain"
-        cached = ", cached verdict" if choice.from_cache else ""
+        cached = ", cached verdict" if choice.from_cache else ", measured at this start"
         return (f"linear kernel: {choice.kernel.name} ({mode} forward, {self.threads} threads{cached}): "
                 f"{choice.reason}")
 

@@ -100,23 +100,25 @@ class Executor:
     def _build_rank_zero(self) -> None:
         config, startup, group = self.config, self.startup, self.group
         check_start("the weights load")
-        self.model_config, weights = load_rank_weights(
-            config, startup.source.dir, startup.gguf, startup.dtype, startup.device,
-            group.shard if group is not None else None, startup.notes)
+        with startup.phases.timed("weights"):
+            self.model_config, weights = load_rank_weights(
+                config, startup.source.dir, startup.gguf, startup.dtype, startup.device,
+                group.shard if group is not None else None, startup.notes)
         self.weights_nbytes = weights.nbytes()  # this rank's, with tensor parallelism
         if group is not None:
             startup.notes.append(f"tensor parallel: {config.tensor_parallel_size} ranks; rank 0 holds "
                                  f"{self.weights_nbytes / 1e6:.1f} MB of weights")
         self.weight_format = weight_format(weights)
         check_start("the linear kernel is chosen")
-        self.kernel_choice, self.plan = plan_rank(config, self.model_config, weights, startup)
+        with startup.phases.timed("kernel choice"):
+            self.kernel_choice, self.plan = plan_rank(config, self.model_config, weights, startup)
         check_start("the KV cache is allocated")
         if group is not None:
             group.send_plan(self.plan)
         collectives = (group.make_collectives(self.model_config, config.batch_invariant)
                        if group is not None else None)
         rank = Rank.build(config, self.model_config, weights, self.plan, dtype=startup.dtype,
-                          device=startup.device, collectives=collectives)
+                          device=startup.device, collectives=collectives, phases=startup.phases)
         self.model, self.kv_cache = rank.model, rank.kv_cache
         self.runner_model = (ShardedModel(self.model, self.model_config, group) if group is not None
                              else self.model)

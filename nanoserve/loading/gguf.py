@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
@@ -113,23 +113,23 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
     """Write config, float32 weights and tokenizer files for `gguf_path` into `out_dir`.
 
     `progress(done, total)` is called after each tensor is dequantized (the slow part)."""
-    reader = open_gguf(gguf_path)
-    config = import_metadata(reader, out_dir)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    file = open_gguf(gguf_path)
+    config = import_metadata(file, out_dir)
+    tensors = {tensor.name: tensor for tensor in file.tensors}
     weights = hf_weights(tensors, config, progress)
     save_file(weights, Path(out_dir) / WEIGHTS_FILE, metadata={"format": "pt"})
     return Path(out_dir)
 
 
-def import_metadata(source: str | Path | GGUFReader, out_dir: str | Path) -> dict[str, Any]:
+def import_metadata(source: str | Path | GGUFFile, out_dir: str | Path) -> dict[str, Any]:
     """Write config.json and the tokenizer files for a GGUF into `out_dir` (no weights);
     returns the config."""
-    reader = source if isinstance(source, GGUFReader) else open_gguf(source)
-    meta = read_metadata(reader)
+    file = source if isinstance(source, GGUFFile) else open_gguf(source)
+    meta = read_metadata(file)
     check_architecture(meta)
     tokenizer = tokenizer_from_gguf(meta)
-    config = llama_config(meta, {tensor.name: tensor for tensor in reader.tensors})
-    check_tensors(reader, config)
+    config = llama_config(meta, {tensor.name: tensor for tensor in file.tensors})
+    check_tensors(file, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(meta, tokenizer, out)
@@ -145,24 +145,10 @@ def write_tokenizer(meta: dict[str, Any], tokenizer: GGUFTokenizer, out_dir: Pat
     write_json(out_dir / "generation_config.json", generation_config(meta))
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError, IndexError, KeyError, UnicodeDecodeError) as err:
-        raise ModelNotFoundError(f"{path}: not a readable GGUF file ({err})") from err
-    # The reader maps a truncated file without complaint; its last tensor then ends early.
-    for tensor in reader.tensors:
-        if tensor.data.nbytes != tensor.n_bytes:
-            raise ModelNotFoundError(
-                f"{path}: truncated or corrupt GGUF file (tensor {tensor.name!r} holds "
-                f"{tensor.data.nbytes} of its {tensor.n_bytes} bytes)")
-    return reader
-
-
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """One tensor of a GGUF file as `read_tensors` finds it: what gguf_weights reads of gguf's
-    ReaderTensor (its dims fastest-varying first; its bytes a read-only view of the map)."""
+    """One tensor of a GGUF file as `read_gguf` finds it: what nanoserve reads of gguf's
+    TensorEntry (its dims fastest-varying first; its bytes a read-only view of the map)."""
 
     name: str
     tensor_type: GGMLQuantizationType
@@ -171,55 +157,99 @@ class TensorEntry:
     n_bytes: int
 
 
-# GGUF's key/value types (gguf.GGUFValueType) -> the bytes of one scalar value (8: a string,
-# 9: an array; neither has a fixed size)
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+@dataclass(frozen=True, slots=True)
+class GGUFFile:
+    """A GGUF file's key/value metadata as plain Python values (what gguf's
+    `ReaderField.contents()` gives: ints, floats, bools, strings, lists of them) and its tensors."""
+
+    metadata: dict[str, Any]
+    tensors: list[TensorEntry]
+
+
+# GGUF's key/value types (gguf.GGUFValueType) -> the struct format of one scalar value (8: a
+# string, 9: an array; neither has a fixed size). The spec: llama.cpp's docs/gguf.md.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALAR_BYTES = {kind: struct.calcsize(f"<{fmt}") for kind, fmt in _SCALAR_FORMATS.items()}
 _STRING, _ARRAY = 8, 9
 
 
-def read_tensors(path: str | Path) -> list[TensorEntry]:
-    """The file's tensors, reading the key/value section only to step over it (gguf's reader
-    builds every value, a 49152-word vocabulary's one at a time: seconds at every start).
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's metadata and tensors. Our own reader rather than gguf's `GGUFReader`, which
+    builds numpy objects for every element of every array (a 49152-word vocabulary and its
+    merges: seconds at a model's first start); the same values (tests hold the two equal).
     Raises ModelNotFoundError for a file that is not a readable GGUF or is cut short."""
+    return _read(path, with_values=True)
+
+
+def read_tensors(path: str | Path) -> list[TensorEntry]:
+    """The file's tensors, reading the key/value section only to step over it."""
+    return _read(path, with_values=False).tensors
+
+
+def _read(path: str | Path, *, with_values: bool) -> GGUFFile:
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        return _tensor_entries(path, mapped, memoryview(mapped))
+        return _parse(path, mapped, memoryview(mapped), with_values)
     except (OSError, ValueError, IndexError, KeyError, struct.error, UnicodeDecodeError) as err:
         raise ModelNotFoundError(f"{path}: not a readable GGUF file ({err})") from err
 
 
-def _tensor_entries(path: str | Path, mapped: np.ndarray, view: memoryview) -> list[TensorEntry]:
+def _string(view: memoryview, at: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", view, at)
+    return bytes(view[at + 8 : at + 8 + length]).decode("utf-8"), at + 8 + length
+
+
+def _skip(view: memoryview, kind: int, at: int) -> int:
+    """Where the value of type `kind` at `at` ends."""
+    if kind == _STRING:
+        return at + 8 + struct.unpack_from("<Q", view, at)[0]
+    if kind != _ARRAY:
+        return at + _SCALAR_BYTES[kind]
+    item, count = struct.unpack_from("<IQ", view, at)
+    at += 12
+    if item in _SCALAR_BYTES:
+        return at + count * _SCALAR_BYTES[item]
+    for _ in range(count):
+        at = _skip(view, item, at)
+    return at
+
+
+def _value(view: memoryview, kind: int, at: int) -> tuple[Any, int]:
+    """The value of type `kind` at `at`, and where it ends."""
+    if kind == _STRING:
+        return _string(view, at)
+    if kind != _ARRAY:
+        return struct.unpack_from(f"<{_SCALAR_FORMATS[kind]}", view, at)[0], at + _SCALAR_BYTES[kind]
+    item, count = struct.unpack_from("<IQ", view, at)
+    at += 12
+    if item in _SCALAR_FORMATS:  # one unpack for the whole array
+        values = struct.unpack_from(f"<{count}{_SCALAR_FORMATS[item]}", view, at)
+        return list(values), at + count * _SCALAR_BYTES[item]
+    values = []
+    for _ in range(count):
+        value, at = _value(view, item, at)
+        values.append(value)
+    return values, at
+
+
+def _parse(path: str | Path, mapped: np.ndarray, view: memoryview, with_values: bool) -> GGUFFile:
     magic, version, tensor_count, kv_count = struct.unpack_from("<4sIQQ", view, 0)
     if magic != b"GGUF" or version < 2:
         raise ValueError(f"magic {magic!r}, version {version}")
     at, alignment = 24, 32
-
-    def string(at: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from("<Q", view, at)
-        return bytes(view[at + 8 : at + 8 + length]).decode(), at + 8 + length
-
-    def skip(kind: int, at: int) -> int:
-        if kind == _STRING:
-            return at + 8 + struct.unpack_from("<Q", view, at)[0]
-        if kind != _ARRAY:
-            return at + _SCALAR_BYTES[kind]
-        item, count = struct.unpack_from("<IQ", view, at)
-        at += 12
-        if item in _SCALAR_BYTES:
-            return at + count * _SCALAR_BYTES[item]
-        for _ in range(count):
-            at = skip(item, at)
-        return at
-
+    metadata: dict[str, Any] = {}
     for _ in range(kv_count):
-        key, at = string(at)
+        key, at = _string(view, at)
         (kind,) = struct.unpack_from("<I", view, at)
         if key == "general.alignment":
             (alignment,) = struct.unpack_from("<I", view, at + 4)
-        at = skip(kind, at + 4)
+        if with_values:
+            metadata[key], at = _value(view, kind, at + 4)
+        else:
+            at = _skip(view, kind, at + 4)
     infos = []
     for _ in range(tensor_count):
-        name, at = string(at)
+        name, at = _string(view, at)
         (dims,) = struct.unpack_from("<I", view, at)
         shape = np.array(struct.unpack_from(f"<{dims}Q", view, at + 4), dtype=np.uint64)
         kind, offset = struct.unpack_from("<IQ", view, at + 4 + 8 * dims)
@@ -236,12 +266,12 @@ def _tensor_entries(path: str | Path, mapped: np.ndarray, view: memoryview) -> l
             raise ModelNotFoundError(f"{path}: truncated or corrupt GGUF file (tensor {name!r} holds "
                                      f"{data.nbytes} of its {n_bytes} bytes)")
         entries.append(TensorEntry(name, kind, shape, data.reshape(-1, row_bytes), n_bytes))
-    return entries
+    return GGUFFile(metadata, entries)
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+def read_metadata(file: GGUFFile) -> dict[str, Any]:
     """The key/value section as plain Python values (strings, numbers, lists)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
+    return file.metadata
 
 
 def check_architecture(meta: dict[str, Any]) -> None:
@@ -257,13 +287,13 @@ def check_architecture(meta: dict[str, Any]) -> None:
 _NOT_WEIGHT_TYPES = ("I8", "I16", "I32", "I64")
 
 
-def check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
+def check_tensors(file: GGUFFile, config: dict[str, Any]) -> None:
     """Each tensor's name, type and shape against what the metadata implies, from the file's
     tensor list alone: a file that disagrees is refused naming the tensor (or the key it
     disagrees with) before any weight is read."""
     expected = hf_tensor_shapes(read_model_config(config))
     present = set()
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         if tensor.name == ROPE_FREQS_TENSOR or tensor.name in LONGROPE_TENSORS:
             continue
         shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
@@ -294,7 +324,7 @@ def _hf_shapes(gguf_name: str, shape: tuple[int, ...], config: dict[str, Any]) -
     return dict.fromkeys(names, shape[1:])
 
 
-def _check_type(tensor: ReaderTensor) -> None:
+def _check_type(tensor: TensorEntry) -> None:
     type_name = tensor.tensor_type.name
     if type_name in _NOT_WEIGHT_TYPES:
         raise UnsupportedModelError(
@@ -308,7 +338,7 @@ def write_json(path: Path, obj: Any) -> None:
 # ---- config -------------------------------------------------------------------------------
 
 
-def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+def llama_config(meta: dict[str, Any], tensors: dict[str, TensorEntry]) -> dict[str, Any]:
     """config.json for the HF layout of the file's architecture, from its `{arch}.*` metadata
     and the tensor list."""
     arch = meta.get("general.architecture", "llama")
@@ -323,7 +353,7 @@ def llama_config(meta: dict[str, Any], tensors: dict[str, ReaderTensor]) -> dict
 
 
 def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta: dict[str, Any],
-                         tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+                         tensors: dict[str, TensorEntry]) -> dict[str, Any]:
     hidden_size = _require_int(meta, "llama.embedding_length")
     num_heads = _require_int(meta, "llama.attention.head_count")
     head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
@@ -350,7 +380,7 @@ def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta:
     } | _family_config(arch, meta, tensors, head_dim)
 
 
-def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, ReaderTensor],
+def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, TensorEntry],
                    head_dim: int) -> dict[str, Any]:
     """The config.json fields of the families beyond llama (meta's keys read as `llama.*`)."""
     layers = meta["llama.block_count"]
@@ -401,7 +431,7 @@ _GROUPED_EXPERT_KEYS = ("llama.expert_group_count", "llama.expert_group_used_cou
 
 
 def _experts_config(model_type: str, meta: dict[str, Any],
-                    tensors: dict[str, ReaderTensor]) -> dict[str, Any]:
+                    tensors: dict[str, TensorEntry]) -> dict[str, Any]:
     """config.json's expert fields from `{arch}.expert_*` (meta's keys read as `llama.*`)."""
     count = meta.get("llama.expert_count", 0)
     if not count:
@@ -484,7 +514,7 @@ def _partial_rotary(arch: str, meta: dict[str, Any], head_dim: int) -> dict[str,
 
 
 def rope_scaling(
-    meta: dict[str, Any], tensors: dict[str, ReaderTensor], head_dim: int, rope_theta: float
+    meta: dict[str, Any], tensors: dict[str, TensorEntry], head_dim: int, rope_theta: float
 ) -> dict[str, Any] | None:
     """None, linear scaling, or the HF llama3 dict recovered from llama.cpp's `rope_freqs` tensor."""
     kind = meta.get("llama.rope.scaling.type", "none")
@@ -529,7 +559,7 @@ def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: floa
 # ---- weights ------------------------------------------------------------------------------
 
 
-def hf_weights(tensors: dict[str, ReaderTensor], config: dict[str, Any],
+def hf_weights(tensors: dict[str, TensorEntry], config: dict[str, Any],
                progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
     """Every GGUF tensor as float32 under its HF name, Q/K back in HF (rotate_half) layout."""
     heads = _permuted_heads(config)
@@ -641,7 +671,7 @@ def qk_row_order(rows: int, num_heads: int) -> np.ndarray:
     return unpermute_qk(np.arange(rows).reshape(rows, 1), num_heads).reshape(rows)
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: TensorEntry) -> np.ndarray:
     # GGUF lists dimensions fastest-varying first; numpy wants them the other way round.
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
     reference = FORMATS_BY_GGML_TYPE.get(int(tensor.tensor_type))

@@ -36,6 +36,8 @@ The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activatio
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from nanoserve.config import ModelConfig
@@ -99,6 +101,21 @@ def dequantize_q8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales.unsqueeze(-1)
 
 
+def zero_filled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros that costs nothing until written. On the CPU a private anonymous
+    mapping: the kernel guarantees its pages read as zero and backs each with memory at its
+    first write, so a cache of many GiB starts at once and holds only the pages requests have
+    written (torch.zeros wrote every page at start-up; torch.empty's content is whatever the
+    allocator had, and slots never written are read: see KVCache). Elsewhere torch.zeros,
+    which a GPU fills at its memory's speed."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, dtype.itemsize * torch.Size(shape).numel(),
+                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor holds the buffer it views, so the mapping lives as long as the tensor.
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
 def _movable(t: torch.Tensor) -> torch.Tensor:
     """`t`, or its bytes where index_copy_ / index_select have no kernel for its dtype (fp8)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -113,15 +130,18 @@ class KVCache:
         self.dtype = dtype
         shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
         storage = STORAGE[self.cache_dtype]
-        # Zeros, not empty: attention multiplies masked (zero-probability) slots by these
-        # values, and 0 * NaN from uninitialized memory would poison a whole row.
-        self.k = [torch.zeros(shape, dtype=storage, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=storage, device=device) for _ in range(config.num_layers)]
+        # Zeros, never uninitialized memory: the torch attention multiplies a sequence's masked
+        # slots past its length (a block's unwritten tail, a shorter sequence's padding blocks)
+        # by zero probabilities, and 0 * NaN would poison a whole row. `zero_filled` gives
+        # zeros without writing them.
+        layers = range(config.num_layers)
+        self.k = [zero_filled(shape, storage, device) for _ in layers]
+        self.v = [zero_filled(shape, storage, device) for _ in layers]
         self.k_scales: list[torch.Tensor] | None = None
         self.v_scales: list[torch.Tensor] | None = None
         if self.cache_dtype == Q8_0:
-            self.k_scales = [torch.zeros(shape[:3], device=device) for _ in range(config.num_layers)]
-            self.v_scales = [torch.zeros(shape[:3], device=device) for _ in range(config.num_layers)]
+            self.k_scales = [zero_filled(shape[:3], torch.float32, device) for _ in layers]
+            self.v_scales = [zero_filled(shape[:3], torch.float32, device) for _ in layers]
         self.num_blocks = num_blocks
         self.block_size = block_size
 

@@ -256,6 +256,9 @@ class KernelVerdict:
     ms_by_rows: dict[int, float] = field(default_factory=dict)  # its best turn at each row count
     invariant: bool | None = None  # None: not tested (only a batch-invariant engine needs it)
     failure: str = ""  # where the self-test first saw a row's bits move
+    # Why the turns that timed it could not tell it from the runner-up, when it was chosen so
+    # (`_too_close_to_call`); kept in the cache, so a later start that reads it says so.
+    doubt: str = ""
     # This start's turns, ms by rows, one dict a turn; none when the figures came from the cache.
     turns_ms: list[dict[int, float]] = field(default_factory=list)
 
@@ -310,8 +313,10 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     `loop_overhead_ms`: what a forward through the per-layer loop costs beyond its linears,
     measured by the caller where the model could run the one-call decoder (else 0); it is
     added to the kernels that cannot, so a few percent of linears' noise never trades the
-    one-call step away. A verdict this start's turns cannot call (`_too_close_to_call`) is
-    used but its timings are not cached, so the next start measures again."""
+    one-call step away. A verdict this start's turns cannot call (`_too_close_to_call`: a
+    busy machine) is cached all the same, with that doubt, so that no later start waits for
+    the probe again (a wrong call costs at most the turns' spread); its start-up line says so,
+    and removing the cache file measures again."""
     candidates = quantized_kernels_for(device) if shape.quantized else kernels_for(device)
     if forced is not None:
         names = [k.name for k in candidates]
@@ -327,7 +332,12 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
     verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
     from_cache = all(v.ms_by_rows for v in verdicts.values())
     rows = probe_rows(max_rows, prefill_rows)
-    if not from_cache:  # all of them, in the same turns, so that their figures compare
+    timed = not from_cache
+    if timed:  # all of them, in the same turns, so that their figures compare
+        if len(candidates) > 1:
+            log.info("linear kernel: timing %d candidates on the model's own weights (once per machine, "
+                     "threads and model shape: the verdict is cached%s)", len(candidates),
+                     f" in {cache_path}" if cache_path is not None else " for no later start")
         for name, turns_ms in time_kernels(candidates, shape.layers, rows, device).items():
             verdicts[name].record(turns_ms)
 
@@ -355,14 +365,19 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
         reason = "forced"
     elif batch_invariant and not invariant:
         reason = "fastest; no candidate passed the batch-invariance self-test on this machine"
-    doubt = _too_close_to_call(chosen, ranked, verdicts, step_ms)
-    if cache_path is not None:
-        _write_cache(cache_path, key, verdicts, with_timings=not doubt)
+    if timed:
+        doubt = _too_close_to_call(chosen, ranked, verdicts, step_ms)
+        for name, verdict in verdicts.items():
+            verdict.doubt = doubt if name == chosen.name else ""
+    if cache_path is not None and not from_cache:
+        _write_cache(cache_path, key, verdicts)
     reason += f" ({_timing_summary(chosen, ranked, verdicts)})"
     if loop_overhead_ms and len(candidates) > 1:
         reason += f"; {loop_overhead_ms:.1f} ms a forward added to kernels that run the per-layer loop"
-    if doubt:
-        reason += f"; not cached: {doubt}"
+    if doubt := verdicts[chosen.name].doubt:
+        reason += f"; measured within noise: {doubt}"
+        if cache_path is not None:
+            reason += f"; cached all the same (removing {cache_path} measures again)"
     if forced is None and (unusable := left_out(device)):
         reason += "; left out: " + "; ".join(f"{name} ({why})" for name, why in unusable.items())
     return KernelChoice(chosen, reason, verdicts, invariant, from_cache)
@@ -517,7 +532,7 @@ def _too_close_to_call(chosen: LinearKernel, ranked: list[LinearKernel], verdict
     if margin_ms >= spread_ms or spread_ms <= QUIET_SPREAD * step_ms(chosen):
         return ""
     return (f"{chosen.name}'s margin over {runner_up.name}, {margin_ms:.1f} ms, is inside the spread "
-            f"of their turns, {spread_ms:.1f} ms; measured again next start")
+            f"of their turns, {spread_ms:.1f} ms")
 
 
 def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
@@ -563,22 +578,21 @@ def _read_cache(path: Path | None, key: str) -> dict[str, KernelVerdict]:
     try:
         entry = json.loads(path.read_text(encoding="utf-8")).get(key, {})
         return {name: KernelVerdict({int(r): ms for r, ms in v["ms_by_rows"].items()}, v["invariant"],
-                                    v["failure"]) for name, v in entry.items()}
+                                    v["failure"], v.get("doubt", "")) for name, v in entry.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         log.warning("ignoring an unreadable kernel cache at %s", path)
         return {}
 
 
-def _write_cache(path: Path, key: str, verdicts: dict[str, KernelVerdict], *, with_timings: bool) -> None:
-    """The verdicts under `key`; without their timings when this start's could not call the
-    choice, so the next start times them again but keeps the self-tests' verdicts."""
+def _write_cache(path: Path, key: str, verdicts: dict[str, KernelVerdict]) -> None:
+    """The verdicts under `key`, beside those of other keys."""
     try:
         everything = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         everything = {}
     entry = everything.setdefault(key, {})
-    entry.update({name: {"ms_by_rows": v.ms_by_rows if with_timings else {}, "invariant": v.invariant,
-                         "failure": v.failure} for name, v in verdicts.items()})
+    entry.update({name: {"ms_by_rows": v.ms_by_rows, "invariant": v.invariant, "failure": v.failure,
+                         "doubt": v.doubt} for name, v in verdicts.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(everything, indent=1), encoding="utf-8")

@@ -117,8 +117,15 @@ def status() -> str:
     if native is None:
         return f"native kernels: off ({reason}); running torch kernels"
     spin = openmp.note()
-    return (f"native kernels: on ({native.isa}; {_tiles_note(native)}; {reason})"
-            + (f"; {spin}" if spin else ""))
+    return (f"native kernels: on ({native.isa}; {_tiles_note(native)}; attention on "
+            f"{_attention_isa(native)}; {reason})" + (f"; {spin}" if spin else ""))
+
+
+def _attention_isa(native: NativeLibrary) -> str:
+    """The path csrc/attention.c runs here: the widest this CPU runs (it asks cpuid itself)."""
+    from nanoserve.native.attention import NativeAttention
+
+    return NativeAttention(native.lib).isas()[-1]
 
 
 def _tiles_note(native: NativeLibrary) -> str:

@@ -7,6 +7,7 @@ so no rank can build something another did not. What the plan says is decided in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache, resolve_kv_cache_dtype
 from nanoserve.model.linear import kernel_named
 from nanoserve.model.weights import LlamaWeights
+from nanoserve.worker.startup import StartupPhases
 
 
 @dataclass(slots=True)
@@ -30,10 +32,20 @@ class Rank:
 
     @classmethod
     def build(cls, config: EngineConfig, model_config: ModelConfig, weights: LlamaWeights, plan: RankPlan, *,
-              dtype: torch.dtype, device: torch.device, collectives: Collectives | None = None) -> Rank:
+              dtype: torch.dtype, device: torch.device, collectives: Collectives | None = None,
+              phases: StartupPhases | None = None) -> Rank:
+        """`phases` (rank 0's) hears how long the model (its weights packed for the kernel)
+        and the KV cache took."""
         local = local_config(model_config, config.tensor_parallel_size)
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
-        model = DecoderLM(local, weights, batch_invariant=config.batch_invariant,
-                          linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
-                          tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
-        return cls(model, KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype))
+
+        def timed(phase: str) -> contextlib.AbstractContextManager[None]:
+            return phases.timed(phase) if phases is not None else contextlib.nullcontext()
+
+        with timed("model"):
+            model = DecoderLM(local, weights, batch_invariant=config.batch_invariant,
+                              linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
+                              tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
+        with timed("KV cache"):
+            kv_cache = KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype)
+        return cls(model, kv_cache)
