@@ -170,8 +170,9 @@ def _mean_decode_s(steps: list[StepRecord], rows: int) -> float:
 def best_turns(engine: Engine, workload: LimitWorkload) -> BestTurns:
     """A warm-up of each run, then `repeat` turns of the prefill, one slot and `slots`."""
     w = workload
-    _steps(engine, 1, w.prompt_len, 1, seed=0)
-    _steps(engine, w.slots, w.input_len, 2, seed=0)
+    for count, input_len, max_tokens in ((1, w.prompt_len, 1), (1, w.input_len, 2),
+                                         (w.slots, w.input_len, 2)):
+        _steps(engine, count, input_len, max_tokens, seed=0)
     prefill, single, batched = [], [], []
     for turn in range(1, w.repeat + 1):
         prefill.append(sum(s.seconds for s in _steps(engine, 1, w.prompt_len, 1, turn) if not s.is_decode))
