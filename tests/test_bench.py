@@ -24,11 +24,12 @@ from typer.testing import CliRunner
 import nanoserve_cli.bench
 import nanoserve_cli.profile
 from nanoserve import native
-from nanoserve.bench import hardware, offline, serve
+from nanoserve.bench import hardware, offline, serve, shapes
 from nanoserve.bench.driver import RequestTimes, RunRecord, percentile, run_closed_loop
 from nanoserve.bench.hardware import HardwareLimits
-from nanoserve.config import PREFILL_PACE_MIN_TOKENS, EngineConfig
+from nanoserve.config import PREFILL_PACE_MIN_TOKENS, EngineConfig, ModelConfig
 from nanoserve.engine.core import Engine
+from nanoserve.native import WIDE_TILE_FORMATS
 from nanoserve.sampling_params import SamplingParams
 from nanoserve_cli.app import app
 
@@ -403,6 +404,69 @@ def test_committed_ci_thresholds_name_a_workload_and_positive_floors():
     assert all(floor > 0 for floor in thresholds["floors"].values())
     if "quantized_over_float32" in thresholds["floors"]:
         assert thresholds["workload"]["quantized_dtype"] in ("auto", "quantized")
+    # a 1B-class width in block types the wide tiles run, fewer layers to keep CI short; every
+    # ISA's floors name every type's fractions
+    section = thresholds["shape"]
+    published = shapes.PUBLISHED_SHAPES[section["published"]]
+    assert published.hidden >= 2048 and 1 <= section["layers"] <= published.layers
+    assert set(section["types"]) <= set(WIDE_TILE_FORMATS.split())
+    assert shapes.LimitWorkload(**section["workload"]).slots > 1
+    names = {f"{t}_{fraction}" for t in section["types"] for fraction in shapes.FRACTIONS}
+    assert set(section["floors"]) <= set(native.ISAS[1:])
+    for floors in section["floors"].values():
+        assert set(floors) == names and all(floor > 0 for floor in floors.values())
+
+
+def test_an_isa_without_shape_floors_of_its_own_takes_the_lowest_of_each():
+    section = {"floors": {"avx2": {"a": 0.1, "b": 0.5}, "avx512vnni": {"a": 0.3, "b": 0.2}}}
+    assert ci_check.shape_floors(section, "avx512vnni") == {"a": 0.3, "b": 0.2}
+    assert ci_check.shape_floors(section, "avxvnni") == {"a": 0.1, "b": 0.2}
+
+
+TINY_SHAPE = shapes.ModelShape(layers=1, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=49152,
+                               context=64, rms_eps=1e-5, rope_base=1e4)
+FIXED_PEAK = hardware.ComputePeak("avx2", 2, int8_gops=100.0, f32_gflops=25.0)
+
+
+def test_ci_shape_check_passes_above_its_floors_and_fails_below_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(shapes.PUBLISHED_SHAPES, "tiny", TINY_SHAPE)
+    has_native = native.library() is not None  # loaded from the user's cache before it moves
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))  # the shape's tokenizer cache
+    monkeypatch.setattr(ci_check, "compute_peak", lambda **kwargs: FIXED_PEAK)
+    monkeypatch.setattr(ci_check, "read_bandwidth_gbs", lambda *args, **kwargs: 20.0)
+    workload = {"prompt_len": 16, "slots": 2, "input_len": 4, "output_len": 3, "repeat": 1}
+    floors = dict(zip(("q4_0_prefill_over_int8_peak", "q4_0_batched_over_int8_peak",
+                       "q4_0_single_over_read_roofline"), (0.0, 1e9, 0.0), strict=True))
+    section = {"published": "tiny", "layers": 1, "types": ["q4_0"], "workload": workload,
+               "floors": {FIXED_PEAK.isa: floors}}
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps({"shape": section}))
+
+    exit_code = ci_check.main(["--thresholds", str(path), "--shape-dir", str(tmp_path / "shapes")])
+    out = capsys.readouterr().out
+    assert exit_code == 1
+    if not has_native:  # no int8 tiles to time: the gate says so rather than pass
+        assert "the shape checks time the native kernels" in out
+        return
+    assert "q4_0 tiny at 1 layers" in out
+    assert "PASS q4_0_prefill_over_int8_peak" in out and "PASS q4_0_single_over_read_roofline" in out
+    assert "FAIL q4_0_batched_over_int8_peak" in out and out.strip().splitlines()[-1].startswith("FAIL")
+    assert [p.name for p in (tmp_path / "shapes").iterdir()] == ["tiny-1-layers-q4_0.gguf"]
+
+
+def test_shape_fractions_count_each_weight_once_a_row_and_the_head_once_a_prompt():
+    config = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         rope_theta=1e4, rope_scaling=None, tie_word_embeddings=True)
+    layer = 256 * 256 * 2 + 2 * (128 * 256) + 3 * 256 * 512  # q, o; k, v; gate, up, down
+    head = 1000 * 256
+    workload = shapes.LimitWorkload(prompt_len=100, slots=4, input_len=8, output_len=8, repeat=1)
+    turns = shapes.BestTurns(prefill_s=0.5, single_step_s=0.01, batched_step_s=0.04)
+    peak = hardware.ComputePeak("avx2", 2, int8_gops=200.0, f32_gflops=50.0)
+    fractions = shapes.limit_fractions(config, 3e6, turns, workload, peak, read_gbs=10.0)
+    assert fractions["prefill_over_int8_peak"] == pytest.approx(2 * (2 * layer * 100 + head) / 0.5 / 200e9)
+    assert fractions["batched_over_int8_peak"] == pytest.approx(2 * (2 * layer + head) * 4 / 0.04 / 200e9)
+    assert fractions["single_over_read_roofline"] == pytest.approx(3e6 / 0.01 / 10e9)
 
 
 def test_ci_ratios_pair_each_dtype_with_its_own_rows():

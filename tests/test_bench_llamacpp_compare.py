@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.bench.experiments import llamacpp_compare
+from nanoserve.bench.experiments import llamacpp_compare, side_by_side
 
 # llama-batched-bench's table as it prints it (columns: PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S).
 TABLE = """
@@ -64,7 +64,7 @@ def test_the_median_row_takes_each_figure_over_turns_per_weights_and_slots():
             for row in llamacpp_compare.turn_rows("q8_0", turn, 32, 64, {1: {
                 "decode_tok_s": decode, "prefill_tok_s": 500.0 * turn, "ttft_ms": 10.0 * turn,
                 "linear_kernel": "native-quant-x8"}}, theirs)]
-    (median,) = llamacpp_compare.median_rows(rows)
+    (median,) = side_by_side.median_rows(rows, key=("weights", "slots"))
     assert median["turn"] == "median" and median["weights"] == "q8_0" and median["slots"] == 1
     assert median["decode_ratio"] == 1.2  # of 0.8, 2.5, 1.2: the paired ratios' median
     assert median["prefill_ratio"] == 1.0 and median["nanoserve_ttft_ms"] == 20.0

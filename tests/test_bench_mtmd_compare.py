@@ -9,7 +9,7 @@ import csv
 
 import pytest
 
-from nanoserve.bench.experiments import mtmd_compare
+from nanoserve.bench.experiments import mtmd_compare, side_by_side
 from nanoserve.bench.experiments.llamacpp_compare import Anchors, default_gguf
 from nanoserve.machine import cpu_model, vector_flags
 
@@ -78,7 +78,7 @@ def test_the_csv_has_the_machine_and_both_engines_in_every_row_and_a_median_row(
     rows = [machine | mtmd_compare.turn_row(turn, _figures(5, ours, 2 * ours), _figures(5, 100.0, 300.0))
             for turn, ours in enumerate((50.0, 200.0, 100.0), start=1)]
     out = tmp_path / "results" / "mtmd.csv"
-    mtmd_compare.write_csv(out, rows)
+    side_by_side.write_turns_csv(out, rows)
     with out.open(newline="") as handle:
         read = list(csv.DictReader(handle))
     assert [row["turn"] for row in read] == ["1", "2", "3", "median"]

@@ -82,17 +82,36 @@ def _to_tile_multiples(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-def normalized(image: Image.Image, rescale_factor: float | None, mean: tuple[float, ...] | None,
-               std: tuple[float, ...] | None) -> np.ndarray:
-    """[channels, height, width] float32, rescaled in float64 then normalised in float32 as
-    transformers' numpy transforms do."""
-    pixels = np.moveaxis(np.asarray(image), -1, 0)
-    if rescale_factor is not None:
-        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
-    pixels = pixels.astype(np.float32)
-    if mean is not None:
-        pixels = ((pixels.T - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)).T
-    return np.ascontiguousarray(pixels)
+@dataclass(frozen=True, slots=True)
+class PixelNormalization:
+    """The rescale and normalise every family's processor ends with, as its
+    preprocessor_config.json asks (`do_rescale`, `rescale_factor`, `do_normalize`, `image_mean`,
+    `image_std`); `None` where a step is off."""
+
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], mean: tuple[float, ...],
+                    std: tuple[float, ...]) -> PixelNormalization:
+        """`mean` and `std`: the family's defaults where the config names none."""
+        normalize = raw.get("do_normalize", True)
+        return cls(rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
+                   mean=tuple(raw.get("image_mean", mean)) if normalize else None,
+                   std=tuple(raw.get("image_std", std)) if normalize else None)
+
+    def normalized(self, image: Image.Image) -> np.ndarray:
+        """[channels, height, width] float32, rescaled in float64 then normalised in float32 as
+        transformers' numpy transforms do."""
+        pixels = np.moveaxis(np.asarray(image), -1, 0)
+        if self.rescale_factor is not None:
+            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        pixels = pixels.astype(np.float32)
+        if self.mean is not None:
+            pixels = ((pixels.T - np.array(self.mean, dtype=np.float32))
+                      / np.array(self.std, dtype=np.float32)).T
+        return np.ascontiguousarray(pixels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +121,7 @@ class Idefics3Processor:
     longest_edge: int | None  # size.longest_edge; None: no first resize
     split: bool
     resample: int
-    rescale_factor: float | None
-    mean: tuple[float, ...] | None
-    std: tuple[float, ...] | None
+    normalization: PixelNormalization
     placeholder: str = "<image>"
 
     @classmethod
@@ -114,13 +131,10 @@ class Idefics3Processor:
         if raw.get("do_resize", True) and "longest_edge" not in size:
             raise UnsupportedModelError(f"preprocessor_config.json field 'size' = {size!r}: Idefics3 "
                                         "resizes by 'longest_edge'")
-        normalize = raw.get("do_normalize", True)
         return cls(rows_per_tile=vision.rows_per_tile, tile=tile,
                    longest_edge=size["longest_edge"] if raw.get("do_resize", True) else None,
                    split=raw.get("do_image_splitting", True), resample=raw.get("resample", Image.LANCZOS),
-                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean", IMAGENET_STANDARD)) if normalize else None,
-                   std=tuple(raw.get("image_std", IMAGENET_STANDARD)) if normalize else None)
+                   normalization=PixelNormalization.from_config(raw, IMAGENET_STANDARD, IMAGENET_STANDARD))
 
     def process(self, image: Image.Image) -> ProcessedImage:
         if self.longest_edge is not None:
@@ -131,8 +145,7 @@ class Idefics3Processor:
             tiles, rows, cols = self._split(image)
         else:
             tiles, rows, cols = [self._resize(image, self.tile, self.tile)], 0, 0
-        pixels = torch.from_numpy(np.stack([normalized(tile, self.rescale_factor, self.mean, self.std)
-                                            for tile in tiles]))
+        pixels = torch.from_numpy(np.stack([self.normalization.normalized(tile) for tile in tiles]))
         return ProcessedImage(pixels, self._prompt_text(rows, cols), len(tiles) * self.rows_per_tile)
 
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
@@ -176,9 +189,7 @@ class LlavaProcessor:
     crop: int | None  # the centre crop's side (the tower's image_size); None: no crop
     pad_to_square: bool
     resample: int
-    rescale_factor: float | None
-    mean: tuple[float, ...] | None
-    std: tuple[float, ...] | None
+    normalization: PixelNormalization
     placeholder: str = "<image>"
 
     @classmethod
@@ -193,18 +204,16 @@ class LlavaProcessor:
         if resize and center_crop and size["shortest_edge"] < vision.image_size:
             raise UnsupportedModelError("preprocessor_config.json: size.shortest_edge is smaller than the "
                                         "crop")
-        normalize = raw.get("do_normalize", True)
         return cls(rows=vision.rows_per_tile, shortest_edge=size["shortest_edge"] if resize else None,
                    crop=vision.image_size if center_crop else None, pad_to_square=raw.get("do_pad", False),
                    resample=raw.get("resample", Image.BICUBIC),
-                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)) if normalize else None,
-                   std=tuple(raw.get("image_std", OPENAI_CLIP_STD)) if normalize else None)
+                   normalization=PixelNormalization.from_config(raw, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
 
     def process(self, image: Image.Image) -> ProcessedImage:
         if self.pad_to_square and image.width != image.height:
             side = max(image.width, image.height)
-            colour = tuple(int(x * 255) for x in self.mean) if self.mean else (0, 0, 0)
+            mean = self.normalization.mean
+            colour = tuple(int(x * 255) for x in mean) if mean else (0, 0, 0)
             square = Image.new("RGB", (side, side), colour)
             square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
             image = square
@@ -217,7 +226,7 @@ class LlavaProcessor:
         if self.crop is not None:
             top, left = (image.height - self.crop) // 2, (image.width - self.crop) // 2
             image = image.crop((left, top, left + self.crop, top + self.crop))
-        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
+        pixels = self.normalization.normalized(image)
         return ProcessedImage(torch.from_numpy(pixels[None]), self.placeholder * self.rows, self.rows)
 
 

@@ -38,16 +38,15 @@ import argparse
 import csv
 import importlib.metadata
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from nanoserve import openmp
-from nanoserve.bench.hardware import git_commit
-from nanoserve.machine import cpu_model, vector_flags
+from nanoserve.bench.experiments import side_by_side
 
 LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python sdist ../shared/anchors/llamacpp-bench builds
 WEIGHTS = ("q4_1", "f32", "q8_0", "q4_k_m")
@@ -160,19 +159,6 @@ def turn_rows(weights: str, turn: int, prompt_len: int, output_len: int, ours: d
     return rows
 
 
-def median_rows(rows: list[dict[str, object]]) -> list[dict[str, object]]:
-    """Per (weights, slots): the median over turns of every figure, the ratios' medians included."""
-    medians = []
-    for key in dict.fromkeys((r["weights"], r["slots"]) for r in rows):
-        group = [r for r in rows if (r["weights"], r["slots"]) == key]
-        median = dict(group[0]) | {"turn": "median"}
-        for column, value in group[0].items():
-            if isinstance(value, float):
-                median[column] = round(statistics.median(float(r[column]) for r in group), 3)
-        medians.append(median)
-    return medians
-
-
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",")]
@@ -218,9 +204,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.weights is None:
         args.weights = [] if args.model else list(WEIGHTS)
-    for name in ("input_len", "output_len", "turns"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    side_by_side.require_at_least_one(parser, args, ("input_len", "output_len", "turns"))
     return args
 
 
@@ -233,30 +217,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no llama.cpp build or float32 copy under {anchors.cache}: run "
                  "../shared/anchors/llamacpp-bench once first (it builds llama.cpp, writes the float32 GGUF)")
     files = {w: model_file(w, anchors) for w in args.weights} | {path.name: path for path in args.model}
-    machine = {"cpu_model": cpu_model(), "cpu_flags": vector_flags(), "cores": os.cpu_count(),
-               "git_commit": git_commit()}
+    machine = side_by_side.machine_columns()
     rows: list[dict[str, object]] = []
     threads = os.cpu_count() or 1
     for turn in range(1, args.turns + 1):
         for weights, path in files.items():
             shape = (args.slots, args.input_len, args.output_len)
-            if turn % 2:  # the order swaps every turn, so neither side always runs on a warmer machine
-                theirs = llama_cpp(path, *shape, anchors)
-                ours = nanoserve(path, *shape, threads)
-            else:
-                ours = nanoserve(path, *shape, threads)
-                theirs = llama_cpp(path, *shape, anchors)
+            ours, theirs = side_by_side.in_turn_order(turn, partial(llama_cpp, path, *shape, anchors),
+                                                      partial(nanoserve, path, *shape, threads))
             for row in turn_rows(weights, turn, args.input_len, args.output_len, ours, theirs):
                 rows.append(machine | row)
                 print(", ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
-    medians = median_rows(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    columns = list(dict.fromkeys(column for row in rows + medians for column in row))
-    with args.out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows + medians)
-    for row in medians:
+    for row in side_by_side.write_turns_csv(args.out, rows, key=("weights", "slots")):
         prefill = (f", prefill {row['prefill_ratio']}x, TTFT {row['nanoserve_ttft_ms']} ms"
                    if "prefill_ratio" in row else "")
         print(f"{row['weights']} slots {row['slots']}: decode {row['decode_ratio']}x llama.cpp{prefill}")

@@ -28,21 +28,19 @@ options it does not know (exit 2 naming them).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from nanoserve import openmp
+from nanoserve.bench.experiments import side_by_side
 from nanoserve.bench.experiments.llamacpp_compare import Anchors, default_gguf
-from nanoserve.bench.hardware import git_commit
-from nanoserve.machine import cpu_model, vector_flags
 
 # SmolVLM-256M-Instruct's published shape (config.json, preprocessor_config.json)
 VISION_SHAPE = {"hidden": 768, "layers": 12, "heads": 12, "ffn": 3072, "image_size": 512, "patch_size": 16}
@@ -302,32 +300,12 @@ def turn_row(turn: int, ours: dict[str, float], theirs: dict[str, float]) -> dic
             "nanoserve_linear_kernel": ours["linear_kernel"], "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
-def median_row(rows: list[dict[str, object]]) -> dict[str, object]:
-    """The median over turns of every figure, the ratios' medians included."""
-    median = dict(rows[0]) | {"turn": "median"}
-    for column, value in rows[0].items():
-        if isinstance(value, float):
-            median[column] = round(statistics.median(float(r[column]) for r in rows), 3)
-    return median
-
-
-def write_csv(out: Path, rows: list[dict[str, object]]) -> dict[str, object]:
-    """Every turn's row and their median row to `out`; returns the median row."""
-    median = median_row(rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(median))
-        writer.writeheader()
-        writer.writerows([*rows, median])
-    return median
-
-
 def machine_columns(threads: int, image_size: tuple[int, int], longest_edge: int,
                     mmproj_type: str = "f16") -> dict[str, object]:
     """The columns every row carries: the machine and the run's settings."""
-    return {"cpu_model": cpu_model(), "cpu_flags": " ".join(vector_flags()), "cores": os.cpu_count(),
-            "git_commit": git_commit(), "threads": threads, "image_size": "x".join(map(str, image_size)),
-            "longest_edge": longest_edge, "mmproj_type": mmproj_type}
+    settings = {"threads": threads, "image_size": "x".join(map(str, image_size)),
+                "longest_edge": longest_edge, "mmproj_type": mmproj_type}
+    return side_by_side.machine_columns() | settings
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -354,9 +332,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="alternating turns; the CSV keeps each and the median")
     parser.add_argument("--out", type=Path, default=Path("results/mtmd_compare.csv"))
     args = parser.parse_args(argv)
-    for name in ("longest_edge", "threads", "turns"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    side_by_side.require_at_least_one(parser, args, ("longest_edge", "threads", "turns"))
     return args
 
 
@@ -372,16 +348,13 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_columns(args.threads, args.image_size, args.longest_edge, args.mmproj_type)
     rows: list[dict[str, object]] = []
     for turn in range(1, args.turns + 1):
-        if turn % 2:  # the order swaps every turn, so neither side always runs on a warmer machine
-            theirs = llama_cpp(text, mmproj, image, args.threads, anchors)
-            ours = nanoserve(text, mmproj, image, warm_image, args.threads)
-        else:
-            ours = nanoserve(text, mmproj, image, warm_image, args.threads)
-            theirs = llama_cpp(text, mmproj, image, args.threads, anchors)
+        theirs_turn = partial(llama_cpp, text, mmproj, image, args.threads, anchors)
+        ours_turn = partial(nanoserve, text, mmproj, image, warm_image, args.threads)
+        ours, theirs = side_by_side.in_turn_order(turn, theirs_turn, ours_turn)
         row = turn_row(turn, ours, theirs)
         rows.append(machine | row)
         print(", ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
-    median = write_csv(args.out, rows)
+    (median,) = side_by_side.write_turns_csv(args.out, rows)
     print(f"{median['image_size']} image, {median['nanoserve_tiles']} tiles (llama.cpp "
           f"{median['llamacpp_tiles']}): encode {median['nanoserve_encode_ms']} ms vs "
           f"{median['llamacpp_encode_ms']} ms ({median['encode_speedup']}x), TTFT "

@@ -1,7 +1,7 @@
 """Decode step time of each GGUF weight type nanoserve runs in its own bytes, against Q4_K's.
 
-Owns: a model of the default model's shape written to GGUF once per type (random blocks with
-sane scales, `nanoserve.quant.random_weight`, and the default GGUF's tokenizer), its hidden
+Owns: a model of the default model's shape written to GGUF once per type (`shapes.write_model`:
+random blocks with sane scales and the default GGUF's tokenizer), its hidden
 width rounded down to whole 256-value blocks (SmolLM2-135M: 576 -> 512, 9 -> 8 heads of 64,
 3 -> 2 KV heads; 30 layers, 1536 intermediate, the 49152-token table tied to the head) so that
 Q4_K and the other K formats hold every matrix; the same decode workload through each type's
@@ -21,104 +21,27 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
 
 from nanoserve import native
 from nanoserve.bench.driver import run_closed_loop
 from nanoserve.bench.hardware import describe_machine
 from nanoserve.bench.offline import kv_blocks_for, positive_int_list, synthetic_prompts
+from nanoserve.bench.shapes import ModelShape, write_model
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import Engine
 from nanoserve.loading.default_model import default_gguf_path
 from nanoserve.machine import cache_root
 from nanoserve.native.quant import MORE_FORMATS
-from nanoserve.quant import random_weight
 from nanoserve.sampling_params import SamplingParams
 
 REFERENCE_TYPE = "q4_k"
 GOAL_RATIO = 1.3  # issue 32: each new type's decode step within 1.3x of Q4_K's
 DEFAULT_TYPES = (REFERENCE_TYPE, *sorted(MORE_FORMATS))
 INPUT_LEN, OUTPUT_LEN = 32, 64
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    context: int
-    rms_eps: float
-    rope_base: float
-
-    @classmethod
-    def of_default_model(cls, reader: GGUFReader) -> ModelShape:
-        """The default model's shape, its widths rounded down to whole 256-value blocks."""
-        def value(key: str) -> float:
-            return reader.fields[key].contents()
-
-        hidden, heads = int(value("llama.embedding_length")), int(value("llama.attention.head_count"))
-        head_dim = hidden // heads
-        rounded = hidden // 256 * 256
-        return cls(layers=int(value("llama.block_count")), hidden=rounded, heads=rounded // head_dim,
-                   kv_heads=max(1, int(value("llama.attention.head_count_kv")) * rounded // hidden),
-                   intermediate=int(value("llama.feed_forward_length")) // 256 * 256,
-                   vocab=len(reader.fields["tokenizer.ggml.tokens"].data),
-                   context=int(value("llama.context_length")),
-                   rms_eps=float(value("llama.attention.layer_norm_rms_epsilon")),
-                   rope_base=float(value("llama.rope.freq_base")))
-
-    def matrices(self) -> dict[str, tuple[int, int]]:
-        """GGUF tensor name -> (rows, columns) of every matrix, the token table first."""
-        kv = self.hidden // self.heads * self.kv_heads
-        hidden, intermediate = self.hidden, self.intermediate
-        layer = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
-                 "attn_output": (hidden, hidden), "ffn_gate": (intermediate, hidden),
-                 "ffn_up": (intermediate, hidden), "ffn_down": (hidden, intermediate)}
-        blocks = {f"blk.{i}.{name}.weight": shape
-                  for i in range(self.layers) for name, shape in layer.items()}
-        return {"token_embd.weight": (self.vocab, hidden), **blocks}
-
-
-def write_model(path: Path, type_name: str, shape: ModelShape, tokenizer: GGUFReader) -> Path:
-    """The model in `type_name` (every matrix; norms float32), written once and then reused."""
-    if path.is_file():
-        return path
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    writer = GGUFWriter(str(partial), "llama")
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_layer_norm_rms_eps(shape.rms_eps)
-    writer.add_rope_freq_base(shape.rope_base)
-    for field in tokenizer.fields.values():
-        if field.name.startswith("tokenizer."):
-            sub_type = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
-    generator = torch.Generator().manual_seed(0)
-    raw_dtype = GGMLQuantizationType[type_name.upper()]
-    for name, (rows, cols) in shape.matrices().items():
-        blocks = random_weight(type_name, rows, cols, generator=generator).blocks
-        writer.add_tensor(name, blocks.numpy(), raw_dtype=raw_dtype)
-    norms = [f"blk.{i}.{n}.weight" for i in range(shape.layers) for n in ("attn_norm", "ffn_norm")]
-    for name in [*norms, "output_norm.weight"]:
-        writer.add_tensor(name, torch.ones(shape.hidden).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    partial.replace(path)
-    return path
 
 
 def engine_for(path: Path, slots: tuple[int, ...], threads: int | None) -> Engine:

@@ -40,6 +40,7 @@ from nanoserve.server.openai.protocol import (
 )
 from nanoserve.server.openai.streaming import EventStreamResponse, chunk_batches
 from nanoserve.server.state import state_of, unavailable
+from nanoserve.server.translated_chat import chat_body, function_tool
 
 log = logging.getLogger("nanoserve.server")
 
@@ -189,21 +190,13 @@ class CountTokensRequest(OpenAIModel):
 def as_chat_request(body: MessagesRequest, images_refused: str | None = None) -> ChatCompletionRequest:
     """The chat completion request this body asks for; a 400 naming the field for what has no
     counterpart (an image block, with `images_refused` the reason)."""
-    chat: dict[str, Any] = {"model": body.model, "max_tokens": body.max_tokens,
-                            "messages": _system(body.system) + _messages(body.messages, images_refused),
-                            "stream": body.stream}
-    sampling = {"stop": body.stop_sequences, "temperature": body.temperature, "top_p": body.top_p,
-                "top_k": body.top_k, "user": body.metadata and body.metadata.user_id}
-    chat.update({key: value for key, value in sampling.items() if value is not None})
+    options = {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "temperature": body.temperature,
+               "top_p": body.top_p, "top_k": body.top_k, "user": body.metadata and body.metadata.user_id}
+    tools = [function_tool(tool.name, tool.input_schema, tool.description) for tool in body.tools or []]
+    chat = chat_body(body.model, _system(body.system) + _messages(body.messages, images_refused),
+                     stream=body.stream, options=options, tools=tools)
     if body.messages[-1].role == "assistant":  # Anthropic's prefill: the reply continues that turn
         chat.update(continue_final_message=True, add_generation_prompt=False)
-    if body.stream:
-        chat["stream_options"] = {"include_usage": True}
-    if body.tools:
-        chat["tools"] = [{"type": "function", "function": {
-            "name": tool.name, "parameters": tool.input_schema,
-            **({"description": tool.description} if tool.description is not None else {})}}
-            for tool in body.tools]
     if body.tool_choice is not None:
         chat.update(_tool_choice(body.tool_choice))
     chat.update(_thinking(body.thinking))

@@ -41,6 +41,7 @@ from nanoserve.server.openai.protocol import (
 )
 from nanoserve.server.openai.streaming import EventStreamResponse, chunk_batches
 from nanoserve.server.state import state_of, unavailable
+from nanoserve.server.translated_chat import chat_body, function_tool
 
 log = logging.getLogger("nanoserve.server")
 
@@ -180,18 +181,11 @@ def as_chat_request(body: ResponsesRequest, images_refused: str | None = None) -
         messages += _input_turns(body.input, images_refused)
     if not messages:
         raise bad_request("input is empty: give a string or at least one item", "input")
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream}
-    fields = {"max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
-              "parallel_tool_calls": body.parallel_tool_calls, "user": body.user,
-              "safety_identifier": body.safety_identifier}
-    chat.update({key: value for key, value in fields.items() if value is not None})
-    if body.stream:
-        chat["stream_options"] = {"include_usage": True}
-    if body.tools:
-        chat["tools"] = [{"type": "function", "function": {
-            "name": tool.name, **({"parameters": tool.parameters} if tool.parameters is not None else {}),
-            **({"description": tool.description} if tool.description is not None else {})}}
-            for tool in body.tools]
+    options = {"max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+               "parallel_tool_calls": body.parallel_tool_calls, "user": body.user,
+               "safety_identifier": body.safety_identifier}
+    tools = [function_tool(tool.name, tool.parameters, tool.description) for tool in body.tools or []]
+    chat = chat_body(body.model, messages, stream=body.stream, options=options, tools=tools)
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice)
     if body.text is not None and body.text.format is not None:
