@@ -244,9 +244,7 @@ class Gemma3Processor:
     rows: int  # image tokens one image becomes (mm_tokens_per_image)
     side: int  # every image is resized to side x side pixels (the tower's image_size)
     resample: int
-    rescale_factor: float | None
-    mean: tuple[float, ...] | None
-    std: tuple[float, ...] | None
+    normalization: PixelNormalization
     placeholder: str = GEMMA3_BOI
 
     @classmethod
@@ -260,16 +258,13 @@ class Gemma3Processor:
             raise UnsupportedModelError(f"preprocessor_config.json fields 'do_resize' / 'size' = {size!r}: "
                                         f"Gemma 3's images are resized to the tower's {vision.image_size} x "
                                         f"{vision.image_size}")
-        normalize = raw.get("do_normalize", True)
         return cls(rows=vision.rows_per_tile, side=vision.image_size,
                    resample=raw.get("resample", Image.BILINEAR),
-                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean", IMAGENET_STANDARD)) if normalize else None,
-                   std=tuple(raw.get("image_std", IMAGENET_STANDARD)) if normalize else None)
+                   normalization=PixelNormalization.from_config(raw, IMAGENET_STANDARD, IMAGENET_STANDARD))
 
     def process(self, image: Image.Image) -> ProcessedImage:
         image = image.resize((self.side, self.side), resample=self.resample)
-        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
+        pixels = self.normalization.normalized(image)
         text = f"\n\n{GEMMA3_BOI}{GEMMA3_IMAGE * self.rows}{GEMMA3_EOI}\n\n"
         return ProcessedImage(torch.from_numpy(pixels[None]), text, self.rows)
 

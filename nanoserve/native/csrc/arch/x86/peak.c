@@ -39,9 +39,13 @@ enum { PEAK_CHAINS = 12 };
     return iterations * PEAK_CHAINS * (LANES) * (ELEMENT_OPS);
 
 #define DPBUSD512(acc, a, b) _mm512_dpbusd_epi32(acc, a, b)
-#define MADDUBS512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)))
+/* Without VNNI a step's product depends on a and b alone: `a` is marked changed before each
+ * step, or the compiler computes the product once for every chain (or once for the loop). */
+#define MADDUBS512(acc, a, b) \
+    ({ PEAK_OPAQUE(a); _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1))); })
 #define DPBUSD256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
-#define MADDUBS256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)))
+#define MADDUBS256(acc, a, b) \
+    ({ PEAK_OPAQUE(a); _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1))); })
 #define SET1_BYTES512(v) _mm512_set1_epi8((char)(v))
 #define SET1_BYTES256(v) _mm256_set1_epi8((char)(v))
 
