@@ -132,7 +132,8 @@ Out = Annotated[Path, typer.Option(help="CSV to write; the chart goes beside it 
 
 # The options every engine of the sweep shares; the sweep's own axes (dtype, batch invariance,
 # prefix caching, drafts, deferred output) are lists, declared above.
-SWEEP_SHARES = ("model", "device", "threads", "linear_kernel", "tensor_parallel_size", "kv_cache_dtype")
+SWEEP_SHARES = ("model", "device", "threads", "linear_kernel", "tensor_parallel_size", "kv_cache_dtype",
+                "prefill_step_ms")
 
 
 @bench_app.callback()
@@ -174,7 +175,7 @@ def bench(
                      async_scheduling=async_scheduling,
                      baseline=baseline, model=engine.model, device=engine.device, threads=engine.threads,
                      linear_kernel=engine.linear_kernel, tensor_parallel_size=engine.tensor_parallel_size,
-                     kv_cache_dtype=engine.kv_cache_dtype,
+                     kv_cache_dtype=engine.kv_cache_dtype, prefill_step_ms=engine.prefill_step_ms,
                      workload=Workload(input_len, output_len, num_requests, warmup, repeat,
                                        shared_prefix_len, prompts))
     run_offline(spec, out, chart=chart, append=append)

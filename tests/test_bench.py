@@ -329,11 +329,13 @@ def test_the_options_every_engine_of_a_sweep_shares_reach_its_spec(monkeypatch):
     specs = []
     monkeypatch.setattr(nanoserve_cli.bench, "run_offline", lambda spec, out, **kwargs: specs.append(spec))
     result = invoke("bench", "--model", "some/model", "--device", "cpu", "--threads", "1",
-                    "--linear-kernel", "aten", "-tp", "2", "--dtype", "float32,bfloat16")
+                    "--linear-kernel", "aten", "-tp", "2", "--dtype", "float32,bfloat16",
+                    "--prefill-step-ms", "off")
     assert result.exit_code == 0, result.output
     (spec,) = specs
     assert (spec.model, spec.device, spec.threads, spec.linear_kernel, spec.tensor_parallel_size) == (
         "some/model", "cpu", 1, "aten", 2)
+    assert spec.prefill_step_ms == float("inf")
     assert spec.dtypes == ("float32", "bfloat16")
 
 

@@ -22,7 +22,8 @@ TABLE = """
 @pytest.mark.parametrize(("argv", "named"), [
     (["--weights", "q4_1,q3"], "--weights"), (["--slots", "1,0"], "--slots"), (["--turns", "0"], "--turns"),
     (["--input-len", "0"], "--input-len"), (["--model", "/no/such/file.gguf"], "--model"),
-    (["--model", __file__], "--model")])
+    (["--model", __file__], "--model"), (["--prefill-step-ms", "0"], "--prefill-step-ms"),
+    (["--prefill-step-ms", "fast"], "--prefill-step-ms")])
 def test_bad_options_exit_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         llamacpp_compare.parse(argv)

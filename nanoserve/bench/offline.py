@@ -373,6 +373,7 @@ class SweepSpec:
     linear_kernel: str | None = None
     tensor_parallel_size: int = 1  # every engine of the sweep (threads are per rank)
     kv_cache_dtype: str = "auto"  # every engine of the sweep
+    prefill_step_ms: float | None = None  # every engine of the sweep; None: the device's pace
 
     def configs(self) -> list[BenchConfig]:
         """Interleaved, so a config and its baseline run next to each other in time."""
@@ -422,7 +423,8 @@ class Sweep:
                 batch_invariant=batch_invariant, threads=self.spec.threads,
                 linear_kernel=self.spec.linear_kernel, enable_prefix_caching=prefix_caching,
                 speculative_tokens=speculative_tokens, async_scheduling=async_scheduling,
-                tensor_parallel_size=self.spec.tensor_parallel_size, kv_cache_dtype=self.spec.kv_cache_dtype))
+                tensor_parallel_size=self.spec.tensor_parallel_size, kv_cache_dtype=self.spec.kv_cache_dtype,
+                prefill_step_ms=self.spec.prefill_step_ms))
         return self._engines[key]
 
     def baseline(self, dtype: str) -> TransformersRunner:

@@ -21,6 +21,14 @@ llama.cpp and writes the float32 copy), and options it does not know (exit 2 nam
     python -m nanoserve.bench.experiments.llamacpp_compare \\
         --model ~/.cache/nanoserve-anchors/shapes/X.gguf --slots 1,16 --input-len 512 --output-len 16
 
+nanoserve runs with its engine's default prefill pace (a lone prompt computed a step of about
+50 ms at a time on CPU, so that an arrival never waits long behind it); llama-batched-bench
+computes a prompt in whole batches, which is `--prefill-step-ms off` (the CSV's
+prefill_step_ms column says which ran):
+
+    python -m nanoserve.bench.experiments.llamacpp_compare --model X.gguf --slots 1 --input-len 512 \\
+        --output-len 16 --prefill-step-ms off
+
 Long contexts: the prompt length is --input-len (the default model's context is 8,192), and
 --model compares any other file, such as `../shared/anchors/make-shape 1b Q4_K_M`'s (a context
 of 32,768):
@@ -120,14 +128,15 @@ def llama_cpp(model: Path, slots: list[int], prompt_len: int, output_len: int,
 
 
 def nanoserve(model: Path, slots: list[int], prompt_len: int, output_len: int,
-              threads: int) -> dict[int, dict]:
-    """`nanoserve bench` on the file, in its own process: per slot count, decode tokens/s and TTFT."""
+              threads: int, prefill_step_ms: str) -> dict[int, dict]:
+    """`nanoserve bench` on the file, in its own process: per slot count, decode tokens/s and TTFT
+    (`prefill_step_ms`: bench's --prefill-step-ms, '' for the engine's default pace)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "bench.csv"
         command = [sys.executable, "-m", "nanoserve_cli", "bench", "-m", str(model), "--device", "cpu",
                    "--threads", str(threads), "--slots", ",".join(map(str, slots)), "--params", "greedy",
                    "--input-len", str(prompt_len), "--output-len", str(output_len), "--out", str(out),
-                   "--no-chart"]
+                   "--no-chart", *(["--prefill-step-ms", prefill_step_ms] if prefill_step_ms else [])]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         with out.open(newline="") as handle:
             rows = list(csv.DictReader(handle))
@@ -141,12 +150,13 @@ def nanoserve(model: Path, slots: list[int], prompt_len: int, output_len: int,
 
 
 def turn_rows(weights: str, turn: int, prompt_len: int, output_len: int, ours: dict[int, dict],
-              theirs: dict[int, dict]) -> list[dict[str, object]]:
+              theirs: dict[int, dict], prefill_step_ms: str = "") -> list[dict[str, object]]:
     rows = []
     for slots in sorted(ours):
         mine, anchor = ours[slots], theirs[slots]
         row = {"weights": weights, "slots": slots, "prompt_len": prompt_len, "output_len": output_len,
                "turn": turn, "linear_kernel": mine["linear_kernel"],
+               "prefill_step_ms": prefill_step_ms or "default",
                "nanoserve_decode_tok_s": round(mine["decode_tok_s"], 2),
                "llamacpp_decode_tok_s": anchor["decode_tok_s"],
                "decode_ratio": round(mine["decode_tok_s"] / anchor["decode_tok_s"], 3)}
@@ -178,6 +188,16 @@ def _weights(text: str) -> list[str]:
     return names
 
 
+def _prefill_step_ms(text: str) -> str:
+    if text != "off":
+        try:
+            if not float(text) > 0:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected ms > 0 or off, got {text!r}") from None
+    return text
+
+
 def _gguf(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.is_file():
@@ -200,6 +220,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated (llama.cpp's TG)")
     parser.add_argument("--turns", type=int, default=3,
                         help="alternating turns; the CSV keeps each and the median")
+    parser.add_argument("--prefill-step-ms", type=_prefill_step_ms, default="", metavar="MS|off",
+                        help="nanoserve's prefill pace (bench's option; default: the engine's own). "
+                             "llama-batched-bench computes a prompt in whole batches: 'off' is that")
     parser.add_argument("--out", type=Path, default=Path("results/llamacpp_compare.csv"))
     args = parser.parse_args(argv)
     if args.weights is None:
@@ -224,8 +247,10 @@ def main(argv: list[str] | None = None) -> None:
         for weights, path in files.items():
             shape = (args.slots, args.input_len, args.output_len)
             ours, theirs = side_by_side.in_turn_order(turn, partial(llama_cpp, path, *shape, anchors),
-                                                      partial(nanoserve, path, *shape, threads))
-            for row in turn_rows(weights, turn, args.input_len, args.output_len, ours, theirs):
+                                                      partial(nanoserve, path, *shape, threads,
+                                                              args.prefill_step_ms))
+            for row in turn_rows(weights, turn, args.input_len, args.output_len, ours, theirs,
+                                 args.prefill_step_ms):
                 rows.append(machine | row)
                 print(", ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
     for row in side_by_side.write_turns_csv(args.out, rows, key=("weights", "slots")):
