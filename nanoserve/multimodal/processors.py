@@ -95,6 +95,23 @@ def normalized(image: Image.Image, rescale_factor: float | None, mean: tuple[flo
     return np.ascontiguousarray(pixels)
 
 
+def scaling_fields(raw: dict[str, Any], mean: tuple[float, ...], std: tuple[float, ...]) -> dict[str, Any]:
+    """preprocessor_config.json's rescale and normalise steps as every processor here holds them
+    (`rescale_factor`, `mean`, `std`; None where the step is off), `mean` and `std` the family's
+    defaults where the file leaves them out."""
+    normalize = raw.get("do_normalize", True)
+    return dict(rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
+                mean=tuple(raw.get("image_mean", mean)) if normalize else None,
+                std=tuple(raw.get("image_std", std)) if normalize else None)
+
+
+def pixel_values(tiles: list[Image.Image], rescale_factor: float | None, mean: tuple[float, ...] | None,
+                 std: tuple[float, ...] | None) -> torch.Tensor:
+    """An image's tiles, each rescaled and normalised (`normalized`), as the encoder reads them:
+    [tiles, channels, height, width] float32."""
+    return torch.from_numpy(np.stack([normalized(tile, rescale_factor, mean, std) for tile in tiles]))
+
+
 @dataclass(frozen=True, slots=True)
 class Idefics3Processor:
     rows_per_tile: int  # image tokens per tile (the processor's image_seq_len)
@@ -114,13 +131,10 @@ class Idefics3Processor:
         if raw.get("do_resize", True) and "longest_edge" not in size:
             raise UnsupportedModelError(f"preprocessor_config.json field 'size' = {size!r}: Idefics3 "
                                         "resizes by 'longest_edge'")
-        normalize = raw.get("do_normalize", True)
         return cls(rows_per_tile=vision.rows_per_tile, tile=tile,
                    longest_edge=size["longest_edge"] if raw.get("do_resize", True) else None,
                    split=raw.get("do_image_splitting", True), resample=raw.get("resample", Image.LANCZOS),
-                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean", IMAGENET_STANDARD)) if normalize else None,
-                   std=tuple(raw.get("image_std", IMAGENET_STANDARD)) if normalize else None)
+                   **scaling_fields(raw, IMAGENET_STANDARD, IMAGENET_STANDARD))
 
     def process(self, image: Image.Image) -> ProcessedImage:
         if self.longest_edge is not None:
@@ -131,8 +145,7 @@ class Idefics3Processor:
             tiles, rows, cols = self._split(image)
         else:
             tiles, rows, cols = [self._resize(image, self.tile, self.tile)], 0, 0
-        pixels = torch.from_numpy(np.stack([normalized(tile, self.rescale_factor, self.mean, self.std)
-                                            for tile in tiles]))
+        pixels = pixel_values(tiles, self.rescale_factor, self.mean, self.std)
         return ProcessedImage(pixels, self._prompt_text(rows, cols), len(tiles) * self.rows_per_tile)
 
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
@@ -193,13 +206,10 @@ class LlavaProcessor:
         if resize and center_crop and size["shortest_edge"] < vision.image_size:
             raise UnsupportedModelError("preprocessor_config.json: size.shortest_edge is smaller than the "
                                         "crop")
-        normalize = raw.get("do_normalize", True)
         return cls(rows=vision.rows_per_tile, shortest_edge=size["shortest_edge"] if resize else None,
                    crop=vision.image_size if center_crop else None, pad_to_square=raw.get("do_pad", False),
                    resample=raw.get("resample", Image.BICUBIC),
-                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)) if normalize else None,
-                   std=tuple(raw.get("image_std", OPENAI_CLIP_STD)) if normalize else None)
+                   **scaling_fields(raw, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
 
     def process(self, image: Image.Image) -> ProcessedImage:
         if self.pad_to_square and image.width != image.height:
@@ -217,8 +227,8 @@ class LlavaProcessor:
         if self.crop is not None:
             top, left = (image.height - self.crop) // 2, (image.width - self.crop) // 2
             image = image.crop((left, top, left + self.crop, top + self.crop))
-        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
-        return ProcessedImage(torch.from_numpy(pixels[None]), self.placeholder * self.rows, self.rows)
+        pixels = pixel_values([image], self.rescale_factor, self.mean, self.std)
+        return ProcessedImage(pixels, self.placeholder * self.rows, self.rows)
 
 
 # Gemma 3's tokenizer's boi_token, image_token and eoi_token (tokenizer_config's extra_special_tokens)
@@ -251,18 +261,15 @@ class Gemma3Processor:
             raise UnsupportedModelError(f"preprocessor_config.json fields 'do_resize' / 'size' = {size!r}: "
                                         f"Gemma 3's images are resized to the tower's {vision.image_size} x "
                                         f"{vision.image_size}")
-        normalize = raw.get("do_normalize", True)
         return cls(rows=vision.rows_per_tile, side=vision.image_size,
                    resample=raw.get("resample", Image.BILINEAR),
-                   rescale_factor=raw.get("rescale_factor", 1 / 255) if raw.get("do_rescale", True) else None,
-                   mean=tuple(raw.get("image_mean", IMAGENET_STANDARD)) if normalize else None,
-                   std=tuple(raw.get("image_std", IMAGENET_STANDARD)) if normalize else None)
+                   **scaling_fields(raw, IMAGENET_STANDARD, IMAGENET_STANDARD))
 
     def process(self, image: Image.Image) -> ProcessedImage:
         image = image.resize((self.side, self.side), resample=self.resample)
-        pixels = normalized(image, self.rescale_factor, self.mean, self.std)
+        pixels = pixel_values([image], self.rescale_factor, self.mean, self.std)
         text = f"\n\n{GEMMA3_BOI}{GEMMA3_IMAGE * self.rows}{GEMMA3_EOI}\n\n"
-        return ProcessedImage(torch.from_numpy(pixels[None]), text, self.rows)
+        return ProcessedImage(pixels, text, self.rows)
 
 
 PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor, "gemma3": Gemma3Processor}
