@@ -5,6 +5,8 @@ by transformers' own `Idefics3ForConditionalGeneration.save_pretrained`, the tin
 tokenizer of tiny_model.py with Idefics3's image tokens added as special tokens, a ChatML
 template, and the image processor's preprocessor_config.json (`Idefics3ImageProcessorPil`).
 `reference_processor` is transformers' processor for such a folder.
+`write_text_gguf` and the `write_tiny_*_mmproj` writers lay a folder out as llama.cpp's
+converters do: its text model as a llama GGUF, its tower and projector as an mmproj GGUF.
 """
 
 from __future__ import annotations
