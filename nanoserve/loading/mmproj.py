@@ -15,8 +15,8 @@ the layers the projector reads: `clip.vision.feature_layer` names its layer (an 
 transformers' hidden_states), else it reads the last one kept (the converter dropped the tower's
 last for LLaVA's -2; llama.cpp's graph drops one more, ggml-org/llama.cpp#25817). Its images are
 padded to a square of the mean colour and resized to the tower's, as llama.cpp prepares them.
-A block whose `ffn_down` reads the tower's width holds `ffn_up` (the legacy converter swapped the
-names): the two trade places, as clip.cpp tells them apart.
+A block whose `ffn_down` reads the tower's width holds the up projection (the legacy converter
+swapped the names): the two trade places, as clip.cpp tells them apart.
 Refuses: a projector type other than those listed in `PROJECTORS`, a file without a vision
 encoder, a LLaVA file with several feature layers (Granite's stack), LLaVA-NeXT's tiles
 (`image_grid_pinpoints`) or a SiLU tower, naming the file and the field.
