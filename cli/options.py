@@ -131,8 +131,8 @@ DraftModel = Annotated[str | None, typer.Option(
          "same tokenizer and vocabulary, its own KV cache; it proposes greedily.")]
 Mmproj = Annotated[str | None, typer.Option(
     help="A llama.cpp mmproj .gguf: the vision tower and projector beside a text model (SmolVLM's "
-         "idefics3 or Gemma 3's gemma3 projector); images then go in at its placeholders (<image>, "
-         "<start_of_image>).")]
+         "idefics3, Gemma 3's gemma3 or LLaVA-1.5's mlp projector); images then go in at its "
+         "placeholders (<image>, <start_of_image>).")]
 AsyncScheduling = Annotated[bool | None, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="Deferred output: launch each step before the last one's tokens are resolved on the host "

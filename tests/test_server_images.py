@@ -211,3 +211,26 @@ def test_a_gemma3_model_answers_an_openai_data_url_image_as_offline(tmp_path_fac
                                                temperature=0.0)
     assert reply.choices[0].message.content == completion.outputs[0].text
     assert reply.usage.prompt_tokens == len(completion.prompt_token_ids)
+
+
+def test_a_llava_gguf_and_mmproj_pair_answers_an_openai_data_url_image_as_its_folder(tmp_path_factory):
+    """`serve --model text.gguf --mmproj mmproj.gguf` with LLaVA-1.5's pair in llama.cpp's layout:
+    the official client's data-URL image gets the answer the folder it was written from gives
+    offline (same prompt tokens, same greedy text)."""
+    from tests.tiny_vlm import write_text_gguf, write_tiny_llava, write_tiny_llava_mmproj
+
+    llava_dir = write_tiny_llava(tmp_path_factory.mktemp("llava-server"), shortest_edge=28,
+                                 pad_to_square=True, llama_cpp_f16=True, seed=7)
+    out = tmp_path_factory.mktemp("llava-server-gguf")
+    text, mmproj = write_text_gguf(llava_dir, out), write_tiny_llava_mmproj(llava_dir, out / "mmproj.gguf")
+    llm = LLM(str(llava_dir), dtype="float32", device="cpu", num_kv_blocks=96)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION + "<image>"}])
+    (completion,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": PNG}},
+                                 SamplingParams(max_tokens=8, temperature=0.0))
+    limits = ServerLimits(max_body_bytes=4 << 20, media=MediaPolicy(frozenset()))
+    with (serving(lambda: tiny_engine(text, mmproj=str(mmproj), dtype="float32"), limits=limits) as server,
+          openai_client(server) as client):
+        reply = client.chat.completions.create(model=MODEL, messages=chat_parts(data_url(PNG)), max_tokens=8,
+                                               temperature=0.0)
+    assert completion.outputs[0].text and reply.choices[0].message.content == completion.outputs[0].text
+    assert reply.usage.prompt_tokens == len(completion.prompt_token_ids)

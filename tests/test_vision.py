@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -287,3 +288,112 @@ def test_a_gemma3_mmproj_gguf_reads_into_the_hugging_face_folders_encoder_and_pr
     assert torch.equal(ours.encode(pixels), theirs.encode(pixels))
     with pytest.raises(UnsupportedModelError, match="<image_soft_token>"):
         read_mmproj(mmproj, {}.get)
+
+
+@pytest.fixture(scope="module")
+def llava_pair_dir(tmp_path_factory):
+    """A LLaVA-1.5 folder an mmproj can hold exactly (its float16 matrices float16 values) whose
+    processor is the one an mmproj implies (padded to a square, resized to the tower's side)."""
+    return write_tiny_llava(tmp_path_factory.mktemp("llava-hf"), shortest_edge=28, pad_to_square=True,
+                            llama_cpp_f16=True, seed=7)
+
+
+LLAVA_MMPROJ_LAYOUTS = {"feature-layer-stated": {}, "last-layer-dropped": dict(state_feature_layer=False),
+                        "2023-no-projector-type": dict(state_feature_layer=False, state_projector_type=False)}
+
+
+@pytest.mark.parametrize("layout", list(LLAVA_MMPROJ_LAYOUTS.values()), ids=list(LLAVA_MMPROJ_LAYOUTS))
+def test_a_llava_mmproj_in_llama_cpps_layout_gives_the_folders_config_processor_and_image_rows(
+        layout, llava_pair_dir, tmp_path):
+    """convert_image_encoder_to_gguf.py's layout (fc1 and fc2 under each other's names, float16
+    patch convolution and projector matrices, CLIP's own projection_dim, the tower cut after the
+    layer read, named by clip.vision.feature_layer or not) reads into the folder's vision config,
+    processor and image rows, bit for bit."""
+    from nanoserve.loading.mmproj import read_mmproj
+    from nanoserve.model.vision import build_encoder
+    from nanoserve.multimodal.processors import PROCESSORS
+    from tests.tiny_vlm import write_tiny_llava_mmproj
+
+    mmproj = write_tiny_llava_mmproj(llava_pair_dir, tmp_path / "mmproj.gguf", **layout)
+    folder = read_vision_config(llava_pair_dir)
+    config, weights, fields = read_mmproj(mmproj, {"<image>": folder.image_token_id}.get)
+    assert config.num_layers == folder.num_layers - 1  # the file keeps the layers the projector reads
+    read = range(config.num_layers + 1)[config.feature_layer]
+    assert read == range(folder.num_layers + 1)[folder.feature_layer] == config.num_layers
+    same = dict(num_layers=folder.num_layers, feature_layer=folder.feature_layer,
+                layer_norm_eps=folder.layer_norm_eps)
+    assert dataclasses.replace(config, **same) == folder
+    assert config.layer_norm_eps == pytest.approx(folder.layer_norm_eps, rel=1e-7)  # a float32 in GGUF
+    processor = PROCESSORS["llava"].from_config(fields, config)
+    theirs_processor = load_processor(llava_pair_dir, folder)
+    # The mean and std are float32s in GGUF: the float32s the processor normalises with.
+    ours_stats, theirs_stats = processor.normalization, theirs_processor.normalization
+    stats = dataclasses.replace(ours_stats, mean=theirs_stats.mean, std=theirs_stats.std)
+    assert dataclasses.replace(processor, normalization=stats) == theirs_processor
+    assert np.array_equal(np.float32([ours_stats.mean, ours_stats.std]),
+                          np.float32([theirs_stats.mean, theirs_stats.std]))
+    ours = build_encoder(config, weights)
+    theirs = load_image_encoder(llava_pair_dir, folder, dtype=torch.float32, device=torch.device("cpu"))
+    for image in images_of_every_kind()[:4]:
+        pixels = processor.process(image.convert("RGB")).pixel_values
+        assert torch.equal(pixels, theirs_processor.process(image.convert("RGB")).pixel_values), image.size
+        assert torch.equal(ours.encode(pixels), theirs.encode(pixels)), image.size
+
+
+LLAVA_MMPROJ_REFUSALS = {
+    "granite's-stacked-feature-layers": (dict(state_feature_layer=False),
+                                         lambda w: w.add_array("clip.vision.feature_layer", [1, 2]),
+                                         "clip.vision.feature_layer"),
+    "llava-next's-tiles": ({}, lambda w: w.add_array("clip.vision.image_grid_pinpoints", [28, 56, 56, 28]),
+                           "clip.vision.image_grid_pinpoints"),
+    "a-silu-tower": ({}, lambda w: w.add_bool("clip.use_silu", True), "clip.use_silu"),
+}
+
+
+@pytest.mark.parametrize(("layout", "extra_keys", "field"), list(LLAVA_MMPROJ_REFUSALS.values()),
+                         ids=list(LLAVA_MMPROJ_REFUSALS))
+def test_a_llava_mmproj_nanoserve_cannot_run_is_refused_naming_the_field(layout, extra_keys, field,
+                                                                        llava_pair_dir, tmp_path):
+    from nanoserve.loading.mmproj import read_mmproj
+    from tests.tiny_vlm import write_tiny_llava_mmproj
+
+    mmproj = write_tiny_llava_mmproj(llava_pair_dir, tmp_path / "mmproj.gguf", extra_keys=extra_keys,
+                                     **layout)
+    with pytest.raises(UnsupportedModelError, match=field):
+        read_mmproj(mmproj, {"<image>": 1}.get)
+
+
+def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine_and_the_cli(
+        llava_pair_dir, tmp_path_factory):
+    """The pair through the engine: the folder's last logits (so its pixels and image rows) and
+    greedy tokens, bit for bit; `nanoserve generate --mmproj --image` prints the folder's text."""
+    from typer.testing import CliRunner
+
+    from nanoserve.llm import LLM
+    from nanoserve_cli.main import app
+    from tests.tiny_vlm import image_bytes, write_text_gguf, write_tiny_llava_mmproj
+
+    out = tmp_path_factory.mktemp("llava-gguf")
+    text = write_text_gguf(llava_pair_dir, out)
+    mmproj = write_tiny_llava_mmproj(llava_pair_dir, out / "mmproj.gguf")
+    options = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128}
+    folder = Engine(EngineConfig(model=str(llava_pair_dir), **options))
+    pair = Engine(EngineConfig(model=str(text), mmproj=str(mmproj), **options))
+    prompts = ["Describe <image> please", "<image> and <image>: which?"]
+    images = [[random_image(100, 70, seed=1)], [random_image(20, 33, seed=2), random_image(64, 64, seed=3)]]
+    assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = [_run(engine, engine.add_request(prompts[1], greedy, images=images[1]))
+              for engine in (pair, folder)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+    image = out / "cat.png"
+    image.write_bytes(image_bytes(random_image(100, 70, seed=1)))
+    (expected,) = LLM(str(llava_pair_dir), **options).generate(
+        {"prompt": "<image>What is it?", "multi_modal_data": {"image": image.read_bytes()}},
+        SamplingParams(max_tokens=6, temperature=0.0))
+    args = ["generate", "What is it?", "--model", str(text), "--mmproj", str(mmproj), "--image", str(image),
+            "--dtype", "float32", "--max-tokens", "6"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert expected.outputs[0].text and result.stdout.endswith(expected.outputs[0].text + "\n")

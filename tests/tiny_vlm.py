@@ -5,6 +5,8 @@ by transformers' own `Idefics3ForConditionalGeneration.save_pretrained`, the tin
 tokenizer of tiny_model.py with Idefics3's image tokens added as special tokens, a ChatML
 template, and the image processor's preprocessor_config.json (`Idefics3ImageProcessorPil`).
 `reference_processor` is transformers' processor for such a folder.
+`write_text_gguf` and the `write_tiny_*_mmproj` writers lay a folder out as llama.cpp's
+converters do: its text model as a llama GGUF, its tower and projector as an mmproj GGUF.
 """
 
 from __future__ import annotations
@@ -78,8 +80,12 @@ def write_tiny_idefics3(path: str | Path, *, vision_hidden: int = 32, vision_lay
 def write_tiny_llava(path: str | Path, *, vision_hidden: int = 32, vision_layers: int = 3,
                      image_size: int = 28, patch_size: int = 7, shortest_edge: int = 32,
                      strategy: str = "default",
-                     feature_layer: int = -2, pad_to_square: bool = False, seed: int = 0) -> Path:
-    """A complete LLaVA-1.5-style folder (CLIP tower, MLP projector, Llama text model)."""
+                     feature_layer: int = -2, pad_to_square: bool = False, llama_cpp_f16: bool = False,
+                     seed: int = 0) -> Path:
+    """A complete LLaVA-1.5-style folder (CLIP tower, MLP projector, Llama text model).
+    `llama_cpp_f16`: the patch convolution and the projector's matrices hold float16 values, as
+    llama.cpp's LLaVA converter always stores them, so an mmproj written from the folder holds
+    the folder's values."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaImageProcessorPil
 
     path = Path(path)
@@ -106,6 +112,8 @@ def write_tiny_llava(path: str | Path, *, vision_hidden: int = 32, vision_layers
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias") or "class_embedding" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            if llama_cpp_f16 and name.endswith(LLAVA_F16_MATRICES):
+                param.copy_(param.half().float())
     model.save_pretrained(path)
     (path / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config() | {"model_max_length": 4096}))
     LlavaImageProcessorPil(size={"shortest_edge": shortest_edge}, do_pad=pad_to_square,
@@ -116,6 +124,8 @@ def write_tiny_llava(path: str | Path, *, vision_hidden: int = 32, vision_layers
     return path
 
 
+# What llama.cpp's convert_image_encoder_to_gguf.py stores in float16 whatever it is asked for
+LLAVA_F16_MATRICES = ("patch_embedding.weight", "linear_1.weight", "linear_2.weight")
 GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
 
 
@@ -217,39 +227,15 @@ def image_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
 
 def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     """An Idefics3 folder as llama.cpp's converter lays it out: the text model as a llama GGUF
-    (tiny_model.write_tiny_gguf) and the tower and projector as an mmproj GGUF, float32, its
+    (`write_text_gguf`) and the tower and projector as an mmproj GGUF, float32, its
     tensor names from gguf-py's own map and its metadata from gguf-py's own writer methods."""
-    import shutil
-
     import gguf
-    from safetensors.torch import load_file, save_file
-
-    from tests.tiny_model import write_tiny_gguf
+    from safetensors.torch import load_file
 
     raw = json.loads((vlm_dir / "config.json").read_text())
     text, vision = raw["text_config"], raw["vision_config"]
     tensors = load_file(str(vlm_dir / "model.safetensors"))
-    llama_dir = out_dir / "text-hf"
-    llama_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer_config.json", "generation_config.json"):
-        shutil.copy(vlm_dir / name, llama_dir / name)
-    # A GGUF lists every token, added ones too (the converter's vocabulary is the whole of it).
-    tokenizer = json.loads((vlm_dir / "tokenizer.json").read_text())
-    tokenizer["model"]["vocab"] |= {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
-    (llama_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
-            "eos_token_id")
-    llama = {key: text[key] for key in keys} | {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": None,
-        "rope_theta": text["rope_parameters"]["rope_theta"],
-        "tie_word_embeddings": raw["tie_word_embeddings"]}
-    (llama_dir / "config.json").write_text(json.dumps(llama))
-    prefix = "model.text_model."
-    save_file({("model." + name[len(prefix):] if name.startswith(prefix) else name): tensor
-               for name, tensor in tensors.items() if name.startswith(prefix) or name == "lm_head.weight"},
-              str(llama_dir / "model.safetensors"))
-    text_gguf = write_tiny_gguf(out_dir / "text.gguf", llama_dir)
+    text_gguf = write_text_gguf(vlm_dir, out_dir)
 
     mmproj = out_dir / "mmproj.gguf"
     writer = gguf.GGUFWriter(str(mmproj), "clip")
@@ -279,6 +265,126 @@ def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     writer.write_tensors_to_file()
     writer.close()
     return text_gguf, mmproj
+
+
+# A vision-language folder's text tensors (Idefics3's, LLaVA's as transformers 5 and 4 save them)
+# under a Llama checkpoint's names.
+_TEXT_PREFIXES = (("model.text_model.", "model."), ("language_model.model.", "model."),
+                  ("model.language_model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("lm_head.", "lm_head."))
+
+
+def write_text_gguf(vlm_dir: Path, out_dir: Path) -> Path:
+    """The folder's text model as llama.cpp's converter writes it (tiny_model.write_tiny_gguf of
+    a Llama folder with its tensors and tokenizer): `out_dir`/text.gguf, float32."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_model import write_tiny_gguf
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    text = raw["text_config"]
+    llama_dir = out_dir / "text-hf"
+    llama_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        shutil.copy(vlm_dir / name, llama_dir / name)
+    # A GGUF lists every token, added ones too (the converter's vocabulary is the whole of it).
+    tokenizer = json.loads((vlm_dir / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] |= {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
+    (llama_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+            "eos_token_id")
+    llama = {key: text[key] for key in keys} | {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_scaling": None,
+        "rope_theta": text["rope_parameters"]["rope_theta"],
+        "tie_word_embeddings": raw["tie_word_embeddings"]}
+    (llama_dir / "config.json").write_text(json.dumps(llama))
+    renamed = {}
+    for name, tensor in load_file(str(vlm_dir / "model.safetensors")).items():
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                renamed[new + name[len(old):]] = tensor
+                break
+    save_file(renamed, str(llama_dir / "model.safetensors"))
+    return write_tiny_gguf(out_dir / "text.gguf", llama_dir)
+
+
+def _legacy_clip_name(name: str) -> str:
+    """convert_image_encoder_to_gguf.py's `get_tensor_name` for a CLIP tower's tensor (its
+    `vision_model.` names): fc1 becomes `ffn_down` and fc2 `ffn_up`, the names swapped as that
+    script swaps them."""
+    for old, new in (("vision_model", "v"), ("encoder.layers", "blk"), ("embeddings.", ""), ("_proj", ""),
+                     ("self_attn.", "attn_"), ("layer_norm", "ln"), ("layernorm", "ln"),
+                     ("mlp.fc1", "ffn_down"), ("mlp.fc2", "ffn_up"), ("embedding", "embd"), ("final", "post"),
+                     ("layrnorm", "ln")):
+        name = name.replace(old, new)
+    return name
+
+
+def write_tiny_llava_mmproj(vlm_dir: Path, path: Path, *, state_feature_layer: bool = True,
+                            state_projector_type: bool = True, extra_keys=None) -> Path:
+    """A LLaVA folder's tower and projector as llama.cpp's convert_image_encoder_to_gguf.py writes
+    them (`--use-f32 --llava-projector`; its LLaVA models go through no other converter): the
+    projector's `multi_modal_projector.linear_1/2` as `mm.0` / `mm.2`, their matrices and the patch
+    convolution in float16 (4-D), everything else float32 under the script's own names (fc1/fc2
+    swapped), no post-layernorm, CLIP's projection_dim as `projection_dim`, and the layers kept up
+    to the one read: with `state_feature_layer`, `clip.vision.feature_layer` (non-negative) and
+    that many blocks (the script's path when the folder's config names `vision_feature_layer`),
+    else the tower less its last block and no feature layer (the path for a CLIP folder).
+    `state_projector_type=False`: a 2023 file, `clip.has_llava_projector` alone.
+    `extra_keys(writer)` adds metadata (a file the reader must refuse)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    vision = raw["vision_config"]
+    depth = vision["num_hidden_layers"]
+    feature_layer = raw["vision_feature_layer"] % (depth + 1)  # the script's to_non_negative
+    kept = feature_layer if state_feature_layer else depth - 1
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_text_encoder", False)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_file_type(0)
+    if state_projector_type:
+        writer.add_string("clip.projector_type", "mlp")
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.projection_dim", vision["projection_dim"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision["layer_norm_eps"])
+    writer.add_uint32("clip.vision.block_count", kept)
+    if state_feature_layer:
+        writer.add_array("clip.vision.feature_layer", [feature_layer])
+    processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
+    writer.add_array("clip.vision.image_mean", processor["image_mean"])
+    writer.add_array("clip.vision.image_std", processor["image_std"])
+    writer.add_bool("clip.use_gelu", vision["hidden_act"] == "gelu")
+    if extra_keys is not None:
+        extra_keys(writer)
+    tensors = load_file(str(vlm_dir / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.startswith("multi_modal_projector."):
+            stem = name.replace("multi_modal_projector", "mm").replace("linear_1", "0")
+            stem = stem.replace("linear_2", "2")
+            writer.add_tensor(stem, tensor.numpy().astype(np.float16 if tensor.dim() == 2 else np.float32))
+    for name, tensor in tensors.items():
+        name = name.replace("vision_tower.", "vision_model.", 1)
+        parts = name.split(".")
+        if (not name.startswith("vision_model.") or "post_layernorm" in name
+                or (parts[1:3] == ["encoder", "layers"] and int(parts[3]) >= kept)):
+            continue
+        writer.add_tensor(_legacy_clip_name(name),
+                          tensor.numpy().astype(np.float16 if tensor.dim() == 4 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def write_tiny_gemma3_mmproj(vlm_dir: Path, path: Path) -> Path:

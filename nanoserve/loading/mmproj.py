@@ -7,8 +7,19 @@ Hugging Face names `loading.vision` builds the encoder from, so one builder serv
 and each family's image token in the text model's vocabulary (`IMAGE_TOKENS`). Gemma 3's
 pooling is its `projector.scale_factor` (llama.cpp's default 4 where the file leaves it out),
 and its soft-token norm is stored as 1 + w (its converter adds the one).
-Refuses: a projector type other than those listed in `PROJECTORS`, and a file without a vision
-encoder, naming the file and the field.
+LLaVA-1.5 (`mlp`, as llama.cpp's convert_image_encoder_to_gguf.py writes it; the 2023 files say
+only `clip.has_llava_projector`): CLIP's class token and pre-layernorm, `mm.0` / `mm.2` the
+projector's linears with transformers' exact GELU between (ggml's is the tanh approximation),
+the text width the projector's output (`projection_dim` is CLIP's own there). The converter keeps
+the layers the projector reads: `clip.vision.feature_layer` names its layer (an index into
+transformers' hidden_states), else it reads the last one kept (the converter dropped the tower's
+last for LLaVA's -2; llama.cpp's graph drops one more, ggml-org/llama.cpp#25817). Its images are
+padded to a square of the mean colour and resized to the tower's, as llama.cpp prepares them.
+A block whose `ffn_down` reads the tower's width holds the up projection (the legacy converter
+swapped the names): the two trade places, as clip.cpp tells them apart.
+Refuses: a projector type other than those listed in `PROJECTORS`, a file without a vision
+encoder, a LLaVA file with several feature layers (Granite's stack), LLaVA-NeXT's tiles
+(`image_grid_pinpoints`) or a SiLU tower, naming the file and the field.
 """
 
 from __future__ import annotations
@@ -28,21 +39,27 @@ from nanoserve.model.vision import VisionWeights
 from nanoserve.model.vision_config import VisionConfig
 
 # llama.cpp's projector type -> the vision family that runs it
-PROJECTORS = {"idefics3": "idefics3", "gemma3": "gemma3"}
+PROJECTORS = {"idefics3": "idefics3", "gemma3": "gemma3", "mlp": "llava"}
 # The token each family's image rows replace, as the text model's vocabulary spells it.
-IMAGE_TOKENS = {"idefics3": "<image>", "gemma3": "<image_soft_token>"}
+IMAGE_TOKENS = {"idefics3": "<image>", "gemma3": "<image_soft_token>", "llava": "<image>"}
 # Each family's Hugging Face tower prefix and projector names (loading.vision's NAMES).
-_TOWERS = {"idefics3": "model.vision_model.", "gemma3": "vision_tower."}
-_PROJECTOR_NAMES = {"mm.model.fc": "model.connector.modality_projection.proj",
-                    "mm.input_projection": "multi_modal_projector.mm_input_projection",
-                    "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm"}
+_TOWERS = {"idefics3": "model.vision_model.", "gemma3": "vision_tower.", "llava": "vision_tower."}
+_PROJECTOR_NAMES = {
+    "idefics3": {"mm.model.fc": "model.connector.modality_projection.proj"},
+    "gemma3": {"mm.input_projection": "multi_modal_projector.mm_input_projection",
+               "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm"},
+    # LLaVA's projector was an nn.Sequential(Linear, GELU, Linear): its linears are modules 0 and 2.
+    "llava": {"mm.0": "multi_modal_projector.linear_1", "mm.2": "multi_modal_projector.linear_2"}}
 GEMMA3_SCALE_FACTOR_DEFAULT = 4  # clip.cpp's pooling kernel for gemma3 when the file names none
+LLAVA_LAYER_NORM_EPS_DEFAULT = 1e-5  # CLIPVisionConfig's
 # Per-layer names: llama.cpp's (v.blk.N.<name>) -> Hugging Face's (encoder.layers.N.<name>)
 _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2",
                 "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
 _TOWER_NAMES = {"v.patch_embd": "embeddings.patch_embedding",
-                "v.position_embd": "embeddings.position_embedding", "v.post_ln": "post_layernorm"}
+                "v.position_embd": "embeddings.position_embedding", "v.post_ln": "post_layernorm",
+                "v.pre_ln": "pre_layrnorm"}
+_CLASS_EMBEDDING = "v.class_embd"  # CLIP's class token: a bare vector, no `.weight`
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
@@ -53,20 +70,14 @@ def read_mmproj(path: Path, token_id: Callable[[str], int | None]) -> tuple[Visi
     (preprocessor_config.json's names)."""
     reader = GGUFReader(str(path))
     meta = {field.name: field.contents() for field in reader.fields.values()}
-    projector = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
-    if not meta.get("clip.has_vision_encoder", projector is not None):
-        raise UnsupportedModelError(f"{path}: the mmproj file has no vision encoder "
-                                    "(clip.has_vision_encoder)")
-    if projector not in PROJECTORS:
-        raise UnsupportedModelError(f"{path}: clip.projector_type {projector!r} is not supported; nanoserve "
-                                    f"runs {', '.join(PROJECTORS)}")
-    family = PROJECTORS[projector]
+    family = _family(path, meta)
     image_token_id = token_id(IMAGE_TOKENS[family])
     if image_token_id is None:
         raise UnsupportedModelError(f"the text model's vocabulary has no {IMAGE_TOKENS[family]} token for "
                                     f"{path.name}'s images")
-    config = _config(path, meta, family, image_token_id)
-    tensors = {_hf_name(tensor.name, _TOWERS[family]): _float32(tensor) for tensor in reader.tensors}
+    tensors = {_hf_name(tensor.name, family): _float32(tensor) for tensor in reader.tensors}
+    config = _config(path, meta, family, image_token_id, tensors)
+    _unswap_ffn(tensors, config)
     norm = "multi_modal_projector.mm_soft_emb_norm.weight"
     if norm in tensors:  # llama.cpp's converter stores Gemma's (1 + w): back to transformers' w
         tensors[norm] = tensors[norm] - 1.0
@@ -74,20 +85,39 @@ def read_mmproj(path: Path, token_id: Callable[[str], int | None]) -> tuple[Visi
     return config, vision_weights(config, tensors), _processor_fields(meta, config)
 
 
-def _config(path: Path, meta: dict[str, Any], family: str, image_token_id: int) -> VisionConfig:
-    def need(key: str) -> Any:
-        if key not in meta:
-            raise UnsupportedModelError(f"{path}: the mmproj file lacks the metadata {key}")
-        return meta[key]
+def _family(path: Path, meta: dict[str, Any]) -> str:
+    projector = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
+    if projector is None and meta.get("clip.has_llava_projector"):
+        projector = "mlp"  # the 2023 converter named no projector type: LLaVA's was the only one
+    if not meta.get("clip.has_vision_encoder", projector is not None):
+        raise UnsupportedModelError(f"{path}: the mmproj file has no vision encoder "
+                                    "(clip.has_vision_encoder)")
+    if projector not in PROJECTORS:
+        raise UnsupportedModelError(f"{path}: clip.projector_type {projector!r} is not supported; nanoserve "
+                                    f"runs {', '.join(PROJECTORS)}")
+    return PROJECTORS[projector]
 
+
+def _need(path: Path, meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise UnsupportedModelError(f"{path}: the mmproj file lacks the metadata {key}")
+    return meta[key]
+
+
+def _config(path: Path, meta: dict[str, Any], family: str, image_token_id: int,
+            tensors: dict[str, torch.Tensor]) -> VisionConfig:
     v = "clip.vision."
-    shape = dict(family=family, hidden_size=need(v + "embedding_length"),
-                 intermediate_size=need(v + "feed_forward_length"), num_layers=need(v + "block_count"),
-                 num_heads=need(v + "attention.head_count"), num_channels=3,
-                 image_size=need(v + "image_size"), patch_size=need(v + "patch_size"),
+    shape = dict(family=family, hidden_size=_need(path, meta, v + "embedding_length"),
+                 intermediate_size=_need(path, meta, v + "feed_forward_length"),
+                 num_layers=_need(path, meta, v + "block_count"),
+                 num_heads=_need(path, meta, v + "attention.head_count"), num_channels=3,
+                 image_size=_need(path, meta, v + "image_size"),
+                 patch_size=_need(path, meta, v + "patch_size"),
                  layer_norm_eps=meta.get(v + "attention.layer_norm_epsilon", 1e-6),
-                 hidden_act="gelu_pytorch_tanh", text_hidden_size=need(v + "projection_dim"),
-                 image_token_id=image_token_id)
+                 hidden_act="gelu_pytorch_tanh", image_token_id=image_token_id)
+    if family == "llava":
+        return VisionConfig(**shape | _llava_fields(path, meta, shape["num_layers"], tensors))
+    shape["text_hidden_size"] = _need(path, meta, v + "projection_dim")
     if family == "idefics3":
         return VisionConfig(**shape, scale_factor=meta.get(v + "projector.scale_factor", 1))
     kernel = meta.get(v + "projector.scale_factor", GEMMA3_SCALE_FACTOR_DEFAULT)
@@ -98,9 +128,50 @@ def _config(path: Path, meta: dict[str, Any], family: str, image_token_id: int) 
     return VisionConfig(**shape, tokens_per_image=(grid // kernel) ** 2, bidirectional=True)
 
 
+def _llava_fields(path: Path, meta: dict[str, Any], num_layers: int,
+                  tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """LLaVA-1.5's choices as llama.cpp's file states them: the layer read (the last kept where the
+    file names none), the class token's row dropped, the tower's activation, the projector's
+    output width as the text width."""
+    if "clip.vision.image_grid_pinpoints" in meta:
+        raise UnsupportedModelError(f"{path}: clip.vision.image_grid_pinpoints: LLaVA-NeXT's image tiles are "
+                                    "not supported; nanoserve runs LLaVA-1.5's one image")
+    if meta.get("clip.use_silu"):
+        raise UnsupportedModelError(f"{path}: clip.use_silu: a LLaVA tower runs GELU (clip.use_gelu) or "
+                                    "CLIP's quick GELU")
+    layers = meta.get("clip.vision.feature_layer")
+    layers = [-1] if layers is None else list(layers) if isinstance(layers, list) else [layers]
+    if len(layers) != 1 or not -1 <= layers[0] <= num_layers:
+        raise UnsupportedModelError(f"{path}: clip.vision.feature_layer {layers}: nanoserve reads one layer "
+                                    f"of the {num_layers} kept")
+    last = tensors.get("multi_modal_projector.linear_2.weight")
+    if last is None or last.dim() != 2:
+        raise UnsupportedModelError(f"{path}: the mmproj file lacks the projector matrix mm.2.weight")
+    eps = meta.get("clip.vision.attention.layer_norm_epsilon", LLAVA_LAYER_NORM_EPS_DEFAULT)
+    return dict(hidden_act="gelu" if meta.get("clip.use_gelu") else "quick_gelu", layer_norm_eps=eps,
+                text_hidden_size=last.shape[0], feature_layer=int(layers[0]), class_token=True,
+                drop_class_token=True, projector_act="gelu")
+
+
+def _unswap_ffn(tensors: dict[str, torch.Tensor], config: VisionConfig) -> None:
+    """clip.cpp's rule: a block whose `ffn_down` matrix reads the tower's width holds fc1 under that
+    name (the legacy converter named fc1 `ffn_down` and fc2 `ffn_up`): the two trade places."""
+    for i in range(config.num_layers):
+        up, down = (f"{_TOWERS[config.family]}encoder.layers.{i}.mlp.{fc}" for fc in ("fc1", "fc2"))
+        matrix = tensors.get(down + ".weight")
+        if matrix is None or up + ".weight" not in tensors or matrix.shape[-1] != config.hidden_size:
+            continue
+        for kind in (".weight", ".bias"):
+            held = {name: tensors.pop(name + kind) for name in (up, down) if name + kind in tensors}
+            tensors |= {(down if name == up else up) + kind: value for name, value in held.items()}
+
+
 def _processor_fields(meta: dict[str, Any], config: VisionConfig) -> dict[str, Any]:
+    square = {"height": config.image_size, "width": config.image_size}
     if config.family == "gemma3":
-        fields: dict[str, Any] = {"size": {"height": config.image_size, "width": config.image_size}}
+        fields: dict[str, Any] = {"size": square}
+    elif config.family == "llava":
+        fields = {"size": {"shortest_edge": config.image_size}, "crop_size": square, "do_pad": True}
     else:
         fields = {"max_image_size": {"longest_edge": config.image_size},
                   "size": {"longest_edge": meta.get("clip.vision.preproc_image_size", config.image_size)}}
@@ -110,12 +181,15 @@ def _processor_fields(meta: dict[str, Any], config: VisionConfig) -> dict[str, A
     return fields
 
 
-def _hf_name(name: str, tower: str) -> str:
-    """A llama.cpp mmproj tensor's Hugging Face name, its tower under `tower`; other names pass
-    unchanged."""
+def _hf_name(name: str, family: str) -> str:
+    """A llama.cpp mmproj tensor's Hugging Face name under `family`'s tower and projector; other
+    names pass unchanged."""
+    tower, projector = _TOWERS[family], _PROJECTOR_NAMES[family]
+    if name == _CLASS_EMBEDDING:
+        return f"{tower}embeddings.class_embedding"
     stem, _, kind = name.rpartition(".")
-    if stem in _PROJECTOR_NAMES:
-        return f"{_PROJECTOR_NAMES[stem]}.{kind}"
+    if stem in projector:
+        return f"{projector[stem]}.{kind}"
     if stem in _TOWER_NAMES:
         return f"{tower}{_TOWER_NAMES[stem]}.{kind}"
     parts = stem.split(".")

@@ -113,6 +113,11 @@ class PixelNormalization:
                       / np.array(self.std, dtype=np.float32)).T
         return np.ascontiguousarray(pixels)
 
+    def pixel_values(self, tiles: list[Image.Image]) -> torch.Tensor:
+        """An image's tiles, each `normalized`, as the encoder reads them: [tiles, channels,
+        height, width] float32."""
+        return torch.from_numpy(np.stack([self.normalized(tile) for tile in tiles]))
+
 
 @dataclass(frozen=True, slots=True)
 class Idefics3Processor:
@@ -145,7 +150,7 @@ class Idefics3Processor:
             tiles, rows, cols = self._split(image)
         else:
             tiles, rows, cols = [self._resize(image, self.tile, self.tile)], 0, 0
-        pixels = torch.from_numpy(np.stack([self.normalization.normalized(tile) for tile in tiles]))
+        pixels = self.normalization.pixel_values(tiles)
         return ProcessedImage(pixels, self._prompt_text(rows, cols), len(tiles) * self.rows_per_tile)
 
     def _resize(self, image: Image.Image, height: int, width: int) -> Image.Image:
@@ -226,8 +231,8 @@ class LlavaProcessor:
         if self.crop is not None:
             top, left = (image.height - self.crop) // 2, (image.width - self.crop) // 2
             image = image.crop((left, top, left + self.crop, top + self.crop))
-        pixels = self.normalization.normalized(image)
-        return ProcessedImage(torch.from_numpy(pixels[None]), self.placeholder * self.rows, self.rows)
+        pixels = self.normalization.pixel_values([image])
+        return ProcessedImage(pixels, self.placeholder * self.rows, self.rows)
 
 
 # Gemma 3's tokenizer's boi_token, image_token and eoi_token (tokenizer_config's extra_special_tokens)
@@ -264,9 +269,9 @@ class Gemma3Processor:
 
     def process(self, image: Image.Image) -> ProcessedImage:
         image = image.resize((self.side, self.side), resample=self.resample)
-        pixels = self.normalization.normalized(image)
+        pixels = self.normalization.pixel_values([image])
         text = f"\n\n{GEMMA3_BOI}{GEMMA3_IMAGE * self.rows}{GEMMA3_EOI}\n\n"
-        return ProcessedImage(torch.from_numpy(pixels[None]), text, self.rows)
+        return ProcessedImage(pixels, text, self.rows)
 
 
 PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor, "gemma3": Gemma3Processor}
