@@ -5,7 +5,7 @@ torch ops (embedding, argmax, sampling). libgomp's workers, by default, spin for
 thousands of iterations after each torch op before they sleep; the native pool's workers then
 share their cores with spinning OpenMP threads, and every barrier of the native call waits for
 the OS to switch them (`results/README.md`, "torch's OpenMP spin"). A spin of about the native
-pool's own (csrc/threadpool.c, NS_POOL_SPIN_US) still bridges back-to-back torch ops.
+pool's own (csrc/runtime/threadpool.c, NS_POOL_SPIN_US) still bridges back-to-back torch ops.
 
 libgomp reads its settings once, when torch loads it, so this must run before the first
 `import torch` of the process: `nanoserve/__init__.py` calls `configure()` first thing. A user's

@@ -344,7 +344,7 @@ def test_the_engine_serves_a_mixture_of_experts_end_to_end(tmp_path, tiny_model_
     assert results[0].outputs[0].token_ids == alone.outputs[0].token_ids == expected
 
 
-# The native experts (csrc/moe.c): one call a sparse layer where the experts are native matrices.
+# The native experts (csrc/stages/moe.c): one call a sparse layer where the experts are native matrices.
 NEEDS_NATIVE = pytest.mark.skipif(native_ops.load() is None, reason="no native library here")
 X8 = QUANTIZED_KERNELS["native-quant-x8"]
 
@@ -586,7 +586,7 @@ def test_the_profile_histogram_routes_every_decode_row_to_top_k_experts_in_every
     assert expert_profile(build_engine(dense), dense) is None
 
 
-# The one-call decoder (csrc/decoder.c) over a Llama stack whose MLPs are experts: widths in whole
+# The one-call decoder (csrc/stages/decoder.c) over a Llama stack whose MLPs are experts: widths in whole
 # blocks of 32, as it asks; three layers, so a sparse layer's sums feed the next layer's norm.
 FUSED_CASE = Case("mixtral-8-experts-top2-whole-blocks", "MixtralConfig",
                   {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,

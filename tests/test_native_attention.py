@@ -1,4 +1,4 @@
-"""The tiled attention (nanoserve/native/attention.py, csrc/attention.c) over every cache dtype
+"""The tiled attention (nanoserve/native/attention.py, csrc/stages/attention.c) over every cache dtype
 it reads: each vector path this CPU runs against the portable C reference bit for bit; every
 path against a float64 reference of the numbers the cache holds; and what it is built for, a
 row's bits depending on its own context only (alone == in a crowd == in a prefill chunk, at 1-3

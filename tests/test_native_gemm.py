@@ -1,4 +1,4 @@
-"""The prefill GEMM (csrc/matmul_gemm.c, nanoserve.native.repack.gemm): a prompt chunk's rows get
+"""The prefill GEMM (csrc/gemm/matmul_gemm.c, nanoserve.native.repack.gemm): a prompt chunk's rows get
 the bits the x8 GEMV gives each row alone, within the float64 bound of tests/test_quant.py, on
 ragged shapes and large row counts; its scalar reference gives the vector path's bits; the
 `native-quant-gemm` kernel routes chunks by row count and passes the batch-invariance self-test

@@ -1,4 +1,4 @@
-"""The block tiles on every ISA this CPU runs (csrc/isa.h, csrc/arch/x86/wide_tiles.h): each ISA
+"""The block tiles on every ISA this CPU runs (csrc/runtime/isa.h, csrc/arch/x86/wide_tiles.h): each ISA
 path gives the portable reference's bits on ragged shapes (rows 1..17, 33 and 130; N odd, below
 one group, an odd number of groups and a multiple of 16 columns), at the extremes of the codes,
 on any thread count, and a row's bits never depend on the rows beside it; the start-up line
@@ -141,7 +141,7 @@ def test_the_start_up_line_names_the_isa_the_tiles_run_on():
     assert f"tiles on {library.tiles_isa}" in native.status()
 
 
-# ---- the repacking at load in C (csrc/repack.c) against the torch reference ----------------------
+# ---- the repacking at load in C (csrc/quant/repack.c) against the torch reference ----------------------
 
 @pytest.mark.parametrize("format_name", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("out_features", [1, 7, 8, 37])

@@ -1,4 +1,4 @@
-"""The forward's native small ops (nanoserve/native/ops.py, csrc/ops.c) against float64 torch
+"""The forward's native small ops (nanoserve/native/ops.py, csrc/stages/ops.c) against float64 torch
 references, on ragged shapes, on both the vector path and the portable C path; and the
 property the attention is built for: a row's bits depend on its own context only.
 

@@ -1,4 +1,4 @@
-"""Blocks repacked at load (nanoserve.native.repack, csrc/matmul_x8.c): the layout holds the file's
+"""Blocks repacked at load (nanoserve.native.repack, csrc/gemm/matmul_x8.c): the layout holds the file's
 values, the kernel agrees with a float64 product within the activation rounding bound
 (tests/test_quant.py's module doc) on ragged shapes, the vector path gives the portable path's
 bits, and a row's bits never depend on its neighbours or the thread count."""

@@ -1,5 +1,5 @@
 """Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS repacked at load (nanoserve.native.repack.repack_k,
-csrc/matmul_kx8.c): the layout holds the file's values bit for bit, the kernel agrees with a
+csrc/gemm/matmul_kx8.c): the layout holds the file's values bit for bit, the kernel agrees with a
 float64 product within the activation rounding bound (tests/test_quant.py's module doc) on
 ragged shapes, its scalar reference gives the vector path's bits, and a row's bits never depend
 on its neighbours, the tile it lands in or the thread count."""

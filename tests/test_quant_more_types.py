@@ -1,4 +1,4 @@
-"""The block formats csrc/matmul_more.c runs (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K): the torch
+"""The block formats csrc/gemm/matmul_more.c runs (Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K): the torch
 reference against gguf's own code bit for bit, and against a float64 evaluation of
 ggml-common.h's formula written out element by element here, on ragged shapes (row counts that
 are no power of two, one block or several per row). The kernels themselves are held to a float64

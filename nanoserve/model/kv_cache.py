@@ -5,7 +5,7 @@ sequences' blocks yields [kv_heads, seqs, ctx, head_dim] already contiguous per 
 layout attention multiplies without another copy. A request's context is gathered through
 its block table; which block belongs to whom is `block_pool`'s business, not this module's.
 The native ops (`nanoserve.native.ops`) write and read this same layout in place, through the
-block tables, without `write` or `gather`: change it and change csrc/ops.c with it.
+block tables, without `write` or `gather`: change it and change csrc/stages/ops.c with it.
 
 The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activations':
 - auto (the default): float16 beside float32 activations on the CPU, half float32's bytes
@@ -28,7 +28,7 @@ The cache's dtype (`--kv-cache-dtype`) is its own, not necessarily the activatio
   somewhat closer; `python -m nanoserve.bench.experiments.kv_cache` measures both round trips on the
   default model (results/kv_cache_rounding.csv) and the agreement with float32 K/V the row
   scale gives (docs/kv-cache.md).
-  The native write (csrc/ops.c quantize_row_q8) and `quantize_q8` here are the same float32
+  The native write (csrc/stages/ops.c quantize_row_q8) and `quantize_q8` here are the same float32
   arithmetic, so both paths store the same codes and scales and read the same numbers; the
   native attention dequantizes one row at a time inside its loop, `gather` (the torch path)
   the gathered context.
@@ -86,7 +86,7 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, cache_dtype: str
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q8_0 of each row along the last dimension: int8 codes (x's shape) and float32 scales
-    (x's shape without its last dimension). csrc/ops.c's quantize_row_q8, in torch: the same
+    (x's shape without its last dimension). csrc/stages/ops.c's quantize_row_q8, in torch: the same
     float32 operations in the same order, rounded half to even, so the codes are its codes."""
     x = x.float()
     scales = x.abs().amax(dim=-1) / 127.0
@@ -97,7 +97,7 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_q8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 code * scale, each row by its own scale (csrc/ops.c's dequantize_q8)."""
+    """float32 code * scale, each row by its own scale (csrc/stages/ops.c's dequantize_q8)."""
     return codes.float() * scales.unsqueeze(-1)
 
 

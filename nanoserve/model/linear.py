@@ -184,7 +184,7 @@ def _repack(weight: quant.Weight) -> quant.Weight:
 
 def _native_quant_gemm(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
     """`native-quant-x8`'s product, with calls of GEMM_MIN_ROWS rows or more on the Q4_1 and Q8_0
-    layouts through the prefill GEMM (csrc/matmul_gemm.c: the same bits, a row's fixed order)."""
+    layouts through the prefill GEMM (csrc/gemm/matmul_gemm.c: the same bits, a row's fixed order)."""
     if repack.has_gemm(weight) and x.shape[0] >= GEMM_MIN_ROWS:
         return repack.gemm(x, weight)
     if isinstance(weight, quant.QuantizedStack):

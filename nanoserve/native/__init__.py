@@ -3,7 +3,7 @@
 Owns: loading the library `build` produced (once per process), checking its ABI version,
 and the one line the engine prints at start-up saying whether native kernels run and why.
 The kernels take raw pointers to contiguous tensors (`tensor.data_ptr()`), so nothing here
-builds against torch's headers; they run on the library's own thread pool (csrc/threadpool.c),
+builds against torch's headers; they run on the library's own thread pool (csrc/runtime/threadpool.c),
 whose workers stay awake between the calls of a step.
 Refuses: to be required. `library()` is None where there is no compiler, the build failed,
 or NANOSERVE_NO_NATIVE=1; callers then take the torch path, which always works.
@@ -29,7 +29,7 @@ ABI_VERSION = 4  # csrc/nanoserve.h's NS_ABI_VERSION
 DISABLE_VARIABLE = "NANOSERVE_NO_NATIVE"
 
 
-# csrc/isa.h's ISAs, in its order: the wide block tiles run on the last one that runs here
+# csrc/runtime/isa.h's ISAs, in its order: the wide block tiles run on the last one that runs here
 # (AVX-512 without VNNI only when NANOSERVE_ISA names it)
 ISAS = ("portable", "avx2", "avxvnni", "avx512", "avx512vnni")
 ISA_VARIABLE = "NANOSERVE_ISA"  # holds the block tiles to a narrower ISA (to compare them)
@@ -122,7 +122,7 @@ def status() -> str:
 
 
 def _attention_isa(native: NativeLibrary) -> str:
-    """The path csrc/attention.c runs here: the widest this CPU runs (it asks cpuid itself)."""
+    """The path csrc/stages/attention.c runs here: the widest this CPU runs (it asks cpuid itself)."""
     from nanoserve.native.attention import NativeAttention
 
     return NativeAttention(native.lib).isas()[-1]

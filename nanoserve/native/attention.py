@@ -1,9 +1,9 @@
-"""Tiled attention over the paged KV cache in C (csrc/attention.c), bound through ctypes.
+"""Tiled attention over the paged KV cache in C (csrc/stages/attention.c), bound through ctypes.
 
 Owns: the kernel's signature, the checks that make a call safe before a raw pointer reaches C
 (dtypes, contiguity, shapes; a q8_0 cache's scales), the cache dtype codes the C side reads,
 and which vector paths this CPU runs (`isas`). The arithmetic (partitions of the context merged
-in order, tiles under an online softmax, GQA heads sharing each K/V row) is csrc/attention.c's
+in order, tiles under an online softmax, GQA heads sharing each K/V row) is csrc/stages/attention.c's
 and is batch-invariant by construction: a row's bits depend on its q, its context and its
 position only (and, inside a bidirectional image, that image's last slot: `visible_ends`), on
 every path (the portable C reference, AVX2, AVX-512 agree bit for bit).

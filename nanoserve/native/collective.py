@@ -1,4 +1,4 @@
-"""The shared-memory exchange of tensor-parallel ranks in C (csrc/collective.c): write this
+"""The shared-memory exchange of tensor-parallel ranks in C (csrc/runtime/collective.c): write this
 rank's slot, publish its counter, spin for the others, and sum the slots in rank order.
 
 Owns: the ctypes signatures of that exchange. distributed/shared_memory.py owns the buffer, its

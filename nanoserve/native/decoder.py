@@ -1,4 +1,4 @@
-"""Every decoder layer of a step in one native call (csrc/decoder.c), for the plain Llama stack,
+"""Every decoder layer of a step in one native call (csrc/stages/decoder.c), for the plain Llama stack,
 its MLPs dense or routed experts (Mixtral).
 
 Owns: the C structs that describe the model (built once: norms, the repacked matrices of

@@ -1,4 +1,4 @@
-"""LoRA's low-rank updates in C (csrc/lora.c): every adapter of a step in one pass per target
+"""LoRA's low-rank updates in C (csrc/stages/lora.c): every adapter of a step in one pass per target
 matrix, as a call of its own (the per-layer loop) or as stages of the one-call decoder.
 
 Owns: an adapter's tables as the C code reads them (`NativeAdapter`: per layer and fused
@@ -21,8 +21,8 @@ from nanoserve import native
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
-TARGET_ORDER = ("qkv", "o", "gate_up", "down")  # csrc/decoder.c's QKV, O, GATE_UP, DOWN
-PIECES = 3  # csrc/stages.h's NS_LORA_PIECES
+TARGET_ORDER = ("qkv", "o", "gate_up", "down")  # csrc/stages/decoder.c's QKV, O, GATE_UP, DOWN
+PIECES = 3  # csrc/stages/stages.h's NS_LORA_PIECES
 
 
 class _Piece(ctypes.Structure):

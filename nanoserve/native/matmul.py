@@ -1,5 +1,5 @@
 """Float matrix multiplies in C: y = x @ W^T for float32 and bfloat16 weights, and for a GGUF
-file's F16 and BF16 matrices (csrc/matmul_float.c).
+file's F16 and BF16 matrices (csrc/gemm/matmul_float.c).
 
 Owns: the C functions' argument types, packing a weight [N, K] into the kernel's panel layout
 once (`pack`), and `matmul`, which checks every tensor before its pointer reaches C (a wrong
@@ -27,8 +27,8 @@ from nanoserve import native
 from nanoserve.quant import BlockFormat, PackedBlocks, QuantizedWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
-PANEL = 16  # csrc/matmul_float.c's PANEL: output columns per packed panel
-# The format number csrc/decoder.c and csrc/moe.c give a float32 matrix in these panels (a
+PANEL = 16  # csrc/gemm/matmul_float.c's PANEL: output columns per packed panel
+# The format number csrc/stages/decoder.c and csrc/stages/moe.c give a float32 matrix in these panels (a
 # repacked block matrix has its GGML type's number, and so does HalfPanels: 1 or 30).
 FLOAT_PANELS = 0
 # The GGUF types HalfPanels holds, and the dtype their 2-byte values are

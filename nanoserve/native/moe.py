@@ -1,4 +1,4 @@
-"""A sparse layer's routed experts in one native call (csrc/moe.c).
+"""A sparse layer's routed experts in one native call (csrc/stages/moe.c).
 
 Owns: the C struct describing one layer's experts (built once: each expert's gate_up and down
 as the model's kernel packed them), the checks a raw pointer cannot make, and
@@ -9,7 +9,7 @@ and `routed`, which routes the rows in the same call (the router's matmul in the
 the softmax and top-k in C), so a sparse layer's routed experts are one call with no torch op
 between its parts (on a busy 2-core machine each torch op beside the pool's threads could
 wait a time slice).
-Each expert matrix runs in the one stage every native projection runs (csrc/stage_blocks.c),
+Each expert matrix runs in the one stage every native projection runs (csrc/stages/stage_blocks.c),
 described as the one-call decoder describes its matrices (nanoserve.native.stage_matrix): the
 repacked x8 and K layouts (a Q4_K_M file's Q4_K experts with Q6_K downs, an IQ4_XS file's),
 F16 / BF16 and float32 panels, and stacks of those (an expert's gate and up in two formats).
@@ -64,7 +64,7 @@ class NativeExperts:
 
     @property
     def layer_address(self) -> int:
-        """The address of this layer's C struct (csrc/stages.h's ns_moe_layer), for the one-call
+        """The address of this layer's C struct (csrc/stages/stages.h's ns_moe_layer), for the one-call
         decoder, which runs it as a stage; valid while this object lives."""
         return ctypes.addressof(self._model)
 

@@ -1,6 +1,6 @@
-"""The forward's small ops in C (csrc/ops.c): RMSNorm (with the residual add fused), RoPE with
+"""The forward's small ops in C (csrc/stages/ops.c): RMSNorm (with the residual add fused), RoPE with
 the K/V write into the paged cache, SiLU(gate)*up; and attention over the paged cache in place
-(csrc/attention.c, bound in `nanoserve.native.attention`). The cache's K and V are float32,
+(csrc/stages/attention.c, bound in `nanoserve.native.attention`). The cache's K and V are float32,
 float16, bfloat16, or q8_0 (int8 codes with one float32 scale per row: `k_scales` and
 `v_scales`, model/kv_cache.py), converted by the write and read a row at a time by the attention.
 
@@ -9,7 +9,7 @@ contiguity, shapes) before a raw pointer reaches C, where a wrong one is a segfa
 an exception. `NativeOps` is what the model calls; `portable=True` runs the plain C path the
 tests hold the vector path against.
 Refuses: dtypes other than float32 (the model then keeps its torch ops) and devices other than
-the CPU. The attention here is batch-invariant by construction (csrc/attention.c says how); it
+the CPU. The attention here is batch-invariant by construction (csrc/stages/attention.c says how); it
 does not reproduce the torch attention's bits, so a model runs one or the other for every row.
 """
 

@@ -1,7 +1,7 @@
 """The native kernels on GGUF weights in their file's bytes, behind torch-shaped calls.
 
-Owns: which C file runs each format in the file's layout (csrc/matmul_quant.c: Q8_0, Q4_0, Q4_1,
-Q4_K, Q5_K, Q6_K; csrc/matmul_more.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, F16, BF16; the
+Owns: which C file runs each format in the file's layout (csrc/gemm/matmul_quant.c: Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K, Q6_K; csrc/gemm/matmul_more.c: Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, F16, BF16; the
 repacking kernels hold F16 and BF16 in nanoserve.native.matmul's panels instead), the ctypes signatures
 of their entry points (a matmul, its portable twin, and a row lookup each), and the checks a
 raw pointer cannot make for itself (dtype, contiguity, shapes), done before every call: a wrong
@@ -34,7 +34,7 @@ class _Entries:
 
 _QUANT = _Entries("ns_matmul_quant", "ns_matmul_quant_portable", "ns_dequantize_rows")
 _MORE = _Entries("ns_matmul_more", "ns_matmul_more_portable", "ns_dequantize_rows_more")
-# The formats csrc/matmul_more.c runs; every other one in nanoserve.quant.FORMATS is matmul_quant.c's.
+# The formats csrc/gemm/matmul_more.c runs; every other one in nanoserve.quant.FORMATS is matmul_quant.c's.
 MORE_FORMATS = frozenset({"q5_0", "q5_1", "iq4_nl", "iq4_xs", "q2_k", "q3_k", "f16", "bf16"})
 
 

@@ -1,4 +1,4 @@
-"""GGUF blocks repacked at load for csrc/matmul_x8.c: eight output columns interleaved per block.
+"""GGUF blocks repacked at load for csrc/gemm/matmul_x8.c: eight output columns interleaved per block.
 
 Owns: `RepackedWeight` (the layout matmul_x8.c documents: per group of 8 output columns and
 per 32-value block, the 8 scales side by side, then the codes in 4-byte chunks of each column
@@ -7,11 +7,11 @@ goes into the Q4_1 layout with m = -8 d, Q5_0 into Q5_1's with m = -16 d), `matm
 `lookup` (a tied head's table serving
 the embedding's row lookups, so the table is resident once), each checked before a pointer
 reaches C.
-Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/matmul_gemm.c, the same
+Also: `gemm`, the prefill GEMM over the Q4_1 and Q8_0 layouts (csrc/gemm/matmul_gemm.c, the same
 bits as `matmul`; `has_gemm` says which), and `KRepackedWeight` / `repack_k` / `matmul_k`,
-Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c documents
+Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and IQ4_XS in groups of 8 columns (csrc/gemm/matmul_kx8.c documents
 those layouts; a tied table in them serves lookups too).
-The repacking itself runs in C for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (csrc/repack.c: one pass, the
+The repacking itself runs in C for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (csrc/quant/repack.c: one pass, the
 groups split among the threads), in torch for the others (`repack_torch`, `repack_k_torch`: every
 format, the tests' reference for the C one).
 Refuses: the formats it has no layout for (`repackable` and `k_repackable` say which: Q4_0,
@@ -30,14 +30,14 @@ import torch
 from nanoserve import native
 from nanoserve.quant import FORMATS, BlockFormat, PackedBlocks, QuantizedWeight
 
-COLUMNS = 8  # csrc/matmul_x8.c's COLUMNS: output columns interleaved per group
-# The layout each format is repacked into (a GGML type number: csrc/matmul_x8.c's X8_*).
+COLUMNS = 8  # csrc/gemm/matmul_x8.c's COLUMNS: output columns interleaved per group
+# The layout each format is repacked into (a GGML type number: csrc/gemm/matmul_x8.c's X8_*).
 LAYOUT = {"q4_0": FORMATS["q4_1"], "q4_1": FORMATS["q4_1"], "q5_0": FORMATS["q5_1"], "q5_1": FORMATS["q5_1"],
           "q8_0": FORMATS["q8_0"], "iq4_nl": FORMATS["iq4_nl"]}
 # Formats held in another's layout with the offset m = -SHIFT * d (exact in f16 unless it overflows).
 SHIFTED = {"q4_0": 8, "q5_0": 16}
-GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/matmul_gemm.c runs
-NATIVE_REPACKS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")  # the formats csrc/repack.c repacks
+GEMM_LAYOUTS = ("q4_1", "q8_0")  # the layouts csrc/gemm/matmul_gemm.c runs
+NATIVE_REPACKS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")  # the formats csrc/quant/repack.c repacks
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -67,7 +67,7 @@ def has_gemm(weight: object) -> bool:
 def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
     """`weight` in the interleaved layout; itself where there is no layout for its format (or
     Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16). Q4_0, Q4_1 and Q8_0 are
-    repacked in C (csrc/repack.c) where the library runs, the others by `repack_torch`."""
+    repacked in C (csrc/quant/repack.c) where the library runs, the others by `repack_torch`."""
     if not repackable(weight):
         return weight
     if weight.format.name in NATIVE_REPACKS and _lib() is not None:
@@ -78,7 +78,7 @@ def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
 
 
 def _native_repack(weight: QuantizedWeight, blocks_per_row: int) -> torch.Tensor | None:
-    """csrc/repack.c's layout of `weight`: uint8 [groups, blocks_per_row x group-block bytes], or
+    """csrc/quant/repack.c's layout of `weight`: uint8 [groups, blocks_per_row x group-block bytes], or
     None where a Q4_0 scale's offset overflows f16."""
     lib = _require()
     groups = -(-weight.shape[0] // COLUMNS)
@@ -95,7 +95,7 @@ def _native_repack(weight: QuantizedWeight, blocks_per_row: int) -> torch.Tensor
 
 
 def repack_torch(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
-    """`repack` in torch, for every format with a layout (the tests' reference for csrc/repack.c)."""
+    """`repack` in torch, for every format with a layout (the tests' reference for csrc/quant/repack.c)."""
     if not repackable(weight):
         return weight
     out_features, in_features = weight.shape
@@ -226,7 +226,7 @@ def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor) -> torch
     return out.reshape(*ids.shape, weight.shape[1])
 
 
-# ---- the prefill GEMM (csrc/matmul_gemm.c) over the same layouts ----------------------------
+# ---- the prefill GEMM (csrc/gemm/matmul_gemm.c) over the same layouts ----------------------------
 
 def gemm(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
     """`matmul`'s product, bit for bit, by the register-blocked GEMM for prompt chunks (many
@@ -244,7 +244,7 @@ def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return x.contiguous(), torch.empty(x.shape[0], out_features, dtype=torch.float32)
 
 
-# ---- the K-quants and IQ4_XS in groups of 8 columns (csrc/matmul_kx8.c) --------------------------
+# ---- the K-quants and IQ4_XS in groups of 8 columns (csrc/gemm/matmul_kx8.c) --------------------------
 
 # Per group of 8 columns and super-block of 256.
 K_LAYOUT_BYTES = {"q4_k": 1184, "q5_k": 1440, "q6_k": 2192, "q2_k": 672, "q3_k": 912, "iq4_xs": 1104}
@@ -276,14 +276,14 @@ def k_repackable(weight: object) -> bool:
 
 def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
     """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES. Q4_K and
-    Q6_K are repacked in C (csrc/repack.c) where the library runs, the others by `repack_k_torch`."""
+    Q6_K are repacked in C (csrc/quant/repack.c) where the library runs, the others by `repack_k_torch`."""
     if k_repackable(weight) and weight.format.name in NATIVE_REPACKS and _lib() is not None:
         return KRepackedWeight(weight.format, weight.shape, _native_repack(weight, weight.shape[1] // 256))
     return repack_k_torch(weight)
 
 
 def repack_k_torch(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
-    """`repack_k` in torch, for every K layout (the tests' reference for csrc/repack.c)."""
+    """`repack_k` in torch, for every K layout (the tests' reference for csrc/quant/repack.c)."""
     if not k_repackable(weight):
         return weight
     out_features, in_features = weight.shape

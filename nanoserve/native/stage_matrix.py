@@ -1,11 +1,11 @@
-"""A projection as the native stages read it (csrc/stage_blocks.c's `ns_stage_blocks`): its format
+"""A projection as the native stages read it (csrc/stages/stage_blocks.c's `ns_stage_blocks`): its format
 number and the address it passes. The one-call decoder (nanoserve.native.decoder) and a sparse
 layer's experts (nanoserve.native.moe) both describe their matrices through `StageMatrix.of`, so
 which packed matrix runs in which layout is decided here once.
 
 Owns: the format of a packed matrix: a repacked layout (nanoserve.native.repack: the x8 and K
 layouts), a GGUF F16 / BF16 matrix in nanoserve.native.matmul's panels (HalfPanels), a stack of
-parts in those (as a Q4_K_M file mixes them: csrc/stages.h's ns_stacked_blocks, built here and
+parts in those (as a Q4_K_M file mixes them: csrc/stages/stages.h's ns_stacked_blocks, built here and
 kept alive with the arrays it points at), or float32 in nanoserve.native.matmul's panels.
 Refuses: anything else (`of` is None), and the caller keeps its loop of separate calls.
 """
@@ -18,7 +18,7 @@ import torch
 
 from nanoserve.native.matmul import FLOAT_PANELS, HalfPanels
 
-STACKED = -1  # csrc/stages.h's NS_STACKED: parts in different block layouts, side by side
+STACKED = -1  # csrc/stages/stages.h's NS_STACKED: parts in different block layouts, side by side
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -40,7 +40,7 @@ def _layout(matrix: object) -> int | None:
 
 
 class StageMatrix:
-    """One projection as csrc/stage_blocks.c reads it: its format number and the address it
+    """One projection as csrc/stages/stage_blocks.c reads it: its format number and the address it
     passes (a stack's: its ns_stacked_blocks, kept here with the arrays it points at)."""
 
     def __init__(self, matrix: object, fmt: int) -> None:
@@ -79,7 +79,7 @@ class StageMatrix:
 
     @property
     def reads_quantized(self) -> bool:
-        """Whether its stage reads the input in 8-bit blocks of 32 (csrc/stage_blocks.c's
+        """Whether its stage reads the input in 8-bit blocks of 32 (csrc/stages/stage_blocks.c's
         ns_stage_reads_quantized): a block layout, or a stack with one among its parts."""
         parts = self._kept.parts if self.format == STACKED else (self._kept,)
         return any(_layout(p) is not None and not isinstance(p, HalfPanels) for p in parts)

@@ -1,8 +1,8 @@
 """The block-format kernels side by side on a model's matrix shapes (the default model's, or
-SmolLM2-1.7B's with `--shape 1.7b`): the file's row-major layout (csrc/matmul_quant.c,
+SmolLM2-1.7B's with `--shape 1.7b`): the file's row-major layout (csrc/gemm/matmul_quant.c,
 matmul_more.c for Q5_0 / Q5_1 / IQ4_NL / IQ4_XS / Q2_K / Q3_K), the 8-column repacked layouts
 (matmul_x8.c, matmul_kx8.c) on the widest ISA here (`x8`) and on each ISA this CPU runs
-(`x8@avx2`, `x8@avx512vnni`, ...: csrc/isa.h), and the prefill GEMM (matmul_gemm.c: Q4_0,
+(`x8@avx2`, `x8@avx512vnni`, ...: csrc/runtime/isa.h), and the prefill GEMM (matmul_gemm.c: Q4_0,
 Q4_1, Q8_0), per format and row count.
 
 Owns: timing one call of each kernel on random blocks of each shape (qkv 960x576, o 576x576,

@@ -1,5 +1,5 @@
 """A sparse layer's routed experts in a published GGUF's layouts: the per-expert Python loop
-(model/moe.py, the only way such experts ran before csrc/moe.c took every layout) against the one
+(model/moe.py, the only way such experts ran before csrc/stages/moe.c took every layout) against the one
 native call (nanoserve.native.moe; the one-call decoder runs the same stage), per layout mix and
 row count.
 

@@ -1,16 +1,29 @@
 /* nanoserve native kernels: the conventions every file in csrc/ follows.
  *
+ * Layout by role, as ggml-cpu keeps arch/ beside its generic kernels (every include is written
+ * from csrc/, which build.py puts on the include path):
+ * - runtime/: the thread pool, the ISA this CPU runs (isa.h), the ABI query, the shared-memory
+ *   collective.
+ * - quant/: activations quantized to 8-bit blocks and the GGUF block structs (quant_blocks.h),
+ *   the repacking of the file's blocks at load, row lookups of a quantized table.
+ * - gemm/: the matrix products, one file a layout (the file's blocks, the 8-column groups of
+ *   matmul_x8.c and matmul_kx8.c with their shared driver column_groups, float panels, the Q4
+ *   GEMM), each with its portable C and AVX2 paths.
+ * - arch/x86/: the wider ISAs' tiles (AVX-512, AVX-512 VNNI, AVX-VNNI) and the peak probe.
+ * - stages/: a step's fused stages (stages.h): attention over the paged cache, norms, RoPE and
+ *   activations, each projection's stage, MoE, LoRA, and the one-call decoder that runs them.
+ *
  * - Plain C11, compiled once per machine with -O3 -march=native (build.py). Each AVX2 path
  *   sits beside a portable C version of the same function, under #if on the compiler's own
  *   macros (__AVX2__, __FMA__, __F16C__), so any machine with a C compiler gets a working
  *   library (portable C where it has no AVX2), and a test can hold the fast path against the
  *   portable one. The block tiles' wider paths (AVX-512, AVX-512 VNNI, AVX-VNNI: arch/x86/)
  *   select their ISA per file with GCC's target pragma and are chosen at run time by cpuid
- *   (isa.h), each held against the same portable reference.
+ *   (runtime/isa.h), each held against the same portable reference.
  * - Batch invariance by construction: a kernel never splits a row's reduction (the K axis)
  *   across threads or in a way that depends on how many rows share the call or where the row
  *   sits. Threads split output columns; row blocking only reuses a weight block across rows.
- * - Threads come from the library's own pool (threadpool.c), sized by an explicit argument
+ * - Threads come from the library's own pool (runtime/threadpool.c), sized by an explicit argument
  *   (num_threads) that Python passes from torch.get_num_threads(), so --threads holds on
  *   whatever thread the engine's loop runs.
  * - Tensors are passed as raw pointers to contiguous memory; sizes are int64_t.

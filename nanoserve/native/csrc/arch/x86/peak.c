@@ -7,7 +7,7 @@
  * operations (a multiply and an add each) comes back; Python times the call. */
 #include <stdint.h>
 
-#include "isa.h"
+#include "runtime/isa.h"
 #include "nanoserve.h"
 
 enum { PEAK_CHAINS = 12 };

@@ -1,12 +1,12 @@
 /* wide_tiles.h's tiles for AVX-512 F/BW/VL without VNNI: maddubs + madd on zmm. */
-#include "wide_tiles_api.h"
+#include "arch/x86/wide_tiles_api.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #include <string.h>
 
-#include "column_groups.h"
-#include "quant_blocks.h"
+#include "gemm/column_groups.h"
+#include "quant/quant_blocks.h"
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c"))), apply_to = function)
@@ -17,7 +17,7 @@
 #define WT_NAME avx512
 #define WT_COLUMNS 16
 #define WT_VNNI 0
-#include "wide_tiles.h"
+#include "arch/x86/wide_tiles.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else

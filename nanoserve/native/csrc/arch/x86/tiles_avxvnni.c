@@ -1,12 +1,12 @@
 /* wide_tiles.h's tiles for AVX2 with AVX-VNNI: VEX vpdpbusd on ymm. */
-#include "wide_tiles_api.h"
+#include "arch/x86/wide_tiles_api.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #include <string.h>
 
-#include "column_groups.h"
-#include "quant_blocks.h"
+#include "gemm/column_groups.h"
+#include "quant/quant_blocks.h"
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,avxvnni,fma,f16c"))), apply_to = function)
@@ -17,7 +17,7 @@
 #define WT_NAME avxvnni
 #define WT_COLUMNS 8
 #define WT_VNNI 1
-#include "wide_tiles.h"
+#include "arch/x86/wide_tiles.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else

@@ -1,7 +1,7 @@
 /* wide_tiles_api.h: which ISA's tile runs a layout. */
-#include "wide_tiles_api.h"
+#include "arch/x86/wide_tiles_api.h"
 
-#include "isa.h"
+#include "runtime/isa.h"
 
 ns_wide_tile ns_wide_tile_on(int isa, int fmt) {
     if (!ns_isa_runs(isa)) return 0;

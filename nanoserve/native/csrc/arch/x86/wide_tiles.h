@@ -34,9 +34,9 @@
  */
 #include <string.h>
 
-#include "column_groups.h"
-#include "quant_blocks.h"
-#include "wide_tiles_api.h"
+#include "gemm/column_groups.h"
+#include "quant/quant_blocks.h"
+#include "arch/x86/wide_tiles_api.h"
 
 #ifndef WT_NAME
 #error "define WT_NAME, WT_COLUMNS and WT_VNNI before including wide_tiles.h"

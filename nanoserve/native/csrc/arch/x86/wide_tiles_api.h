@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "quant_blocks.h"
+#include "quant/quant_blocks.h"
 
 /* The layouts with wide tiles: their GGML type numbers (matmul_x8.c's X8_*, matmul_kx8.c's KX8_*) */
 enum { NS_WIDE_Q4_1 = 3, NS_WIDE_Q8_0 = 8, NS_WIDE_Q4_K = 12, NS_WIDE_Q6_K = 14 };

@@ -30,7 +30,7 @@
 #include <time.h>
 
 #include "nanoserve.h"
-#include "stages.h"
+#include "stages/stages.h"
 
 /* Elements of work below which a row-wise stage runs on thread 0 (decoder.c's threshold). */
 #define MOE_STAGE_MIN_WORK 16384

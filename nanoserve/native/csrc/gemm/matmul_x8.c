@@ -41,11 +41,11 @@
  *
  * Blocking and threads: column_groups.h's driver, in tiles of up to ROW_TILE rows.
  */
-#include "column_groups.h"
-#include "isa.h"
+#include "gemm/column_groups.h"
+#include "runtime/isa.h"
 #include "nanoserve.h"
-#include "quant_blocks.h"
-#include "stages.h"
+#include "quant/quant_blocks.h"
+#include "stages/stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NS_X8_AVX2 1

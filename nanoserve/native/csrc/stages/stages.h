@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#include "quant_blocks.h"
+#include "quant/quant_blocks.h"
 
 /* One layer's K or V cache, [kv_heads, cache_slots, head_dim] rows of `dtype` (nanoserve.h's
  * NS_KV_*): float32, float16, bfloat16, or q8_0: int8 codes and one float32 scale per row,

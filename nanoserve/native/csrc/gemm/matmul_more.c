@@ -33,7 +33,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
-#include "quant_blocks.h"
+#include "quant/quant_blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

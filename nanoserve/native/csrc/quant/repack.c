@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
-#include "quant_blocks.h"
+#include "quant/quant_blocks.h"
 
 enum { RP_Q4_0 = 2, RP_Q4_1 = 3, RP_Q8_0 = 8, RP_Q4_K = 12, RP_Q6_K = 14 }; /* GGML type numbers */
 enum { RP_COLUMNS = 8 };

@@ -25,7 +25,7 @@
 #include <math.h>
 
 #include "nanoserve.h"
-#include "stages.h"
+#include "stages/stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

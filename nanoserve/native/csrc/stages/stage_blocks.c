@@ -9,7 +9,7 @@
  * changes no bit.
  */
 #include "nanoserve.h"
-#include "stages.h"
+#include "stages/stages.h"
 
 static void stage_part(int fmt, const float *x, const xblock *xq, const void *w, float *y, int64_t y_stride,
                        int64_t rows, int64_t n, int64_t k, int thread, int threads) {

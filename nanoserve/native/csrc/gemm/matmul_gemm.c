@@ -25,7 +25,7 @@
 #include <stdlib.h>
 
 #include "nanoserve.h"
-#include "quant_blocks.h"
+#include "quant/quant_blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NS_GEMM_AVX2 1

@@ -23,7 +23,7 @@
 #include <time.h>
 
 #include "nanoserve.h"
-#include "stages.h"
+#include "stages/stages.h"
 
 /* Elements of work below which a stage runs on one thread (ops.c's NS_PARALLEL_MIN_WORK). */
 #define NS_STAGE_MIN_WORK 16384

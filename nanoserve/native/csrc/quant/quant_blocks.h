@@ -114,7 +114,7 @@ static inline void quantize_row_portable(const float *x, int64_t k, xblock *out)
     for (int64_t b = 0; b < k / 32; b++) quantize_block_portable(x + 32 * b, out + b);
 }
 
-/* The GGUF block layouts csrc/matmul_more.c reads, as ggml-common.h defines them (nanoserve/
+/* The GGUF block layouts csrc/gemm/matmul_more.c reads, as ggml-common.h defines them (nanoserve/
  * quant.py's docstring gives the value of each element). Byte arrays only, so no padding: a
  * row of blocks is an array of these. f16 fields are two bytes, read with f16_to_f32. */
 typedef struct { uint8_t d[2], qh[4], qs[16]; } block_q5_0;

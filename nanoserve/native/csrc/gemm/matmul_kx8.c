@@ -84,11 +84,11 @@
  * bits is a constant: these layouts read fewer bytes than Q4_K, so their unpacking, not the
  * memory, sets their speed. Blocking and threads: column_groups.h's driver.
  */
-#include "column_groups.h"
-#include "isa.h"
+#include "gemm/column_groups.h"
+#include "runtime/isa.h"
 #include "nanoserve.h"
-#include "quant_blocks.h"
-#include "stages.h"
+#include "quant/quant_blocks.h"
+#include "stages/stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NS_KX8_AVX2 1

@@ -14,7 +14,7 @@
 #include <stdint.h>
 
 #include "arch/x86/wide_tiles_api.h"
-#include "quant_blocks.h"
+#include "quant/quant_blocks.h"
 
 enum { NS_GROUP_COLUMNS = 8, NS_GROUP_PANEL = 32 };
 

@@ -44,7 +44,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
-#include "stages.h"
+#include "stages/stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

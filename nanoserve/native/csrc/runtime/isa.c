@@ -2,7 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "isa.h"
+#include "runtime/isa.h"
 #include "nanoserve.h"
 
 static const char *const LABELS[NS_ISA_COUNT] = {"portable", "avx2", "avxvnni", "avx512", "avx512vnni"};

@@ -46,7 +46,7 @@
 #include <string.h>
 
 #include "nanoserve.h"
-#include "stages.h"
+#include "stages/stages.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

@@ -1,8 +1,8 @@
 /* column_groups.h's driver: the loops every interleaved-column layout runs its tile in. */
 #include <stdlib.h>
 
-#include "column_groups.h"
-#include "isa.h"
+#include "gemm/column_groups.h"
+#include "runtime/isa.h"
 #include "nanoserve.h"
 
 /* A call of at most this many rows has every thread quantize all of them into its own copy
