@@ -21,9 +21,12 @@
  *
  * Work: a ROW BLOCK is up to NS_ATTN_QUERIES / group consecutive rows of one sequence (a decode
  * row is a block of its own), whose GQA query heads share each K/V row as it is loaded and
- * converted. A decode row's unit is (K/V head, partition), so a single long row still spreads
- * over every thread; its partitions' results are merged after a barrier, one (row, query head)
- * a unit. A prompt chunk's block is one unit per K/V head that runs its partitions in turn and
+ * converted: on AVX-512 the heads of one row (up to NS_ATTN_GROUP at a time) read the tile's
+ * rows straight from the cache, eight keys' chunks converted once into every head's lanes, and
+ * each V row's chunks converted once into every head's accumulator (no float32 copy of the
+ * tile); the other paths convert the tile once and run a query vector at a time. A decode
+ * row's unit is (K/V head, partition), so a single long row still spreads over every thread;
+ * its partitions' results are merged after a barrier, one (row, query head) a unit. A prompt chunk's block is one unit per K/V head that runs its partitions in turn and
  * merges them itself, in the same order with the same function (no results kept across
  * threads). Units are dealt to the threads in turn.
  *
@@ -31,9 +34,9 @@
  * compiled with its target attribute and chosen at run time from cpuid (ns_attention_isas says
  * which this CPU runs). Every vector operation is an exactly rounded IEEE operation on the same
  * operands in the same order as the reference (the 16 lanes of the reference are two 8-lane
- * registers on AVX2 and one on AVX-512; AVX-512 sums sixteen keys' lanes at once over shuffled
- * registers, each key by the same pairs), so the three agree bit for bit (tests/test_native_
- * attention.py). Contraction is off in this file: the compiler may not fuse a multiply and an
+ * registers on AVX2 and one on AVX-512; AVX-512 sums eight or sixteen keys' lanes at once
+ * over shuffled registers, each key by the same pairs), so the three agree bit for bit
+ * (tests/test_native_attention.py). Contraction is off in this file: the compiler may not fuse a multiply and an
  * add the reference keeps apart. A head dimension that is not a multiple of 16 runs the
  * reference (the same bits, slower).
  */
@@ -127,6 +130,18 @@ typedef struct {
     int64_t table_width, block_size, cache_slots, dim;
 } AttnCache;
 
+/* A tile's K or V rows where the cache holds them: row j at rows[j], in `dtype`, with
+ * scales[j] for q8_0. */
+typedef struct {
+    const void *rows[NS_ATTN_TILE];
+    float scales[NS_ATTN_TILE];
+    int dtype;
+} CacheTile;
+
+/* The most query vectors one call of the grouped kernels takes: three accumulators a key for
+ * eight keys fill 24 of the 32 vector registers (a default model's K/V head serves three). */
+#define NS_ATTN_GROUP 3
+
 /* What differs between the paths. A tile's K or V rows are float32 rows of `padded` values
  * (`rows[j]`, j < NS_ATTN_TILE): the cache's own rows where it holds float32 and needs no
  * padding, else `convert`'s copies. Query vector q / accumulator acc: `padded` floats.
@@ -148,6 +163,14 @@ typedef struct {
     float (*max)(const float *x, int64_t n);
     void (*accumulate)(const float *p, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
                        float *acc);
+    /* Optional (NULL: convert, then scores / accumulate a query vector at a time): the same
+     * arithmetic for up to NS_ATTN_GROUP query vectors that share [begin, end), each K or V
+     * row read once for all of them, from the cache in its own dtype (no converted copy).
+     * q / acc: `group` vectors `padded` apart; scores / p: `group` rows NS_ATTN_TILE apart. */
+    void (*scores_group)(const float *q, int64_t group, const CacheTile *keys, int64_t begin, int64_t end,
+                         int64_t padded, float *scores);
+    void (*accumulate_group)(const float *p, int64_t group, const CacheTile *values, int64_t begin, int64_t end,
+                             int64_t padded, float *acc);
 } AttnIsa;
 
 /* ---------------------------------------------------------------- the portable reference */
@@ -216,7 +239,7 @@ static void accumulate_reference(const float *p, const float *const *rows, int64
 }
 
 static const AttnIsa REFERENCE = {convert_reference, scores_reference, exp_shifted_reference, sum_reference,
-                                  max_reference, accumulate_reference};
+                                  max_reference, accumulate_reference, NULL, NULL};
 
 #ifdef NS_ATTN_X86
 /* ---------------------------------------------------------------- AVX2 + FMA + F16C */
@@ -360,7 +383,8 @@ AVX2_TARGET static float max_avx2(const float *x, int64_t n) {
     return result;
 }
 
-static const AttnIsa AVX2 = {convert_avx2, scores_avx2, exp_shifted_avx2, sum_avx2, max_avx2, accumulate_avx2};
+static const AttnIsa AVX2 = {convert_avx2,    scores_avx2, exp_shifted_avx2, sum_avx2, max_avx2, accumulate_avx2,
+                             NULL, NULL};
 
 /* ---------------------------------------------------------------- AVX-512F */
 
@@ -504,8 +528,121 @@ AVX512_TARGET static float max_avx512(const float *x, int64_t n) {
     return _mm512_reduce_max_ps(largest);
 }
 
-static const AttnIsa AVX512 = {convert_avx512, scores_avx512, exp_shifted_avx512, sum_avx512, max_avx512,
-                               accumulate_avx512};
+/* 16 values of a tile's row j from value i on, converted as load16_avx512 converts them. */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 tile16_avx512(const CacheTile *t, int dtype,
+                                                                                int64_t j, int64_t i) {
+    switch (dtype) {
+    case NS_KV_F32:
+        return _mm512_loadu_ps((const float *)t->rows[j] + i);
+    case NS_KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->rows[j] + i)));
+    case NS_KV_BF16: {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->rows[j] + i)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    default: {
+        __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)t->rows[j] + i)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(t->scales[j]));
+    }
+    }
+}
+
+/* 8 keys' 16-lane sums at once, by lanes_sum16_avx512's steps on half as many registers (each
+ * key by lanes_sum_reference's pairs): the 8 scores in key order in lanes 0-7. */
+AVX512_TARGET static inline __m512 lanes_sum8_avx512(const __m512 *a) {
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; i++) b[i] = fold8_avx512(a[2 * i], a[2 * i + 1]); /* quarters: key 2i: 0,1; 2i+1: 2,3 */
+    for (int i = 0; i < 2; i++) /* quarter t: key 4i + t, its l + l+4 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    /* quarter t: keys t (lanes 0, 1) and 4 + t (lanes 2, 3) */
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter t: keys t (lane 0) and 4 + t (lane 1) */
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d, d, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(d, d, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+/* scores_group for `group` vectors of a `dtype` tile: eight keys at a time, each key's 16-value
+ * chunk converted once and multiplied into every vector's lanes (a short last group repeats its
+ * first key: lanes nobody reads). */
+AVX512_TARGET static inline __attribute__((always_inline)) void scores_tile_avx512(
+        int dtype, int group, const float *q, const CacheTile *keys, int64_t begin, int64_t end, int64_t padded,
+        float *scores) {
+    for (int64_t j = begin; j < end; j += 8) {
+        const int64_t count = end - j < 8 ? end - j : 8;
+        int64_t key[8];
+        for (int t = 0; t < 8; t++) key[t] = j + (t < count ? t : 0);
+        __m512 a[NS_ATTN_GROUP][8];
+        for (int g = 0; g < group; g++)
+            for (int t = 0; t < 8; t++) a[g][t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < padded; c += 16)
+            for (int t = 0; t < 8; t++) {
+                const __m512 k = tile16_avx512(keys, dtype, key[t], c);
+                for (int g = 0; g < group; g++) a[g][t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * padded + c), k, a[g][t]);
+            }
+        for (int g = 0; g < group; g++)
+            _mm512_mask_storeu_ps(scores + g * NS_ATTN_TILE + j, (__mmask16)((1u << count) - 1),
+                                  lanes_sum8_avx512(a[g]));
+    }
+}
+
+/* accumulate_group for `group` vectors of a `dtype` tile: 64 values a pass, each V row's chunks
+ * converted once and added into every vector's accumulator. */
+AVX512_TARGET static inline __attribute__((always_inline)) void accumulate_tile_avx512(
+        int dtype, int group, const float *p, const CacheTile *values, int64_t begin, int64_t end, int64_t padded,
+        float *acc) {
+    for (int64_t c = 0; c < padded; c += 64) {
+        const int chunks = padded - c >= 64 ? 4 : (int)((padded - c) / 16);
+        __m512 a[NS_ATTN_GROUP][4];
+        for (int g = 0; g < group; g++)
+            for (int u = 0; u < 4; u++)
+                a[g][u] = u < chunks ? _mm512_loadu_ps(acc + g * padded + c + 16 * u) : _mm512_setzero_ps();
+        for (int64_t j = begin; j < end; j++) {
+            __m512 v[4];
+            for (int u = 0; u < 4; u++) v[u] = u < chunks ? tile16_avx512(values, dtype, j, c + 16 * u) : v[0];
+            for (int g = 0; g < group; g++) {
+                const __m512 w = _mm512_set1_ps(p[g * NS_ATTN_TILE + j]);
+                for (int u = 0; u < 4; u++)
+                    if (u < chunks) a[g][u] = _mm512_fmadd_ps(w, v[u], a[g][u]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int u = 0; u < chunks; u++) _mm512_storeu_ps(acc + g * padded + c + 16 * u, a[g][u]);
+    }
+}
+
+/* One instance per (dtype, group size), so each body's switch and loops fold away. */
+#define NS_ATTN_EACH_GROUP(body, dtype, group, ...)                                                              \
+    switch (dtype * 4 + (int)group) {                                                                          \
+    case NS_KV_F32 * 4 + 1: body(NS_KV_F32, 1, __VA_ARGS__); break;                                            \
+    case NS_KV_F32 * 4 + 2: body(NS_KV_F32, 2, __VA_ARGS__); break;                                            \
+    case NS_KV_F32 * 4 + 3: body(NS_KV_F32, 3, __VA_ARGS__); break;                                            \
+    case NS_KV_F16 * 4 + 1: body(NS_KV_F16, 1, __VA_ARGS__); break;                                            \
+    case NS_KV_F16 * 4 + 2: body(NS_KV_F16, 2, __VA_ARGS__); break;                                            \
+    case NS_KV_F16 * 4 + 3: body(NS_KV_F16, 3, __VA_ARGS__); break;                                            \
+    case NS_KV_BF16 * 4 + 1: body(NS_KV_BF16, 1, __VA_ARGS__); break;                                          \
+    case NS_KV_BF16 * 4 + 2: body(NS_KV_BF16, 2, __VA_ARGS__); break;                                          \
+    case NS_KV_BF16 * 4 + 3: body(NS_KV_BF16, 3, __VA_ARGS__); break;                                          \
+    case NS_KV_Q8_0 * 4 + 1: body(NS_KV_Q8_0, 1, __VA_ARGS__); break;                                          \
+    case NS_KV_Q8_0 * 4 + 2: body(NS_KV_Q8_0, 2, __VA_ARGS__); break;                                          \
+    default: body(NS_KV_Q8_0, 3, __VA_ARGS__); break;                                                          \
+    }
+
+AVX512_TARGET static void scores_group_avx512(const float *q, int64_t group, const CacheTile *keys, int64_t begin,
+                                              int64_t end, int64_t padded, float *scores) {
+    NS_ATTN_EACH_GROUP(scores_tile_avx512, keys->dtype, group, q, keys, begin, end, padded, scores)
+}
+
+AVX512_TARGET static void accumulate_group_avx512(const float *p, int64_t group, const CacheTile *values,
+                                                  int64_t begin, int64_t end, int64_t padded, float *acc) {
+    NS_ATTN_EACH_GROUP(accumulate_tile_avx512, values->dtype, group, p, values, begin, end, padded, acc)
+}
+
+static const AttnIsa AVX512 = {convert_avx512,    scores_avx512,      exp_shifted_avx512,     sum_avx512,
+                               max_avx512,        accumulate_avx512,  scores_group_avx512,    accumulate_group_avx512};
 #endif
 
 /* The paths this CPU runs: NS_ATTN_PORTABLE always, with AVX2 and AVX-512 where cpuid says so. */
@@ -620,6 +757,7 @@ typedef struct {
     float *kept; /* a prompt chunk's partitions' (max, sum, accumulator) per query vector, or NULL */
     const float **k_rows, **v_rows;
     int64_t *index;
+    CacheTile tile;              /* the grouped kernels' K, then V, rows of the tile */
     int32_t *begin, *end, *low, *high;
 } AttnScratch;
 
@@ -734,6 +872,58 @@ static void start_queries(const AttnJob *job, AttnScratch *s, int64_t first_row,
     }
 }
 
+/* The cache rows of slots [from, from + count) of the K/V head whose rows start at `head_base`,
+ * through the sequence's block table: walked block by block (no division a slot), reading no
+ * table entry past the last slot's. */
+static void tile_index(const AttnCache *c, const int64_t *table, int64_t head_base, int64_t from, int64_t count,
+                       int64_t *index) {
+    int64_t block = from / c->block_size, offset = from % c->block_size;
+    int64_t row = head_base + table[block] * c->block_size;
+    for (int64_t j = 0; j < count; j++) {
+        index[j] = row + offset;
+        if (++offset == c->block_size && j + 1 < count) {
+            offset = 0;
+            row = head_base + table[++block] * c->block_size;
+        }
+    }
+}
+
+/* A tile's rows `index[0..count)` of `cache` where it holds them. */
+static void cache_tile(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim, CacheTile *tile) {
+    const int64_t bytes = dim * (cache->dtype == NS_KV_F32 ? 4 : cache->dtype == NS_KV_Q8_0 ? 1 : 2);
+    tile->dtype = cache->dtype;
+    for (int64_t j = 0; j < count; j++) tile->rows[j] = (const char *)cache->rows + index[j] * bytes;
+    if (cache->dtype == NS_KV_Q8_0)
+        for (int64_t j = 0; j < count; j++) tile->scales[j] = cache->scales[index[j]];
+}
+
+/* One tile on the grouped kernels: the query vectors cut into runs that share their slots of
+ * the tile (a row's GQA heads), at most NS_ATTN_GROUP a run; each run's scores and softmax,
+ * then each run's values. */
+static void grouped_tile(const AttnJob *job, AttnScratch *s, int64_t n, const int64_t *index, int64_t count) {
+    const AttnIsa *isa = job->isa;
+    const int64_t dim = job->c->dim, padded = padded_dim(dim);
+    cache_tile(&job->c->k, index, count, dim, &s->tile);
+    for (int64_t v = 0, run; v < n; v += run) {
+        for (run = 1; v + run < n && run < NS_ATTN_GROUP && s->begin[v + run] == s->begin[v] &&
+                      s->end[v + run] == s->end[v];)
+            run++;
+        if (s->end[v] <= s->begin[v]) continue;
+        isa->scores_group(s->q + v * padded, run, &s->tile, s->begin[v], s->end[v], padded,
+                          s->scores + v * NS_ATTN_TILE);
+        for (int64_t u = v; u < v + run; u++) softmax_tile(job, s, u, padded);
+    }
+    cache_tile(&job->c->v, index, count, dim, &s->tile);
+    for (int64_t v = 0, run; v < n; v += run) {
+        for (run = 1; v + run < n && run < NS_ATTN_GROUP && s->begin[v + run] == s->begin[v] &&
+                      s->end[v + run] == s->end[v];)
+            run++;
+        if (s->end[v] > s->begin[v])
+            isa->accumulate_group(s->scores + v * NS_ATTN_TILE, run, &s->tile, s->begin[v], s->end[v], padded,
+                                  s->acc + v * padded);
+    }
+}
+
 /* Query vectors [v0, v0 + n) of the block over partition `part` of K/V head `kv_head`, tile by
  * tile: each tile's K rows read (and converted) once for all of them, then its V rows. */
 static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, int64_t v0, int64_t n,
@@ -756,8 +946,11 @@ static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, i
             any |= e >= b;
         }
         if (!any) continue;
-        for (int64_t slot = from; slot <= to; slot++)
-            s->index[slot - from] = head_base + table[slot / c->block_size] * c->block_size + slot % c->block_size;
+        tile_index(c, table, head_base, from, count, s->index);
+        if (isa->scores_group != NULL) {
+            grouped_tile(job, s, n, s->index, count);
+            continue;
+        }
         tile_rows(isa, &c->k, s->index, count, dim, padded, s->k_tile, s->k_rows);
         for (int64_t v = 0; v < n; v++) {
             if (s->end[v] <= s->begin[v]) continue;
