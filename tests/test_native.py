@@ -34,7 +34,8 @@ def test_an_edited_source_builds_anew(tmp_path):
     sources = tmp_path / "csrc"
     shutil.copytree(build.SOURCE_DIR, sources)
     before = build.build_library(sources, tmp_path / "cache")
-    (sources / "runtime" / "runtime.c").write_text((sources / "runtime" / "runtime.c").read_text() + "\n/* edited */\n")
+    runtime = sources / "runtime" / "runtime.c"
+    runtime.write_text(runtime.read_text() + "\n/* edited */\n")
     after = build.build_library(sources, tmp_path / "cache")
     assert before.path != after.path and after.compile_s > 0
 

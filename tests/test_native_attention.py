@@ -89,6 +89,32 @@ def test_each_vector_path_equals_the_portable_reference_bit_for_bit(path, dtype,
 
 
 @needs_native
+@pytest.mark.parametrize("path", VECTOR_PATHS or [pytest.param("avx2", marks=pytest.mark.skip(
+    reason="this CPU runs no vector path"))])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "window", "softcap"), [
+    (9, 3, 64, 0, 0.0),  # the default model's shape: a row's three heads share each K/V row
+    (8, 1, 32, 0, 0.0),  # eight heads a K/V head: runs of three, three and two
+    (8, 4, 256, 100, 50.0),  # pairs of heads, a window and soft-capping
+])
+def test_prompt_chunk_rows_on_each_vector_path_equal_the_portable_reference_bit_for_bit(
+        path, dtype, heads, kv_heads, dim, window, softcap):
+    """A prompt chunk's rows (each seeing its own prefix of the context: heads sharing a range,
+    neighbours not) beside a decode row of another sequence, on the path's grouped kernels."""
+    block_size, length = 16, 300
+    tables, k, v = paged_setup([length, 40], heads, kv_heads, dim, block_size, seed=9)
+    (k, v, k_scales, v_scales), _ = stored(k, v, dtype)
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(length - 200 + 1, heads * dim, generator=g)
+    row_seq = torch.tensor([0] * (length - 200) + [1])
+    positions = torch.tensor([*range(200, length), 39])
+    runs = [attention(name)(q, k, v, tables, row_seq, positions, heads, dim ** -0.5, window=window,
+                            softcap=softcap, k_scales=k_scales, v_scales=v_scales)
+            for name in ("portable", path)]
+    assert torch.equal(runs[0], runs[1])
+
+
+@needs_native
 @pytest.mark.parametrize("path", ["portable", "best"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size", "window", "softcap"), [

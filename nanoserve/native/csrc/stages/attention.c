@@ -22,20 +22,24 @@
  *
  * Work: a ROW BLOCK is up to NS_ATTN_QUERIES / group consecutive rows of one sequence (a decode
  * row is a block of its own), whose GQA query heads share each K/V row as it is loaded and
- * converted. A decode row's unit is (K/V head, partition), so a single long row still spreads
- * over every thread; its partitions' results are merged after a barrier, one (row, query head)
- * a unit. A prompt chunk's block is one unit per K/V head that runs its partitions in turn and
- * merges them itself, in the same order with the same function (no results kept across
- * threads). Units are dealt to the threads in turn.
+ * converted: the heads of one row (up to NS_ATTN_GROUP at a time) read a tile's rows straight
+ * from the cache, each key's chunks converted once into every head's lanes (eight keys at a
+ * time on AVX-512, two or four on AVX2, one on the reference) and each V row's chunks once into
+ * every head's accumulator; no float32 copy of the tile is kept. A decode row's unit is (K/V
+ * head, partition), so a single long row still spreads over every thread; its partitions'
+ * results are merged after a barrier, one (row, query head) a unit. A prompt chunk's block is
+ * one unit per K/V head that runs its partitions in turn and merges them itself, in the same
+ * order with the same function (no results kept across threads). Units are dealt to the
+ * threads in turn.
  *
  * Three paths, one arithmetic: the portable C reference, AVX2 (+FMA, F16C) and AVX-512F, each
  * compiled with its target attribute and chosen at run time from cpuid (ns_attention_isas says
  * which this CPU runs). Every vector operation is an exactly rounded IEEE operation on the same
  * operands in the same order as the reference (the 16 lanes of the reference are two 8-lane
- * registers on AVX2 and one on AVX-512; AVX-512 sums sixteen keys' lanes at once over shuffled
- * registers, each key by the same pairs), so the three agree bit for bit (tests/test_native_
- * attention.py). Contraction is off in this file: the compiler may not fuse a multiply and an
- * add the reference keeps apart. A head dimension that is not a multiple of 16 runs the
+ * registers on AVX2 and one on AVX-512; AVX-512 sums eight keys' lanes at once over shuffled
+ * registers, each key by the same pairs), so the three agree bit for bit
+ * (tests/test_native_attention.py). Contraction is off in this file: the compiler may not fuse
+ * a multiply and an add the reference keeps apart. A head dimension that is not a multiple of 16 runs the
  * reference (the same bits, slower).
  */
 #pragma GCC optimize("fp-contract=off")
@@ -128,54 +132,80 @@ typedef struct {
     int64_t table_width, block_size, cache_slots, dim;
 } AttnCache;
 
-/* What differs between the paths. A tile's K or V rows are float32 rows of `padded` values
- * (`rows[j]`, j < NS_ATTN_TILE): the cache's own rows where it holds float32 and needs no
- * padding, else `convert`'s copies. Query vector q / accumulator acc: `padded` floats.
- * - convert: the cache rows `index[0..count)` into out [count, padded], zeros past dim.
- * - scores: scores[j] = q . rows[j] for j in [begin, end) (slots past `end` inside the last
- *   16 may be written too: scratch the caller does not read).
+/* A tile's K or V rows where the cache holds them: row j at rows[j], `dim` values in `dtype`,
+ * with scales[j] for q8_0. */
+typedef struct {
+    const void *rows[NS_ATTN_TILE];
+    float scales[NS_ATTN_TILE];
+    int dtype;
+    int64_t dim;
+} CacheTile;
+
+/* The most query vectors one call of scores / accumulate takes: three accumulators a key for
+ * eight keys fill 24 of AVX-512's 32 vector registers (a default model's K/V head serves three). */
+#define NS_ATTN_GROUP 3
+
+/* One instance per (dtype, group size), so each body's switch and loops fold away. */
+#define NS_ATTN_EACH_GROUP(body, dtype, group, ...)                                                              \
+    switch (dtype * 4 + (int)group) {                                                                          \
+    case NS_KV_F32 * 4 + 1: body(NS_KV_F32, 1, __VA_ARGS__); break;                                            \
+    case NS_KV_F32 * 4 + 2: body(NS_KV_F32, 2, __VA_ARGS__); break;                                            \
+    case NS_KV_F32 * 4 + 3: body(NS_KV_F32, 3, __VA_ARGS__); break;                                            \
+    case NS_KV_F16 * 4 + 1: body(NS_KV_F16, 1, __VA_ARGS__); break;                                            \
+    case NS_KV_F16 * 4 + 2: body(NS_KV_F16, 2, __VA_ARGS__); break;                                            \
+    case NS_KV_F16 * 4 + 3: body(NS_KV_F16, 3, __VA_ARGS__); break;                                            \
+    case NS_KV_BF16 * 4 + 1: body(NS_KV_BF16, 1, __VA_ARGS__); break;                                          \
+    case NS_KV_BF16 * 4 + 2: body(NS_KV_BF16, 2, __VA_ARGS__); break;                                          \
+    case NS_KV_BF16 * 4 + 3: body(NS_KV_BF16, 3, __VA_ARGS__); break;                                          \
+    case NS_KV_Q8_0 * 4 + 1: body(NS_KV_Q8_0, 1, __VA_ARGS__); break;                                          \
+    case NS_KV_Q8_0 * 4 + 2: body(NS_KV_Q8_0, 2, __VA_ARGS__); break;                                          \
+    default: body(NS_KV_Q8_0, 3, __VA_ARGS__); break;                                                          \
+    }
+
+/* What differs between the paths. Query vector q / accumulator acc: `padded` floats (the
+ * head dimension rounded up to 16 lanes, zeros past dim; a tile's rows read as zeros there too).
+ * - scores: for each of `group` (<= NS_ATTN_GROUP) query vectors that share [begin, end),
+ *   scores[j] = q . keys[j] for j in [begin, end): each key's values multiplied into 16 lanes
+ *   of fused multiply-adds over the head dimension, the lanes then summed pairwise l + l+8,
+ *   l + l+4, l + l+2, l + l+1 (slots past `end` inside the last 16 may be written too:
+ *   scratch the caller does not read). Vectors `padded` apart, their scores NS_ATTN_TILE apart.
  * - exp_shifted: x = exp(x - shift), in place.
  * - sum: the sum of x[0..n) in 16 lanes (x[i] into lane i % 16, in order), the lanes then
  *   summed pairwise as a dot product's.
  * - max: the largest of x[0..n) (n >= 1; exact in any order).
- * - accumulate: acc += p[j] * rows[j] for j in [begin, end), in order. */
+ * - accumulate: for each of `group` vectors, acc += p[j] * values[j] for j in [begin, end), in
+ *   order (weights NS_ATTN_TILE apart, accumulators `padded` apart).
+ * Each K or V row is read from the cache (and converted) once for the group. */
 typedef struct {
-    void (*convert)(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim, int64_t padded,
-                    float *out);
-    void (*scores)(const float *q, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
+    void (*scores)(const float *q, int64_t group, const CacheTile *keys, int64_t begin, int64_t end, int64_t padded,
                    float *scores);
     void (*exp_shifted)(float *x, float shift, int64_t n);
     float (*sum)(const float *x, int64_t n);
     float (*max)(const float *x, int64_t n);
-    void (*accumulate)(const float *p, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
-                       float *acc);
+    void (*accumulate)(const float *p, int64_t group, const CacheTile *values, int64_t begin, int64_t end,
+                       int64_t padded, float *acc);
 } AttnIsa;
 
 /* ---------------------------------------------------------------- the portable reference */
 
-static void convert_reference(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
-                              int64_t padded, float *out) {
-    for (int64_t j = 0; j < count; j++) {
-        float *row = out + j * padded;
-        const int64_t at = index[j] * dim;
-        switch (cache->dtype) {
+/* Row j of a tile as float32, zeros from dim to padded. */
+static void row_reference(const CacheTile *t, int64_t j, int64_t padded, float *out) {
+    for (int64_t i = 0; i < t->dim; i++) {
+        switch (t->dtype) {
         case NS_KV_F32:
-            memcpy(row, (const float *)cache->rows + at, (size_t)dim * sizeof(float));
+            out[i] = ((const float *)t->rows[j])[i];
             break;
         case NS_KV_F16:
-            for (int64_t i = 0; i < dim; i++) row[i] = half_to_float(((const uint16_t *)cache->rows)[at + i]);
+            out[i] = half_to_float(((const uint16_t *)t->rows[j])[i]);
             break;
         case NS_KV_BF16:
-            for (int64_t i = 0; i < dim; i++) row[i] = bf16_to_float(((const uint16_t *)cache->rows)[at + i]);
+            out[i] = bf16_to_float(((const uint16_t *)t->rows[j])[i]);
             break;
-        default: { /* q8_0 */
-            const int8_t *codes = (const int8_t *)cache->rows + at;
-            const float scale = cache->scales[index[j]];
-            for (int64_t i = 0; i < dim; i++) row[i] = (float)codes[i] * scale;
+        default: /* q8_0 */
+            out[i] = (float)((const int8_t *)t->rows[j])[i] * t->scales[j];
         }
-        }
-        for (int64_t i = dim; i < padded; i++) row[i] = 0.0f;
     }
+    for (int64_t i = t->dim; i < padded; i++) out[i] = 0.0f;
 }
 
 static float lanes_sum_reference(float *lanes) {
@@ -184,13 +214,17 @@ static float lanes_sum_reference(float *lanes) {
     return lanes[0];
 }
 
-static void scores_reference(const float *q, const float *const *rows, int64_t begin, int64_t end, int64_t padded,
-                             float *scores) {
+static void scores_reference(const float *q, int64_t group, const CacheTile *keys, int64_t begin, int64_t end,
+                             int64_t padded, float *scores) {
+    float key[padded];
     for (int64_t j = begin; j < end; j++) {
-        float lanes[NS_ATTN_LANES] = {0};
-        for (int64_t c = 0; c < padded; c += NS_ATTN_LANES)
-            for (int l = 0; l < NS_ATTN_LANES; l++) lanes[l] = fmaf(q[c + l], rows[j][c + l], lanes[l]);
-        scores[j] = lanes_sum_reference(lanes);
+        row_reference(keys, j, padded, key);
+        for (int64_t g = 0; g < group; g++) {
+            float lanes[NS_ATTN_LANES] = {0};
+            for (int64_t c = 0; c < padded; c += NS_ATTN_LANES)
+                for (int l = 0; l < NS_ATTN_LANES; l++) lanes[l] = fmaf(q[g * padded + c + l], key[c + l], lanes[l]);
+            scores[g * NS_ATTN_TILE + j] = lanes_sum_reference(lanes);
+        }
     }
 }
 
@@ -210,44 +244,24 @@ static float max_reference(const float *x, int64_t n) {
     return largest;
 }
 
-static void accumulate_reference(const float *p, const float *const *rows, int64_t begin, int64_t end,
-                                 int64_t padded, float *acc) {
-    for (int64_t j = begin; j < end; j++)
-        for (int64_t i = 0; i < padded; i++) acc[i] = fmaf(p[j], rows[j][i], acc[i]);
+static void accumulate_reference(const float *p, int64_t group, const CacheTile *values, int64_t begin,
+                                 int64_t end, int64_t padded, float *acc) {
+    float value[padded];
+    for (int64_t j = begin; j < end; j++) {
+        row_reference(values, j, padded, value);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = 0; i < padded; i++)
+                acc[g * padded + i] = fmaf(p[g * NS_ATTN_TILE + j], value[i], acc[g * padded + i]);
+    }
 }
 
-static const AttnIsa REFERENCE = {convert_reference, scores_reference, exp_shifted_reference, sum_reference,
-                                  max_reference, accumulate_reference};
+static const AttnIsa REFERENCE = {scores_reference, exp_shifted_reference, sum_reference, max_reference,
+                                  accumulate_reference};
 
 #ifdef NS_ATTN_X86
 /* ---------------------------------------------------------------- AVX2 + FMA + F16C */
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-
-/* 8 values of row `index` from value `i` on (i a multiple of 8, inside dim). */
-AVX2_TARGET static inline __m256 load8_avx2(const ns_kv_rows *cache, int64_t index, int64_t dim, int64_t i) {
-    const int64_t at = index * dim + i;
-    switch (cache->dtype) {
-    case NS_KV_F32:
-        return _mm256_loadu_ps((const float *)cache->rows + at);
-    case NS_KV_F16:
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache->rows + at)));
-    case NS_KV_BF16: {
-        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)cache->rows + at)));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-    }
-    default: {
-        __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)cache->rows + at)));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(cache->scales[index]));
-    }
-    }
-}
-
-AVX2_TARGET static void convert_avx2(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
-                                     int64_t padded, float *out) {
-    for (int64_t j = 0; j < count; j++)
-        for (int64_t i = 0; i < dim; i += 8) _mm256_storeu_ps(out + j * padded + i, load8_avx2(cache, index[j], dim, i));
-}
 
 /* The 16 lanes lo (0-7) and hi (8-15) summed as lanes_sum_reference sums them. */
 AVX2_TARGET static inline float lanes_sum_avx2(__m256 lo, __m256 hi) {
@@ -255,32 +269,6 @@ AVX2_TARGET static inline float lanes_sum_avx2(__m256 lo, __m256 hi) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-/* Four keys at a time: eight independent chains of multiply-adds. */
-AVX2_TARGET static void scores_avx2(const float *q, const float *const *rows, int64_t begin, int64_t end,
-                                    int64_t padded, float *scores) {
-    int64_t j = begin;
-    for (; j + 4 <= end; j += 4) {
-        __m256 lo[4], hi[4];
-        for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < padded; c += 16) {
-            const __m256 q_lo = _mm256_loadu_ps(q + c), q_hi = _mm256_loadu_ps(q + c + 8);
-            for (int t = 0; t < 4; t++) {
-                lo[t] = _mm256_fmadd_ps(q_lo, _mm256_loadu_ps(rows[j + t] + c), lo[t]);
-                hi[t] = _mm256_fmadd_ps(q_hi, _mm256_loadu_ps(rows[j + t] + c + 8), hi[t]);
-            }
-        }
-        for (int t = 0; t < 4; t++) scores[j + t] = lanes_sum_avx2(lo[t], hi[t]);
-    }
-    for (; j < end; j++) {
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-        for (int64_t c = 0; c < padded; c += 16) {
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(rows[j] + c), lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(rows[j] + c + 8), hi);
-        }
-        scores[j] = lanes_sum_avx2(lo, hi);
-    }
 }
 
 AVX2_TARGET static inline __m256 exp8_avx2(__m256 x) {
@@ -323,33 +311,6 @@ AVX2_TARGET static float sum_avx2(const float *x, int64_t n) {
     return lanes_sum_avx2(lo, hi);
 }
 
-AVX2_TARGET static void accumulate_avx2(const float *p, const float *const *rows, int64_t begin, int64_t end,
-                                        int64_t padded, float *acc) {
-    for (int64_t c = 0; c < padded; c += 32) { /* 32 values: four chains */
-        const int wide = padded - c >= 32;
-        __m256 a0 = _mm256_loadu_ps(acc + c), a1 = _mm256_loadu_ps(acc + c + 8), a2 = a0, a3 = a1;
-        if (wide) {
-            a2 = _mm256_loadu_ps(acc + c + 16);
-            a3 = _mm256_loadu_ps(acc + c + 24);
-        }
-        for (int64_t j = begin; j < end; j++) {
-            const __m256 w = _mm256_set1_ps(p[j]);
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c + 8), a1);
-            if (wide) {
-                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c + 16), a2);
-                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[j] + c + 24), a3);
-            }
-        }
-        _mm256_storeu_ps(acc + c, a0);
-        _mm256_storeu_ps(acc + c + 8, a1);
-        if (wide) {
-            _mm256_storeu_ps(acc + c + 16, a2);
-            _mm256_storeu_ps(acc + c + 24, a3);
-        }
-    }
-}
-
 AVX2_TARGET static float max_avx2(const float *x, int64_t n) {
     __m256 largest = _mm256_set1_ps(x[0]);
     int64_t i = 0;
@@ -361,58 +322,97 @@ AVX2_TARGET static float max_avx2(const float *x, int64_t n) {
     return result;
 }
 
-static const AttnIsa AVX2 = {convert_avx2, scores_avx2, exp_shifted_avx2, sum_avx2, max_avx2, accumulate_avx2};
+/* 8 values of a tile's row j from value i on, converted as row_reference converts them. */
+AVX2_TARGET static inline __attribute__((always_inline)) __m256 tile8_avx2(const CacheTile *t, int dtype, int64_t j,
+                                                                          int64_t i) {
+    switch (dtype) {
+    case NS_KV_F32:
+        return _mm256_loadu_ps((const float *)t->rows[j] + i);
+    case NS_KV_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->rows[j] + i)));
+    case NS_KV_BF16: {
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)t->rows[j] + i)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    default: {
+        __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)t->rows[j] + i)));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(t->scales[j]));
+    }
+    }
+}
+
+/* scores for `group` vectors of a `dtype` tile: two keys at a time (four for one
+ * vector: the 16 registers hold 8 two-register accumulators), each key's chunk converted once
+ * and multiplied into every vector's lanes. */
+AVX2_TARGET static inline __attribute__((always_inline)) void scores_tile_avx2(
+        int dtype, int group, const float *q, const CacheTile *keys, int64_t begin, int64_t end, int64_t padded,
+        float *scores) {
+    const int step = group == 1 ? 4 : 2;
+    for (int64_t j = begin; j < end; j += step) {
+        const int64_t count = end - j < step ? end - j : step;
+        int64_t key[4];
+        for (int t = 0; t < step; t++) key[t] = j + (t < count ? t : 0);
+        __m256 lo[NS_ATTN_GROUP][4], hi[NS_ATTN_GROUP][4];
+        for (int g = 0; g < group; g++)
+            for (int t = 0; t < step; t++) lo[g][t] = hi[g][t] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < padded; c += 16)
+            for (int t = 0; t < step; t++) {
+                const __m256 k_lo = tile8_avx2(keys, dtype, key[t], c), k_hi = tile8_avx2(keys, dtype, key[t], c + 8);
+                for (int g = 0; g < group; g++) {
+                    lo[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * padded + c), k_lo, lo[g][t]);
+                    hi[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * padded + c + 8), k_hi, hi[g][t]);
+                }
+            }
+        for (int g = 0; g < group; g++)
+            for (int t = 0; t < count; t++) scores[g * NS_ATTN_TILE + j + t] = lanes_sum_avx2(lo[g][t], hi[g][t]);
+    }
+}
+
+/* accumulate for `group` vectors of a `dtype` tile: 16 values a pass, each V row's two
+ * chunks converted once and added into every vector's accumulator. */
+AVX2_TARGET static inline __attribute__((always_inline)) void accumulate_tile_avx2(
+        int dtype, int group, const float *p, const CacheTile *values, int64_t begin, int64_t end, int64_t padded,
+        float *acc) {
+    for (int64_t c = 0; c < padded; c += 16) {
+        __m256 lo[NS_ATTN_GROUP], hi[NS_ATTN_GROUP];
+        for (int g = 0; g < group; g++) {
+            lo[g] = _mm256_loadu_ps(acc + g * padded + c);
+            hi[g] = _mm256_loadu_ps(acc + g * padded + c + 8);
+        }
+        for (int64_t j = begin; j < end; j++) {
+            const __m256 v_lo = tile8_avx2(values, dtype, j, c), v_hi = tile8_avx2(values, dtype, j, c + 8);
+            for (int g = 0; g < group; g++) {
+                const __m256 w = _mm256_set1_ps(p[g * NS_ATTN_TILE + j]);
+                lo[g] = _mm256_fmadd_ps(w, v_lo, lo[g]);
+                hi[g] = _mm256_fmadd_ps(w, v_hi, hi[g]);
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            _mm256_storeu_ps(acc + g * padded + c, lo[g]);
+            _mm256_storeu_ps(acc + g * padded + c + 8, hi[g]);
+        }
+    }
+}
+
+AVX2_TARGET static void scores_group_avx2(const float *q, int64_t group, const CacheTile *keys, int64_t begin,
+                                          int64_t end, int64_t padded, float *scores) {
+    NS_ATTN_EACH_GROUP(scores_tile_avx2, keys->dtype, group, q, keys, begin, end, padded, scores)
+}
+
+AVX2_TARGET static void accumulate_group_avx2(const float *p, int64_t group, const CacheTile *values, int64_t begin,
+                                              int64_t end, int64_t padded, float *acc) {
+    NS_ATTN_EACH_GROUP(accumulate_tile_avx2, values->dtype, group, p, values, begin, end, padded, acc)
+}
+
+static const AttnIsa AVX2 = {scores_group_avx2, exp_shifted_avx2, sum_avx2, max_avx2, accumulate_group_avx2};
 
 /* ---------------------------------------------------------------- AVX-512F */
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
 
-AVX512_TARGET static inline __m512 load16_avx512(const ns_kv_rows *cache, int64_t index, int64_t dim, int64_t i) {
-    const int64_t at = index * dim + i;
-    switch (cache->dtype) {
-    case NS_KV_F32:
-        return _mm512_loadu_ps((const float *)cache->rows + at);
-    case NS_KV_F16:
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache->rows + at)));
-    case NS_KV_BF16: {
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache->rows + at)));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
-    default: {
-        __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)cache->rows + at)));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(cache->scales[index]));
-    }
-    }
-}
-
-AVX512_TARGET static void convert_avx512(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
-                                         int64_t padded, float *out) {
-    for (int64_t j = 0; j < count; j++)
-        for (int64_t i = 0; i < dim; i += 16)
-            _mm512_storeu_ps(out + j * padded + i, load16_avx512(cache, index[j], dim, i));
-}
-
 /* Lanes x[0..8) + x[8..16) of two vectors at once: [x's, y's] (each its l + l+8). */
 AVX512_TARGET static inline __m512 fold8_avx512(__m512 x, __m512 y) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-}
-
-/* 16 keys' 16-lane sums at once, each by lanes_sum_reference's pairs (l + l+8, l + l+4,
- * l + l+2, l + l+1), the additions shared out over shuffled registers: 16 scores in key order. */
-AVX512_TARGET static inline __m512 lanes_sum16_avx512(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++) b[i] = fold8_avx512(a[2 * i], a[2 * i + 1]); /* quarters: key 2i: 0,1; 2i+1: 2,3 */
-    for (int i = 0; i < 4; i++) /* quarter t: key 4i + t, its l + l+4 */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) /* quarter t: keys 8i + t (lanes 0, 1) and 8i + 4 + t (lanes 2, 3) */
-        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* quarter t: keys t, 4 + t, 8 + t, 12 + t */
-    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, e);
 }
 
 AVX512_TARGET static inline float lanes_sum_avx512(__m512 acc) {
@@ -421,23 +421,6 @@ AVX512_TARGET static inline float lanes_sum_avx512(__m512 acc) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-/* Sixteen keys at a time (a short last group repeats its first key: lanes nobody reads). */
-AVX512_TARGET static void scores_avx512(const float *q, const float *const *rows, int64_t begin, int64_t end,
-                                        int64_t padded, float *scores) {
-    for (int64_t j = begin; j < end; j += 16) {
-        const float *keys[16];
-        const int64_t count = end - j < 16 ? end - j : 16;
-        for (int t = 0; t < 16; t++) keys[t] = rows[j + (t < count ? t : 0)];
-        __m512 a[16];
-        for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < padded; c += 16) {
-            const __m512 qc = _mm512_loadu_ps(q + c);
-            for (int t = 0; t < 16; t++) a[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys[t] + c), a[t]);
-        }
-        _mm512_mask_storeu_ps(scores + j, (__mmask16)((1u << count) - 1), lanes_sum16_avx512(a));
-    }
 }
 
 AVX512_TARGET static inline __m512 exp16_avx512(__m512 x) {
@@ -474,28 +457,6 @@ AVX512_TARGET static float sum_avx512(const float *x, int64_t n) {
     return lanes_sum_avx512(lanes);
 }
 
-AVX512_TARGET static void accumulate_avx512(const float *p, const float *const *rows, int64_t begin, int64_t end,
-                                            int64_t padded, float *acc) {
-    for (int64_t c = 0; c < padded; c += 64) { /* 64 values: four chains (fewer at the end) */
-        const int chunks = padded - c >= 64 ? 4 : (int)((padded - c) / 16);
-        __m512 a[4];
-        for (int u = 0; u < 4; u++) a[u] = u < chunks ? _mm512_loadu_ps(acc + c + 16 * u) : _mm512_setzero_ps();
-        if (chunks == 4) {
-            for (int64_t j = begin; j < end; j++) {
-                const __m512 w = _mm512_set1_ps(p[j]);
-                for (int u = 0; u < 4; u++) a[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[j] + c + 16 * u), a[u]);
-            }
-        } else {
-            for (int64_t j = begin; j < end; j++) {
-                const __m512 w = _mm512_set1_ps(p[j]);
-                for (int u = 0; u < chunks; u++)
-                    a[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows[j] + c + 16 * u), a[u]);
-            }
-        }
-        for (int u = 0; u < chunks; u++) _mm512_storeu_ps(acc + c + 16 * u, a[u]);
-    }
-}
-
 AVX512_TARGET static float max_avx512(const float *x, int64_t n) {
     __m512 largest = _mm512_set1_ps(x[0]);
     for (int64_t i = 0; i < n; i += 16) { /* the tail's lanes hold x[0] again */
@@ -505,8 +466,106 @@ AVX512_TARGET static float max_avx512(const float *x, int64_t n) {
     return _mm512_reduce_max_ps(largest);
 }
 
-static const AttnIsa AVX512 = {convert_avx512, scores_avx512, exp_shifted_avx512, sum_avx512, max_avx512,
-                               accumulate_avx512};
+/* 16 values of a tile's row j from value i on, converted as row_reference converts them. */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 tile16_avx512(const CacheTile *t, int dtype,
+                                                                                int64_t j, int64_t i) {
+    switch (dtype) {
+    case NS_KV_F32:
+        return _mm512_loadu_ps((const float *)t->rows[j] + i);
+    case NS_KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->rows[j] + i)));
+    case NS_KV_BF16: {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)t->rows[j] + i)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    default: {
+        __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)t->rows[j] + i)));
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(t->scales[j]));
+    }
+    }
+}
+
+/* 8 keys' 16-lane sums at once, each key by lanes_sum_reference's pairs (l + l+8, l + l+4,
+ * l + l+2, l + l+1), the additions shared out over shuffled registers: the 8 scores in key
+ * order in lanes 0-7. */
+AVX512_TARGET static inline __m512 lanes_sum8_avx512(const __m512 *a) {
+    __m512 b[4], c[2];
+    for (int i = 0; i < 4; i++) b[i] = fold8_avx512(a[2 * i], a[2 * i + 1]); /* quarters: key 2i: 0,1; 2i+1: 2,3 */
+    for (int i = 0; i < 2; i++) /* quarter t: key 4i + t, its l + l+4 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    /* quarter t: keys t (lanes 0, 1) and 4 + t (lanes 2, 3) */
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter t: keys t (lane 0) and 4 + t (lane 1) */
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d, d, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(d, d, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+/* scores for `group` vectors of a `dtype` tile: eight keys at a time, each key's 16-value
+ * chunk converted once and multiplied into every vector's lanes (a short last group repeats its
+ * first key: lanes nobody reads). */
+AVX512_TARGET static inline __attribute__((always_inline)) void scores_tile_avx512(
+        int dtype, int group, const float *q, const CacheTile *keys, int64_t begin, int64_t end, int64_t padded,
+        float *scores) {
+    for (int64_t j = begin; j < end; j += 8) {
+        const int64_t count = end - j < 8 ? end - j : 8;
+        int64_t key[8];
+        for (int t = 0; t < 8; t++) key[t] = j + (t < count ? t : 0);
+        __m512 a[NS_ATTN_GROUP][8];
+        for (int g = 0; g < group; g++)
+            for (int t = 0; t < 8; t++) a[g][t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < padded; c += 16)
+            for (int t = 0; t < 8; t++) {
+                const __m512 k = tile16_avx512(keys, dtype, key[t], c);
+                for (int g = 0; g < group; g++)
+                    a[g][t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * padded + c), k, a[g][t]);
+            }
+        for (int g = 0; g < group; g++)
+            _mm512_mask_storeu_ps(scores + g * NS_ATTN_TILE + j, (__mmask16)((1u << count) - 1),
+                                  lanes_sum8_avx512(a[g]));
+    }
+}
+
+/* accumulate for `group` vectors of a `dtype` tile: 64 values a pass, each V row's chunks
+ * converted once and added into every vector's accumulator. */
+AVX512_TARGET static inline __attribute__((always_inline)) void accumulate_tile_avx512(
+        int dtype, int group, const float *p, const CacheTile *values, int64_t begin, int64_t end, int64_t padded,
+        float *acc) {
+    for (int64_t c = 0; c < padded; c += 64) {
+        const int chunks = padded - c >= 64 ? 4 : (int)((padded - c) / 16);
+        __m512 a[NS_ATTN_GROUP][4];
+        for (int g = 0; g < group; g++)
+            for (int u = 0; u < 4; u++)
+                a[g][u] = u < chunks ? _mm512_loadu_ps(acc + g * padded + c + 16 * u) : _mm512_setzero_ps();
+        for (int64_t j = begin; j < end; j++) {
+            __m512 v[4];
+            for (int u = 0; u < 4; u++) v[u] = u < chunks ? tile16_avx512(values, dtype, j, c + 16 * u) : v[0];
+            for (int g = 0; g < group; g++) {
+                const __m512 w = _mm512_set1_ps(p[g * NS_ATTN_TILE + j]);
+                for (int u = 0; u < 4; u++)
+                    if (u < chunks) a[g][u] = _mm512_fmadd_ps(w, v[u], a[g][u]);
+            }
+        }
+        for (int g = 0; g < group; g++)
+            for (int u = 0; u < chunks; u++) _mm512_storeu_ps(acc + g * padded + c + 16 * u, a[g][u]);
+    }
+}
+
+AVX512_TARGET static void scores_group_avx512(const float *q, int64_t group, const CacheTile *keys, int64_t begin,
+                                              int64_t end, int64_t padded, float *scores) {
+    NS_ATTN_EACH_GROUP(scores_tile_avx512, keys->dtype, group, q, keys, begin, end, padded, scores)
+}
+
+AVX512_TARGET static void accumulate_group_avx512(const float *p, int64_t group, const CacheTile *values,
+                                                  int64_t begin, int64_t end, int64_t padded, float *acc) {
+    NS_ATTN_EACH_GROUP(accumulate_tile_avx512, values->dtype, group, p, values, begin, end, padded, acc)
+}
+
+static const AttnIsa AVX512 = {scores_group_avx512, exp_shifted_avx512, sum_avx512, max_avx512,
+                               accumulate_group_avx512};
 #endif
 
 /* The paths this CPU runs: NS_ATTN_PORTABLE always, with AVX2 and AVX-512 where cpuid says so. */
@@ -624,21 +683,21 @@ typedef struct {
 
 /* One thread's buffers for up to NS_ATTN_QUERIES query vectors and one tile. */
 typedef struct {
-    float *q, *acc, *scores, *max, *sum, *k_tile, *v_tile;
+    float *q, *acc, *scores, *max, *sum;
     float *kept; /* a prompt chunk's partitions' (max, sum, accumulator) per query vector, or NULL */
-    const float **k_rows, **v_rows;
-    int64_t *index;
+    int64_t *index; /* the tile's cache rows */
+    CacheTile tile; /* the tile's K, then V, rows */
     int32_t *begin, *end, *low, *high;
 } AttnScratch;
 
 static int scratch_alloc(AttnScratch *s, int64_t padded, int64_t max_parts) {
     const int64_t n = NS_ATTN_QUERIES, tile = NS_ATTN_TILE;
-    s->q = aligned_alloc(64, sizeof(float) * (size_t)(2 * n * padded + n * tile + 2 * n + 2 * tile * padded + 16));
-    s->k_rows = malloc((sizeof(float *) * 2 + sizeof(int64_t)) * (size_t)tile + sizeof(int32_t) * 4 * (size_t)n);
+    s->q = aligned_alloc(64, sizeof(float) * (size_t)(2 * n * padded + n * tile + 2 * n + 16));
+    s->index = malloc(sizeof(int64_t) * (size_t)tile + sizeof(int32_t) * 4 * (size_t)n);
     s->kept = max_parts > 0 ? malloc(sizeof(float) * (size_t)(n * max_parts * (padded + 2))) : NULL;
-    if (s->q == NULL || s->k_rows == NULL || (max_parts > 0 && s->kept == NULL)) {
+    if (s->q == NULL || s->index == NULL || (max_parts > 0 && s->kept == NULL)) {
         free(s->q);
-        free(s->k_rows);
+        free(s->index);
         free(s->kept);
         return -2;
     }
@@ -646,10 +705,6 @@ static int scratch_alloc(AttnScratch *s, int64_t padded, int64_t max_parts) {
     s->scores = s->acc + n * padded;
     s->max = s->scores + n * tile;
     s->sum = s->max + n;
-    s->k_tile = s->sum + n;
-    s->v_tile = s->k_tile + tile * padded;
-    s->v_rows = s->k_rows + tile;
-    s->index = (int64_t *)(s->v_rows + tile);
     s->begin = (int32_t *)(s->index + tile);
     s->end = s->begin + n;
     s->low = s->end + n;
@@ -659,7 +714,7 @@ static int scratch_alloc(AttnScratch *s, int64_t padded, int64_t max_parts) {
 
 static void scratch_free(AttnScratch *s) {
     free(s->q);
-    free(s->k_rows);
+    free(s->index);
     free(s->kept);
 }
 
@@ -704,18 +759,6 @@ static void softmax_tile(const AttnJob *job, AttnScratch *s, int64_t v, int64_t 
     s->max[v] = new_max;
 }
 
-/* Pointers to a tile's `count` K or V rows as float32: the cache's own where it holds float32
- * rows with no padding, else copies converted into `buffer`. */
-static void tile_rows(const AttnIsa *isa, const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim,
-                      int64_t padded, float *buffer, const float **rows) {
-    if (cache->dtype == NS_KV_F32 && dim == padded) {
-        for (int64_t j = 0; j < count; j++) rows[j] = (const float *)cache->rows + index[j] * dim;
-        return;
-    }
-    isa->convert(cache, index, count, dim, padded, buffer);
-    for (int64_t j = 0; j < count; j++) rows[j] = buffer + j * padded;
-}
-
 /* Query vectors [v0, v0 + n) of the block (row-major: row, then the group's heads): their
  * scaled q, each one's slots of partition `part` ([low, high]), and their running state
  * reset. Returns the union of their slots, [*lo, *hi] (empty: *hi < *lo). */
@@ -743,13 +786,67 @@ static void start_queries(const AttnJob *job, AttnScratch *s, int64_t first_row,
     }
 }
 
+/* The cache rows of slots [from, from + count) of the K/V head whose rows start at `head_base`,
+ * through the sequence's block table: walked block by block (no division a slot), reading no
+ * table entry past the last slot's. */
+static void tile_index(const AttnCache *c, const int64_t *table, int64_t head_base, int64_t from, int64_t count,
+                       int64_t *index) {
+    int64_t block = from / c->block_size, offset = from % c->block_size;
+    int64_t row = head_base + table[block] * c->block_size;
+    for (int64_t j = 0; j < count; j++) {
+        index[j] = row + offset;
+        if (++offset == c->block_size && j + 1 < count) {
+            offset = 0;
+            row = head_base + table[++block] * c->block_size;
+        }
+    }
+}
+
+/* A tile's rows `index[0..count)` of `cache` where it holds them. */
+static void cache_tile(const ns_kv_rows *cache, const int64_t *index, int64_t count, int64_t dim, CacheTile *tile) {
+    const int64_t bytes = dim * (cache->dtype == NS_KV_F32 ? 4 : cache->dtype == NS_KV_Q8_0 ? 1 : 2);
+    tile->dtype = cache->dtype;
+    tile->dim = dim;
+    for (int64_t j = 0; j < count; j++) tile->rows[j] = (const char *)cache->rows + index[j] * bytes;
+    if (cache->dtype == NS_KV_Q8_0)
+        for (int64_t j = 0; j < count; j++) tile->scales[j] = cache->scales[index[j]];
+}
+
+/* How many query vectors from v on (at most NS_ATTN_GROUP) share v's slots of the tile. */
+static int64_t sharing_run(const AttnScratch *s, int64_t v, int64_t n) {
+    int64_t run = 1;
+    while (v + run < n && run < NS_ATTN_GROUP && s->begin[v + run] == s->begin[v] && s->end[v + run] == s->end[v])
+        run++;
+    return run;
+}
+
+/* One tile of the query vectors' slots (their begin / end set): the vectors cut into runs that share their slots of
+ * the tile (a row's GQA heads), at most NS_ATTN_GROUP a run; each run's scores and softmax,
+ * then each run's values. */
+static void run_tile(const AttnJob *job, AttnScratch *s, int64_t n, const int64_t *index, int64_t count) {
+    const AttnIsa *isa = job->isa;
+    const int64_t dim = job->c->dim, padded = padded_dim(dim);
+    cache_tile(&job->c->k, index, count, dim, &s->tile);
+    for (int64_t v = 0, run; v < n; v += run) {
+        run = sharing_run(s, v, n);
+        if (s->end[v] <= s->begin[v]) continue;
+        isa->scores(s->q + v * padded, run, &s->tile, s->begin[v], s->end[v], padded, s->scores + v * NS_ATTN_TILE);
+        for (int64_t u = v; u < v + run; u++) softmax_tile(job, s, u, padded);
+    }
+    cache_tile(&job->c->v, index, count, dim, &s->tile);
+    for (int64_t v = 0, run; v < n; v += run) {
+        run = sharing_run(s, v, n);
+        if (s->end[v] > s->begin[v])
+            isa->accumulate(s->scores + v * NS_ATTN_TILE, run, &s->tile, s->begin[v], s->end[v], padded,
+                            s->acc + v * padded);
+    }
+}
+
 /* Query vectors [v0, v0 + n) of the block over partition `part` of K/V head `kv_head`, tile by
  * tile: each tile's K rows read (and converted) once for all of them, then its V rows. */
 static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, int64_t v0, int64_t n,
                         int64_t kv_head, int64_t part) {
     const AttnCache *c = job->c;
-    const AttnIsa *isa = job->isa;
-    const int64_t dim = c->dim, padded = padded_dim(dim);
     int64_t lo, hi;
     start_queries(job, s, first_row, v0, n, kv_head, part, &lo, &hi);
     const int64_t *table = c->block_tables + job->row_seq[first_row] * c->table_width;
@@ -765,19 +862,8 @@ static void run_queries(const AttnJob *job, AttnScratch *s, int64_t first_row, i
             any |= e >= b;
         }
         if (!any) continue;
-        for (int64_t slot = from; slot <= to; slot++)
-            s->index[slot - from] = head_base + table[slot / c->block_size] * c->block_size + slot % c->block_size;
-        tile_rows(isa, &c->k, s->index, count, dim, padded, s->k_tile, s->k_rows);
-        for (int64_t v = 0; v < n; v++) {
-            if (s->end[v] <= s->begin[v]) continue;
-            isa->scores(s->q + v * padded, s->k_rows, s->begin[v], s->end[v], padded, s->scores + v * NS_ATTN_TILE);
-            softmax_tile(job, s, v, padded);
-        }
-        tile_rows(isa, &c->v, s->index, count, dim, padded, s->v_tile, s->v_rows);
-        for (int64_t v = 0; v < n; v++)
-            if (s->end[v] > s->begin[v])
-                isa->accumulate(s->scores + v * NS_ATTN_TILE, s->v_rows, s->begin[v], s->end[v], padded,
-                                s->acc + v * padded);
+        tile_index(c, table, head_base, from, count, s->index);
+        run_tile(job, s, n, s->index, count);
     }
 }
 
