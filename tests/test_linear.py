@@ -147,9 +147,9 @@ def test_cache_is_keyed_by_dtype_and_thread_count(tmp_path, monkeypatch):
     same_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
                                  cache_path=cache, threads=native.thread_count(None))
     assert same_threads.from_cache
-    other = native.thread_count(None) + 1
-    other_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
-                                  cache_path=cache, threads=other)
+    other_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8,
+                                  batch_invariant=False, cache_path=cache,
+                                  threads=native.thread_count(None) + 1)
     assert not other_threads.from_cache
 
 
