@@ -89,7 +89,7 @@ def test_a_kernel_this_machine_cannot_run_exits_2_naming_the_option(tiny_model_d
     self-test) is refused at start-up by name, never swapped for another without a word."""
     from nanoserve.model.linear import KERNELS, LinearKernel
 
-    refused = LinearKernel("cuda-only", "test", lambda w: w, KERNELS["aten"].apply, ("cuda",))
+    refused = LinearKernel("cuda-only", "test", KERNELS["aten"].pack, KERNELS["aten"].apply, ("cuda",))
     KERNELS["cuda-only"] = refused
     try:
         result = generate("hi", "--model", str(tiny_model_dir), "--linear-kernel", "cuda-only",

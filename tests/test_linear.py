@@ -31,18 +31,18 @@ def probe_shape(dtype=torch.float32, seed=0):
     return ProbeShape([layer, [w.clone() for w in layer]], torch.randn(300, 64, generator=g).to(dtype))
 
 
-def row_count_dependent(x, weight):
+def row_count_dependent(x, weight, *, threads=None):
     """The invariant tiled kernel, skewed by the call's row count as a non-invariant GEMM's low bits are."""
     return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 3))
 
 
-SKEWED = LinearKernel("skewed", "test only", lambda w: w, row_count_dependent, ("cpu",))
+SKEWED = LinearKernel("skewed", "test only", KERNELS["aten"].pack, row_count_dependent, ("cpu",))
 
 
 def canned_turns(turns_ms_by_name):
     """A `time_kernels` stand-in: kernel `name`'s turns are `turns_ms_by_name(name)`, the same at
     every row count; `.calls` counts the measurements."""
-    def time_kernels(kernels, layers, rows, device):
+    def time_kernels(kernels, layers, rows, device, *, threads=None):
         time_kernels.calls += 1
         return {k.name: [dict.fromkeys(rows, ms) for ms in turns_ms_by_name(k.name)] for k in kernels}
 
@@ -144,13 +144,12 @@ def test_cache_is_keyed_by_dtype_and_thread_count(tmp_path, monkeypatch):
     other_dtype = choose_kernel(probe_shape(torch.bfloat16), device=CPU, max_rows=4, prefill_rows=8,
                                 batch_invariant=False, cache_path=cache)
     assert not other_dtype.from_cache
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads + 1)
-        other_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8,
-                                      batch_invariant=False, cache_path=cache)
-    finally:
-        torch.set_num_threads(threads)
+    same_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8, batch_invariant=False,
+                                 cache_path=cache, threads=native.thread_count(None))
+    assert same_threads.from_cache
+    other_threads = choose_kernel(probe_shape(), device=CPU, max_rows=4, prefill_rows=8,
+                                  batch_invariant=False, cache_path=cache,
+                                  threads=native.thread_count(None) + 1)
     assert not other_threads.from_cache
 
 
@@ -185,11 +184,11 @@ def test_forcing_a_kernel_that_fails_the_self_test_is_refused_when_invariance_is
     assert plain.kernel is SKEWED and plain.reason.startswith("forced")
 
 
-def refusing(x, weight):
+def refusing(x, weight, *, threads=None):
     raise RuntimeError("this CPU lacks the instructions for that dtype")
 
 
-REFUSING = LinearKernel("refusing", "test only", lambda w: w, refusing, ("cpu",))
+REFUSING = LinearKernel("refusing", "test only", KERNELS["aten"].pack, refusing, ("cpu",))
 
 
 def test_a_kernel_that_cannot_run_the_dtype_is_left_out_not_crashed_on(monkeypatch, tmp_path):
@@ -212,10 +211,10 @@ def test_no_kernel_for_the_dtype_names_the_dtype_option(monkeypatch):
 
 def skewed_when(condition):
     """The invariant tiled kernel, its rows' low bits moved on the calls `condition` picks."""
-    def apply(x, weight):
+    def apply(x, weight, *, threads=None):
         return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * condition(x))
 
-    return LinearKernel("skewed", "test only", lambda w: w, apply, ("cpu",))
+    return LinearKernel("skewed", "test only", KERNELS["aten"].pack, apply, ("cpu",))
 
 
 def test_self_test_catches_a_kernel_whose_rows_move_only_in_prefill_sized_calls():
@@ -232,11 +231,11 @@ def test_self_test_catches_a_kernel_whose_rows_move_only_away_from_the_start_of_
 def test_self_test_compares_every_row_of_a_prefill_sized_call_not_only_the_first_ones():
     # A GEMM's later row panels can take another path than its first (a remainder panel, a
     # second thread's share): here only rows past the 16th of a call move.
-    def later_panels_moved(x, weight):
+    def later_panels_moved(x, weight, *, threads=None):
         out = KERNELS["aten-tile16"].apply(x, weight)
         return torch.cat([out[:16], out[16:] * (1 + 2**-20)])
 
-    kernel = LinearKernel("later-panels", "test only", lambda w: w, later_panels_moved, ("cpu",))
+    kernel = LinearKernel("later-panels", "test only", KERNELS["aten"].pack, later_panels_moved, ("cpu",))
     assert "32 rows at offset 0 differ" in self_test(kernel, probe_shape(), max_rows=8, prefill_rows=32)
 
 
@@ -285,7 +284,7 @@ class StallingClock:
 def costed(kernel, clock, seconds_per_call):
     """`kernel`'s name and packing, each call costing `seconds_per_call` of the fake clock's time
     and computing nothing (the probe discards its products)."""
-    def apply(x, packed):
+    def apply(x, packed, *, threads=None):
         clock.work(seconds_per_call)
         return x
 
@@ -376,12 +375,12 @@ def test_a_tie_measured_quietly_is_cached_and_a_clear_margin_despite_noise_too(t
 def test_the_self_test_multiplies_each_weights_first_columns_over_the_whole_reduction():
     packed_shapes = []
 
-    def pack(weight):
+    def pack(weight, *, threads=None):
         packed_shapes.append(tuple(weight.shape))
         return weight
 
     spy = LinearKernel("spy", "records what it packs", pack,
-                       lambda x, w: torch.zeros(x.shape[0], w.shape[0]), ("cpu",))
+                       lambda x, w, threads=None: torch.zeros(x.shape[0], w.shape[0]), ("cpu",))
     shape = ProbeShape([[torch.randn(300, 64), torch.randn(40, 64)]], torch.randn(1000, 64))
     assert self_test(spy, shape, max_rows=4, prefill_rows=8) == ""
     assert packed_shapes == [(linear.SELF_TEST_COLUMNS, 64), (40, 64), (linear.SELF_TEST_COLUMNS, 64)]

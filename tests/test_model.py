@@ -144,11 +144,11 @@ def test_batch_invariant_decode_equals_prefill_recompute_bit_for_bit(kernel, nat
 def test_every_matrix_multiply_goes_through_the_kernel_the_model_was_given(native):
     """A kernel whose rows depend on the call's row count makes the forward's rows depend on the
     batch: the invariance above comes from the kernels chosen, not from luck."""
-    def skewed(x, weight):
+    def skewed(x, weight, *, threads=None):
         return KERNELS["aten-tile16"].apply(x, weight) * (1 + 2**-20 * (x.shape[0] > 1))
 
     model = DecoderLM(CONFIG, WEIGHTS, batch_invariant=True,
-                      linear_kernel=LinearKernel("skewed", "test", lambda w: w, skewed, ("cpu",)),
+                      linear_kernel=LinearKernel("skewed", "test", KERNELS["aten"].pack, skewed, ("cpu",)),
                       native=native)
     alone = step(model, Cache(), [("a", PROMPT_A[-1:], 0)])["a"]
     crowd = [("n", PROMPT_B[:1], 0), ("a", PROMPT_A[-1:], 0)]

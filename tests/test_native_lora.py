@@ -51,10 +51,11 @@ def reference(x: torch.Tensor, out: torch.Tensor, row_slot: list[int], layers: l
     return expected
 
 
-def run(row_slot: list[int], x: torch.Tensor, out: torch.Tensor, pool, *, portable: bool = False):
+def run(row_slot: list[int], x: torch.Tensor, out: torch.Tensor, pool, *, portable: bool = False,
+        threads: int | None = None):
     step = NativeLoRAStep([adapter for adapter, _ in pool], torch.tensor(row_slot, dtype=torch.int32))
     result = out.clone()
-    step.apply(result, x, 0, "qkv", portable=portable)
+    step.apply(result, x, 0, "qkv", portable=portable, threads=threads)
     return result
 
 
@@ -80,15 +81,10 @@ def test_a_rows_bits_are_the_same_alone_and_beside_other_adapters(threads):
     row_slot = ROW_SLOTS[-1]
     x = torch.randn(len(row_slot), K, generator=generator)
     out = torch.randn(len(row_slot), N, generator=generator)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        crowd = run(row_slot, x, out, pool)
-        for row, slot in enumerate(row_slot):
-            alone = run([slot], x[row:row + 1], out[row:row + 1], pool)
-            assert torch.equal(alone[0], crowd[row])
-    finally:
-        torch.set_num_threads(before)
+    crowd = run(row_slot, x, out, pool, threads=threads)
+    for row, slot in enumerate(row_slot):
+        alone = run([slot], x[row:row + 1], out[row:row + 1], pool, threads=threads)
+        assert torch.equal(alone[0], crowd[row])
 
 
 def test_the_portable_path_has_the_avx2_paths_bits():

@@ -211,14 +211,8 @@ def test_a_prefill_chunks_attention_bits_do_not_depend_on_the_thread_count():
     tables, k_cache, v_cache = paged_setup([150], heads, kv_heads, dim, block_size)
     q = torch.randn(150, heads * dim, generator=torch.Generator().manual_seed(4))
     chunk = PagedContext(tables, torch.zeros(150, dtype=torch.long), torch.arange(150))
-    before = torch.get_num_threads()
-    outputs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outputs.append(NATIVE.paged_attention(q, k_cache, v_cache, chunk, heads, 0.125))
-    finally:
-        torch.set_num_threads(before)
+    outputs = [NATIVE.paged_attention(q, k_cache, v_cache, chunk, heads, 0.125, threads=threads)
+               for threads in (1, 2, 3)]
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 

@@ -65,14 +65,7 @@ def test_kernel_agrees_with_float64_the_vector_path_gives_the_portable_bits_and_
 def test_a_rows_bits_do_not_depend_on_the_thread_count(format_name):
     repacked = _repack().repack(random_weight(format_name, 203, 608))
     x = torch.randn(9, 608, generator=torch.Generator().manual_seed(3))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = _repack().matmul(x, repacked)
-        torch.set_num_threads(2)
-        assert torch.equal(_repack().matmul(x, repacked), alone)
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(_repack().matmul(x, repacked, threads=2), _repack().matmul(x, repacked, threads=1))
 
 
 def test_q5_0_is_held_as_q5_1_with_the_offset_of_its_codes():

@@ -67,7 +67,7 @@ def describe_machine(device: torch.device | str = "cpu") -> Machine:
         cpu_model=cpu_model(),
         cpu_flags=" ".join(vector_flags()),
         cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-        threads=torch.get_num_threads(),
+        threads=native.thread_count(None),
         memory_gib=round(total_memory_bytes() / 2**30, 1),
         torch_version=torch.__version__,
         device=str(device),
@@ -180,7 +180,7 @@ def compute_peak(threads: int | None = None, *, budget_s: float = 0.3) -> Comput
     library = native.library()
     if library is None or library.tiles_isa == "portable":
         return None
-    threads = threads or torch.get_num_threads()
+    threads = native.thread_count(threads)
     probe = library.lib.ns_peak_ops
     probe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     probe.restype = ctypes.c_int64

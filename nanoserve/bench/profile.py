@@ -303,7 +303,7 @@ def with_compute_peak(frame: pd.DataFrame, engine: Engine) -> pd.DataFrame:
     """The frame with the linears' operations a step and their fraction of the cores' peak (int8
     for a block-format model, float32 otherwise); unchanged where no peak probe runs (the
     native library off, or a GPU)."""
-    peak = compute_peak(torch.get_num_threads()) if engine.device.type == "cpu" else None
+    peak = compute_peak(engine.threads) if engine.device.type == "cpu" else None
     if peak is None:
         return frame
     quantized = engine.weight_format.split("+")[0] not in ("float32", "bfloat16", "float16")

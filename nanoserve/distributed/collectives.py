@@ -81,12 +81,13 @@ class Collectives:
         self.reduces += 1
         return out
 
-    def embedding(self, ids: torch.Tensor, table: quant.Weight) -> torch.Tensor:
-        """Rows of the ids this rank holds, -0.0 for the rest, summed over ranks: exact, since
-        x + (-0.0) is x for every x, in any order."""
+    def embedding(self, ids: torch.Tensor, table: quant.Weight, *,
+                  threads: int | None = None) -> torch.Tensor:
+        """Rows of the ids this rank holds (a block table's looked up on `threads` threads), -0.0
+        for the rest, summed over ranks: exact, since x + (-0.0) is x for every x, in any order."""
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.vocab_count)
-        rows = embedding(torch.where(inside, local, 0), table)
+        rows = embedding(torch.where(inside, local, 0), table, threads=threads)
         rows.masked_fill_(~inside.unsqueeze(-1), -0.0)
         if self.local is not None:
             return self.local.all_reduce(rows.view(-1, rows.shape[-1])).view(rows.shape)

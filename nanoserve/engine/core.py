@@ -52,6 +52,7 @@ the checks and input preparation the server's front runs too), then queues the r
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -184,6 +185,7 @@ class Engine:
         # A vision-language model's image side (None: text only).
         self.images = EngineImages.load(self.model_dir, config.image_limits, dtype=self.dtype,
                                         device=self.device, kernel=self.kernel_choice.kernel,
+                                        threads=self.threads,
                                         mmproj=Path(config.mmproj) if config.mmproj else None,
                                         token_id=self.tokenizer.backend.token_to_id)
         self._check_image_fits_a_step()
@@ -283,7 +285,8 @@ class Engine:
         in_use = [request.adapter for request in self.requests.values() if request.adapter is not None]
         return self.loras.add(lora_request, lambda request, serial: load_adapter(
             request, read_adapter(request.lora_path, self.model_config, self.loras.max_lora_rank),
-            self.model_config, serial=serial, pack=kernel.pack, matmul=kernel.apply, dtype=self.dtype,
+            self.model_config, serial=serial, pack=functools.partial(kernel.pack, threads=self.threads),
+            matmul=functools.partial(kernel.apply, threads=self.threads), dtype=self.dtype,
             device=self.device, native=self.model.native_lora), in_use)
 
     def _adapter_kernel(self) -> LinearKernel:
@@ -331,7 +334,8 @@ class Engine:
         draft_config, weights = load_weights(source.dir, dtype=self.dtype, device=self.device)
         max_positions = self.max_model_len + MAX_SPECULATIVE_TOKENS
         model = DecoderLM(draft_config, weights, batch_invariant=cfg.batch_invariant,
-                          linear_kernel=self.kernel_choice.kernel, max_positions=max_positions)
+                          linear_kernel=self.kernel_choice.kernel, max_positions=max_positions,
+                          threads=self.threads)
         blocks = num_blocks + cfg.max_num_seqs * (-(-MAX_SPECULATIVE_TOKENS // cfg.block_size) + 1)
         kv_cache = KVCache(draft_config, blocks, cfg.block_size, self.dtype, self.device)
         runner = ModelRunner(model, kv_cache, eos_token_ids=self.tokenizer.eos_token_ids, device=self.device)

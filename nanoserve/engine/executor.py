@@ -118,7 +118,8 @@ class Executor:
         collectives = (group.make_collectives(self.model_config, config.batch_invariant)
                        if group is not None else None)
         rank = Rank.build(config, self.model_config, weights, self.plan, dtype=startup.dtype,
-                          device=startup.device, collectives=collectives, phases=startup.phases)
+                          device=startup.device, threads=startup.threads, collectives=collectives,
+                          phases=startup.phases)
         self.model, self.kv_cache = rank.model, rank.kv_cache
         self.runner_model = (ShardedModel(self.model, self.model_config, group) if group is not None
                              else self.model)

@@ -74,29 +74,30 @@ class EngineImages:
 
     @classmethod
     def load(cls, model_dir: Path, limits: ImageLimits, *, dtype: torch.dtype, device: torch.device,
-             kernel: LinearKernel, mmproj: Path | None = None,
+             kernel: LinearKernel, threads: int | None = None, mmproj: Path | None = None,
              token_id: Callable[[str], int | None] | None = None) -> EngineImages | None:
         """The image side of `model_dir`, or of the llama.cpp `mmproj` file beside a text model
         (`token_id` then finds its placeholder token in the text model's vocabulary); None for a
         text-only model. Its matrices run the text model's float kernel (a quantized kernel's
-        float sibling: the tower stays float)."""
+        float sibling: the tower stays float), its native calls on `threads` threads."""
         float_kernel = kernel if kernel.name in KERNELS else KERNELS["aten"]
         if mmproj is not None:
-            return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, token_id)
+            return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, threads, token_id)
         config = read_vision_config(model_dir)
         if config is None:
             return None
         encoder = load_image_encoder(model_dir, config, dtype=dtype, device=device,
-                                     linear_kernel=float_kernel)
+                                     linear_kernel=float_kernel, threads=threads)
         return cls(load_processor(model_dir, config), encoder, limits, device)
 
     @classmethod
     def _from_mmproj(cls, path: Path, limits: ImageLimits, dtype: torch.dtype, device: torch.device,
-                     kernel: LinearKernel, token_id: Callable[[str], int | None] | None) -> EngineImages:
+                     kernel: LinearKernel, threads: int | None,
+                     token_id: Callable[[str], int | None] | None) -> EngineImages:
         if not path.is_file():
             raise InvalidRequestError(f"mmproj: {path} is not a file", param="mmproj")
         config, weights, fields = read_mmproj(path, token_id or (lambda _: None))
-        encoder = build_encoder(config, weights.to(dtype, device), kernel)
+        encoder = build_encoder(config, weights.to(dtype, device), kernel, threads)
         return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device)
 
     def prompt(self, text: str, images: Sequence[ImageData], encode: Callable[[str], list[int]],

@@ -146,7 +146,7 @@ def check_vision_tensors(model_dir: Path, config: VisionConfig, tensors: dict[st
 
 
 def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dtype, device: torch.device,
-                       linear_kernel: LinearKernel | None = None) -> ImageEncoder:
+                       linear_kernel: LinearKernel | None = None, threads: int | None = None) -> ImageEncoder:
     """The family's encoder with `model_dir`'s weights (the vision tensors alone are read)."""
     names = NAMES[config.family]
     wanted = (names.tower, *names.projector, *filter(None, [names.projector_norm]))
@@ -159,4 +159,4 @@ def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dt
                     tensors[canonical] = file.get_tensor(name)
     check_vision_tensors(model_dir, config, tensors)
     weights = vision_weights(config, tensors).to(dtype, device)
-    return build_encoder(config, weights, linear_kernel)
+    return build_encoder(config, weights, linear_kernel, threads)

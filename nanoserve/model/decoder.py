@@ -76,7 +76,7 @@ class TensorParallel(Protocol):
     def row_parallel(self, x: torch.Tensor, weight: Weight,
                      linear: Callable[[torch.Tensor, Weight], torch.Tensor]) -> torch.Tensor: ...
 
-    def embedding(self, ids: torch.Tensor, table: Weight) -> torch.Tensor: ...
+    def embedding(self, ids: torch.Tensor, table: Weight, *, threads: int | None = None) -> torch.Tensor: ...
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -99,7 +99,7 @@ class DecoderLM:
     def __init__(self, config: ModelConfig, weights: LlamaWeights, *, batch_invariant: bool = False,
                  linear_kernel: LinearKernel | None = None, max_positions: int | None = None,
                  native: bool = True, tensor_parallel: TensorParallel | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, threads: int | None = None) -> None:
         """`weights` dense; they are packed here for `linear_kernel`, by default torch's own
         GEMM, on fixed row tiles when batch-invariant (the engine passes the kernel it measured).
         `native`: run the small ops in C where they can run here (`native_ops_for`).
@@ -108,15 +108,18 @@ class DecoderLM:
         embedding summed over ranks and the logits of this rank's vocabulary rows.
         `kv_cache_dtype`: what the KV cache it runs with stores (kv_cache.py; None: the
         weights' dtype); the native attention reads float32 and q8_0 caches, the torch
-        attention any other."""
+        attention any other.
+        `threads`: the thread count of every native call the forward makes (the engine's start-up
+        policy's, `Startup.threads`; None: `native.thread_count`'s, for callers without one)."""
         self.config = config
+        self.threads = threads
         self.tp = tensor_parallel
         self.ops = native_ops_for(weights.embed) if native else None
         self.native_kv = kv_cache_dtype is None or kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
         self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
-        self.weights = weights.packed_for(self.linear_kernel)
+        self.weights = weights.packed_for(self.linear_kernel, threads)
         self.batch_invariant = batch_invariant
-        self.linear = self.linear_kernel.apply
+        self.linear = functools.partial(self.linear_kernel.apply, threads=threads)
         device, dtype = weights.embed.device, weights.embed.dtype
         context = max_positions or config.max_position_embeddings
         # One (cos, signed sin) table per distinct RoPE; layer i rotates by rope_tables[layer_rope[i]].
@@ -131,7 +134,8 @@ class DecoderLM:
         self.activation = ACTIVATIONS[config.hidden_act]
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=device)
                             if config.gemma_norms else None)
-        self.moe = MixtureOfExperts(config.experts, self._linear, self._activate) if config.experts else None
+        self.moe = (MixtureOfExperts(config.experts, self._linear, self._activate, threads=threads)
+                    if config.experts else None)
         self.native_experts = self._native_experts()
         self.decoder = self._native_decoder()
 
@@ -196,9 +200,9 @@ class DecoderLM:
         """
         step = self._step_context(batch, kv_cache)  # built once per step, used by every layer
         if self.tp is None:
-            hidden = embedding(batch.input_ids, self.weights.embed)
+            hidden = embedding(batch.input_ids, self.weights.embed, threads=self.threads)
         else:
-            hidden = self.tp.embedding(batch.input_ids, self.weights.embed)
+            hidden = self.tp.embedding(batch.input_ids, self.weights.embed, threads=self.threads)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
         if batch.image_rows is not None:  # an image's rows stand in for its placeholder tokens
@@ -213,7 +217,8 @@ class DecoderLM:
             delta = self.decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed,
                                      step.attended, step.activated, step.lora,
                                      expert_rows=None if tally is None else tally.rows,
-                                     expert_seconds=None if tally is None else tally.seconds)
+                                     expert_seconds=None if tally is None else tally.seconds,
+                                     threads=self.threads)
         else:
             delta = self._layers(hidden, step, kv_cache)
         if delta is not None:
@@ -260,10 +265,10 @@ class DecoderLM:
             k_scales, v_scales = kv_cache.scales(index)  # a q8_0 cache's; None for the others
             cos, sin = self.rope_tables[rope]
             self.ops.rope_write_kv(qkv, batch.positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
-                                   cfg.num_heads, k_scales, v_scales)
+                                   cfg.num_heads, k_scales, v_scales, threads=self.threads)
             out = self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, cfg.num_heads, self.scale,
                                            window=window, out=step.attended, k_scales=k_scales,
-                                           v_scales=v_scales, softcap=cfg.attn_softcap)
+                                           v_scales=v_scales, softcap=cfg.attn_softcap, threads=self.threads)
         else:
             out = self.torch_attention(index, qkv, step, kv_cache, rope=rope, window=window,
                                        softcap=cfg.attn_softcap)
@@ -309,7 +314,7 @@ class DecoderLM:
     def _activate(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """activation(gate) * up of gate_up [rows, 2 * width]; `out`: the native path's buffer."""
         if self.ops is not None and self.config.hidden_act == "silu":
-            return self.ops.silu_mul(gate_up, out)
+            return self.ops.silu_mul(gate_up, out, threads=self.threads)
         # The activation runs row by row over the strided `gate` view, so each row takes the
         # same vectorized path whatever the batch (tests/test_model.py pins this).
         gate, up = gate_up.chunk(2, dim=-1)
@@ -322,7 +327,7 @@ class DecoderLM:
     def _lora(self, out: torch.Tensor, x: torch.Tensor, step: StepContext, index: int, target: str) -> None:
         """Each LoRA row's low-rank update, after the base linear that ran for every row."""
         if step.lora is not None:
-            step.lora.apply(out, x, index, target)
+            step.lora.apply(out, x, index, target, threads=self.threads)
         elif step.batch.adapter_rows:
             apply_lora(out, x, step.batch.adapter_rows, index, target)
 
@@ -347,8 +352,8 @@ class DecoderLM:
         eps = self.config.rms_norm_eps
         if self.ops is not None:
             if delta is None:
-                return self.ops.rms_norm(hidden, weight, eps, out)
-            return self.ops.add_rms_norm(hidden, delta, weight, eps, out)
+                return self.ops.rms_norm(hidden, weight, eps, out, threads=self.threads)
+            return self.ops.add_rms_norm(hidden, delta, weight, eps, out, threads=self.threads)
         if delta is not None:
             hidden += delta
         return rms_norm(hidden, weight, eps)

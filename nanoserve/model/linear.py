@@ -78,12 +78,16 @@ GEMM_MIN_ROWS = 16
 
 @dataclass(frozen=True, slots=True)
 class LinearKernel:
-    """One way to compute x @ W^T: `pack` runs once per weight at load, `apply` every step."""
+    """One way to compute x @ W^T: `pack` runs once per weight at load, `apply` every step.
+
+    Both take `threads=`, the thread count of the native calls they make: the engine passes its
+    start-up policy's (`Startup.threads`), a caller without one None (`native.thread_count`).
+    torch's kernels ignore it: they run on torch's pool, which start-up sizes to the same count."""
 
     name: str
     summary: str
-    pack: Callable[[torch.Tensor], torch.Tensor]
-    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], packed) -> [M, N]
+    pack: Callable[..., torch.Tensor]  # (weight [N, K], *, threads) -> packed
+    apply: Callable[..., torch.Tensor]  # (x [M, K], packed, *, threads) -> [M, N]
     device_types: tuple[str, ...]
     # Whether a model packed by it can run a step in the one-call native decoder
     # (native/decoder.py); with the others it runs the per-layer loop, which pays a trip through
@@ -91,25 +95,25 @@ class LinearKernel:
     one_call_decoder: bool = False
 
 
-def _aten(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _aten(x: torch.Tensor, weight: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _aten_tiled(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _aten_tiled(x: torch.Tensor, weight: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     rows = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -rows % ROW_TILE))
     return torch.cat([F.linear(tile, weight) for tile in padded.split(ROW_TILE)])[:rows]
 
 
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+def _onednn_pack(weight: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
 
 
-def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _onednn(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def _onednn_min2(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _onednn_min2(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     # oneDNN runs a lone row through a matrix-vector path that sums in another order than
     # its GEMM for 2 or more rows; a zero second row keeps every row on the GEMM path.
     if x.shape[0] != 1:
@@ -117,12 +121,16 @@ def _onednn_min2(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return _onednn(F.pad(x, (0, 0, 0, 1)), packed)[:1]
 
 
-def _identity(weight: torch.Tensor) -> torch.Tensor:
+def _identity(weight: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     return weight
 
 
-def _native(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return native_matmul.matmul(x.contiguous(), packed)
+def _native_pack(weight: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+    return native_matmul.pack(weight)  # a reordering in torch: no native call
+
+
+def _native(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+    return native_matmul.matmul(x.contiguous(), packed, threads=threads)
 
 
 KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
@@ -134,7 +142,7 @@ KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
     # float32 and bfloat16 only: pack raises a RuntimeError for other dtypes, so `_runnable`
     # leaves it out for them. Batch-invariant by construction (one FMA chain per output).
     LinearKernel("native", "nanoserve's C kernels, weights prepacked in 16-column panels",
-                 native_matmul.pack, _native, ("cpu",), one_call_decoder=True),
+                 _native_pack, _native, ("cpu",), one_call_decoder=True),
 )}
 
 
@@ -151,22 +159,21 @@ def left_out(device: torch.device) -> dict[str, str]:
     return reasons
 
 
-def _native_quant(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
-
+def _native_quant(x: torch.Tensor, weight: quant.Weight, *, threads: int | None = None) -> torch.Tensor:
     if isinstance(weight, quant.QuantizedWeight):
-        return native_quant.matmul(x, weight)
+        return native_quant.matmul(x, weight, threads=threads)
     if isinstance(weight, repack.RepackedWeight):
-        return repack.matmul(x, weight)
+        return repack.matmul(x, weight, threads=threads)
     if isinstance(weight, repack.KRepackedWeight):
-        return repack.matmul_k(x, weight)
+        return repack.matmul_k(x, weight, threads=threads)
     if isinstance(weight, native_matmul.HalfPanels):
-        return native_matmul.matmul_half(x, weight)
+        return native_matmul.matmul_half(x, weight, threads=threads)
     if isinstance(weight, quant.QuantizedStack):
-        return torch.cat([_native_quant(x, part) for part in weight.parts], dim=1)
+        return torch.cat([_native_quant(x, part, threads=threads) for part in weight.parts], dim=1)
     return _aten_tiled(x, weight)  # a matrix of a GGUF type with no kernel, dequantized at load
 
 
-def _repack(weight: quant.Weight) -> quant.Weight:
+def _repack(weight: quant.Weight, *, threads: int | None = None) -> quant.Weight:
     """Every GGUF block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL; the K-quants; IQ4_XS) in the
     8-column interleaved layouts, F16 and BF16 in the float kernel's 16-column panels (and such
     parts of a stack); a matrix with no layout (a Q4_0 / Q5_0 scale whose offset overflows f16)
@@ -174,22 +181,24 @@ def _repack(weight: quant.Weight) -> quant.Weight:
     from nanoserve.native import repack
 
     if isinstance(weight, quant.QuantizedStack):
-        return quant.QuantizedStack(tuple(_repack(part) for part in weight.parts))
+        return quant.QuantizedStack(tuple(_repack(part, threads=threads) for part in weight.parts))
     if not isinstance(weight, quant.QuantizedWeight):
         return weight
     if native_matmul.half_packable(weight):
         return native_matmul.pack_half(weight)
-    return repack.repack_k(weight) if repack.k_repackable(weight) else repack.repack(weight)
+    if repack.k_repackable(weight):
+        return repack.repack_k(weight, threads=threads)
+    return repack.repack(weight, threads=threads)
 
 
-def _native_quant_gemm(x: torch.Tensor, weight: quant.Weight) -> torch.Tensor:
+def _native_quant_gemm(x: torch.Tensor, weight: quant.Weight, *, threads: int | None = None) -> torch.Tensor:
     """`native-quant-x8`'s product, with calls of GEMM_MIN_ROWS rows or more on the Q4_1 and Q8_0
     layouts through the prefill GEMM (csrc/gemm/matmul_gemm.c: the same bits, a row's fixed order)."""
     if repack.has_gemm(weight) and x.shape[0] >= GEMM_MIN_ROWS:
-        return repack.gemm(x, weight)
+        return repack.gemm(x, weight, threads=threads)
     if isinstance(weight, quant.QuantizedStack):
-        return torch.cat([_native_quant_gemm(x, part) for part in weight.parts], dim=1)
-    return _native_quant(x, weight)
+        return torch.cat([_native_quant_gemm(x, part, threads=threads) for part in weight.parts], dim=1)
+    return _native_quant(x, weight, threads=threads)
 
 
 # The kernels for GGUF block formats (nanoserve.quant): a model's matrices are blocks or floats.
@@ -205,15 +214,17 @@ QUANTIZED_KERNELS: dict[str, LinearKernel] = {k.name: k for k in (
 )}
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | quant.QuantizedWeight) -> torch.Tensor:
-    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized),
-    or a tied head's table in a kernel's layout that serves lookups (`quant.serves_lookups`)."""
+def embedding(ids: torch.Tensor, table: torch.Tensor | quant.QuantizedWeight, *,
+              threads: int | None = None) -> torch.Tensor:
+    """Rows `ids` of a token table, dense or quantized (then only those rows are dequantized, by
+    native calls on `threads` threads), or a tied head's table in a kernel's layout that serves
+    lookups (`quant.serves_lookups`)."""
     if isinstance(table, torch.Tensor):
         return F.embedding(ids, table)
     if quant.serves_lookups(table):
-        return table.lookup(ids)
+        return table.lookup(ids, threads=threads)
     if native_quant.runs(table.format):
-        return native_quant.dequantize_rows(table, ids)
+        return native_quant.dequantize_rows(table, ids, threads=threads)
     return table.rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, table.shape[1])
 
 
@@ -308,8 +319,10 @@ class KernelUnavailableError(ValueError):
 
 def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, prefill_rows: int,
                   batch_invariant: bool, forced: str | None = None,
-                  cache_path: Path | None = None, loop_overhead_ms: float = 0.0) -> KernelChoice:
-    """The fastest kernel that qualifies: measured (or read from the cache), never assumed.
+                  cache_path: Path | None = None, loop_overhead_ms: float = 0.0,
+                  threads: int | None = None) -> KernelChoice:
+    """The fastest kernel that qualifies: measured (or read from the cache), never assumed, at
+    `threads` threads (the engine's start-up policy's; None: `native.thread_count`'s).
     `loop_overhead_ms`: what a forward through the per-layer loop costs beyond its linears,
     measured by the caller where the model could run the one-call decoder (else 0); it is
     added to the kernels that cannot, so a few percent of linears' noise never trades the
@@ -326,8 +339,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
                 f"{forced!r} is not a linear kernel for {device.type} here{why}; "
                 f"choose from {', '.join(names)}")
         candidates = [k for k in candidates if k.name == forced]
-    candidates = _runnable(candidates, shape.layers[0][0], forced)
-    key = _cache_key(shape, device, max_rows, prefill_rows)
+    candidates = _runnable(candidates, shape.layers[0][0], forced, threads)
+    key = _cache_key(shape, device, max_rows, prefill_rows, native.thread_count(threads))
     cached = _read_cache(cache_path, key)
     verdicts = {k.name: cached.get(k.name) or KernelVerdict() for k in candidates}
     from_cache = all(v.ms_by_rows for v in verdicts.values())
@@ -338,7 +351,7 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
             log.info("linear kernel: timing %d candidates on the model's own weights (once per machine, "
                      "threads and model shape: the verdict is cached%s)", len(candidates),
                      f" in {cache_path}" if cache_path is not None else " for no later start")
-        for name, turns_ms in time_kernels(candidates, shape.layers, rows, device).items():
+        for name, turns_ms in time_kernels(candidates, shape.layers, rows, device, threads=threads).items():
             verdicts[name].record(turns_ms)
 
     def step_ms(kernel: LinearKernel) -> float:
@@ -351,7 +364,8 @@ def choose_kernel(shape: ProbeShape, *, device: torch.device, max_rows: int, pre
             verdict = verdicts[kernel.name]
             if verdict.invariant is None:
                 from_cache = False
-                verdict.failure = self_test(kernel, shape, max_rows=max_rows, prefill_rows=prefill_rows)
+                verdict.failure = self_test(kernel, shape, max_rows=max_rows, prefill_rows=prefill_rows,
+                                            threads=threads)
                 verdict.invariant = not verdict.failure
             if verdict.invariant:
                 chosen, reason = kernel, "fastest batch-invariant"
@@ -391,14 +405,15 @@ def probe_rows(max_rows: int, prefill_rows: int) -> tuple[int, ...]:
     return (*rows, chunk) if chunk > rows[-1] else rows
 
 
-def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str | None) -> list[LinearKernel]:
+def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str | None,
+              threads: int | None) -> list[LinearKernel]:
     """The candidates that can multiply this dtype on this machine at all (oneDNN refuses
     float16 on CPUs without AVX512-FP16, for one), tried on one real weight."""
     refused = {}
     for kernel in candidates:
         try:
             kernel.apply(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device),
-                         kernel.pack(weight))
+                         kernel.pack(weight, threads=threads), threads=threads)
         except RuntimeError as error:
             refused[kernel.name] = str(error).splitlines()[0]
     dtype = str(weight.dtype).removeprefix("torch.")
@@ -411,21 +426,24 @@ def _runnable(candidates: list[LinearKernel], weight: torch.Tensor, forced: str 
 
 
 def time_kernels(kernels: list[LinearKernel], layers: list[list[torch.Tensor]], rows: Iterable[int],
-                 device: torch.device, *, turns: int = PROBE_TURNS) -> dict[str, list[dict[int, float]]]:
+                 device: torch.device, *, turns: int = PROBE_TURNS,
+                 threads: int | None = None) -> dict[str, list[dict[int, float]]]:
     """Milliseconds for one forward's linears through each kernel at each row count, one figure
-    a turn: a turn times every kernel once, in an order rotated every turn (see PROBE_TURNS).
+    a turn: a turn times every kernel once, in an order rotated every turn (see PROBE_TURNS),
+    each on `threads` threads.
     Scaled from enough layers that the weights stream from memory, as they do in a real step."""
     sample = _probe_sample(layers)
     scale = len(layers) / len(sample)
     packed_by_pack: dict[Callable, list[list[torch.Tensor]]] = {}
     for kernel in kernels:  # kernels that pack alike (the x8 pair, the oneDNN pair) share one copy
         if kernel.pack not in packed_by_pack:
-            packed_by_pack[kernel.pack] = [[kernel.pack(w) for w in layer] for layer in sample]
+            packed_by_pack[kernel.pack] = [[kernel.pack(w, threads=threads) for w in layer]
+                                           for layer in sample]
     dtype = layers[0][0].dtype
     turns_ms: dict[str, list[dict[int, float]]] = {k.name: [{} for _ in range(turns)] for k in kernels}
     for count in rows:
         inputs = {w.shape[1]: torch.randn(count, w.shape[1], device=device).to(dtype) for w in layers[0]}
-        passes = {k.name: _one_pass(k, packed_by_pack[k.pack], sample, inputs) for k in kernels}
+        passes = {k.name: _one_pass(k, packed_by_pack[k.pack], sample, inputs, threads) for k in kernels}
         for run in passes.values():
             run()  # the first call pays for allocation and oneDNN's primitive creation
         for turn in range(turns):
@@ -448,18 +466,19 @@ def _probe_sample(layers: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
 
 
 def _one_pass(kernel: LinearKernel, packed_sample: list[list[torch.Tensor]], sample: list[list[torch.Tensor]],
-              inputs: dict[int, torch.Tensor]) -> Callable[[], None]:
+              inputs: dict[int, torch.Tensor], threads: int | None) -> Callable[[], None]:
     def run() -> None:
         for packed_layer, layer in zip(packed_sample, sample, strict=True):
             for packed, weight in zip(packed_layer, layer, strict=True):
-                kernel.apply(inputs[weight.shape[1]], packed)
+                kernel.apply(inputs[weight.shape[1]], packed, threads=threads)
 
     return run
 
 
 def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill_rows: int,
-              seed: int = 0) -> str:
-    """'' when every row's bits are independent of the call it is in; else where they moved.
+              seed: int = 0, threads: int | None = None) -> str:
+    """'' when every row's bits are independent of the call it is in; else where they moved
+    (every call on `threads` threads).
 
     For each distinct weight shape (and the head, which only sees decode-sized calls), its first
     SELF_TEST_COLUMNS output features: rows computed alone are the reference; every call of M
@@ -472,16 +491,17 @@ def self_test(kernel: LinearKernel, shape: ProbeShape, *, max_rows: int, prefill
     targets = [(w, prefill_rows) for w in distinct.values()] + [(shape.head, 0)]
     for whole, prefill in targets:
         weight = _leading_columns(whole, SELF_TEST_COLUMNS)
-        packed = kernel.pack(weight)
+        packed = kernel.pack(weight, threads=threads)
         # Every row of a prefill call, not only its first: later row panels may take another path.
         reference_rows = max(max_rows + offset, prefill)
         x = torch.randn(max(reference_rows, prefill), weight.shape[1], generator=generator)
         x = x.to(device=weight.device, dtype=weight.dtype)
-        alone = torch.cat([kernel.apply(x[r : r + 1], packed) for r in range(reference_rows)])
+        alone = torch.cat([kernel.apply(x[r : r + 1], packed, threads=threads)
+                           for r in range(reference_rows)])
         calls = [(m, start) for m in range(1, max_rows + 1) for start in (0, offset)]
         calls += [(m, 0) for m in sorted({2 * max_rows, prefill}) if m > max_rows and prefill]
         for m, start in calls:
-            out = kernel.apply(x[start : start + m], packed)
+            out = kernel.apply(x[start : start + m], packed, threads=threads)
             checked = min(m, reference_rows - start)
             if not torch.equal(out[:checked], alone[start : start + checked]):
                 out_features, in_features = whole.shape
@@ -550,13 +570,14 @@ def _timing_summary(chosen: LinearKernel, ranked: list[LinearKernel],
         f"; {'; '.join(others)}" if others else "")
 
 
-def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_rows: int) -> str:
+def _cache_key(shape: ProbeShape, device: torch.device, max_rows: int, prefill_rows: int,
+               threads: int) -> str:
     weight = shape.layers[0][0]
     facts = {
         "version": CACHE_VERSION,
         "cpu": cpu_model(), "flags": vector_flags(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(), "dtype": str(weight.dtype),
+        "threads": threads, "dtype": str(weight.dtype),
         "native": _native_build_key(),
         **({"formats": [quant.format_names(w) for w in [*shape.layers[0], shape.head]]}
            if shape.quantized else {}),

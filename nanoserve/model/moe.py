@@ -107,8 +107,11 @@ class MixtureOfExperts:
     """A sparse layer's MLP over a flat batch of rows (`spec`: what the config says). `activate`:
     the gate's activation times up, of a gate_up product [rows, 2 * width]."""
 
-    def __init__(self, spec: Experts, linear: Linear, activate: Activate) -> None:
+    def __init__(self, spec: Experts, linear: Linear, activate: Activate, *,
+                 threads: int | None = None) -> None:
+        """`threads`: the native experts' call's thread count (None: `native.thread_count`'s)."""
         self.spec = spec
+        self.threads = threads
         self.linear = linear
         self.activate = activate
         self.tally: ExpertTally | None = None  # set by the profile
@@ -126,9 +129,10 @@ class MixtureOfExperts:
             tally.calls += 1
         if native is not None and gather is None:
             out, _, _ = native.routed(x, expert_rows=None if tally is None else tally.rows,
-                                      expert_seconds=None if tally is None else tally.seconds)
+                                      expert_seconds=None if tally is None else tally.seconds,
+                                      threads=self.threads)
         else:  # (split by output, the ranks route as the native call does, to its bits)
-            routing = Routing(*native.route(x)) if native is not None else route(
+            routing = Routing(*native.route(x, threads=self.threads)) if native is not None else route(
                 self.linear(x, weights.router), self.spec)
             out = self._loop(x, routing, weights, gather)
         if weights.shared_gate_up is not None:

@@ -17,6 +17,7 @@ rows have the same bits whoever else sent an image in the same step.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Protocol
@@ -68,14 +69,15 @@ class VisionWeights:
     post_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # after the last layer, when it runs
     projector_norm: torch.Tensor | None = None  # Gemma 3's soft-token RMSNorm before its linear (1 + w)
 
-    def packed_for(self, kernel: LinearKernel) -> VisionWeights:
-        """The same weights with every matrix packed once for `kernel`."""
-        layers = [EncoderLayerWeights(**{f.name: (kernel.pack(getattr(layer, f.name))
+    def packed_for(self, kernel: LinearKernel, threads: int | None = None) -> VisionWeights:
+        """The same weights with every matrix packed once for `kernel` (on `threads` threads)."""
+        pack = functools.partial(kernel.pack, threads=threads)
+        layers = [EncoderLayerWeights(**{f.name: (pack(getattr(layer, f.name))
                                                   if f.name in EncoderLayerWeights.MATRICES
                                                   else getattr(layer, f.name))
                                          for f in fields(layer)}) for layer in self.layers]
-        projector = [(kernel.pack(matrix), bias) for matrix, bias in self.projector]
-        return VisionWeights(kernel.pack(self.patch), self.patch_bias, self.positions, layers, projector,
+        projector = [(pack(matrix), bias) for matrix, bias in self.projector]
+        return VisionWeights(pack(self.patch), self.patch_bias, self.positions, layers, projector,
                              self.class_embedding, self.pre_norm, self.post_norm, self.projector_norm)
 
     def to(self, dtype: torch.dtype, device: torch.device) -> VisionWeights:
@@ -106,10 +108,11 @@ class VisionTransformer:
     """SigLIP's or CLIP's ViT: tiles in, one hidden row per token (CLIP's class token first) out,
     from the layer the family reads (`VisionConfig.feature_layer`)."""
 
-    def __init__(self, config: VisionConfig, weights: VisionWeights, linear: LinearKernel) -> None:
+    def __init__(self, config: VisionConfig, weights: VisionWeights, linear: LinearKernel,
+                 threads: int | None = None) -> None:
         self.config = config
         self.weights = weights
-        self.linear = linear.apply
+        self.linear = functools.partial(linear.apply, threads=threads)
         self.head_dim = config.hidden_size // config.num_heads
         self.activation = ACTIVATIONS[config.hidden_act]
         # transformers' hidden_states: [embeddings, layer 1, ..., layer N]; feature_layer indexes them
@@ -216,12 +219,13 @@ class ProjectedEncoder:
     Gemma 3: SigLIP, average pool to `tokens_per_image` rows, soft-token RMSNorm, one linear."""
 
     def __init__(self, config: VisionConfig, weights: VisionWeights,
-                 linear_kernel: LinearKernel | None = None) -> None:
+                 linear_kernel: LinearKernel | None = None, threads: int | None = None) -> None:
+        """`threads`: the native calls' thread count (None: `native.thread_count`'s)."""
         self.config = config
         kernel = linear_kernel or KERNELS["aten"]
-        self.weights = weights.packed_for(kernel)
-        self.linear = kernel.apply
-        self.tower = VisionTransformer(config, self.weights, kernel)
+        self.weights = weights.packed_for(kernel, threads)
+        self.linear = functools.partial(kernel.apply, threads=threads)
+        self.tower = VisionTransformer(config, self.weights, kernel, threads)
         self.activation = ACTIVATIONS[config.projector_act] if config.projector_act else None
 
     @torch.inference_mode()
@@ -248,5 +252,5 @@ ENCODERS = {"idefics3": ProjectedEncoder, "llava": ProjectedEncoder, "gemma3": P
 
 
 def build_encoder(config: VisionConfig, weights: VisionWeights,
-                  linear_kernel: LinearKernel | None = None) -> ImageEncoder:
-    return ENCODERS[config.family](config, weights, linear_kernel)
+                  linear_kernel: LinearKernel | None = None, threads: int | None = None) -> ImageEncoder:
+    return ENCODERS[config.family](config, weights, linear_kernel, threads)

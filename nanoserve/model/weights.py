@@ -6,6 +6,7 @@ keeps `ffn_gate_inp`: a rounded router would move rows to other experts."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -148,11 +149,13 @@ class LlamaWeights:
             matrices.append(self.lm_head)
         return sum(m.nbytes for m in matrices)
 
-    def packed_for(self, kernel: LinearKernel) -> LlamaWeights:
-        """The same weights with every matrix in `kernel`'s layout; the embedding stays a table,
-        unless it is the head's and the head's layout serves lookups (then it is kept once)."""
-        layers = [w.with_matrices(kernel.pack) for w in self.layers]
-        head = kernel.pack(self.lm_head)
+    def packed_for(self, kernel: LinearKernel, threads: int | None = None) -> LlamaWeights:
+        """The same weights with every matrix in `kernel`'s layout (packed on `threads` threads);
+        the embedding stays a table, unless it is the head's and the head's layout serves lookups
+        (then it is kept once)."""
+        pack = functools.partial(kernel.pack, threads=threads)
+        layers = [w.with_matrices(pack) for w in self.layers]
+        head = pack(self.lm_head)
         tied = self.lm_head is self.embed and quant.serves_lookups(head)
         return LlamaWeights(head if tied else self.embed, layers, self.norm, head)
 

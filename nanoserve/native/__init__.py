@@ -5,6 +5,9 @@ and the one line the engine prints at start-up saying whether native kernels run
 The kernels take raw pointers to contiguous tensors (`tensor.data_ptr()`), so nothing here
 builds against torch's headers; they run on the library's own thread pool (csrc/runtime/threadpool.c),
 whose workers stay awake between the calls of a step.
+Every kernel call takes its thread count from its caller: the engine passes its start-up
+policy's (`nanoserve.worker.startup`, `Startup.threads`), and `thread_count` is the one place a
+caller without a policy (a test, a benchmark, library use) gets torch's setting instead.
 Refuses: to be required. `library()` is None where there is no compiler, the build failed,
 or NANOSERVE_NO_NATIVE=1; callers then take the torch path, which always works.
 """
@@ -18,6 +21,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+
+import torch
 
 from nanoserve import openmp
 from nanoserve.native.build import BuildResult, build_library
@@ -47,6 +52,12 @@ class NativeLibrary:
     def isas(self) -> list[str]:
         """The ISAs this library runs on this CPU, narrowest first."""
         return [name for number, name in enumerate(ISAS) if self.lib.ns_isa_available(number)]
+
+
+def thread_count(threads: int | None) -> int:
+    """The threads a native call runs on: `threads`, or for a caller with no start-up policy
+    (None) torch's intra-op setting, which the engine's start-up sizes to the same count."""
+    return torch.get_num_threads() if threads is None else threads
 
 
 def disabled() -> bool:

@@ -17,6 +17,8 @@ import ctypes
 
 import torch
 
+from nanoserve import native
+
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURE = (_INT, _P, _I64, _INT, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
               _I64, _F32, _I64, _F32, _INT)
@@ -85,7 +87,7 @@ class NativeAttention:
                  block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, heads: int,
                  scale: float, *, window: int = 0, softcap: float = 0.0, out: torch.Tensor | None = None,
                  k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
-                 visible_ends: torch.Tensor | None = None) -> torch.Tensor:
+                 visible_ends: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Attention of every row over its sequence's context in the paged cache, read in place.
 
         q [rows, >= heads * d] float32 with unit stride inside a row (a view of the qkv
@@ -117,7 +119,7 @@ class NativeAttention:
                               row_seq.data_ptr(), positions.data_ptr(),
                               None if visible_ends is None else visible_ends.data_ptr(), out.data_ptr(), rows,
                               heads, kv_heads, dim, block_size, blocks, scale, window, softcap,
-                              torch.get_num_threads())
+                              native.thread_count(threads))
         if status == -2:
             raise MemoryError("the attention's scratch could not be allocated")
         if status != 0:

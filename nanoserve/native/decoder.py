@@ -142,14 +142,15 @@ class NativeDecoder:
     def run(self, hidden: torch.Tensor, slot_mapping: torch.Tensor, paged: PagedContext, kv_cache,
             normed: torch.Tensor, attended: torch.Tensor, activated: torch.Tensor,
             lora: NativeLoRAStep | None = None, *, expert_rows: torch.Tensor | None = None,
-            expert_seconds: torch.Tensor | None = None) -> torch.Tensor:
+            expert_seconds: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Every layer over the step's rows: `hidden` updated in place; returns the last
         layer's MLP output, not yet added (as the per-op loop returns it). `normed`,
         `attended`, `activated`: the step's buffers [rows, hidden / heads * head_dim /
         intermediate]; `paged` and `slot_mapping` checked by the model (model.paged_context);
         `lora`: the step's LoRA rows, each projection's adapter updates added after it.
         `expert_rows` (int64) and `expert_seconds` (float64) [experts]: when given, the sparse
-        layers add each expert's routed rows and matmul time to them (the profile's tally)."""
+        layers add each expert's routed rows and matmul time to them (the profile's tally).
+        `threads`: the call's thread count (None: `native.thread_count`'s)."""
         s, rows = self.shape, hidden.shape[0]
         for name, t, width in (("hidden", hidden, s.hidden), ("normed", normed, s.hidden),
                                ("attended", attended, s.heads * s.head_dim),
@@ -186,7 +187,8 @@ class NativeDecoder:
             if tally.dtype != dtype or tuple(tally.shape) != (width,) or not tally.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous {dtype} [{width}] tensor")
             setattr(step, name, tally.data_ptr())
-        if rows and self._run(ctypes.addressof(self._model), ctypes.addressof(step), torch.get_num_threads()):
+        threads = native.thread_count(threads)
+        if rows and self._run(ctypes.addressof(self._model), ctypes.addressof(step), threads):
             raise MemoryError("the native decoder could not allocate its scratch")
         if self.linear_s is not None:
             self.linear_s += linear_s.value

@@ -177,8 +177,9 @@ class NativeLoRAStep:
             adapter.check(layers, widths)
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, target: str, *,
-              portable: bool = False) -> None:
-        """out [rows, n] += each row's update of `target` in `layer`, x [rows, k] its input."""
+              portable: bool = False, threads: int | None = None) -> None:
+        """out [rows, n] += each row's update of `target` in `layer`, x [rows, k] its input, on
+        `threads` threads (None: `native.thread_count`'s)."""
         for name, t in (("out", out), ("x", x)):
             if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu or t.dim() != 2:
                 raise ValueError(f"{name} must be a contiguous 2-D float32 CPU tensor")
@@ -192,4 +193,4 @@ class NativeLoRAStep:
                                  f"{columns} columns; got x {tuple(x.shape)}, out {tuple(out.shape)}")
         run = _library().ns_lora_apply_portable if portable else self._run
         run(ctypes.addressof(self.struct), at, x.data_ptr(), out.data_ptr(), self.rows, out.shape[1],
-            x.shape[1], torch.get_num_threads())
+            x.shape[1], native.thread_count(threads))

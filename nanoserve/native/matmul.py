@@ -131,7 +131,8 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 def matmul(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None,
            portable: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in the weight's dtype, for `packed` = pack(W); x has W's dtype.
-    `portable` runs the plain C path instead of the ISA one (for the tests)."""
+    `threads`: the caller's thread count (None: `native.thread_count`'s); `portable` runs the
+    plain C path instead of the ISA one (for the tests)."""
     functions = _require()
     # Checked in the cheapest order: this runs for every linear of every step.
     if x.dtype is not packed.dtype:
@@ -152,7 +153,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None,
     if m == 0 or n == 0:
         return y
     if function(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k,
-                threads or torch.get_num_threads()) != 0:
+                native.thread_count(threads)) != 0:
         raise MemoryError(f"cannot allocate {m} x {k} widened activations")
     return y
 
@@ -170,9 +171,9 @@ class HalfPanels(PackedBlocks):
     shape: tuple[int, int]  # (out_features, in_features)
     blocks: torch.Tensor
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups): the
-        file's values, widened exactly."""
+        file's values, widened exactly (in torch: `threads` is the repacked layouts' argument)."""
         n, k = self.shape
         flat = ids.reshape(-1).to(torch.int64)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
@@ -222,6 +223,6 @@ def matmul_half(x: torch.Tensor, weight: HalfPanels, *, threads: int | None = No
         return y
     function = functions.half_portable if portable else functions.half
     status = function(weight.format.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
-                      x.shape[0], n, k, threads or torch.get_num_threads())
+                      x.shape[0], n, k, native.thread_count(threads))
     native.raise_for_status(status, "float panels matmul", f"{weight.format.name} {weight.shape}", n)
     return y

@@ -111,12 +111,13 @@ class NativeExperts:
 
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
                  expert_rows: torch.Tensor | None = None,
-                 expert_seconds: torch.Tensor | None = None) -> torch.Tensor:
+                 expert_seconds: torch.Tensor | None = None, threads: int | None = None) -> torch.Tensor:
         """Each row's sum of weight * expert(row) over its top_k experts, in ascending expert
         index. x float32 [rows, hidden]; `experts` int64 and `weights` float32 [rows, top_k]
         (distinct experts within a row). `expert_rows` (int64) and `expert_seconds` (float64),
         [experts] each: when given, each expert's routed rows and its matmuls' wall time are
-        added to them (the profile)."""
+        added to them (the profile). `threads`: the call's thread count (None:
+        `native.thread_count`'s), as for `routed` and `route`."""
         shape = (x.shape[0], self.top_k)
         if experts.dtype != torch.int64 or tuple(experts.shape) != shape:
             raise ValueError(f"experts must be int64 {list(shape)}; got {experts.dtype} "
@@ -124,28 +125,30 @@ class NativeExperts:
         if weights.dtype != torch.float32 or tuple(weights.shape) != shape:
             raise ValueError(f"weights must be float32 {list(shape)}; got {weights.dtype} "
                              f"{list(weights.shape)}")
-        return self._call(x, experts.contiguous(), weights.contiguous(), False, expert_rows, expert_seconds)
+        return self._call(x, experts.contiguous(), weights.contiguous(), False, expert_rows, expert_seconds,
+                          threads=threads)
 
     def routed(self, x: torch.Tensor, *, expert_rows: torch.Tensor | None = None,
-               expert_seconds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               expert_seconds: torch.Tensor | None = None,
+               threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows routed here too (the router's logits, softmax, top_k, renormalised as
         model/moe.py's `route`, to its last bits rather than torch's): (out, experts, weights)."""
         experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
         weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
-        out = self._call(x, experts, weights, True, expert_rows, expert_seconds)
+        out = self._call(x, experts, weights, True, expert_rows, expert_seconds, threads=threads)
         return out, experts, weights
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, *, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Only the routing `routed` does, to the same bits: (experts, weights) [rows, top_k]
         (for the loop under tensor parallelism on blocks, so N ranks route as one rank does)."""
         experts = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
         weights = torch.empty(x.shape[0], self.top_k, dtype=torch.float32)
-        self._call(x, experts, weights, True, None, None, run_experts=False)
+        self._call(x, experts, weights, True, None, None, run_experts=False, threads=threads)
         return experts, weights
 
     def _call(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, route: bool,
               expert_rows: torch.Tensor | None, expert_seconds: torch.Tensor | None, *,
-              run_experts: bool = True) -> torch.Tensor:
+              run_experts: bool = True, threads: int | None) -> torch.Tensor:
         if run_experts and not self.holds_experts:
             raise RuntimeError("this layer's native call holds its router alone: only `route` runs")
         rows = x.shape[0]
@@ -163,7 +166,8 @@ class NativeExperts:
                      out.data_ptr() if run_experts else None,
                      None if expert_rows is None else expert_rows.data_ptr(),
                      None if expert_seconds is None else expert_seconds.data_ptr())
-        status = self._run(ctypes.addressof(self._model), ctypes.addressof(step), torch.get_num_threads())
+        threads = native.thread_count(threads)
+        status = self._run(ctypes.addressof(self._model), ctypes.addressof(step), threads)
         if status == -3:
             raise IndexError(f"expert indices must lie in [0, {self.count})")
         native.raise_for_status(status, "native experts", f"the experts {self.count} x {self.width}", rows)

@@ -6,8 +6,9 @@ float16, bfloat16, or q8_0 (int8 codes with one float32 scale per row: `k_scales
 
 Owns: the ctypes signatures of those kernels and the checks that make a call safe (dtype,
 contiguity, shapes) before a raw pointer reaches C, where a wrong one is a segfault rather than
-an exception. `NativeOps` is what the model calls; `portable=True` runs the plain C path the
-tests hold the vector path against.
+an exception. `NativeOps` is what the model calls, each op on the thread count its caller
+passes (None: `native.thread_count`'s); `portable=True` runs the plain C path the tests hold
+the vector path against.
 Refuses: dtypes other than float32 (the model then keeps its torch ops) and devices other than
 the CPU. The attention here is batch-invariant by construction (csrc/stages/attention.c says how); it
 does not reproduce the torch attention's bits, so a model runs one or the other for every row.
@@ -91,18 +92,18 @@ class NativeOps:
         self.attention = NativeAttention(lib, ISAS["portable"] if portable else 0)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, *, threads: int | None = None) -> torch.Tensor:
         """RMSNorm of each row of x [rows, dim]."""
         _check("x", x, torch.float32)
         rows, dim = x.shape
         _check("weight", weight, torch.float32, (dim,))
         out = _output("out", out, x, x.shape)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, eps,
-                       torch.get_num_threads())
+                       native.thread_count(threads))
         return out
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, threads: int | None = None) -> torch.Tensor:
         """residual += delta (in place), and the RMSNorm of the sum."""
         _check("residual", residual, torch.float32)
         rows, dim = residual.shape
@@ -110,23 +111,24 @@ class NativeOps:
         _check("weight", weight, torch.float32, (dim,))
         out = _output("out", out, residual, residual.shape)
         self._add_rms_norm(residual.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                           rows, dim, eps, torch.get_num_threads())
+                           rows, dim, eps, native.thread_count(threads))
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None, *,
+                 threads: int | None = None) -> torch.Tensor:
         """SiLU(gate) * up of gate_up [rows, 2 * width] (gate first): [rows, width]."""
         _check("gate_up", gate_up, torch.float32)
         rows, double = gate_up.shape
         if double % 2:
             raise NativeOpsError(f"gate_up must have an even width; got {double}")
         out = _output("out", out, gate_up, (rows, double // 2))
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, double // 2, torch.get_num_threads())
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, double // 2, native.thread_count(threads))
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       signed_sin: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, heads: int, k_scales: torch.Tensor | None = None,
-                      v_scales: torch.Tensor | None = None) -> None:
+                      v_scales: torch.Tensor | None = None, *, threads: int | None = None) -> None:
         """Rotate q in place in qkv [rows, (heads + 2 kv_heads) * d]; write rotated k and v into
         the caches [kv_heads, blocks, block_size, d] at slot_mapping's flat slots (float16 and
         bfloat16 caches: rounded to nearest even; q8_0 caches: quantized, each row's scale into
@@ -144,19 +146,20 @@ class NativeOps:
         self._rope_write_kv(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
                             slot_mapping.data_ptr(), kv_dtype, k_cache.data_ptr(), k_scales_at,
                             v_cache.data_ptr(), v_scales_at, rows, heads, kv_heads, dim, blocks * block_size,
-                            torch.get_num_threads())
+                            native.thread_count(threads))
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         context: PagedContext, heads: int, scale: float, window: int = 0,
                         out: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
-                        v_scales: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                        v_scales: torch.Tensor | None = None, softcap: float = 0.0, *,
+                        threads: int | None = None) -> torch.Tensor:
         """Attention of every row over its sequence's context in the paged cache, read in place
         (`NativeAttention.__call__` says what each argument is), on this object's path."""
         if context.rows != q.shape[0]:
             raise NativeOpsError(f"the context describes {context.rows} rows; q has {q.shape[0]}")
         return self.attention(q, k_cache, v_cache, context.block_tables, context.row_seq, context.positions,
                               heads, scale, window=window, softcap=softcap, out=out, k_scales=k_scales,
-                              v_scales=v_scales, visible_ends=context.visible_ends)
+                              v_scales=v_scales, visible_ends=context.visible_ends, threads=threads)
 
 
 def load(*, portable: bool = False) -> NativeOps | None:

@@ -63,8 +63,10 @@ def runs(fmt: BlockFormat) -> bool:
     return _lib() is not None
 
 
-def matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) -> torch.Tensor:
-    """x [rows, in] float32 @ weight^T -> float32 [rows, out]."""
+def matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False,
+           threads: int | None = None) -> torch.Tensor:
+    """x [rows, in] float32 @ weight^T -> float32 [rows, out], on `threads` threads (None:
+    `native.thread_count`'s)."""
     lib = _lib()
     if lib is None:
         raise RuntimeError(native.status())
@@ -79,12 +81,13 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight, *, portable: bool = False) 
         entries = _entries(weight.format)
         entry = getattr(lib, entries.portable if portable else entries.matmul)
         status = entry(weight.format.ggml_type, x.data_ptr(), blocks.data_ptr(), y.data_ptr(),
-                       x.shape[0], out_features, in_features, torch.get_num_threads())
+                       x.shape[0], out_features, in_features, native.thread_count(threads))
         _raise_for(status, weight)
     return y
 
 
-def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor, *,
+                    threads: int | None = None) -> torch.Tensor:
     """Rows `ids` of `weight` as float32 [*ids.shape, in] (embedding lookups)."""
     lib = _lib()
     if lib is None:
@@ -95,7 +98,7 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         entry = getattr(lib, _entries(weight.format).lookup)
         status = entry(weight.format.ggml_type, weight.blocks.contiguous().data_ptr(), flat.data_ptr(),
                        flat.numel(), weight.shape[0], weight.shape[1], out.data_ptr(),
-                       torch.get_num_threads())
+                       native.thread_count(threads))
         _raise_for(status, weight)
     return out.reshape(*ids.shape, weight.shape[1])
 

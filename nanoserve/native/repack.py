@@ -51,9 +51,9 @@ class RepackedWeight(PackedBlocks):
     shape: tuple[int, int]  # (out_features, in_features)
     blocks: torch.Tensor
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups)."""
-        return lookup(self, ids)
+        return lookup(self, ids, threads=threads)
 
 
 def repackable(weight: object) -> bool:
@@ -64,20 +64,21 @@ def has_gemm(weight: object) -> bool:
     return isinstance(weight, RepackedWeight) and weight.layout.name in GEMM_LAYOUTS
 
 
-def repack(weight: QuantizedWeight) -> RepackedWeight | QuantizedWeight:
+def repack(weight: QuantizedWeight, *, threads: int | None = None) -> RepackedWeight | QuantizedWeight:
     """`weight` in the interleaved layout; itself where there is no layout for its format (or
     Q4_0 / Q5_0 with a scale too large for m = -8 d / -16 d in f16). Q4_0, Q4_1 and Q8_0 are
-    repacked in C (csrc/quant/repack.c) where the library runs, the others by `repack_torch`."""
+    repacked in C (csrc/quant/repack.c, on `threads` threads) where the library runs, the others by
+    `repack_torch`."""
     if not repackable(weight):
         return weight
     if weight.format.name in NATIVE_REPACKS and _lib() is not None:
-        blocks = _native_repack(weight, weight.shape[1] // 32)
+        blocks = _native_repack(weight, weight.shape[1] // 32, threads)
         return weight if blocks is None else RepackedWeight(weight.format, LAYOUT[weight.format.name],
                                                             weight.shape, blocks)
     return repack_torch(weight)
 
 
-def _native_repack(weight: QuantizedWeight, blocks_per_row: int) -> torch.Tensor | None:
+def _native_repack(weight: QuantizedWeight, blocks_per_row: int, threads: int | None) -> torch.Tensor | None:
     """csrc/quant/repack.c's layout of `weight`: uint8 [groups, blocks_per_row x group-block bytes], or
     None where a Q4_0 scale's offset overflows f16."""
     lib = _require()
@@ -86,7 +87,7 @@ def _native_repack(weight: QuantizedWeight, blocks_per_row: int) -> torch.Tensor
                       dtype=torch.uint8)
     source = weight.blocks.contiguous()
     status = lib.ns_repack_blocks(weight.format.ggml_type, source.data_ptr(), out.data_ptr(), weight.shape[0],
-                                  weight.shape[1], torch.get_num_threads())
+                                  weight.shape[1], native.thread_count(threads))
     if status == -4:
         return None
     if status != 0:
@@ -171,12 +172,13 @@ def matmul(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False, i
            threads: int | None = None) -> torch.Tensor:
     """x [rows, in] float32 @ weight^T -> float32 [rows, out]. `portable` runs the plain C path
     (for the tests: it gives the vector path's bits); `isa` one of nanoserve.native.ISAS that
-    runs here (every one gives the same bits)."""
+    runs here (every one gives the same bits); `threads` None: `native.thread_count`'s."""
     what = f"{weight.source.name} {weight.shape} repacked"
     if isa is not None:
         return _product_on(isa, "ns_matmul_x8_isa", weight.layout.ggml_type, x, weight.blocks, weight.shape,
                            what, threads)
-    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape, what)
+    return _product("ns_matmul_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape, what,
+                    threads)
 
 
 def _product_on(isa: str, name: str, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
@@ -189,7 +191,7 @@ def _product_on(isa: str, name: str, ggml_type: int, x: torch.Tensor, blocks: to
     if x.shape[0]:
         status = getattr(lib, name)(native.ISAS.index(isa), ggml_type, x.data_ptr(), blocks.data_ptr(),
                                     y.data_ptr(), x.shape[0], shape[0], shape[1],
-                                    threads or torch.get_num_threads())
+                                    native.thread_count(threads))
         if status == -1:
             raise ValueError(f"isa: {isa} does not run here, or {what} has no layout")
         native.raise_for_status(status, "repacked matmul", what, shape[0])
@@ -197,19 +199,20 @@ def _product_on(isa: str, name: str, ggml_type: int, x: torch.Tensor, blocks: to
 
 
 def _product(name: str, portable: bool, ggml_type: int, x: torch.Tensor, blocks: torch.Tensor,
-             shape: tuple[int, int], what: str) -> torch.Tensor:
+             shape: tuple[int, int], what: str, threads: int | None) -> torch.Tensor:
     """One of PRODUCTS (or its scalar reference) over x [rows, in] and a layout's `blocks`."""
     lib = _require()
     x, y = _checked(x, shape)
     if x.shape[0]:
         entry = getattr(lib, f"{name}_portable" if portable else name)
         status = entry(ggml_type, x.data_ptr(), blocks.data_ptr(), y.data_ptr(), x.shape[0], shape[0],
-                       shape[1], torch.get_num_threads())
+                       shape[1], native.thread_count(threads))
         native.raise_for_status(status, "repacked matmul", what, shape[0])
     return y
 
 
-def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor) -> torch.Tensor:
+def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor, *,
+           threads: int | None = None) -> torch.Tensor:
     """Rows `ids` of either layout, dequantized: float32 [*ids.shape, in]."""
     lib = _require()
     if isinstance(weight, KRepackedWeight):
@@ -220,7 +223,7 @@ def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor) -> torch
     out = torch.empty(flat.numel(), weight.shape[1], dtype=torch.float32)
     if flat.numel():
         status = entry(ggml_type, weight.blocks.data_ptr(), flat.data_ptr(), flat.numel(), weight.shape[0],
-                       weight.shape[1], out.data_ptr(), torch.get_num_threads())
+                       weight.shape[1], out.data_ptr(), native.thread_count(threads))
         what = f"{source.name} {weight.shape} repacked"
         native.raise_for_status(status, "repacked matmul", what, weight.shape[0])
     return out.reshape(*ids.shape, weight.shape[1])
@@ -228,11 +231,12 @@ def lookup(weight: RepackedWeight | KRepackedWeight, ids: torch.Tensor) -> torch
 
 # ---- the prefill GEMM (csrc/gemm/matmul_gemm.c) over the same layouts ----------------------------
 
-def gemm(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False) -> torch.Tensor:
+def gemm(x: torch.Tensor, weight: RepackedWeight, *, portable: bool = False,
+         threads: int | None = None) -> torch.Tensor:
     """`matmul`'s product, bit for bit, by the register-blocked GEMM for prompt chunks (many
     rows); `portable` runs its scalar reference."""
     return _product("ns_gemm_x8", portable, weight.layout.ggml_type, x, weight.blocks, weight.shape,
-                    f"{weight.source.name} {weight.shape} repacked")
+                    f"{weight.source.name} {weight.shape} repacked", threads)
 
 
 def _checked(x: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,20 +269,22 @@ class KRepackedWeight(PackedBlocks):
         file's reference dequantizer)."""
         return _k_dequantize_layout(self)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
         """Rows `ids` as float32 [*ids.shape, in] (a tied token table's embedding lookups)."""
-        return lookup(self, ids)
+        return lookup(self, ids, threads=threads)
 
 
 def k_repackable(weight: object) -> bool:
     return isinstance(weight, QuantizedWeight) and weight.format.name in K_LAYOUT_BYTES
 
 
-def repack_k(weight: QuantizedWeight) -> KRepackedWeight | QuantizedWeight:
+def repack_k(weight: QuantizedWeight, *, threads: int | None = None) -> KRepackedWeight | QuantizedWeight:
     """`weight` in matmul_kx8.c's layout; itself where its format is not in K_LAYOUT_BYTES. Q4_K and
-    Q6_K are repacked in C (csrc/quant/repack.c) where the library runs, the others by `repack_k_torch`."""
+    Q6_K are repacked in C (csrc/quant/repack.c, on `threads` threads) where the library runs, the others
+    by `repack_k_torch`."""
     if k_repackable(weight) and weight.format.name in NATIVE_REPACKS and _lib() is not None:
-        return KRepackedWeight(weight.format, weight.shape, _native_repack(weight, weight.shape[1] // 256))
+        blocks = _native_repack(weight, weight.shape[1] // 256, threads)
+        return KRepackedWeight(weight.format, weight.shape, blocks)
     return repack_k_torch(weight)
 
 
@@ -454,4 +460,5 @@ def matmul_k(x: torch.Tensor, weight: KRepackedWeight, *, portable: bool = False
     if isa is not None:
         return _product_on(isa, "ns_matmul_kx8_isa", weight.format.ggml_type, x, weight.blocks, weight.shape,
                            what, threads)
-    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape, what)
+    return _product("ns_matmul_kx8", portable, weight.format.ggml_type, x, weight.blocks, weight.shape, what,
+                    threads)

@@ -41,12 +41,13 @@ def serve_worker(spec: WorkerSpec, group: TensorParallelGroup) -> int:
 
 def _serve_worker(spec: WorkerSpec, group: TensorParallelGroup) -> int:
     config = EngineConfig(**spec.engine)
-    set_threads(spec.threads)
+    threads = set_threads(spec.threads)
     dtype = pick_dtype(config.dtype, group.device)
     gguf = Path(spec.gguf) if spec.gguf else None
     model_config, weights = load_rank_weights(config, Path(spec.model_dir), gguf, dtype, group.device,
                                               group.shard, [])
     rank = Rank.build(config, model_config, weights, group.receive_plan(), dtype=dtype, device=group.device,
+                      threads=threads,
                       collectives=group.make_collectives(model_config, config.batch_invariant))
     try:
         while (batch := group.receive_batch()) is not None:

@@ -32,9 +32,10 @@ class Rank:
 
     @classmethod
     def build(cls, config: EngineConfig, model_config: ModelConfig, weights: LlamaWeights, plan: RankPlan, *,
-              dtype: torch.dtype, device: torch.device, collectives: Collectives | None = None,
+              dtype: torch.dtype, device: torch.device, threads: int, collectives: Collectives | None = None,
               phases: StartupPhases | None = None) -> Rank:
-        """`phases` (rank 0's) hears how long the model (its weights packed for the kernel)
+        """`threads`: the start-up policy's (`set_threads`), passed to every native call the model
+        makes; `phases` (rank 0's) hears how long the model (its weights packed for the kernel)
         and the KV cache took."""
         local = local_config(model_config, config.tensor_parallel_size)
         cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
@@ -45,7 +46,7 @@ class Rank:
         with timed("model"):
             model = DecoderLM(local, weights, batch_invariant=config.batch_invariant,
                               linear_kernel=kernel_named(plan.kernel_name), max_positions=plan.max_positions,
-                              tensor_parallel=collectives, kv_cache_dtype=cache_dtype)
+                              tensor_parallel=collectives, kv_cache_dtype=cache_dtype, threads=threads)
         with timed("KV cache"):
             kv_cache = KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype)
         return cls(model, kv_cache)

@@ -91,7 +91,9 @@ def wants_blocks(config: EngineConfig, device: torch.device) -> bool:
 
 
 def set_threads(threads: int | None) -> int:
-    """Pin torch's CPU thread count (process-wide): the kernel choice is measured at it."""
+    """This process's CPU threads, the count every native call of the rank is passed (the
+    kernel choice is measured at it); torch's pool is pinned to it too, process-wide, for
+    torch's own kernels."""
     if threads is not None and threads < 1:
         raise InvalidRequestError(f"threads must be at least 1; got {threads}", param="threads")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -166,7 +168,8 @@ def weight_format(weights: LlamaWeights) -> str:
     return "+".join(dict.fromkeys(names))
 
 
-def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> float:
+def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                     threads: int) -> float:
     """What a forward through the per-layer loop costs beyond its linears, where this model
     could run the one-call decoder instead (the stack `DecoderLM._native_decoder` takes) and a
     kernel is to be chosen (else 0): the loop's native small-op calls a forward, each timed here
@@ -180,26 +183,27 @@ def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: to
     weight, out = torch.ones(model_config.hidden_size), torch.empty_like(x)
     batches, calls = 10, 20
     for _ in range(calls):
-        ops.rms_norm(x, weight, 1e-6, out)
+        ops.rms_norm(x, weight, 1e-6, out, threads=threads)
     best_s = float("inf")
     for _ in range(batches):
         start = time.perf_counter()
         for _ in range(calls):
-            ops.rms_norm(x, weight, 1e-6, out)
+            ops.rms_norm(x, weight, 1e-6, out, threads=threads)
         best_s = min(best_s, time.perf_counter() - start)
     per_call_ms = 1e3 * best_s / calls
     return per_call_ms * LOOP_NATIVE_OPS_PER_LAYER * model_config.num_layers
 
 
 def choose_rank_kernel(config: EngineConfig, model_config: ModelConfig, weights: LlamaWeights,
-                       device: torch.device) -> KernelChoice:
-    """The linear kernel every rank runs, measured on this rank's weights (or forced)."""
+                       device: torch.device, threads: int) -> KernelChoice:
+    """The linear kernel every rank runs, measured on this rank's weights (or forced) at `threads`."""
     try:
         choice = choose_kernel(weights.probe_shape(), device=device, max_rows=config.max_num_seqs,
                                prefill_rows=config.max_num_batched_tokens,
                                batch_invariant=config.batch_invariant, forced=config.linear_kernel,
                                cache_path=cache_root() / "linear_kernels.json",
-                               loop_overhead_ms=loop_overhead_ms(config, model_config, device))
+                               loop_overhead_ms=loop_overhead_ms(config, model_config, device, threads),
+                               threads=threads)
     except KernelUnavailableError as error:
         raise InvalidRequestError(str(error), param=error.option) from error
     if config.batch_invariant and not choice.batch_invariant:
@@ -293,7 +297,7 @@ def plan_rank(config: EngineConfig, model_config: ModelConfig, weights: LlamaWei
               startup: Startup) -> tuple[KernelChoice, RankPlan]:
     """Rank 0's plan for every rank: the kernel measured on its weights (or forced), the KV
     blocks of one rank's shard, the context."""
-    choice = choose_rank_kernel(config, model_config, weights, startup.device)
+    choice = choose_rank_kernel(config, model_config, weights, startup.device, startup.threads)
     context = max_model_len(config, model_config)
     local = local_config(model_config, config.tensor_parallel_size)
     blocks = num_kv_blocks(config, local, startup.dtype, startup.device, context)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from nanoserve import native
 from nanoserve.bench.hardware import describe_machine, read_bandwidth_gbs
 from nanoserve.loading.default_model import resolve_model_dir
 from nanoserve.loading.weights import load_weights
@@ -43,13 +44,13 @@ def packed_for(kernel: LinearKernel, weights: list[torch.Tensor]) -> list[torch.
         return None
 
 
-def forward_pass(kernel: LinearKernel, packed: list[torch.Tensor], rows: int,
-                 dtype: torch.dtype) -> Callable[[], None]:
+def forward_pass(kernel: LinearKernel, packed: list[torch.Tensor], rows: int, dtype: torch.dtype,
+                 threads: int) -> Callable[[], None]:
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in packed}
 
     def run() -> None:
         for weight in packed:
-            kernel.apply(inputs[weight.shape[1]], weight)
+            kernel.apply(inputs[weight.shape[1]], weight, threads=threads)
 
     return run
 
@@ -66,7 +67,7 @@ def measure(dtype: torch.dtype, rows: list[int], threads: list[int], repeat: int
         torch.set_num_threads(count)
         probe_gbs = read_bandwidth_gbs()
         for m in rows:
-            passes = {name: forward_pass(k, p, m, dtype) for name, (k, p) in kernels.items()}
+            passes = {name: forward_pass(k, p, m, dtype, count) for name, (k, p) in kernels.items()}
             seconds: dict[str, list[float]] = {name: [] for name in passes}
             for run in passes.values():
                 run()  # warm: allocation, oneDNN's primitive creation
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="float32,bfloat16")
     parser.add_argument("--rows", default="1,4,16,64")
-    parser.add_argument("--threads", default=str(torch.get_num_threads()))
+    parser.add_argument("--threads", default=str(native.thread_count(None)))
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--kernels", default=None, help="a subset of the kernels, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("results/linear_kernels.csv"))

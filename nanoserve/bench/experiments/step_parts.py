@@ -71,14 +71,14 @@ def step_parts(engine: Engine, batch: ForwardBatch, turns: int) -> dict[str, flo
     """Best seconds of each part of the forward over `turns` round-robin turns."""
     model, kv_cache, w = engine.model, engine.kv_cache, engine.model.weights
     step = model._step_context(batch, kv_cache)
-    first_hidden = embedding(batch.input_ids, w.embed)
+    first_hidden = embedding(batch.input_ids, w.embed, threads=model.threads)
     decoder = model.decoder if not batch.adapter_rows else None
 
     def layers() -> None:
         hidden = first_hidden.clone()
         if decoder is not None:
             decoder.run(hidden, batch.slot_mapping, step.paged, kv_cache, step.normed, step.attended,
-                        step.activated)
+                        step.activated, threads=model.threads)
         else:
             model._layers(hidden, step, kv_cache)
 
@@ -86,7 +86,7 @@ def step_parts(engine: Engine, batch: ForwardBatch, turns: int) -> dict[str, flo
     logits = model.linear(last, w.lm_head)
     parts: dict[str, Callable[[], object]] = {
         "forward": lambda: model.forward(batch, kv_cache),
-        "embedding": lambda: embedding(batch.input_ids, w.embed),
+        "embedding": lambda: embedding(batch.input_ids, w.embed, threads=model.threads),
         "step_context": lambda: model._step_context(batch, kv_cache),
         "layers": layers,
         "final_norm": lambda: model._add_norm(first_hidden[batch.logits_rows], None, w.norm),
@@ -140,7 +140,7 @@ def measure(slots: int, *, input_len: int, dtype: str, threads: int | None, turn
     return frame.assign(read_gbs=read_gbs, roofline_forward_ms=roofline_ms, turns=turns, input_len=input_len,
                         kv_cache_dtype=engine.kv_cache.cache_dtype, dtype=dtype,
                         weight_format=engine.weight_format, linear_kernel=engine.model.linear_kernel.name,
-                        fused_layers=engine.model.decoder is not None, threads=torch.get_num_threads(),
+                        fused_layers=engine.model.decoder is not None, threads=engine.threads,
                         **{k: v for k, v in describe_machine().columns().items() if k != "threads"})
 
 

@@ -23,9 +23,9 @@
  * - Batch invariance by construction: a kernel never splits a row's reduction (the K axis)
  *   across threads or in a way that depends on how many rows share the call or where the row
  *   sits. Threads split output columns; row blocking only reuses a weight block across rows.
- * - Threads come from the library's own pool (runtime/threadpool.c), sized by an explicit argument
- *   (num_threads) that Python passes from torch.get_num_threads(), so --threads holds on
- *   whatever thread the engine's loop runs.
+ * - Threads come from the library's own pool (runtime/threadpool.c), sized by an explicit
+ *   argument (num_threads) that Python passes from the start-up policy (worker/startup.py), so
+ *   --threads holds on whatever thread the engine's loop runs.
  * - Tensors are passed as raw pointers to contiguous memory; sizes are int64_t.
  */
 #ifndef NANOSERVE_H
