@@ -99,7 +99,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu, "quick_gelu": quick_gelu}
+ACTIVATIONS = {"gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu, "quick_gelu": quick_gelu, "silu": F.silu}
 
 
 class VisionTransformer:
