@@ -181,7 +181,8 @@ def _qwen_config(raw: dict[str, Any], vision: dict[str, Any], text: dict[str, An
         raise UnsupportedModelError("config.json: vision_config's head width (hidden / num_heads) must "
                                     "divide by 4 (its 2D rotary embedding rotates rows and columns)")
     return VisionConfig(family=family, **shape, num_layers=vision.get("depth", 32), num_heads=heads,
-                        num_channels=vision.get("in_channels", 3), image_size=patch * merge, patch_size=patch,
+                        num_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+                        image_size=patch * merge, patch_size=patch,
                         layer_norm_eps=1e-6, hidden_act=act, text_hidden_size=text["hidden_size"],
                         image_token_id=raw.get("image_token_id", QWEN_IMAGE_TOKEN_DEFAULT), merge_size=merge,
                         temporal_patch_size=vision.get("temporal_patch_size", 2),
