@@ -3,7 +3,8 @@ The text model is read by `loading.weights` like any causal LM's (`text_tensors`
 
 Owns: the Hugging Face tensor names of each vision family's tower and projector (with their
 shapes, checked before anything is built; LLaVA's and Gemma 3's under both the names transformers
-5 saves and the older `model.vision_tower.vision_model.` ones) and `load_image_encoder`.
+5 saves and the older `model.vision_tower.vision_model.` ones; Qwen2-VL's and Qwen2.5-VL's under
+`model.visual.` or the older `visual.`) and `load_image_encoder`.
 Refuses: GGUF `mmproj` files (not read yet) and checkpoints whose vision tensors are missing or
 misshapen, naming the tensor.
 """

@@ -4,7 +4,8 @@ Owns: the layer loop (token embedding, RMSNorm around both sublayers, attention 
 paged KV cache, the gated MLP, residual adds, a tied or untied output head) and each family's
 switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) norms around
 both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
-(`rope`), the gate's activation (`layers`), and on a mixture of experts' sparse layers the
+(`rope`; M-RoPE's three positions a row where the batch carries them, Qwen2-VL's), the
+gate's activation (`layers`), and on a mixture of experts' sparse layers the
 routed experts in place of the MLP (`moe`), and image embedding rows spliced over their
 placeholder tokens' embeddings (the batch carries them; `model.vision` makes them). Knows
 nothing of requests, sampling or HTTP: a

@@ -2,8 +2,9 @@
 
 Owns: `VisionConfig`, read from a Hugging Face config.json's `vision_config` and the fields
 around it, and `VISION_FAMILIES`, the model types whose image side nanoserve runs: Idefics3 /
-SmolVLM, LLaVA-1.5, Gemma 3 (the text side is an ordinary `ModelConfig`, read from
-`text_config` over its text family's defaults). Refuses: a vision family or an
+SmolVLM, LLaVA-1.5, Gemma 3, Qwen2-VL, Qwen2.5-VL (the text side is an ordinary `ModelConfig`,
+read from `text_config` over its text family's defaults; Qwen's as Qwen2 with its M-RoPE
+section, from `text_config` or an older checkpoint's top-level fields). Refuses: a vision family or an
 encoder activation it does not implement, naming the field.
 """
 

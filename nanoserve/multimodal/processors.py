@@ -4,6 +4,8 @@ the text its placeholder in the prompt expands to, as the model's Hugging Face p
 Owns: `ImageProcessor` (the interface), `ProcessedImage`, LLaVA-1.5's processor (pad to square
 where asked, shortest edge resized, centre crop, rescale, normalise; `<image>` once per row),
 Gemma 3's (resized to the tower's square, rescale, normalise; `<start_of_image>` expanded),
+Qwen2-VL / Qwen2.5-VL's (smart_resize to multiples of the merged patch, rescale, normalise,
+patches in merge-window order, each image's M-RoPE grid; `<|image_pad|>` expanded),
 and Idefics3 / SmolVLM's processor,
 configured from the checkpoint's preprocessor_config.json: resize so the longest edge is
 `size.longest_edge` (at most 4096), then to multiples of `max_image_size.longest_edge`, split
