@@ -1,7 +1,8 @@
 """Images over the HTTP APIs, with the official clients over loopback: an image_url data URL (to an
 Idefics3 model and to a Qwen2-VL one), an Anthropic image block and a Responses input_image get
-the answer the offline engine gives for the same prompt and image; http(s) URLs are fetched from allowed hosts only; corrupt, oversized,
-unsupported or misplaced images are a 400 naming the part, never a 500."""
+the answer the offline engine gives for the same prompt and image; http(s) URLs are fetched from
+allowed hosts only; corrupt, oversized, unsupported or misplaced images are a 400 naming the part,
+never a 500."""
 
 from __future__ import annotations
 

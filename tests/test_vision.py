@@ -20,6 +20,7 @@ from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
+    image_bytes,
     random_image,
     reference_gemma3_processor,
     reference_llava_processor,
@@ -379,3 +380,33 @@ def test_a_qwen_mrope_section_that_does_not_cover_the_head_is_refused_naming_it(
                            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 2]}}}
     with pytest.raises(UnsupportedModelError, match="mrope_section"):
         read_model_config(text_config_dict(raw))
+
+
+def test_generated_tokens_rotate_past_the_images_shift_as_transformers_does(qwen2_vl_dir):
+    """Decode rows take position p + mrope_position_delta: each generated token's logprob equals
+    transformers' over the whole sequence (prompt, images and the tokens before it) within 1e-4.
+    (Sampled, so the tokens vary and each row's logits show.)"""
+    from transformers import AutoModelForImageTextToText
+
+    from nanoserve.llm import LLM
+
+    processor = load_processor(qwen2_vl_dir, read_vision_config(qwen2_vl_dir))
+    images = [random_image(100, 70, seed=1), random_image(20, 33, seed=2)]
+    text = f"Compare {processor.placeholder} with {processor.placeholder}, then say which."
+    llm = LLM(str(qwen2_vl_dir), device="cpu", dtype="float32", num_kv_blocks=128, kv_cache_dtype="float32")
+    prompt = {"prompt": text, "multi_modal_data": {"image": [image_bytes(image) for image in images]}}
+    (completion,) = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=0,
+                                                        ignore_eos=True))
+    tokens = completion.outputs[0].token_ids
+    inputs = reference(qwen2_vl_dir)(images=[images], text=[text], return_tensors="pt")
+    length = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([tokens])], dim=1)
+    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"],
+                                             torch.zeros(1, len(tokens), dtype=torch.int32)], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    hf_model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        scores = hf_model(**inputs).logits[0, length - 1:-1].log_softmax(-1)
+    expected = scores[torch.arange(len(tokens)), torch.tensor(tokens)]
+    ours = torch.tensor([entry.logprob for entry in completion.outputs[0].logprobs])
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
