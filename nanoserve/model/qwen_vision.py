@@ -16,6 +16,7 @@ bits whoever else sent one), videos (a grid of more than one temporal patch).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -111,6 +112,8 @@ class QwenVisionEncoder:
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[grid_h, grid_w, patch pixels] (rows in merge-window order) -> [grid_h * grid_w / merge**2,
+        text hidden], in the order the image's placeholders appear."""
         cfg, w = self.config, self.weights
         grid_h, grid_w, width = pixel_values.shape
         merge, unit = cfg.merge_size, cfg.merge_size ** 2
@@ -122,11 +125,10 @@ class QwenVisionEncoder:
             order = order.to(hidden.device)
             hidden, cos, sin = (x.reshape(-1, unit, x.shape[-1])[order].reshape(-1, x.shape[-1])
                                 for x in (hidden, cos, sin))
-        window_mask = self._window_mask(windows, hidden.device) if windows and len(windows) > 1 else None
         for index, layer in enumerate(w.layers):
             full = not cfg.window_size or index in cfg.full_attention_layers
             hidden = hidden + self._attention(self._norm(hidden, layer.norm1), layer, cos, sin,
-                                              None if full else window_mask)
+                                              None if full else windows)
             hidden = hidden + self._mlp(self._norm(hidden, layer.norm2), layer)
         rows = self._norm(hidden, w.merger_norm).reshape(-1, unit * cfg.hidden_size)
         (first, first_bias), (second, second_bias) = w.merger
@@ -142,22 +144,33 @@ class QwenVisionEncoder:
         freqs = torch.cat([freqs, freqs], dim=-1)
         return freqs.cos(), freqs.sin()
 
-    @staticmethod
-    def _window_mask(windows: list[int], device: torch.device) -> torch.Tensor:
-        ids = torch.repeat_interleave(torch.arange(len(windows)), torch.tensor(windows)).to(device)
-        return ids[:, None] == ids[None, :]
-
     def _attention(self, x: torch.Tensor, layer: QwenVisionLayer, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
-        """Bidirectional attention among the image's patches (`mask`: within each window only);
-        q and k rotated in float32 as transformers' apply_rotary_pos_emb_vision."""
+                   windows: list[int] | None) -> torch.Tensor:
+        """Bidirectional attention among the image's patches (`windows`: among each window's, the
+        windows' lengths in order); q and k rotated in float32 as transformers'
+        apply_rotary_pos_emb_vision."""
         tokens, hidden = x.shape
         qkv = self.linear(x, layer.qkv) + layer.qkv_bias
         q, k, v = qkv.view(tokens, 3, self.config.num_heads, self.head_dim).unbind(1)
         q, k = (self._rotate(t, cos, sin) for t in (q, k))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5)
+        attended = self._attend(q, k, v, windows or [tokens])
         return self.linear(attended.transpose(0, 1).reshape(tokens, hidden), layer.proj) + layer.proj_bias
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: list[int]) -> torch.Tensor:
+        """[heads, tokens, d] attended within each window, consecutive windows of one length as one
+        batch (a window row's full windows), so the cost is the windows' and not the image's square."""
+        heads, _, dim = q.shape
+        out, start = [], 0
+        for length, run in itertools.groupby(windows):
+            count = len(list(run))
+            stop = start + count * length
+            q_run, k_run, v_run = (t[:, start:stop].reshape(heads, count, length, dim).transpose(0, 1)
+                                   for t in (q, k, v))
+            attended = F.scaled_dot_product_attention(q_run, k_run, v_run, scale=self.head_dim ** -0.5)
+            out.append(attended.transpose(0, 1).reshape(heads, count * length, dim))
+            start = stop
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
