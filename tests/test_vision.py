@@ -410,3 +410,31 @@ def test_generated_tokens_rotate_past_the_images_shift_as_transformers_does(qwen
     expected = scores[torch.arange(len(tokens)), torch.tensor(tokens)]
     ours = torch.tensor([entry.logprob for entry in completion.outputs[0].logprobs])
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("raw", [
+    {"min_pixels": 20 * 20, "max_pixels": 40 * 40},  # the older preprocessor_config.json keys
+    {"size": {"shortest_edge": 64 * 64, "longest_edge": 96 * 96}},
+    {"size": {"shortest_edge": 8 * 8, "longest_edge": 24 * 24}, "max_pixels": 48 * 48},
+])
+def test_qwen_pixel_bounds_read_from_either_spelling_as_transformers_reads_them(qwen2_vl_dir, raw):
+    from transformers import Qwen2VLImageProcessorPil
+
+    from nanoserve.multimodal.processors import QwenVLProcessor
+
+    options = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2}
+    ours = QwenVLProcessor.from_config(raw | options, read_vision_config(qwen2_vl_dir))
+    theirs = Qwen2VLImageProcessorPil(**raw, **options)
+    for image in images_of_every_kind()[:6]:
+        processed = ours.process(image)
+        expected = theirs(images=[image], return_tensors="pt")
+        assert expected["image_grid_thw"][0].tolist() == [1, *processed.pixel_values.shape[:2]], image.size
+        pixels = expected["pixel_values"]
+        assert torch.equal(processed.pixel_values.reshape(pixels.shape), pixels)
+
+
+def test_a_qwen_preprocessor_config_for_another_tower_is_refused_naming_the_field(qwen2_vl_dir):
+    from nanoserve.multimodal.processors import QwenVLProcessor
+
+    with pytest.raises(UnsupportedModelError, match="'patch_size' = 14"):
+        QwenVLProcessor.from_config({"patch_size": 14}, read_vision_config(qwen2_vl_dir))

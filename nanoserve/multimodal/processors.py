@@ -314,8 +314,9 @@ class QwenVLProcessor:
     @classmethod
     def from_config(cls, raw: dict[str, Any], vision: VisionConfig) -> QwenVLProcessor:
         size = raw.get("size") or {}
-        shortest = raw.get("min_pixels", size.get("shortest_edge", 56 * 56))
-        longest = raw.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))
+        # transformers reads the bounds from min_pixels / max_pixels over size's (either spelling)
+        shortest = raw.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", 56 * 56)))
+        longest = raw.get("max_pixels", size.get("longest_edge", size.get("max_pixels", 28 * 28 * 1280)))
         if not raw.get("do_resize", True):
             raise UnsupportedModelError("preprocessor_config.json field 'do_resize' = false: Qwen2-VL's "
                                         "images are resized to multiples of patch_size * merge_size")
