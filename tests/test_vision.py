@@ -370,6 +370,36 @@ def test_an_older_qwen2_vl_config_with_top_level_text_fields_reads_its_mrope_sec
     assert (text.qkv_bias, text.tie_word_embeddings, text.num_kv_heads) == (True, True, 2)
 
 
+def test_an_older_qwen2_5_vl_config_reads_its_windows_and_merger_width():
+    """Qwen/Qwen2.5-VL-3B-Instruct's config.json: top-level text fields, the tower's windows and
+    the merger's out_hidden_size (the text width)."""
+    from nanoserve.loading.hf_config import read_model_config
+    from nanoserve.model.vision_config import VisionConfig, text_config_dict
+
+    raw = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+           "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+           "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+           "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+           "intermediate_size": 11008, "max_position_embeddings": 128000, "max_window_layers": 70,
+           "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
+           "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+           "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.41.2",
+           "use_cache": True, "use_sliding_window": False,
+           "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                             "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                             "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                             "spatial_patch_size": 14, "window_size": 112,
+                             "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                             "temporal_patch_size": 2},
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+    vision = VisionConfig.from_hf_dict(raw)
+    assert (vision.family, vision.hidden_size, vision.intermediate_size, vision.text_hidden_size) == (
+        "qwen2_5_vl", 1280, 3420, 2048)
+    assert (vision.window_size, vision.full_attention_layers) == (112, (7, 15, 23, 31))
+    text = read_model_config(text_config_dict(raw))
+    assert (text.mrope_section, text.head_dim, text.max_position_embeddings) == ((16, 24, 24), 128, 128000)
+
+
 def test_a_qwen_mrope_section_that_does_not_cover_the_head_is_refused_naming_it():
     from nanoserve.loading.hf_config import read_model_config
     from nanoserve.model.vision_config import text_config_dict
