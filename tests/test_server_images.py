@@ -1,7 +1,8 @@
-"""Images over the HTTP APIs, with the official clients over loopback: an image_url data URL, an
-Anthropic image block and a Responses input_image get the answer the offline engine gives for
-the same prompt and image; http(s) URLs are fetched from allowed hosts only; corrupt, oversized,
-unsupported or misplaced images are a 400 naming the part, never a 500."""
+"""Images over the HTTP APIs, with the official clients over loopback: an image_url data URL (to an
+Idefics3 model and to a Qwen2-VL one), an Anthropic image block and a Responses input_image get
+the answer the offline engine gives for the same prompt and image; http(s) URLs are fetched from
+allowed hosts only; corrupt, oversized, unsupported or misplaced images are a 400 naming the part,
+never a 500."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.app import ServerLimits
 from nanoserve.server.images import MediaPolicy
-from tests.tiny_vlm import image_bytes, random_image, write_tiny_idefics3
+from tests.tiny_vlm import image_bytes, random_image, write_tiny_idefics3, write_tiny_qwen2_vl
 
 pytest.importorskip("transformers")
 
@@ -143,6 +144,22 @@ def test_anthropic_image_block_and_responses_input_image_get_the_same_answer(ser
             {"role": "user", "content": [{"type": "input_text", "text": QUESTION},
                                          {"type": "input_image", "image_url": data_url(PNG)}]}])
     assert response.output_text == expected
+
+
+def test_a_qwen2_vl_model_answers_a_data_url_image_as_the_offline_engine_does(tmp_path_factory):
+    """Qwen2-VL's placeholder (`<|vision_start|><|image_pad|><|vision_end|>`) stands for the
+    image part in the rendered chat, and the answer rotates by the same M-RoPE positions."""
+    qwen_dir = write_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-server"))
+    llm = LLM(str(qwen_dir), dtype="float32", device="cpu", num_kv_blocks=96)
+    placeholder = llm.engine.images.processor.placeholder
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION + placeholder}])
+    (completion,) = llm.generate({"prompt": text, "multi_modal_data": {"image": PNG}},
+                                 SamplingParams(max_tokens=8, temperature=0.0))
+    with serving(lambda: tiny_engine(qwen_dir, dtype="float32")) as server, openai_client(server) as client:
+        reply = client.chat.completions.create(model=MODEL, messages=chat_parts(data_url(PNG)), max_tokens=8,
+                                               temperature=0.0)
+    assert reply.choices[0].message.content == completion.outputs[0].text
+    assert reply.usage.prompt_tokens == len(completion.prompt_token_ids)
 
 
 BAD_IMAGES = {

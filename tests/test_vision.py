@@ -1,7 +1,8 @@
-"""Each vision family's image side against transformers (Idefics3 / SmolVLM, LLaVA-1.5, Gemma 3):
-the processor's pixel values and prompt ids, the encoder's embedding rows, and the text model's
-logits and greedy tokens with images in the prompt (float32, float32 K/V, tiny random checkpoints
-built by transformers in several sizes; Gemma 3's image rows attend to each other both ways)."""
+"""Each vision family's image side against transformers (Idefics3 / SmolVLM, LLaVA-1.5, Gemma 3,
+Qwen2-VL, Qwen2.5-VL): the processor's pixel values and prompt ids, the encoder's embedding rows,
+and the text model's logits and greedy tokens with images in the prompt (float32, float32 K/V,
+tiny random checkpoints built by transformers in several sizes; Gemma 3's image rows attend to
+each other both ways; Qwen's take M-RoPE grids of positions, the text after them shifted)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
+    image_bytes,
     random_image,
     reference_gemma3_processor,
     reference_llava_processor,
     reference_processor,
+    reference_qwen2_vl_processor,
     write_tiny_gemma3,
     write_tiny_gguf_pair,
     write_tiny_idefics3,
     write_tiny_llava,
+    write_tiny_qwen2_vl,
 )
 
 pytest.importorskip("transformers")
@@ -50,6 +54,15 @@ SIZES = {
                                                            tokens_per_image=9, text_hidden=96, text_layers=4,
                                                            sliding_window=6, head_dim=32, seed=1)),
     "gemma3-unpooled": (write_tiny_gemma3, dict(image_size=24, tokens_per_image=36, seed=2)),
+    "qwen2-vl": (write_tiny_qwen2_vl, {}),
+    "qwen2-vl-wider": (write_tiny_qwen2_vl, dict(vision_hidden=48, vision_layers=3, patch_size=6,
+                                                 text_hidden=96, mrope_section=(4, 4, 4), max_pixels=96 * 96,
+                                                 seed=1)),
+    # Windows of 2 x 2 merged patches (a 100 x 70 image: 3 x 5 windows, the last row and column ragged)
+    "qwen2.5-vl": (write_tiny_qwen2_vl, dict(qwen2_5=True, vision_layers=3, seed=2)),
+    "qwen2.5-vl-one-window-layer": (write_tiny_qwen2_vl, dict(qwen2_5=True, window_size=24, patch_size=6,
+                                                              full_attention_layers=(0,), text_layers=3,
+                                                              seed=3)),
 }
 # (width, height): landscape, portrait, square, smaller than one tile, one tile exactly, a strip
 IMAGE_SHAPES = [(100, 70), (20, 33), (64, 64), (10, 7), (32, 32), (200, 50)]
@@ -67,7 +80,8 @@ def family(vlm_dir) -> str:
 
 def reference(vlm_dir):
     return {"llava": reference_llava_processor, "gemma3": reference_gemma3_processor,
-            "idefics3": reference_processor}[family(vlm_dir)](vlm_dir)
+            "idefics3": reference_processor, "qwen2_vl": reference_qwen2_vl_processor,
+            "qwen2_5_vl": reference_qwen2_vl_processor}[family(vlm_dir)](vlm_dir)
 
 
 def with_placeholder(vlm_dir, text: str) -> str:
@@ -83,8 +97,12 @@ def hf_model(vlm_dir):
 
 
 def hf_image_rows(hf_model, pixels: torch.Tensor) -> torch.Tensor:
-    """transformers' embedding rows of one image (its tiles)."""
+    """transformers' embedding rows of one image (its tiles; Qwen's patches, their grid the shape)."""
     with torch.no_grad():
+        if hf_model.config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+            grid_h, grid_w, width = pixels.shape
+            return hf_model.model.get_image_features(pixels.reshape(-1, width),
+                                                     torch.tensor([[1, grid_h, grid_w]])).pooler_output[0]
         if hf_model.config.model_type == "gemma3":
             return hf_model.model.get_image_features(pixels).pooler_output[0]
         if hasattr(hf_model.config, "vision_feature_layer"):
@@ -107,6 +125,9 @@ def test_pixel_values_and_prompt_ids_equal_transformers_processor(vlm_dir):
         ours = processor.process(image.convert("RGB") if image.mode == "L" else _composited(image))
         theirs = theirs_of(images=[[image]], text=[prompt], return_tensors="pt")
         pixels = theirs["pixel_values"][0] if family(vlm_dir) == "idefics3" else theirs["pixel_values"]
+        if "image_grid_thw" in theirs:  # Qwen: transformers' patch rows, the grid they came from
+            assert theirs["image_grid_thw"][0].tolist() == [1, *ours.pixel_values.shape[:2]]
+            pixels = pixels.view(ours.pixel_values.shape)
         assert torch.equal(ours.pixel_values, pixels), image.size
         text = expand_placeholders(prompt, processor.placeholder, [ours], "prompt")
         assert theirs_of.tokenizer(text)["input_ids"] == theirs["input_ids"][0].tolist()
@@ -397,3 +418,160 @@ def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert expected.outputs[0].text and result.stdout.endswith(expected.outputs[0].text + "\n")
+def qwen2_vl_dir(tmp_path_factory):
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-rope"))
+
+
+def test_mrope_positions_of_any_chunk_and_of_generated_tokens_equal_transformers_get_rope_index(qwen2_vl_dir):
+    """Every slice of a prompt with two images (text before, between and after them) takes the
+    positions transformers' get_rope_index gives its tokens, and a generated token at index p
+    the position p + its mrope_position_delta on all three axes."""
+    from transformers import AutoModelForImageTextToText
+
+    from nanoserve.multimodal.inputs import place_images, rope_positions
+
+    config = read_vision_config(qwen2_vl_dir)
+    processor, theirs_of = load_processor(qwen2_vl_dir, config), reference(qwen2_vl_dir)
+    images = [random_image(100, 70, seed=1), random_image(20, 33, seed=2)]
+    text = f"Compare {processor.placeholder} with {processor.placeholder}, then say which."
+    inputs = theirs_of(images=[images], text=[text], return_tensors="pt")
+    hf_model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32)
+    expected, delta = hf_model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                    image_grid_thw=inputs["image_grid_thw"])
+    expected, delta = expected[:, 0].tolist(), int(delta)
+    ids = inputs["input_ids"][0].tolist()
+    processed = [processor.process(image) for image in images]
+    placed = place_images(ids, processed, config.image_token_id, "images")
+    length = len(ids)
+    assert delta < 0  # the images' grids take fewer positions than their tokens
+    for start, stop in [(0, length), (0, 5), (3, 40), (40, 41), (30, 90), (60, length), (length - 1, length)]:
+        assert rope_positions(placed, start, stop) == [axis[start:stop] for axis in expected], (start, stop)
+    assert rope_positions(placed, length, length + 3) == [list(range(length + delta, length + delta + 3))] * 3
+
+
+def test_an_older_qwen2_vl_config_with_top_level_text_fields_reads_its_mrope_section():
+    """Qwen/Qwen2-VL-2B-Instruct's config.json: its text fields at the top level, M-RoPE as
+    rope_scaling type "mrope"."""
+    from nanoserve.loading.hf_config import read_model_config
+    from nanoserve.model.vision_config import VisionConfig, text_config_dict
+
+    raw = {"architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0,
+           "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+           "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+           "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 1536, "initializer_range": 0.02,
+           "intermediate_size": 8960, "max_position_embeddings": 32768, "max_window_layers": 28,
+           "model_type": "qwen2_vl", "num_attention_heads": 12, "num_hidden_layers": 28,
+           "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+           "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.41.2",
+           "use_cache": True, "use_sliding_window": False,
+           "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                             "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2,
+                             "spatial_patch_size": 14, "temporal_patch_size": 2},
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+    vision = VisionConfig.from_hf_dict(raw)
+    assert (vision.hidden_size, vision.intermediate_size, vision.merge_size, vision.image_token_id) == (
+        1280, 5120, 2, 151655)
+    text = read_model_config(text_config_dict(raw))
+    assert (text.mrope_section, text.rope_theta, text.rope_scaling) == ((16, 24, 24), 1e6, None)
+    assert text.head_dim == 128
+    assert (text.qkv_bias, text.tie_word_embeddings, text.num_kv_heads) == (True, True, 2)
+
+
+def test_an_older_qwen2_5_vl_config_reads_its_windows_and_merger_width():
+    """Qwen/Qwen2.5-VL-3B-Instruct's config.json: top-level text fields, the tower's windows and
+    the merger's out_hidden_size (the text width)."""
+    from nanoserve.loading.hf_config import read_model_config
+    from nanoserve.model.vision_config import VisionConfig, text_config_dict
+
+    raw = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+           "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+           "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+           "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+           "intermediate_size": 11008, "max_position_embeddings": 128000, "max_window_layers": 70,
+           "model_type": "qwen2_5_vl", "num_attention_heads": 16, "num_hidden_layers": 36,
+           "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+           "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.41.2",
+           "use_cache": True, "use_sliding_window": False,
+           "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+                             "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+                             "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2,
+                             "spatial_patch_size": 14, "window_size": 112,
+                             "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+                             "temporal_patch_size": 2},
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 151936}
+    vision = VisionConfig.from_hf_dict(raw)
+    assert (vision.family, vision.hidden_size, vision.intermediate_size, vision.text_hidden_size) == (
+        "qwen2_5_vl", 1280, 3420, 2048)
+    assert (vision.window_size, vision.full_attention_layers) == (112, (7, 15, 23, 31))
+    text = read_model_config(text_config_dict(raw))
+    assert (text.mrope_section, text.head_dim, text.max_position_embeddings) == ((16, 24, 24), 128, 128000)
+
+
+def test_a_qwen_mrope_section_that_does_not_cover_the_head_is_refused_naming_it():
+    from nanoserve.loading.hf_config import read_model_config
+    from nanoserve.model.vision_config import text_config_dict
+
+    raw = {"model_type": "qwen2_vl", "vision_config": {"embed_dim": 32, "num_heads": 4},
+           "text_config": {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+                           "num_key_value_heads": 2,
+                           "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 2]}}}
+    with pytest.raises(UnsupportedModelError, match="mrope_section"):
+        read_model_config(text_config_dict(raw))
+
+
+def test_generated_tokens_rotate_past_the_images_shift_as_transformers_does(qwen2_vl_dir):
+    """Decode rows take position p + mrope_position_delta: each generated token's logprob equals
+    transformers' over the whole sequence (prompt, images and the tokens before it) within 1e-4.
+    (Sampled, so the tokens vary and each row's logits show.)"""
+    from transformers import AutoModelForImageTextToText
+
+    from nanoserve.llm import LLM
+
+    processor = load_processor(qwen2_vl_dir, read_vision_config(qwen2_vl_dir))
+    images = [random_image(100, 70, seed=1), random_image(20, 33, seed=2)]
+    text = f"Compare {processor.placeholder} with {processor.placeholder}, then say which."
+    llm = LLM(str(qwen2_vl_dir), device="cpu", dtype="float32", num_kv_blocks=128, kv_cache_dtype="float32")
+    prompt = {"prompt": text, "multi_modal_data": {"image": [image_bytes(image) for image in images]}}
+    (completion,) = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=0,
+                                                        ignore_eos=True))
+    tokens = completion.outputs[0].token_ids
+    inputs = reference(qwen2_vl_dir)(images=[images], text=[text], return_tensors="pt")
+    length = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([tokens])], dim=1)
+    inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"],
+                                             torch.zeros(1, len(tokens), dtype=torch.int32)], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    hf_model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        scores = hf_model(**inputs).logits[0, length - 1:-1].log_softmax(-1)
+    expected = scores[torch.arange(len(tokens)), torch.tensor(tokens)]
+    ours = torch.tensor([entry.logprob for entry in completion.outputs[0].logprobs])
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("raw", [
+    {"min_pixels": 20 * 20, "max_pixels": 40 * 40},  # the older preprocessor_config.json keys
+    {"size": {"shortest_edge": 64 * 64, "longest_edge": 96 * 96}},
+    {"size": {"shortest_edge": 8 * 8, "longest_edge": 24 * 24}, "max_pixels": 48 * 48},
+])
+def test_qwen_pixel_bounds_read_from_either_spelling_as_transformers_reads_them(qwen2_vl_dir, raw):
+    from transformers import Qwen2VLImageProcessorPil
+
+    from nanoserve.multimodal.processors import QwenVLProcessor
+
+    options = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2}
+    ours = QwenVLProcessor.from_config(raw | options, read_vision_config(qwen2_vl_dir))
+    theirs = Qwen2VLImageProcessorPil(**raw, **options)
+    for image in images_of_every_kind()[:6]:
+        processed = ours.process(image)
+        expected = theirs(images=[image], return_tensors="pt")
+        assert expected["image_grid_thw"][0].tolist() == [1, *processed.pixel_values.shape[:2]], image.size
+        pixels = expected["pixel_values"]
+        assert torch.equal(processed.pixel_values.reshape(pixels.shape), pixels)
+
+
+def test_a_qwen_preprocessor_config_for_another_tower_is_refused_naming_the_field(qwen2_vl_dir):
+    from nanoserve.multimodal.processors import QwenVLProcessor
+
+    with pytest.raises(UnsupportedModelError, match="'patch_size' = 14"):
+        QwenVLProcessor.from_config({"patch_size": 14}, read_vision_config(qwen2_vl_dir))

@@ -1,7 +1,8 @@
 """Images through the engine: an image request's tokens and logprobs are the same bits alone, in a
 crowd of text and image requests (chunked prefill splitting prompts inside images; never inside
-Gemma 3's, whose rows attend to each other both ways), after preemption, and with prefix caching
-on or off (a cached prefix ending inside a Gemma 3 image too), on the native and the torch
+Gemma 3's, whose rows attend to each other both ways; Qwen2-VL's and Qwen2.5-VL's rotating by
+M-RoPE positions, text rows in the same step by their own), after preemption, and with prefix
+caching on or off (a cached prefix ending inside a Gemma 3 image too), on the native and the torch
 attention; the prefix cache shares blocks between prompts with the same image only; each image
 is encoded once; bad images are refused before any step."""
 
@@ -13,7 +14,14 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.llm import LLM
 from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.sampling_params import SamplingParams
-from tests.tiny_vlm import image_bytes, random_image, write_tiny_gemma3, write_tiny_idefics3, write_tiny_llava
+from tests.tiny_vlm import (
+    image_bytes,
+    random_image,
+    write_tiny_gemma3,
+    write_tiny_idefics3,
+    write_tiny_llava,
+    write_tiny_qwen2_vl,
+)
 
 pytest.importorskip("transformers")
 
@@ -34,6 +42,16 @@ def llava_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory):
     return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(tmp_path_factory):
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_dir(tmp_path_factory):
+    return write_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2.5-vl"), qwen2_5=True, seed=1)
 
 
 def image(seed: int, width: int = 100, height: int = 70) -> bytes:
@@ -67,8 +85,11 @@ def outcome(llm: LLM, prompts: list, seeds: list[int] | None = None) -> list[tup
 
 
 # family -> (its checkpoint fixture, its placeholder, a pool (blocks of 4) small enough to preempt its crowd)
+QWEN_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 FAMILIES = {"idefics3": ("vlm_dir", "<image>", 60), "llava": ("llava_dir", "<image>", 24),
-            "gemma3": ("gemma3_dir", "<start_of_image>", 24)}
+            "gemma3": ("gemma3_dir", "<start_of_image>", 24),
+            "qwen2_vl": ("qwen2_vl_dir", QWEN_PLACEHOLDER, 40),
+            "qwen2_5_vl": ("qwen2_5_vl_dir", QWEN_PLACEHOLDER, 40)}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -199,3 +220,14 @@ def test_a_cached_prefix_ending_inside_a_gemma3_image_gives_the_uncached_bits(ge
         assert ours.outputs[0].token_ids == expected.outputs[0].token_ids
         assert ([(e.token_id, e.logprob, e.top) for e in ours.outputs[0].logprobs]
                 == [(e.token_id, e.logprob, e.top) for e in expected.outputs[0].logprobs])
+
+
+def test_a_qwen_image_longer_than_200_times_its_width_is_refused_naming_the_part(qwen2_vl_dir):
+    """transformers' smart_resize refuses an aspect ratio over 200: a 400 naming the image, no step."""
+    llm = LLM(str(qwen2_vl_dir), device="cpu", dtype="float32", num_kv_blocks=64)
+    engine, steps = llm.engine, llm.engine.stats.steps
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request(PROMPT.replace("<image>", QWEN_PLACEHOLDER), SamplingParams(max_tokens=2),
+                           images=[image(1, 1005, 5)])
+    assert error.value.param == "images[0]" and "200" in error.value.message
+    assert engine.stats.steps == steps and not engine.has_unfinished()

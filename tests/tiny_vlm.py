@@ -433,3 +433,71 @@ def write_tiny_gemma3_mmproj(vlm_dir: Path, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def write_tiny_qwen2_vl(path: str | Path, *, qwen2_5: bool = False, vision_hidden: int = 32,
+                        vision_layers: int = 2, patch_size: int = 4, text_hidden: int = 64,
+                        text_layers: int = 2,
+                        mrope_section: tuple[int, int, int] = (2, 3, 3), max_pixels: int = 64 * 64,
+                        window_size: int = 16, full_attention_layers: tuple[int, ...] = (1,),
+                        seed: int = 0) -> Path:
+    """A complete Qwen2-VL (or Qwen2.5-VL: RMSNorm, SwiGLU, windows of `window_size` pixels on
+    all blocks but `full_attention_layers`) folder: 2x2 patch merge, a Qwen2 text model with
+    M-RoPE (`mrope_section` summing to its head_dim / 2), images resized within `max_pixels`."""
+    import transformers
+
+    kind = "Qwen2_5_VL" if qwen2_5 else "Qwen2VL"
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_VL_TOKENS])
+    tokenizer.save(str(path / "tokenizer.json"))
+    ids = [tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS]
+    vision = dict(depth=vision_layers, num_heads=4, patch_size=patch_size, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    if qwen2_5:
+        vision |= dict(hidden_size=vision_hidden, intermediate_size=3 * vision_hidden // 2,
+                       out_hidden_size=text_hidden, window_size=window_size,
+                       fullatt_block_indexes=list(full_attention_layers))
+    else:
+        vision |= dict(embed_dim=vision_hidden, hidden_size=text_hidden, mlp_ratio=2)
+    config = getattr(transformers, f"{kind}Config")(
+        text_config=dict(vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), hidden_size=text_hidden,
+                         intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "mrope_section": list(mrope_section),
+                                          "rope_theta": 10000.0},
+                         bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                         eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=None),
+        vision_config=vision, image_token_id=ids[1], video_token_id=ids[3], vision_start_token_id=ids[0],
+        vision_end_token_id=ids[2])
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():  # norms off their all-ones init, biases off zero: the test can see them
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config() | {"model_max_length": 4096}))
+    transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 4 * (2 * patch_size) ** 2,
+                                                "longest_edge": max_pixels},
+                                          patch_size=patch_size, merge_size=2, temporal_patch_size=2
+                                          ).save_pretrained(path)
+    return path
+
+
+def reference_qwen2_vl_processor(path: Path):
+    """transformers' Qwen2VLProcessor over the folder's tokenizer and image processor (without its
+    video processor, which needs torchvision, which the tests do not install)."""
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+
+    class ImagesOnly(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
+                                        eos_token=EOS_TOKEN)
+    return ImagesOnly(Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer)

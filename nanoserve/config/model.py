@@ -77,6 +77,10 @@ class ModelConfig:
     # False for a checkpoint of a base-model class (`Qwen3Model`: an embedding model): it has
     # no output head of its own and can only pool (EngineConfig.task "embed").
     has_lm_head: bool = True
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL): each token's (temporal, height, width) positions, the
+    # rotated pairs split into these many for each axis in turn (summing to rotated_dims / 2);
+    # (): one position per token. A token of text has all three equal: plain RoPE.
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def is_plain_llama(self) -> bool:

@@ -26,10 +26,11 @@ from nanoserve.loading.mmproj import read_mmproj
 from nanoserve.loading.vision import load_image_encoder, read_vision_config
 from nanoserve.model.linear import KERNELS, LinearKernel
 from nanoserve.model.vision import ImageEncoder, build_encoder
+from nanoserve.model.vision_config import QWEN_FAMILIES
 from nanoserve.multimodal.images import decode_image, to_rgb
 from nanoserve.multimodal.inputs import ImageInput, check_runs, expand_placeholders, place_images
 from nanoserve.multimodal.limits import ImageLimits
-from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, load_processor
+from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, ProcessedImage, load_processor
 
 # Images' embedding rows kept for reuse (preemption, a repeated image): the least recently
 # used go first past this many bytes.
@@ -105,8 +106,7 @@ class EngineImages:
                field: str = "images") -> tuple[list[int], list[ImageInput]]:
         """The prompt's token ids, its placeholders expanded, and its images placed in them."""
         self.limits.check_count(len(images), field)
-        processed = [self.processor.process(self._decoded(image, f"{field}[{i}]"))
-                     for i, image in enumerate(images)]
+        processed = [self._processed(image, f"{field}[{i}]") for i, image in enumerate(images)]
         ids = truncate(encode(expand_placeholders(text, self.processor.placeholder, processed, field)))
         config = self.encoder.config
         return ids, place_images(ids, processed, config.image_token_id, field, config.bidirectional)
@@ -124,8 +124,21 @@ class EngineImages:
                 how = "both ways" if self.encoder.config.bidirectional else "causally"
                 raise InvalidRequestError(f"an image placed for another model: this model's image rows "
                                           f"attend {how}", param=f"{field}[{i}]")
-        if self.encoder.config.bidirectional:
+            if (image.rope_grid is None) != (self.encoder.config.family not in QWEN_FAMILIES):
+                raise InvalidRequestError("an image placed for another model: this model's image rows take "
+                                          "M-RoPE grid positions" if image.rope_grid is None else
+                                          "an image placed for another model: it carries an M-RoPE grid",
+                                          param=f"{field}[{i}]")
+        if self.encoder.config.bidirectional or self.encoder.config.family in QWEN_FAMILIES:
             check_runs(images, field)
+
+    def _processed(self, image: ImageData, field: str) -> ProcessedImage:
+        """The image decoded and processed; a refusal of its shape (Qwen2-VL's aspect ratio) names `field`."""
+        try:
+            return self.processor.process(self._decoded(image, field))
+        except InvalidRequestError as error:
+            error.param = error.param or field
+            raise
 
     def _decoded(self, image: ImageData, field: str) -> Image.Image:
         if isinstance(image, bytes | bytearray):

@@ -5,7 +5,9 @@ drafts are rows of that group too, each a one-row sequence over the request's bl
 each prefill chunk as a group of its own; the flat cache slot of every row; which rows need logits
 (a drafting chunk's newest-token row and every draft row, then the prompt rows a request asking
 for prompt_logprobs scores); the rows an image's embedding rows replace (a chunk takes the slice
-of each image that falls in it); and the sampling rows in the same order, with the request id of each.
+of each image that falls in it); each row's three M-RoPE positions, where a request's images
+take grids of positions (Qwen2-VL: `multimodal.inputs.rope_positions`, its generated tokens
+continuing past its images' shift); and the sampling rows in the same order, with the request id of each.
 
 An embedding request's chunks sample nothing: the forward returns their final hidden states
 (every row for mean pooling, the last prompt row for last pooling), and the chunk that completes
@@ -36,7 +38,7 @@ from nanoserve.model.batch import AttentionGroup, ForwardBatch
 from nanoserve.model.decoder import DecoderLM
 from nanoserve.model.kv_cache import KVCache
 from nanoserve.model.lora import Adapter, AdapterRows
-from nanoserve.multimodal.inputs import ImageInput
+from nanoserve.multimodal.inputs import ImageInput, rope_positions
 
 
 @dataclass(slots=True)
@@ -130,6 +132,8 @@ class ModelRunner:
         splices: list[tuple[list[int], torch.Tensor]] = []  # (input rows, image rows that replace them)
         visible_ends: list[int] = []  # the last position each row sees (past its own inside an image)
         bidirectional = any(image.bidirectional for chunk in ordered for image in chunk.request.images)
+        mrope = any(image.rope_grid for chunk in ordered for image in chunk.request.images)
+        rope_axes: list[list[int]] = [[], [], []]  # M-RoPE's three positions of each row, if any has them
         for chunk in ordered:
             stop = chunk.start + chunk.num_tokens
             known_stop = stop - len(chunk.draft_ids)
@@ -145,6 +149,11 @@ class ModelRunner:
                 splices += self._image_splices(chunk, first_row)
             input_ids += known + list(chunk.draft_ids)
             positions += range(chunk.start, stop)
+            if mrope:
+                for axis, values in zip(rope_axes, rope_positions(
+                        [image for image in chunk.request.images if image.rope_grid], chunk.start, stop),
+                        strict=True):
+                    axis += values
             if bidirectional:
                 visible_ends += self._visible_ends(chunk)
             slots += (self._slot(chunk.request.block_ids, p) for p in range(chunk.start, stop))
@@ -171,6 +180,8 @@ class ModelRunner:
         if splices:
             batch.image_rows = self._tensor([row for rows, _ in splices for row in rows])
             batch.image_embeds = torch.cat([embeds for _, embeds in splices])
+        if mrope:
+            batch.rope_positions = self._tensor(rope_axes)
         if bidirectional and visible_ends != positions:  # some row lies inside a bidirectional image
             batch.visible_ends = self._tensor(visible_ends)
         sampled = [chunk for chunk in ordered if chunk.samples]

@@ -58,6 +58,7 @@ _READ_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "tie_word_embeddings", "layer_types", "sliding_window",
+    "mrope_section",
 })
 # Fields whose value changes the forward, accepted only at the values listed, in every family.
 _ONLY_VALUE = {
@@ -269,6 +270,19 @@ def _rope(raw: dict[str, Any], parameters: dict[str, Any] | None, *, local: bool
     return Rope(float(theta), out)
 
 
+def _mrope_section(raw: dict[str, Any], rotary_dim: int) -> tuple[int, ...]:
+    """M-RoPE's split of the rotated pairs over (temporal, height, width): a vision-language
+    checkpoint's, moved beside its RoPE by `model.vision_config.text_config_dict`."""
+    section = raw.get("mrope_section")
+    if section is None:
+        return ()
+    if (not isinstance(section, list | tuple) or len(section) != 3
+            or not all(isinstance(n, int) and n > 0 for n in section) or sum(section) != rotary_dim // 2):
+        raise _refuse("mrope_section", section,
+                      f"expected three positive counts summing to {rotary_dim // 2} (the rotated dims / 2)")
+    return tuple(section)
+
+
 def _same_rope(legacy: dict[str, Any], parameters: dict[str, Any]) -> bool:
     def kind(d: dict[str, Any]) -> str:
         return d.get("rope_type", d.get("type", "default"))
@@ -473,5 +487,6 @@ def read_model_config(raw: dict[str, Any]) -> ModelConfig:
         experts=_experts(raw, family),
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         has_lm_head=_has_lm_head(raw, family),
+        mrope_section=_mrope_section(raw, rotary_dim),
         **_family_switches(raw, family, head_dim),
     )

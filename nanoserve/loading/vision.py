@@ -3,7 +3,8 @@ The text model is read by `loading.weights` like any causal LM's (`text_tensors`
 
 Owns: the Hugging Face tensor names of each vision family's tower and projector (with their
 shapes, checked before anything is built; LLaVA's and Gemma 3's under both the names transformers
-5 saves and the older `model.vision_tower.vision_model.` ones) and `load_image_encoder`.
+5 saves and the older `model.vision_tower.vision_model.` ones; Qwen2-VL's and Qwen2.5-VL's under
+`model.visual.` or the older `visual.`) and `load_image_encoder`.
 Refuses: checkpoints whose vision tensors are missing or misshapen, naming the tensor (an
 `mmproj` GGUF's tensors are renamed to these by `loading.mmproj`, then checked here too).
 """
@@ -20,8 +21,9 @@ from safetensors import safe_open
 from nanoserve.errors import UnsupportedModelError
 from nanoserve.loading.weights import weight_files
 from nanoserve.model.linear import LinearKernel
+from nanoserve.model.qwen_vision import QwenVisionEncoder, QwenVisionLayer, QwenVisionWeights
 from nanoserve.model.vision import EncoderLayerWeights, ImageEncoder, VisionWeights, build_encoder
-from nanoserve.model.vision_config import VisionConfig
+from nanoserve.model.vision_config import QWEN_FAMILIES, VisionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +58,13 @@ def read_vision_config(model_dir: Path) -> VisionConfig | None:
     return VisionConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
 
 
+# Qwen2-VL / Qwen2.5-VL: the tower and merger under `model.visual.` (transformers 5) or `visual.`.
+QWEN_TOWER = "visual."
+
+
 def canonical_name(name: str) -> str:
+    if name.startswith("model.visual."):
+        return name[len("model."):]
     for old, new in _RENAMED:
         if name.startswith(old):
             name = new + name[len(old):]
@@ -131,12 +139,72 @@ def vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> Vi
         projector_norm=tensors[names.projector_norm + ".weight"] if names.projector_norm else None)
 
 
+def qwen_tensor_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen2-VL / Qwen2.5-VL tower and merger, with its shape."""
+    hidden, ffn, v = config.hidden_size, config.intermediate_size, QWEN_TOWER
+    p, merged = config.patch_size, config.hidden_size * config.merge_size ** 2
+    gated = config.family == "qwen2_5_vl"
+    shapes = {v + "patch_embed.proj.weight": (hidden, config.num_channels, config.temporal_patch_size, p, p),
+              v + "merger.ln_q.weight": (hidden,), v + "merger.mlp.0.weight": (merged, merged),
+              v + "merger.mlp.0.bias": (merged,),
+              v + "merger.mlp.2.weight": (config.text_hidden_size, merged),
+              v + "merger.mlp.2.bias": (config.text_hidden_size,)}
+    if not gated:
+        shapes[v + "merger.ln_q.bias"] = (hidden,)
+    mlp = (("gate_proj", "up_proj", "down_proj") if gated else ("fc1", "fc2"))
+    for i in range(config.num_layers):
+        block = f"{v}blocks.{i}."
+        shapes |= {block + "attn.qkv.weight": (3 * hidden, hidden), block + "attn.qkv.bias": (3 * hidden,),
+                   block + "attn.proj.weight": (hidden, hidden), block + "attn.proj.bias": (hidden,)}
+        for norm in ("norm1", "norm2"):
+            shapes[f"{block}{norm}.weight"] = (hidden,)
+            if not gated:
+                shapes[f"{block}{norm}.bias"] = (hidden,)
+        for name in mlp[:-1]:
+            shapes |= {f"{block}mlp.{name}.weight": (ffn, hidden), f"{block}mlp.{name}.bias": (ffn,)}
+        shapes |= {f"{block}mlp.{mlp[-1]}.weight": (hidden, ffn), f"{block}mlp.{mlp[-1]}.bias": (hidden,)}
+    return shapes
+
+
+def qwen_vision_weights(config: VisionConfig, tensors: dict[str, torch.Tensor]) -> QwenVisionWeights:
+    """The Qwen tower's weights from checked tensors (canonical names)."""
+    v, gated = QWEN_TOWER, config.family == "qwen2_5_vl"
+
+    def norm(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return tensors[name + ".weight"], tensors.get(name + ".bias")
+
+    def layer(i: int) -> QwenVisionLayer:
+        t = {name[len(f"{v}blocks.{i}."):]: tensor for name, tensor in tensors.items()
+             if name.startswith(f"{v}blocks.{i}.")}
+        ups = ("gate_proj", "up_proj") if gated else ("fc1",)
+        return QwenVisionLayer(norm(f"{v}blocks.{i}.norm1"), t["attn.qkv.weight"], t["attn.qkv.bias"],
+                               t["attn.proj.weight"], t["attn.proj.bias"], norm(f"{v}blocks.{i}.norm2"),
+                               torch.cat([t[f"mlp.{u}.weight"] for u in ups]),
+                               torch.cat([t[f"mlp.{u}.bias"] for u in ups]),
+                               t[f"mlp.{'down_proj' if gated else 'fc2'}.weight"],
+                               t[f"mlp.{'down_proj' if gated else 'fc2'}.bias"])
+
+    patch = tensors[v + "patch_embed.proj.weight"]
+    return QwenVisionWeights(patch.reshape(patch.shape[0], -1), [layer(i) for i in range(config.num_layers)],
+                             norm(v + "merger.ln_q"),
+                             [(tensors[f"{v}merger.mlp.{i}.weight"], tensors[f"{v}merger.mlp.{i}.bias"])
+                              for i in (0, 2)])
+
+
 def check_vision_tensors(model_dir: Path, config: VisionConfig, tensors: dict[str, torch.Tensor]) -> None:
+    if config.family in QWEN_FAMILIES:
+        _check_shapes(model_dir, qwen_tensor_shapes(config), tensors)
+        return
     expected = vision_tensor_shapes(config)
     names = NAMES[config.family]
     for linear in names.projector:  # an optional bias, where there is one
         if linear + ".bias" in tensors:
             expected[linear + ".bias"] = (config.text_hidden_size,)
+    _check_shapes(model_dir, expected, tensors)
+
+
+def _check_shapes(model_dir: Path, expected: dict[str, tuple[int, ...]],
+                  tensors: dict[str, torch.Tensor]) -> None:
     for name, shape in expected.items():
         if name not in tensors:
             raise UnsupportedModelError(f"{model_dir}: the checkpoint lacks the vision tensor {name} {shape}")
@@ -148,8 +216,12 @@ def check_vision_tensors(model_dir: Path, config: VisionConfig, tensors: dict[st
 def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dtype, device: torch.device,
                        linear_kernel: LinearKernel | None = None, threads: int | None = None) -> ImageEncoder:
     """The family's encoder with `model_dir`'s weights (the vision tensors alone are read)."""
-    names = NAMES[config.family]
-    wanted = (names.tower, *names.projector, *filter(None, [names.projector_norm]))
+    qwen = config.family in QWEN_FAMILIES
+    if qwen:
+        wanted: tuple[str, ...] = (QWEN_TOWER,)
+    else:
+        names = NAMES[config.family]
+        wanted = (names.tower, *names.projector, *filter(None, [names.projector_norm]))
     tensors: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt") as file:
@@ -158,5 +230,8 @@ def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dt
                 if canonical.startswith(wanted):
                     tensors[canonical] = file.get_tensor(name)
     check_vision_tensors(model_dir, config, tensors)
+    if qwen:
+        weights = qwen_vision_weights(config, tensors).to(dtype, device)
+        return QwenVisionEncoder(config, weights, linear_kernel, threads)
     weights = vision_weights(config, tensors).to(dtype, device)
     return build_encoder(config, weights, linear_kernel, threads)

@@ -155,8 +155,11 @@ class TorchAttention:
                   rope_tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Every RoPE table's rows for the step, the full layers' plan and the sliding layers'."""
         batch, block_size, window = step.batch, kv_cache.block_size, self.config.sliding_window
-        step.ropes = [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1))
-                      for cos, sin in rope_tables]
+        if step.mrope is not None:
+            step.ropes = [(cos.unsqueeze(1), sin.unsqueeze(1)) for cos, sin in step.mrope]
+        else:
+            step.ropes = [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1))
+                          for cos, sin in rope_tables]
         step.plan = self._plan(batch, block_size, 0)
         step.window_plan = self._plan(batch, block_size, window) if window else None
 

@@ -58,6 +58,10 @@ class ForwardBatch:
     # [rows] the last position each row attends to: past its own inside a bidirectional image
     # (Gemma 3), whose rows see the whole image; None: every row sees up to its own position.
     visible_ends: torch.Tensor | None = None
+    # [3, rows] M-RoPE's (temporal, height, width) position of each row, where they differ from
+    # `positions` (a Qwen2-VL request with an image): the rotary phases alone; the cache slots,
+    # masks and windows keep `positions`. None: every row rotates by its position.
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +82,10 @@ class StepContext:
     plan: PositionPlan | list[torch.Tensor] | None = None
     window_plan: PositionPlan | list[torch.Tensor] | None = None
     ropes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # M-RoPE steps (`ForwardBatch.rope_positions`): each RoPE table's (cos, signed sin) rows
+    # [rows, head_dim], gathered once; the native ops read row i at `row_index[i]` = i.
+    mrope: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    row_index: torch.Tensor | None = None
 
 
 def paged_context(batch: ForwardBatch, kv_cache: KVCache) -> PagedContext:

@@ -4,7 +4,8 @@ Owns: the layer loop (token embedding, RMSNorm around both sublayers, attention 
 paged KV cache, the gated MLP, residual adds, a tied or untied output head) and each family's
 switches (`ModelConfig`): q/k/v and MLP biases, q/k head norms, Gemma's (1 + w) norms around
 both sublayers and scaled embedding, attention and logit soft-capping, per-layer-type RoPE
-(`rope`), the gate's activation (`layers`), and on a mixture of experts' sparse layers the
+(`rope`; M-RoPE's three positions a row where the batch carries them, Qwen2-VL's), the
+gate's activation (`layers`), and on a mixture of experts' sparse layers the
 routed experts in place of the MLP (`moe`), and image embedding rows spliced over their
 placeholder tokens' embeddings (the batch carries them; `model.vision` makes them). Knows
 nothing of requests, sampling or HTTP: a
@@ -54,7 +55,7 @@ from nanoserve.model.linear import KERNELS, LinearKernel, embedding
 from nanoserve.model.lora import apply as apply_lora
 from nanoserve.model.lora import native_step as native_lora_step
 from nanoserve.model.moe import MixtureOfExperts
-from nanoserve.model.rope import rope_table
+from nanoserve.model.rope import mrope_axis, rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import lora as native_lora
 from nanoserve.native import ops as native_ops
@@ -127,6 +128,7 @@ class DecoderLM:
         distinct = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
         self.rope_tables = [rope_table(r, config, context, device, dtype) for r in distinct]
         self.layer_rope = [distinct.index(r) for r in ropes]
+        self.mrope_axis = mrope_axis(config).to(device) if config.mrope_section else None
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.attention_scale or config.head_dim ** -0.5
@@ -209,8 +211,10 @@ class DecoderLM:
             hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         # The one-call decoder adds LoRA rows' updates itself, where the adapters run in C.
         runs_lora = step.lora is not None or not batch.adapter_rows
-        # The one-call decoder runs causal attention only (Llama stacks have no bidirectional images).
-        if self.decoder is not None and self.ops is not None and runs_lora and batch.visible_ends is None:
+        # The one-call decoder runs causal attention and one position a row only (Llama stacks have
+        # no bidirectional images and no M-RoPE).
+        if (self.decoder is not None and self.ops is not None and runs_lora and batch.visible_ends is None
+                and batch.rope_positions is None):
             tally = self.moe.tally if self.moe is not None else None
             if tally is not None:
                 tally.calls += self.decoder.sparse_layers
@@ -263,8 +267,11 @@ class DecoderLM:
             # first heads * head_dim columns of qkv, rotated in place by the first call.
             k_cache, v_cache = kv_cache.k[index], kv_cache.v[index]
             k_scales, v_scales = kv_cache.scales(index)  # a q8_0 cache's; None for the others
-            cos, sin = self.rope_tables[rope]
-            self.ops.rope_write_kv(qkv, batch.positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
+            if step.mrope is not None:  # each row's own phases, read at its row index
+                (cos, sin), positions = step.mrope[rope], step.row_index
+            else:
+                (cos, sin), positions = self.rope_tables[rope], batch.positions
+            self.ops.rope_write_kv(qkv, positions, cos, sin, batch.slot_mapping, k_cache, v_cache,
                                    cfg.num_heads, k_scales, v_scales, threads=self.threads)
             out = self.ops.paged_attention(qkv, k_cache, v_cache, step.paged, cfg.num_heads, self.scale,
                                            window=window, out=step.attended, k_scales=k_scales,
@@ -358,8 +365,21 @@ class DecoderLM:
             hidden += delta
         return rms_norm(hidden, weight, eps)
 
+    def _mrope_rows(self, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE's (cos, signed sin) rows [rows, head_dim]: dim d of row r read from the table
+        at r's position on axis `mrope_axis[d]` (the same table entries plain RoPE reads, so a
+        row whose three positions agree gets the bits of its plain rotation)."""
+        if self.mrope_axis is None:
+            raise ValueError("the batch carries M-RoPE positions; this model's RoPE has no mrope_section")
+        index = self.mrope_axis.expand(1, positions.shape[1], -1)
+        return cos[positions].gather(0, index)[0], sin[positions].gather(0, index)[0]
+
     def _step_context(self, batch: ForwardBatch, kv_cache: KVCache) -> StepContext:
         step = StepContext(batch)
+        if batch.rope_positions is not None:
+            step.mrope = [self._mrope_rows(cos, sin, batch.rope_positions) for cos, sin in self.rope_tables]
+            step.row_index = torch.arange(batch.rope_positions.shape[1], device=batch.rope_positions.device)
         if self.ops is not None:
             step.lora = native_lora_step(batch.adapter_rows, batch.input_ids.shape[0])
             rows, cfg = batch.input_ids.shape[0], self.config

@@ -114,6 +114,15 @@ def rope_table(rope: Rope, config: ModelConfig, context: int, device: torch.devi
             torch.cat([-sin, 0 * passed, sin, 0 * passed], dim=-1).to(device=device, dtype=dtype))
 
 
+def mrope_axis(config: ModelConfig) -> torch.Tensor:
+    """M-RoPE (Qwen2-VL): which of a token's (temporal, height, width) positions rotates each
+    dim of a head [head_dim]: the rotated pairs split by `mrope_section` into a run for each axis
+    in turn, each pair's two dims (half a head apart) alike, as transformers' Qwen2-VL rotary
+    embedding composes its cos and sin."""
+    pairs = torch.repeat_interleave(torch.arange(3), torch.tensor(config.mrope_section))
+    return torch.cat([pairs, pairs])
+
+
 def rotary_head_order(config: ModelConfig) -> torch.Tensor | None:
     """Which HF dim each stored dim of a q or k head is, where RoPE rotates only the first
     `rotary_dim` (r) of head_dim (d): [0, r/2) [r, r + (d-r)/2) [r/2, r) [r + (d-r)/2, d), so

@@ -10,6 +10,7 @@ after the last), and each family's projector: Idefics3 / SmolVLM's pixel shuffle
 LLaVA-1.5's two linears with a GELU between; Gemma 3's average pool of the patch grid, soft-token
 RMSNorm and one linear. The matrices go through the engine's
 `LinearKernel` like the decoder's.
+Qwen2-VL's and Qwen2.5-VL's tower and merger are another shape (model/qwen_vision.py).
 Refuses: knowing about prompts, requests or caching (the engine owns where the rows go and when
 an image is encoded), and batching tiles of different images: an image is encoded alone, so its
 rows have the same bits whoever else sent an image in the same step.
@@ -101,7 +102,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-ACTIVATIONS = {"gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu, "quick_gelu": quick_gelu}
+ACTIVATIONS = {"gelu_pytorch_tanh": _gelu_tanh, "gelu": F.gelu, "quick_gelu": quick_gelu, "silu": F.silu}
 
 
 class VisionTransformer:

@@ -2,8 +2,9 @@
 
 Owns: `VisionConfig`, read from a Hugging Face config.json's `vision_config` and the fields
 around it, and `VISION_FAMILIES`, the model types whose image side nanoserve runs: Idefics3 /
-SmolVLM, LLaVA-1.5, Gemma 3 (the text side is an ordinary `ModelConfig`, read from
-`text_config` over its text family's defaults). Refuses: a vision family or an
+SmolVLM, LLaVA-1.5, Gemma 3, Qwen2-VL, Qwen2.5-VL (the text side is an ordinary `ModelConfig`,
+read from `text_config` over its text family's defaults; Qwen's as Qwen2 with its M-RoPE
+section, from `text_config` or an older checkpoint's top-level fields). Refuses: a vision family or an
 encoder activation it does not implement, naming the field.
 """
 
@@ -17,13 +18,18 @@ from nanoserve.errors import UnsupportedModelError
 
 # model_type of the checkpoint -> the encoder + projector that runs it (model/vision.py).
 # config.json's model_type -> the family that runs it (SmolVLM2 is Idefics3's architecture)
-VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "llava": "llava", "gemma3": "gemma3"}
-ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu")
+VISION_FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3", "llava": "llava", "gemma3": "gemma3",
+                   "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # their own tower and merger (model/qwen_vision.py)
+ENCODER_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "quick_gelu", "silu")
 # Each family's tower model_type (older transformers saved Idefics3's as "idefics3"), and the
 # tower's activation when vision_config leaves it out (the transformers config class's default).
 VISION_MODEL_TYPES = {"idefics3": ("idefics3_vision", "idefics3", "smolvlm_vision"),
-                      "llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",)}
-DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu", "gemma3": "gelu_pytorch_tanh"}
+                      "llava": ("clip_vision_model",), "gemma3": ("siglip_vision_model",),
+                      "qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"),
+                      "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision")}
+DEFAULT_ACTIVATION = {"idefics3": "gelu_pytorch_tanh", "llava": "quick_gelu", "gemma3": "gelu_pytorch_tanh",
+                      "qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}
 LLAVA_IMAGE_TOKEN_DEFAULT = 32000  # LlavaConfig's image_token_index when config.json leaves it out
 # Gemma3Config's defaults: its placeholder token and the rows one image is pooled to.
 GEMMA3_IMAGE_TOKEN_DEFAULT = 262144
@@ -39,7 +45,19 @@ GEMMA3_TEXT_DEFAULTS = {"model_type": "gemma3_text", "vocab_size": 262208, "hidd
                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 4096,
                         "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0}
 GEMMA3_ROPE_THETA_DEFAULT = 1000000.0  # its full layers' base, when neither rope field states one
-TEXT_DEFAULTS = {"idefics3": LLAMA_DEFAULTS, "llava": LLAMA_DEFAULTS, "gemma3": GEMMA3_TEXT_DEFAULTS}
+# Qwen2VLTextConfig's (and Qwen2.5-VL's) defaults, and the fields of an older checkpoint's top
+# level (its text fields sit there, beside vision_config) that are not the text model's.
+QWEN_VL_TEXT_DEFAULTS = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 8192,
+                         "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+                         "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                         "hidden_act": "silu"}
+QWEN_VL_ROPE_THETA_DEFAULT = 1000000.0  # when neither rope field states one
+QWEN_VL_TOP_LEVEL_ONLY = ("architectures", "model_type", "vision_config", "text_config", "image_token_id",
+                          "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id",
+                          "transformers_version", "dtype", "torch_dtype")
+QWEN_IMAGE_TOKEN_DEFAULT = 151655  # Qwen2VLConfig's image_token_id: <|image_pad|>
+TEXT_DEFAULTS = {"idefics3": LLAMA_DEFAULTS, "llava": LLAMA_DEFAULTS, "gemma3": GEMMA3_TEXT_DEFAULTS,
+                 "qwen2_vl": QWEN_VL_TEXT_DEFAULTS, "qwen2_5_vl": QWEN_VL_TEXT_DEFAULTS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,14 @@ class VisionConfig:
     # Gemma 3: an image's rows attend to each other both ways in the text model (the text stays
     # causal), so a prompt chunk never ends inside one.
     bidirectional: bool = False
+    # Qwen2-VL / Qwen2.5-VL: merge_size x merge_size patches become one row, each patch of
+    # temporal_patch_size frames (a still image repeated), its ViT's 2D RoPE base; Qwen2.5-VL's
+    # window attention over window_size-pixel squares on every block but full_attention_layers.
+    merge_size: int = 1
+    temporal_patch_size: int = 1
+    rope_theta: float = 10000.0
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
 
     @property
     def patches_per_side(self) -> int:
@@ -94,6 +120,8 @@ class VisionConfig:
                                         "tower nanoserve does not run; it runs the vision-language families "
                                         f"{', '.join(VISION_FAMILIES)}")
         vision, text = raw["vision_config"], text_config_dict(raw)
+        if family in QWEN_FAMILIES:
+            return _qwen_config(raw, vision, text, family)
         if vision.get("model_type", VISION_MODEL_TYPES[family][0]) not in VISION_MODEL_TYPES[family]:
             raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = "
                                         f"{vision['model_type']!r}: a {family} checkpoint's tower runs as "
@@ -118,6 +146,72 @@ class VisionConfig:
             raise UnsupportedModelError("config.json: vision_config.hidden_size must divide by "
                                         "num_attention_heads and the patches per side by scale_factor")
         return config
+
+
+def _qwen_config(raw: dict[str, Any], vision: dict[str, Any], text: dict[str, Any],
+                 family: str) -> VisionConfig:
+    """Qwen2-VL's tower (embed_dim wide, mlp_ratio, LayerNorm) or Qwen2.5-VL's (hidden_size wide,
+    intermediate_size, RMSNorm, windows), its merger writing the text model's width."""
+    if vision.get("model_type", family) not in VISION_MODEL_TYPES[family]:
+        raise UnsupportedModelError(f"config.json field 'vision_config.model_type' = "
+                                    f"{vision['model_type']!r}: a {family} checkpoint's tower runs as "
+                                    f"{VISION_MODEL_TYPES[family][-1]}")
+    act = vision.get("hidden_act", DEFAULT_ACTIVATION[family])
+    if act not in ENCODER_ACTIVATIONS:
+        raise UnsupportedModelError(f"config.json field 'vision_config.hidden_act' = {act!r}: "
+                                    f"nanoserve's encoder runs {', '.join(ENCODER_ACTIVATIONS)}")
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise UnsupportedModelError(f"config.json field 'vision_config.rope_parameters' = {rope!r}: the "
+                                    "tower's rotary embedding is axial")
+    patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
+    if family == "qwen2_vl":
+        hidden = vision.get("embed_dim", 1280)
+        shape = dict(hidden_size=hidden, intermediate_size=int(hidden * vision.get("mlp_ratio", 4)))
+        window, full = 0, ()
+    else:
+        hidden = vision.get("hidden_size", 1280)
+        shape = dict(hidden_size=hidden, intermediate_size=vision.get("intermediate_size", 3420))
+        window = vision.get("window_size", 112)
+        full = tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31)))
+        if window % (patch * merge):
+            raise UnsupportedModelError(f"config.json field 'vision_config.window_size' = {window!r}: a "
+                                        f"window is whole merged patches ({patch * merge} pixels)")
+    heads = vision.get("num_heads", 16)
+    if hidden % heads or (hidden // heads) % 4:
+        raise UnsupportedModelError("config.json: vision_config's head width (hidden / num_heads) must "
+                                    "divide by 4 (its 2D rotary embedding rotates rows and columns)")
+    return VisionConfig(family=family, **shape, num_layers=vision.get("depth", 32), num_heads=heads,
+                        num_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+                        image_size=patch * merge, patch_size=patch,
+                        layer_norm_eps=1e-6, hidden_act=act, text_hidden_size=text["hidden_size"],
+                        image_token_id=raw.get("image_token_id", QWEN_IMAGE_TOKEN_DEFAULT), merge_size=merge,
+                        temporal_patch_size=vision.get("temporal_patch_size", 2),
+                        rope_theta=float(rope.get("rope_theta", 10000.0)), window_size=window,
+                        full_attention_layers=full)
+
+
+def _qwen_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2-VL / Qwen2.5-VL text model as a Qwen2 config: its `text_config` (or an older
+    checkpoint's top-level fields) over Qwen2VLTextConfig's defaults, M-RoPE's section moved
+    out of its RoPE dict into `mrope_section` (an older `rope_scaling` type "mrope" is the
+    default RoPE with it)."""
+    stated = raw.get("text_config")
+    if stated is None:
+        stated = {k: v for k, v in raw.items() if k not in QWEN_VL_TOP_LEVEL_ONLY}
+    text = QWEN_VL_TEXT_DEFAULTS | {k: v for k, v in stated.items() if k != "model_type"}
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = text.get(field)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope = {k: v for k, v in rope.items() if k != "mrope_section"}
+            text["mrope_section"] = text[field]["mrope_section"]
+            if rope.get("type", rope.get("rope_type")) == "mrope":
+                rope = {k: v for k, v in rope.items() if k not in ("type", "rope_type")}
+                rope["rope_type"] = "default"
+            text[field] = rope
+    if "rope_theta" not in (text.get("rope_parameters") or {}):
+        text.setdefault("rope_theta", QWEN_VL_ROPE_THETA_DEFAULT)
+    return text
 
 
 def _gemma3_fields(raw: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +254,13 @@ def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     the head tying the whole checkpoint declares), any other checkpoint's own fields."""
     if raw.get("vision_config") is None or raw.get("model_type") not in VISION_FAMILIES:
         return raw
-    text = TEXT_DEFAULTS[VISION_FAMILIES[raw["model_type"]]] | dict(raw.get("text_config") or {})
+    family = VISION_FAMILIES[raw["model_type"]]
+    if family in QWEN_FAMILIES:
+        text = _qwen_text(raw)
+        if "tie_word_embeddings" in raw:
+            text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        return text
+    text = TEXT_DEFAULTS[family] | dict(raw.get("text_config") or {})
     text.setdefault("num_key_value_heads", text["num_attention_heads"])
     if text["model_type"] == "gemma3_text" and "rope_parameters" not in text:
         text.setdefault("rope_theta", GEMMA3_ROPE_THETA_DEFAULT)

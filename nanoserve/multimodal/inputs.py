@@ -3,10 +3,11 @@ prompt positions its embedding rows fill. Nothing else about images reaches the 
 the runner or the model.
 
 Owns: `ImageInput`, `expand_placeholders` (each placeholder in a prompt's text replaced by its
-image's expansion, in order) and `place_images` (each image's run of placeholder token
+image's expansion, in order), `rope_positions` (M-RoPE's three positions of a prompt's tokens)
+and `place_images` (each image's run of placeholder token
 positions in the token ids, marked bidirectional for a family whose image rows attend to each
 other both ways). Refuses: a prompt whose placeholders do not match its images one for one, and
-a bidirectional image whose positions are not one run (`check_runs`), naming the field.
+a bidirectional or M-RoPE image whose positions are not one run (`check_runs`), naming the field.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class ImageInput:
     # Its rows attend to each other both ways (Gemma 3; its positions then one run): each sees up
     # to the image's last position, so no prompt chunk may end inside it.
     bidirectional: bool = False
+    # M-RoPE (Qwen2-VL): its rows' (temporal, height, width) grid; its positions then one run
+    # (`rope_positions`). None: its rows take their token positions, as text does.
+    rope_grid: tuple[int, int, int] | None = None
 
     @property
     def last_position(self) -> int:
@@ -83,17 +87,50 @@ def place_images(prompt_ids: Sequence[int], images: Sequence[ProcessedImage], im
     for image in images:
         stop = start + image.num_rows
         placed.append(ImageInput(content_hash(image), image.pixel_values, tuple(positions[start:stop]),
-                                 bidirectional=bidirectional))
+                                 bidirectional=bidirectional, rope_grid=image.rope_grid))
         start = stop
-    if bidirectional:
+    if bidirectional or any(image.rope_grid for image in placed):
         check_runs(placed, field)
     return placed
 
 
+def rope_positions(images: Sequence[ImageInput], start: int, stop: int) -> list[list[int]]:
+    """M-RoPE's (temporal, height, width) positions of a prompt's positions [start, stop), as
+    transformers' get_rope_index gives them: text takes its token position on all three, shifted
+    by the images before it; an image's rows its grid's (t, h, w) from where its text left off;
+    the text after an image continues from that image's largest position + 1 (generated tokens
+    too: position p of a request whose images all lie before it is p + their shift on all three)."""
+    axes: list[list[int]] = [[], [], []]
+    shift, cursor = 0, start
+
+    def text(first: int, last: int) -> None:
+        for axis in axes:
+            axis.extend(range(first + shift, last + shift))
+
+    for image in images:
+        first, count = image.positions[0], len(image.positions)
+        if first >= stop:
+            break
+        if cursor < first:
+            text(cursor, first)
+        _, height, width = image.rope_grid
+        begin = first + shift
+        for row in range(max(first, start) - first, min(first + count, stop) - first):
+            axes[0].append(begin + row // (height * width))
+            axes[1].append(begin + row // width % height)
+            axes[2].append(begin + row % width)
+        shift += max(height, width) - count
+        cursor = max(cursor, first + count)
+    if cursor < stop:
+        text(cursor, stop)
+    return axes
+
+
 def check_runs(images: Sequence[ImageInput], field: str) -> None:
-    """Refuse a bidirectional image whose positions are not one run (its text between them would
+    """Refuse a bidirectional or M-RoPE image whose positions are not one run (its text between them would
     see rows after it)."""
     for i, image in enumerate(images):
         if image.positions and image.last_position - image.positions[0] + 1 != len(image.positions):
-            raise InvalidRequestError("this model's image rows attend to each other both ways: an image's "
-                                      "placeholder tokens must be one run", param=f"{field}[{i}]")
+            raise InvalidRequestError("this model reads an image's rows as one block (they attend both ways, "
+                                      "or take a grid of positions): an image's placeholder tokens must be "
+                                      "one run", param=f"{field}[{i}]")

@@ -4,6 +4,8 @@ the text its placeholder in the prompt expands to, as the model's Hugging Face p
 Owns: `ImageProcessor` (the interface), `ProcessedImage`, LLaVA-1.5's processor (pad to square
 where asked, shortest edge resized, centre crop, rescale, normalise; `<image>` once per row),
 Gemma 3's (resized to the tower's square, rescale, normalise; `<start_of_image>` expanded),
+Qwen2-VL / Qwen2.5-VL's (smart_resize to multiples of the merged patch, rescale, normalise,
+patches in merge-window order, each image's M-RoPE grid; `<|image_pad|>` expanded),
 and Idefics3 / SmolVLM's processor,
 configured from the checkpoint's preprocessor_config.json: resize so the longest edge is
 `size.longest_edge` (at most 4096), then to multiples of `max_image_size.longest_edge`, split
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from nanoserve.errors import UnsupportedModelError
+from nanoserve.errors import InvalidRequestError, UnsupportedModelError
 from nanoserve.model.vision_config import VisionConfig
 
 # transformers' Idefics3 processors never go past a 4096-pixel edge.
@@ -36,9 +38,12 @@ IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 
 @dataclass(frozen=True, slots=True)
 class ProcessedImage:
-    pixel_values: torch.Tensor  # [tiles, channels, height, width] float32
+    pixel_values: torch.Tensor  # [tiles, channels, height, width] float32 (Qwen: [grid_h, grid_w, patch])
     prompt_text: str  # what one placeholder in the prompt becomes for this image
     num_rows: int  # embedding rows the encoder makes of it (image tokens in `prompt_text`)
+    # M-RoPE (Qwen2-VL): its rows' (temporal, height, width) grid in the text model's positions;
+    # None: its rows take one position each, as text does.
+    rope_grid: tuple[int, int, int] | None = None
 
 
 class ImageProcessor(Protocol):
@@ -274,7 +279,83 @@ class Gemma3Processor:
         return ProcessedImage(pixels, text, self.rows)
 
 
-PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor, "gemma3": Gemma3Processor}
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen2-VL `smart_resize`: both edges to multiples of `factor`, the area
+    within [min_pixels, max_pixels], the aspect ratio kept as near as that allows."""
+    if max(height, width) / min(height, width) > QWEN_MAX_ASPECT:
+        raise InvalidRequestError(f"the image is {width} x {height} pixels: this model takes images whose "
+                                  f"long edge is at most {QWEN_MAX_ASPECT} times the short one", param=None)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+QWEN_MAX_ASPECT = 200  # smart_resize refuses a longer image
+QWEN_VISION_START, QWEN_IMAGE_PAD, QWEN_VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVLProcessor:
+    """Qwen2-VL's and Qwen2.5-VL's: resized by `smart_resize` to multiples of patch * merge
+    pixels, rescaled, normalised, and cut into patches in the merge-window order the tower
+    reads, each patch repeated over `temporal` frames ([grid_h, grid_w, channels * temporal *
+    patch * patch]: transformers' pixel_values rows, the grid kept in the shape); its
+    `<|vision_start|><|image_pad|><|vision_end|>` in the prompt gets one `<|image_pad|>` per merged
+    row (transformers' Qwen2VLImageProcessorPil and Qwen2VLProcessor)."""
+
+    patch: int
+    merge: int
+    temporal: int
+    min_pixels: int
+    max_pixels: int
+    resample: int
+    normalization: PixelNormalization
+    placeholder: str = QWEN_VISION_START + QWEN_IMAGE_PAD + QWEN_VISION_END
+
+    @classmethod
+    def from_config(cls, raw: dict[str, Any], vision: VisionConfig) -> QwenVLProcessor:
+        size = raw.get("size") or {}
+        # transformers reads the bounds from min_pixels / max_pixels over size's (either spelling)
+        shortest = raw.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", 56 * 56)))
+        longest = raw.get("max_pixels", size.get("longest_edge", size.get("max_pixels", 28 * 28 * 1280)))
+        if not raw.get("do_resize", True):
+            raise UnsupportedModelError("preprocessor_config.json field 'do_resize' = false: Qwen2-VL's "
+                                        "images are resized to multiples of patch_size * merge_size")
+        for field, value in (("patch_size", vision.patch_size), ("merge_size", vision.merge_size),
+                             ("temporal_patch_size", vision.temporal_patch_size)):
+            if raw.get(field, value) != value:
+                raise UnsupportedModelError(f"preprocessor_config.json field {field!r} = {raw[field]!r}: the "
+                                            f"tower's is {value}")
+        return cls(patch=vision.patch_size, merge=vision.merge_size, temporal=vision.temporal_patch_size,
+                   min_pixels=shortest, max_pixels=longest, resample=raw.get("resample", Image.BICUBIC),
+                   normalization=PixelNormalization.from_config(raw, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+
+    def process(self, image: Image.Image) -> ProcessedImage:
+        height, width = smart_resize(image.height, image.width, self.patch * self.merge, self.min_pixels,
+                                     self.max_pixels)
+        image = image.resize((width, height), resample=self.resample)
+        pixels = self.normalization.normalized(image)
+        channels, p, m = pixels.shape[0], self.patch, self.merge
+        grid_h, grid_w = height // p, width // p
+        patches = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+        patches = patches.transpose(1, 4, 2, 5, 0, 3, 6)
+        patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], self.temporal, p, p))
+        rows = grid_h * grid_w // m ** 2
+        text = QWEN_VISION_START + QWEN_IMAGE_PAD * rows + QWEN_VISION_END
+        # Rows in merge-window order (transformers'); shaped [grid_h, grid_w, ...] only so the
+        # grid travels with the pixels (row r * grid_w + c is not patch (r, c)).
+        values = torch.from_numpy(np.ascontiguousarray(patches).reshape(grid_h, grid_w, -1))
+        return ProcessedImage(values, text, rows, rope_grid=(1, grid_h // m, grid_w // m))
+
+
+PROCESSORS = {"idefics3": Idefics3Processor, "llava": LlavaProcessor, "gemma3": Gemma3Processor,
+              "qwen2_vl": QwenVLProcessor, "qwen2_5_vl": QwenVLProcessor}
 
 
 def load_processor(model_dir: Path, vision: VisionConfig) -> ImageProcessor:
