@@ -418,6 +418,9 @@ def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert expected.outputs[0].text and result.stdout.endswith(expected.outputs[0].text + "\n")
+
+
+@pytest.fixture(scope="module")
 def qwen2_vl_dir(tmp_path_factory):
     return write_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-rope"))
 
