@@ -128,9 +128,9 @@ def llama_cpp(model: Path, slots: list[int], prompt_len: int, output_len: int,
 
 
 def nanoserve(model: Path, slots: list[int], prompt_len: int, output_len: int,
-              threads: int, prefill_step_ms: str) -> dict[int, dict]:
+              threads: int, prefill_step_ms: str | None) -> dict[int, dict]:
     """`nanoserve bench` on the file, in its own process: per slot count, decode tokens/s and TTFT
-    (`prefill_step_ms`: bench's --prefill-step-ms, '' for the engine's default pace)."""
+    (`prefill_step_ms`: bench's --prefill-step-ms, None for the engine's default pace)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "bench.csv"
         command = [sys.executable, "-m", "nanoserve_cli", "bench", "-m", str(model), "--device", "cpu",
@@ -150,7 +150,7 @@ def nanoserve(model: Path, slots: list[int], prompt_len: int, output_len: int,
 
 
 def turn_rows(weights: str, turn: int, prompt_len: int, output_len: int, ours: dict[int, dict],
-              theirs: dict[int, dict], prefill_step_ms: str = "") -> list[dict[str, object]]:
+              theirs: dict[int, dict], prefill_step_ms: str | None = None) -> list[dict[str, object]]:
     rows = []
     for slots in sorted(ours):
         mine, anchor = ours[slots], theirs[slots]
@@ -220,7 +220,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated (llama.cpp's TG)")
     parser.add_argument("--turns", type=int, default=3,
                         help="alternating turns; the CSV keeps each and the median")
-    parser.add_argument("--prefill-step-ms", type=_prefill_step_ms, default="", metavar="MS|off",
+    parser.add_argument("--prefill-step-ms", type=_prefill_step_ms, default=None, metavar="MS|off",
                         help="nanoserve's prefill pace (bench's option; default: the engine's own). "
                              "llama-batched-bench computes a prompt in whole batches: 'off' is that")
     parser.add_argument("--out", type=Path, default=Path("results/llamacpp_compare.csv"))
