@@ -132,11 +132,19 @@ def status() -> str:
             f"{_attention_isa(native)}; {reason})" + (f"; {spin}" if spin else ""))
 
 
+# nanoserve.h's NS_ATTN_*: the attention kernel's paths, as the bits ns_attention_isas returns.
+ATTENTION_ISAS = {"portable": 1, "avx2": 2, "avx512": 4}
+
+
+def attention_isas(available: int) -> list[str]:
+    """The names of the attention paths in `available` (ns_attention_isas' bits), narrowest first."""
+    return [name for name, bit in ATTENTION_ISAS.items() if available & bit]
+
+
 def _attention_isa(native: NativeLibrary) -> str:
     """The path csrc/stages/attention.c runs here: the widest this CPU runs (it asks cpuid itself)."""
-    from nanoserve.native.attention import NativeAttention
-
-    return NativeAttention(native.lib).isas()[-1]
+    native.lib.ns_attention_isas.restype = ctypes.c_int
+    return attention_isas(native.lib.ns_attention_isas())[-1]
 
 
 def _tiles_note(native: NativeLibrary) -> str:

@@ -25,8 +25,7 @@ _SIGNATURE = (_INT, _P, _I64, _INT, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I
 
 # nanoserve.h's NS_KV_*: the cache storage dtypes the kernel reads (int8: q8_0 codes with scales).
 KV_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
-# nanoserve.h's NS_ATTN_*: the paths, as the bits ns_attention_isas returns.
-ISAS = {"portable": 1, "avx2": 2, "avx512": 4}
+ISAS = native.ATTENTION_ISAS
 BEST = 0  # the widest path this CPU runs
 
 
@@ -81,7 +80,7 @@ class NativeAttention:
 
     def isas(self) -> list[str]:
         """The names of the paths this CPU runs."""
-        return [name for name, bit in ISAS.items() if self.available & bit]
+        return native.attention_isas(self.available)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, heads: int,
