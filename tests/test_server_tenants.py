@@ -180,10 +180,16 @@ def alice_holds_her_slot(base_url: str, app) -> Iterator[threading.Event]:
 
     async_engine.engine.step = held_step
     body = {"prompt": "Hi", "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=bearer(ALICE), timeout=30):
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=bearer(ALICE),
+                      timeout=30) as response:
         while async_engine.num_in_flight == 0:
             time.sleep(0.01)
         yield gate
+        # Read her stream to its end: closing it early would cancel her request after however many
+        # tokens a busy machine had produced, and the token counts below would vary.
+        gate.set()
+        for _ in response.iter_bytes():
+            pass
 
 def test_a_tenant_over_its_limit_gets_429_while_another_is_served(tiny_model_dir, tmp_path) -> None:
     with serving(tiny_model_dir, two_tenants(tmp_path, max_concurrent=1)) as (base_url, app):

@@ -276,13 +276,18 @@ def launched_process(serve_args: Sequence[str], *, log_path: Path, ready_timeout
         wait_ready(base_url, process, log_path, ready_timeout_s)
         yield base_url, process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        stop_server(process)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM, as a user's Ctrl-C would, then a kill if it has not left within a minute."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
 
 
 def wait_ready(base_url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:

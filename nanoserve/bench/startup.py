@@ -28,7 +28,6 @@ import contextlib
 import csv
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from nanoserve.bench.hardware import describe_machine
-from nanoserve.bench.serve import free_port
+from nanoserve.bench.serve import free_port, stop_server
 from nanoserve.machine import cache_root
 
 POLL_S = 0.05
@@ -73,7 +72,7 @@ def one_start(model: str, extra: list[str], env: dict[str, str]) -> dict[str, fl
         try:
             ready_s = _wait_healthy(f"http://127.0.0.1:{port}/health", process, start)
         finally:
-            _stop(process)
+            stop_server(process)
         log.seek(0)
         output = log.read()
     if ready_s is None:
@@ -93,16 +92,6 @@ def _wait_healthy(url: str, process: subprocess.Popen, start: float) -> float | 
                 return time.perf_counter() - start
         time.sleep(POLL_S)
     return None
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 def cold_cache() -> tempfile.TemporaryDirectory:
