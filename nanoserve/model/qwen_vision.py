@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.model.linear import KERNELS, LinearKernel
-from nanoserve.model.vision import ACTIVATIONS
+from nanoserve.model.vision import ACTIVATIONS, moved
 from nanoserve.model.vision_config import VisionConfig
 
 Norm = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias); no bias: an RMSNorm
@@ -63,15 +63,7 @@ class QwenVisionWeights:
                                  [(pack(matrix), bias) for matrix, bias in self.merger])
 
     def to(self, dtype: torch.dtype, device: torch.device) -> QwenVisionWeights:
-        def move(value):
-            if value is None:
-                return None
-            if isinstance(value, tuple | list):
-                return type(value)(move(v) for v in value)
-            return value.to(device=device, dtype=dtype)
-        layers = [QwenVisionLayer(**{f.name: move(getattr(layer, f.name)) for f in fields(layer)})
-                  for layer in self.layers]
-        return QwenVisionWeights(move(self.patch), layers, move(self.merger_norm), move(self.merger))
+        return moved(self, dtype, device)
 
 
 def patch_positions(grid_h: int, grid_w: int, merge: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Protocol
 
 import torch
@@ -82,16 +82,19 @@ class VisionWeights:
                              self.class_embedding, self.pre_norm, self.post_norm, self.projector_norm)
 
     def to(self, dtype: torch.dtype, device: torch.device) -> VisionWeights:
-        def move(value):
-            if value is None:
-                return None
-            if isinstance(value, tuple | list):
-                return type(value)(move(v) for v in value)
-            return value.to(device=device, dtype=dtype)
-        layers = [EncoderLayerWeights(**{f.name: move(getattr(layer, f.name)) for f in fields(layer)})
-                  for layer in self.layers]
-        return VisionWeights(*(move(getattr(self, f.name)) if f.name != "layers" else layers
-                               for f in fields(self)))
+        return moved(self, dtype, device)
+
+
+def moved(value, dtype: torch.dtype, device: torch.device):
+    """`value` with every tensor in it moved to `dtype` on `device`: a tower's weights, their
+    layers' dataclasses, tuples and lists, nested; None stays None."""
+    if value is None:
+        return None
+    if is_dataclass(value):
+        return replace(value, **{f.name: moved(getattr(value, f.name), dtype, device) for f in fields(value)})
+    if isinstance(value, tuple | list):
+        return type(value)(moved(v, dtype, device) for v in value)
+    return value.to(device=device, dtype=dtype)
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
