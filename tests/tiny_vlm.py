@@ -233,15 +233,35 @@ def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     from safetensors.torch import load_file
 
     raw = json.loads((vlm_dir / "config.json").read_text())
-    text, vision = raw["text_config"], raw["vision_config"]
+    vision = raw["vision_config"]
     tensors = load_file(str(vlm_dir / "model.safetensors"))
     text_gguf = write_text_gguf(vlm_dir, out_dir)
 
     mmproj = out_dir / "mmproj.gguf"
-    writer = gguf.GGUFWriter(str(mmproj), "clip")
+    writer, processor = _siglip_mmproj_writer(mmproj, gguf.VisionProjectorType.IDEFICS3, vlm_dir)
+    writer.add_vision_projector_scale_factor(raw["scale_factor"])
+    writer.add_vision_preproc_image_size(processor["size"]["longest_edge"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    for name, tensor in tensors.items():
+        if name.startswith(("model.vision_model.", "model.connector.")):
+            stem, kind = name.rsplit(".", 1)
+            writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.numpy())
+    _write_out(writer)
+    return text_gguf, mmproj
+
+
+def _siglip_mmproj_writer(path: Path, projector_type: str, vlm_dir: Path):
+    """An mmproj writer holding what llama.cpp's converter writes of a folder's SigLIP tower (its
+    shape, the text width it projects to, GELU) and of its processor (mean and std); the family's
+    own keys are the caller's. Returns the writer and the processor's config."""
+    import gguf
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    vision = raw["vision_config"]
+    writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(gguf.VisionProjectorType.IDEFICS3)
-    writer.add_vision_projection_dim(text["hidden_size"])
+    writer.add_clip_projector_type(projector_type)
+    writer.add_vision_projection_dim(raw["text_config"]["hidden_size"])
     writer.add_vision_image_size(vision["image_size"])
     writer.add_vision_patch_size(vision["patch_size"])
     writer.add_vision_embedding_length(vision["hidden_size"])
@@ -249,22 +269,18 @@ def write_tiny_gguf_pair(vlm_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     writer.add_vision_block_count(vision["num_hidden_layers"])
     writer.add_vision_head_count(vision["num_attention_heads"])
     writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
-    writer.add_vision_projector_scale_factor(raw["scale_factor"])
     writer.add_vision_use_gelu(True)
     processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
     writer.add_vision_image_mean(processor["image_mean"])
     writer.add_vision_image_std(processor["image_std"])
-    writer.add_vision_preproc_image_size(processor["size"]["longest_edge"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
-    for name, tensor in tensors.items():
-        if name.startswith(("model.vision_model.", "model.connector.")):
-            stem, kind = name.rsplit(".", 1)
-            writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.numpy())
+    return writer, processor
+
+
+def _write_out(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return text_gguf, mmproj
 
 
 # A vision-language folder's text tensors (Idefics3's, LLaVA's as transformers 5 and 4 save them)
@@ -380,10 +396,7 @@ def write_tiny_llava_mmproj(vlm_dir: Path, path: Path, *, state_feature_layer: b
             continue
         writer.add_tensor(_legacy_clip_name(name),
                           tensor.numpy().astype(np.float16 if tensor.dim() == 4 else np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer)
     return path
 
 
@@ -399,23 +412,9 @@ def write_tiny_gemma3_mmproj(vlm_dir: Path, path: Path) -> Path:
     vision = raw["vision_config"]
     grid = vision["image_size"] // vision["patch_size"]
     kernel = grid // math.isqrt(raw["mm_tokens_per_image"])
-    writer = gguf.GGUFWriter(str(path), "clip")
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
-    writer.add_vision_projection_dim(raw["text_config"]["hidden_size"])
-    writer.add_vision_image_size(vision["image_size"])
-    writer.add_vision_patch_size(vision["patch_size"])
-    writer.add_vision_embedding_length(vision["hidden_size"])
-    writer.add_vision_feed_forward_length(vision["intermediate_size"])
-    writer.add_vision_block_count(vision["num_hidden_layers"])
-    writer.add_vision_head_count(vision["num_attention_heads"])
-    writer.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
-    writer.add_vision_use_gelu(True)
+    writer, _ = _siglip_mmproj_writer(path, gguf.VisionProjectorType.GEMMA3, vlm_dir)
     if kernel != 4:
         writer.add_vision_projector_scale_factor(kernel)
-    processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
-    writer.add_vision_image_mean(processor["image_mean"])
-    writer.add_vision_image_std(processor["image_std"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
     for name, tensor in load_file(str(vlm_dir / "model.safetensors")).items():
         name = name.replace("model.", "", 1) if name.startswith("model.") else name
@@ -428,10 +427,7 @@ def write_tiny_gemma3_mmproj(vlm_dir: Path, path: Path) -> Path:
         stem, kind = name.rsplit(".", 1)
         values = tensor + 1 if stem.endswith("mm_soft_emb_norm") else tensor
         writer.add_tensor(f"{names.get_name(stem)}.{kind}", values.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _write_out(writer)
     return path
 
 
