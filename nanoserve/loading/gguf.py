@@ -6,7 +6,8 @@ llama.cpp's Q/K row permutation, renaming tensors to HF names, and writing the t
 way in: `gguf_weights` reads the tensors as they are (blocks stay blocks and F16 / BF16 matrices
 stay 16-bit, one copy out of the file's memory map, Q/K rows permuted as whole rows of blocks)
 for runs in the file's own quantization; `import_metadata` then writes only the config and tokenizer files.
-Architectures: llama, qwen2, qwen3, phi3, gemma2, gemma3 (their `{arch}.*` metadata; only
+Architectures: llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen2vl (Qwen2 with M-RoPE's
+`rope.dimension_sections`; Qwen2-VL's and Qwen2.5-VL's text model) (their `{arch}.*` metadata; only
 llama's Q/K rows are permuted by llama.cpp's converter, the others keep HF's rotate_half
 layout). What llama.cpp keeps in code rather than in the file is restated here: Gemma's norms
 are stored as 1 + w (taken back to w, the HF form), Gemma 2's query scale is 1/sqrt(head_dim)
@@ -55,6 +56,8 @@ SUPPORTED_ARCHITECTURE = "llama"
 # GGUF architecture -> (HF model_type, HF architecture).
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"), "phi3": ("phi3", "Phi3ForCausalLM"),
+                 # Qwen2-VL's and Qwen2.5-VL's text model: Qwen2 with M-RoPE (its image side: an mmproj)
+                 "qwen2vl": ("qwen2", "Qwen2ForCausalLM"),
                  "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
                  "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
                  "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -399,6 +402,8 @@ def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, TensorEnt
                 factor = meta["llama.rope.scaling.attn_factor"]
                 config["rope_scaling"]["attention_factor"] = _f32_to_float(factor)
         return config
+    if arch == "qwen2vl":
+        return {"mrope_section": _mrope_section(meta)}
     if arch not in ("gemma2", "gemma3"):
         return {}
     hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
@@ -420,6 +425,16 @@ def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, TensorEnt
         config["attn_logit_softcapping"] = _f32_to_float(meta.get("llama.attn_logit_softcapping", 50.0))
         config["final_logit_softcapping"] = _f32_to_float(meta.get("llama.final_logit_softcapping", 30.0))
     return config
+
+
+def _mrope_section(meta: dict[str, Any]) -> list[int]:
+    """M-RoPE's (temporal, height, width) split of the rotated pairs: llama.cpp's converter pads
+    the three to four with a 0 (`rope.dimension_sections`); a fourth section is refused."""
+    sections = meta.get("llama.rope.dimension_sections")
+    if not isinstance(sections, list) or len(sections) not in (3, 4) or any(sections[3:]):
+        raise UnsupportedModelError(f"GGUF metadata qwen2vl.rope.dimension_sections = {sections!r}: M-RoPE "
+                                    "over three axes (a fourth section of 0)")
+    return [int(n) for n in sections[:3]]
 
 
 # llama.cpp's expert_gating_func values, and the models it renormalises the top-k weights of
