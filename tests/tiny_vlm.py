@@ -12,6 +12,7 @@ converters do: its text model as a llama GGUF, its tower and projector as an mmp
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 from pathlib import Path
@@ -497,3 +498,123 @@ def reference_qwen2_vl_processor(path: Path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), bos_token=BOS_TOKEN,
                                         eos_token=EOS_TOKEN)
     return ImagesOnly(Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer)
+
+
+def write_qwen_vl_text_gguf(vlm_dir: Path, out_dir: Path) -> Path:
+    """A Qwen2-VL / Qwen2.5-VL folder's text model as llama.cpp's converter (Qwen2VLModel) writes
+    it: architecture `qwen2vl`, its M-RoPE section padded to four as `rope.dimension_sections`,
+    gguf-py's tensor names for the architecture (Q and K rows as Hugging Face keeps them: only
+    llama's are permuted), float32. `out_dir`/text.gguf."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.tiny_model import _add_tokenizer
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    text = raw["text_config"]
+    rope = text["rope_parameters"]
+    tokenizer_dir = out_dir / "text-tokenizer"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    # A GGUF lists every token, added ones too (the converter's vocabulary is the whole of it).
+    tokenizer = json.loads((vlm_dir / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] |= {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
+    (tokenizer_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tokenizer_dir / "tokenizer_config.json").write_text((vlm_dir / "tokenizer_config.json").read_text())
+
+    path = out_dir / "text.gguf"
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2VL])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_context_length(text["max_position_embeddings"])
+    writer.add_embedding_length(text["hidden_size"])
+    writer.add_block_count(text["num_hidden_layers"])
+    writer.add_feed_forward_length(text["intermediate_size"])
+    writer.add_head_count(text["num_attention_heads"])
+    writer.add_head_count_kv(text["num_key_value_heads"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    _add_tokenizer(writer, tokenizer_dir, text, "gpt2", "smollm")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, text["num_hidden_layers"])
+    for name, tensor in load_file(str(vlm_dir / "model.safetensors")).items():
+        name = name.replace("model.language_model.", "model.", 1)
+        if name.startswith(("visual.", "model.visual.")):
+            continue
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    _write_out(writer)
+    return path
+
+
+def write_tiny_qwen_vl_mmproj(vlm_dir: Path, path: Path, *, skip=(), extra_keys=None) -> Path:
+    """A Qwen2-VL / Qwen2.5-VL folder's tower and merger as llama.cpp's convert_hf_to_gguf.py
+    (Qwen2VLVisionModel, `--mmproj --outtype f32`) writes them: projector type `qwen2vl_merger` or
+    `qwen2.5vl_merger`; Qwen2-VL's embed_dim as the embedding length and its vision hidden_size
+    (the merger's output) as feed_forward_length, as the converter renames them; the text width
+    as projection_dim; image_size 560 where the config names none; the text's rms_norm_eps from
+    the top level of config.json (else 1e-6) as the tower's epsilon; Qwen2.5-VL's use_silu and
+    n_wa_pattern (fullatt_block_indexes[0] + 1, the indexes checked to be that pattern), and no
+    window size, spatial merge or pixel bounds (clip.cpp keeps those in code). Tensors: q, k, v
+    split out of qkv, the Conv3d split into `v.patch_embd.weight` and `.weight.1` (its two
+    frames), the rest under gguf-py's map. `skip`: metadata keys or tensors left out;
+    `extra_keys(writer)` adds metadata."""
+    import gguf
+    from safetensors.torch import load_file
+
+    raw = json.loads((vlm_dir / "config.json").read_text())
+    vision = dict(raw["vision_config"])
+    qwen2_5 = raw["model_type"] == "qwen2_5_vl"
+    if "embed_dim" in vision:  # the converter's renaming of Qwen2-VL's config
+        vision["intermediate_size"], vision["hidden_size"] = vision["hidden_size"], vision["embed_dim"]
+    processor = json.loads((vlm_dir / "preprocessor_config.json").read_text())
+
+    class Writer(gguf.GGUFWriter):
+        def add_key_value(self, key, val, vtype, sub_type=None):
+            if key not in skip:
+                super().add_key_value(key, val, vtype, sub_type)
+
+    writer = Writer(str(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(raw["text_config"]["hidden_size"])
+    writer.add_vision_image_size(vision.get("image_size", 560))
+    writer.add_vision_patch_size(vision["patch_size"])
+    writer.add_vision_embedding_length(vision["hidden_size"])
+    writer.add_vision_feed_forward_length(vision["intermediate_size"])
+    writer.add_vision_block_count(vision["depth"])
+    writer.add_vision_head_count(vision["num_heads"])
+    writer.add_vision_image_mean(processor["image_mean"])
+    writer.add_vision_image_std(processor["image_std"])
+    if qwen2_5:
+        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+        writer.add_vision_use_silu(True)
+        full = vision["fullatt_block_indexes"]
+        pattern = full[0] + 1
+        assert all(b - a == pattern for a, b in itertools.pairwise(full)), full
+        writer.add_vision_n_wa_pattern(pattern)
+    else:
+        writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN2VL)
+    writer.add_vision_attention_layernorm_eps(raw.get("rms_norm_eps", 1e-6))
+    if extra_keys is not None:
+        extra_keys(writer)
+    # The converter's map covers `depth` numbered modules: the merger's mlp.2 needs a depth of 3.
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["depth"])
+    out = {}
+    for name, tensor in load_file(str(vlm_dir / "model.safetensors")).items():
+        name = name.replace("model.visual.", "visual.", 1)
+        if not name.startswith("visual."):
+            continue
+        if ".qkv." in name:
+            for part, rows in zip("qkv", tensor.chunk(3), strict=True):
+                stem, kind = name.replace("qkv", part).rsplit(".", 1)
+                out[f"{names.get_name(stem)}.{kind}"] = rows
+        elif "patch_embed.proj.weight" in name:
+            out["v.patch_embd.weight"], out["v.patch_embd.weight.1"] = tensor[:, :, 0], tensor[:, :, 1]
+        else:
+            stem, kind = name.rsplit(".", 1)
+            assert names.get_name(stem) is not None, f"the converter cannot map {name}"
+            out[f"{names.get_name(stem)}.{kind}"] = tensor
+    for name, tensor in out.items():
+        if name not in skip:
+            writer.add_tensor(name, np.ascontiguousarray(tensor.numpy()))
+    _write_out(writer)
+    return path

@@ -23,9 +23,9 @@ from PIL import Image
 
 from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.mmproj import read_mmproj
-from nanoserve.loading.vision import load_image_encoder, read_vision_config
+from nanoserve.loading.vision import image_encoder, load_image_encoder, read_vision_config
 from nanoserve.model.linear import KERNELS, LinearKernel
-from nanoserve.model.vision import ImageEncoder, build_encoder
+from nanoserve.model.vision import ImageEncoder
 from nanoserve.model.vision_config import QWEN_FAMILIES
 from nanoserve.multimodal.images import decode_image, to_rgb
 from nanoserve.multimodal.inputs import ImageInput, check_runs, expand_placeholders, place_images
@@ -98,7 +98,7 @@ class EngineImages:
         if not path.is_file():
             raise InvalidRequestError(f"mmproj: {path} is not a file", param="mmproj")
         config, weights, fields = read_mmproj(path, token_id or (lambda _: None))
-        encoder = build_encoder(config, weights.to(dtype, device), kernel, threads)
+        encoder = image_encoder(config, weights.to(dtype, device), kernel, threads)
         return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device)
 
     def prompt(self, text: str, images: Sequence[ImageData], encode: Callable[[str], list[int]],

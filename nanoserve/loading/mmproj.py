@@ -17,9 +17,17 @@ last for LLaVA's -2; llama.cpp's graph drops one more, ggml-org/llama.cpp#25817)
 padded to a square of the mean colour and resized to the tower's, as llama.cpp prepares them.
 A block whose `ffn_down` reads the tower's width holds the up projection (the legacy converter
 swapped the names): the two trade places, as clip.cpp tells them apart.
+Qwen2-VL / Qwen2.5-VL (`qwen2vl_merger`, `qwen2.5vl_merger`, as convert_hf_to_gguf.py writes
+them): q, k, v stacked back into qkv and the Conv3d's two frames (`v.patch_embd.weight`, `.weight.1`)
+back into one kernel, under `loading.vision`'s Qwen names, so `qwen_vision_weights` builds both paths;
+the MLP width read from its matrix (the converter writes Qwen2-VL's merger width as
+feed_forward_length); Qwen2.5-VL's full-attention blocks from `n_wa_pattern`; what clip.cpp keeps
+in code (merge 2, windows of 112 pixels) and the pixel bounds Qwen publishes (`QWEN_*_DEFAULT`)
+where the file states none.
 Refuses: a projector type other than those listed in `PROJECTORS`, a file without a vision
 encoder, a LLaVA file with several feature layers (Granite's stack), LLaVA-NeXT's tiles
-(`image_grid_pinpoints`) or a SiLU tower, naming the file and the field.
+(`image_grid_pinpoints`) or a SiLU tower, a Qwen file lacking a key or tensor it needs or with
+windows that split a merged patch, naming the file and the field.
 """
 
 from __future__ import annotations
@@ -34,14 +42,23 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from nanoserve.errors import UnsupportedModelError
-from nanoserve.loading.vision import check_vision_tensors, vision_weights
+from nanoserve.loading.vision import (
+    QWEN_TOWER,
+    check_vision_tensors,
+    qwen_tensor_shapes,
+    qwen_vision_weights,
+    vision_weights,
+)
+from nanoserve.model.qwen_vision import QwenVisionWeights
 from nanoserve.model.vision import VisionWeights
-from nanoserve.model.vision_config import VisionConfig
+from nanoserve.model.vision_config import QWEN_FAMILIES, VisionConfig
 
 # llama.cpp's projector type -> the vision family that runs it
-PROJECTORS = {"idefics3": "idefics3", "gemma3": "gemma3", "mlp": "llava"}
+PROJECTORS = {"idefics3": "idefics3", "gemma3": "gemma3", "mlp": "llava", "qwen2vl_merger": "qwen2_vl",
+              "qwen2.5vl_merger": "qwen2_5_vl"}
 # The token each family's image rows replace, as the text model's vocabulary spells it.
-IMAGE_TOKENS = {"idefics3": "<image>", "gemma3": "<image_soft_token>", "llava": "<image>"}
+IMAGE_TOKENS = {"idefics3": "<image>", "gemma3": "<image_soft_token>", "llava": "<image>",
+                "qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>"}
 # Each family's Hugging Face tower prefix and projector names (loading.vision's NAMES).
 _TOWERS = {"idefics3": "model.vision_model.", "gemma3": "vision_tower.", "llava": "vision_tower."}
 _PROJECTOR_NAMES = {
@@ -63,8 +80,8 @@ _CLASS_EMBEDDING = "v.class_embd"  # CLIP's class token: a bare vector, no `.wei
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def read_mmproj(path: Path, token_id: Callable[[str], int | None]) -> tuple[VisionConfig, VisionWeights,
-                                                                           dict[str, Any]]:
+def read_mmproj(path: Path, token_id: Callable[[str], int | None]
+                ) -> tuple[VisionConfig, VisionWeights | QwenVisionWeights, dict[str, Any]]:
     """The tower's config (`token_id`: the text model's vocabulary, where its family's image
     token is looked up), its float32 weights, and the processor fields its metadata gives
     (preprocessor_config.json's names)."""
@@ -75,6 +92,9 @@ def read_mmproj(path: Path, token_id: Callable[[str], int | None]) -> tuple[Visi
     if image_token_id is None:
         raise UnsupportedModelError(f"the text model's vocabulary has no {IMAGE_TOKENS[family]} token for "
                                     f"{path.name}'s images")
+    if family in QWEN_FAMILIES:
+        return _read_qwen(path, meta, {tensor.name: tensor for tensor in reader.tensors}, family,
+                                image_token_id)
     tensors = {_hf_name(tensor.name, family): _float32(tensor) for tensor in reader.tensors}
     config = _config(path, meta, family, image_token_id, tensors)
     _unswap_ffn(tensors, config)
@@ -207,3 +227,120 @@ def _float32(tensor: Any) -> torch.Tensor:
             values = dequantize(values, tensor.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
     return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape))
+
+
+# ---- Qwen2-VL / Qwen2.5-VL ----------------------------------------------------------------
+# What clip.cpp keeps in code for `qwen2vl_merger` / `qwen2.5vl_merger` files, which
+# convert_hf_to_gguf.py's Qwen2VLVisionModel does not write (read where a file states them):
+QWEN_MERGE_SIZE_DEFAULT = 2  # `spatial_merge_size`: clip.cpp's n_merge for Qwen 2 and 2.5
+# `window_size`: clip.cpp's attn_window_size is 112 pixels for every qwen2.5vl file (every Qwen2.5-VL
+# checkpoint's, and Qwen2_5_VLVisionConfig's default).
+QWEN_WINDOW_SIZE_DEFAULT = 112
+# `image_min_pixels` / `image_max_pixels`: the bounds of smart_resize, in merged rows. An mmproj
+# carries no preprocessor_config.json; these are the bounds Qwen's own checkpoints publish there
+# (min_pixels 3136 = 4 rows and max_pixels 12845056 = 16384 rows of 28 x 28 pixels), so a pair
+# reads an image into the same rows as the Hugging Face folder it came from. clip.cpp chooses
+# 8 to 4096 rows instead (a memory limit of its own: a large image gets fewer rows there).
+QWEN_MIN_ROWS_DEFAULT, QWEN_MAX_ROWS_DEFAULT = 4, 16384
+# Hugging Face's tower names (loading.vision's, under QWEN_TOWER) -> llama.cpp's (gguf-py's tensor map)
+_QWEN_LAYER_NAMES = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.fc1": "ffn_up",
+                     "mlp.fc2": "ffn_down", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                     "mlp.down_proj": "ffn_down"}
+# The converter split the Conv3d over a still image's two frames into one matrix per frame.
+_QWEN_PATCH_FRAMES = ("v.patch_embd.weight", "v.patch_embd.weight.1")
+
+
+def _read_qwen(path: Path, meta: dict[str, Any], stored: dict[str, Any], family: str,
+               image_token_id: int) -> tuple[VisionConfig, QwenVisionWeights, dict[str, Any]]:
+    """A Qwen2-VL / Qwen2.5-VL tower and merger as convert_hf_to_gguf.py writes them: q, k and v
+    apart (stacked back into qkv), the patch convolution as two frames (stacked back into the
+    Conv3d), the merger's norm `v.post_ln` and linears `mm.0` / `mm.2`."""
+    config = _qwen_config(path, meta, stored, family, image_token_id)
+    tensors = {}
+    for name, shape in qwen_tensor_shapes(config).items():
+        sources, axis = _qwen_sources(name)
+        # each source's shape: the tensor's, less the frame axis, or a third of qkv's rows
+        part_shape = (shape if axis is None else shape[:2] + shape[3:] if axis == 2
+                      else (shape[0] // 3, *shape[1:]))
+        parts = []
+        for source in sources:
+            if source not in stored:
+                raise UnsupportedModelError(f"{path}: the mmproj file lacks the tensor {source} {part_shape}")
+            parts.append(_float32(stored[source]))
+            if tuple(parts[-1].shape) != part_shape:
+                raise UnsupportedModelError(f"{path}: mmproj tensor {source} has shape "
+                                            f"{tuple(parts[-1].shape)}; the metadata implies {part_shape}")
+        tensors[name] = (parts[0] if axis is None else torch.stack(parts, dim=2) if axis == 2
+                         else torch.cat(parts))
+    return config, qwen_vision_weights(config, tensors), _qwen_processor_fields(meta, config)
+
+
+def _qwen_sources(name: str) -> tuple[tuple[str, ...], int | None]:
+    """The mmproj tensors a Qwen tower tensor (loading.vision's name) is made of, and the axis they
+    are stacked on (None: one tensor as it is)."""
+    stem, kind = name.removeprefix(QWEN_TOWER).rsplit(".", 1)
+    if stem == "patch_embed.proj":
+        return _QWEN_PATCH_FRAMES, 2
+    if stem == "merger.ln_q":
+        return (f"v.post_ln.{kind}",), None
+    if stem.startswith("merger.mlp."):  # the merger's nn.Sequential(Linear, GELU, Linear): 0 and 2
+        return (f"mm.{stem.rsplit('.', 1)[1]}.{kind}",), None
+    _, layer, part = stem.split(".", 2)
+    if part == "attn.qkv":
+        return tuple(f"v.blk.{layer}.attn_{x}.{kind}" for x in "qkv"), 0
+    return (f"v.blk.{layer}.{_QWEN_LAYER_NAMES[part]}.{kind}",), None
+
+
+def _qwen_config(path: Path, meta: dict[str, Any], stored: dict[str, Any], family: str,
+                 image_token_id: int) -> VisionConfig:
+    v = "clip.vision."
+    hidden, heads = _need(path, meta, v + "embedding_length"), _need(path, meta, v + "attention.head_count")
+    if hidden % heads or (hidden // heads) % 4:
+        raise UnsupportedModelError(f"{path}: {v}attention.head_count {heads}: the head width "
+                                    f"({hidden} / heads) must divide by 4 (the 2D rotary embedding)")
+    # The MLP's width from its matrix (GGUF lists its rows last), as clip.cpp reads it: for Qwen2-VL
+    # the converter writes vision_config.hidden_size (the merger's output width) as feed_forward_length.
+    up = stored.get("v.blk.0.ffn_up.weight")
+    if up is None:
+        raise UnsupportedModelError(f"{path}: the mmproj file lacks the tensor v.blk.0.ffn_up.weight")
+    patch = _need(path, meta, v + "patch_size")
+    merge = meta.get(v + "spatial_merge_size", QWEN_MERGE_SIZE_DEFAULT)
+    layers = _need(path, meta, v + "block_count")
+    window, full = 0, ()
+    if family == "qwen2_5_vl":
+        # clip.cpp's window pattern: every n-th block attends to the whole image (HF's
+        # fullatt_block_indexes n-1, 2n-1, ...), the others within their windows.
+        pattern = _need(path, meta, v + "n_wa_pattern")
+        window = meta.get(v + "window_size", QWEN_WINDOW_SIZE_DEFAULT)
+        if not isinstance(pattern, int) or pattern < 1:
+            raise UnsupportedModelError(f"{path}: {v}n_wa_pattern = {pattern!r}: a block count of at least 1")
+        if window % (patch * merge):
+            raise UnsupportedModelError(f"{path}: {v}window_size {window}: a window is whole merged patches "
+                                        f"({patch * merge} pixels)")
+        full = tuple(i for i in range(layers) if (i + 1) % pattern == 0)
+    # clip.cpp's activation rule: use_gelu, use_silu, else CLIP's quick GELU (Qwen2-VL's).
+    act = "gelu" if meta.get("clip.use_gelu") else "silu" if meta.get("clip.use_silu") else "quick_gelu"
+    return VisionConfig(family=family, hidden_size=hidden, intermediate_size=int(up.shape[-1]),
+                        num_layers=layers, num_heads=heads, num_channels=3, image_size=patch * merge,
+                        patch_size=patch,
+                        layer_norm_eps=_float32_value(meta.get(v + "attention.layer_norm_epsilon", 1e-6)),
+                        hidden_act=act, text_hidden_size=_need(path, meta, v + "projection_dim"),
+                        image_token_id=image_token_id, merge_size=merge,
+                        temporal_patch_size=len(_QWEN_PATCH_FRAMES), window_size=window,
+                        full_attention_layers=full)
+
+
+def _float32_value(value: float) -> float:
+    """A GGUF float32 as the decimal a config.json wrote (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
+def _qwen_processor_fields(meta: dict[str, Any], config: VisionConfig) -> dict[str, Any]:
+    row_pixels = (config.patch_size * config.merge_size) ** 2
+    fields: dict[str, Any] = {
+        "min_pixels": meta.get("clip.vision.image_min_pixels", QWEN_MIN_ROWS_DEFAULT * row_pixels),
+        "max_pixels": meta.get("clip.vision.image_max_pixels", QWEN_MAX_ROWS_DEFAULT * row_pixels)}
+    for key in ("image_mean", "image_std"):
+        if "clip.vision." + key in meta:
+            fields[key] = [float(x) for x in meta["clip.vision." + key]]
+    return fields

@@ -230,8 +230,14 @@ def load_image_encoder(model_dir: Path, config: VisionConfig, *, dtype: torch.dt
                 if canonical.startswith(wanted):
                     tensors[canonical] = file.get_tensor(name)
     check_vision_tensors(model_dir, config, tensors)
-    if qwen:
-        weights = qwen_vision_weights(config, tensors).to(dtype, device)
+    weights = qwen_vision_weights(config, tensors) if qwen else vision_weights(config, tensors)
+    return image_encoder(config, weights.to(dtype, device), linear_kernel, threads)
+
+
+def image_encoder(config: VisionConfig, weights: VisionWeights | QwenVisionWeights,
+                  linear_kernel: LinearKernel | None = None, threads: int | None = None) -> ImageEncoder:
+    """The family's encoder over its built weights (a folder's or an mmproj file's): Qwen's own
+    tower and merger, or `build_encoder`'s."""
+    if config.family in QWEN_FAMILIES:
         return QwenVisionEncoder(config, weights, linear_kernel, threads)
-    weights = vision_weights(config, tensors).to(dtype, device)
     return build_encoder(config, weights, linear_kernel, threads)
