@@ -384,3 +384,17 @@ def test_the_self_test_multiplies_each_weights_first_columns_over_the_whole_redu
     shape = ProbeShape([[torch.randn(300, 64), torch.randn(40, 64)]], torch.randn(1000, 64))
     assert self_test(spy, shape, max_rows=4, prefill_rows=8) == ""
     assert packed_shapes == [(linear.SELF_TEST_COLUMNS, 64), (40, 64), (linear.SELF_TEST_COLUMNS, 64)]
+
+
+def test_float_matrices_beside_a_quantized_kernel_run_the_native_float_kernel_where_it_runs_their_dtype(
+        monkeypatch):
+    quantized = linear.QUANTIZED_KERNELS["native-quant-x8"]
+    beside = linear.float_kernel_beside
+    assert beside(KERNELS["onednn"], torch.float32, CPU) is KERNELS["onednn"]  # a float kernel keeps itself
+    assert beside(quantized, torch.float16, CPU) is KERNELS["aten"]  # no native float16 kernel
+    assert beside(quantized, torch.float32, torch.device("cuda")) is KERNELS["aten"]
+    monkeypatch.setattr(linear.native_matmul, "available", lambda: True)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert beside(quantized, dtype, CPU) is KERNELS["native"]
+    monkeypatch.setattr(linear.native_matmul, "available", lambda: False)
+    assert beside(quantized, torch.float32, CPU) is KERNELS["aten"]

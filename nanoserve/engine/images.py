@@ -24,7 +24,7 @@ from PIL import Image
 from nanoserve.errors import InvalidRequestError
 from nanoserve.loading.mmproj import read_mmproj
 from nanoserve.loading.vision import image_encoder, load_image_encoder, read_vision_config
-from nanoserve.model.linear import KERNELS, LinearKernel
+from nanoserve.model.linear import LinearKernel, float_kernel_beside
 from nanoserve.model.vision import ImageEncoder
 from nanoserve.model.vision_config import QWEN_FAMILIES
 from nanoserve.multimodal.images import decode_image, to_rgb
@@ -79,9 +79,9 @@ class EngineImages:
              token_id: Callable[[str], int | None] | None = None) -> EngineImages | None:
         """The image side of `model_dir`, or of the llama.cpp `mmproj` file beside a text model
         (`token_id` then finds its placeholder token in the text model's vocabulary); None for a
-        text-only model. Its matrices run the text model's float kernel (a quantized kernel's
-        float sibling: the tower stays float), its native calls on `threads` threads."""
-        float_kernel = kernel if kernel.name in KERNELS else KERNELS["aten"]
+        text-only model. Its matrices run the text model's float kernel (beside a quantized one,
+        `float_kernel_beside`'s: the tower stays float), its native calls on `threads` threads."""
+        float_kernel = float_kernel_beside(kernel, dtype, device)
         if mmproj is not None:
             return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, threads, token_id)
         config = read_vision_config(model_dir)

@@ -130,16 +130,18 @@ class VisionTransformer:
         rows, cols = height // cfg.patch_size, width // cfg.patch_size
         hidden = self.linear(self._patches(pixel_values), w.patch)
         if w.patch_bias is not None:
-            hidden = hidden + w.patch_bias
+            hidden += w.patch_bias
         hidden = hidden.view(tiles, rows * cols, cfg.hidden_size)
         if w.class_embedding is not None:
             hidden = torch.cat([w.class_embedding.expand(tiles, 1, -1), hidden], dim=1)
         hidden = hidden + w.positions[self._position_ids(rows, cols)]
         if w.pre_norm is not None:
             hidden = self._norm(hidden, w.pre_norm)
+        # The residual adds and biases in place: `hidden` and every matrix product are this call's
+        # own, and a fresh [tokens, hidden] result per add cost several times the add itself.
         for layer in w.layers[:self.num_layers]:
-            hidden = hidden + self._attention(self._norm(hidden, layer.norm1), layer)
-            hidden = hidden + self._mlp(self._norm(hidden, layer.norm2), layer)
+            hidden += self._attention(self._norm(hidden, layer.norm1), layer)
+            hidden += self._mlp(self._norm(hidden, layer.norm2), layer)
         if w.post_norm is not None and self.config.feature_layer is None:
             hidden = self._norm(hidden, w.post_norm)
         return hidden
@@ -185,7 +187,7 @@ class VisionTransformer:
         return self._affine(self.activation(up), layer.fc2, layer.fc2_bias).view(tiles, tokens, hidden)
 
     def _affine(self, x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, matrix) + bias
+        return self.linear(x, matrix).add_(bias)
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         weight, bias = norm
