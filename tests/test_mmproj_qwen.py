@@ -6,9 +6,6 @@ vision config, processor, pixel values, image rows, logits and greedy tokens, bi
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import pytest
 import torch
 
@@ -21,6 +18,7 @@ from nanoserve.multimodal.processors import PROCESSORS, load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
     QWEN_VL_TOKENS,
+    assert_same_processor_as_folder,
     random_image,
     write_qwen_vl_text_gguf,
     write_tiny_qwen2_vl,
@@ -75,12 +73,7 @@ def test_a_qwen_mmproj_reads_into_the_folders_config_processor_pixels_and_image_
     assert config == folder
     processor, theirs_processor = PROCESSORS[config.family].from_config(fields, config), load_processor(
         folder_dir, folder)
-    # The mean and std are float32s in GGUF: the float32s the processor normalises with.
-    ours_stats, theirs_stats = processor.normalization, theirs_processor.normalization
-    stats = dataclasses.replace(ours_stats, mean=theirs_stats.mean, std=theirs_stats.std)
-    assert dataclasses.replace(processor, normalization=stats) == theirs_processor
-    assert np.array_equal(np.float32([ours_stats.mean, ours_stats.std]),
-                          np.float32([theirs_stats.mean, theirs_stats.std]))
+    assert_same_processor_as_folder(processor, theirs_processor)
     ours = image_encoder(config, weights)
     theirs = load_image_encoder(folder_dir, folder, dtype=torch.float32, device=torch.device("cpu"))
     for i, (width, height) in enumerate(IMAGES):

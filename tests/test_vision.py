@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -21,6 +20,7 @@ from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
+    assert_same_processor_as_folder,
     image_bytes,
     random_image,
     reference_gemma3_processor,
@@ -347,12 +347,7 @@ def test_a_llava_mmproj_in_llama_cpps_layout_gives_the_folders_config_processor_
     assert config.layer_norm_eps == pytest.approx(folder.layer_norm_eps, rel=1e-7)  # a float32 in GGUF
     processor = PROCESSORS["llava"].from_config(fields, config)
     theirs_processor = load_processor(llava_pair_dir, folder)
-    # The mean and std are float32s in GGUF: the float32s the processor normalises with.
-    ours_stats, theirs_stats = processor.normalization, theirs_processor.normalization
-    stats = dataclasses.replace(ours_stats, mean=theirs_stats.mean, std=theirs_stats.std)
-    assert dataclasses.replace(processor, normalization=stats) == theirs_processor
-    assert np.array_equal(np.float32([ours_stats.mean, ours_stats.std]),
-                          np.float32([theirs_stats.mean, theirs_stats.std]))
+    assert_same_processor_as_folder(processor, theirs_processor)
     ours = build_encoder(config, weights)
     theirs = load_image_encoder(llava_pair_dir, folder, dtype=torch.float32, device=torch.device("cpu"))
     for image in images_of_every_kind()[:4]:

@@ -11,6 +11,7 @@ converters do: its text model as a llama GGUF, its tower and projector as an mmp
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -213,6 +214,16 @@ def reference_processor(path: Path):
     image_processor_class = getattr(transformers, f"{'SmolVLM' if smolvlm else 'Idefics3'}ImageProcessorPil")
     return transformers.Idefics3Processor(image_processor_class.from_pretrained(path), tokenizer,
                                           image_seq_len=seq_len)
+
+
+def assert_same_processor_as_folder(processor, folder_processor) -> None:
+    """An mmproj's processor equals its folder's; the mean and std are float32s in GGUF, so
+    theirs must equal the folder's as the float32s the processor normalises with."""
+    ours_stats, theirs_stats = processor.normalization, folder_processor.normalization
+    stats = dataclasses.replace(ours_stats, mean=theirs_stats.mean, std=theirs_stats.std)
+    assert dataclasses.replace(processor, normalization=stats) == folder_processor
+    assert np.array_equal(np.float32([ours_stats.mean, ours_stats.std]),
+                          np.float32([theirs_stats.mean, theirs_stats.std]))
 
 
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
