@@ -20,6 +20,7 @@ from tests.tiny_vlm import (
     QWEN_VL_TOKENS,
     assert_same_processor_as_folder,
     random_image,
+    run_to_end,
     write_qwen_vl_text_gguf,
     write_tiny_qwen2_vl,
     write_tiny_qwen_vl_mmproj,
@@ -95,18 +96,9 @@ def test_a_qwen_gguf_and_mmproj_pair_gives_the_folders_logits_and_greedy_tokens(
     images = [[random_image(200, 150, seed=1)], [random_image(29, 90, seed=2), random_image(60, 44, seed=3)]]
     assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = [_run(engine, engine.add_request(prompts[1], greedy, images=images[1]))
+    tokens = [run_to_end(engine, engine.add_request(prompts[1], greedy, images=images[1]))
               for engine in (pair, folder)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
-
-
-def _run(engine: Engine, request_id: str) -> list[int]:
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.request_id == request_id:
-                tokens += output.token_ids
-    return tokens
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from tests.tiny_vlm import (
     reference_llava_processor,
     reference_processor,
     reference_qwen2_vl_processor,
+    run_to_end,
     write_tiny_gemma3,
     write_tiny_gguf_pair,
     write_tiny_idefics3,
@@ -174,17 +175,8 @@ def test_logits_and_greedy_tokens_with_images_match_transformers(vlm_dir, hf_mod
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
         request_id = engine.add_request(text, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                                         images=images)
-        tokens = _run(engine, request_id)
+        tokens = run_to_end(engine, request_id)
         assert tokens == greedy.tolist()
-
-
-def _run(engine: Engine, request_id: str) -> list[int]:
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.request_id == request_id:
-                tokens += output.token_ids
-    return tokens
 
 
 def test_a_gguf_and_mmproj_pair_computes_the_hugging_face_folders_bits(tmp_path_factory):
@@ -399,7 +391,7 @@ def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine
     images = [[random_image(100, 70, seed=1)], [random_image(20, 33, seed=2), random_image(64, 64, seed=3)]]
     assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = [_run(engine, engine.add_request(prompts[1], greedy, images=images[1]))
+    tokens = [run_to_end(engine, engine.add_request(prompts[1], greedy, images=images[1]))
               for engine in (pair, folder)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 

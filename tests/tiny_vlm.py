@@ -226,6 +226,16 @@ def assert_same_processor_as_folder(processor, folder_processor) -> None:
                           np.float32([theirs_stats.mean, theirs_stats.std]))
 
 
+def run_to_end(engine, request_id: str) -> list[int]:
+    """Steps `engine` until nothing is left; the tokens request `request_id` generated."""
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.request_id == request_id:
+                tokens += output.token_ids
+    return tokens
+
+
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
     return Image.fromarray(pixels, mode)
