@@ -234,10 +234,9 @@ def float_kernel_beside(kernel: LinearKernel, dtype: torch.dtype, device: torch.
     stays float whatever the text model's format): `kernel` itself when it is a float kernel; beside
     a quantized kernel (whose library is on), the native float kernel where it runs `dtype` on this
     device, else torch's.
-    Not timed at start-up, unlike `choose_kernel`'s verdicts: a tower's calls are prompt-sized
-    (1,024 rows a SigLIP tile; K 768 or 3,072; N 768 to 3,072), where the native kernel's 6 x 16
-    tiles ran 103-109 GFLOP per CPU second on one thread and two, and torch's MKL 91-100 on one
-    thread and 50-81 on two (AMD EPYC Zen 4, 2 cores; float32 FMA peak 118 a core)."""
+    Not timed at start-up, unlike `choose_kernel`'s verdicts (which measure decode-sized calls): a
+    tower's calls are prompt-sized (1,024 rows a SigLIP tile), where the native panels ran faster
+    than torch's MKL on one thread and two (docs/performance.md, "The image tower's matrices")."""
     if kernel.name in KERNELS:
         return kernel
     native_runs = device.type == "cpu" and dtype in native_matmul.DTYPES and native_matmul.available()
