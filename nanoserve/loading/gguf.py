@@ -360,7 +360,7 @@ def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta:
     hidden_size = _require_int(meta, "llama.embedding_length")
     num_heads = _require_int(meta, "llama.attention.head_count")
     head_dim = int(meta.get("llama.attention.key_length", hidden_size // num_heads))
-    rope_theta = _f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
+    rope_theta = f32_to_float(meta.get("llama.rope.freq_base", 10000.0))
     partial = _partial_rotary(arch, meta, head_dim)
     return partial | {
         "architectures": [hf_architecture],
@@ -373,7 +373,7 @@ def _llama_layout_config(arch: str, model_type: str, hf_architecture: str, meta:
         "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", num_heads)),
         "head_dim": head_dim,
         "max_position_embeddings": _require_int(meta, "llama.context_length"),
-        "rms_norm_eps": _f32_to_float(_require(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": f32_to_float(_require(meta, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling(meta, tensors, head_dim, rope_theta),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -400,7 +400,7 @@ def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, TensorEnt
                 "original_max_position_embeddings": original}
             if "llama.rope.scaling.attn_factor" in meta:
                 factor = meta["llama.rope.scaling.attn_factor"]
-                config["rope_scaling"]["attention_factor"] = _f32_to_float(factor)
+                config["rope_scaling"]["attention_factor"] = f32_to_float(factor)
         return config
     if arch == "qwen2vl":
         return {"mrope_section": _mrope_section(meta)}
@@ -422,8 +422,8 @@ def _family_config(arch: str, meta: dict[str, Any], tensors: dict[str, TensorEnt
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
     }
     if arch == "gemma2":
-        config["attn_logit_softcapping"] = _f32_to_float(meta.get("llama.attn_logit_softcapping", 50.0))
-        config["final_logit_softcapping"] = _f32_to_float(meta.get("llama.final_logit_softcapping", 30.0))
+        config["attn_logit_softcapping"] = f32_to_float(meta.get("llama.attn_logit_softcapping", 50.0))
+        config["final_logit_softcapping"] = f32_to_float(meta.get("llama.final_logit_softcapping", 30.0))
     return config
 
 
@@ -455,7 +455,7 @@ def _experts_config(model_type: str, meta: dict[str, Any],
     if gating != _GATING_SOFTMAX:
         raise UnsupportedModelError(f"GGUF metadata expert_gating_func = {gating!r}: only softmax routing "
                                     f"({_GATING_SOFTMAX}) is implemented")
-    scale = _f32_to_float(meta.get("llama.expert_weights_scale", 1.0))
+    scale = f32_to_float(meta.get("llama.expert_weights_scale", 1.0))
     if scale != 1.0:
         raise UnsupportedModelError(f"GGUF metadata expert_weights_scale = {scale!r}: scaled expert weights "
                                     "are not implemented")
@@ -491,7 +491,7 @@ def _gemma3_rope(config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]
     full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
     full |= config.pop("rope_scaling") or {}
     local_theta = meta.get("llama.rope.freq_base_swa", 10000.0)
-    local = {"rope_type": "default", "rope_theta": _f32_to_float(local_theta)}
+    local = {"rope_type": "default", "rope_theta": f32_to_float(local_theta)}
     return {**config, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
 
 
@@ -508,9 +508,9 @@ def _require_int(meta: dict[str, Any], key: str) -> int:
     return value
 
 
-def _f32_to_float(value: float) -> float:
-    # GGUF stores float32; the shortest decimal that round-trips (1e-05, not 9.9999997e-06)
-    # is what the original config said.
+def f32_to_float(value: float) -> float:
+    """A GGUF float32 as the decimal the original config wrote: the shortest that round-trips
+    (1e-05, not 9.9999997e-06)."""
     return float(str(np.float32(value)))
 
 
@@ -534,7 +534,7 @@ def rope_scaling(
     """None, linear scaling, or the HF llama3 dict recovered from llama.cpp's `rope_freqs` tensor."""
     kind = meta.get("llama.rope.scaling.type", "none")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32_to_float(_require(meta, "llama.rope.scaling.factor"))}
+        return {"rope_type": "linear", "factor": f32_to_float(_require(meta, "llama.rope.scaling.factor"))}
     if kind != "none":
         raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported; only linear and "
                                     "llama3 are")
@@ -544,7 +544,7 @@ def rope_scaling(
     original_context = int(meta.get("llama.rope.scaling.original_context_length", _LLAMA3_ORIGINAL_CONTEXT))
     scaling = {
         "rope_type": "llama3",
-        "factor": _f32_to_float(stored.max()),
+        "factor": f32_to_float(stored.max()),
         "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
         "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
         "original_max_position_embeddings": original_context,

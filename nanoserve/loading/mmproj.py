@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from nanoserve.errors import UnsupportedModelError
+from nanoserve.loading.gguf import f32_to_float
 from nanoserve.loading.vision import (
     QWEN_TOWER,
     check_vision_tensors,
@@ -323,16 +324,11 @@ def _qwen_config(path: Path, meta: dict[str, Any], stored: dict[str, Any], famil
     return VisionConfig(family=family, hidden_size=hidden, intermediate_size=int(up.shape[-1]),
                         num_layers=layers, num_heads=heads, num_channels=3, image_size=patch * merge,
                         patch_size=patch,
-                        layer_norm_eps=_float32_value(meta.get(v + "attention.layer_norm_epsilon", 1e-6)),
+                        layer_norm_eps=f32_to_float(meta.get(v + "attention.layer_norm_epsilon", 1e-6)),
                         hidden_act=act, text_hidden_size=_need(path, meta, v + "projection_dim"),
                         image_token_id=image_token_id, merge_size=merge,
                         temporal_patch_size=len(_QWEN_PATCH_FRAMES), window_size=window,
                         full_attention_layers=full)
-
-
-def _float32_value(value: float) -> float:
-    """A GGUF float32 as the decimal a config.json wrote (1e-06, not 9.99999997e-07)."""
-    return float(str(np.float32(value)))
 
 
 def _qwen_processor_fields(meta: dict[str, Any], config: VisionConfig) -> dict[str, Any]:
