@@ -18,9 +18,9 @@ from nanoserve.multimodal.processors import PROCESSORS, load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
     QWEN_VL_TOKENS,
+    assert_pair_computes_the_folders_bits,
     assert_same_processor_as_folder,
     random_image,
-    run_to_end,
     write_qwen_vl_text_gguf,
     write_tiny_qwen2_vl,
     write_tiny_qwen_vl_mmproj,
@@ -94,11 +94,7 @@ def test_a_qwen_gguf_and_mmproj_pair_gives_the_folders_logits_and_greedy_tokens(
     image = pair.images.processor.placeholder
     prompts = [f"Describe {image} please", f"{image} and {image}: which?"]
     images = [[random_image(200, 150, seed=1)], [random_image(29, 90, seed=2), random_image(60, 44, seed=3)]]
-    assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = [run_to_end(engine, engine.add_request(prompts[1], greedy, images=images[1]))
-              for engine in (pair, folder)]
-    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    assert_pair_computes_the_folders_bits(pair, folder, prompts, images)
 
 
 @pytest.fixture(scope="module")

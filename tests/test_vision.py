@@ -20,6 +20,7 @@ from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
+    assert_pair_computes_the_folders_bits,
     assert_same_processor_as_folder,
     image_bytes,
     random_image,
@@ -389,11 +390,7 @@ def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine
     pair = Engine(EngineConfig(model=str(text), mmproj=str(mmproj), **options))
     prompts = ["Describe <image> please", "<image> and <image>: which?"]
     images = [[random_image(100, 70, seed=1)], [random_image(20, 33, seed=2), random_image(64, 64, seed=3)]]
-    assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = [run_to_end(engine, engine.add_request(prompts[1], greedy, images=images[1]))
-              for engine in (pair, folder)]
-    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    assert_pair_computes_the_folders_bits(pair, folder, prompts, images)
 
     image = out / "cat.png"
     image.write_bytes(image_bytes(random_image(100, 70, seed=1)))

@@ -236,6 +236,18 @@ def run_to_end(engine, request_id: str) -> list[int]:
     return tokens
 
 
+def assert_pair_computes_the_folders_bits(pair, folder, prompts: list[str], images: list[list]) -> None:
+    """A GGUF + mmproj pair's engine and its folder's give the same last logits for `prompts` with
+    their `images`, and the same 6 greedy tokens for the second prompt."""
+    from nanoserve.sampling_params import SamplingParams
+
+    assert torch.equal(pair.prompt_logits(prompts, images), folder.prompt_logits(prompts, images))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = [run_to_end(engine, engine.add_request(prompts[1], greedy, images=images[1]))
+              for engine in (pair, folder)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
     return Image.fromarray(pixels, mode)
