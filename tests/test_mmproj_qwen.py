@@ -18,6 +18,7 @@ from nanoserve.multimodal.processors import PROCESSORS, load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
     QWEN_VL_TOKENS,
+    assert_generate_prints,
     assert_pair_computes_the_folders_bits,
     assert_same_processor_as_folder,
     random_image,
@@ -134,10 +135,8 @@ def test_a_text_model_without_qwens_image_token_is_refused_naming_it(qwen2_5_dir
 def test_the_pair_through_generate_prints_the_folders_text(tmp_path_factory):
     """`nanoserve generate --model TEXT.gguf --mmproj MMPROJ.gguf --image IMG` prints what the
     folder generates for the same image (its placeholder put before the prompt)."""
-    from typer.testing import CliRunner
 
     from nanoserve.llm import LLM
-    from nanoserve_cli.main import app
     from tests.tiny_vlm import image_bytes
 
     folder = write_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl-cli"), **PAIR_SIZES["qwen2-vl"])
@@ -150,8 +149,4 @@ def test_the_pair_through_generate_prints_the_folders_text(tmp_path_factory):
     (expected,) = llm.generate({"prompt": llm.engine.images.processor.placeholder + "What is it?",
                                 "multi_modal_data": {"image": image.read_bytes()}},
                                SamplingParams(max_tokens=6, temperature=0.0))
-    args = ["generate", "What is it?", "--model", str(text), "--mmproj", str(mmproj), "--image", str(image),
-            "--dtype", "float32", "--max-tokens", "6"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert expected.outputs[0].text and result.stdout.endswith(expected.outputs[0].text + "\n")
+    assert_generate_prints(text, mmproj, image, expected.outputs[0].text)

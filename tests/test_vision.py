@@ -20,6 +20,7 @@ from nanoserve.multimodal.inputs import expand_placeholders
 from nanoserve.multimodal.processors import load_processor
 from nanoserve.sampling_params import SamplingParams
 from tests.tiny_vlm import (
+    assert_generate_prints,
     assert_pair_computes_the_folders_bits,
     assert_same_processor_as_folder,
     image_bytes,
@@ -376,10 +377,8 @@ def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine
         llava_pair_dir, tmp_path_factory):
     """The pair through the engine: the folder's last logits (so its pixels and image rows) and
     greedy tokens, bit for bit; `nanoserve generate --mmproj --image` prints the folder's text."""
-    from typer.testing import CliRunner
 
     from nanoserve.llm import LLM
-    from nanoserve_cli.main import app
     from tests.tiny_vlm import image_bytes, write_text_gguf, write_tiny_llava_mmproj
 
     out = tmp_path_factory.mktemp("llava-gguf")
@@ -397,11 +396,7 @@ def test_a_llava_gguf_and_mmproj_pair_generates_the_folders_tokens_in_the_engine
     (expected,) = LLM(str(llava_pair_dir), **options).generate(
         {"prompt": "<image>What is it?", "multi_modal_data": {"image": image.read_bytes()}},
         SamplingParams(max_tokens=6, temperature=0.0))
-    args = ["generate", "What is it?", "--model", str(text), "--mmproj", str(mmproj), "--image", str(image),
-            "--dtype", "float32", "--max-tokens", "6"]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert expected.outputs[0].text and result.stdout.endswith(expected.outputs[0].text + "\n")
+    assert_generate_prints(text, mmproj, image, expected.outputs[0].text)
 
 
 @pytest.fixture(scope="module")

@@ -248,6 +248,20 @@ def assert_pair_computes_the_folders_bits(pair, folder, prompts: list[str], imag
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
 
 
+def assert_generate_prints(text: Path, mmproj: Path, image: Path, expected: str) -> None:
+    """`nanoserve generate "What is it?" --model TEXT --mmproj MMPROJ --image IMAGE` (float32, 6
+    tokens) ends its output with `expected`, the folder's completion of the same request."""
+    from typer.testing import CliRunner
+
+    from nanoserve_cli.main import app
+
+    args = ["generate", "What is it?", "--model", str(text), "--mmproj", str(mmproj), "--image", str(image),
+            "--dtype", "float32", "--max-tokens", "6"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert expected and result.stdout.endswith(expected + "\n")
+
+
 def random_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, len(mode)), dtype=np.uint8)
     return Image.fromarray(pixels, mode)
