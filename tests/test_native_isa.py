@@ -139,6 +139,11 @@ def test_the_start_up_line_names_the_isa_the_tiles_run_on():
     chosen_by_default = [isa for isa in _isas_here() if isa != "avx512"]
     assert library.tiles_isa == (chosen_by_default[-1] if chosen_by_default else "portable")
     assert f"tiles on {library.tiles_isa}" in native.status()
+    # the float panels follow the tiles' choice: AVX-512's pair tiles on either AVX-512 level
+    wide = library.tiles_isa in ("avx512", "avx512vnni")
+    panels = "avx512" if wide else "avx2" if "avx2" in _isas_here() else "portable"
+    assert native.float_panels_isa(library) == panels
+    assert f"float panels on {panels}" in native.status()
 
 
 # ---- the repacking at load in C (csrc/quant/repack.c) against the torch reference ----------------------

@@ -206,6 +206,51 @@ def test_a_half_panel_rows_bits_do_not_depend_on_its_call_its_position_or_the_th
     assert_each_rows_bits_are_its_own(product, x)
 
 
+# Shapes for the ISA paths: an odd panel count beside the AVX-512 tile's pairs, a tail panel,
+# and K = 1536, whose macro-blocks of rows (matmul_float.c) are 60 rows, so 130 rows cross two
+ISA_SHAPES = [(53, 40), (64, 7), (96, 1536)]
+ISA_ROWS = (1, 3, 4, 5, 12, 13, 25, 130)
+
+
+def isas_that_run() -> list[str]:
+    return native.library().isas() if matmul.available() else []
+
+
+@needs_library
+@pytest.mark.parametrize("format_name", ["f32", *HALF_FORMATS])
+@pytest.mark.parametrize(("n", "k"), ISA_SHAPES)
+def test_every_isa_this_cpu_runs_gives_the_portable_paths_bits(format_name, n, k):
+    """Float32 activations against float32, F16 or BF16 panels: each ISA's tiles (AVX2's 6 x 16,
+    AVX-512's 12 x 32) run the same fma chain as the portable rows, at any row count."""
+    if not matmul.portable_is_fused():
+        pytest.skip("the portable chain is not fused on this build, so only the bound holds (tested above)")
+    if format_name == "f32":
+        _, w = operands(1, n, k, torch.float32)
+        packed = matmul.pack(w)
+        def product(x, **options):
+            return matmul.matmul(x, packed, **options)
+    else:
+        packed = matmul.pack_half(half_weight(format_name, n, k))
+        def product(x, **options):
+            return matmul.matmul_half(x, packed, **options)
+    for m in ISA_ROWS:
+        x, _ = operands(m, n, k, torch.float32)
+        portable = product(x, portable=True)
+        for isa in isas_that_run():
+            assert torch.equal(product(x, isa=isa, threads=2), portable), f"{isa}, {m} rows"
+
+
+@needs_library
+def test_an_isa_that_does_not_run_here_or_is_not_one_is_refused_naming_it():
+    packed = matmul.pack(torch.ones(16, 8))
+    with pytest.raises(ValueError, match="isa: 'sse9'"):
+        matmul.matmul(torch.ones(2, 8), packed, isa="sse9")
+    missing = [name for name in native.ISAS if name not in isas_that_run()]
+    if missing:
+        with pytest.raises(ValueError, match=f"isa: {missing[0]} does not run here"):
+            matmul.matmul(torch.ones(2, 8), packed, isa=missing[0])
+
+
 @needs_library
 @pytest.mark.parametrize("format_name", HALF_FORMATS)
 def test_half_panels_hold_the_files_values_in_its_bytes_and_look_rows_up_exactly(format_name):

@@ -128,7 +128,8 @@ def status() -> str:
     if native is None:
         return f"native kernels: off ({reason}); running torch kernels"
     spin = openmp.note()
-    return (f"native kernels: on ({native.isa}; {_tiles_note(native)}; attention on "
+    return (f"native kernels: on ({native.isa}; {_tiles_note(native)}; float panels on "
+            f"{float_panels_isa(native)}; attention on "
             f"{_attention_isa(native)}; {reason})" + (f"; {spin}" if spin else ""))
 
 
@@ -145,6 +146,12 @@ def _attention_isa(native: NativeLibrary) -> str:
     """The path csrc/stages/attention.c runs here: the widest this CPU runs (it asks cpuid itself)."""
     native.lib.ns_attention_isas.restype = ctypes.c_int
     return attention_isas(native.lib.ns_attention_isas())[-1]
+
+
+def float_panels_isa(native: NativeLibrary) -> str:
+    """The ISA csrc/gemm/matmul_float.c's panels run on here (they follow the block tiles' choice)."""
+    native.lib.ns_matmul_float_isa_chosen.restype = ctypes.c_int
+    return ISAS[native.lib.ns_matmul_float_isa_chosen()]
 
 
 def _tiles_note(native: NativeLibrary) -> str:

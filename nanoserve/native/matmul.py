@@ -28,6 +28,7 @@ from nanoserve.quant import BlockFormat, PackedBlocks, QuantizedWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
 PANEL = 16  # csrc/gemm/matmul_float.c's PANEL: output columns per packed panel
+F32_PANELS = 0  # the GGML type number of float32, which names float32 panels to the library
 # The format number csrc/stages/decoder.c and csrc/stages/moe.c give a float32 matrix in these panels (a
 # repacked block matrix has its GGML type's number, and so does HalfPanels: 1 or 30).
 FLOAT_PANELS = 0
@@ -49,6 +50,7 @@ class _Functions:
     portable_by_dtype: dict[torch.dtype, ctypes._CFuncPtr]
     half: ctypes._CFuncPtr  # (ggml type, x, w, y, m, n, k, threads): HalfPanels on float32 x
     half_portable: ctypes._CFuncPtr
+    on_isa: ctypes._CFuncPtr  # (isa, ggml type, x, w, y, m, n, k, threads): float32 x on a named ISA
     portable_fused: bool  # the portable path's chain is fused, so it equals the ISA path's bits
 
 
@@ -68,13 +70,14 @@ def _bind(lib: ctypes.CDLL) -> _Functions:
     for name in ("ns_matmul_half_panels", "ns_matmul_half_panels_portable"):
         function = getattr(lib, name)
         function.argtypes, function.restype = [ctypes.c_int, *arguments], ctypes.c_int
+    lib.ns_matmul_float_isa.argtypes, lib.ns_matmul_float_isa.restype = [ctypes.c_int] * 2 + arguments, ctypes.c_int
     lib.ns_matmul_float_panel.restype = lib.ns_matmul_float_portable_fused.restype = ctypes.c_int
     if lib.ns_matmul_float_panel() != PANEL:
         raise NativeUnavailableError(f"the library packs {lib.ns_matmul_float_panel()} columns, not {PANEL}")
     return _Functions(
         {torch.float32: lib.ns_matmul_f32, torch.bfloat16: lib.ns_matmul_bf16},
         {torch.float32: lib.ns_matmul_f32_portable, torch.bfloat16: lib.ns_matmul_bf16_portable},
-        lib.ns_matmul_half_panels, lib.ns_matmul_half_panels_portable,
+        lib.ns_matmul_half_panels, lib.ns_matmul_half_panels_portable, lib.ns_matmul_float_isa,
         bool(lib.ns_matmul_float_portable_fused()))
 
 
@@ -129,10 +132,11 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None,
-           portable: bool = False) -> torch.Tensor:
+           portable: bool = False, isa: str | None = None) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in the weight's dtype, for `packed` = pack(W); x has W's dtype.
     `threads`: the caller's thread count (None: `native.thread_count`'s); `portable` runs the
-    plain C path instead of the ISA one (for the tests)."""
+    plain C path instead of the ISA one, `isa` (float32 only) one of nanoserve.native.ISAS that
+    runs here (for the tests: every path gives the same bits)."""
     functions = _require()
     # Checked in the cheapest order: this runs for every linear of every step.
     if x.dtype is not packed.dtype:
@@ -151,6 +155,11 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, *, threads: int | None = None,
     m, (n, k) = x.shape[0], packed.shape
     y = torch.empty(m, n, dtype=x.dtype)
     if m == 0 or n == 0:
+        return y
+    if isa is not None:
+        if x.dtype != torch.float32:
+            raise ValueError(f"isa: only float32 calls name an ISA, got {x.dtype}")
+        _run_on_isa(functions, isa, F32_PANELS, x, packed, y, threads)
         return y
     if function(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, n, k,
                 native.thread_count(threads)) != 0:
@@ -209,9 +218,9 @@ def pack_half(weight: QuantizedWeight) -> HalfPanels:
 
 
 def matmul_half(x: torch.Tensor, weight: HalfPanels, *, threads: int | None = None,
-                portable: bool = False) -> torch.Tensor:
+                portable: bool = False, isa: str | None = None) -> torch.Tensor:
     """x [M, in] float32 @ W^T -> float32 [M, out], for `weight` = pack_half(W); `portable` runs
-    the plain C path (for the tests)."""
+    the plain C path, `isa` one of nanoserve.native.ISAS that runs here (for the tests)."""
     functions = _require()
     n, k = weight.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
@@ -221,8 +230,21 @@ def matmul_half(x: torch.Tensor, weight: HalfPanels, *, threads: int | None = No
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0] == 0 or n == 0:
         return y
+    if isa is not None:
+        _run_on_isa(functions, isa, weight.format.ggml_type, x, weight.blocks, y, threads)
+        return y
     function = functions.half_portable if portable else functions.half
     status = function(weight.format.ggml_type, x.data_ptr(), weight.blocks.data_ptr(), y.data_ptr(),
                       x.shape[0], n, k, native.thread_count(threads))
     native.raise_for_status(status, "float panels matmul", f"{weight.format.name} {weight.shape}", n)
     return y
+
+
+def _run_on_isa(functions: _Functions, isa: str, ggml_type: int, x: torch.Tensor, panels: torch.Tensor,
+                y: torch.Tensor, threads: int | None) -> None:
+    """y = x @ W^T on ISA `isa`, float32 x and y (operands checked by the caller)."""
+    if isa not in native.ISAS:
+        raise ValueError(f"isa: {isa!r} is not one of {', '.join(native.ISAS)}")
+    if functions.on_isa(native.ISAS.index(isa), ggml_type, x.data_ptr(), panels.data_ptr(), y.data_ptr(),
+                        x.shape[0], y.shape[1], x.shape[1], native.thread_count(threads)) != 0:
+        raise ValueError(f"isa: {isa} does not run here")

@@ -27,7 +27,8 @@
  * portable path equals the AVX2 path bit for bit where fmaf is a real fused instruction
  * (FP_FAST_FMAF), which the tests check.
  *
- * Blocking: threads take contiguous ranges of panels (output columns, never K). For each panel
+ * Blocking: threads take contiguous ranges of panels (output columns, never K). The rows go in
+ * macro-blocks whose activations fit a core's L2 (MACRO_ROW_BYTES); within one, for each panel
  * (two at a time for blocks of up to 3 rows, to keep enough independent FMA chains in flight)
  * the rows go through in blocks of at most 6, all while the panel sits in L1/L2, so a weight
  * byte comes from memory once per call whatever the row count. A 6-row x 16-column tile keeps
@@ -37,13 +38,17 @@
  * independent chains, enough that a core consumes its panels faster than its share of the
  * memory bus delivers them (results/README.md has the rates), so the stream sets the pace.
  * bfloat16 activations are widened to a float32 copy once per call (M x K floats, small beside
- * the weights).
+ * the weights). Where the CPU runs AVX-512 (and ns_isa_best() allows it), blocks of 4 or more
+ * rows of float32 output go through arch/x86/float_tiles_avx512.c's 12-row x 2-panel tile
+ * instead, with the same chain per output; a thread's odd panel out and the tail stay here.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "gemm/float_tiles.h"
 #include "nanoserve.h"
+#include "runtime/isa.h"
 #include "stages/stages.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -51,7 +56,7 @@
 #define NS_FLOAT_AVX2 1
 #endif
 
-enum { PANEL = 16, ROW_BLOCK = 6 };
+enum { PANEL = NS_FLOAT_PANEL, ROW_BLOCK = 6 };
 /* The weight's element type: its GGML type number (stages.h's NS_*_PANELS) */
 enum { F32 = NS_F32_PANELS, F16 = NS_F16_PANELS, BF16 = NS_BF16_PANELS };
 /* The kinds of call (header): a weight type, and whether x and y are bfloat16 */
@@ -237,17 +242,35 @@ static const TileFn TILES_2[CALLS][3] = {TWO_PANELS(CALL_F32), TWO_PANELS(CALL_B
 
 /* ---- the loop over a thread's panels and the call's row blocks */
 
-static void run_panels(const Problem *p, int64_t first, int64_t last, int use_isa) {
+/* Rows of activations a thread keeps in its L2 while its panels pass over them. A panel stays in
+ * L1/L2 across a block of rows, but a prompt-sized call (an image's tiles: thousands of rows)
+ * has far more activation bytes than the caches hold, and walking every row under each panel
+ * would read them all from memory once per panel; macro-blocks of rows bound that to once per
+ * call, at the price of reading the thread's panels once per macro-block (from L3, a fraction
+ * of the arithmetic's time even at K = 3072). A multiple of both tiles' heights. */
+enum { MACRO_ROW_BYTES = 384 * 1024, MACRO_ROW_MULTIPLE = 12 };
+/* The AVX-512 pair tile runs row blocks of at least this many rows: below it its two chains a
+ * row leave the FMA units waiting on latency, where the AVX2 tiles keep four. */
+enum { WIDE_MIN_ROWS = 4 };
+
+static int64_t macro_rows(int64_t k) {
+    const int64_t rows = MACRO_ROW_BYTES / (k * (int64_t)sizeof(float)) / MACRO_ROW_MULTIPLE * MACRO_ROW_MULTIPLE;
+    return rows > MACRO_ROW_MULTIPLE ? rows : MACRO_ROW_MULTIPLE;
+}
+
+/* Panels [first, last) against rows [start, start + m): the AVX2 tiles (`vector`), else the
+ * portable rows. */
+static void narrow_panels(const Problem *p, int64_t start, int64_t m, int64_t first, int64_t last, int vector) {
     const int64_t full = p->n / PANEL;
-    const int64_t blocks = (p->m + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
     for (int64_t panel = first; panel < last;) {
         const int pair = panel + 1 < last && panel + 1 < full;
         const int np = pair ? 2 : 1;
         for (int64_t b = 0; b < blocks; b++) {
             /* blocks as even as possible (16 rows: 6 5 5), so no block is a slow sliver */
-            const int64_t row0 = b * p->m / blocks, rows = (b + 1) * p->m / blocks - row0;
+            const int64_t row0 = start + b * m / blocks, rows = start + (b + 1) * m / blocks - row0;
 #ifdef NS_FLOAT_AVX2
-            if (use_isa && panel < full) {
+            if (vector && panel < full) {
                 if (pair && rows <= 3) {
                     TILES_2[p->call][rows - 1](p, row0, panel);
                 } else {
@@ -256,7 +279,7 @@ static void run_panels(const Problem *p, int64_t first, int64_t last, int use_is
                 continue;
             }
 #endif
-            (void)use_isa;
+            (void)vector;
             for (int q = 0; q < np; q++)
                 for (int64_t r = row0; r < row0 + rows; r++) row_panel_portable(p, r, panel + q);
         }
@@ -264,25 +287,57 @@ static void run_panels(const Problem *p, int64_t first, int64_t last, int use_is
     }
 }
 
+/* The pairs of full panels from `first` against rows [start, start + m) on the AVX-512 tile;
+ * returns the first panel it left (an odd one out, or the tail) for the narrow tiles. */
+static int64_t wide_panels(const Problem *p, ns_float_pair_tile tile, int64_t start, int64_t m, int64_t first,
+                           int64_t last) {
+    const int64_t full = p->n / PANEL;
+    const int64_t blocks = (m + NS_FLOAT_PAIR_ROWS - 1) / NS_FLOAT_PAIR_ROWS;
+    const size_t element = weight_type(p->call) == F32 ? sizeof(float) : sizeof(uint16_t);
+    int64_t panel = first;
+    for (; panel + 1 < last && panel + 1 < full; panel += 2) {
+        const char *panels = (const char *)p->w + (size_t)(panel * PANEL * p->k) * element;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t row0 = start + b * m / blocks, rows = start + (b + 1) * m / blocks - row0;
+            tile((int)rows, p->x + row0 * p->k, p->k, panels, (float *)p->y + row0 * p->y_stride + panel * PANEL,
+                 p->y_stride);
+        }
+    }
+    return panel;
+}
+
+/* A thread's panels [first, last) on ISA `isa` (isa.h; NS_ISA_PORTABLE: the plain C rows). */
+static void run_panels(const Problem *p, int64_t first, int64_t last, int isa) {
+    const int64_t macro = macro_rows(p->k);
+    const ns_float_pair_tile wide = isa >= NS_ISA_AVX512 && p->call != CALL_BF16
+                                        ? ns_float_pair_tile_avx512(weight_type(p->call))
+                                        : NULL;
+    for (int64_t start = 0; start < p->m; start += macro) {
+        const int64_t m = p->m - start < macro ? p->m - start : macro;
+        const int64_t rest = wide && m >= WIDE_MIN_ROWS ? wide_panels(p, wide, start, m, first, last) : first;
+        narrow_panels(p, start, m, rest, last, isa != NS_ISA_PORTABLE);
+    }
+}
+
 typedef struct {
     const Problem *p;
     int64_t panels;
-    int use_isa;
+    int isa;
 } PanelJob;
 
 static void panels_task(void *context, int thread, int threads) {
     const PanelJob *job = context;
     int64_t begin, end;
     ns_share(job->panels, thread, threads, &begin, &end);
-    run_panels(job->p, begin, end, job->use_isa);
+    run_panels(job->p, begin, end, job->isa);
 }
 
-static void run(const Problem *p, int num_threads, int use_isa) {
+static void run(const Problem *p, int num_threads, int isa) {
     const int64_t panels = (p->n + PANEL - 1) / PANEL;
     const int64_t worth = p->m * p->n * p->k / MIN_MACS_PER_THREAD;
     if (num_threads > panels) num_threads = (int)panels;
     if (num_threads > worth) num_threads = worth > 1 ? (int)worth : 1;
-    PanelJob job = {p, panels, use_isa};
+    PanelJob job = {p, panels, isa};
     ns_parallel(num_threads, panels_task, &job);
 }
 
@@ -297,7 +352,7 @@ void ns_stage_panels(int fmt, const float *x, const void *w, float *y, int64_t y
     const Problem p = {x, w, y, m, n, k, y_stride, float32_call(fmt)};
     int64_t begin, end;
     ns_share((n + PANEL - 1) / PANEL, thread, threads, &begin, &end);
-    run_panels(&p, begin, end, 1);
+    run_panels(&p, begin, end, ns_isa_best());
 }
 
 void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k, int thread,
@@ -306,20 +361,20 @@ void ns_stage_float(const float *x, const float *w, float *y, int64_t m, int64_t
 }
 
 static int matmul_float32(int fmt, const float *x, const void *w, float *y, int64_t m, int64_t n, int64_t k,
-                          int num_threads, int use_isa) {
+                          int num_threads, int isa) {
     const Problem p = {x, w, y, m, n, k, n, float32_call(fmt)};
     if (p.call < 0) return -1;
-    run(&p, num_threads, use_isa);
+    run(&p, num_threads, isa);
     return 0;
 }
 
 static int matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n,
-                       int64_t k, int num_threads, int use_isa) {
+                       int64_t k, int num_threads, int isa) {
     float *wide = malloc((size_t)(m * k) * sizeof *wide);
     if (wide == NULL) return 1;
     for (int64_t i = 0; i < m * k; i++) wide[i] = bf16_to_f32(x[i]);
     const Problem p = {wide, w, y, m, n, k, n, CALL_BF16};
-    run(&p, num_threads, use_isa);
+    run(&p, num_threads, isa);
     free(wide);
     return 0;
 }
@@ -328,34 +383,53 @@ static int matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_
  * `*_portable` skip the ISA path (for the tests that hold one against the other). */
 NS_EXPORT int ns_matmul_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
                             int num_threads) {
-    return matmul_float32(F32, x, w, y, m, n, k, num_threads, 1);
+    return matmul_float32(F32, x, w, y, m, n, k, num_threads, ns_isa_best());
 }
 
 NS_EXPORT int ns_matmul_f32_portable(const float *x, const float *w, float *y, int64_t m, int64_t n,
                                      int64_t k, int num_threads) {
-    return matmul_float32(F32, x, w, y, m, n, k, num_threads, 0);
+    return matmul_float32(F32, x, w, y, m, n, k, num_threads, NS_ISA_PORTABLE);
 }
 
 NS_EXPORT int ns_matmul_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m, int64_t n,
                              int64_t k, int num_threads) {
-    return matmul_bf16(x, w, y, m, n, k, num_threads, 1);
+    return matmul_bf16(x, w, y, m, n, k, num_threads, ns_isa_best());
 }
 
 NS_EXPORT int ns_matmul_bf16_portable(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t m,
                                       int64_t n, int64_t k, int num_threads) {
-    return matmul_bf16(x, w, y, m, n, k, num_threads, 0);
+    return matmul_bf16(x, w, y, m, n, k, num_threads, NS_ISA_PORTABLE);
 }
 
 /* A GGUF file's F16 or BF16 matrix (`fmt`: its GGML type) in panels, float32 x and y; -1 for
  * another type. */
 NS_EXPORT int ns_matmul_half_panels(int fmt, const float *x, const uint16_t *w, float *y, int64_t m, int64_t n,
                                     int64_t k, int num_threads) {
-    return fmt == F32 ? -1 : matmul_float32(fmt, x, w, y, m, n, k, num_threads, 1);
+    return fmt == F32 ? -1 : matmul_float32(fmt, x, w, y, m, n, k, num_threads, ns_isa_best());
 }
 
 NS_EXPORT int ns_matmul_half_panels_portable(int fmt, const float *x, const uint16_t *w, float *y, int64_t m,
                                              int64_t n, int64_t k, int num_threads) {
-    return fmt == F32 ? -1 : matmul_float32(fmt, x, w, y, m, n, k, num_threads, 0);
+    return fmt == F32 ? -1 : matmul_float32(fmt, x, w, y, m, n, k, num_threads, NS_ISA_PORTABLE);
+}
+
+/* Float32 activations against float32 (`fmt` 0) or a GGUF file's F16 / BF16 panels on ISA `isa`
+ * (isa.h), for the tests that hold every ISA this CPU runs against the portable path: -1 where
+ * `isa` does not run here or `fmt` has no panels. */
+NS_EXPORT int ns_matmul_float_isa(int isa, int fmt, const float *x, const void *w, float *y, int64_t m, int64_t n,
+                                  int64_t k, int num_threads) {
+    return ns_isa_runs(isa) ? matmul_float32(fmt, x, w, y, m, n, k, num_threads, isa) : -1;
+}
+
+/* The ISA the float panels run on here (isa.h's level): AVX-512's pair tiles where
+ * ns_isa_best() allows them (prompt-sized calls; fewer than WIDE_MIN_ROWS rows run AVX2's). */
+NS_EXPORT int ns_matmul_float_isa_chosen(void) {
+    if (ns_isa_best() >= NS_ISA_AVX512 && ns_float_pair_tile_avx512(F32)) return NS_ISA_AVX512;
+#ifdef NS_FLOAT_AVX2
+    return NS_ISA_AVX2;
+#else
+    return NS_ISA_PORTABLE;
+#endif
 }
 
 /* The panel width `pack` must use, and whether the portable chain is fused (then it equals the
