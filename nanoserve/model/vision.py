@@ -236,6 +236,14 @@ class ProjectedEncoder:
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # One tile a pass: a tile's activations (1,024 rows for SigLIP at 512 px) stay in the
+        # caches and in memory the allocator hands back, where an image's tiles at once (17 for
+        # SmolVLM at 2048 px) made every op write hundreds of MB of fresh pages. A tile's rows
+        # never depended on the other tiles (attention is within a tile), so the bits are the same.
+        return torch.cat([self._encode_tiles(pixel_values[index:index + 1])
+                          for index in range(pixel_values.shape[0])])
+
+    def _encode_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
         features = self.tower(pixel_values.to(self.weights.positions.dtype))
         if self.config.drop_class_token:
             features = features[:, 1:]
