@@ -70,7 +70,8 @@ def _bind(lib: ctypes.CDLL) -> _Functions:
     for name in ("ns_matmul_half_panels", "ns_matmul_half_panels_portable"):
         function = getattr(lib, name)
         function.argtypes, function.restype = [ctypes.c_int, *arguments], ctypes.c_int
-    lib.ns_matmul_float_isa.argtypes, lib.ns_matmul_float_isa.restype = [ctypes.c_int] * 2 + arguments, ctypes.c_int
+    lib.ns_matmul_float_isa.argtypes = [ctypes.c_int, ctypes.c_int, *arguments]
+    lib.ns_matmul_float_isa.restype = ctypes.c_int
     lib.ns_matmul_float_panel.restype = lib.ns_matmul_float_portable_fused.restype = ctypes.c_int
     if lib.ns_matmul_float_panel() != PANEL:
         raise NativeUnavailableError(f"the library packs {lib.ns_matmul_float_panel()} columns, not {PANEL}")
