@@ -83,3 +83,23 @@ def test_gemm_kernel_passes_the_batch_invariance_self_test_across_its_threshold(
     shape = ProbeShape([layer], random_weight(format_name, 17, 96, seed=3))
     assert self_test(QUANTIZED_KERNELS["native-quant-gemm"], shape, max_rows=GEMM_MIN_ROWS + 2,
                      prefill_rows=70) == ""
+
+
+def test_the_gemm_kernel_is_a_candidate_exactly_where_no_wider_tile_outruns_it():
+    """On the ISAs of GEMM_OUTRUN_ON the kernel choice leaves it out, saying why; elsewhere it is
+    timed beside the x8 tiles. Forcing it where it is left out is refused naming the reason."""
+    from nanoserve.model.linear import GEMM_OUTRUN_ON, KernelUnavailableError, choose_kernel, left_out
+
+    cpu = torch.device("cpu")
+    outrun = native.library().tiles_isa in GEMM_OUTRUN_ON
+    assert ("native-quant-gemm" in left_out(cpu)) == outrun
+    shape = ProbeShape([[random_weight("q4_1", 16, 64)]], random_weight("q8_0", 16, 64))
+    if outrun:
+        reason = f"native-quant-gemm.*tiles on {native.library().tiles_isa}"
+        with pytest.raises(KernelUnavailableError, match=reason):
+            choose_kernel(shape, device=cpu, max_rows=2, prefill_rows=16, batch_invariant=True,
+                          forced="native-quant-gemm")
+    else:
+        choice = choose_kernel(shape, device=cpu, max_rows=2, prefill_rows=16, batch_invariant=True,
+                               forced="native-quant-gemm")
+        assert choice.kernel.name == "native-quant-gemm"

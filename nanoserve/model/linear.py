@@ -74,6 +74,11 @@ CACHE_VERSION = 8
 # Rows from which `native-quant-gemm` runs the prefill GEMM: the probe's 16- and 32-row calls
 # measure it against the x8 tiles, and the self-test crosses the threshold.
 GEMM_MIN_ROWS = 16
+# The block tiles' ISAs on which the x8 layouts' wide tiles beat the prefill GEMM (an AVX2 code) at
+# 1 to 512 rows (docs/performance.md: 1.5-2.6x on Q4_0, Q4_1 and Q8_0). There the kernel choice
+# cannot see the difference where the GEMM's layouts are only the head (a probe times the layers),
+# so `native-quant-gemm` is left out rather than timed.
+GEMM_OUTRUN_ON = ("avx512vnni",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,9 @@ def left_out(device: torch.device) -> dict[str, str]:
     if not native_matmul.available():
         status = native.status().removeprefix("native kernels: ")
         reasons["native"] = status.removesuffix("; running torch kernels")
+    if (library := native.library()) is not None and library.tiles_isa in GEMM_OUTRUN_ON:
+        reasons["native-quant-gemm"] = (f"the block tiles on {library.tiles_isa} run its layouts faster at "
+                                        f"every row count: it would run native-quant-x8's code")
     return reasons
 
 
@@ -253,7 +261,10 @@ def kernel_named(name: str) -> LinearKernel:
 
 
 def quantized_kernels_for(device: torch.device) -> list[LinearKernel]:
-    return list(QUANTIZED_KERNELS.values()) if device.type == "cpu" and native.library() else []
+    if device.type != "cpu" or not native.library():
+        return []
+    unusable = left_out(device)
+    return [k for k in QUANTIZED_KERNELS.values() if k.name not in unusable]
 
 
 def kernels_for(device: torch.device) -> list[LinearKernel]:
