@@ -16,7 +16,8 @@ has `.prompt`, `.prompt_token_ids` and `.outputs[i]` (`.text`, `.token_ids`, `.l
 vLLM's shape, a result's own `.text`, `.token_ids`, `.logprobs` and `.finish_reason` are its
 first output's. Differences: `.logprobs` is a list of `TokenLogprob` (id, logprob, top
 alternatives), not vLLM's dict per position, and so is `.prompt_logprobs` (None first, as
-vLLM; each entry's `rank` set); there is no `use_tqdm` (`progress`).
+vLLM; each entry's `rank` set; None too at an image's rows whose id lies outside the vocabulary,
+`.prompt_token_ids` holding that id there); there is no `use_tqdm` (`progress`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class Completion:
     prompt_token_ids: list[int]
     prompt: str | None = None  # the prompt text, when it was given as text
     outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput(0)])
-    # SamplingParams.prompt_logprobs: entry p scores prompt token p given those before it (0: None)
+    # SamplingParams.prompt_logprobs: entry p scores prompt token p given those before it (0: None;
+    # None too where token p is an image's placeholder outside the vocabulary)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property

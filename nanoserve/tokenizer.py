@@ -108,12 +108,20 @@ class Tokenizer:
 
         A chat goes through `encode_chat`, not here: its template places BOS itself.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return self.encode_pieces([text], add_bos=add_bos)[0]
+
+    def encode_pieces(self, pieces: Sequence[str], *, add_bos: bool | None = None) -> list[list[int]]:
+        """Token ids of each piece of a text cut where something that is not text goes (an image's
+        rows), each piece encoded alone, as a special token between two pieces would leave them
+        (and as llama.cpp's mtmd tokenizes the text around its media marker); the special tokens
+        `encode` adds to a whole text (`add_bos` as there) go around them all: BOS before the
+        first piece, EOS after the last."""
+        ids = [self.backend.encode(piece, add_special_tokens=False).ids for piece in pieces]
         wants_bos = self.add_bos_token if add_bos is None else add_bos
         if wants_bos and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
+            ids[0].insert(0, self.bos_token_id)
         if add_bos is None and self.add_eos_token and self.eos_token_id is not None:
-            ids.append(self.eos_token_id)
+            ids[-1].append(self.eos_token_id)
         return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True,

@@ -398,6 +398,16 @@ def test_sentencepiece_bos_is_added_by_default(sentencepiece_model, tmp_path):
     assert ours.eos_token_id == sp.eos_id()
 
 
+def test_sentencepiece_pieces_around_an_image_are_each_what_sentencepiece_makes_of_them_alone(
+        sentencepiece_model, tmp_path):
+    """llama.cpp's mtmd tokenizes the text on each side of an image alone (a dummy prefix on
+    each, where the model puts one), BOS before the first piece only: a LLaVA text GGUF's prompt."""
+    _, sp, ours = _spm_tokenizer(sentencepiece_model, tmp_path)
+    pieces = ["USER: ", "\nWhat is in the picture? ASSISTANT:", ""]
+    assert ours.encode_pieces(pieces) == [[sp.bos_id(), *sp.encode(pieces[0])], sp.encode(pieces[1]), []]
+    assert ours.encode_pieces(pieces[:1]) == [ours.encode(pieces[0])]
+
+
 def test_gemma_stops_at_end_of_turn_though_the_file_names_only_eos(sentencepiece_model, tmp_path):
     family, sp, ours = _spm_tokenizer(sentencepiece_model, tmp_path)
     turn_end = {sp.piece_to_id("<end_of_turn>")} if family == "gemma" else set()

@@ -251,3 +251,32 @@ def test_a_llava_gguf_and_mmproj_pair_answers_an_openai_data_url_image_as_its_fo
                                                temperature=0.0)
     assert completion.outputs[0].text and reply.choices[0].message.content == completion.outputs[0].text
     assert reply.usage.prompt_tokens == len(completion.prompt_token_ids)
+
+
+def test_a_llava_text_gguf_without_the_image_token_answers_a_data_url_image_as_its_folder(tmp_path_factory):
+    """llava-v1.5-7b's case: the text GGUF's vocabulary lacks `<image>` (the folder's has it). The
+    server splits the chat's text at the image, places the rows under an id outside the
+    vocabulary, and answers as the folder does offline; prompt_logprobs (vLLM's field) are null
+    at the image's rows, where there is no token to score."""
+    from tests.tiny_vlm import write_text_gguf, write_tiny_llava, write_tiny_llava_mmproj
+
+    llava_dir = write_tiny_llava(tmp_path_factory.mktemp("llava-server-base"), shortest_edge=28,
+                                 pad_to_square=True, llama_cpp_f16=True, seed=7)
+    out = tmp_path_factory.mktemp("llava-server-base-gguf")
+    text = write_text_gguf(llava_dir, out, without_token="<image>")
+    mmproj = write_tiny_llava_mmproj(llava_dir, out / "mmproj.gguf")
+    llm = LLM(str(llava_dir), dtype="float32", device="cpu", num_kv_blocks=96)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION + "<image>"}])
+    (completion,) = llm.generate({"prompt": prompt, "multi_modal_data": {"image": PNG}},
+                                 SamplingParams(max_tokens=8, temperature=0.0))
+    image_rows = completion.prompt_token_ids.count(llm.tokenizer.backend.token_to_id("<image>"))
+    limits = ServerLimits(max_body_bytes=4 << 20, media=MediaPolicy(frozenset()))
+    with (serving(lambda: tiny_engine(text, mmproj=str(mmproj), dtype="float32"), limits=limits) as server,
+          openai_client(server) as client):
+        reply = client.chat.completions.create(model=MODEL, messages=chat_parts(data_url(PNG)), max_tokens=8,
+                                               temperature=0.0, extra_body={"prompt_logprobs": 1})
+    assert completion.outputs[0].text and reply.choices[0].message.content == completion.outputs[0].text
+    assert reply.usage.prompt_tokens == len(completion.prompt_token_ids)
+    scored = reply.model_extra["prompt_logprobs"]
+    assert len(scored) == len(completion.prompt_token_ids) and image_rows > 0
+    assert [entry is None for entry in scored].count(True) == 1 + image_rows

@@ -338,9 +338,12 @@ _TEXT_PREFIXES = (("model.text_model.", "model."), ("language_model.model.", "mo
                   ("lm_head.", "lm_head."))
 
 
-def write_text_gguf(vlm_dir: Path, out_dir: Path) -> Path:
+def write_text_gguf(vlm_dir: Path, out_dir: Path, *, without_token: str | None = None) -> Path:
     """The folder's text model as llama.cpp's converter writes it (tiny_model.write_tiny_gguf of
-    a Llama folder with its tensors and tokenizer): `out_dir`/text.gguf, float32."""
+    a Llama folder with its tensors and tokenizer): `out_dir`/text.gguf, float32.
+    `without_token`: the base model's vocabulary, which lacks that token (the folder's last, as
+    llava-hf's `<image>` is 32000 after Llama's 32,000): the token gone, and with it its row of
+    the embedding and output matrices (llava-v1.5-7b's GGUFs: no `<image>`)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -355,6 +358,11 @@ def write_text_gguf(vlm_dir: Path, out_dir: Path) -> Path:
         shutil.copy(vlm_dir / name, llama_dir / name)
     # A GGUF lists every token, added ones too (the converter's vocabulary is the whole of it).
     tokenizer = json.loads((vlm_dir / "tokenizer.json").read_text())
+    if without_token is not None:
+        (dropped,) = [added for added in tokenizer["added_tokens"] if added["content"] == without_token]
+        assert dropped["id"] == text["vocab_size"] - 1, "only the last id leaves the others' ids as they are"
+        tokenizer["added_tokens"].remove(dropped)
+        text = text | {"vocab_size": text["vocab_size"] - 1}
     tokenizer["model"]["vocab"] |= {added["content"]: added["id"] for added in tokenizer["added_tokens"]}
     (llama_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -369,7 +377,8 @@ def write_text_gguf(vlm_dir: Path, out_dir: Path) -> Path:
     for name, tensor in load_file(str(vlm_dir / "model.safetensors")).items():
         for old, new in _TEXT_PREFIXES:
             if name.startswith(old):
-                renamed[new + name[len(old):]] = tensor
+                by_token = new + name[len(old):] in ("model.embed_tokens.weight", "lm_head.weight")
+                renamed[new + name[len(old):]] = tensor[:text["vocab_size"]] if by_token else tensor
                 break
     save_file(renamed, str(llama_dir / "model.safetensors"))
     return write_tiny_gguf(out_dir / "text.gguf", llama_dir)

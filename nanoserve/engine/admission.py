@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -88,18 +88,32 @@ class InputProcessor:
     def max_request_tokens(self) -> int:
         return request_token_limit(self.max_model_len, self.num_blocks, self.block_size)
 
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[int], placed: Sequence[ImageInput] = ()) -> list[int]:
+        """The prompt's token ids: a text's encoded, or token ids checked against the vocabulary
+        (but at the positions of `placed` images' rows, whose image token id may lie outside it:
+        `engine.images` checks those)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
-                    param="prompt")
+            ids = self.checked_ids(prompt, {p for image in placed for p in image.positions})
         if not ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", param="prompt")
+        return ids
+
+    def encode_pieces(self, pieces: list[str], add_bos: bool | None = None) -> list[list[int]]:
+        """The token ids of each piece of a prompt's text (`Tokenizer.encode_pieces`), checked."""
+        return [self.checked_ids(ids) for ids in self.tokenizer.encode_pieces(pieces, add_bos=add_bos)]
+
+    def checked_ids(self, token_ids: Sequence[int], exempt: Collection[int] = ()) -> list[int]:
+        """`token_ids` as a list, refused unless each (but those at the `exempt` positions) is an
+        integer in the vocabulary."""
+        ids = list(token_ids)
+        bad = [t for i, t in enumerate(ids)
+               if not isinstance(t, int) or not (0 <= t < self.vocab_size or i in exempt)]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}",
+                param="prompt")
         return ids
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -162,10 +176,10 @@ class InputProcessor:
         if self.tensor_parallel:
             raise InvalidRequestError("images are not supported with tensor parallelism yet", param="images")
         if placed:  # `prompt` holds their placeholders
-            prompt_ids = self.encode_prompt(prompt)
+            prompt_ids = self.encode_prompt(prompt, images)
             self.images.check_placed(prompt_ids, images)
             return prompt_ids, list(images)
-        return self.images.prompt(prompt, images, self.encode_prompt, params.truncate_prompt)
+        return self.images.prompt(prompt, images, self.encode_pieces, params.truncate_prompt)
 
     def _resolved_pooling(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's pooling, checked, with this engine's method where it names

@@ -182,12 +182,14 @@ class Engine:
                                     device_type=self.device.type),
             self.pool, cold=self.prefix_store,
         )
-        # A vision-language model's image side (None: text only).
+        # A vision-language model's image side (None: text only). An image token the vocabulary
+        # lacks takes the first id that neither the model nor the tokenizer holds.
         self.images = EngineImages.load(self.model_dir, config.image_limits, dtype=self.dtype,
                                         device=self.device, kernel=self.kernel_choice.kernel,
                                         threads=self.threads,
                                         mmproj=Path(config.mmproj) if config.mmproj else None,
-                                        token_id=self.tokenizer.backend.token_to_id)
+                                        token_id=self.tokenizer.backend.token_to_id,
+                                        id_outside_vocab=max(self.vocab_size, self.tokenizer.vocab_size))
         self._check_image_fits_a_step()
         self.runner = ModelRunner(executor.runner_model, self.kv_cache,
                                   eos_token_ids=self.tokenizer.eos_token_ids, device=self.device,
@@ -311,7 +313,8 @@ class Engine:
     def _drafter(self) -> Drafter | None:
         if not self.spec.enabled:
             return None
-        proposer = DraftModelProposer(self.draft) if self.draft is not None else NgramProposer()
+        proposer = (DraftModelProposer(self.draft) if self.draft is not None
+                    else NgramProposer(vocab_size=self.vocab_size))
         return Drafter(self.spec, proposer)
 
     def _resolve_draft_model(self) -> ModelSource:

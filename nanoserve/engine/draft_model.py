@@ -71,6 +71,10 @@ class DraftModel:
         self.pool = pool
         self.sequences: dict[str, DraftSequence] = {}
 
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.config.vocab_size
+
     def propose(self, requests: list[Request], k: int) -> DeviceDrafts | None:
         """`k` greedy drafts for each request, on the device (none for a request the draft pool
         has no room for: drafts never wait or preempt); no readback."""

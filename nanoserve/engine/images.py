@@ -3,7 +3,11 @@
 
 Owns: `EngineImages` (the model's processor, its encoder and `ImageEmbeddingCache`): decoding
 under the engine's `ImageLimits`, expanding the prompt's placeholders, placing each image's rows,
-and encoding on demand (a prefill chunk's first need). An image is encoded alone (never batched
+and encoding on demand (a prefill chunk's first need). Where the text model's vocabulary lacks the
+image token (a LLaVA text GGUF's 32,000 Llama tokens), the image rows take an id outside the
+vocabulary, never sampled and never embedded (the model looks up id 0 there, then splices the
+image's rows over it), and the prompt's text is encoded piece by piece around its placeholders,
+as llama.cpp's mtmd encodes it. An image is encoded alone (never batched
 with another request's), so its rows have the same bits in a crowd as alone; a preempted
 request's recompute reads the rows its image kept, and another request sending the same image
 those the cache kept.
@@ -28,7 +32,14 @@ from nanoserve.model.linear import LinearKernel, float_kernel_beside
 from nanoserve.model.vision import ImageEncoder
 from nanoserve.model.vision_config import QWEN_FAMILIES
 from nanoserve.multimodal.images import decode_image, to_rgb
-from nanoserve.multimodal.inputs import ImageInput, check_runs, expand_placeholders, place_images
+from nanoserve.multimodal.inputs import (
+    ImageInput,
+    check_runs,
+    expand_placeholders,
+    place_images,
+    splice_placeholder_ids,
+    split_at_placeholders,
+)
 from nanoserve.multimodal.limits import ImageLimits
 from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, ProcessedImage, load_processor
 
@@ -37,6 +48,9 @@ from nanoserve.multimodal.processors import PROCESSORS, ImageProcessor, Processe
 IMAGE_CACHE_BYTES = 256 << 20
 
 ImageData = bytes | Image.Image
+# The token ids of each piece of a prompt's text, the prompt's special tokens around them all
+# (`Tokenizer.encode_pieces`), checked.
+PieceEncoder = Callable[[list[str]], list[list[int]]]
 
 
 class ImageEmbeddingCache:
@@ -66,24 +80,30 @@ class ImageEmbeddingCache:
 
 class EngineImages:
     def __init__(self, processor: ImageProcessor, encoder: ImageEncoder, limits: ImageLimits,
-                 device: torch.device) -> None:
+                 device: torch.device, placeholder_outside_vocab: bool = False) -> None:
+        """`placeholder_outside_vocab`: the image token id (the encoder config's) lies outside the
+        text model's vocabulary."""
         self.processor = processor
         self.encoder = encoder
         self.limits = limits
         self.device = device
+        self.placeholder_outside_vocab = placeholder_outside_vocab
         self.cache = ImageEmbeddingCache()
 
     @classmethod
     def load(cls, model_dir: Path, limits: ImageLimits, *, dtype: torch.dtype, device: torch.device,
              kernel: LinearKernel, threads: int | None = None, mmproj: Path | None = None,
-             token_id: Callable[[str], int | None] | None = None) -> EngineImages | None:
+             token_id: Callable[[str], int | None] | None = None,
+             id_outside_vocab: int | None = None) -> EngineImages | None:
         """The image side of `model_dir`, or of the llama.cpp `mmproj` file beside a text model
-        (`token_id` then finds its placeholder token in the text model's vocabulary); None for a
-        text-only model. Its matrices run the text model's float kernel (beside a quantized one,
-        `float_kernel_beside`'s: the tower stays float), its native calls on `threads` threads."""
+        (`token_id` then finds its placeholder token in the text model's vocabulary; LLaVA's
+        images take `id_outside_vocab` where it has none); None for a text-only model. Its
+        matrices run the text model's float kernel (beside a quantized one, `float_kernel_beside`'s:
+        the tower stays float), its native calls on `threads` threads."""
         float_kernel = float_kernel_beside(kernel, dtype, device)
         if mmproj is not None:
-            return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, threads, token_id)
+            return cls._from_mmproj(mmproj, limits, dtype, device, float_kernel, threads, token_id,
+                                    id_outside_vocab)
         config = read_vision_config(model_dir)
         if config is None:
             return None
@@ -93,22 +113,31 @@ class EngineImages:
 
     @classmethod
     def _from_mmproj(cls, path: Path, limits: ImageLimits, dtype: torch.dtype, device: torch.device,
-                     kernel: LinearKernel, threads: int | None,
-                     token_id: Callable[[str], int | None] | None) -> EngineImages:
+                     kernel: LinearKernel, threads: int | None, token_id: Callable[[str], int | None] | None,
+                     id_outside_vocab: int | None) -> EngineImages:
         if not path.is_file():
             raise InvalidRequestError(f"mmproj: {path} is not a file", param="mmproj")
-        config, weights, fields = read_mmproj(path, token_id or (lambda _: None))
+        config, weights, fields = read_mmproj(path, token_id or (lambda _: None), id_outside_vocab)
         encoder = image_encoder(config, weights.to(dtype, device), kernel, threads)
-        return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device)
+        return cls(PROCESSORS[config.family].from_config(fields, config), encoder, limits, device,
+                   placeholder_outside_vocab=config.image_token_id == id_outside_vocab)
 
-    def prompt(self, text: str, images: Sequence[ImageData], encode: Callable[[str], list[int]],
+    def prompt(self, text: str, images: Sequence[ImageData], encode: PieceEncoder,
                truncate: Callable[[list[int]], list[int]],
                field: str = "images") -> tuple[list[int], list[ImageInput]]:
-        """The prompt's token ids, its placeholders expanded, and its images placed in them."""
+        """The prompt's token ids, its placeholders expanded (an image token outside the vocabulary:
+        the text around them encoded piece by piece, the image rows' ids between), and its images
+        placed in them."""
         self.limits.check_count(len(images), field)
         processed = [self._processed(image, f"{field}[{i}]") for i, image in enumerate(images)]
-        ids = truncate(encode(expand_placeholders(text, self.processor.placeholder, processed, field)))
         config = self.encoder.config
+        placeholder = self.processor.placeholder
+        if self.placeholder_outside_vocab:
+            pieces = encode(split_at_placeholders(text, placeholder, len(processed), field))
+            ids = splice_placeholder_ids(pieces, processed, config.image_token_id)
+        else:
+            (ids,) = encode([expand_placeholders(text, placeholder, processed, field)])
+        ids = truncate(ids)
         return ids, place_images(ids, processed, config.image_token_id, field, config.bidirectional)
 
     def check_placed(self, prompt_ids: Sequence[int], images: Sequence[ImageInput],

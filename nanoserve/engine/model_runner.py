@@ -60,14 +60,18 @@ class PromptRows:
     token_ids: list[int]
     num_top: int  # the most alternatives any of the step's requests asked for
 
-    def add(self, request: Request, start: int, stop: int) -> int:
-        """Rows for the chunk's positions in [start, stop) that have a next prompt token; how many."""
-        scored = range(start + 1, min(stop, len(request.prompt_ids) - 1) + 1)
+    def add(self, request: Request, start: int, stop: int, vocab_size: int) -> list[int]:
+        """Rows for the chunk's positions in [start, stop) whose next prompt token is in the
+        vocabulary: their offsets in the chunk. A token outside it (an image's placeholder) has no
+        logprob: its entry stays None, as the first token's does."""
+        prompt_ids = request.prompt_ids
+        scored = [p for p in range(start + 1, min(stop, len(prompt_ids) - 1) + 1)
+                  if prompt_ids[p] < vocab_size]
         self.request_ids += [request.request_id] * len(scored)
         self.positions += scored
-        self.token_ids += (request.prompt_ids[p] for p in scored)
+        self.token_ids += (prompt_ids[p] for p in scored)
         self.num_top = max(self.num_top, request.params.prompt_logprobs)
-        return len(scored)
+        return [p - 1 - start for p in scored]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +164,8 @@ class ModelRunner:
             if chunk.samples:  # the newest token's row, then one per draft
                 logits_rows += range(len(input_ids) - 1 - len(chunk.draft_ids), len(input_ids))
             if chunk.request.scores_prompt:
-                prompt_logits_rows += range(first_row, first_row + prompt_rows.add(chunk.request,
-                                                                                   chunk.start, stop))
+                prompt_logits_rows += (first_row + offset for offset in prompt_rows.add(
+                    chunk.request, chunk.start, stop, self.model.config.vocab_size))
             if chunk.request.pooling is not None:
                 rows = self._pooled_rows(chunk, first_row, len(input_ids))
                 pooling.append(PoolingSlice(chunk, len(hidden_rows), len(rows)))

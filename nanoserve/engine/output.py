@@ -260,7 +260,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache supplied
-    # prompt_logprobs, on a request's first output only: entry p scores prompt token p (0: None)
+    # prompt_logprobs, on a request's first output only: entry p scores prompt token p (0: None;
+    # None too where token p is an image's placeholder outside the vocabulary)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # an embedding request's pooled vector (its one output)
 

@@ -14,7 +14,10 @@ request could carry (`limit`), then makes them (`fill`):
 
 Refuses drafts for a request with a grammar (a draft row would need the grammar's state after
 the drafts before it), and, with a draft model, for one whose sampling reads its output's
-values (a penalty or bad word would read drafts the host has not seen).
+values (a penalty or bad word would read drafts the host has not seen) or whose prompt holds an
+image token outside the vocabulary (the draft model has no image rows to put there). A draft is
+a token the model could sample: prompt lookup ends its drafts before an id outside the
+vocabulary (an image's placeholder).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: drafts from the request's own earlier tokens."""
 
+    vocab_size: int  # the model's: an id past it (an image's placeholder) is never a draft
     lookups: dict[str, list[int]] = field(default_factory=dict)  # this step's, by request id
 
     def eligible(self, request: Request) -> bool:
@@ -57,8 +61,9 @@ class NgramProposer:
 
     def limit(self, request: Request, state: DraftState, k: int) -> int:
         lookup = state.propose(request.token_ids(state.num_indexed, request.num_tokens), k)
-        self.lookups[request.request_id] = lookup
-        return len(lookup)
+        outside = next((i for i, token in enumerate(lookup) if token >= self.vocab_size), len(lookup))
+        self.lookups[request.request_id] = lookup[:outside]
+        return outside
 
     def fill(self, chosen: dict[str, tuple[Request, int]]) -> None:
         for request_id, (request, k) in chosen.items():
@@ -79,7 +84,9 @@ class DraftModelProposer:
     model: DraftModel
 
     def eligible(self, request: Request) -> bool:
-        return request.grammar is None and not request.params.reads_output_values
+        return (request.grammar is None and not request.params.reads_output_values
+                and not any(request.prompt_ids[image.positions[0]] >= self.model.vocab_size
+                            for image in request.images))
 
     def limit(self, request: Request, state: DraftState, k: int) -> int:
         return k if state.ready() else 0

@@ -107,8 +107,9 @@ class Request:
     draft_state: DraftState | None = None
     grammar: RowGrammar | None = None  # the structured-output matcher of a constrained request
     # prompt_logprobs: entry p (an output.TokenLogprob) scores prompt token p; entry 0 stays None
-    # (nothing comes before it). Filled as prefill chunks compute them, handed out with the first
-    # output. Untyped here: output imports this module, not the other way round.
+    # (nothing comes before it), and so does an image's placeholder outside the vocabulary. Filled
+    # as prefill chunks compute them, handed out with the first output. Untyped here: output
+    # imports this module, not the other way round.
     prompt_logprobs: list | None = None
     adapter: Adapter | None = None  # the LoRA adapter it runs with; None: the base model
     # An embedding request (its method resolved by the engine): prefill only, then one pooled

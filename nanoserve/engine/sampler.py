@@ -316,14 +316,18 @@ def _edits(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | 
         frequency=frequency,
         presence=None if presence is None else presence.values,
         bias=_gather([(i, e.bias_cols, e.bias) for i, e in enumerate(kept)]),
-        dry=_gather([(i, *_dry_cells(e.dry, device)) for i, e in enumerate(kept) if e.dry is not None]),
+        dry=_gather([(i, *_dry_cells(e.dry, vocab_size, device)) for i, e in enumerate(kept)
+                     if e.dry is not None]),
     )
     return None if edits == LogitEdits(None, None, None, None) else edits
 
 
-def _dry_cells(dry: DryHistory, device: torch.device | str) -> tuple[Tensor, Tensor]:
+def _dry_cells(dry: DryHistory, vocab_size: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """DRY's penalties, less those of ids outside the vocabulary (an image's placeholder in the
+    prompt may follow a repeat; it is never sampled)."""
     tokens, penalties = dry.penalties()
-    return torch.from_numpy(tokens).to(device), torch.from_numpy(penalties).to(device)
+    sampled = tokens < vocab_size
+    return torch.from_numpy(tokens[sampled]).to(device), torch.from_numpy(penalties[sampled]).to(device)
 
 
 def _banned_cells(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Collection[int],

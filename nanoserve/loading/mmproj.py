@@ -4,7 +4,8 @@ Owns: reading an mmproj file's `clip.*` metadata into a `VisionConfig` and the p
 the family's processor reads (tile size, the longest edge images are first resized to, mean and
 std), and its `v.*` / `mm.*` tensors, under llama.cpp's names (gguf-py's tensor map), into the
 Hugging Face names `loading.vision` builds the encoder from, so one builder serves both paths;
-and each family's image token in the text model's vocabulary (`IMAGE_TOKENS`). Gemma 3's
+and each family's image token in the text model's vocabulary (`IMAGE_TOKENS`; LLaVA's images
+take an id outside a vocabulary that lacks it, `PLACEHOLDER_OUTSIDE_VOCAB`). Gemma 3's
 pooling is its `projector.scale_factor` (llama.cpp's default 4 where the file leaves it out),
 and its soft-token norm is stored as 1 + w (its converter adds the one).
 LLaVA-1.5 (`mlp`, as llama.cpp's convert_image_encoder_to_gguf.py writes it; the 2023 files say
@@ -27,7 +28,8 @@ where the file states none.
 Refuses: a projector type other than those listed in `PROJECTORS`, a file without a vision
 encoder, a LLaVA file with several feature layers (Granite's stack), LLaVA-NeXT's tiles
 (`image_grid_pinpoints`) or a SiLU tower, a Qwen file lacking a key or tensor it needs or with
-windows that split a merged patch, naming the file and the field.
+windows that split a merged patch, naming the file and the field; a vocabulary without the
+family's image token (but LLaVA's), naming the token.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ PROJECTORS = {"idefics3": "idefics3", "gemma3": "gemma3", "mlp": "llava", "qwen2
 # The token each family's image rows replace, as the text model's vocabulary spells it.
 IMAGE_TOKENS = {"idefics3": "<image>", "gemma3": "<image_soft_token>", "llava": "<image>",
                 "qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>"}
+# The families whose image rows take an id outside the vocabulary where it lacks their token:
+# LLaVA-1.5's text GGUFs keep Llama's 32,000 tokens (llama.cpp's llava surgery adds none), and
+# llama.cpp's mtmd splits the prompt at the marker's text instead of looking a token up. An image
+# of the others expands to text around its rows whose tokens the vocabulary must hold.
+PLACEHOLDER_OUTSIDE_VOCAB = frozenset({"llava"})
 # Each family's Hugging Face tower prefix and projector names (loading.vision's NAMES).
 _TOWERS = {"idefics3": "model.vision_model.", "gemma3": "vision_tower.", "llava": "vision_tower."}
 _PROJECTOR_NAMES = {
@@ -81,15 +88,18 @@ _CLASS_EMBEDDING = "v.class_embd"  # CLIP's class token: a bare vector, no `.wei
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
-def read_mmproj(path: Path, token_id: Callable[[str], int | None]
+def read_mmproj(path: Path, token_id: Callable[[str], int | None], id_outside_vocab: int | None = None
                 ) -> tuple[VisionConfig, VisionWeights | QwenVisionWeights, dict[str, Any]]:
     """The tower's config (`token_id`: the text model's vocabulary, where its family's image
-    token is looked up), its float32 weights, and the processor fields its metadata gives
+    token is looked up; a family of `PLACEHOLDER_OUTSIDE_VOCAB` takes `id_outside_vocab` where the
+    vocabulary lacks it), its float32 weights, and the processor fields its metadata gives
     (preprocessor_config.json's names)."""
     reader = GGUFReader(str(path))
     meta = {field.name: field.contents() for field in reader.fields.values()}
     family = _family(path, meta)
     image_token_id = token_id(IMAGE_TOKENS[family])
+    if image_token_id is None and family in PLACEHOLDER_OUTSIDE_VOCAB:
+        image_token_id = id_outside_vocab
     if image_token_id is None:
         raise UnsupportedModelError(f"the text model's vocabulary has no {IMAGE_TOKENS[family]} token for "
                                     f"{path.name}'s images")

@@ -201,10 +201,15 @@ class DecoderLM:
         last sublayer's output, not yet added into `hidden`).
         """
         step = self._step_context(batch, kv_cache)  # built once per step, used by every layer
+        input_ids = batch.input_ids
+        if batch.image_rows is not None:
+            # An image's rows are spliced over their tokens below: those read row 0 of the table,
+            # since their id may lie outside it (a vocabulary without the image token).
+            input_ids = input_ids.index_fill(0, batch.image_rows, 0)
         if self.tp is None:
-            hidden = embedding(batch.input_ids, self.weights.embed, threads=self.threads)
+            hidden = embedding(input_ids, self.weights.embed, threads=self.threads)
         else:
-            hidden = self.tp.embedding(batch.input_ids, self.weights.embed, threads=self.threads)
+            hidden = self.tp.embedding(input_ids, self.weights.embed, threads=self.threads)
         if self.embed_scale is not None:
             hidden *= self.embed_scale
         if batch.image_rows is not None:  # an image's rows stand in for its placeholder tokens

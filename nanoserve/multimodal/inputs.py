@@ -3,7 +3,9 @@ prompt positions its embedding rows fill. Nothing else about images reaches the 
 the runner or the model.
 
 Owns: `ImageInput`, `expand_placeholders` (each placeholder in a prompt's text replaced by its
-image's expansion, in order), `rope_positions` (M-RoPE's three positions of a prompt's tokens)
+image's expansion, in order), `splice_placeholder_ids` (the token ids of the text between the
+placeholders with each image's run of placeholder ids between them, where the vocabulary has no
+placeholder token), `rope_positions` (M-RoPE's three positions of a prompt's tokens)
 and `place_images` (each image's run of placeholder token
 positions in the token ids, marked bidirectional for a family whose image rows attend to each
 other both ways). Refuses: a prompt whose placeholders do not match its images one for one, and
@@ -61,16 +63,34 @@ def content_hash(processed: ProcessedImage) -> bytes:
     return hashlib.sha256(repr(pixels.shape).encode() + pixels.tobytes()).digest()
 
 
+def split_at_placeholders(text: str, placeholder: str, num_images: int, field: str) -> list[str]:
+    """The pieces of `text` around its placeholders, one placeholder per image."""
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != num_images:
+        raise InvalidRequestError(f"the prompt has {len(pieces) - 1} image placeholders ({placeholder}) for "
+                                  f"{num_images} images: give one per image", param=field)
+    return pieces
+
+
 def expand_placeholders(text: str, placeholder: str, images: Sequence[ProcessedImage], field: str) -> str:
     """`text` with its i-th `placeholder` replaced by image i's prompt text."""
-    pieces = text.split(placeholder)
-    if len(pieces) - 1 != len(images):
-        raise InvalidRequestError(f"the prompt has {len(pieces) - 1} image placeholders ({placeholder}) for "
-                                  f"{len(images)} images: give one per image", param=field)
+    pieces = split_at_placeholders(text, placeholder, len(images), field)
     expanded = [pieces[0]]
     for image, piece in zip(images, pieces[1:], strict=True):
         expanded += [image.prompt_text, piece]
     return "".join(expanded)
+
+
+def splice_placeholder_ids(piece_ids: Sequence[list[int]], images: Sequence[ProcessedImage],
+                           placeholder_id: int) -> list[int]:
+    """The token ids of the pieces of a prompt's text around its placeholders, with image i's rows
+    (`num_rows` of `placeholder_id`) between piece i and piece i + 1: llama.cpp's mtmd_tokenize,
+    for a family whose image expands to its rows alone (LLaVA's)."""
+    ids = list(piece_ids[0])
+    for image, piece in zip(images, piece_ids[1:], strict=True):
+        ids += [placeholder_id] * image.num_rows
+        ids += piece
+    return ids
 
 
 def place_images(prompt_ids: Sequence[int], images: Sequence[ProcessedImage], image_token_id: int,

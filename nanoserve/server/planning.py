@@ -294,8 +294,7 @@ def _image_chat_prompt(admission: InputProcessor, body: ChatCompletionRequest,
     with refusals_as_400(body, param="messages"):
         text = tokenizer.apply_chat_template(messages, tools=tools and tools.template_tools(),
                                              **body.template_flags())
-        ids, placed = side.prompt(text, images,
-                                  lambda t: admission.encode_prompt(tokenizer.encode(t, add_bos=add_bos)),
+        ids, placed = side.prompt(text, images, lambda pieces: admission.encode_pieces(pieces, add_bos),
                                   lambda ids: keep_last_tokens(ids, body.truncate_prompt_tokens),
                                   field="messages")
     return PlannedPrompt(ids, images=tuple(placed))

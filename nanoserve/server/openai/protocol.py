@@ -618,12 +618,16 @@ def echo_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprob | No
 def prompt_logprobs_body(entries: Sequence[TokenLogprob | None], num_top: int, names: TokenText) -> list:
     """vLLM's prompt_logprobs: per prompt position a map of token id (a string key, as JSON has
     it) to its logprob, rank and text, the prompt's own token first, then the top `num_top`;
-    null for the first position."""
+    null for the first position and for an image's rows where their id lies outside the
+    vocabulary (no token there to score)."""
     def record(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
         return {"logprob": clamp_logprob(logprob), "rank": rank, "decoded_token": names.text(token_id)}
 
     body: list[dict | None] = [None]
     for entry in entries[1:]:
+        if entry is None:
+            body.append(None)
+            continue
         ranked = {str(entry.token_id): record(entry.logprob, entry.rank, entry.token_id)}
         for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1):
             ranked.setdefault(str(token_id), record(logprob, rank, token_id))
