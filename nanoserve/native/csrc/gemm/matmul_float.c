@@ -253,6 +253,14 @@ enum { MACRO_ROW_BYTES = 384 * 1024, MACRO_ROW_MULTIPLE = 12 };
  * row leave the FMA units waiting on latency, where the AVX2 tiles keep four. */
 enum { WIDE_MIN_ROWS = 4 };
 
+/* Block b of `blocks` over rows [start, start + m), as even as possible (16 rows in 3 blocks:
+ * 6 5 5), so no block is a slow sliver: its first row, and its row count in *rows. */
+static inline int64_t row_block(int64_t start, int64_t m, int64_t blocks, int64_t b, int64_t *rows) {
+    const int64_t row0 = start + b * m / blocks;
+    *rows = start + (b + 1) * m / blocks - row0;
+    return row0;
+}
+
 static int64_t macro_rows(int64_t k) {
     const int64_t rows = MACRO_ROW_BYTES / (k * (int64_t)sizeof(float)) / MACRO_ROW_MULTIPLE * MACRO_ROW_MULTIPLE;
     return rows > MACRO_ROW_MULTIPLE ? rows : MACRO_ROW_MULTIPLE;
@@ -267,8 +275,8 @@ static void narrow_panels(const Problem *p, int64_t start, int64_t m, int64_t fi
         const int pair = panel + 1 < last && panel + 1 < full;
         const int np = pair ? 2 : 1;
         for (int64_t b = 0; b < blocks; b++) {
-            /* blocks as even as possible (16 rows: 6 5 5), so no block is a slow sliver */
-            const int64_t row0 = start + b * m / blocks, rows = start + (b + 1) * m / blocks - row0;
+            int64_t rows;
+            const int64_t row0 = row_block(start, m, blocks, b, &rows);
 #ifdef NS_FLOAT_AVX2
             if (vector && panel < full) {
                 if (pair && rows <= 3) {
@@ -298,7 +306,8 @@ static int64_t wide_panels(const Problem *p, ns_float_pair_tile tile, int64_t st
     for (; panel + 1 < last && panel + 1 < full; panel += 2) {
         const char *panels = (const char *)p->w + (size_t)(panel * PANEL * p->k) * element;
         for (int64_t b = 0; b < blocks; b++) {
-            const int64_t row0 = start + b * m / blocks, rows = start + (b + 1) * m / blocks - row0;
+            int64_t rows;
+            const int64_t row0 = row_block(start, m, blocks, b, &rows);
             tile((int)rows, p->x + row0 * p->k, p->k, panels, (float *)p->y + row0 * p->y_stride + panel * PANEL,
                  p->y_stride);
         }
@@ -306,12 +315,16 @@ static int64_t wide_panels(const Problem *p, ns_float_pair_tile tile, int64_t st
     return panel;
 }
 
+/* The AVX-512 pair tile a call of kind `call` runs on ISA `isa` (isa.h), or NULL: an ISA below
+ * AVX-512, a bfloat16-output call (its rounding lives in the AVX2 tiles), or no AVX-512 here. */
+static ns_float_pair_tile wide_tile(int isa, int call) {
+    return isa >= NS_ISA_AVX512 && call != CALL_BF16 ? ns_float_pair_tile_avx512(weight_type(call)) : NULL;
+}
+
 /* A thread's panels [first, last) on ISA `isa` (isa.h; NS_ISA_PORTABLE: the plain C rows). */
 static void run_panels(const Problem *p, int64_t first, int64_t last, int isa) {
     const int64_t macro = macro_rows(p->k);
-    const ns_float_pair_tile wide = isa >= NS_ISA_AVX512 && p->call != CALL_BF16
-                                        ? ns_float_pair_tile_avx512(weight_type(p->call))
-                                        : NULL;
+    const ns_float_pair_tile wide = wide_tile(isa, p->call);
     for (int64_t start = 0; start < p->m; start += macro) {
         const int64_t m = p->m - start < macro ? p->m - start : macro;
         const int64_t rest = wide && m >= WIDE_MIN_ROWS ? wide_panels(p, wide, start, m, first, last) : first;
@@ -424,7 +437,7 @@ NS_EXPORT int ns_matmul_float_isa(int isa, int fmt, const float *x, const void *
 /* The ISA the float panels run on here (isa.h's level): AVX-512's pair tiles where
  * ns_isa_best() allows them (prompt-sized calls; fewer than WIDE_MIN_ROWS rows run AVX2's). */
 NS_EXPORT int ns_matmul_float_isa_chosen(void) {
-    if (ns_isa_best() >= NS_ISA_AVX512 && ns_float_pair_tile_avx512(F32)) return NS_ISA_AVX512;
+    if (wide_tile(ns_isa_best(), CALL_F32)) return NS_ISA_AVX512;
 #ifdef NS_FLOAT_AVX2
     return NS_ISA_AVX2;
 #else
