@@ -179,7 +179,8 @@ def alice_holds_her_slot(base_url: str, app) -> Iterator[threading.Event]:
         return step()
 
     async_engine.engine.step = held_step
-    body = {"prompt": "Hi", "max_tokens": 4, "stream": True}
+    # ignore_eos: a sampled EOS would end her stream early and the token counts below would vary.
+    body = {"prompt": "Hi", "max_tokens": 4, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=bearer(ALICE),
                       timeout=30) as response:
         while async_engine.num_in_flight == 0:
@@ -191,24 +192,26 @@ def alice_holds_her_slot(base_url: str, app) -> Iterator[threading.Event]:
         for _ in response.iter_bytes():
             pass
 
+
 def test_a_tenant_over_its_limit_gets_429_while_another_is_served(tiny_model_dir, tmp_path) -> None:
+    one_token = {"prompt": "Hi", "max_tokens": 1, "ignore_eos": True}  # counts that cannot vary
     with serving(tiny_model_dir, two_tenants(tmp_path, max_concurrent=1)) as (base_url, app):
         with alice_holds_her_slot(base_url, app) as gate:
-            second = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+            second = httpx.post(f"{base_url}/v1/completions", json=one_token,
                                 headers=bearer(ALICE))
             assert second.status_code == 429, second.text
             assert second.headers["retry-after"] == "1"
             assert second.json()["error"]["code"] == "rate_limit_exceeded"
             during = samples(base_url)
             gate.set()
-            other = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+            other = httpx.post(f"{base_url}/v1/completions", json=one_token,
                                headers=bearer(BOB), timeout=30)
             assert other.status_code == 200, other.text
         deadline = time.monotonic() + 10
         while app.state.server.tenancy.in_flight["alice"]:
             assert time.monotonic() < deadline, "alice's stream never left the count"
             time.sleep(0.02)
-        again = httpx.post(f"{base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+        again = httpx.post(f"{base_url}/v1/completions", json=one_token,
                            headers=bearer(ALICE), timeout=30)
         assert again.status_code == 200, again.text
         after = samples(base_url)
