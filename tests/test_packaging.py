@@ -130,7 +130,7 @@ def test_the_core_modules_import_one_way_only():
 # A rank (worker/) and tensor parallelism (distributed/) never reach the request lifecycle
 # (engine/), the fronts (llm, server/, bench/) or each other's callers.
 FLOORS = (
-    ("nanoserve.openmp", "nanoserve.errors", "nanoserve.machine", "nanoserve.config",
+    ("nanoserve.openmp", "nanoserve.errors", "nanoserve.machine", "nanoserve.huge_pages", "nanoserve.config",
      "nanoserve.sampling_params", "nanoserve.pooling_params", "nanoserve.tokenizer", "nanoserve.quant",
      "nanoserve.multimodal.limits", "nanoserve.multimodal.images"),
     ("nanoserve.native",),

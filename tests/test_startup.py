@@ -13,7 +13,7 @@ from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
 
 PHASES = ["native kernels", "model files", "tokenizer", "weights", "kernel choice", "model", "KV cache",
-          "scheduler and runner"]
+          "huge pages", "scheduler and runner"]
 
 
 def test_the_start_up_line_names_every_phase_in_order_and_the_benchmark_reads_it_back(tiny_model_dir,

@@ -145,10 +145,13 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's K and V (and a q8_0 cache's scales)."""
+        return self.k + self.v + (self.k_scales or []) + (self.v_scales or [])
+
     @property
     def nbytes(self) -> int:
-        tensors = self.k + self.v + (self.k_scales or []) + (self.v_scales or [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer `layer`'s K and V scales in a q8_0 cache; (None, None) in any other."""

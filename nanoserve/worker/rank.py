@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve import huge_pages
 from nanoserve.config import EngineConfig, ModelConfig
 from nanoserve.distributed.collectives import Collectives
 from nanoserve.distributed.group import RankPlan
@@ -29,6 +30,7 @@ class Rank:
 
     model: DecoderLM
     kv_cache: KVCache
+    huge_page_bytes: int = 0  # of the packed weights, moved onto huge pages at build (huge_pages.py)
 
     @classmethod
     def build(cls, config: EngineConfig, model_config: ModelConfig, weights: LlamaWeights, plan: RankPlan, *,
@@ -49,4 +51,7 @@ class Rank:
                               tensor_parallel=collectives, kv_cache_dtype=cache_dtype, threads=threads)
         with timed("KV cache"):
             kv_cache = KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype)
-        return cls(model, kv_cache)
+        with timed("huge pages"):
+            on_huge_pages = huge_pages.advise(huge_pages.tensors_in(model.weights), collapse=True)
+            huge_pages.advise(kv_cache.tensors(), collapse=False)
+        return cls(model, kv_cache, on_huge_pages)

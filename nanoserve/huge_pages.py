@@ -1,0 +1,95 @@
+"""Transparent huge pages under the tensors every step streams: the packed weights and the KV
+cache.
+
+A one-slot decode step reads every weight once, and a long context's decode every K/V row of
+it: memory-bound streams. On 4 KiB pages each 2 MiB of such a stream is 512 TLB entries and page
+walks; on one 2 MiB page it is one (results/huge_pages.csv has what that does to a streaming
+matrix-vector product here). Linux leaves huge pages to a process that asks (THP "madvise", the
+common default), so:
+- the weights, written at load, are marked (MADV_HUGEPAGE) and moved onto huge pages now
+  (MADV_COLLAPSE, Linux 6.1+): a copy of each tensor's whole 2 MiB runs, once;
+- the KV cache, a lazy anonymous mapping (`kv_cache.zero_filled`), is only marked: each 2 MiB run
+  of it is backed by one huge page at its first write (so it still holds only what requests wrote,
+  to the nearest 2 MiB of each layer's K or V).
+Where the system refuses (another OS, THP "never", a kernel before 6.1, a file-backed mapping),
+pages stay as they were: the bits computed never depend on it, only the speed.
+NANOSERVE_HUGE_PAGES=0 leaves every page as the allocator made it (the A/B of
+`nanoserve.bench.experiments.huge_pages`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import os
+import sys
+from collections.abc import Iterable, Iterator
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return madvise
+
+
+def enabled() -> bool:
+    return os.environ.get("NANOSERVE_HUGE_PAGES", "1") != "0"
+
+
+def _huge_runs(t: torch.Tensor) -> tuple[int, int] | None:
+    """The whole 2 MiB runs inside `t`'s storage: (start address, bytes), or None."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:  # oneDNN's own buffers: no storage
+        return None
+    storage = t.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    return (first, last - first) if last > first else None
+
+
+def advise(tensors: Iterable[torch.Tensor], *, collapse: bool) -> int:
+    """Mark each tensor's whole 2 MiB runs for huge pages, and with `collapse` move the pages
+    already written onto them now. Returns the bytes marked (collapse: the bytes now on huge
+    pages); 0 where the system refuses."""
+    madvise = _madvise()
+    if madvise is None or not enabled():
+        return 0
+    done, seen = 0, set()
+    for t in tensors:
+        runs = _huge_runs(t)
+        if runs is None or runs[0] in seen:
+            continue
+        seen.add(runs[0])
+        if madvise(runs[0], runs[1], MADV_HUGEPAGE) != 0:
+            continue
+        if collapse and madvise(runs[0], runs[1], MADV_COLLAPSE) != 0:
+            continue
+        done += runs[1]
+    return done
+
+
+def tensors_in(value: object) -> Iterator[torch.Tensor]:
+    """Every tensor a weights object holds: through dataclass fields, lists and tuples (the
+    packed layouts of `nanoserve.model.linear` are all of these)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, f.name))
