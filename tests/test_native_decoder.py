@@ -37,7 +37,8 @@ def _model(format_name: str, fused: bool) -> DecoderLM:
 def _run(model: DecoderLM,
          adapters: dict[str, Adapter] | None = None) -> tuple[list[dict[str, torch.Tensor]], Cache]:
     cache, outputs = (Cache() if model.config is CONFIG else FamilyCache(model.config)), []
-    a, b = PROMPTS["a"], PROMPTS["b"]
+    vocab = model.config.vocab_size  # the family checkpoints' are smaller than the prompts' ids
+    a, b = ([t % vocab for t in PROMPTS[seq]] for seq in "ab")
     outputs.append(step(model, cache, [("a", a, 0)], adapters))
     # a decode beside a chunk
     outputs.append(step(model, cache, [("a", [5], len(a)), ("b", b[:40], 0)], adapters))
@@ -306,3 +307,53 @@ def test_a_stack_mixing_f16_panels_with_block_layouts_runs_in_one_call_with_the_
     separate_model = _mixed_model(tmp_path, mixed)
     separate_model.decoder = None
     assert_same_steps(_run(model), _run(separate_model))
+
+
+# The families whose switches the one-call decoder takes (tests/test_families.py's checkpoints):
+# Gemma 2's soft cap and window, Gemma 3's local RoPE and q/k norms, Qwen3's q/k norms, a window,
+# GELU's tanh form with one K/V head.
+ONE_CALL_FAMILIES = ["gemma2-softcap-window-5", "gemma3-local-rope-window-6", "qwen3-head-dim-32",
+                     "mistral-window-5", "llama-gelu-tanh-head-dim-24-one-kv-head"]
+
+
+def _family_models(name: str, tmp_path) -> tuple[DecoderLM, DecoderLM, object]:
+    """Two models of one family's checkpoint on the native float kernel (one to run in one call,
+    one for the separate calls), and the transformers model they were saved from."""
+    import families
+    from test_families import CASES
+
+    from nanoserve.loading.weights import load_weights
+
+    families.require_transformers()
+    case = next(c for c in CASES if c.name == name)
+    reference = families.write_checkpoint(case, tmp_path)
+    models = []
+    for _ in range(2):
+        config, weights = load_weights(tmp_path, dtype=torch.float32, device=torch.device("cpu"))
+        models.append(DecoderLM(config, weights, batch_invariant=True, linear_kernel=KERNELS["native"]))
+    return models[0], models[1], reference
+
+
+@pytest.mark.parametrize("name", ONE_CALL_FAMILIES)
+def test_a_familys_switches_run_in_one_call_with_the_bits_of_the_separate_calls(name, tmp_path):
+    model, separate, _ = _family_models(name, tmp_path)
+    assert model.decoder is not None and separate.decoder is not None
+    _assert_one_call_gives_the_separate_calls_bits(model, separate)
+
+
+@pytest.mark.parametrize("name", ONE_CALL_FAMILIES)
+def test_a_familys_one_call_logits_match_transformers(name, tmp_path):
+    import families
+
+    model, _, reference = _family_models(name, tmp_path)
+    assert model.decoder is not None
+    for prompt in ([5, 17, 33, 8, 91, 4, 60], [7, 150, 9, *range(100, 118)]):
+        expected = families.reference_logits(reference, prompt)
+        torch.testing.assert_close(families.prefill_logits(model, prompt), expected, atol=1e-4, rtol=0)
+        chunked = families.prefill_logits(model, prompt, chunk=4)
+        torch.testing.assert_close(chunked, expected, atol=1e-4, rtol=0)
+
+
+def test_a_family_the_stages_cannot_run_keeps_the_separate_calls(tmp_path):
+    model, _, _ = _family_models("qwen2", tmp_path)  # q, k and v biases
+    assert model.decoder is None

@@ -71,6 +71,32 @@ def test_silu_mul_matches_a_float64_reference(path, rows, width):
     close(kernels(path).silu_mul(gate_up), F.silu(gate) * up)
 
 
+@needs_native
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("rows", "width"), [(1, 2048), (3, 9), (16, 40)])
+def test_gelu_tanh_mul_matches_a_float64_reference(path, rows, width):
+    g = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(rows, 2 * width, generator=g) * 6
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    close(kernels(path).gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up)
+
+
+@needs_native
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 256), (4, 2, 16), (3, 3, 24)])
+def test_head_rms_norm_norms_each_q_and_k_head_in_place_and_leaves_v(path, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    q_weight, k_weight = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    before = qkv.clone()
+    kernels(path).head_rms_norm(qkv, q_weight, k_weight, heads, kv_heads, 1e-6)
+    q, k, v = before.view(5, -1, dim).split([heads, kv_heads, kv_heads], dim=1)
+    expected = torch.cat([reference_rms_norm(q, q_weight, 1e-6), reference_rms_norm(k, k_weight, 1e-6),
+                          v.double()], dim=1).view(5, -1)
+    close(qkv, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], before[:, (heads + kv_heads) * dim:])
+
+
 def rope_tables(positions, dim):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     freqs = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)

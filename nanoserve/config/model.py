@@ -89,6 +89,17 @@ class ModelConfig:
         return self.is_llama_stack and not self.experts
 
     @property
+    def runs_in_one_call(self) -> bool:
+        """Whether the one-call decoder's stages (csrc/stages/decoder.c) compute every layer: the
+        Llama stack and the switches they take (q/k head norms, Gemma's norms, soft-capped
+        scores, windows, per-layer RoPE, any attention scale, GELU's tanh form); not biases, one
+        norm over all of q (OLMoE), exact GELU, a shared expert."""
+        one_norm_over_q = self.qk_norm and not self.qk_norm_per_head
+        return (not (self.qkv_bias or self.o_bias or self.mlp_bias or one_norm_over_q
+                     or (self.experts and self.experts.shared_intermediate_size))
+                and self.hidden_act in ("silu", "gelu_pytorch_tanh"))
+
+    @property
     def is_llama_stack(self) -> bool:
         """Every switch off but the MLP's kind: the Llama stack, its MLPs dense or routed
         experts (Mixtral; a shared expert is a family's switch too, Qwen2-MoE's)."""

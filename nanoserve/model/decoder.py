@@ -25,14 +25,15 @@ The matrix multiplies run through a `LinearKernel` chosen by `nanoserve.model.li
 two ways, chosen once per model:
 - native (float32 on the CPU, the library built; `nanoserve.native.ops`): RMSNorm fused with
   the residual add, RoPE fused with the K/V write into the paged cache, attention reading the
-  paged cache in place, SiLU*up. Its attention is batch-invariant by construction in both
-  modes (each row alone over exactly the slots it sees, in context-chunk order), and every
-  row, prefill or decode, goes through it, so the two agree bit for bit. A sparse layer with
-  native matrices (the `native-quant-x8` or the float32 `native` kernel) runs its routed
-  experts as one native call (`nanoserve.native.moe`). Where the stack is plain Llama on one
-  rank with such matrices, its MLPs dense or such experts (Mixtral), all its layers run as one
-  native call a step (`nanoserve.native.decoder`), with the separate calls' bits, LoRA rows'
-  updates included (`nanoserve.native.lora`).
+  paged cache in place, SiLU*up or GELU*up, q/k head norms. Its attention is batch-invariant by
+  construction in both modes (each row alone over exactly the slots it sees, in context-chunk
+  order), and every row, prefill or decode, goes through it, so the two agree bit for bit. A
+  sparse layer with native matrices (the `native-quant-x8` or the float32 `native` kernel) runs
+  its routed experts as one native call (`nanoserve.native.moe`). Where the stack is one the
+  one-call decoder takes (`ModelConfig.runs_in_one_call`: Llama's, Mixtral's experts, Gemma 2
+  and 3, Qwen3, windows) on one rank with such matrices, all its layers run as one native call
+  a step (`nanoserve.native.decoder`), with the separate calls' bits, LoRA rows' updates
+  included (`nanoserve.native.lora`).
 - torch (half precision, CUDA, NANOSERVE_NO_NATIVE=1, or `native=False`): `attention`'s
   plain or batch-invariant forms, over K/V gathered from the cache.
 A forward is batch-invariant when both its attention and its linear kernel are.
@@ -59,7 +60,7 @@ from nanoserve.model.rope import mrope_axis, rope_table
 from nanoserve.model.weights import LayerWeights, LlamaWeights
 from nanoserve.native import lora as native_lora
 from nanoserve.native import ops as native_ops
-from nanoserve.native.decoder import DecoderShape, NativeDecoder
+from nanoserve.native.decoder import DecoderShape, LayerVectors, NativeDecoder
 from nanoserve.native.moe import NativeExperts
 from nanoserve.native.ops import NativeOps
 from nanoserve.quant import Weight
@@ -159,16 +160,18 @@ class DecoderLM:
 
     def _native_decoder(self) -> NativeDecoder | None:
         """Every layer of a step in one native call, where it computes exactly what the loop of
-        separate native calls computes: the Llama stack (its sparse layers each with their
-        experts' native call), one rank, native matrices."""
+        separate native calls computes: the stacks `ModelConfig.runs_in_one_call` names (sparse
+        layers each with their experts' native call), one rank, native matrices."""
         cfg, layers = self.config, self.weights.layers
-        if self.ops is None or not self.native_attention or not cfg.is_llama_stack or self.tp is not None:
+        if self.ops is None or not self.native_attention or not cfg.runs_in_one_call or self.tp is not None:
             return None
         shape = DecoderShape(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
-        cos, signed_sin = self.rope_tables[0]
-        return NativeDecoder.for_layers(shape, [(w.input_norm, w.post_norm) for w in layers],
-                                        [[w.qkv, w.o, w.gate_up, w.down] for w in layers], cos, signed_sin,
+                             cfg.intermediate_size, cfg.rms_norm_eps, self.scale, cfg.attn_softcap,
+                             cfg.hidden_act)
+        vectors = [LayerVectors(w.input_norm, w.post_norm, *self.rope_tables[self.layer_rope[i]],
+                                cfg.window(i), w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm)
+                   for i, w in enumerate(layers)]
+        return NativeDecoder.for_layers(shape, vectors, [[w.qkv, w.o, w.gate_up, w.down] for w in layers],
                                         float_panels=self.linear_kernel.name == "native",
                                         experts=self.native_experts)
 
@@ -216,8 +219,8 @@ class DecoderLM:
             hidden.index_copy_(0, batch.image_rows, batch.image_embeds.to(hidden.dtype))
         # The one-call decoder adds LoRA rows' updates itself, where the adapters run in C.
         runs_lora = step.lora is not None or not batch.adapter_rows
-        # The one-call decoder runs causal attention and one position a row only (Llama stacks have
-        # no bidirectional images and no M-RoPE).
+        # The one-call decoder runs causal attention and one position a row only: a step with a
+        # bidirectional image (Gemma 3's) or M-RoPE positions takes the loop.
         if (self.decoder is not None and self.ops is not None and runs_lora and batch.visible_ends is None
                 and batch.rope_positions is None):
             tally = self.moe.tally if self.moe is not None else None
@@ -295,6 +298,10 @@ class DecoderLM:
         """RMSNorm over each q and each k head, in place in qkv (before RoPE, as Qwen3 and Gemma 3),
         or over all of q and all of k (OLMoE)."""
         cfg = self.config
+        if self.ops is not None and cfg.qk_norm_per_head:  # the one-call decoder's code, in place
+            self.ops.head_rms_norm(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.rms_norm_eps, threads=self.threads)
+            return
         if not cfg.qk_norm_per_head:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
             q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
@@ -327,6 +334,8 @@ class DecoderLM:
         """activation(gate) * up of gate_up [rows, 2 * width]; `out`: the native path's buffer."""
         if self.ops is not None and self.config.hidden_act == "silu":
             return self.ops.silu_mul(gate_up, out, threads=self.threads)
+        if self.ops is not None and self.config.hidden_act == "gelu_pytorch_tanh":
+            return self.ops.gelu_tanh_mul(gate_up, out, threads=self.threads)
         # The activation runs row by row over the strided `gate` view, so each row takes the
         # same vectorized path whatever the batch (tests/test_model.py pins this).
         gate, up = gate_up.chunk(2, dim=-1)

@@ -1,17 +1,19 @@
-"""Every decoder layer of a step in one native call (csrc/stages/decoder.c), for the plain Llama stack,
-its MLPs dense or routed experts (Mixtral).
+"""Every decoder layer of a step in one native call (csrc/stages/decoder.c), for the Llama stack,
+its MLPs dense or routed experts (Mixtral), and the switches of the families around it that the
+stages take (decoder.c lists them: Gemma 2 and 3, Qwen3, sliding windows).
 
 Owns: the C structs that describe the model (built once: norms, the repacked matrices of
-each layer, the RoPE table) and one step (rows, positions, slots, block tables, the buffers
+each layer, its RoPE table and window) and one step (rows, positions, slots, block tables, the buffers
 the stages write, the LoRA rows' adapters: nanoserve.native.lora), the checks a raw pointer
 cannot make, and `NativeDecoder.run`, which takes the same step data the per-op path takes and
 leaves the same bits: the stages are the exported kernels' own code. A sparse layer runs its
 experts' one call (nanoserve.native.moe) as a stage, to that call's bits.
 Refuses: any layer it cannot run exactly as the per-op native path does (`for_layers` is
-None): a matrix in no layout the stages take (nanoserve.native.stage_matrix says which: the
-repacked x8 and K layouts, F16 / BF16 and float32 panels, stacks of those), a width not whole
-blocks of 32, a sparse layer without its experts' native call, or the library off. The model
-then keeps its loop of separate calls.
+None): an activation other than SiLU and GELU's tanh form, more than `MAX_WINDOWS` distinct
+windows, a switch on some layers only, a matrix in no layout the stages take
+(nanoserve.native.stage_matrix says which: the repacked x8 and K layouts, F16 / BF16 and
+float32 panels, stacks of those), a width not whole blocks of 32, a sparse layer without its
+experts' native call, or the library off. The model then keeps its loop of separate calls.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class _Model(ctypes.Structure):
                 ("intermediate", _I64), ("eps", _F32), ("scale", _F32), ("input_norm", _P), ("post_norm", _P),
                 ("matrices", _P), ("formats", _P), ("k_cache", _P), ("v_cache", _P), ("block_size", _I64),
                 ("num_blocks", _I64), ("cos", _P), ("signed_sin", _P), ("k_scales", _P), ("v_scales", _P),
-                ("kv_dtype", _I64), ("moe", _P)]
+                ("kv_dtype", _I64), ("moe", _P), ("windows", _P), ("q_norm", _P), ("k_norm", _P),
+                ("attn_out_norm", _P), ("mlp_out_norm", _P), ("softcap", _F32), ("activation", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -47,6 +50,11 @@ class _Step(ctypes.Structure):
                 ("block_tables", _P), ("row_seq", _P), ("hidden", _P), ("delta", _P), ("normed", _P),
                 ("qkv", _P), ("attended", _P), ("gate_up", _P), ("activated", _P), ("linear_seconds", _P),
                 ("attention_seconds", _P), ("lora", _P), ("expert_rows", _P), ("expert_seconds", _P)]
+
+
+# decoder.c's NS_ACT_*: the gate activations its stage computes (the loop's native ops, the same code).
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+MAX_WINDOWS = 4  # decoder.c's NS_DECODER_WINDOWS: one attention plan a distinct window
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,31 @@ class DecoderShape:
     intermediate: int
     eps: float
     scale: float
+    softcap: float = 0.0  # the attention scores' soft cap; 0: none
+    activation: str = "silu"  # the gate's, an `ACTIVATIONS` name
+
+
+@dataclass(frozen=True, slots=True)
+class LayerVectors:
+    """One layer's float32 vectors and tables beside its matrices; a switch the family lacks is
+    None (then on every layer)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    cos: torch.Tensor  # the layer's RoPE table [positions, head_dim]
+    signed_sin: torch.Tensor
+    window: int = 0  # the last positions a row attends to; 0: all
+    q_norm: torch.Tensor | None = None  # each q head's RMSNorm weight [head_dim], before RoPE
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma's norms of the sublayers' outputs [hidden]
+    mlp_out_norm: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.input_norm, self.post_norm, self.cos, self.signed_sin, self.q_norm,
+                            self.k_norm, self.attn_out_norm, self.mlp_out_norm) if t is not None]
+
+
+_SWITCHES = ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -68,26 +101,34 @@ class NativeDecoder:
     """One model's layers, ready to run a step in one call. Holds references to every tensor
     whose address it passes, so none is freed under it."""
 
-    def __init__(self, lib: ctypes.CDLL, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
-                 matrices: list[StageMatrix], cos: torch.Tensor, signed_sin: torch.Tensor,
-                 experts: list[NativeExperts | None]) -> None:
+    def __init__(self, lib: ctypes.CDLL, shape: DecoderShape, layers: list[LayerVectors],
+                 matrices: list[StageMatrix], experts: list[NativeExperts | None]) -> None:
         self._run = lib.ns_decoder_layers
         self._run.argtypes, self._run.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
         self.shape = shape
-        self._kept = [norms, matrices, cos, signed_sin, experts]
-        self._input_norms = _pointers([n[0] for n in norms])
-        self._post_norms = _pointers([n[1] for n in norms])
+        self._kept = [layers, matrices, experts]
+
+        def per_layer(name: str) -> int | None:  # the address of the layers' pointers, or None: off
+            if getattr(layers[0], name) is None:
+                return None
+            array = _pointers([getattr(layer, name) for layer in layers])
+            self._kept.append(array)
+            return ctypes.addressof(array)
+
+        self._windows = (ctypes.c_int64 * len(layers))(*(layer.window for layer in layers))
         self._matrices = (_P * len(matrices))(*(m.address for m in matrices))
         self._formats = (ctypes.c_int32 * len(matrices))(*(m.format for m in matrices))
         self._experts = (_P * len(experts))(*(None if e is None else e.layer_address for e in experts))
         self.sparse_layers = sum(e is not None for e in experts)
         self.expert_count = max((e.count for e in experts if e is not None), default=0)  # the tally's width
-        self._model = _Model(len(norms), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                             shape.intermediate, shape.eps, shape.scale, ctypes.addressof(self._input_norms),
-                             ctypes.addressof(self._post_norms), ctypes.addressof(self._matrices),
-                             ctypes.addressof(self._formats), None, None, 0, 0, cos.data_ptr(),
-                             signed_sin.data_ptr(), None, None, 0,
-                             ctypes.addressof(self._experts) if self.sparse_layers else None)
+        self._model = _Model(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                             shape.intermediate, shape.eps, shape.scale, per_layer("input_norm"),
+                             per_layer("post_norm"), ctypes.addressof(self._matrices),
+                             ctypes.addressof(self._formats), None, None, 0, 0, per_layer("cos"),
+                             per_layer("signed_sin"), None, None, 0,
+                             ctypes.addressof(self._experts) if self.sparse_layers else None,
+                             ctypes.addressof(self._windows), *(per_layer(name) for name in _SWITCHES),
+                             shape.softcap, ACTIVATIONS[shape.activation])
         self._cache: tuple[object, list[ctypes.Array]] | None = None
         # None, or the seconds the projections took so far (with their barriers), and RoPE + the
         # K/V write + attention, for the profile's split of the forward; two clock reads a stage.
@@ -95,16 +136,20 @@ class NativeDecoder:
         self.attention_s: float | None = None
 
     @classmethod
-    def for_layers(cls, shape: DecoderShape, norms: list[tuple[torch.Tensor, torch.Tensor]],
-                   matrices: list[list[object]], cos: torch.Tensor, signed_sin: torch.Tensor, *,
+    def for_layers(cls, shape: DecoderShape, layers: list[LayerVectors], matrices: list[list[object]], *,
                    float_panels: bool, experts: list[NativeExperts | None] | None = None,
                    ) -> NativeDecoder | None:
-        """The decoder for these layers (each: qkv, o, gate_up, down, as the model's kernel
-        packed them, a sparse layer's gate_up and down None; `float_panels`: dense ones are in
-        nanoserve.native.matmul's panels; `experts`: per layer, a sparse layer's native call,
-        else None), or None where it cannot run them exactly as the per-op path does."""
+        """The decoder for these layers (`layers`: each one's vectors; `matrices`: each one's
+        qkv, o, gate_up, down, as the model's kernel packed them, a sparse layer's gate_up and
+        down None; `float_panels`: dense ones are in nanoserve.native.matmul's panels;
+        `experts`: per layer, a sparse layer's native call, else None), or None where it cannot
+        run them exactly as the per-op path does."""
         library = native.library()
-        if library is None or not matrices:
+        if library is None or not matrices or shape.activation not in ACTIVATIONS:
+            return None
+        if len({layer.window for layer in layers}) > MAX_WINDOWS:
+            return None
+        if any(len({getattr(layer, name) is None for layer in layers}) > 1 for name in _SWITCHES):
             return None
         experts = experts or [None] * len(matrices)
         sparse = [layer[2] is None for layer in matrices]
@@ -115,13 +160,13 @@ class NativeDecoder:
                   else StageMatrix.of(m, float_panels) for layer in matrices for m in layer]
         if any(w % 32 for w in widths) or None in packed:
             return None
-        tensors = [t for pair in norms for t in pair] + [cos, signed_sin]
-        tensors += [t for m in packed for t in m.tensors()]
+        vectors = [t for layer in layers for t in layer.tensors()]
+        tensors = vectors + [t for m in packed for t in m.tensors()]
         if any(not t.is_contiguous() or not t.is_cpu for t in tensors):
             return None
-        if any(t.dtype != torch.float32 for t in tensors[: 2 * len(norms) + 2]):
+        if any(t.dtype != torch.float32 for t in vectors):
             return None
-        return cls(library.lib, shape, norms, packed, cos, signed_sin, experts)
+        return cls(library.lib, shape, layers, packed, experts)
 
     def _bind_cache(self, kv_cache) -> None:
         """The cache's per-layer addresses and dtype, once per cache (the engine keeps one for its

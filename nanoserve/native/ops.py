@@ -1,5 +1,6 @@
-"""The forward's small ops in C (csrc/stages/ops.c): RMSNorm (with the residual add fused), RoPE with
-the K/V write into the paged cache, SiLU(gate)*up; and attention over the paged cache in place
+"""The forward's small ops in C (csrc/stages/ops.c): RMSNorm (with the residual add fused, or over
+each q and k head), RoPE with the K/V write into the paged cache, SiLU(gate)*up and GELU's tanh
+form (gate)*up; and attention over the paged cache in place
 (csrc/stages/attention.c, bound in `nanoserve.native.attention`). The cache's K and V are float32,
 float16, bfloat16, or q8_0 (int8 codes with one float32 scale per row: `k_scales` and
 `v_scales`, model/kv_cache.py), converted by the write and read a row at a time by the attention.
@@ -29,6 +30,8 @@ _SIGNATURES = {
     "rms_norm": (_P, _P, _P, _I64, _I64, _F32, _INT),
     "add_rms_norm": (_P, _P, _P, _P, _I64, _I64, _F32, _INT),
     "silu_mul": (_P, _P, _I64, _I64, _INT),
+    "gelu_tanh_mul": (_P, _P, _I64, _I64, _INT),
+    "head_rms_norm": (_P, _P, _P, _I64, _I64, _I64, _I64, _I64, _F32, _INT),
 }
 _SINGLE = {"rope_write_kv": (_P, _P, _P, _P, _P, _INT, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _INT)}
 # RoPE keeps one head on the stack.
@@ -114,15 +117,38 @@ class NativeOps:
                            rows, dim, eps, native.thread_count(threads))
         return out
 
+    def head_rms_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int,
+                      kv_heads: int, eps: float, *, threads: int | None = None) -> None:
+        """RMSNorm over each of the `heads` q heads (by q_weight) and `kv_heads` k heads (by
+        k_weight) that start each row of qkv [rows, width], in place."""
+        _check("qkv", qkv, torch.float32)
+        dim = q_weight.shape[0]
+        _check("q_weight", q_weight, torch.float32, (dim,))
+        _check("k_weight", k_weight, torch.float32, (dim,))
+        rows, width = qkv.shape
+        if (heads + kv_heads) * dim > width:
+            raise NativeOpsError(f"qkv rows of {width} values hold no {heads} + {kv_heads} heads of {dim}")
+        self._head_rms_norm(qkv.data_ptr(), q_weight.data_ptr(), k_weight.data_ptr(), rows, width, heads,
+                            kv_heads, dim, eps, native.thread_count(threads))
+
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None, *,
                  threads: int | None = None) -> torch.Tensor:
         """SiLU(gate) * up of gate_up [rows, 2 * width] (gate first): [rows, width]."""
+        return self._gated(self._silu_mul, gate_up, out, threads)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None, *,
+                      threads: int | None = None) -> torch.Tensor:
+        """GELU's tanh form (gelu_pytorch_tanh) of gate, times up, as `silu_mul`."""
+        return self._gated(self._gelu_tanh_mul, gate_up, out, threads)
+
+    def _gated(self, kernel, gate_up: torch.Tensor, out: torch.Tensor | None,
+               threads: int | None) -> torch.Tensor:
         _check("gate_up", gate_up, torch.float32)
         rows, double = gate_up.shape
         if double % 2:
             raise NativeOpsError(f"gate_up must have an even width; got {double}")
         out = _output("out", out, gate_up, (rows, double // 2))
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, double // 2, native.thread_count(threads))
+        kernel(gate_up.data_ptr(), out.data_ptr(), rows, double // 2, native.thread_count(threads))
         return out
 
     def rope_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -177,7 +177,7 @@ def loop_overhead_ms(config: EngineConfig, model_config: ModelConfig, device: to
     batches, as the kernels' figures are their best turns, so a neighbour's stall is discarded."""
     ops = native_ops.load()
     if (config.linear_kernel is not None or ops is None or device.type != "cpu"
-            or config.tensor_parallel_size > 1 or not model_config.is_llama_stack):
+            or config.tensor_parallel_size > 1 or not model_config.runs_in_one_call):
         return 0.0
     x = torch.randn(1, model_config.hidden_size)
     weight, out = torch.ones(model_config.hidden_size), torch.empty_like(x)

@@ -104,7 +104,7 @@ static void activate(const MoEJob *job, int thread, int threads) {
     const int64_t width = job->m->width;
     int64_t begin, end;
     stage_rows(job->pairs, job->pairs * width, thread, threads, &begin, &end);
-    ns_stage_silu_rows(job->gate_up, job->activated, width, begin, end);
+    ns_stage_gated_rows(NS_ACT_SILU, job->gate_up, job->activated, width, begin, end);
     if (job->quantized_down) ns_stage_quantize_rows(job->activated, width, job->xq, begin, end);
 }
 

@@ -5,7 +5,9 @@
  *   output into the residual stream in place (one pass over the row instead of three).
  * - ns_rope_write_kv: RoPE on q (in place) and k, and the K/V write into the paged cache at each
  *   row's slot, in one pass over the projection's output.
- * - ns_silu_mul: SiLU(gate) * up over the stacked gate/up projection.
+ * - ns_silu_mul, ns_gelu_tanh_mul: SiLU(gate) * up, or GELU's tanh form (Gemma's), over the stacked
+ *   gate/up projection.
+ * - ns_head_rms_norm: RMSNorm over each q and each k head of a qkv row, in place (Qwen3, Gemma 3).
  *
  * The cache holds float32, float16 or bfloat16 rows (rounded to nearest even, as torch's .to()
  * rounds), or q8_0 rows (int8 codes and one float32 scale per row of head_dim values:
@@ -17,7 +19,7 @@
  *
  * Each kernel is exported twice: ns_X runs the widest vector path compiled in, ns_X_portable
  * the plain C one the tests hold it against. Both share one body, parametrized by a table of
- * vector primitives (sum of squares, SiLU*up).
+ * vector primitives (sum of squares, SiLU*up, GELU*up).
  */
 #include <float.h>
 #include <math.h>
@@ -38,7 +40,13 @@
 typedef struct {
     float (*sum_squares)(const float *x, int64_t n);
     void (*silu_mul)(const float *gate, const float *up, float *out, int64_t n);
+    void (*gelu_tanh_mul)(const float *gate, const float *up, float *out, int64_t n);
 } VecOps;
+
+/* GELU's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), computed as
+ * the identical x * sigmoid(2u): SiLU's one exp and divide, and no tanh to vectorize. */
+#define GELU_TWO_ROOT_2_OVER_PI 1.5957691216057308f
+#define GELU_CUBIC 0.044715f
 
 /* ---------------------------------------------------------------- portable primitives */
 
@@ -54,7 +62,14 @@ static void silu_mul_portable(const float *gate, const float *up, float *out, in
     for (int64_t i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-static const VecOps PORTABLE = {sum_squares_portable, silu_mul_portable};
+static void gelu_tanh_mul_portable(const float *gate, const float *up, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = gate[i], two_u = GELU_TWO_ROOT_2_OVER_PI * (x + GELU_CUBIC * x * x * x);
+        out[i] = x / (1.0f + expf(-two_u)) * up[i];
+    }
+}
+
+static const VecOps PORTABLE = {sum_squares_portable, silu_mul_portable, gelu_tanh_mul_portable};
 
 /* ---------------------------------------------------------------- AVX2 + FMA primitives */
 #ifdef NS_OPS_AVX2
@@ -102,7 +117,20 @@ static void silu_mul_avx2(const float *gate, const float *up, float *out, int64_
     for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
-static const VecOps AVX2 = {sum_squares_avx2, silu_mul_avx2};
+static void gelu_tanh_mul_avx2(const float *gate, const float *up, float *out, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), cubic = _mm256_set1_ps(GELU_CUBIC);
+    const __m256 minus_two_c = _mm256_set1_ps(-GELU_TWO_ROOT_2_OVER_PI);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(gate + i);
+        __m256 inner = _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(cubic, x), _mm256_mul_ps(x, x)));
+        __m256 gelu = _mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_mul_ps(minus_two_c, inner))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+    }
+    gelu_tanh_mul_portable(gate + i, up + i, out + i, n - i);
+}
+
+static const VecOps AVX2 = {sum_squares_avx2, silu_mul_avx2, gelu_tanh_mul_avx2};
 #define BEST (&AVX2)
 #else
 #define BEST (&PORTABLE)
@@ -172,25 +200,63 @@ static void add_rms_norm(const VecOps *ops, float *residual, const float *delta,
     for_each_row(norm_one_row, &args, rows, rows * dim, num_threads);
 }
 
-/* ---------------------------------------------------------------- SiLU(gate) * up */
+/* ---------------------------------------------------------------- activation(gate) * up */
 
 typedef struct {
-    const VecOps *ops;
+    void (*mul)(const float *gate, const float *up, float *out, int64_t n);
     const float *gate_up;
     float *out;
     int64_t width;
-} SiluArgs;
+} GatedArgs;
 
-static void silu_one_row(const void *args, int64_t r) {
-    const SiluArgs *a = args;
+static void gated_one_row(const void *args, int64_t r) {
+    const GatedArgs *a = args;
     const float *row = a->gate_up + r * 2 * a->width;
-    a->ops->silu_mul(row, row + a->width, a->out + r * a->width, a->width);
+    a->mul(row, row + a->width, a->out + r * a->width, a->width);
+}
+
+static GatedArgs gated_args(const VecOps *ops, int activation, const float *gate_up, float *out, int64_t width) {
+    GatedArgs args = {activation == NS_ACT_GELU_TANH ? ops->gelu_tanh_mul : ops->silu_mul, gate_up, out, width};
+    return args;
 }
 
 static void silu_mul(const VecOps *ops, const float *gate_up, float *out, int64_t rows, int64_t width,
                      int num_threads) {
-    SiluArgs args = {ops, gate_up, out, width};
-    for_each_row(silu_one_row, &args, rows, rows * width, num_threads);
+    GatedArgs args = gated_args(ops, NS_ACT_SILU, gate_up, out, width);
+    for_each_row(gated_one_row, &args, rows, rows * width, num_threads);
+}
+
+static void gelu_tanh_mul(const VecOps *ops, const float *gate_up, float *out, int64_t rows, int64_t width,
+                          int num_threads) {
+    GatedArgs args = gated_args(ops, NS_ACT_GELU_TANH, gate_up, out, width);
+    for_each_row(gated_one_row, &args, rows, rows * width, num_threads);
+}
+
+/* ---------------------------------------------------------------- q and k head norms */
+
+typedef struct {
+    const VecOps *ops;
+    float *qkv;
+    const float *q_weight, *k_weight;
+    int64_t stride, heads, kv_heads, dim;
+    float eps;
+} HeadNormArgs;
+
+/* RMSNorm over each q head (by q_weight) and each k head (by k_weight) of row r, in place. */
+static void head_norm_one_row(const void *args, int64_t r) {
+    const HeadNormArgs *a = args;
+    float *row = a->qkv + r * a->stride;
+    for (int64_t h = 0; h < a->heads + a->kv_heads; h++) {
+        float *head = row + h * a->dim;
+        norm_row(a->ops, head, h < a->heads ? a->q_weight : a->k_weight, head, a->dim, a->eps);
+    }
+}
+
+static void head_rms_norm(const VecOps *ops, float *qkv, const float *q_weight, const float *k_weight,
+                          int64_t rows, int64_t stride, int64_t heads, int64_t kv_heads, int64_t dim, float eps,
+                          int num_threads) {
+    HeadNormArgs args = {ops, qkv, q_weight, k_weight, stride, heads, kv_heads, dim, eps};
+    for_each_row(head_norm_one_row, &args, rows, rows * (heads + kv_heads) * dim, num_threads);
 }
 
 /* ---------------------------------------------------------------- RoPE + K/V cache write */
@@ -301,9 +367,16 @@ void ns_stage_norm_rows(float *residual, const float *delta, const float *weight
     for (int64_t r = begin; r < end; r++) norm_one_row(&args, r);
 }
 
-void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t begin, int64_t end) {
-    SiluArgs args = {BEST, gate_up, out, width};
-    for (int64_t r = begin; r < end; r++) silu_one_row(&args, r);
+void ns_stage_gated_rows(int activation, const float *gate_up, float *out, int64_t width, int64_t begin,
+                         int64_t end) {
+    GatedArgs args = gated_args(BEST, activation, gate_up, out, width);
+    for (int64_t r = begin; r < end; r++) gated_one_row(&args, r);
+}
+
+void ns_stage_head_norm_rows(float *qkv, int64_t stride, const float *q_weight, const float *k_weight,
+                             int64_t heads, int64_t kv_heads, int64_t dim, float eps, int64_t begin, int64_t end) {
+    HeadNormArgs args = {BEST, qkv, q_weight, k_weight, stride, heads, kv_heads, dim, eps};
+    for (int64_t r = begin; r < end; r++) head_norm_one_row(&args, r);
 }
 
 void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
@@ -334,6 +407,16 @@ NS_EXPORT_BOTH(add_rms_norm,
 NS_EXPORT_BOTH(silu_mul,
                (const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads),
                ARGS(gate_up, out, rows, width, num_threads))
+
+NS_EXPORT_BOTH(gelu_tanh_mul,
+               (const float *gate_up, float *out, int64_t rows, int64_t width, int num_threads),
+               ARGS(gate_up, out, rows, width, num_threads))
+
+/* qkv [rows, stride]: its first heads + kv_heads heads of dim values each normed in place. */
+NS_EXPORT_BOTH(head_rms_norm,
+               (float *qkv, const float *q_weight, const float *k_weight, int64_t rows, int64_t stride,
+                int64_t heads, int64_t kv_heads, int64_t dim, float eps, int num_threads),
+               ARGS(qkv, q_weight, k_weight, rows, stride, heads, kv_heads, dim, eps, num_threads))
 
 /* RoPE has no vector primitive: one export, the compiler vectorizes it. */
 /* Caches of kv_dtype (nanoserve.h's NS_KV_*); k_scales/v_scales: a q8_0 cache's, else NULL. */

@@ -21,7 +21,14 @@ typedef struct {
 /* ops.c, on the vector path. Rows [begin, end). delta NULL: a plain RMSNorm of residual. */
 void ns_stage_norm_rows(float *residual, const float *delta, const float *weight, float *out, int64_t dim,
                         float eps, int64_t begin, int64_t end);
-void ns_stage_silu_rows(const float *gate_up, float *out, int64_t width, int64_t begin, int64_t end);
+/* The gate's activation: SiLU (Llama's), or GELU's tanh form (Gemma's gelu_pytorch_tanh). */
+enum { NS_ACT_SILU = 0, NS_ACT_GELU_TANH = 1 };
+void ns_stage_gated_rows(int activation, const float *gate_up, float *out, int64_t width, int64_t begin,
+                         int64_t end);
+/* RMSNorm over each of a qkv row's heads q heads (q_weight) and kv_heads k heads (k_weight) of dim
+ * values, in place; rows `stride` floats apart. */
+void ns_stage_head_norm_rows(float *qkv, int64_t stride, const float *q_weight, const float *k_weight,
+                             int64_t heads, int64_t kv_heads, int64_t dim, float eps, int64_t begin, int64_t end);
 void ns_stage_rope_rows(float *qkv, const int64_t *positions, const float *cos, const float *signed_sin,
                         const int64_t *slots, ns_kv_rows k_cache, ns_kv_rows v_cache, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t cache_slots, int64_t begin, int64_t end);
