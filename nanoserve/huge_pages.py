@@ -3,9 +3,9 @@ cache.
 
 A one-slot decode step reads every weight once, and a long context's decode every K/V row of
 it: memory-bound streams. On 4 KiB pages each 2 MiB of such a stream is 512 TLB entries and page
-walks; on one 2 MiB page it is one (results/huge_pages.csv has what that does to a streaming
-matrix-vector product here). Linux leaves huge pages to a process that asks (THP "madvise", the
-common default), so:
+walks; on one 2 MiB page it is one (results/huge_pages_*.csv have what that does to a streaming
+matrix-vector product and a decode step here). Linux leaves huge pages to a process that asks
+(THP "madvise", the common default), so:
 - the weights, written at load, are marked (MADV_HUGEPAGE) and moved onto huge pages now
   (MADV_COLLAPSE, Linux 6.1+): a copy of each tensor's whole 2 MiB runs, once;
 - the KV cache, a lazy anonymous mapping (`kv_cache.zero_filled`), is only marked: each 2 MiB run
@@ -80,6 +80,17 @@ def advise(tensors: Iterable[torch.Tensor], *, collapse: bool) -> int:
             continue
         done += runs[1]
     return done
+
+
+def note(moved: int, weights_nbytes: int) -> str:
+    """The start-up line: the weights' bytes `advise` moved onto huge pages (a tensor's ends short
+    of a whole 2 MiB run stay on small pages); the KV cache's come as requests write it."""
+    if not enabled():
+        return "huge pages: off (NANOSERVE_HUGE_PAGES=0)"
+    if not moved:
+        return "huge pages: none (no weight holds a whole 2 MiB run, or the system refused them)"
+    return (f"huge pages: {moved / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
+            "the KV cache as it is written")
 
 
 def tensors_in(value: object) -> Iterator[torch.Tensor]:

@@ -7,6 +7,7 @@ is held to 2e-5 relative (1e-5 absolute) of a float64 reference, a few float32 r
 over the reductions these shapes have.
 """
 
+import functools
 import math
 
 import pytest
@@ -61,24 +62,18 @@ def test_add_rms_norm_adds_in_place_exactly_and_normalizes_the_sum(path, rows, d
     close(normed, reference_rms_norm(expected_sum, weight, 1e-6))
 
 
-@needs_native
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (3, 9), (16, 40)])
-def test_silu_mul_matches_a_float64_reference(path, rows, width):
-    g = torch.Generator().manual_seed(width)
-    gate_up = torch.randn(rows, 2 * width, generator=g) * 6
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    close(kernels(path).silu_mul(gate_up), F.silu(gate) * up)
+GATED = {"silu_mul": F.silu, "gelu_tanh_mul": functools.partial(F.gelu, approximate="tanh")}
 
 
 @needs_native
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("rows", "width"), [(1, 2048), (3, 9), (16, 40)])
-def test_gelu_tanh_mul_matches_a_float64_reference(path, rows, width):
+@pytest.mark.parametrize("op", sorted(GATED))
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (1, 2048), (3, 9), (16, 40)])
+def test_gated_activations_match_a_float64_reference(path, op, rows, width):
     g = torch.Generator().manual_seed(width)
     gate_up = torch.randn(rows, 2 * width, generator=g) * 6
     gate, up = gate_up.double().chunk(2, dim=-1)
-    close(kernels(path).gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up)
+    close(getattr(kernels(path), op)(gate_up), GATED[op](gate) * up)
 
 
 @needs_native

@@ -123,7 +123,7 @@ class Executor:
                           phases=startup.phases)
         self.model, self.kv_cache = rank.model, rank.kv_cache
         if startup.device.type == "cpu":
-            startup.notes.append(huge_pages_note(rank.huge_page_bytes, self.weights_nbytes))
+            startup.notes.append(huge_pages.note(rank.huge_page_bytes, self.weights_nbytes))
         self.runner_model = (ShardedModel(self.model, self.model_config, group) if group is not None
                              else self.model)
 
@@ -137,14 +137,3 @@ class Executor:
         """Stop the tensor-parallel workers (a no-op with one rank); no step runs after."""
         if self.group is not None:
             self.group.close()
-
-
-def huge_pages_note(moved: int, weights_nbytes: int) -> str:
-    """The start-up line on huge pages (nanoserve.huge_pages): the weights' bytes on them; the KV
-    cache's come as requests write it. A tensor's ends short of a whole 2 MiB run stay on small pages."""
-    if not huge_pages.enabled():
-        return "huge pages: off (NANOSERVE_HUGE_PAGES=0)"
-    if not moved:
-        return "huge pages: none (the system refused them)"
-    return (f"huge pages: {moved / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
-            "the KV cache as it is written")

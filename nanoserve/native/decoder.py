@@ -19,7 +19,7 @@ experts' native call, or the library off. The model then keeps its loop of separ
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -86,8 +86,7 @@ class LayerVectors:
     mlp_out_norm: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.input_norm, self.post_norm, self.cos, self.signed_sin, self.q_norm,
-                            self.k_norm, self.attn_out_norm, self.mlp_out_norm) if t is not None]
+        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
 
 
 _SWITCHES = ("q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")

@@ -256,5 +256,5 @@ NS_EXPORT int ns_decoder_layers(const DecoderModel *m, const DecoderStep *s, int
     free(job.xq);
     ns_moe_scratch_free(&job.moe);
     for (int64_t p = 0; p < job.plans; p++) ns_attention_plan_free(&job.attention[p]);
-    return status != 0 || job.failed ? (status == -3 ? -3 : -2) : 0;
+    return status == 0 && job.failed ? -2 : status;
 }
