@@ -6,6 +6,9 @@ it: memory-bound streams. On 4 KiB pages each 2 MiB of such a stream is 512 TLB 
 walks; on one 2 MiB page it is one (results/huge_pages_*.csv have what that does to a streaming
 matrix-vector product and a decode step here). Linux leaves huge pages to a process that asks
 (THP "madvise", the common default), so:
+- the packed weights are gathered into one arena as the model packs them (`gather`): a matrix
+  smaller than 2 MiB (a small model's every layer) shares huge pages with its neighbours instead
+  of sitting on small pages of its own, and the arena starts on a 2 MiB boundary;
 - the weights, written at load, are marked (MADV_HUGEPAGE) and moved onto huge pages now
   (MADV_COLLAPSE, Linux 6.1+): a copy of each tensor's whole 2 MiB runs, once;
 - the KV cache, a lazy anonymous mapping (`kv_cache.zero_filled`), is only marked: each 2 MiB run
@@ -30,21 +33,38 @@ from collections.abc import Iterable, Iterator
 import torch
 
 HUGE_PAGE = 2 << 20
+ALIGNMENT = 64  # of each tensor in the arena: a cache line, what the allocator gives
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
 
 @functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
+        return None
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:
+    libc = _libc()
+    if libc is None:
         return None
     madvise = libc.madvise
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return madvise
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps freed tensors of a few MB in
+    its heap, so the storages `gather` left would count in the process's memory until reused)."""
+    trim = getattr(_libc(), "malloc_trim", None)  # glibc's; musl and others have none
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        trim(0)
 
 
 def enabled() -> bool:
@@ -59,6 +79,46 @@ def _huge_runs(t: torch.Tensor) -> tuple[int, int] | None:
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     return (first, last - first) if last > first else None
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """A tensor that owns its storage outright (no view of a larger one, no oneDNN buffer), on
+    the CPU: moving its bytes elsewhere moves all of it."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and t.is_contiguous()
+            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes)
+
+
+def gather(tensors: Iterable[torch.Tensor], *, keep: Iterable[torch.Tensor] = ()) -> int:
+    """Move every tensor that owns its storage into one arena that starts on a 2 MiB boundary,
+    in place (`Tensor.set_`: whoever holds the tensor sees the new bytes, the old storage is
+    freed). `advise` then moves the arena onto huge pages as it does any weight: marked before
+    the copy instead, each first write would wait for the kernel to compact a huge page. Tensors
+    sharing storage with one in `keep` (what a caller still holds: moving it would keep two
+    copies) stay put. Call it before anything takes the tensors' addresses. Returns the bytes
+    gathered."""
+    if not enabled():
+        return 0
+    kept = {t.untyped_storage().data_ptr() for t in keep if t.layout == torch.strided and not t.is_mkldnn}
+    moving: list[torch.Tensor] = []
+    for t in tensors:
+        if _movable(t) and t.untyped_storage().data_ptr() not in kept:
+            kept.add(t.untyped_storage().data_ptr())  # a tensor met twice moves once
+            moving.append(t)
+    offsets, total = [], 0
+    for t in moving:
+        offsets.append(total)
+        total += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
+    if total < HUGE_PAGE:  # nothing to share a huge page with: leave the allocator's pages
+        return 0
+    arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    start = -arena.data_ptr() % HUGE_PAGE
+    with torch.inference_mode():
+        for t, offset in zip(moving, offsets):
+            at = start + offset
+            arena[at: at + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+            t.set_(arena.untyped_storage(), at // t.element_size(), t.shape, t.stride())
+    _return_freed_memory()
+    return total
 
 
 def advise(tensors: Iterable[torch.Tensor], *, collapse: bool) -> int:
@@ -89,7 +149,8 @@ def note(moved: int, weights_nbytes: int) -> str:
         return "huge pages: off (NANOSERVE_HUGE_PAGES=0)"
     if not moved:
         return "huge pages: none (no weight holds a whole 2 MiB run, or the system refused them)"
-    return (f"huge pages: {moved / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
+    # the arena's whole runs reach past its last weight: at most all of them are on huge pages
+    return (f"huge pages: {min(moved, weights_nbytes) / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
             "the KV cache as it is written")
 
 

@@ -88,3 +88,33 @@ def test_the_engine_says_what_it_got(tiny_model_dir, caplog):
         LLM(str(tiny_model_dir), device="cpu", kv_cache_gb=0.01)
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("huge pages: ")]
     assert line.endswith("MB of weights, the KV cache as it is written") or line.endswith("refused them)")
+
+
+@LINUX_PROC
+def test_gathered_tensors_keep_their_bytes_in_one_arena_that_starts_on_a_huge_page():
+    small = [torch.randn(1000 + 7 * i) for i in range(300)]  # 2.4 MiB of tensors under 2 MiB each
+    halves = torch.arange(64, dtype=torch.float16), torch.arange(5, dtype=torch.uint8)
+    view_of_larger, kept = torch.randn(1000)[10:], torch.randn(600_000)
+    before = [t.clone() for t in (*small, *halves, view_of_larger, kept)]
+    moved = huge_pages.gather([*small, *halves, small[0], view_of_larger, kept], keep=[kept])
+    after = (*small, *halves, view_of_larger, kept)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(after, before))
+    arena = small[0].untyped_storage()
+    assert all(t.untyped_storage().data_ptr() == arena.data_ptr() for t in (*small, *halves))
+    assert all(t.data_ptr() % huge_pages.ALIGNMENT == 0 for t in (*small, *halves))
+    assert (small[0].data_ptr() % huge_pages.HUGE_PAGE == 0 and
+            moved == sum(-(-t.nbytes // 64) * 64 for t in (*small, *halves)))
+    for stays in (view_of_larger, kept):  # a view of a larger storage, a tensor the caller keeps
+        assert stays.untyped_storage().data_ptr() != arena.data_ptr()
+    small[1].add_(1)  # the tensors are still separate
+    assert torch.equal(small[2], before[2])
+
+
+def test_nothing_is_gathered_when_huge_pages_are_off_or_the_tensors_fill_no_huge_page(monkeypatch):
+    few = [torch.randn(1000) for _ in range(3)]
+    pointers = [t.data_ptr() for t in few]
+    assert huge_pages.gather(few) == 0 and [t.data_ptr() for t in few] == pointers
+    monkeypatch.setenv("NANOSERVE_HUGE_PAGES", "0")
+    many = [torch.randn(10_000) for _ in range(100)]
+    pointers = [t.data_ptr() for t in many]
+    assert huge_pages.gather(many) == 0 and [t.data_ptr() for t in many] == pointers

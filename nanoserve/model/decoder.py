@@ -47,6 +47,7 @@ from typing import Protocol
 
 import torch
 
+from nanoserve import huge_pages
 from nanoserve.config import ModelConfig
 from nanoserve.model.attention import TorchAttention
 from nanoserve.model.batch import ForwardBatch, StepContext, paged_context
@@ -120,6 +121,9 @@ class DecoderLM:
         self.native_kv = kv_cache_dtype is None or kv_cache_dtype in NATIVE_KV_CACHE_DTYPES
         self.linear_kernel = linear_kernel or KERNELS["aten-tile16" if batch_invariant else "aten"]
         self.weights = weights.packed_for(self.linear_kernel, threads)
+        # Here, before the native decoder and experts below take their addresses; the loaded
+        # tensors packing left as they were (the caller's) stay where they are.
+        huge_pages.gather(huge_pages.tensors_in(self.weights), keep=huge_pages.tensors_in(weights))
         self.batch_invariant = batch_invariant
         self.linear = functools.partial(self.linear_kernel.apply, threads=threads)
         device, dtype = weights.embed.device, weights.embed.dtype
