@@ -71,9 +71,14 @@ def enabled() -> bool:
     return os.environ.get("NANOSERVE_HUGE_PAGES", "1") != "0"
 
 
+def _in_cpu_storage(t: torch.Tensor) -> bool:
+    """Whether `t`'s bytes lie in a CPU storage of its own kind (oneDNN's buffers have none)."""
+    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
+
+
 def _huge_runs(t: torch.Tensor) -> tuple[int, int] | None:
     """The whole 2 MiB runs inside `t`'s storage: (start address, bytes), or None."""
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:  # oneDNN's own buffers: no storage
+    if not _in_cpu_storage(t):
         return None
     storage = t.untyped_storage()
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
@@ -84,8 +89,8 @@ def _huge_runs(t: torch.Tensor) -> tuple[int, int] | None:
 def _movable(t: torch.Tensor) -> bool:
     """A tensor that owns its storage outright (no view of a larger one, no oneDNN buffer), on
     the CPU: moving its bytes elsewhere moves all of it."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and t.is_contiguous()
-            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes)
+    return (_in_cpu_storage(t) and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.nbytes)
 
 
 def gather(tensors: Iterable[torch.Tensor], *, keep: Iterable[torch.Tensor] = ()) -> int:
@@ -98,7 +103,7 @@ def gather(tensors: Iterable[torch.Tensor], *, keep: Iterable[torch.Tensor] = ()
     gathered."""
     if not enabled():
         return 0
-    kept = {t.untyped_storage().data_ptr() for t in keep if t.layout == torch.strided and not t.is_mkldnn}
+    kept = {t.untyped_storage().data_ptr() for t in keep if _in_cpu_storage(t)}
     moving: list[torch.Tensor] = []
     for t in tensors:
         if _movable(t) and t.untyped_storage().data_ptr() not in kept:

@@ -103,7 +103,7 @@ def test_gathered_tensors_keep_their_bytes_in_one_arena_that_starts_on_a_huge_pa
     assert all(t.untyped_storage().data_ptr() == arena.data_ptr() for t in (*small, *halves))
     assert all(t.data_ptr() % huge_pages.ALIGNMENT == 0 for t in (*small, *halves))
     assert (small[0].data_ptr() % huge_pages.HUGE_PAGE == 0 and
-            moved == sum(-(-t.nbytes // 64) * 64 for t in (*small, *halves)))
+            moved == sum(-(-t.nbytes // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT for t in (*small, *halves)))
     for stays in (view_of_larger, kept):  # a view of a larger storage, a tensor the caller keeps
         assert stays.untyped_storage().data_ptr() != arena.data_ptr()
     small[1].add_(1)  # the tensors are still separate
