@@ -118,7 +118,7 @@ def gather(tensors: Iterable[torch.Tensor], *, keep: Iterable[torch.Tensor] = ()
     arena = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
     start = -arena.data_ptr() % HUGE_PAGE
     with torch.inference_mode():
-        for t, offset in zip(moving, offsets):
+        for t, offset in zip(moving, offsets, strict=True):
             at = start + offset
             arena[at: at + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
             t.set_(arena.untyped_storage(), at // t.element_size(), t.shape, t.stride())
@@ -155,7 +155,8 @@ def note(moved: int, weights_nbytes: int) -> str:
     if not moved:
         return "huge pages: none (no weight holds a whole 2 MiB run, or the system refused them)"
     # the arena's whole runs reach past its last weight: at most all of them are on huge pages
-    return (f"huge pages: {min(moved, weights_nbytes) / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
+    on_huge_pages = min(moved, weights_nbytes)
+    return (f"huge pages: {on_huge_pages / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
             "the KV cache as it is written")
 
 

@@ -98,12 +98,13 @@ def test_gathered_tensors_keep_their_bytes_in_one_arena_that_starts_on_a_huge_pa
     before = [t.clone() for t in (*small, *halves, view_of_larger, kept)]
     moved = huge_pages.gather([*small, *halves, small[0], view_of_larger, kept], keep=[kept])
     after = (*small, *halves, view_of_larger, kept)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(after, before))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(after, before, strict=True))
     arena = small[0].untyped_storage()
     assert all(t.untyped_storage().data_ptr() == arena.data_ptr() for t in (*small, *halves))
     assert all(t.data_ptr() % huge_pages.ALIGNMENT == 0 for t in (*small, *halves))
+    line = huge_pages.ALIGNMENT
     assert (small[0].data_ptr() % huge_pages.HUGE_PAGE == 0 and
-            moved == sum(-(-t.nbytes // huge_pages.ALIGNMENT) * huge_pages.ALIGNMENT for t in (*small, *halves)))
+            moved == sum(-(-t.nbytes // line) * line for t in (*small, *halves)))
     for stays in (view_of_larger, kept):  # a view of a larger storage, a tensor the caller keeps
         assert stays.untyped_storage().data_ptr() != arena.data_ptr()
     small[1].add_(1)  # the tensors are still separate
