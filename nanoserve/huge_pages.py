@@ -1,19 +1,21 @@
-"""Transparent huge pages under the tensors every step streams: the packed weights and the KV
-cache.
+"""Transparent huge pages under the packed weights, the tensor every decode step streams.
 
-A one-slot decode step reads every weight once, and a long context's decode every K/V row of
-it: memory-bound streams. On 4 KiB pages each 2 MiB of such a stream is 512 TLB entries and page
-walks; on one 2 MiB page it is one (results/huge_pages_*.csv have what that does to a streaming
-matrix-vector product and a decode step here). Linux leaves huge pages to a process that asks
+A one-slot decode step reads every weight once: a memory-bound stream. On 4 KiB pages each 2 MiB
+of such a stream is 512 TLB entries and page walks; on one 2 MiB page it is one
+(results/huge_pages_*.csv have what that does to a streaming matrix-vector product and a decode
+step here). Linux leaves huge pages to a process that asks
 (THP "madvise", the common default), so:
 - the packed weights are gathered into one arena as the model packs them (`gather`): a matrix
   smaller than 2 MiB (a small model's every layer) shares huge pages with its neighbours instead
   of sitting on small pages of its own, and the arena starts on a 2 MiB boundary;
 - the weights, written at load, are marked (MADV_HUGEPAGE) and moved onto huge pages now
   (MADV_COLLAPSE, Linux 6.1+): a copy of each tensor's whole 2 MiB runs, once;
-- the KV cache, a lazy anonymous mapping (`kv_cache.zero_filled`), is only marked: each 2 MiB run
-  of it is backed by one huge page at its first write (so it still holds only what requests wrote,
-  to the nearest 2 MiB of each layer's K or V).
+- the KV cache is left on small pages. It is a lazy anonymous mapping (`kv_cache.zero_filled`)
+  laid out head by head ([kv heads, blocks, block size, head dim] a layer's K or V), so one
+  prompt's blocks write a little of every head's region: marked, each of those writes took a
+  whole 2 MiB page, and the first 512-token prompt at the 1.7B shape made about 3 GB resident
+  and prefilled at half speed, zeroing it (results/kv_cache_small_pages.csv). On small pages the
+  cache holds what requests wrote, to the nearest 4 KiB of each head's region.
 Where the system refuses (another OS, THP "never", a kernel before 6.1, a file-backed mapping),
 pages stay as they were: the bits computed never depend on it, only the speed.
 NANOSERVE_HUGE_PAGES=0 leaves every page as the allocator made it (the A/B of
@@ -149,15 +151,14 @@ def advise(tensors: Iterable[torch.Tensor], *, collapse: bool) -> int:
 
 def note(moved: int, weights_nbytes: int) -> str:
     """The start-up line: the weights' bytes `advise` moved onto huge pages (a tensor's ends short
-    of a whole 2 MiB run stay on small pages); the KV cache's come as requests write it."""
+    of a whole 2 MiB run stay on small pages)."""
     if not enabled():
         return "huge pages: off (NANOSERVE_HUGE_PAGES=0)"
     if not moved:
         return "huge pages: none (no weight holds a whole 2 MiB run, or the system refused them)"
     # the arena's whole runs reach past its last weight: at most all of them are on huge pages
     on_huge_pages = min(moved, weights_nbytes)
-    return (f"huge pages: {on_huge_pages / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights, "
-            "the KV cache as it is written")
+    return f"huge pages: {on_huge_pages / 1e6:.1f} of {weights_nbytes / 1e6:.1f} MB of weights"
 
 
 def tensors_in(value: object) -> Iterator[torch.Tensor]:

@@ -1,6 +1,6 @@
-"""Huge pages under the weights and the KV cache (nanoserve/huge_pages.py): the bytes a tensor
-holds never change, the weights' whole 2 MiB runs land on huge pages where Linux agrees, a marked
-cache still takes no memory until written, and the engine says what it got."""
+"""Huge pages under the weights (nanoserve/huge_pages.py): the bytes a tensor holds never change,
+the weights' whole 2 MiB runs land on huge pages where Linux agrees, the KV cache stays on small
+pages so a prompt makes only about its own K/V resident, and the engine says what it got."""
 
 import logging
 from dataclasses import dataclass
@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model import CONFIG
 
 from nanoserve import huge_pages
 from nanoserve.llm import LLM
-from nanoserve.model.kv_cache import KVCache, bytes_per_token
+from nanoserve.sampling_params import SamplingParams
 
 LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc")
 
@@ -70,24 +69,33 @@ def test_a_tensor_held_twice_is_advised_once_and_small_ones_not_at_all():
 
 
 @LINUX_PROC
-def test_a_marked_kv_cache_still_holds_no_page_until_written():
-    cache = KVCache(CONFIG, 512 * 2**20 // bytes_per_token(CONFIG, "float16") // 16, 16, torch.float32,
-                    torch.device("cpu"), "float16")
-    assert cache.nbytes > 500 * 2**20
-    before = _resident_bytes()
-    huge_pages.advise(cache.tensors(), collapse=False)
-    assert all(torch.count_nonzero(t) == 0 for t in cache.tensors())  # reads map the zero page
-    assert _resident_bytes() - before < 64 * 2**20
-    k = torch.ones(1, CONFIG.num_kv_heads, CONFIG.head_dim)
-    cache.write(0, torch.tensor([cache.num_blocks * 16 - 1]), k, k)  # one slot: a page of K, one of V
-    assert _resident_bytes() - before < 64 * 2**20
+def test_a_prompt_makes_resident_about_its_own_kv_bytes(tiny_model_dir):
+    """The cache is laid out head by head, so a prompt writes a little of each head's region of
+    each layer's K and V: on huge pages each of those writes took 2 MiB (the first 512-token
+    prompt at the 1.7B shape made 3 GB resident). On small pages the prompt's own bytes, each
+    block's share of a region rounded up to whole 4 KiB pages."""
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=65536)
+    cache = llm.engine.executor.kv_cache
+    tensors = {t.data_ptr(): t for t in cache.tensors()}.values()
+    regions = sum(t.shape[0] for t in tensors)  # a head's region in each layer's K and in its V
+    assert cache.nbytes / regions >= 8 * huge_pages.HUGE_PAGE  # so a huge page a region would show
+
+    def resident() -> int:
+        return sum(_mapping_field(t.data_ptr(), "Rss") for t in tensors)
+
+    before = resident()
+    [done] = llm.generate([list(range(3, 3 + 64))], SamplingParams(max_tokens=1, temperature=0.0))
+    tokens = len(done.prompt_token_ids)
+    written = tokens * sum(t.shape[0] * t.shape[-1] * t.element_size() for t in tensors)  # each head's row
+    blocks = -(-tokens // cache.block_size)  # wherever the pool put them: a page a block and region at most
+    assert 0 < resident() - before <= written + regions * blocks * 4096
 
 
 def test_the_engine_says_what_it_got(tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="nanoserve"):
         LLM(str(tiny_model_dir), device="cpu", kv_cache_gb=0.01)
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("huge pages: ")]
-    assert line.endswith("MB of weights, the KV cache as it is written") or line.endswith("refused them)")
+    assert line.endswith("MB of weights") or line.endswith("refused them)")
 
 
 @LINUX_PROC

@@ -53,5 +53,4 @@ class Rank:
             kv_cache = KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype)
         with timed("huge pages"):
             on_huge_pages = huge_pages.advise(huge_pages.tensors_in(model.weights), collapse=True)
-            huge_pages.advise(kv_cache.tensors(), collapse=False)
         return cls(model, kv_cache, on_huge_pages)
