@@ -128,10 +128,9 @@ def gather(tensors: Iterable[torch.Tensor], *, keep: Iterable[torch.Tensor] = ()
     return total
 
 
-def advise(tensors: Iterable[torch.Tensor], *, collapse: bool) -> int:
-    """Mark each tensor's whole 2 MiB runs for huge pages, and with `collapse` move the pages
-    already written onto them now. Returns the bytes marked (collapse: the bytes now on huge
-    pages); 0 where the system refuses."""
+def advise(tensors: Iterable[torch.Tensor]) -> int:
+    """Mark each tensor's whole 2 MiB runs for huge pages and move the pages already written
+    onto them now. Returns the bytes now on huge pages; 0 where the system refuses."""
     madvise = _madvise()
     if madvise is None or not enabled():
         return 0
@@ -143,7 +142,7 @@ def advise(tensors: Iterable[torch.Tensor], *, collapse: bool) -> int:
         seen.add(runs[0])
         if madvise(runs[0], runs[1], MADV_HUGEPAGE) != 0:
             continue
-        if collapse and madvise(runs[0], runs[1], MADV_COLLAPSE) != 0:
+        if madvise(runs[0], runs[1], MADV_COLLAPSE) != 0:
             continue
         done += runs[1]
     return done

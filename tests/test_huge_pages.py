@@ -30,11 +30,6 @@ def _mapping_field(address: int, field: str) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
 def _thp_mode() -> str:
     path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     text = path.read_text() if path.is_file() else "[never]"
@@ -45,7 +40,7 @@ def _thp_mode() -> str:
 def test_a_weight_keeps_its_bytes_and_its_whole_runs_land_on_huge_pages():
     weight = torch.randn(5 * 2**20 // 4 + 123)  # 5 MiB and a bit: at least one whole 2 MiB run
     before = weight.clone()
-    moved = huge_pages.advise([weight], collapse=True)
+    moved = huge_pages.advise([weight])
     assert torch.equal(weight, before)
     if moved == 0:
         pytest.skip(f"this system refuses MADV_COLLAPSE (THP '{_thp_mode()}', or a kernel before 6.1)")
@@ -64,7 +59,7 @@ def test_a_tensor_held_twice_is_advised_once_and_small_ones_not_at_all():
     found = list(huge_pages.tensors_in([Packed(big, [small, big[2**20:]]), (big,)]))
     assert len(found) == 4 and all(t.untyped_storage().data_ptr() in
                                    (big.data_ptr(), small.data_ptr()) for t in found)
-    assert huge_pages.advise(found, collapse=False) in (0, huge_pages._huge_runs(big)[1])
+    assert huge_pages.advise(found) in (0, huge_pages._huge_runs(big)[1])
     assert huge_pages._huge_runs(small) is None
 
 

@@ -52,5 +52,5 @@ class Rank:
         with timed("KV cache"):
             kv_cache = KVCache(local, plan.num_blocks, config.block_size, dtype, device, cache_dtype)
         with timed("huge pages"):
-            on_huge_pages = huge_pages.advise(huge_pages.tensors_in(model.weights), collapse=True)
+            on_huge_pages = huge_pages.advise(huge_pages.tensors_in(model.weights))
         return cls(model, kv_cache, on_huge_pages)

@@ -24,14 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from nanoserve.bench.experiments.memory import resident_bytes
 from nanoserve.bench.hardware import describe_machine
 
 MODES = {"huge": "1", "small": "0"}
-
-
-def _resident_gb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:")) / 1e9
 
 
 def measure(model: str, first_prompt_len: int, input_len: int, output_len: int) -> dict[str, float]:
@@ -48,7 +44,7 @@ def measure(model: str, first_prompt_len: int, input_len: int, output_len: int) 
     start = time.perf_counter()
     llm.generate([first], SamplingParams(max_tokens=1, temperature=0.0))
     first_prefill_tok_s = first_prompt_len / (time.perf_counter() - start)
-    resident_gb = _resident_gb()
+    resident_gb = resident_bytes() / 1e9
     prompt = synthetic_prompts(1, input_len, engine.vocab_size, seed=time.monotonic_ns())[0]
 
     def timed(tokens: int) -> float:
